@@ -1,0 +1,36 @@
+"""megatron-hetero: per-module parallel layouts for multimodal training on Megatron-core."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-hetero",
+    version="0.1.0",
+    description=(
+        "Heterogeneous parallelism for Megatron-core: each module of a multimodal graph "
+        "(encoders, projector, language model) with its own TP/CP/PP/DP/EP layout and placement."
+    ),
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
+    package_data={"megatron_hetero": ["py.typed"]},
+    install_requires=[
+        # CPU machines: install torch==2.13.0 first (a local CPU wheel); an unpinned torch pulls
+        # a multi-GB CUDA build. The range below is satisfied by that pin and installs nothing more.
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "einops",
+        "numpy",
+        "PyYAML>=6",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "pytest-timeout>=2",
+            "hypothesis>=6",
+        ],
+        "bench": ["matplotlib"],
+        # GPU machines only. Never install on a CPU machine: the transformer-engine meta package
+        # alone makes `import megatron.core` raise. NVIDIA apex is not on PyPI (the PyPI package
+        # named `apex` is an unrelated web toolkit); build it from NVIDIA's apex source if wanted.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megatron-hetero=megatron_hetero.cli:main"]},
+)
