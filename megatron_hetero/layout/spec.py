@@ -1,0 +1,186 @@
+"""Layout declarations: per-module parallel degrees, placement and the edges of the module graph.
+
+Pure data, no torch. `HeteroLayout.validate()` (see `validate.py`) resolves every module's rank
+range and raises `ValueError` with the arithmetic spelled out for any inconsistent input.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+PLACEMENTS = ("colocated", "disjoint")
+DEGREE_KEYS = ("tp", "cp", "pp", "dp", "ep", "expt_tp")
+
+
+@dataclass(frozen=True)
+class RankRange:
+    """A contiguous, inclusive range of global ranks `start-end`."""
+
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start + 1
+
+    def ranks(self) -> range:
+        return range(self.start, self.end + 1)
+
+    def overlaps(self, other: "RankRange") -> bool:
+        return self.start <= other.end and other.start <= self.end
+
+    def __str__(self) -> str:
+        return f"{self.start}-{self.end}"
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> "RankRange":
+        """Parse "A-B" (inclusive) or a single "A"."""
+        parts = str(text).strip().split("-")
+        try:
+            if len(parts) == 1:
+                start = end = int(parts[0])
+            elif len(parts) == 2:
+                start, end = int(parts[0]), int(parts[1])
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{where}: ranks {text!r} is not of the form 'A-B' (e.g. '0-3')") from None
+        if start < 0 or end < start:
+            raise ValueError(f"{where}: ranks {text!r} must satisfy 0 <= A <= B")
+        return cls(start, end)
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """One module's parallel layout.
+
+    Degrees follow Megatron: `tp`, `cp`, `pp`, `dp`, and for MoE modules `ep` with `expt_tp`
+    (expert tensor parallel; Megatron's parallel folding requires expt_tp*ep | tp*cp*dp).
+    `ranks` is the module's global rank range; `None` until resolved by validation.
+    `layers` optionally names the slice of a model this module holds (a pipeline segment).
+    """
+
+    name: str
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    expt_tp: int = 1
+    ranks: Optional[RankRange] = None
+    frozen: bool = False
+    layers: Optional[RankRange] = None
+
+    @property
+    def size(self) -> int:
+        """Number of ranks this layout needs: tp*cp*pp*dp."""
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks per pipeline stage: tp*cp*dp."""
+        return self.tp * self.cp * self.dp
+
+    @property
+    def offset(self) -> int:
+        assert self.ranks is not None, f"module {self.name}: ranks not resolved"
+        return self.ranks.start
+
+    def degrees(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in DEGREE_KEYS}
+
+    def arithmetic(self) -> str:
+        """'tp(2)*cp(1)*pp(2)*dp(2)=8', used in error messages and printouts."""
+        return f"tp({self.tp})*cp({self.cp})*pp({self.pp})*dp({self.dp})={self.size}"
+
+    def short(self) -> str:
+        """'TP2·CP1·PP2·DP2' (EP shown only when > 1)."""
+        text = f"TP{self.tp}·CP{self.cp}·PP{self.pp}·DP{self.dp}"
+        if self.ep > 1 or self.expt_tp > 1:
+            text += f"·EP{self.ep}·ETP{self.expt_tp}"
+        return text
+
+    def replace(self, **changes) -> "ModuleLayout":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A directed producer -> consumer connection between two modules."""
+
+    src: str
+    dst: str
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Edge":
+        """Parse 'a->b' or 'a -> b'."""
+        parts = [p.strip() for p in str(text).split("->")]
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ValueError(f"edge {text!r} is not of the form 'src -> dst' (e.g. 'vision -> language')")
+        return cls(parts[0], parts[1])
+
+
+@dataclass(frozen=True)
+class HeteroLayout:
+    """A whole job: placement, modules in declaration order, and edges."""
+
+    placement: str
+    modules: tuple[ModuleLayout, ...]
+    edges: tuple[Edge, ...] = field(default_factory=tuple)
+
+    def module(self, name: str) -> ModuleLayout:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise ValueError(f"unknown module {name!r}; modules are {[m.name for m in self.modules]}")
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.modules]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks used by the job (valid after resolution: the end of the highest range + 1)."""
+        return max(m.ranks.end for m in self.modules) + 1 if all(m.ranks for m in self.modules) else 0
+
+    def producers(self, name: str) -> list[str]:
+        return [e.src for e in self.edges if e.dst == name]
+
+    def consumers(self, name: str) -> list[str]:
+        return [e.dst for e in self.edges if e.src == name]
+
+    @staticmethod
+    def from_args(args, world_size: Optional[int] = None) -> "HeteroLayout":
+        """The validated layout named by parsed `--hetero-*` flags (see layout/args.py)."""
+        from megatron_hetero.layout.args import layout_from_args
+
+        return layout_from_args(args, world_size)
+
+    @staticmethod
+    def from_yaml(path, world_size: Optional[int] = None) -> "HeteroLayout":
+        """The validated layout of a YAML file (see layout/yaml_io.py)."""
+        from megatron_hetero.layout.yaml_io import load_layout
+
+        return load_layout(path, world_size)
+
+    def to_dict(self) -> dict:
+        """The YAML/JSON document form (see layout/yaml_io.py)."""
+        mods = {}
+        for m in self.modules:
+            d: dict = {"tp": m.tp, "cp": m.cp, "pp": m.pp, "dp": m.dp}
+            if m.ep != 1:
+                d["ep"] = m.ep
+            if m.expt_tp != 1:
+                d["expt_tp"] = m.expt_tp
+            if m.ranks is not None:
+                d["ranks"] = str(m.ranks)
+            if m.frozen:
+                d["frozen"] = True
+            if m.layers is not None:
+                d["layers"] = str(m.layers)
+            mods[m.name] = d
+        return {"placement": self.placement, "modules": mods, "edges": [f"{e.src} -> {e.dst}" for e in self.edges]}

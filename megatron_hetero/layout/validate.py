@@ -1,0 +1,196 @@
+"""Validation and rank resolution of a `HeteroLayout`.
+
+Every user error raises `ValueError` with the arithmetic spelled out, before any process group
+exists. `resolve_layout` returns a new layout whose modules all carry their rank range.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_hetero.layout.spec import DEGREE_KEYS, PLACEMENTS, Edge, HeteroLayout, ModuleLayout, RankRange
+
+
+def _check_degrees(m: ModuleLayout) -> None:
+    for key in DEGREE_KEYS:
+        value = getattr(m, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"module {m.name}: {key} must be a positive integer, got {value!r}")
+    expert = m.expt_tp * m.ep
+    dense = m.tp * m.cp * m.dp
+    if dense % expert != 0:
+        raise ValueError(
+            f"module {m.name}: expert-tp({m.expt_tp})*ep({m.ep})={expert} does not divide "
+            f"tp({m.tp})*cp({m.cp})*dp({m.dp})={dense} (Megatron's MoE parallel folding needs it to)"
+        )
+
+
+def _check_edges(layout: HeteroLayout) -> None:
+    names = layout.names
+    seen: set[Edge] = set()
+    for e in layout.edges:
+        for end in (e.src, e.dst):
+            if end not in names:
+                raise ValueError(f"edge {e}: unknown module {end!r}; modules are {names}")
+        if e.src == e.dst:
+            raise ValueError(f"edge {e}: a module cannot feed itself")
+        if e in seen:
+            raise ValueError(f"edge {e} is declared twice")
+        seen.add(e)
+        src, dst = layout.module(e.src), layout.module(e.dst)
+        hi, lo = max(src.dp, dst.dp), min(src.dp, dst.dp)
+        if hi % lo != 0:
+            kind = "fan-in" if src.dp > dst.dp else "fan-out"
+            raise ValueError(
+                f"edge {e}: src dp({src.dp}) and dst dp({dst.dp}): {kind} factor {hi}/{lo} is not an integer"
+            )
+    cycle = find_cycle(names, layout.edges)
+    if cycle:
+        raise ValueError(f"edges form a cycle: {' -> '.join(cycle)}; the module graph must be acyclic")
+
+
+def find_cycle(names: list[str], edges: tuple[Edge, ...]) -> Optional[list[str]]:
+    """Return one cycle as a list of module names (first == last), or None."""
+    succ: dict[str, list[str]] = {n: [] for n in names}
+    for e in edges:
+        succ[e.src].append(e.dst)
+    state: dict[str, int] = {n: 0 for n in names}  # 0 new, 1 on stack, 2 done
+    stack: list[str] = []
+
+    def visit(n: str) -> Optional[list[str]]:
+        state[n] = 1
+        stack.append(n)
+        for s in succ[n]:
+            if state[s] == 1:
+                return stack[stack.index(s):] + [s]
+            if state[s] == 0:
+                found = visit(s)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in names:
+        if state[n] == 0:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def topological_order(layout: HeteroLayout) -> list[str]:
+    """Module names so that every producer comes before its consumers (declaration order breaks ties)."""
+    indeg = {n: 0 for n in layout.names}
+    for e in layout.edges:
+        indeg[e.dst] += 1
+    order: list[str] = []
+    ready = [n for n in layout.names if indeg[n] == 0]
+    while ready:
+        n = ready.pop(0)
+        order.append(n)
+        for c in layout.consumers(n):
+            indeg[c] -= 1
+            if indeg[c] == 0:
+                ready.append(c)
+    if len(order) != len(layout.names):
+        raise ValueError(f"edges form a cycle among {sorted(set(layout.names) - set(order))}")
+    return order
+
+
+def _resolve_colocated(modules: tuple[ModuleLayout, ...], world_size: Optional[int]) -> list[ModuleLayout]:
+    explicit = [m for m in modules if m.ranks is not None]
+    if explicit:
+        first = explicit[0]
+        for m in explicit[1:]:
+            if m.ranks != first.ranks:
+                raise ValueError(
+                    f"colocated modules must share one rank range: module {first.name} has ranks "
+                    f"{first.ranks} but module {m.name} has ranks {m.ranks}"
+                )
+        rr = first.ranks
+    else:
+        size = world_size if world_size is not None else modules[0].size
+        rr = RankRange(0, size - 1)
+    if world_size is not None and rr.end + 1 > world_size:
+        raise ValueError(f"colocated ranks {rr} need world size >= {rr.end + 1}, but world size is {world_size}")
+    out = []
+    for m in modules:
+        if m.size != rr.size:
+            raise ValueError(f"module {m.name}: {m.arithmetic()} != ranks {rr} ({rr.size})")
+        out.append(m.replace(ranks=rr))
+    return out
+
+
+def _resolve_disjoint(modules: tuple[ModuleLayout, ...], world_size: Optional[int]) -> list[ModuleLayout]:
+    out: list[ModuleLayout] = []
+    next_free = 0
+    for m in modules:
+        rr = m.ranks if m.ranks is not None else RankRange(next_free, next_free + m.size - 1)
+        if m.size != rr.size:
+            raise ValueError(f"module {m.name}: {m.arithmetic()} != ranks {rr} ({rr.size})")
+        for other in out:
+            if rr.overlaps(other.ranks):
+                raise ValueError(
+                    f"disjoint modules overlap: module {m.name} ranks {rr} and module {other.name} "
+                    f"ranks {other.ranks}"
+                )
+        out.append(m.replace(ranks=rr))
+        next_free = max(next_free, rr.end + 1)
+    used = sorted(r for m in out for r in m.ranks.ranks())
+    total = max(used) + 1
+    if world_size is not None and total > world_size:
+        raise ValueError(
+            f"disjoint modules need ranks 0-{total - 1} ({total}) but world size is {world_size}: "
+            + ", ".join(f"{m.name} {m.ranks} ({m.arithmetic()})" for m in out)
+        )
+    span = world_size if world_size is not None else total
+    idle = sorted(set(range(span)) - set(used))
+    if idle:
+        raise ValueError(
+            f"ranks {_ranges(idle)} of world size {span} are not assigned to any module: "
+            + ", ".join(f"{m.name} {m.ranks}" for m in out)
+        )
+    return out
+
+
+def _ranges(ranks: list[int]) -> str:
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
+def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> HeteroLayout:
+    """Validate `layout` and return it with every module's rank range resolved.
+
+    Colocated: every module spans the same ranks (explicit `ranks`, else 0..world_size-1, else
+    0..size-1 of the first module). Disjoint: explicit `ranks`, else contiguous islands in
+    declaration order; islands must not overlap and, when `world_size` is given, must cover it.
+    """
+    if layout.placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {layout.placement!r}")
+    if not layout.modules:
+        raise ValueError("a layout needs at least one module")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    names = [m.name for m in layout.modules]
+    for n in names:
+        if not isinstance(n, str) or not n or not n.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"module name {n!r} must be a non-empty name of letters, digits, '_' or '-'")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"module names must be unique; declared twice: {dupes}")
+    for m in layout.modules:
+        _check_degrees(m)
+        if not isinstance(m.frozen, bool):
+            raise ValueError(f"module {m.name}: frozen must be true or false, got {m.frozen!r}")
+    _check_edges(layout)
+    if layout.placement == "colocated":
+        modules = _resolve_colocated(layout.modules, world_size)
+    else:
+        modules = _resolve_disjoint(layout.modules, world_size)
+    return HeteroLayout(placement=layout.placement, modules=tuple(modules), edges=tuple(layout.edges))

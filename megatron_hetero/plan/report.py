@@ -1,0 +1,116 @@
+"""Human and JSON reports of a resolved layout: the rank map and every edge's boundary plan."""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.plan.boundary import BoundaryPlan, BoundaryShape, Transfer, plan_all
+from megatron_hetero.plan.placement import rank_map
+
+
+def default_shape(layout: HeteroLayout, batch: Optional[int] = None, seq: Optional[int] = None,
+                  hidden: int = 64, dtype_bytes: int = 4) -> BoundaryShape:
+    """A shape every edge can split: batch = lcm of all DP sizes, seq = 8 * lcm of all 2*cp."""
+    if batch is None:
+        batch = math.lcm(*(m.dp for m in layout.modules))
+    if seq is None:
+        seq = 8 * math.lcm(*(2 * m.cp if m.cp > 1 else 1 for m in layout.modules))
+    return BoundaryShape(batch=batch, seq=seq, hidden=hidden, dtype_bytes=dtype_bytes)
+
+
+def _transfer_json(t: Transfer) -> dict[str, int]:
+    b = t.block
+    return {"src": t.src, "dst": t.dst, "b0": b.b0, "b1": b.b1, "s0": b.s0, "s1": b.s1}
+
+
+def edge_json(p: BoundaryPlan) -> dict[str, Any]:
+    return {
+        "src": p.edge.src,
+        "dst": p.edge.dst,
+        "transform": p.transform,
+        "factor": p.factor,
+        "shape": {"batch": p.shape.batch, "seq": p.shape.seq, "hidden": p.shape.hidden,
+                  "dtype_bytes": p.shape.dtype_bytes},
+        "src_ranks": list(p.src_ranks),
+        "dst_ranks": list(p.dst_ranks),
+        "src_leaders": list(p.src_leaders),
+        "dst_leader": p.dst_leader,
+        "min_bytes_forward": p.min_bytes_forward,
+        "planned_bytes_forward": p.planned_bytes("forward"),
+        "min_bytes_backward": p.min_bytes_backward,
+        "planned_bytes_backward": p.planned_bytes("backward"),
+        "modes": {k: {"bytes": c.bytes, "hops": c.hops} for k, c in p.costs.items()},
+        "recommended_mode": p.recommended_mode,
+        "local_groups": [list(g) for g in p.local_groups()],
+        "forward": [_transfer_json(t) for t in p.forward],
+        "backward": [_transfer_json(t) for t in p.backward],
+    }
+
+
+def layout_json(layout: HeteroLayout, shape: BoundaryShape) -> dict[str, Any]:
+    """The `megatron-hetero plan --json` document."""
+    return {
+        "world_size": layout.world_size,
+        "placement": layout.placement,
+        "modules": {m.name: {**m.degrees(), "ranks": str(m.ranks), "frozen": m.frozen} for m in layout.modules},
+        "ranks": [
+            {"rank": e.rank, "modules": {n: c.as_dict() for n, c in e.modules.items()}} for e in rank_map(layout)
+        ],
+        "edges": [edge_json(p) for p in plan_all(layout, shape)],
+    }
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def layout_text(layout: HeteroLayout, shape: BoundaryShape) -> str:
+    """The `megatron-hetero plan` table: rank map, then one paragraph per edge."""
+    lines = [f"world size {layout.world_size}, placement {layout.placement}", ""]
+    heads = ["rank"] + [f"{m.name} {m.short()} @{m.ranks}" + (" frozen" if m.frozen else "") for m in layout.modules]
+    rows = []
+    for e in rank_map(layout):
+        row = [str(e.rank)]
+        for m in layout.modules:
+            c = e.modules.get(m.name)
+            if c is None:
+                row.append("-")
+            else:
+                text = f"tp{c.tp} cp{c.cp} dp{c.dp} pp{c.pp}"
+                if m.ep > 1 or m.expt_tp > 1:
+                    text += f" ep{c.ep} etp{c.expt_tp}"
+                row.append(text)
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]
+    for r in [heads] + rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for p in plan_all(layout, shape):
+        s = p.shape
+        lines += [
+            "",
+            f"edge {p.edge}: {p.transform}" + (f" x{p.factor}" if p.factor > 1 else "")
+            + f"  [batch {s.batch}, seq {s.seq}, hidden {s.hidden}] x {s.dtype_bytes} B",
+            f"  source ranks {list(p.src_ranks)} -> destination ranks {list(p.dst_ranks)}",
+            f"  forward : moves {_fmt_bytes(p.planned_bytes('forward'))} (minimum {_fmt_bytes(p.min_bytes_forward)})",
+            f"  backward: moves {_fmt_bytes(p.planned_bytes('backward'))} (minimum {_fmt_bytes(p.min_bytes_backward)})",
+            "  modes   : " + ", ".join(f"{k} {_fmt_bytes(c.bytes)} in {c.hops} serial hops" for k, c in p.costs.items())
+            + f"; recommended {p.recommended_mode}",
+            f"  leaders : source {list(p.src_leaders)}, destination {p.dst_leader}",
+        ]
+        if p.placement == "colocated":
+            lines.append(f"  local groups: {[list(g) for g in p.local_groups()]}")
+        for r in p.dst_ranks:
+            got = p.recvs(r)
+            own = p.local_copies(r)
+            parts = []
+            if own:
+                parts.append("selects " + ", ".join(str(t.block) for t in own))
+            if got:
+                parts.append("receives " + ", ".join(f"{t.block} from {t.src}" for t in got))
+            lines.append(f"  rank {r}: " + "; ".join(parts))
+    return "\n".join(lines)
