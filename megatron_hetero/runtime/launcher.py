@@ -1,0 +1,307 @@
+"""Fork launcher: run a function on N local ranks, forked from the current process.
+
+Forking from a parent that has already imported torch and Megatron-core makes a multi-rank case cost
+a few seconds instead of the ~30 s a torchrun launch spends re-importing in every rank. The same
+launcher is used by ``megatron-hetero train`` to spawn ranks on one machine.
+
+Each child rank:
+
+1. becomes its own process group leader (so the parent can kill it together with anything it spawned),
+2. sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` and the
+   caller's ``env``, and ``torch.set_num_threads(1)``,
+3. optionally calls ``torch.distributed.init_process_group``,
+4. runs ``fn(*args, **kwargs)`` and sends the pickled return value (or the formatted traceback)
+   back through its own pipe,
+5. destroys the process group, flushes stdout/stderr and leaves with ``os._exit`` so that no atexit
+   handler inherited from the parent (pytest, hypothesis, ...) runs in the child.
+
+The parent reads every pipe while it waits (a large return value never blocks a child), enforces one
+overall deadline, and stops waiting shortly after the first failure: the other ranks typically hang in
+a collective that will never complete, so they are killed after a short grace period.
+
+The device is not chosen here: with ``backend="nccl"`` the function (or the ``compat`` layer) selects
+its device from ``LOCAL_RANK``. CUDA must not have been initialised in the parent before forking.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailure", "RankTimeout", "free_port", "run_ranks"]
+
+T = TypeVar("T")
+
+#: Seconds the other ranks get to finish (or fail on their own) after the first rank failed.
+FAILURE_GRACE_S = 5.0
+#: Seconds to wait for a child that already reported its result to exit before it is killed.
+_EXIT_GRACE_S = 5.0
+
+_OK = "ok"
+_ERR = "error"
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised or died without reporting.
+
+    ``failures`` lists ``(rank, text)`` in arrival order (the first failure first); ``text`` is the
+    rank's full formatted traceback, or a line with its exit code if it died without reporting.
+    ``killed`` lists the ranks that were still running after the grace period and were killed.
+    """
+
+    def __init__(self, failures: list[tuple[int, str]], killed: list[int]) -> None:
+        self.failures = list(failures)
+        self.killed = list(killed)
+        ranks = [r for r, _ in self.failures]
+        parts = [f"{len(ranks)} rank(s) failed: {ranks} (first failure first)"]
+        for rank, text in self.failures:
+            parts.append(f"--- rank {rank} ---\n{text.rstrip()}")
+        if self.killed:
+            parts.append(
+                f"ranks {self.killed} were still running {FAILURE_GRACE_S:g} s after the first "
+                "failure and were killed"
+            )
+        super().__init__("\n".join(parts))
+
+
+class RankTimeout(RuntimeError):
+    """Some ranks did not finish within the timeout; they were killed.
+
+    ``hung`` are the ranks that never reported, ``finished`` those that returned a result.
+    """
+
+    def __init__(self, timeout: float, hung: list[int], finished: list[int]) -> None:
+        self.timeout = timeout
+        self.hung = list(hung)
+        self.finished = list(finished)
+        super().__init__(
+            f"ranks {self.hung} did not finish within {timeout:g} s and were killed; "
+            f"ranks {self.finished} finished"
+        )
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free when this function looked."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    """Human-readable exit status of a child, e.g. ``exit code -11 (signal SIGSEGV)``."""
+    if exitcode is None:
+        return "unknown exit code"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"exit code {exitcode} (signal {name})"
+    return f"exit code {exitcode}"
+
+
+def _child_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    writer: Connection,
+    inherited: list[Connection],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    backend: str,
+    init_distributed: bool,
+    env: dict[str, str] | None,
+) -> None:
+    """Body of one forked rank; never returns (ends with ``os._exit``)."""
+    code = 1
+    try:
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+        for conn in inherited:  # read ends of the other ranks' pipes, copied by fork
+            conn.close()
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        if env:
+            os.environ.update(env)
+        torch.set_num_threads(1)
+        try:
+            if init_distributed:
+                dist.init_process_group(
+                    backend,
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timedelta(seconds=timeout),
+                )
+            result = fn(*args, **kwargs)
+            payload = pickle.dumps((_OK, result), protocol=pickle.HIGHEST_PROTOCOL)
+            code = 0
+        except BaseException:  # noqa: BLE001 - everything, including SystemExit, is reported
+            payload = pickle.dumps((_ERR, traceback.format_exc()))
+        writer.send_bytes(payload)
+        writer.close()
+        if init_distributed and dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - last resort: show it, the parent sees the exit code
+        traceback.print_exc()
+        code = code or 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _kill(proc: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL a child's process group (it leads one) and the child itself."""
+    if proc.pid is None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_ranks(
+    world_size: int,
+    fn: Callable[..., T],
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    init_distributed: bool = True,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks forked from this process.
+
+    The rank is available inside ``fn`` as ``torch.distributed.get_rank()`` (when
+    ``init_distributed``) or ``int(os.environ["RANK"])``. ``timeout`` is the overall deadline in
+    seconds for all ranks (and the process-group timeout). ``env`` is added to each rank's
+    environment. Keyword arguments named ``timeout``, ``backend``, ``init_distributed`` or ``env``
+    are taken by this function, not passed to ``fn``.
+
+    Returns the ranks' return values in rank order (they must be picklable).
+
+    Raises:
+        RankFailure: a rank raised, or died without reporting (its exit code is given). The other
+            ranks get ``FAILURE_GRACE_S`` seconds, then are killed.
+        RankTimeout: no failure, but some ranks had not finished when ``timeout`` expired.
+        ValueError: ``world_size < 1`` or ``timeout <= 0``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+
+    ctx = multiprocessing.get_context("fork")
+    port = free_port()
+    procs: list[multiprocessing.process.BaseProcess] = []
+    readers: list[Connection] = []
+    start = time.monotonic()
+    deadline = start + timeout
+    results: dict[int, Any] = {}
+    failures: list[tuple[int, str]] = []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_child_main,
+                name=f"rank{rank}",
+                args=(rank, world_size, port, writer, readers + [reader], fn, args, kwargs,
+                      timeout, backend, init_distributed, env),
+                daemon=False,  # a rank may start its own workers (e.g. DataLoader)
+            )
+            proc.start()
+            writer.close()  # only the child holds the write end: EOF when it dies
+            procs.append(proc)
+            readers.append(reader)
+
+        pending = set(range(world_size))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            owner: dict[Any, int] = {}
+            for rank in pending:
+                owner[readers[rank]] = rank
+                owner[procs[rank].sentinel] = rank
+            for obj in wait(list(owner), timeout=remaining):
+                rank = owner[obj]
+                if rank not in pending:
+                    continue  # pipe and sentinel of the same rank both ready
+                pending.discard(rank)
+                ok, value = _collect(rank, readers[rank], procs[rank])
+                if ok:
+                    results[rank] = value
+                else:
+                    if not failures:
+                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+                    failures.append((rank, value))
+
+        unfinished = sorted(pending)
+        if failures:
+            raise RankFailure(failures, killed=unfinished)
+        if unfinished:
+            raise RankTimeout(timeout, hung=unfinished, finished=sorted(results))
+        # Everyone reported; give them a moment to tear down and exit on their own.
+        exit_deadline = time.monotonic() + _EXIT_GRACE_S
+        for proc in procs:
+            proc.join(max(0.0, exit_deadline - time.monotonic()))
+        return [results[rank] for rank in range(world_size)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                _kill(proc)
+        for proc in procs:
+            proc.join()
+            proc.close()
+        for reader in readers:
+            reader.close()
+
+
+def _collect(
+    rank: int, reader: Connection, proc: multiprocessing.process.BaseProcess
+) -> tuple[bool, Any]:
+    """Read one rank's report. Returns ``(True, value)`` or ``(False, failure text)``."""
+    data: bytes | None = None
+    try:
+        if reader.poll():
+            data = reader.recv_bytes()
+    except (EOFError, OSError):
+        data = None
+    if data is None:  # died without reporting (or mid-report)
+        proc.join(_EXIT_GRACE_S)
+        return False, f"rank {rank} died without reporting a result: {_describe_exit(proc.exitcode)}"
+    try:
+        status, value = pickle.loads(data)
+    except Exception:  # noqa: BLE001 - e.g. a class that cannot be imported in the parent
+        return False, f"rank {rank}: cannot unpickle its result:\n{traceback.format_exc()}"
+    if status == _OK:
+        return True, value
+    return False, str(value)

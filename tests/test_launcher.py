@@ -1,0 +1,177 @@
+"""Tests for the fork launcher (megatron_hetero.runtime.launcher)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hetero.runtime import launcher
+from megatron_hetero.runtime.launcher import RankFailure, RankTimeout, free_port, run_ranks
+
+LARGE_N = 10 * 1024 * 1024 // 4  # ~10 MB of float32
+
+
+def _all_reduce_rank() -> float:
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.timeout(120)
+def test_all_reduce_world8() -> None:
+    assert run_ranks(8, _all_reduce_rank) == [28.0] * 8
+
+
+def _identity_and_large(scale: int, *, offset: int) -> object:
+    rank = dist.get_rank()
+    assert int(os.environ["RANK"]) == rank
+    if rank == 1:
+        return torch.arange(LARGE_N, dtype=torch.float32) * scale
+    if rank == 2:
+        return np.full(LARGE_N, rank + offset, dtype=np.float32)
+    return (rank, dist.get_world_size(), rank * scale + offset)
+
+
+@pytest.mark.timeout(120)
+def test_values_in_rank_order_with_large_values() -> None:
+    out = run_ranks(4, _identity_and_large, 3, offset=100)
+    assert out[0] == (0, 4, 100)
+    assert out[3] == (3, 4, 109)
+    assert isinstance(out[1], torch.Tensor) and out[1].shape == (LARGE_N,)
+    assert torch.equal(out[1], torch.arange(LARGE_N, dtype=torch.float32) * 3)
+    assert isinstance(out[2], np.ndarray) and out[2].shape == (LARGE_N,)
+    assert (out[2] == 102).all()
+
+
+def _raise_on_rank(bad: int) -> int:
+    if dist.get_rank() == bad:
+        raise ValueError("boom from the bad rank")
+    dist.barrier()  # never completes: the bad rank does not join
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(120)
+def test_failure_reported_without_waiting_for_timeout() -> None:
+    timeout = 60.0
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(4, _raise_on_rank, 3, timeout=timeout)
+    elapsed = time.monotonic() - start
+    # Hang check, not a timing assertion: without early abort this would take `timeout`.
+    assert elapsed < timeout / 2, elapsed
+    exc = info.value
+    assert exc.failures[0][0] == 3  # the first failure comes first
+    first = exc.failures[0][1]
+    assert "ValueError" in first and "boom from the bad rank" in first
+    assert "Traceback" in first and "_raise_on_rank" in first
+    msg = str(exc)
+    assert "rank 3" in msg and "ValueError" in msg and "boom from the bad rank" in msg
+
+
+def _raise_or_sleep() -> None:
+    if int(os.environ["RANK"]) == 0:
+        raise ValueError("first")
+    time.sleep(1000)  # not a collective: nothing tells these ranks that rank 0 failed
+
+
+@pytest.mark.timeout(120)
+def test_failure_kills_other_ranks_after_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "FAILURE_GRACE_S", 0.5)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(3, _raise_or_sleep, timeout=60, init_distributed=False)
+    assert time.monotonic() - start < 30  # hang check: killed after the grace, not at the timeout
+    assert [r for r, _ in info.value.failures] == [0]
+    assert info.value.killed == [1, 2]
+    assert "ValueError: first" in str(info.value) and "[1, 2]" in str(info.value)
+
+
+def _hang_on_rank(bad: int) -> int:
+    if dist.get_rank() == bad:
+        time.sleep(1000)
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(120)
+def test_hanging_rank_times_out_and_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_ranks(4, _hang_on_rank, 1, timeout=3)
+    elapsed = time.monotonic() - start
+    assert elapsed < 30, elapsed  # hang check: killed shortly after the 3 s deadline
+    assert info.value.hung == [1]
+    assert info.value.finished == [0, 2, 3]
+    assert "[1]" in str(info.value) and "did not finish" in str(info.value)
+
+
+def _exit_on_rank(bad: int) -> int:
+    if int(os.environ["RANK"]) == bad:
+        os._exit(3)
+    return int(os.environ["RANK"])
+
+
+@pytest.mark.timeout(120)
+def test_child_exit_without_report_is_a_failure() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(4, _exit_on_rank, 2)
+    assert [r for r, _ in info.value.failures] == [2]
+    assert "exit code 3" in str(info.value) and "rank 2" in str(info.value)
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_child_killed_by_signal_is_a_failure() -> None:
+    with pytest.raises(RankFailure, match="exit code -9 \\(signal SIGKILL\\)"):
+        run_ranks(1, _kill_self, init_distributed=False)
+
+
+def _environment() -> dict[str, object]:
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HETERO_TEST_VAR")
+    out: dict[str, object] = {k: os.environ.get(k) for k in keys}
+    out["initialized"] = dist.is_initialized()
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_without_init_distributed_and_env() -> None:
+    before = dict(os.environ)
+    out = run_ranks(3, _environment, init_distributed=False, env={"HETERO_TEST_VAR": "x"})
+    assert [o["RANK"] for o in out] == ["0", "1", "2"]
+    assert [o["LOCAL_RANK"] for o in out] == ["0", "1", "2"]
+    assert {o["WORLD_SIZE"] for o in out} == {"3"}
+    assert {o["MASTER_ADDR"] for o in out} == {"127.0.0.1"}
+    assert len({o["MASTER_PORT"] for o in out}) == 1
+    assert {o["HETERO_TEST_VAR"] for o in out} == {"x"}
+    assert not any(o["initialized"] for o in out)
+    assert {o["threads"] for o in out} == {1}
+    assert dict(os.environ) == before  # the parent's environment is untouched
+
+
+def _unpicklable() -> object:
+    return lambda: None
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_return_value_is_a_failure() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(1, _unpicklable, init_distributed=False)
+    assert info.value.failures[0][0] == 0
+    assert "pickle" in str(info.value).lower()
+
+
+def test_free_port_and_argument_checks() -> None:
+    port = free_port()
+    assert isinstance(port, int) and 0 < port < 65536
+    with pytest.raises(ValueError, match="world_size"):
+        run_ranks(0, _environment)
+    with pytest.raises(ValueError, match="timeout"):
+        run_ranks(1, _environment, timeout=0)
