@@ -37,12 +37,20 @@ MODES = ("direct", "hierarchical")
 
 @dataclass(frozen=True)
 class BoundaryShape:
-    """Shape of the edge tensor for one step: [batch, seq, hidden] and element size in bytes."""
+    """Shape of the edge tensor for one step: [batch, seq, hidden] and element size in bytes.
+
+    `dst_seq`/`dst_offset` describe an edge whose tokens are inserted into a longer destination
+    sequence (image tokens at placeholder positions [dst_offset, dst_offset+seq) of a dst_seq-long
+    text sequence): the destination's CP chunks are then taken over dst_seq *before* sharding, and
+    a destination CP rank needs only the edge tokens that fall into its chunks.
+    """
 
     batch: int
     seq: int
     hidden: int
     dtype_bytes: int = 4
+    dst_seq: Optional[int] = None
+    dst_offset: int = 0
 
 
 @dataclass(frozen=True, order=True)
@@ -191,13 +199,50 @@ def owned_blocks(m: ModuleLayout, rank: int, shape: BoundaryShape) -> tuple[Bloc
     return tuple(Block(c.dp * per, (c.dp + 1) * per, s0, s1) for s0, s1 in seq_chunks(shape.seq, m.cp, c.cp))
 
 
+def needed_blocks(m: ModuleLayout, rank: int, shape: BoundaryShape) -> tuple[Block, ...]:
+    """The blocks of the edge tensor that destination `rank` of module `m` needs, in its local order.
+
+    Without `dst_seq` these are the blocks it owns. With `dst_seq`, each of its CP chunks of the
+    destination sequence is intersected with the placeholder span and mapped back to edge positions
+    (a chunk that holds no edge token contributes nothing).
+    """
+    if shape.dst_seq is None:
+        return owned_blocks(m, rank, shape)
+    c = coord_of(m, rank)
+    per = shape.batch // m.dp
+    out = []
+    for a, b in seq_chunks(shape.dst_seq, m.cp, c.cp):
+        lo, hi = max(a, shape.dst_offset), min(b, shape.dst_offset + shape.seq)
+        if lo < hi:
+            out.append(Block(c.dp * per, (c.dp + 1) * per, lo - shape.dst_offset, hi - shape.dst_offset))
+    return tuple(out)
+
+
 def check_shape(edge: Edge, src: ModuleLayout, dst: ModuleLayout, shape: BoundaryShape) -> None:
     """ValueError unless the shape splits evenly over both sides' DP and CP."""
     for name in ("batch", "seq", "hidden", "dtype_bytes"):
         v = getattr(shape, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"edge {edge}: {name} must be a positive integer, got {v!r}")
+    if shape.dst_seq is not None:
+        if not isinstance(shape.dst_offset, int) or shape.dst_offset < 0 or shape.dst_offset + shape.seq > shape.dst_seq:
+            raise ValueError(
+                f"edge {edge}: placeholder span [{shape.dst_offset}, {shape.dst_offset}+{shape.seq}) does not fit "
+                f"in the destination sequence of {shape.dst_seq}"
+            )
+        if dst.cp > 1 and shape.dst_seq % (2 * dst.cp):
+            raise ValueError(
+                f"edge {edge}: destination sequence {shape.dst_seq} is not divisible by 2*cp = 2*{dst.cp} = "
+                f"{2 * dst.cp} of destination {dst.name} (load-balanced context-parallel chunks)"
+            )
     for side, m in (("source", src), ("destination", dst)):
+        if side == "destination" and shape.dst_seq is not None:
+            if shape.batch % m.dp:
+                raise ValueError(
+                    f"edge {edge}: batch {shape.batch} is not divisible by {side} {m.name} dp({m.dp}) "
+                    f"(remainder {shape.batch % m.dp}); every DP rank must get the same number of samples"
+                )
+            continue
         if shape.batch % m.dp:
             raise ValueError(
                 f"edge {edge}: batch {shape.batch} is not divisible by {side} {m.name} dp({m.dp}) "
@@ -286,7 +331,7 @@ def plan_boundary(layout: HeteroLayout, edge: Edge | str, shape: BoundaryShape) 
     src_ranks = stage_ranks(src, src.pp - 1)
     dst_ranks = stage_ranks(dst, 0)
     holds = {r: owned_blocks(src, r, shape) for r in src_ranks}
-    needs = {r: owned_blocks(dst, r, shape) for r in dst_ranks}
+    needs = {r: needed_blocks(dst, r, shape) for r in dst_ranks}
     forward = route(holds, needs, {r: i for i, r in enumerate(dst_ranks)})
     backward = route(needs, holds, {r: i for i, r in enumerate(src_ranks)})
     costs = {"direct": ModeCost(bytes=_moved_bytes(forward, shape), hops=_max_messages(forward))}

@@ -1,0 +1,172 @@
+"""Boundary runtime on CPU/gloo: forward values and gradients against a one-rank reference.
+
+Reference: a global edge tensor X [B, S, H] and a global weight W (same seed on every rank).
+Each source rank feeds its own blocks of X; each destination rank computes sum(y * W[its blocks]).
+The homogeneous computation is L = sum(X * W) (destination TP replicas compute the same loss; their
+gradients are identical, not summed), so every source rank (every TP replica) must receive exactly
+W at the elements it holds, and every destination rank must receive exactly X at its blocks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.runtime.boundary import Boundary
+from megatron_hetero.runtime.launcher import RankFailure, run_ranks
+
+
+def _gather(blocks, t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t[b.b0:b.b1, b.s0:b.s1] for b in blocks], dim=1)
+
+
+def _run_edge(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_offset=0, steps: int = 2) -> dict:
+    rank = dist.get_rank()
+    layout = layout_from_dict(doc, world_size=dist.get_world_size())
+    edge = layout.edges[0]
+    bnd = Boundary(layout, edge, batch=batch, hidden=hidden, seq=seq if dst_seq else None,
+                   dst_seq=dst_seq, dst_offset=dst_offset, timeout_s=30)
+    out = {"sent_fwd": [], "sent_bwd": []}
+    for step in range(steps):  # a second step checks the cached plan and the stats per call
+        g = torch.Generator().manual_seed(1234 + step)
+        X = torch.randn(batch, seq, hidden, generator=g)
+        W = torch.randn(batch, seq, hidden, generator=g)
+        plan = bnd.plan_for(seq)
+        x = None
+        if bnd.is_src:
+            x = _gather(plan.holds[rank], X).clone().requires_grad_(True)
+        y = bnd(x)
+        if bnd.is_dst:
+            need = plan.needs[rank]
+            if need:
+                assert torch.equal(y, _gather(need, X)), f"rank {rank}: forward value differs"
+                (y * _gather(need, W)).sum().backward()
+            else:
+                assert y.numel() == 0
+                y.sum().backward()
+        elif bnd.is_src:
+            Boundary.backward_source(y)
+        if bnd.is_src:
+            assert x.grad is not None, f"rank {rank}: no gradient reached the source"
+            expect = _gather(plan.holds[rank], W)
+            assert torch.equal(x.grad, expect), f"rank {rank}: gradient differs: max {(x.grad - expect).abs().max()}"
+        out["sent_fwd"].append(bnd.stats["forward"].per_call[-1] if bnd.stats["forward"].per_call else 0)
+        out["sent_bwd"].append(bnd.stats["backward"].per_call[-1] if bnd.stats["backward"].per_call else 0)
+        out["planned_fwd"] = plan.bytes_sent_per_rank("forward").get(rank, 0)
+        out["planned_bwd"] = plan.bytes_sent_per_rank("backward").get(rank, 0)
+        out["min_fwd"], out["min_bwd"] = plan.min_bytes_forward, plan.min_bytes_backward
+    return out
+
+
+def _lay(placement, src, dst, extra=None):
+    mods = {"vision": src, "language": dst}
+    if extra:
+        mods.update(extra)
+    return {"placement": placement, "modules": mods, "edges": ["vision -> language"]}
+
+
+# (id, layout doc, world, batch, seq, hidden)
+CASES = [
+    ("col-equal-identity-w2", _lay("colocated", {"dp": 2}, {"dp": 2}), 2, 4, 4, 3),
+    ("col-equal-permuted-w4", _lay("colocated", {"pp": 2, "dp": 2}, {"tp": 2, "dp": 2}), 4, 4, 4, 3),
+    ("col-fanin-tp2pp2-w8", _lay("colocated", {"dp": 8}, {"tp": 2, "pp": 2, "dp": 2}), 8, 8, 4, 3),
+    ("col-fanin-tp4-w4", _lay("colocated", {"dp": 4}, {"tp": 4}), 4, 8, 4, 2),
+    ("col-fanout-srctp2-w4", _lay("colocated", {"tp": 2, "dp": 2}, {"dp": 4}), 4, 8, 4, 2),
+    ("col-equal-dstcp2-w4", _lay("colocated", {"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}), 4, 4, 8, 2),
+    ("col-fanout-srccp2-w4", _lay("colocated", {"cp": 2, "dp": 2}, {"dp": 4}), 4, 4, 8, 2),
+    ("col-fanin-srcpp2-w8", _lay("colocated", {"pp": 2, "dp": 4}, {"tp": 2, "cp": 2, "dp": 2}), 8, 8, 8, 2),
+    ("dis-equal-w2", _lay("disjoint", {"dp": 1}, {"dp": 1}), 2, 2, 4, 3),
+    ("dis-fanin-w8", _lay("disjoint", {"dp": 4}, {"tp": 2, "dp": 2}), 8, 8, 4, 2),
+    ("dis-fanout-srctp2-dstcp2-w6", _lay("disjoint", {"tp": 2}, {"cp": 2, "dp": 2}), 6, 4, 8, 2),
+    ("dis-fanout-dsttp2-w6", _lay("disjoint", {"dp": 2}, {"tp": 2, "dp": 2}), 6, 4, 4, 2),
+    ("dis-srccp2-dsttp2-w6", _lay("disjoint", {"cp": 2, "dp": 1}, {"tp": 2, "dp": 2}), 6, 4, 8, 2),
+    ("dis-srcpp2-dstpp2-w8", _lay("disjoint", {"pp": 2, "dp": 2}, {"tp": 2, "pp": 2}), 8, 4, 4, 2),
+    ("dis-srccp2-dstcp2-w8", _lay("disjoint", {"cp": 2, "dp": 2}, {"tp": 1, "cp": 2, "dp": 2}), 8, 4, 8, 2),
+    ("dis-fanin-srctp2-dstcp4-w8", _lay("disjoint", {"tp": 2, "dp": 2}, {"cp": 4}), 8, 4, 16, 2),
+    ("dis-segments-tp4-to-dp4-w8", _lay("disjoint", {"tp": 4}, {"dp": 4}), 8, 4, 4, 2),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_boundary_matches_reference(case):
+    _, doc, world, batch, seq, hidden = case
+    results = run_ranks(world, _run_edge, doc, batch, seq, hidden, timeout=90)
+    for rank, r in enumerate(results):
+        # every call moved exactly what the plan says this rank sends
+        assert r["sent_fwd"] == [r["planned_fwd"]] * 2, (rank, r)
+        assert r["sent_bwd"] == [r["planned_bwd"]] * 2, (rank, r)
+    # the direct mode moves exactly the theoretical minimum, summed over ranks
+    assert sum(r["planned_fwd"] for r in results) == results[0]["min_fwd"]
+    assert sum(r["sent_fwd"][0] for r in results) == results[0]["min_fwd"]
+    assert sum(r["sent_bwd"][0] for r in results) == results[0]["min_bwd"]
+    if doc["placement"] == "colocated" and case[0].startswith("col-equal-identity"):
+        assert results[0]["min_fwd"] == 0 and all(r["sent_fwd"] == [0, 0] for r in results)
+
+
+@pytest.mark.timeout(120)
+def test_image_tokens_inserted_before_cp_sharding():
+    """Destination CP2 over a 16-token text sequence with 6 image tokens at positions 1..6:
+    each CP rank receives only the image tokens inside its load-balanced chunks."""
+    doc = _lay("disjoint", {"tp": 2}, {"cp": 2, "dp": 1})
+    results = run_ranks(4, _run_edge, doc, 2, 6, 2, 16, 1, timeout=60)
+    assert sum(r["sent_fwd"][0] for r in results) == results[0]["min_fwd"] == 2 * 6 * 2 * 4
+
+
+def _dtype_mismatch() -> None:
+    layout = layout_from_dict(_lay("disjoint", {"dp": 1}, {"dp": 1}), world_size=2)
+    bnd = Boundary(layout, "vision->language", batch=2, hidden=2, timeout_s=5)
+    if bnd.is_src:
+        bnd(torch.zeros(2, 4, 2, dtype=torch.float64))
+    # the destination would wait here; it must not: it is a separate check below
+
+
+def test_dtype_mismatch_is_value_error_before_communication():
+    with pytest.raises(RankFailure, match=r"edge vision->language: rank 0 got dtype torch.float64, the edge carries torch.float32"):
+        run_ranks(2, _dtype_mismatch, timeout=30)
+
+
+def _fanout_not_divisible() -> None:
+    layout = layout_from_dict(_lay("disjoint", {"dp": 1}, {"dp": 2}), world_size=3)
+    Boundary(layout, "vision->language", batch=3, hidden=2, timeout_s=5)
+
+
+def test_fanout_batch_not_divisible_is_value_error():
+    with pytest.raises(RankFailure, match=r"batch 3 is not divisible by destination language dp\(2\)"):
+        run_ranks(3, _fanout_not_divisible, timeout=30)
+
+
+def _missing_peer() -> None:
+    layout = layout_from_dict(_lay("disjoint", {"dp": 2}, {"dp": 2}))  # needs 4 ranks
+    Boundary(layout, "vision->language", batch=2, hidden=2)
+
+
+def test_missing_edge_peer_is_value_error():
+    with pytest.raises(RankFailure, match=r"edge vision->language: the layout places modules on ranks 0-3 but the job has world size 2"):
+        run_ranks(2, _missing_peer, timeout=30)
+
+
+def _source_dies() -> str:
+    import os
+
+    layout = layout_from_dict(_lay("disjoint", {"dp": 1}, {"tp": 2}), world_size=3)
+    bnd = Boundary(layout, "vision->language", batch=2, hidden=2, timeout_s=3)
+    if bnd.is_src:
+        os._exit(9)  # dies before sending anything
+    bnd(None)  # must raise BoundaryTimeout, not hang
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_dead_source_gives_timeout_naming_edge_rank_and_peer():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(3, _source_dies, timeout=40)
+    err = info.value
+    texts = dict(err.failures)
+    assert "exit code 9" in texts[0]
+    # the destination ranks did not hang: each failed with the edge, itself and the dead peer named
+    assert not err.killed, f"ranks hung and had to be killed: {err.killed}"
+    for r in (1, 2):
+        assert "BoundaryTimeout" in texts[r]
+        assert f"edge vision->language: rank {r} waited for the forward boundary header from rank 0" in texts[r]
