@@ -3,6 +3,9 @@
 `Boundary(layout, edge, ...)` is built identically on every rank; calling it runs the edge's
 transform for this rank as a `torch.autograd.Function`:
 
+Two modes: "direct" (default, below) and "hierarchical" (disjoint edges only, the leader path of
+`runtime/hierarchical.py`, needs the Topology's groups).
+
 forward (direct mode, the plan of `plan/boundary.py`):
   1. header phase: every source rank sends each destination peer an int64 header
      `[seq, hidden, dtype, numel]`; the destination checks it (variable sequence lengths are learnt
@@ -24,7 +27,7 @@ that is neither, `None`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,7 +43,11 @@ from megatron_hetero.plan.boundary import (
     plan_boundary,
 )
 from megatron_hetero.plan.placement import stage_ranks
+from megatron_hetero.runtime.hierarchical import HierarchicalRoute
 from megatron_hetero.runtime.wire import CODE_DTYPES, DTYPE_CODES, HEADER_LEN, WireStats, header, p2p
+
+if TYPE_CHECKING:
+    from megatron_hetero.runtime.topology import Topology
 
 
 def _locate(blocks: tuple[Block, ...], piece: Block) -> tuple[slice, slice]:
@@ -78,15 +85,18 @@ class Boundary:
         mode: str = "direct",
         timeout_s: float = 600.0,
         device: Optional[torch.device] = None,
+        topology: Optional["Topology"] = None,
     ) -> None:
         edge = Edge.parse(edge) if isinstance(edge, str) else edge
         if edge not in layout.edges:
             raise ValueError(f"edge {edge} is not declared; edges are {[str(e) for e in layout.edges]}")
         if mode not in MODES:
             raise ValueError(f"edge {edge}: mode must be one of {list(MODES)}, got {mode!r}")
-        if mode != "direct":
-            raise ValueError(f"edge {edge}: mode {mode!r} is planned (see `megatron-hetero plan`) but only "
-                             "'direct' is executed by this runtime")
+        if mode == "hierarchical":
+            if layout.placement != "disjoint":
+                raise ValueError(f"edge {edge}: the hierarchical (leader) mode is for disjoint placement only")
+            if topology is None or seq is None:
+                raise ValueError(f"edge {edge}: the hierarchical mode needs the Topology and a fixed seq")
         if dtype not in DTYPE_CODES:
             raise ValueError(f"edge {edge}: dtype {dtype} is not supported; use one of {list(DTYPE_CODES)}")
         if not dist.is_initialized():
@@ -114,6 +124,7 @@ class Boundary:
         # The peers never depend on the sequence length: learn them from a canonical plan.
         canon = self.plan_for(seq if seq is not None else self._canonical_seq())
         self.fwd_recv_peers = sorted({t.src for t in canon.recvs(self.rank)})
+        self.route = HierarchicalRoute(self, topology) if mode == "hierarchical" else None
 
     def _canonical_seq(self) -> int:
         n = 1
@@ -246,6 +257,10 @@ class Boundary:
 
     def forward_exchange(self, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
         """Forward transform (header phase, then payload phase); returns (output or None, global seq)."""
+        if self.route is not None:
+            y, sent = self.route.forward(self.plan_for(self.seq), x.detach() if x is not None else None)
+            self.stats["forward"].record_call(sent, 0, 0)
+            return y, self.seq
         own_seq = x.shape[1] * self.src.cp if self.is_src else None
         hdr_send: dict[int, torch.Tensor] = {}
         if self.is_src:
@@ -273,6 +288,10 @@ class Boundary:
     def backward_exchange(self, grad_y: Optional[torch.Tensor], seq: int) -> Optional[torch.Tensor]:
         """Backward transform: destination gradients back to every source replica (no header phase)."""
         plan = self.plan_for(seq)
+        if self.route is not None:
+            grad_x, sent = self.route.backward(plan, grad_y)
+            self.stats["backward"].record_call(sent, 0, 0)
+            return grad_x
         return self._move(plan, "backward", grad_y, plan.needs.get(self.rank, ()), plan.holds.get(self.rank, ()))
 
 
