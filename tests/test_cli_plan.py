@@ -1,0 +1,213 @@
+"""`megatron-hetero plan`: every example layout, the --json document, and the exit-code-2 path."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_hetero import cli
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((REPO / "examples" / "layouts").glob("*.yaml"))
+
+BROKEN = textwrap.dedent("""\
+    placement: colocated
+    modules:
+      vision:   {tp: 1, dp: 8}
+      language: {tp: 2, pp: 2, dp: 3}
+""")
+BROKEN_MESSAGE = "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)"
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_examples_exist() -> None:
+    assert len(EXAMPLES) >= 8
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_plan_every_example(capsys, path: Path) -> None:
+    rc, out, err = _run(capsys, "plan", str(path))
+    assert rc == 0, err
+    assert err == ""
+    assert out.startswith("world size ")
+    rc, out, err = _run(capsys, "plan", str(path), "--json")
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert set(doc) >= {"world_size", "placement", "modules", "ranks", "edges"}
+    assert [e["rank"] for e in doc["ranks"]] == list(range(doc["world_size"]))
+    for edge in doc["edges"]:
+        assert edge["planned_bytes_forward"] == edge["min_bytes_forward"]
+        assert edge["planned_bytes_backward"] == edge["min_bytes_backward"]
+    # Also through --hetero-layout.
+    rc, out2, err = _run(capsys, "plan", "--hetero-layout", str(path), "--json")
+    assert rc == 0 and json.loads(out2) == doc
+
+
+def test_plan_text_colocated_fan_in(capsys) -> None:
+    rc, out, _ = _run(capsys, "plan", str(REPO / "examples/layouts/colocated_fan_in.yaml"))
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0] == "world size 8, placement colocated"
+    assert lines[2].split() == ["rank", "vision", "TP1·CP1·PP1·DP8", "@0-7", "language", "TP2·CP1·PP2·DP2", "@0-7"]
+    rows = {int(line.split()[0]): line.split()[1:] for line in lines[3:11]}
+    assert rows[3] == ["tp0", "cp0", "dp3", "pp0", "tp1", "cp0", "dp1", "pp0"]
+    assert rows[6] == ["tp0", "cp0", "dp6", "pp0", "tp0", "cp0", "dp1", "pp1"]
+    assert "edge vision->language: fan-in x4  [batch 8, seq 8, hidden 64] x 4 B" in lines
+    # 14 samples x 8 positions x 64 hidden x 4 B = 28 KiB forward; 6 samples = 12 KiB backward.
+    assert "  forward : moves 28.0 KiB (minimum 28.0 KiB)" in lines
+    assert "  backward: moves 12.0 KiB (minimum 12.0 KiB)" in lines
+    assert ("  rank 2: receives b[4:5] s[0:8] from 4, b[5:6] s[0:8] from 5, b[6:7] s[0:8] from 6, "
+            "b[7:8] s[0:8] from 7") in lines
+    assert "  rank 0: selects b[0:1] s[0:8]; receives b[1:2] s[0:8] from 1, b[2:3] s[0:8] from 2, b[3:4] s[0:8] from 3" in lines
+
+
+def test_plan_json_colocated_fan_in(capsys) -> None:
+    rc, out, _ = _run(capsys, "plan", str(REPO / "examples/layouts/colocated_fan_in.yaml"), "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["world_size"] == 8
+    assert doc["placement"] == "colocated"
+    assert doc["modules"] == {
+        "vision": {"tp": 1, "cp": 1, "pp": 1, "dp": 8, "ep": 1, "expt_tp": 1, "ranks": "0-7", "frozen": False},
+        "language": {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "ep": 1, "expt_tp": 1, "ranks": "0-7", "frozen": False},
+    }
+    language = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1)]  # (tp, dp, pp)
+    assert len(doc["ranks"]) == 8
+    for r, entry in enumerate(doc["ranks"]):
+        assert entry["rank"] == r
+        assert set(entry["modules"]) == {"vision", "language"}
+        v, lang = entry["modules"]["vision"], entry["modules"]["language"]
+        assert {k: v[k] for k in ("tp", "cp", "dp", "pp", "ep")} == {"tp": 0, "cp": 0, "dp": r, "pp": 0, "ep": 0}
+        tp, dp, pp = language[r]
+        assert {k: lang[k] for k in ("tp", "cp", "dp", "pp", "ep")} == {"tp": tp, "cp": 0, "dp": dp, "pp": pp, "ep": 0}
+    (edge,) = doc["edges"]
+    assert (edge["src"], edge["dst"], edge["transform"], edge["factor"]) == ("vision", "language", "fan-in", 4)
+    assert edge["shape"] == {"batch": 8, "seq": 8, "hidden": 64, "dtype_bytes": 4}
+    assert edge["src_ranks"] == list(range(8)) and edge["dst_ranks"] == [0, 1, 2, 3]
+    assert edge["src_leaders"] == list(range(8)) and edge["dst_leader"] == 0
+    assert edge["min_bytes_forward"] == edge["planned_bytes_forward"] == 14 * 8 * 64 * 4
+    assert edge["min_bytes_backward"] == edge["planned_bytes_backward"] == 6 * 8 * 64 * 4
+    assert edge["recommended_mode"] == "direct" and set(edge["modes"]) == {"direct"}
+    assert edge["local_groups"] == [list(range(8))]
+    assert {"src": 5, "dst": 2, "b0": 5, "b1": 6, "s0": 0, "s1": 8} in edge["forward"]
+    assert {"src": 3, "dst": 5, "b0": 5, "b1": 6, "s0": 0, "s1": 8} in edge["backward"]
+    assert len(edge["forward"]) == 16 and len(edge["backward"]) == 8
+
+
+def test_plan_json_from_flags_with_shape(capsys) -> None:
+    rc, out, err = _run(
+        capsys, "plan", "--json", "--hetero-placement", "disjoint",
+        "--hetero-module", "vision:tp=2,frozen", "--hetero-module", "language:cp=2,dp=2,ep=2",
+        "--hetero-edge", "vision->language",
+        "--global-batch-size", "2", "--seq-length", "8", "--hidden-size", "1", "--dtype-bytes", "2",
+    )
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["world_size"] == 6 and doc["placement"] == "disjoint"
+    assert doc["modules"]["vision"]["frozen"] is True and doc["modules"]["language"]["ranks"] == "2-5"
+    assert doc["ranks"][0]["modules"] == {"vision": {"tp": 0, "cp": 0, "dp": 0, "pp": 0, "ep": 0, "expt_tp": 0}}
+    assert doc["ranks"][1]["modules"]["vision"]["tp"] == 1
+    # language CP2·DP2 with ep2: rank 3 is cp1 dp0 ep1, rank 4 cp0 dp1 ep0.
+    assert doc["ranks"][3]["modules"] == {"language": {"tp": 0, "cp": 1, "dp": 0, "pp": 0, "ep": 1, "expt_tp": 0}}
+    assert doc["ranks"][4]["modules"] == {"language": {"tp": 0, "cp": 0, "dp": 1, "pp": 0, "ep": 0, "expt_tp": 0}}
+    (edge,) = doc["edges"]
+    assert (edge["src"], edge["dst"], edge["transform"], edge["factor"]) == ("vision", "language", "fan-out", 2)
+    assert [t for t in edge["forward"] if t["dst"] == 3] == [
+        {"src": 1, "dst": 3, "b0": 0, "b1": 1, "s0": 2, "s1": 4}, {"src": 1, "dst": 3, "b0": 0, "b1": 1, "s0": 4, "s1": 6}]
+    assert edge["planned_bytes_forward"] == 16 * 2
+    assert set(edge["modes"]) == {"direct", "hierarchical"}
+
+
+def test_plan_world_size_flag(capsys) -> None:
+    path = str(REPO / "examples/layouts/colocated_fan_out.yaml")
+    rc, out, _ = _run(capsys, "plan", path, "--world-size", "4")
+    assert rc == 0 and out.startswith("world size 4, placement colocated")
+    rc, _, err = _run(capsys, "plan", path, "--world-size", "8")
+    assert rc == 2
+    assert "module vision: tp(2)*cp(1)*pp(1)*dp(2)=4 != ranks 0-7 (8)" in err
+
+
+def test_plan_broken_layout_exits_2(capsys, tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    rc, out, err = _run(capsys, "plan", str(path))
+    assert rc == 2
+    assert out == ""
+    assert err == f"megatron-hetero plan: invalid input: layout file {str(path)!r}: {BROKEN_MESSAGE}\n"
+    rc, out, err = _run(capsys, "plan", str(path), "--json")
+    assert (rc, out) == (2, "") and BROKEN_MESSAGE in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hetero-module", "vision:dp=8", "--hetero-module", "language:tp=2,pp=2,dp=3"], BROKEN_MESSAGE),
+    (["--hetero-module", "vision:dp=2"], None),  # valid: exit 0
+    ([], "no layout: give --hetero-layout FILE or one --hetero-module NAME:tp=..,dp=.. per module"),
+    (["--hetero-module", "vision:dp=2", "--hetero-edge", "vision->llm"],
+     "edge vision->llm: unknown module 'llm'; modules are ['vision']"),
+    (["examples/layouts/colocated_fan_in.yaml", "--global-batch-size", "4"],
+     "edge vision->language: batch 4 is not divisible by source vision dp(8) (remainder 4)"),
+    (["examples/layouts/colocated_equal_dp_cp.yaml", "--seq-length", "6"],
+     "edge vision->language: sequence 6 is not divisible by 2*cp = 2*2 = 4 of destination language"),
+    (["examples/layouts/colocated_fan_in.yaml", "--hidden-size", "0"],
+     "edge vision->language: hidden must be a positive integer, got 0"),
+    (["examples/layouts/colocated_fan_in.yaml", "--hetero-layout", "examples/layouts/homogeneous.yaml"],
+     "give the layout file once: positional LAYOUT or --hetero-layout, not both"),
+    (["examples/layouts/colocated_fan_in.yaml", "--hetero-placement", "disjoint"],
+     "--hetero-placement disjoint contradicts placement colocated in examples/layouts/colocated_fan_in.yaml"),
+    (["examples/layouts/does_not_exist.yaml"], "cannot read layout file 'examples/layouts/does_not_exist.yaml'"),
+])
+def test_plan_invalid_input_messages(capsys, monkeypatch, argv, message) -> None:
+    monkeypatch.chdir(REPO)
+    rc, out, err = _run(capsys, "plan", *argv)
+    if message is None:
+        assert rc == 0 and err == ""
+        return
+    assert rc == 2, out
+    assert out == ""
+    assert err.startswith("megatron-hetero plan: invalid input: ")
+    assert message in err
+    assert err.count("\n") == 1  # one paragraph, no traceback
+
+
+def test_argparse_errors_exit_2(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["plan", "--hetero-placement", "mixed", "--hetero-module", "a:dp=1"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2
+
+
+def test_unexpected_failure_exits_1(capsys, monkeypatch) -> None:
+    from megatron_hetero.plan import report
+
+    def boom(*_a, **_k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(report, "layout_text", boom)
+    rc, out, err = _run(capsys, "plan", str(REPO / "examples/layouts/homogeneous.yaml"))
+    assert rc == 1
+    assert "RuntimeError: boom" in err
+
+
+def test_subprocess_exit_2_prints_message_on_stderr(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(BROKEN)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "plan", str(path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert f"megatron-hetero plan: invalid input: layout file {str(path)!r}: {BROKEN_MESSAGE}" in proc.stderr
+    assert "Traceback" not in proc.stderr
