@@ -192,7 +192,7 @@ def test_error_colocated_world_size_mismatch() -> None:
     _raises({"modules": {"vision": {"dp": 8}}}, "module vision: tp(1)*cp(1)*pp(1)*dp(8)=8 != ranks 0-3 (4)",
             world_size=4)
     _raises({"modules": {"vision": {"dp": 8, "ranks": "0-7"}}},
-            "colocated ranks 0-7 need world size >= 8, but world size is 4", world_size=4)
+            "colocated ranks 0-7 need world size 8, but world size is 4", world_size=4)
 
 
 def test_error_disjoint_overlap() -> None:

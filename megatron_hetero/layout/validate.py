@@ -49,33 +49,33 @@ def _check_edges(layout: HeteroLayout) -> None:
 
 
 def find_cycle(names: list[str], edges: tuple[Edge, ...]) -> Optional[list[str]]:
-    """Return one cycle as a list of module names (first == last), or None."""
+    """Return one cycle as a list of module names (first == last), or None. Iterative (no recursion
+    limit for long chains): Kahn's algorithm removes every node not on a cycle, then a walk along the
+    remaining edges must revisit a node."""
     succ: dict[str, list[str]] = {n: [] for n in names}
+    indeg = {n: 0 for n in names}
     for e in edges:
         succ[e.src].append(e.dst)
-    state: dict[str, int] = {n: 0 for n in names}  # 0 new, 1 on stack, 2 done
-    stack: list[str] = []
-
-    def visit(n: str) -> Optional[list[str]]:
-        state[n] = 1
-        stack.append(n)
+        indeg[e.dst] += 1
+    ready = [n for n in names if indeg[n] == 0]
+    removed = set()
+    while ready:
+        n = ready.pop()
+        removed.add(n)
         for s in succ[n]:
-            if state[s] == 1:
-                return stack[stack.index(s):] + [s]
-            if state[s] == 0:
-                found = visit(s)
-                if found:
-                    return found
-        stack.pop()
-        state[n] = 2
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    left = [n for n in names if n not in removed]
+    if not left:
         return None
-
-    for n in names:
-        if state[n] == 0:
-            found = visit(n)
-            if found:
-                return found
-    return None
+    path, seen = [left[0]], {left[0]: 0}
+    while True:
+        nxt = next(s for s in succ[path[-1]] if s not in removed)
+        if nxt in seen:
+            return path[seen[nxt]:] + [nxt]
+        seen[nxt] = len(path)
+        path.append(nxt)
 
 
 def topological_order(layout: HeteroLayout) -> list[str]:
@@ -111,8 +111,14 @@ def _resolve_colocated(modules: tuple[ModuleLayout, ...], world_size: Optional[i
     else:
         size = world_size if world_size is not None else modules[0].size
         rr = RankRange(0, size - 1)
-    if world_size is not None and rr.end + 1 > world_size:
-        raise ValueError(f"colocated ranks {rr} need world size >= {rr.end + 1}, but world size is {world_size}")
+    if rr.start != 0:
+        raise ValueError(f"colocated modules span ranks {rr}, so ranks 0-{rr.start - 1} are not assigned to any "
+                         "module; colocated modules share ranks 0..W-1")
+    if world_size is not None and rr.end + 1 != world_size:
+        if rr.end + 1 > world_size:
+            raise ValueError(f"colocated ranks {rr} need world size {rr.end + 1}, but world size is {world_size}")
+        raise ValueError(f"ranks {rr.end + 1}-{world_size - 1} of world size {world_size} are not assigned to any "
+                         f"module: colocated modules span ranks {rr}")
     out = []
     for m in modules:
         if m.size != rr.size:
@@ -136,32 +142,26 @@ def _resolve_disjoint(modules: tuple[ModuleLayout, ...], world_size: Optional[in
                 )
         out.append(m.replace(ranks=rr))
         next_free = max(next_free, rr.end + 1)
-    used = sorted(r for m in out for r in m.ranks.ranks())
-    total = max(used) + 1
+    total = max(m.ranks.end for m in out) + 1
     if world_size is not None and total > world_size:
         raise ValueError(
             f"disjoint modules need ranks 0-{total - 1} ({total}) but world size is {world_size}: "
             + ", ".join(f"{m.name} {m.ranks} ({m.arithmetic()})" for m in out)
         )
     span = world_size if world_size is not None else total
-    idle = sorted(set(range(span)) - set(used))
+    idle, cursor = [], 0  # gaps between the (non-overlapping) islands, as ranges: no per-rank lists
+    for m in sorted(out, key=lambda m: m.ranks.start):
+        if m.ranks.start > cursor:
+            idle.append((cursor, m.ranks.start - 1))
+        cursor = m.ranks.end + 1
+    if cursor < span:
+        idle.append((cursor, span - 1))
     if idle:
         raise ValueError(
-            f"ranks {_ranges(idle)} of world size {span} are not assigned to any module: "
-            + ", ".join(f"{m.name} {m.ranks}" for m in out)
+            f"ranks {','.join(str(a) if a == b else f'{a}-{b}' for a, b in idle)} of world size {span} are not "
+            "assigned to any module: " + ", ".join(f"{m.name} {m.ranks}" for m in out)
         )
     return out
-
-
-def _ranges(ranks: list[int]) -> str:
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(parts)
 
 
 def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> HeteroLayout:

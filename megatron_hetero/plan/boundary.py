@@ -225,7 +225,12 @@ def check_shape(edge: Edge, src: ModuleLayout, dst: ModuleLayout, shape: Boundar
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"edge {edge}: {name} must be a positive integer, got {v!r}")
     if shape.dst_seq is not None:
-        if not isinstance(shape.dst_offset, int) or shape.dst_offset < 0 or shape.dst_offset + shape.seq > shape.dst_seq:
+        for name in ("dst_seq", "dst_offset"):
+            v = getattr(shape, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "dst_seq" else 0):
+                raise ValueError(f"edge {edge}: {name} must be a {'positive' if name == 'dst_seq' else 'non-negative'} "
+                                 f"integer, got {v!r}")
+        if shape.dst_offset + shape.seq > shape.dst_seq:
             raise ValueError(
                 f"edge {edge}: placeholder span [{shape.dst_offset}, {shape.dst_offset}+{shape.seq}) does not fit "
                 f"in the destination sequence of {shape.dst_seq}"
