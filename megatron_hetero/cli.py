@@ -44,7 +44,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan]
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from megatron_hetero.bench.cli import add_parser
+
+    add_parser(sub)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
