@@ -1,0 +1,372 @@
+"""Graph-aware 1F1B schedule tables for disjoint placement (pure: no torch, no torch.distributed).
+
+Model
+-----
+Input: a resolved `HeteroLayout` with placement "disjoint" (every module on its own rank island;
+the edges form a DAG that may have several sources (encoders), joins (several producers feed one
+module), branches (one producer feeds several consumers) and one or several sinks), a number of
+micro-batches M (1..64) and optional compute costs.
+
+* A **stage** is (module, pp index). In disjoint placement every rank belongs to exactly one stage;
+  the ranks of a stage (its TP/CP/DP peers, `placement.stage_ranks`) all run the same table.
+* The **stage graph** has a directed **link** for every stage -> stage connection: inside a module
+  stage s -> s+1; for a module edge a -> b, the last stage of a -> the first stage of b.
+* Placement by PP-weighted longest path: `depth(stage)` = longest path (counted in stages) from any
+  source stage; `dist_to_sink(stage)` = longest path from the stage to a sink's last stage (0 there).
+* **1F1B per stage**: warm-up forwards w = min(M, dist_to_sink) (a stage with k stages downstream
+  does k warm-up forwards, as Megatron's `pp_size - rank - 1`), then M - w steady pairs
+  "forward of micro-batch w+i, backward of micro-batch i", then w cool-down backwards. Forwards
+  and backwards each run micro-batches 0..M-1 in order. `StageTable.steady` counts the pairs and
+  `StageTable.cooldown` == `warmup`.
+* **Communication** around each compute action (within a group, sorted by link):
+  Forward(mb) is preceded by RecvAct(link, mb, "fwd") on every incoming link (a join waits for
+  all producers) and followed by SendAct(link, mb, "fwd") on every outgoing link (a branch feeds
+  all consumers). Backward(mb) is preceded by RecvAct(link, mb, "bwd") on every outgoing link and
+  followed by SendAct(link, mb, "bwd") on every incoming link.
+* **Costs** (used by the checker/simulator in `schedule_check.py`; they do not change the order):
+  forward 1.0 and backward 2.0 per stage by default; `stage_costs={module: (f, b)}` gives the
+  cost of each stage of a module, `module_costs={module: (f, b)}` gives a module's total, split
+  evenly over its pp stages.
+
+Why it cannot deadlock (with asynchronous sends, blocking receives): give F(mb k) on stage S the
+potential 2k - d(S) and B(mb i) the potential 2i + d(S) + 1, d = dist_to_sink. A forward waits on
+its producers (d larger, so smaller potential), a backward on its consumers (d smaller), and the
+local 1F1B order puts F(k) before B(i) exactly when k <= d(S) + i; each of these dependencies goes
+from a smaller to a larger potential, so the waits-for relation has no cycle.
+`schedule_check.check_tables` verifies this (and more) by simulation for any given tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Union
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.validate import topological_order
+from megatron_hetero.plan.placement import stage_ranks
+
+MAX_MICRO_BATCHES = 64
+DEFAULT_FORWARD_COST = 1.0
+DEFAULT_BACKWARD_COST = 2.0
+DIRECTIONS = ("fwd", "bwd")
+
+
+@dataclass(frozen=True, order=True)
+class Stage:
+    """One pipeline stage of one module: (module name, pp index). Printed as 'language/0'."""
+
+    module: str
+    pp: int
+
+    def __str__(self) -> str:
+        return f"{self.module}/{self.pp}"
+
+
+@dataclass(frozen=True, order=True)
+class Link:
+    """A directed stage -> stage connection (inside a module, or the module edge's end stages)."""
+
+    src: Stage
+    dst: Stage
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst}"
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run the forward of micro-batch `mb` on `stage`."""
+
+    stage: Stage
+    mb: int
+
+    def __str__(self) -> str:
+        return f"Forward mb {self.mb}"
+
+    def short(self) -> str:
+        return f"F{self.mb}"
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Run the backward of micro-batch `mb` on `stage`."""
+
+    stage: Stage
+    mb: int
+
+    def __str__(self) -> str:
+        return f"Backward mb {self.mb}"
+
+    def short(self) -> str:
+        return f"B{self.mb}"
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {list(DIRECTIONS)}, got {direction!r}")
+
+
+@dataclass(frozen=True)
+class SendAct:
+    """Asynchronously send micro-batch `mb` over `link`: "fwd" = activation src -> dst (run by
+    link.src), "bwd" = gradient dst -> src (run by link.dst)."""
+
+    link: Link
+    mb: int
+    direction: str
+
+    def __post_init__(self) -> None:
+        _check_direction(self.direction)
+
+    @property
+    def stage(self) -> Stage:
+        """The stage that executes this send."""
+        return self.link.src if self.direction == "fwd" else self.link.dst
+
+    @property
+    def peer(self) -> Stage:
+        return self.link.dst if self.direction == "fwd" else self.link.src
+
+    def __str__(self) -> str:
+        return f"Send {self.direction} {self.link} mb {self.mb}"
+
+    def short(self) -> str:
+        return f"s{'a' if self.direction == 'fwd' else 'g'}{self.mb}>{self.peer}"
+
+
+@dataclass(frozen=True)
+class RecvAct:
+    """Receive (blocking) micro-batch `mb` over `link`: "fwd" = activation, run by link.dst;
+    "bwd" = gradient, run by link.src."""
+
+    link: Link
+    mb: int
+    direction: str
+
+    def __post_init__(self) -> None:
+        _check_direction(self.direction)
+
+    @property
+    def stage(self) -> Stage:
+        """The stage that executes this receive."""
+        return self.link.dst if self.direction == "fwd" else self.link.src
+
+    @property
+    def peer(self) -> Stage:
+        return self.link.src if self.direction == "fwd" else self.link.dst
+
+    def __str__(self) -> str:
+        return f"Recv {self.direction} {self.link} mb {self.mb}"
+
+    def short(self) -> str:
+        return f"r{'a' if self.direction == 'fwd' else 'g'}{self.mb}<{self.peer}"
+
+
+Action = Union[Forward, Backward, SendAct, RecvAct]
+
+
+@dataclass(frozen=True)
+class StageTable:
+    """The ordered actions of one stage (run identically by each of its ranks).
+
+    `warmup` forwards, `steady` 1F1B pairs, `cooldown` backwards (== warmup); `ranks` are the
+    stage's global ranks; `forward_cost`/`backward_cost` the compute cost of one micro-batch.
+    """
+
+    stage: Stage
+    actions: tuple
+    warmup: int
+    steady: int
+    cooldown: int
+    ranks: tuple = ()
+    forward_cost: float = DEFAULT_FORWARD_COST
+    backward_cost: float = DEFAULT_BACKWARD_COST
+
+    def compute(self) -> tuple:
+        """Only the Forward/Backward actions, in order."""
+        return tuple(a for a in self.actions if isinstance(a, (Forward, Backward)))
+
+    def compact(self) -> str:
+        """'F0 F1 | F2 B0 F3 B1 | B2 B3': compute order, warm-up | steady | cool-down ('-' if empty)."""
+        ops = [a.short() for a in self.compute()]
+        w, s = self.warmup, 2 * self.steady
+        parts = [" ".join(ops[:w]), " ".join(ops[w:w + s]), " ".join(ops[w + s:])]
+        return " | ".join(p or "-" for p in parts)
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """Stages, links and longest-path positions of a disjoint layout."""
+
+    stages: tuple  # of Stage, in topological module order, then pp order
+    links: tuple  # of Link, sorted
+    depth: Mapping  # Stage -> longest path (in stages) from any source
+    dist_to_sink: Mapping  # Stage -> longest path (in stages) to a sink's last stage
+    ranks: Mapping  # Stage -> tuple of global ranks
+    incoming: Mapping = field(default_factory=dict)  # Stage -> tuple of Link (sorted)
+    outgoing: Mapping = field(default_factory=dict)  # Stage -> tuple of Link (sorted)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def longest_path(self) -> int:
+        """Stages on the longest source -> sink path."""
+        return 1 + max(self.depth[s] + self.dist_to_sink[s] for s in self.stages)
+
+
+def _require_disjoint(layout: HeteroLayout) -> None:
+    if not isinstance(layout, HeteroLayout):
+        raise ValueError(f"expected a HeteroLayout, got {type(layout).__name__}")
+    if layout.placement != "disjoint":
+        raise ValueError(
+            f"graph-aware 1F1B tables need placement 'disjoint' (each rank in exactly one stage), "
+            f"got placement {layout.placement!r}"
+        )
+    unresolved = [m.name for m in layout.modules if m.ranks is None]
+    if unresolved:
+        raise ValueError(f"layout is not resolved (modules {unresolved} have no ranks); use resolve_layout first")
+
+
+def stage_graph(layout: HeteroLayout) -> StageGraph:
+    """The stage graph of a resolved disjoint layout, with depth and dist_to_sink of every stage."""
+    _require_disjoint(layout)
+    order = topological_order(layout)
+    mods = {m.name: m for m in layout.modules}
+    stages = [Stage(n, s) for n in order for s in range(mods[n].pp)]
+    links: list[Link] = []
+    for n in order:
+        for s in range(mods[n].pp - 1):
+            links.append(Link(Stage(n, s), Stage(n, s + 1)))
+    for e in layout.edges:
+        links.append(Link(Stage(e.src, mods[e.src].pp - 1), Stage(e.dst, 0)))
+    links.sort()
+    incoming: dict[Stage, list[Link]] = {s: [] for s in stages}
+    outgoing: dict[Stage, list[Link]] = {s: [] for s in stages}
+    for lk in links:
+        outgoing[lk.src].append(lk)
+        incoming[lk.dst].append(lk)
+    depth: dict[Stage, int] = {}
+    for st in stages:  # topological order: producers first
+        depth[st] = max((depth[lk.src] + 1 for lk in incoming[st]), default=0)
+    dist: dict[Stage, int] = {}
+    for st in reversed(stages):
+        dist[st] = max((dist[lk.dst] + 1 for lk in outgoing[st]), default=0)
+    return StageGraph(
+        stages=tuple(stages),
+        links=tuple(links),
+        depth=depth,
+        dist_to_sink=dist,
+        ranks={st: tuple(stage_ranks(mods[st.module], st.pp)) for st in stages},
+        incoming={s: tuple(v) for s, v in incoming.items()},
+        outgoing={s: tuple(v) for s, v in outgoing.items()},
+    )
+
+
+def _check_micro_batches(micro_batches: int) -> None:
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
+        raise ValueError(f"micro-batches must be an integer in 1..{MAX_MICRO_BATCHES}, got {micro_batches!r}")
+    if not 1 <= micro_batches <= MAX_MICRO_BATCHES:
+        raise ValueError(f"micro-batches must be in 1..{MAX_MICRO_BATCHES}, got {micro_batches}")
+
+
+def _cost_pair(value, where: str) -> tuple[float, float]:
+    try:
+        f, b = value
+        f, b = float(f), float(b)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: expected a pair (forward, backward) of numbers, got {value!r}") from None
+    for name, v in (("forward", f), ("backward", b)):
+        if not (v >= 0.0) or v == float("inf"):
+            raise ValueError(f"{where}: {name} cost must be a finite number >= 0, got {v!r}")
+    return f, b
+
+
+def stage_costs_of(
+    layout: HeteroLayout,
+    stage_costs: Optional[Mapping[str, tuple]] = None,
+    module_costs: Optional[Mapping[str, tuple]] = None,
+) -> dict[str, tuple[float, float]]:
+    """Per-stage (forward, backward) cost of every module.
+
+    Default (1.0, 2.0) per stage; `stage_costs[m]` is the cost of each stage of m; `module_costs[m]`
+    is m's total cost, split evenly over its pp stages. Naming a module in both is an error.
+    """
+    names = layout.names
+    stage_costs = dict(stage_costs or {})
+    module_costs = dict(module_costs or {})
+    for label, given in (("stage cost", stage_costs), ("module cost", module_costs)):
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise ValueError(f"{label} for unknown modules {unknown}; modules are {names}")
+    both = sorted(set(stage_costs) & set(module_costs))
+    if both:
+        raise ValueError(f"modules {both} have both a per-stage cost and a total module cost; give one")
+    out: dict[str, tuple[float, float]] = {}
+    for m in layout.modules:
+        if m.name in stage_costs:
+            out[m.name] = _cost_pair(stage_costs[m.name], f"module {m.name}: stage cost")
+        elif m.name in module_costs:
+            f, b = _cost_pair(module_costs[m.name], f"module {m.name}: module cost")
+            out[m.name] = (f / m.pp, b / m.pp)
+        else:
+            out[m.name] = (DEFAULT_FORWARD_COST, DEFAULT_BACKWARD_COST)
+    return out
+
+
+def one_f_one_b_order(micro_batches: int, warmup: int) -> list[tuple[str, int]]:
+    """The compute order of one stage: [("F", 0), ..., ("B", M-1)] for `warmup` warm-up forwards."""
+    m, w = micro_batches, min(micro_batches, warmup)
+    order = [("F", k) for k in range(w)]
+    for i in range(m - w):
+        order += [("F", w + i), ("B", i)]
+    order += [("B", i) for i in range(m - w, m)]
+    return order
+
+
+def build_tables(
+    layout: HeteroLayout,
+    micro_batches: int,
+    *,
+    stage_costs: Optional[Mapping[str, tuple]] = None,
+    module_costs: Optional[Mapping[str, tuple]] = None,
+) -> dict[Stage, StageTable]:
+    """The 1F1B table of every stage of a resolved disjoint layout (see the module docstring)."""
+    _check_micro_batches(micro_batches)
+    graph = stage_graph(layout)
+    costs = stage_costs_of(layout, stage_costs, module_costs)
+    tables: dict[Stage, StageTable] = {}
+    for st in graph.stages:
+        w = min(micro_batches, graph.dist_to_sink[st])
+        actions: list = []
+        for kind, mb in one_f_one_b_order(micro_batches, w):
+            if kind == "F":
+                actions += [RecvAct(lk, mb, "fwd") for lk in graph.incoming[st]]
+                actions.append(Forward(st, mb))
+                actions += [SendAct(lk, mb, "fwd") for lk in graph.outgoing[st]]
+            else:
+                actions += [RecvAct(lk, mb, "bwd") for lk in graph.outgoing[st]]
+                actions.append(Backward(st, mb))
+                actions += [SendAct(lk, mb, "bwd") for lk in graph.incoming[st]]
+        f, b = costs[st.module]
+        tables[st] = StageTable(
+            stage=st, actions=tuple(actions), warmup=w, steady=micro_batches - w, cooldown=w,
+            ranks=graph.ranks[st], forward_cost=f, backward_cost=b,
+        )
+    return tables
+
+
+def rank_tables(
+    layout: HeteroLayout,
+    micro_batches: int,
+    *,
+    stage_costs: Optional[Mapping[str, tuple]] = None,
+    module_costs: Optional[Mapping[str, tuple]] = None,
+) -> dict[int, StageTable]:
+    """{global rank: its stage's table} for every rank of a resolved disjoint layout."""
+    tables = build_tables(layout, micro_batches, stage_costs=stage_costs, module_costs=module_costs)
+    out: dict[int, StageTable] = {}
+    for table in tables.values():
+        for r in table.ranks:
+            assert r not in out, f"rank {r} is in two stages"
+            out[r] = table
+    return dict(sorted(out.items()))

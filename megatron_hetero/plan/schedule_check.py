@@ -1,0 +1,322 @@
+"""Checker and simulator for per-stage schedule tables (pure: no torch, no torch.distributed).
+
+Execution model (all stage tables run together, each stage sequentially in table order):
+  * a send is asynchronous: it never blocks, the message is buffered until received;
+  * a receive blocks until the matching send (same link, micro-batch, direction) has executed;
+    it completes at max(own clock, send time + link latency) (latency 0 unless given);
+  * Forward/Backward take the stage's forward/backward cost; communication takes no time.
+
+`check_tables` proves, raising `ScheduleError` (a ValueError) naming stage, action and micro-batch:
+  0. every action belongs to its table's stage (Forward/Backward of that stage, sends/receives on
+     links that end at it in the right direction); with `layout=`, the stages and links are exactly
+     those of the layout's stage graph;
+  1. coverage: every micro-batch 0..M-1 runs Forward and Backward exactly once on every stage,
+     Backward after Forward;
+  2. matching: every receive has exactly one matching send and every send is received once;
+  3. data flow: on every link, the activation of mb is received before the consumer's Forward(mb)
+     and sent after the producer's Forward(mb); the gradient is received before the producer's
+     Backward(mb) and sent after the consumer's Backward(mb);
+  4. no deadlock: the simulation completes (otherwise the message lists each blocked stage and the
+     receive it waits on);
+and reports the makespan, per-stage busy/idle time and the bubble fraction
+  1 - sum(busy over stages) / (makespan * number of stages).
+
+`chain_bubble(P, M)` is the analytic 1F1B bubble (P-1)/(M+P-1) of a linear chain of P stages with
+equal stage costs, for cross-checking the simulation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Union
+
+from megatron_hetero.plan.schedule import (
+    Backward, Forward, Link, RecvAct, SendAct, Stage, StageGraph, StageTable, stage_graph,
+)
+
+
+class ScheduleError(ValueError):
+    """A schedule table set is inconsistent, incomplete or deadlocks."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One compute action's simulated interval."""
+
+    start: float
+    end: float
+    action: object
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """The verdict of `check_tables` (only produced when every check passed)."""
+
+    ok: bool
+    micro_batches: int
+    stages: tuple  # of Stage, sorted
+    makespan: float
+    bubble_fraction: float
+    busy: Mapping  # Stage -> total compute time
+    idle: Mapping  # Stage -> makespan - busy
+    finish: Mapping  # Stage -> time its last action completed
+    spans: Mapping  # Stage -> tuple of Span (compute actions, in order)
+    messages: int  # number of matched send/receive pairs
+
+    def summary(self) -> str:
+        return (
+            f"ok: {len(self.stages)} stages, {self.micro_batches} micro-batches, {self.messages} messages matched, "
+            f"no deadlock; makespan {self.makespan:g}, bubble {self.bubble_fraction:.4f}"
+        )
+
+
+def chain_bubble(num_stages: int, micro_batches: int) -> float:
+    """Analytic 1F1B bubble of a linear chain of `num_stages` equal-cost stages: (P-1)/(M+P-1)."""
+    p, m = num_stages, micro_batches
+    if p < 1 or m < 1:
+        raise ValueError(f"need num_stages >= 1 and micro_batches >= 1, got {p} and {m}")
+    return (p - 1) / (m + p - 1)
+
+
+def chain_makespan(num_stages: int, micro_batches: int, forward: float = 1.0, backward: float = 2.0) -> float:
+    """Analytic 1F1B makespan of a linear equal-cost chain: (M+P-1) * (forward + backward)."""
+    return (micro_batches + num_stages - 1) * (forward + backward)
+
+
+def _fail(stage: Stage, msg: str) -> None:
+    raise ScheduleError(f"stage {stage}: {msg}")
+
+
+def _normalize(tables) -> dict[Stage, StageTable]:
+    """Accept {Stage: table}, {rank: table} (from rank_tables) or an iterable of tables."""
+    items: Iterable[StageTable] = tables.values() if isinstance(tables, Mapping) else tables
+    if isinstance(tables, Mapping):
+        for key, t in tables.items():
+            if isinstance(key, Stage) and isinstance(t, StageTable) and t.stage != key:
+                raise ScheduleError(f"table under key {key} is the table of stage {t.stage}")
+    out: dict[Stage, StageTable] = {}
+    for t in items:
+        if not isinstance(t, StageTable):
+            raise ScheduleError(f"expected StageTable objects, got {type(t).__name__}")
+        if t.stage in out and out[t.stage] != t:
+            raise ScheduleError(
+                f"stage {t.stage}: two different tables given (ranks of one stage must share one table)"
+            )
+        out[t.stage] = t
+    if not out:
+        raise ScheduleError("no tables given")
+    return dict(sorted(out.items()))
+
+
+def _check_ownership(t: StageTable) -> None:
+    for i, a in enumerate(t.actions):
+        if not isinstance(a, (Forward, Backward, SendAct, RecvAct)):
+            _fail(t.stage, f"action #{i} {a!r} is not a Forward, Backward, SendAct or RecvAct")
+        owner = a.stage  # Send/Recv: the end of the link that executes it, by direction
+        if isinstance(a.mb, bool) or not isinstance(a.mb, int) or a.mb < 0:
+            _fail(t.stage, f"action #{i} {a}: micro-batch must be an integer >= 0")
+        if owner != t.stage:
+            _fail(t.stage, f"action #{i} {a} belongs to stage {owner}, not to this table")
+
+
+def _check_against_graph(tables: dict[Stage, StageTable], graph: StageGraph) -> None:
+    want, have = set(graph.stages), set(tables)
+    if want - have:
+        raise ScheduleError(f"no table for stages {sorted(map(str, want - have))} of the layout")
+    if have - want:
+        raise ScheduleError(f"tables for stages {sorted(map(str, have - want))} that the layout does not have")
+    known = set(graph.links)
+    for st, t in tables.items():
+        for i, a in enumerate(t.actions):
+            if isinstance(a, (SendAct, RecvAct)) and a.link not in known:
+                _fail(st, f"action #{i} {a}: link {a.link} is not in the layout's stage graph")
+
+
+def _check_coverage(tables: dict[Stage, StageTable], micro_batches: Optional[int]) -> int:
+    mbs = {a.mb for t in tables.values() for a in t.actions}
+    m = micro_batches if micro_batches is not None else (max(mbs) + 1 if mbs else 0)
+    if m < 1:
+        raise ScheduleError("tables contain no micro-batches")
+    for st, t in tables.items():
+        pos: dict[tuple[type, int], int] = {}
+        for i, a in enumerate(t.actions):
+            if a.mb >= m:
+                _fail(st, f"action #{i} {a}: micro-batch {a.mb} outside 0..{m - 1}")
+            if isinstance(a, (Forward, Backward)):
+                key = (type(a), a.mb)
+                if key in pos:
+                    _fail(st, f"{a} appears twice (actions #{pos[key]} and #{i})")
+                pos[key] = i
+        for mb in range(m):
+            f, b = pos.get((Forward, mb)), pos.get((Backward, mb))
+            if f is None:
+                _fail(st, f"Forward mb {mb} is missing")
+            if b is None:
+                _fail(st, f"Backward mb {mb} is missing")
+            if b < f:
+                _fail(st, f"Backward mb {mb} (action #{b}) comes before Forward mb {mb} (action #{f})")
+    return m
+
+
+def _check_matching(tables: dict[Stage, StageTable]) -> int:
+    sends: dict[tuple, tuple[Stage, int]] = {}
+    recvs: dict[tuple, tuple[Stage, int]] = {}
+    for st, t in tables.items():
+        for i, a in enumerate(t.actions):
+            if isinstance(a, (SendAct, RecvAct)):
+                book = sends if isinstance(a, SendAct) else recvs
+                key = (a.link, a.mb, a.direction)
+                if key in book:
+                    _fail(st, f"{a} appears twice (actions #{book[key][1]} and #{i})")
+                book[key] = (st, i)
+    for key, (st, i) in recvs.items():
+        if key not in sends:
+            link, mb, d = key
+            peer = link.src if d == "fwd" else link.dst
+            extra = "" if peer in tables else f" (no table for stage {peer})"
+            _fail(st, f"Recv {d} {link} mb {mb} has no matching send{extra}")
+    for key, (st, i) in sends.items():
+        if key not in recvs:
+            link, mb, d = key
+            peer = link.dst if d == "fwd" else link.src
+            _fail(st, f"Send {d} {link} mb {mb} is never received (stage {peer} has no Recv {d} {link} mb {mb})")
+    return len(sends)
+
+
+def _check_dataflow(tables: dict[Stage, StageTable], graph: Optional[StageGraph], m: int) -> None:
+    links = set(graph.links) if graph is not None else set()
+    for t in tables.values():
+        links |= {a.link for a in t.actions if isinstance(a, (SendAct, RecvAct))}
+    index: dict[Stage, dict[object, int]] = {st: {a: i for i, a in enumerate(t.actions)} for st, t in tables.items()}
+    for lk in sorted(links):
+        src, dst = index.get(lk.src), index.get(lk.dst)
+        if src is None or dst is None:
+            missing = lk.src if src is None else lk.dst
+            raise ScheduleError(f"link {lk}: no table for stage {missing}")
+        for mb in range(m):
+            # (stage, index of stage, the compute action, the comm action, comm must come before compute?)
+            checks = (
+                (lk.dst, dst, Forward(lk.dst, mb), RecvAct(lk, mb, "fwd"), True),
+                (lk.src, src, Forward(lk.src, mb), SendAct(lk, mb, "fwd"), False),
+                (lk.src, src, Backward(lk.src, mb), RecvAct(lk, mb, "bwd"), True),
+                (lk.dst, dst, Backward(lk.dst, mb), SendAct(lk, mb, "bwd"), False),
+            )
+            for st, idx, compute, comm, before in checks:
+                ci, mi = idx[compute], idx.get(comm)
+                if mi is None:
+                    word = "preceded" if before else "followed"
+                    _fail(st, f"{compute} is not {word} by {comm}")
+                if before and mi > ci:
+                    _fail(st, f"{comm} (action #{mi}) comes after {compute} (action #{ci}) that needs it")
+                if not before and mi < ci:
+                    _fail(st, f"{comm} (action #{mi}) comes before {compute} (action #{ci}) that produces it")
+
+
+def _latency_of(latency, link: Link) -> float:
+    if latency is None:
+        return 0.0
+    if isinstance(latency, Mapping):
+        return float(latency.get(link, 0.0))
+    return float(latency)
+
+
+def _cost_of(t: StageTable, a, costs) -> float:
+    if costs is not None and t.stage.module in costs:
+        f, b = costs[t.stage.module]
+    else:
+        f, b = t.forward_cost, t.backward_cost
+    return float(f if isinstance(a, Forward) else b)
+
+
+def simulate(
+    tables: dict[Stage, StageTable],
+    *,
+    costs: Optional[Mapping[str, tuple]] = None,
+    latency: Union[None, float, Mapping[Link, float]] = None,
+) -> tuple[dict[Stage, float], dict[Stage, tuple], dict[Stage, float]]:
+    """Run all tables under the execution model; returns (finish, spans, busy) per stage.
+
+    Raises `ScheduleError` on deadlock, listing every blocked stage and what it waits on.
+    Event-driven: a stage runs until it blocks on a receive; a send wakes the stage waiting on it.
+    The resulting times do not depend on the order in which stages are advanced.
+    """
+    clock = {st: 0.0 for st in tables}
+    pc = {st: 0 for st in tables}
+    busy = {st: 0.0 for st in tables}
+    spans: dict[Stage, list[Span]] = {st: [] for st in tables}
+    sent: dict[tuple, float] = {}
+    waiting: dict[tuple, Stage] = {}
+    ready = list(tables)
+    while ready:
+        st = ready.pop()
+        t = tables[st]
+        while pc[st] < len(t.actions):
+            a = t.actions[pc[st]]
+            if isinstance(a, RecvAct):
+                key = (a.link, a.mb, a.direction)
+                if key not in sent:
+                    waiting[key] = st
+                    break
+                clock[st] = max(clock[st], sent.pop(key))
+            elif isinstance(a, SendAct):
+                key = (a.link, a.mb, a.direction)
+                sent[key] = clock[st] + _latency_of(latency, a.link)
+                if key in waiting:
+                    ready.append(waiting.pop(key))
+            else:
+                c = _cost_of(t, a, costs)
+                spans[st].append(Span(clock[st], clock[st] + c, a))
+                clock[st] += c
+                busy[st] += c
+            pc[st] += 1
+    blocked = [st for st in tables if pc[st] < len(tables[st].actions)]
+    if blocked:
+        lines = []
+        for st in blocked:
+            a = tables[st].actions[pc[st]]
+            lines.append(f"stage {st} blocked at action #{pc[st]} {a} (waiting for stage {a.peer})")
+        raise ScheduleError("deadlock: " + "; ".join(lines))
+    return clock, {st: tuple(v) for st, v in spans.items()}, busy
+
+
+def check_tables(
+    tables,
+    *,
+    layout=None,
+    micro_batches: Optional[int] = None,
+    costs: Optional[Mapping[str, tuple]] = None,
+    latency: Union[None, float, Mapping[Link, float]] = None,
+) -> CheckReport:
+    """Check and simulate a complete set of stage tables; see the module docstring.
+
+    `tables`: {Stage: StageTable}, {rank: StageTable} or an iterable of StageTable.
+    `layout`: optional resolved disjoint layout whose stage graph the tables must implement.
+    `micro_batches`: the expected M (default: inferred as the largest micro-batch + 1).
+    `costs`: {module: (forward, backward)} per-stage costs overriding the tables' own.
+    `latency`: per-message latency, one number or {Link: seconds}.
+    """
+    by_stage = _normalize(tables)
+    for t in by_stage.values():
+        _check_ownership(t)
+    graph = stage_graph(layout) if layout is not None else None
+    if graph is not None:
+        _check_against_graph(by_stage, graph)
+    m = _check_coverage(by_stage, micro_batches)
+    messages = _check_matching(by_stage)
+    _check_dataflow(by_stage, graph, m)
+    finish, spans, busy = simulate(by_stage, costs=costs, latency=latency)
+    makespan = max(finish.values())
+    total_busy = sum(busy.values())
+    n = len(by_stage)
+    bubble = 1.0 - total_busy / (makespan * n) if makespan > 0 else 0.0
+    return CheckReport(
+        ok=True,
+        micro_batches=m,
+        stages=tuple(by_stage),
+        makespan=makespan,
+        bubble_fraction=bubble,
+        busy=busy,
+        idle={st: makespan - b for st, b in busy.items()},
+        finish=finish,
+        spans=spans,
+        messages=messages,
+    )
