@@ -1,0 +1,66 @@
+"""The one layer that makes Megatron-core 0.16.1 run on CPU/gloo, and the only code that asks torch
+about CUDA.
+
+* :mod:`.device` (no Megatron import): ``get_device``, ``default_backend``, ``set_local_device``,
+  ``synchronize``.
+* :mod:`.cpu`: ``apply_cpu_compat()`` (no-op with CUDA, idempotent) and ``PATCHES``, the list of
+  upstream spots it redirects.
+* :mod:`.pg_collection`: ``apply_pg_collection_fixes()`` (every device, idempotent): upstream spots
+  that read global ``parallel_state`` groups although the model got a ``pg_collection``.
+* ``apply_compat()``: both of the above; call it once in the launcher's parent process, before
+  building Megatron models.
+* :mod:`.cp_attention`: ``ContextParallelDotProductAttention``, a CP core attention for the local
+  spec (K/V all-gather over the CP group).
+* :mod:`.specs`: ``get_gpt_layer_local_spec_with_cp``, ``with_cp_core_attention``,
+  ``clip_vit_norm_kwargs``, ``ensure_global_memory_buffer``.
+
+Names from the Megatron-importing submodules are loaded on first access, so importing this package
+(e.g. for ``get_device``) stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .device import default_backend, get_device, set_local_device, synchronize
+
+_LAZY = {
+    "apply_cpu_compat": "cpu",
+    "cpu_compat_applied": "cpu",
+    "PATCHES": "cpu",
+    "apply_pg_collection_fixes": "pg_collection",
+    "PG_COLLECTION_PATCHES": "pg_collection",
+    "ContextParallelDotProductAttention": "cp_attention",
+    "cp_chunk_positions": "cp_attention",
+    "get_gpt_layer_local_spec_with_cp": "specs",
+    "with_cp_core_attention": "specs",
+    "clip_vit_norm_kwargs": "specs",
+    "ensure_global_memory_buffer": "specs",
+}
+
+__all__ = [
+    "apply_compat",
+    "get_device",
+    "default_backend",
+    "set_local_device",
+    "synchronize",
+    *_LAZY,
+]
+
+
+def apply_compat() -> None:
+    """``apply_pg_collection_fixes()`` on every machine, then ``apply_cpu_compat()`` (which does
+    nothing where CUDA is available). Idempotent."""
+    from .cpu import apply_cpu_compat
+    from .pg_collection import apply_pg_collection_fixes
+
+    apply_pg_collection_fixes()
+    apply_cpu_compat()
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,41 @@
+"""The one place that asks torch which accelerator this process runs on.
+
+Everything outside ``megatron_hetero.compat`` takes its device and its process-group backend from
+here and never calls ``torch.cuda.*`` itself (``is_available``/``device_count`` excepted).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["get_device", "default_backend", "set_local_device", "synchronize"]
+
+
+def get_device() -> torch.device:
+    """The device this process computes on: the current CUDA device when CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def default_backend() -> str:
+    """The torch.distributed backend that matches :func:`get_device`: ``"nccl"`` or ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def set_local_device(local_rank: Optional[int]) -> torch.device:
+    """Bind this process to GPU ``local_rank % device_count`` (before creating NCCL groups).
+
+    On a machine without CUDA this binds nothing and returns the CPU device.
+    """
+    if torch.cuda.is_available() and local_rank is not None:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    return get_device()
+
+
+def synchronize(device: Optional[torch.device] = None) -> None:
+    """Wait for queued work on ``device`` (default: :func:`get_device`); a no-op on CPU."""
+    device = get_device() if device is None else torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
