@@ -3,8 +3,8 @@
 Each module gets a `HyperCommGrid(shape=[tp, cp, dp, pp], dim_names=["tp","cp","dp","pp"],
 rank_offset=<first rank of the module>)` (Megatron's default rank order, tp fastest) and, on the
 ranks it spans, a `ProcessGroupCollection` to pass to Megatron models as `pg_collection=`.
-MoE modules also get the expert grid `[expt_tp, ep, expt_dp, pp]` over the same ranks (Megatron's
-parallel folding).
+Every module also gets the expert grid `[expt_tp, ep, expt_dp, pp]` over the same ranks (Megatron's
+parallel folding; singletons for dense modules, which Megatron DDP still asks for).
 
 Every rank creates every group of every module, in the same order (module declaration order, then
 the fixed order of `DENSE_GROUPS`), also groups it is not a member of: gloo and NCCL both require
@@ -60,10 +60,6 @@ class ModuleGrid:
     @property
     def name(self) -> str:
         return self.layout.name
-
-
-def _is_moe(m: ModuleLayout) -> bool:
-    return m.ep > 1 or m.expt_tp > 1
 
 
 def _new_groups(enumeration: list[list[int]], backend: Optional[str], timeout: timedelta, desc: str):
@@ -126,19 +122,19 @@ class Topology:
         embd = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
         keep("embd", _new_groups(embd, backend, timeout, f"{m.name}:embd"))
         keep("pos_embd", _new_groups([[g[0]] for g in pp_groups], backend, timeout, f"{m.name}:pos_embd"))
-        if _is_moe(m):
-            expt_dp = m.stage_size // (m.expt_tp * m.ep)
-            eg = HyperCommGrid([m.expt_tp, m.ep, expt_dp, m.pp], list(EXPERT_AXES), rank_offset=m.offset,
-                               backend=backend)
-            mg.expert_grid = eg
-            for name, dims in EXPERT_GROUPS:
-                keep(name, eg.create_pg(list(dims), timeout=timeout, group_desc=f"{m.name}:{name}"))
+        # Every module, dense too: Megatron DDP asks for ep/expt_dp (and would otherwise create a
+        # group on its member ranks only, which desynchronises group creation across modules).
+        expt_dp = m.stage_size // (m.expt_tp * m.ep)
+        eg = HyperCommGrid([m.expt_tp, m.ep, expt_dp, m.pp], list(EXPERT_AXES), rank_offset=m.offset,
+                           backend=backend)
+        mg.expert_grid = eg
+        for name, dims in EXPERT_GROUPS:
+            keep(name, eg.create_pg(list(dims), timeout=timeout, group_desc=f"{m.name}:{name}"))
         if member:
             pgs = ProcessGroupCollection(**found)
             # One distributed-optimizer instance: the partial DP group is the whole DP x CP group.
             pgs.intra_dp_cp = found["dp_cp"]
-            if _is_moe(m):
-                pgs.intra_expt_dp = found["expt_dp"]
+            pgs.intra_expt_dp = found["expt_dp"]
             mg.pgs = pgs
 
     def serves(self, name: str) -> bool:

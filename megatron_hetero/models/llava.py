@@ -1,0 +1,243 @@
+"""A LLaVA-style model assembled from Megatron-core parts, one module per layout module.
+
+- Encoder module (`vision`, `audio`, ...): patch embedding (a replicated linear map of the input
+  features) + learned positions, a Megatron `TransformerBlock` (local spec, bidirectional), and a
+  Megatron `MultimodalProjector` (MLP) to the language model's hidden size, all on the encoder's own
+  grid. The projector belongs to its encoder's module and always trains: `frozen` on an encoder
+  freezes its trunk (LLaVA stage 1 and 2 semantics). With PP > 1 the patch embedding sits on the
+  first stage and the projector on the last.
+- Language module (`language`, or pipeline segments `language_a`, `language_b`, ... with `layers`):
+  a Megatron `GPTModel` (local spec, learned absolute positions, untied output layer) over its
+  layers, with the context-parallel attention of `compat` so CP works without Transformer Engine.
+  The first segment's first stage builds its input: text embeddings of the whole sequence, cut to
+  this CP rank's load-balanced chunks, with the encoders' tokens put at their placeholder positions.
+
+Tensors between modules are `[batch, tokens, hidden]` (the boundary layout); inside modules
+Megatron's `[seq, batch, hidden]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_hetero.compat import cp_chunk_positions, get_gpt_layer_local_spec_with_cp
+from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.training.data import DataConfig, EncoderInput
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Sizes of one encoder and where its tokens go in the text sequence."""
+
+    num_layers: int = 2
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    tokens: int = 8
+    feature_dim: int = 24
+    offset: int = 1
+
+
+@dataclass(frozen=True)
+class LlavaSpec:
+    """Sizes of the whole model (Megatron flag names)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    vocab_size: int = 128
+    seq_length: int = 32
+    encoders: dict[str, EncoderSpec] = field(default_factory=lambda: {"vision": EncoderSpec()})
+    seed: int = 1234
+
+    def data_config(self) -> DataConfig:
+        return DataConfig(
+            seq_length=self.seq_length,
+            vocab_size=self.vocab_size,
+            encoders={n: EncoderInput(e.tokens, e.feature_dim, e.offset) for n, e in self.encoders.items()},
+            seed=self.seed,
+        )
+
+
+def transformer_config(*, num_layers: int, hidden: int, heads: int, ffn: Optional[int], m: ModuleLayout,
+                       dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    """Megatron config of one module on its own layout (fp32, no dropout, per-token loss: gradients
+    are summed, not averaged, over DP x CP because the loss is already normalised globally)."""
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        ffn_hidden_size=ffn,
+        tensor_model_parallel_size=m.tp,
+        context_parallel_size=m.cp,
+        pipeline_model_parallel_size=m.pp,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        calculate_per_token_loss=True,
+    )
+
+
+def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout]:
+    """The language-model modules in layer order (one `language`, or segments with `layers`)."""
+    mods = [m for m in layout.modules if m.name not in spec.encoders]
+    if not mods:
+        raise ValueError(f"no language module: modules are {layout.names}, encoders are {list(spec.encoders)}")
+    if len(mods) == 1 and mods[0].layers is None:
+        return mods
+    if any(m.layers is None for m in mods):
+        raise ValueError(f"language segments {[m.name for m in mods]} must each declare `layers: A-B`")
+    mods = sorted(mods, key=lambda m: m.layers.start)
+    expect = 0
+    for m in mods:
+        if m.layers.start != expect:
+            raise ValueError(f"language segments must cover layers 0-{spec.num_layers - 1} in order; "
+                             f"{m.name} starts at layer {m.layers.start}, expected {expect}")
+        expect = m.layers.end + 1
+    if expect != spec.num_layers:
+        raise ValueError(f"language segments cover layers 0-{expect - 1} but --num-layers is {spec.num_layers}")
+    return mods
+
+
+def segment_layers(m: ModuleLayout, spec: LlavaSpec) -> RankRange:
+    return m.layers if m.layers is not None else RankRange(0, spec.num_layers - 1)
+
+
+class EncoderModule(torch.nn.Module):
+    """One encoder stage: [b, n, feature] -> (trunk) -> [b, n, llm_hidden] on the last stage."""
+
+    def __init__(self, name: str, enc: EncoderSpec, llm_hidden: int, m: ModuleLayout,
+                 pgs: ProcessGroupCollection, seed: int) -> None:
+        super().__init__()
+        if m.cp != 1:
+            raise ValueError(f"module {name}: encoders run with cp=1 (their sequence is bounded by the "
+                             f"input resolution, not the context); got cp={m.cp}")
+        if enc.num_layers % m.pp:
+            raise ValueError(f"module {name}: {enc.num_layers} encoder layers do not split over pp({m.pp})")
+        self.name = name
+        self.frozen = m.frozen
+        self.pp_rank, self.pp_size = pgs.pp.rank(), m.pp
+        self.first, self.last = self.pp_rank == 0, self.pp_rank == m.pp - 1
+        config = transformer_config(num_layers=enc.num_layers, hidden=enc.hidden_size,
+                                    heads=enc.num_attention_heads, ffn=None, m=m)
+        layer_spec = get_gpt_layer_local_spec()
+        layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+        if self.first:
+            self.patch_embed = torch.nn.Linear(enc.feature_dim, enc.hidden_size)
+            self.position = torch.nn.Parameter(torch.empty(enc.tokens, enc.hidden_size))
+        self.trunk = TransformerBlock(config, layer_spec, post_layer_norm=self.last, pre_process=self.first,
+                                      post_process=self.last, pg_collection=pgs)
+        if self.last:
+            proj_config = transformer_config(num_layers=1, hidden=llm_hidden, heads=enc.num_attention_heads,
+                                             ffn=llm_hidden, m=m)
+            mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+            self.projector = MultimodalProjector(proj_config, mlp, "mlp", input_size=enc.hidden_size,
+                                                 tp_group=pgs.tp)
+        offset = self.trunk.layers[0].layer_number - 1 if len(self.trunk.layers) else 0
+        deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
+                           tp_size=pgs.tp.size(), layer_offset=offset)
+        if self.frozen:
+            for n, p in self.named_parameters():
+                if not n.startswith("projector."):
+                    p.requires_grad_(False)
+
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: features [b, n, f]; later stages: hidden [n, b, h]. Returns [n, b, h] or, on
+        the last stage, the projected tokens [b, n, llm_hidden]."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            if self.first:
+                x = (self.patch_embed(x) + self.position).transpose(0, 1).contiguous()
+            x = self.trunk(x, attention_mask=None)
+        if not self.last:
+            return x
+        if self.frozen:
+            x = x.detach()
+        return self.projector(x).transpose(0, 1).contiguous()
+
+
+class LanguageModule(torch.nn.Module):
+    """One language-model segment stage (a Megatron GPTModel over the segment's layers)."""
+
+    def __init__(self, name: str, spec: LlavaSpec, m: ModuleLayout, pgs: ProcessGroupCollection,
+                 first_segment: bool, last_segment: bool) -> None:
+        super().__init__()
+        layers = segment_layers(m, spec)
+        n_layers = layers.size
+        if n_layers % m.pp:
+            raise ValueError(f"module {name}: {n_layers} layers do not split over pp({m.pp})")
+        if spec.seq_length % (2 * m.cp) and m.cp > 1:
+            raise ValueError(f"module {name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
+        self.name, self.spec, self.frozen = name, spec, m.frozen
+        self.cp_rank, self.cp_size = pgs.cp.rank(), m.cp
+        pp_rank = pgs.pp.rank()
+        self.first_stage = first_segment and pp_rank == 0
+        self.last_stage = last_segment and pp_rank == m.pp - 1
+        config = transformer_config(num_layers=n_layers, hidden=spec.hidden_size, heads=spec.num_attention_heads,
+                                    ffn=spec.ffn_hidden_size, m=m)
+        self.config = config
+        self.gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec_with_cp(),
+            vocab_size=spec.vocab_size,
+            max_sequence_length=spec.seq_length,
+            pre_process=self.first_stage,
+            post_process=self.last_stage,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="learned_absolute",
+            pg_collection=pgs,
+        )
+        self.model_type = self.gpt.model_type  # what Megatron's schedules look up on the wrapped model
+        local_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
+        deterministic_init(self.named_parameters(), seed=spec.seed, module="language", tp_rank=pgs.tp.rank(),
+                           tp_size=pgs.tp.size(), layer_offset=layers.start + local_offset)
+        if self.frozen:
+            for p in self.parameters():
+                p.requires_grad_(False)
+
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def cp_positions(self) -> torch.Tensor:
+        """Text positions this CP rank holds (Megatron's load-balanced chunks c and 2cp-1-c)."""
+        return cp_chunk_positions(self.spec.seq_length, self.cp_rank, self.cp_size)
+
+    def embed(self, tokens: torch.Tensor, encoder_tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Decoder input [s_local, b, h]: text embeddings at this CP rank's positions, with each
+        encoder's tokens ([b, n_local, h], the boundary's output for this CP rank) at its placeholders."""
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
+        emb = self.gpt.embedding(input_ids=tokens, position_ids=pos)  # [s, b, h]
+        idx = self.cp_positions().to(tokens.device)
+        local = emb.index_select(0, idx)
+        for name, enc in self.spec.encoders.items():
+            where = torch.nonzero((idx >= enc.offset) & (idx < enc.offset + enc.tokens)).flatten()
+            got = encoder_tokens[name]
+            if got.shape[1] != where.numel():
+                raise ValueError(f"module {self.name}: encoder {name} delivered {got.shape[1]} tokens to CP rank "
+                                 f"{self.cp_rank}, its chunks hold {where.numel()} placeholders")
+            local = local.index_copy(0, where, got.transpose(0, 1).to(local.dtype))
+        return local
+
+    def set_input_tensor(self, tensor) -> None:
+        """Megatron's pipeline schedules hand a non-first stage its input here."""
+        self.gpt.set_input_tensor(tensor)
+
+    def forward(self, hidden: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden: [s_local, b, h] decoder input on the first stage (None elsewhere); returns [s_local, b, h], or the per-token loss
+        [b, s_local] on the last stage (labels at this CP rank's positions)."""
+        return self.gpt(None, None, None, decoder_input=hidden, labels=labels)

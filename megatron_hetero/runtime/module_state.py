@@ -1,0 +1,122 @@
+"""Per-module training state on one rank: the module wrapped in Megatron DDP on the module's own
+groups, its own Megatron optimizer, and gradient finalisation over the module's own DP x CP group.
+
+A frozen module (no trainable parameter on this rank) gets no DDP wrapper and no optimizer: it holds
+no gradient buffer and no optimizer state, and its step is a no-op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Megatron optimizer settings shared by all modules (Megatron flag names)."""
+
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 0.0
+
+    def validate(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+
+
+class ModuleState:
+    """A module on this rank with its DDP wrapper and optimizer (or neither, if frozen)."""
+
+    def __init__(self, name: str, module: torch.nn.Module, pgs: ProcessGroupCollection, optim: OptimConfig) -> None:
+        self.name = name
+        self.module = module
+        self.pgs = pgs
+        self.trainable = any(p.requires_grad for p in module.parameters())
+        self.ddp: Optional[DistributedDataParallel] = None
+        self.optimizer = None
+        if self.trainable:
+            config = self._config(module)
+            self.ddp = DistributedDataParallel(
+                config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module, pg_collection=pgs
+            )
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay,
+                    adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                    clip_grad=optim.clip_grad, params_dtype=torch.float32,
+                ),
+                [self.ddp],
+                pg_collection=pgs,
+                use_gloo_process_groups=False,
+            )
+
+    @staticmethod
+    def _config(module: torch.nn.Module):
+        for m in module.modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and hasattr(cfg, "calculate_per_token_loss"):
+                return cfg
+        raise AssertionError(f"{type(module).__name__} has no Megatron config")
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the schedule runs: the DDP wrapper when trainable (its hooks fill main_grad)."""
+        return self.ddp if self.ddp is not None else self.module
+
+    def zero_grad(self) -> None:
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+
+    def finalize_grads(self) -> None:
+        """Reduce gradients over this module's own DP x CP group (summed: the loss is normalised by the
+        global token count already). With untied embeddings and no sequence parallelism that is the
+        whole of Megatron's `finalize_model_grads` (its embedding and layer-norm all-reduces are no-ops)."""
+        if self.ddp is not None:
+            self.ddp.finish_grad_sync()
+
+    def step(self) -> None:
+        if self.optimizer is not None:
+            ok, _, _ = self.optimizer.step()
+            if not ok:
+                raise RuntimeError(f"module {self.name}: optimizer step skipped (non-finite gradients?)")
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of parameters, gradient buffers and optimizer state this module holds here."""
+        out = [p.data for p in self.module.parameters()]
+        if self.ddp is not None:
+            for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+                out.append(buf.grad_data)
+                if buf.param_data is not None:
+                    out.append(buf.param_data)
+        if self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = getattr(opt, "optimizer", None)
+                if inner is None:
+                    continue
+                for st in inner.state.values():
+                    out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        return out
+
+    def resident_bytes(self) -> int:
+        """Bytes of this module's state whose storage is allocated right now (offload frees it)."""
+        seen, total = set(), 0
+        for t in self.state_tensors():
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+        return total

@@ -1,0 +1,112 @@
+"""Per-rank setup of a heterogeneous LLaVA-style job: groups, modules, boundaries, optimizers.
+
+Everything is validated before any process group exists (`validate_job`), so a bad layout or
+batch configuration is rejected with a ValueError in the launching process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.models.llava import EncoderModule, LanguageModule, LlavaSpec, language_modules
+from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What a training job needs besides the layout (Megatron flag names)."""
+
+    spec: LlavaSpec = field(default_factory=LlavaSpec)
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    train_iters: int = 5
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    offload_encoder: bool = False
+    comm_timeout_s: float = 600.0
+
+    def llm_micro_batches(self, llm: ModuleLayout) -> int:
+        return self.global_batch_size // llm.dp // self.micro_batch_size
+
+
+def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
+    """Every user error of a job, as ValueError with the arithmetic, before any group is created."""
+    spec = job.spec
+    job.optim.validate()
+    spec.data_config().validate()
+    for name in ("global_batch_size", "micro_batch_size", "train_iters"):
+        v = getattr(job, name)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if spec.hidden_size % spec.num_attention_heads:
+        raise ValueError(f"--hidden-size {spec.hidden_size} is not divisible by --num-attention-heads "
+                         f"{spec.num_attention_heads}")
+    langs = language_modules(layout, spec)
+    known = set(spec.encoders) | {m.name for m in langs}
+    for m in layout.modules:
+        if m.name not in known:
+            raise ValueError(f"module {m.name} is neither an encoder ({sorted(spec.encoders)}) nor a language module")
+    for name in spec.encoders:
+        if name not in layout.names:
+            raise ValueError(f"encoder {name} has no module in the layout (modules are {layout.names})")
+        edges = [e for e in layout.edges if e.src == name]
+        if [e.dst for e in edges] != [langs[0].name]:
+            raise ValueError(f"encoder {name} must have exactly one edge, '{name} -> {langs[0].name}' "
+                             f"(the first language module); it has {[str(e) for e in edges]}")
+    for a, b in zip(langs, langs[1:]):
+        if not any(e.src == a.name and e.dst == b.name for e in layout.edges):
+            raise ValueError(f"language segments {a.name} and {b.name} need the edge '{a.name} -> {b.name}'")
+    for m in layout.modules:
+        g = job.global_batch_size
+        if g % m.dp:
+            raise ValueError(f"module {m.name}: --global-batch-size {g} is not divisible by dp({m.dp}) "
+                             f"(remainder {g % m.dp})")
+        if m.tp > 1 and (spec.encoders.get(m.name, spec).num_attention_heads % m.tp):
+            heads = spec.encoders.get(m.name, spec).num_attention_heads
+            raise ValueError(f"module {m.name}: {heads} attention heads are not divisible by tp({m.tp})")
+    for m in langs:
+        share = job.global_batch_size // m.dp
+        if share % job.micro_batch_size:
+            raise ValueError(f"module {m.name}: its DP share {job.global_batch_size}/dp({m.dp}) = {share} samples "
+                             f"is not divisible by --micro-batch-size {job.micro_batch_size}")
+        if m.cp > 1 and spec.seq_length % (2 * m.cp):
+            raise ValueError(f"module {m.name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
+    if len({job.global_batch_size // m.dp // job.micro_batch_size for m in langs}) != 1:
+        raise ValueError("language segments must run the same number of micro-batches: "
+                         + ", ".join(f"{m.name} {job.global_batch_size}/dp({m.dp})/{job.micro_batch_size}" for m in langs))
+    if layout.placement == "colocated":
+        for name in spec.encoders:
+            m = layout.module(name)
+            if m.pp != 1:
+                raise ValueError(f"module {name}: the colocated three-phase schedule runs encoders with pp=1, got "
+                                 f"pp={m.pp} (use disjoint placement for a pipelined encoder)")
+        if len(langs) != 1:
+            raise ValueError("colocated placement takes one language module; segments are disjoint modules")
+    if job.offload_encoder and layout.placement != "colocated":
+        raise ValueError("--hetero-offload-encoder applies to the colocated schedule only")
+
+
+def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch.nn.Module:
+    """The module `name` for this rank's stage, on the compute device."""
+    from megatron_hetero.compat.device import get_device
+
+    m = layout.module(name)
+    if name in spec.encoders:
+        mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed)
+    else:
+        langs = language_modules(layout, spec)
+        mod = LanguageModule(name, spec, m, pgs, first_segment=langs[0].name == name,
+                             last_segment=langs[-1].name == name)
+    return mod.to(get_device())
+
+
+def build_states(layout: HeteroLayout, job: JobConfig, topo) -> dict[str, ModuleState]:
+    """Every module this rank serves, wrapped with DDP and its optimizer (none if frozen)."""
+    states = {}
+    for m in layout.modules:
+        if topo.serves(m.name):
+            pgs = topo.pg_collection(m.name)
+            states[m.name] = ModuleState(m.name, build_module(m.name, layout, job.spec, pgs), pgs, job.optim)
+    return states

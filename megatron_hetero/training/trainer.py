@@ -1,0 +1,50 @@
+"""The training loop of one rank, for colocated and disjoint layouts alike."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_hetero.compat import ensure_global_memory_buffer
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.runtime.topology import Topology
+from megatron_hetero.training.setup import JobConfig, build_states
+
+
+def make_schedule(layout: HeteroLayout, job: JobConfig, topo, states):
+    if layout.placement == "colocated":
+        from megatron_hetero.runtime.colocated import ColocatedSchedule
+
+        return ColocatedSchedule(layout, job, topo, states)
+    from megatron_hetero.runtime.disjoint import DisjointSchedule
+
+    return DisjointSchedule(layout, job, topo, states)
+
+
+def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False) -> dict[str, Any]:
+    """Run `job.train_iters` steps on this rank; returns per-step records (loss is global, the same
+    on every rank) and, if asked, this rank's parameters by module (for parity tests)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ensure_global_memory_buffer()
+    model_parallel_cuda_manual_seed(job.spec.seed, tp_rank=0, ep_rank=0, etp_rank=0)  # dropout is 0
+    topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
+    try:
+        states = build_states(layout, job, topo)
+        schedule = make_schedule(layout, job, topo, states)
+        records = []
+        for it in range(job.train_iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            res = schedule.step(it)
+            records.append({"iteration": it + 1, "loss": res.loss, "step_time_s": time.perf_counter() - t0,
+                            "memory": res.memory})
+        out: dict[str, Any] = {"records": records}
+        if collect_params:
+            out["params"] = {n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()}
+                             for n, s in states.items()}
+            out["coords"] = {n: topo.coord(n).as_dict() for n in states}
+        return out
+    finally:
+        topo.destroy()
