@@ -53,7 +53,11 @@ class DataConfig:
 def sample(cfg: DataConfig, index: int) -> dict:
     """Global sample `index` (deterministic in (seed, index), independent of any layout)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + index)
-    tokens = torch.randint(1, cfg.vocab_size, (cfg.seq_length + 1,), generator=g)
+    # A learnable text: a random first token, then a fixed affine bigram rule (so the loss falls).
+    tokens = torch.empty(cfg.seq_length + 1, dtype=torch.long)
+    tokens[0] = int(torch.randint(1, cfg.vocab_size, (1,), generator=g))
+    for k in range(cfg.seq_length):
+        tokens[k + 1] = (int(tokens[k]) * 7 + 3) % (cfg.vocab_size - 1) + 1
     placeholder = torch.zeros(cfg.seq_length + 1, dtype=torch.bool)
     features = {}
     for name in sorted(cfg.encoders):

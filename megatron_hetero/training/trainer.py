@@ -1,12 +1,13 @@
 """The training loop of one rank, for colocated and disjoint layouts alike."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import torch.distributed as dist
 
-from megatron_hetero.compat import ensure_global_memory_buffer
+from megatron_hetero.compat import ensure_global_memory_buffer, set_local_device
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.training.setup import JobConfig, build_states
@@ -27,6 +28,7 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
     on every rank) and, if asked, this rank's parameters by module (for parity tests)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    set_local_device(int(os.environ.get("LOCAL_RANK", "0")))  # GPU: one device per rank; CPU: no-op
     ensure_global_memory_buffer()
     model_parallel_cuda_manual_seed(job.spec.seed, tp_rank=0, ep_rank=0, etp_rank=0)  # dropout is 0
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
