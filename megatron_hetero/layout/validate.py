@@ -188,9 +188,10 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
         _check_degrees(m)
         if not isinstance(m.frozen, bool):
             raise ValueError(f"module {m.name}: frozen must be true or false, got {m.frozen!r}")
-    _check_edges(layout)
     if layout.placement == "colocated":
         modules = _resolve_colocated(layout.modules, world_size)
     else:
         modules = _resolve_disjoint(layout.modules, world_size)
-    return HeteroLayout(placement=layout.placement, modules=tuple(modules), edges=tuple(layout.edges))
+    resolved = HeteroLayout(placement=layout.placement, modules=tuple(modules), edges=tuple(layout.edges))
+    _check_edges(resolved)  # after the per-module arithmetic, which is the more basic error
+    return resolved
