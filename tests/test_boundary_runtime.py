@@ -213,3 +213,46 @@ def test_hierarchical_mode_matches_reference_and_its_planned_bytes(case):
     moved = sum(r["fwd"] for r in results)
     assert moved == results[0]["planned"], (moved, results[0]["planned"])
     assert moved > results[0]["direct"]  # the leader path moves more than the direct minimum here
+
+
+def _variable_seq() -> list:
+    """One boundary, three calls with different sequence lengths: destinations learn each length
+    from the headers and still receive exactly their blocks; gradients still match."""
+    rank = dist.get_rank()
+    layout = layout_from_dict(_lay("disjoint", {"tp": 2, "dp": 1}, {"cp": 2, "dp": 2}), world_size=6)
+    bnd = Boundary(layout, "vision->language", batch=4, hidden=3, timeout_s=30)
+    seen = []
+    for seq in (8, 16, 4):
+        g = torch.Generator().manual_seed(seq)
+        X, W = torch.randn(4, seq, 3, generator=g), torch.randn(4, seq, 3, generator=g)
+        plan = bnd.plan_for(seq)
+        x = _gather(plan.holds[rank], X).clone().requires_grad_(True) if bnd.is_src else None
+        y = bnd(x)
+        if bnd.is_dst:
+            assert torch.equal(y, _gather(plan.needs[rank], X))
+            (y * _gather(plan.needs[rank], W)).sum().backward()
+            seen.append(y.shape[1])
+        else:
+            Boundary.backward_source(y)
+            assert torch.equal(x.grad, _gather(plan.holds[rank], W))
+    return seen
+
+
+@pytest.mark.timeout(60)
+def test_variable_sequence_lengths_are_learnt_from_headers():
+    results = run_ranks(6, _variable_seq, timeout=40)
+    # destination CP ranks hold seq/2 tokens of each call
+    assert all(r == [4, 8, 2] for r in results[2:])
+
+
+def _hidden_mismatch() -> None:
+    layout = layout_from_dict(_lay("disjoint", {"dp": 1}, {"dp": 1}), world_size=2)
+    # the two sides disagree on the hidden size: the destination's header check must name the edge
+    bnd = Boundary(layout, "vision->language", batch=2, hidden=4 if dist.get_rank() == 0 else 3, timeout_s=10)
+    bnd(torch.zeros(2, 5, 4) if bnd.is_src else None)
+
+
+@pytest.mark.timeout(60)
+def test_header_mismatch_names_the_edge():
+    with pytest.raises(RankFailure, match=r"edge vision->language: rank 1 received from rank 0: hidden 4 \(expected 3\)"):
+        run_ranks(2, _hidden_mismatch, timeout=40)

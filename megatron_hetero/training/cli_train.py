@@ -143,6 +143,10 @@ def run_train(args: argparse.Namespace) -> int:
     for r in records:
         print(f" iteration {r['iteration']:>4}/{job.train_iters} | lm loss {r['loss']:.6f} | "
               f"step time {r['step_time_s'] * 1e3:.1f} ms", flush=True)
+    if layout.placement == "colocated" and records:
+        mem = records[-1]["memory_bytes"]["0"]
+        print("rank 0 module state resident per phase (bytes): " + "; ".join(
+            f"{phase}: " + ", ".join(f"{m} {b}" for m, b in mods.items()) for phase, mods in mem.items()), flush=True)
     if args.log_jsonl:
         path = Path(args.log_jsonl)
         path.parent.mkdir(parents=True, exist_ok=True)
