@@ -62,7 +62,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_plan, _add_train, _add_schedule, _add_bench]
+def _add_search(sub: argparse._SubParsersAction) -> None:
+    from megatron_hetero.cli_search import add_parser
+
+    add_parser(sub)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_plan, _add_train, _add_schedule, _add_search, _add_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,11 +68,17 @@ def test_colocated_parity_with_world1(case):
 
 
 @pytest.mark.timeout(300)
-def test_colocated_parity_with_homogeneous_layout():
-    """LLM TP4 at world 4: the homogeneous layout puts the encoder on TP4 too."""
-    homo = run_job(_doc({"tp": 4}, {"tp": 4}), 4, JOB)
-    hetero = run_job(_doc({"dp": 4}, {"tp": 4}), 4, JOB)
-    _assert_parity(hetero, (losses(homo), full_params(homo)), "TP1·DP4 vs homogeneous TP4")
+@pytest.mark.parametrize("homogeneous,heterogeneous,world", [
+    ({"tp": 4}, {"dp": 4}, 4),
+    ({"tp": 2, "pp": 2, "dp": 2}, {"dp": 8}, 8),
+], ids=["LLM TP4", "LLM TP2·PP2·DP2"])
+def test_colocated_parity_with_homogeneous_layout(homogeneous, heterogeneous, world):
+    """The homogeneous layout puts the encoder on the LLM's own layout (a pipelined encoder when the
+    LLM has pp > 1); the heterogeneous one gives the encoder pure DP."""
+    homo = run_job(_doc(homogeneous, homogeneous), world, JOB)
+    _assert_parity(homo, _reference(JOB), f"homogeneous {homogeneous}")
+    hetero = run_job(_doc(heterogeneous, homogeneous), world, JOB)
+    _assert_parity(hetero, (losses(homo), full_params(homo)), f"{heterogeneous} vs homogeneous {homogeneous}")
 
 
 @pytest.mark.timeout(300)

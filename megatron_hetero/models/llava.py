@@ -162,6 +162,8 @@ class EncoderModule(torch.nn.Module):
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             if self.first:
                 x = (self.patch_embed(x) + self.position).transpose(0, 1).contiguous()
+            else:
+                self.trunk.set_input_tensor(x)  # a non-first TransformerBlock reads its input from here
             x = self.trunk(x, attention_mask=None)
         if not self.last:
             return x

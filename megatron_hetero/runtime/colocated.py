@@ -2,7 +2,8 @@
 
 Per step, for a global batch of G samples:
   phase 1: each encoder runs forward once over this rank's encoder-DP share of the batch
-           (samples [d*G/dp, (d+1)*G/dp) of the step), then its colocated boundary moves the tokens
+           (samples [d*G/dp, (d+1)*G/dp) of the step; an encoder with pp > 1 passes the whole share
+           from stage to stage), then its colocated boundary moves the tokens
            into the language model's layout (first stage, this rank's LLM-DP share, this CP rank's
            placeholder positions). The boundary output is detached: the LLM phase starts from a
            leaf that accumulates its gradient.
@@ -10,7 +11,7 @@ Per step, for a global batch of G samples:
   phase 2: Megatron-core's forward-backward function for the language model (1F1B when pp > 1)
            over its micro-batches, fed from the detached encoder tokens.
   phase 3: offloaded state comes back; boundary backward (gradients into each encoder's layout) and
-           one encoder backward per encoder.
+           one encoder backward per encoder (stage by stage, last to first, when pp > 1).
 Then each module reduces its gradients over its own DP x CP group and steps its own optimizer.
 No encoder collective ever runs while the LLM pipeline is in flight.
 """
@@ -29,6 +30,7 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.runtime.boundary import Boundary
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.offload import Offloader
+from megatron_hetero.runtime.wire import p2p
 from megatron_hetero.training import data as data_mod
 from megatron_hetero.training.setup import JobConfig
 
@@ -94,12 +96,20 @@ class ColocatedSchedule:
         # phase 1: encoders forward + colocated boundary
         enc_out: dict[str, Optional[torch.Tensor]] = {}
         enc_leaf: dict[str, torch.Tensor] = {}
+        stage_io: dict[str, tuple] = {}
         for name in self.encoders:
-            m = self.layout.module(name)
+            m, c = self.layout.module(name), self.topo.coord(name)
             share = job.global_batch_size // m.dp
-            feats = data_mod.batch(self.dcfg, first + self.topo.coord(name).dp * share, share)["features"][name]
-            out = self.states[name].model(feats.to(dev))
-            y = self.boundaries[name](out)
+            if c.pp == 0:
+                inp = data_mod.batch(self.dcfg, first + c.dp * share, share)["features"][name].to(dev)
+            else:  # a pipelined encoder: the whole share flows through its stages once (no interleaving)
+                inp = self._stage_recv(name, -1, (self.job.spec.encoders[name].tokens, share,
+                                                  self.job.spec.encoders[name].hidden_size))
+            out = self.states[name].model(inp)
+            if c.pp < m.pp - 1:
+                self._stage_send(name, +1, out.detach())
+            stage_io[name] = (inp, out)
+            y = self.boundaries[name](out if c.pp == m.pp - 1 else None)
             enc_out[name] = y
             if self.boundaries[name].is_dst:
                 enc_leaf[name] = y.detach().requires_grad_(True)
@@ -113,11 +123,13 @@ class ColocatedSchedule:
         for off in self.offloaders.values():
             off.restore()
         for name in reversed(self.encoders):
+            bnd = self.boundaries[name]
             if name in enc_leaf:
                 grad = enc_leaf[name].grad
                 torch.autograd.backward(enc_out[name], grad if grad is not None else torch.zeros_like(enc_leaf[name]))
-            else:
+            elif bnd.is_src:
                 Boundary.backward_source(enc_out[name])
+            self._encoder_pipeline_backward(name, stage_io[name])
         memory["phase3"] = self._memory()
         for s in self.states.values():
             s.finalize_grads()
@@ -126,6 +138,35 @@ class ColocatedSchedule:
         loss = loss_contribution(self.lang, reported, self.lang.module.last_stage)
         dist.all_reduce(loss)
         return StepResult(loss=float(loss.item()) / self.loss_tokens, memory=memory)
+
+    def _stage_peer(self, name: str, delta: int) -> int:
+        """The rank holding the same (tp, cp, dp) coordinates in the encoder's next/previous stage."""
+        return self.topo.rank + delta * self.layout.module(name).stage_size
+
+    def _stage_send(self, name: str, delta: int, tensor: torch.Tensor) -> None:
+        peer = self._stage_peer(name, delta)
+        p2p({peer: tensor.contiguous()}, {}, what=f"{name} pipeline", edge=f"{name} stage link",
+            timeout_s=self.job.comm_timeout_s)
+
+    def _stage_recv(self, name: str, delta: int, shape: tuple[int, ...]) -> torch.Tensor:
+        peer = self._stage_peer(name, delta)
+        buf = torch.empty(shape, dtype=torch.float32, device=get_device())
+        p2p({}, {peer: buf}, what=f"{name} pipeline", edge=f"{name} stage link", timeout_s=self.job.comm_timeout_s)
+        return buf.requires_grad_(True)
+
+    def _encoder_pipeline_backward(self, name: str, io: tuple) -> None:
+        """Stages before the last: receive the output gradient from the next stage and run backward;
+        every stage but the first sends its input gradient to the previous one."""
+        m, c = self.layout.module(name), self.topo.coord(name)
+        if m.pp == 1 or m.frozen:  # a frozen trunk has no graph before the last stage's projector
+            return
+        inp, out = io
+        if c.pp < m.pp - 1:
+            grad = self._stage_recv(name, +1, tuple(out.shape)).detach()
+            torch.autograd.backward(out, grad)
+        if c.pp > 0:
+            g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            self._stage_send(name, -1, g)
 
     def _llm_phase(self, first: int, enc_leaf: dict[str, torch.Tensor]) -> list:
         job, lang, dev = self.job, self.lang.module, get_device()

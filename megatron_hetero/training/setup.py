@@ -76,12 +76,11 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     if len({job.global_batch_size // m.dp // job.micro_batch_size for m in langs}) != 1:
         raise ValueError("language segments must run the same number of micro-batches: "
                          + ", ".join(f"{m.name} {job.global_batch_size}/dp({m.dp})/{job.micro_batch_size}" for m in langs))
+    for name, enc in spec.encoders.items():
+        m = layout.module(name)
+        if enc.num_layers % m.pp:
+            raise ValueError(f"module {name}: {enc.num_layers} encoder layers do not split over pp({m.pp})")
     if layout.placement == "colocated":
-        for name in spec.encoders:
-            m = layout.module(name)
-            if m.pp != 1:
-                raise ValueError(f"module {name}: the colocated three-phase schedule runs encoders with pp=1, got "
-                                 f"pp={m.pp} (use disjoint placement for a pipelined encoder)")
         if len(langs) != 1:
             raise ValueError("colocated placement takes one language module; segments are disjoint modules")
     if job.offload_encoder and layout.placement != "colocated":
