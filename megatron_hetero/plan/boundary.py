@@ -241,19 +241,13 @@ def check_shape(edge: Edge, src: ModuleLayout, dst: ModuleLayout, shape: Boundar
                 f"{2 * dst.cp} of destination {dst.name} (load-balanced context-parallel chunks)"
             )
     for side, m in (("source", src), ("destination", dst)):
-        if side == "destination" and shape.dst_seq is not None:
-            if shape.batch % m.dp:
-                raise ValueError(
-                    f"edge {edge}: batch {shape.batch} is not divisible by {side} {m.name} dp({m.dp}) "
-                    f"(remainder {shape.batch % m.dp}); every DP rank must get the same number of samples"
-                )
-            continue
         if shape.batch % m.dp:
             raise ValueError(
                 f"edge {edge}: batch {shape.batch} is not divisible by {side} {m.name} dp({m.dp}) "
                 f"(remainder {shape.batch % m.dp}); every DP rank must get the same number of samples"
             )
-        if m.cp > 1 and shape.seq % (2 * m.cp):
+        # the destination's CP chunks are over dst_seq when the tokens land in a longer sequence
+        if m.cp > 1 and shape.seq % (2 * m.cp) and not (side == "destination" and shape.dst_seq is not None):
             raise ValueError(
                 f"edge {edge}: sequence {shape.seq} is not divisible by 2*cp = 2*{m.cp} = {2 * m.cp} "
                 f"of {side} {m.name} (load-balanced context-parallel chunks)"
