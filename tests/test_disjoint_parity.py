@@ -181,12 +181,11 @@ CASES = [
           language_a={"cp": 2, "layers": "0-1"}, language_b={"tp": 2, "pp": 2, "layers": "2-3"}),
      7, _job(ONE, mbs=2), True),
     # A TP-heavy segment followed by a DP-heavy one: segments with different DP run different
-    # per-rank micro-batch sizes (2 and 1 samples of each 2-sample micro-batch), which validate_job
-    # does not accept yet (it asks every segment for the same G/dp/micro-batch-size).
+    # per-rank micro-batch sizes (2 and 1 samples of each 2-sample micro-batch).
     ("segments enc DP1@0 -> LLM layers 0-1 TP2@1-2 -> layers 2-3 DP2@3-4",
      _dis(["vision -> language_a", "language_a -> language_b"], vision={},
           language_a={"tp": 2, "layers": "0-1"}, language_b={"dp": 2, "layers": "2-3"}),
-     5, _job(ONE, mbs=2), False),
+     5, _job(ONE, mbs=2), True),
 ]
 
 
@@ -211,15 +210,6 @@ def test_disjoint_parity_with_homogeneous_layout():
     _assert_parity(layout, ONE, per_rank, (_losses(homo), ref_params), "fan-in vs homogeneous TP2·DP2")
 
 
-def _frozen_fix_present() -> bool:
-    """Whether ModuleState builds optimizers so that ranks without one (a fully frozen module, or the
-    frozen first stages of a pipelined frozen encoder) do not leave the ranks with one waiting in
-    Megatron's world-wide param-group all_gather_object or its grad-norm all-reduce over tp x pp."""
-    from megatron_hetero.runtime import module_state
-
-    return hasattr(module_state, "param_groups_gathered_over")
-
-
 FROZEN_CASES = [
     # LLaVA stage 2: encoder trunk frozen (its projector trains on every encoder rank), LLM trains.
     ("stage2 enc DP2 frozen trunk -> LLM TP2", ("vision",),
@@ -234,10 +224,7 @@ FROZEN_CASES = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", FROZEN_CASES, ids=[c[0] for c in FROZEN_CASES])
 def test_disjoint_parity_frozen(case):
-    label, frozen, doc, needs_fix = case
-    if needs_fix and not _frozen_fix_present():
-        pytest.skip("ranks without an optimizer hang in Megatron's optimizer collectives until "
-                    "module_state gets the param-group gather / grad-norm group fix")
+    label, frozen, doc, _ = case
     layout, per_rank = _run(doc, 4, _job(ONE, mbs=2))
     ref = _reference(ONE, SGD, frozen)
     _assert_parity(layout, ONE, per_rank, ref, label)

@@ -15,7 +15,7 @@ from typing import List
 
 from ._patching import Patch, wrap_method
 
-__all__ = ["apply_pg_collection_fixes", "PG_COLLECTION_PATCHES"]
+__all__ = ["apply_pg_collection_fixes", "param_groups_gathered_over", "PG_COLLECTION_PATCHES"]
 
 _APPLIED = False
 
@@ -73,6 +73,32 @@ PG_COLLECTION_PATCHES: List[Patch] = [
         _loss_uses_model_tp_group,
     ),
 ]
+
+
+@contextlib.contextmanager
+def param_groups_gathered_over(group):
+    """Megatron-core's `get_megatron_optimizer` aligns param-group keys with an `all_gather_object`
+    on the default (world) group (optimizer/__init__.py `_get_param_groups`, once for dense and once
+    for expert parameters). Only ranks that build this module's optimizer call it, so with disjoint
+    islands or frozen stages the world-wide gather never completes. Inside this context a gather on
+    the default group runs over `group` (this module's pipeline stage) instead."""
+    import torch.distributed as dist
+
+    orig = dist.all_gather_object
+
+    def gather(object_list, obj, group_=None, **kw):
+        group_ = kw.pop("group", group_)
+        if group_ is not None:
+            return orig(object_list, obj, group=group_, **kw)
+        out = [None] * dist.get_world_size(group)
+        orig(out, obj, group=group, **kw)
+        object_list[:] = out
+
+    dist.all_gather_object = gather
+    try:
+        yield
+    finally:
+        dist.all_gather_object = orig
 
 
 def apply_pg_collection_fixes() -> None:

@@ -6,6 +6,7 @@ no gradient buffer and no optimizer state, and its step is a no-op.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +14,8 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_hetero.compat.pg_collection import param_groups_gathered_over
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,24 @@ class ModuleState:
             self.ddp = DistributedDataParallel(
                 config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module, pg_collection=pgs
             )
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay,
-                    adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                    clip_grad=optim.clip_grad, params_dtype=torch.float32,
-                ),
-                [self.ddp],
-                pg_collection=pgs,
-                use_gloo_process_groups=False,
-            )
+            opt_pgs = pgs
+            if getattr(module, "frozen", False) and pgs.pp.size() > 1:
+                # A frozen encoder trains only its projector, on its last stage; the frozen stages
+                # build no optimizer, so Megatron's grad-norm all-reduce over mp = tp x pp would wait
+                # for them forever. Over the last stage's TP group it is the same norm.
+                opt_pgs = copy.copy(pgs)
+                opt_pgs.mp = pgs.tp
+            with param_groups_gathered_over(pgs.tp_dp_cp):
+                self.optimizer = get_megatron_optimizer(
+                    OptimizerConfig(
+                        optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay,
+                        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                        clip_grad=optim.clip_grad, params_dtype=torch.float32,
+                    ),
+                    [self.ddp],
+                    pg_collection=opt_pgs,
+                    use_gloo_process_groups=False,
+                )
 
     @staticmethod
     def _config(module: torch.nn.Module):

@@ -66,14 +66,23 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         if m.tp > 1 and (spec.encoders.get(m.name, spec).num_attention_heads % m.tp):
             heads = spec.encoders.get(m.name, spec).num_attention_heads
             raise ValueError(f"module {m.name}: {heads} attention heads are not divisible by tp({m.tp})")
-    for m in langs:
+    # Disjoint: --micro-batch-size is the first language module's per-rank micro-batch; later segments
+    # run their DP share of the same G/M-sample micro-batches (checked below with the schedule).
+    for m in (langs[:1] if layout.placement == "disjoint" else langs):
         share = job.global_batch_size // m.dp
         if share % job.micro_batch_size:
             raise ValueError(f"module {m.name}: its DP share {job.global_batch_size}/dp({m.dp}) = {share} samples "
                              f"is not divisible by --micro-batch-size {job.micro_batch_size}")
+    for m in langs:
         if m.cp > 1 and spec.seq_length % (2 * m.cp):
             raise ValueError(f"module {m.name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
-    if len({job.global_batch_size // m.dp // job.micro_batch_size for m in langs}) != 1:
+    if layout.placement == "disjoint":
+        from megatron_hetero.plan.schedule import rank_tables
+        from megatron_hetero.runtime.disjoint import micro_batch_plan
+
+        micro_batches, _ = micro_batch_plan(layout, job)  # G/M divisible by every module's dp
+        rank_tables(layout, micro_batches)  # 1 <= M <= 64, every stage reachable
+    elif len({job.global_batch_size // m.dp // job.micro_batch_size for m in langs}) != 1:
         raise ValueError("language segments must run the same number of micro-batches: "
                          + ", ".join(f"{m.name} {job.global_batch_size}/dp({m.dp})/{job.micro_batch_size}" for m in langs))
     for name, enc in spec.encoders.items():
