@@ -21,3 +21,22 @@ def test_bench_boundary_smoke(tmp_path):
         else:
             assert row["bytes_moved"] > row["min_bytes"], row
     assert "| case | mode |" in bench.table(doc)
+
+
+@pytest.mark.timeout(300)
+def test_bench_schedule_smoke():
+    """One disjoint case, two steps: the measured and predicted bubbles are fractions, and the
+    prediction is the checker's simulation of the same tables with the measured stage costs."""
+    from megatron_hetero.bench import schedule as sched_bench
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.plan.schedule import build_tables
+    from megatron_hetero.plan.schedule_check import check_tables
+
+    name, doc, encoders, layers, gbs, mbs = sched_bench.CASES[0]
+    row = sched_bench._measure(name, doc, encoders, layers, gbs, mbs, steps=2)
+    assert 0.0 < row["measured_bubble"] < 1.0 and 0.0 < row["predicted_bubble"] < 1.0
+    costs = {m: (c["forward"], c["backward"]) for m, c in row["stage_costs_s"].items()}
+    layout = layout_from_dict(doc)
+    expect = check_tables(build_tables(layout, row["micro_batches"], stage_costs=costs), layout=layout)
+    assert row["predicted_bubble"] == pytest.approx(expect.bubble_fraction)
+    assert row["stages"] == 4 and row["micro_batches"] == 8

@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-BENCHMARKS = ("boundary",)
+BENCHMARKS = ("boundary", "schedule")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +25,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from megatron_hetero.bench import boundary as bench
 
         doc = bench.run(out, iters=args.iters)
+    else:
+        from megatron_hetero.bench import schedule as bench
+
+        doc = bench.run(out, steps=max(args.iters, 2))
     print(json.dumps(doc, indent=1) if args.json else bench.table(doc))
     if not args.json:
         print(f"\nwrote {out / (args.name + '.json')}")

@@ -13,6 +13,16 @@ from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.training.setup import JobConfig, build_states
 
 
+def prepare_rank(job: JobConfig) -> None:
+    """Per-process state Megatron-core needs before models are built: the device, the attention
+    score buffer and the RNG tracker (dropout is 0, so the tracker's streams are never drawn)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    set_local_device(int(os.environ.get("LOCAL_RANK", "0")))  # GPU: one device per rank; CPU: no-op
+    ensure_global_memory_buffer()
+    model_parallel_cuda_manual_seed(job.spec.seed, tp_rank=0, ep_rank=0, etp_rank=0)
+
+
 def make_schedule(layout: HeteroLayout, job: JobConfig, topo, states):
     if layout.placement == "colocated":
         from megatron_hetero.runtime.colocated import ColocatedSchedule
@@ -26,11 +36,7 @@ def make_schedule(layout: HeteroLayout, job: JobConfig, topo, states):
 def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False) -> dict[str, Any]:
     """Run `job.train_iters` steps on this rank; returns per-step records (loss is global, the same
     on every rank) and, if asked, this rank's parameters by module (for parity tests)."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    set_local_device(int(os.environ.get("LOCAL_RANK", "0")))  # GPU: one device per rank; CPU: no-op
-    ensure_global_memory_buffer()
-    model_parallel_cuda_manual_seed(job.spec.seed, tp_rank=0, ep_rank=0, etp_rank=0)  # dropout is 0
+    prepare_rank(job)
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         states = build_states(layout, job, topo)
