@@ -90,6 +90,7 @@ def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
 
 
 def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: int, steps: int) -> dict[str, Any]:
+    apply_compat()  # in the parent, before forking (idempotent)
     spec = LlavaSpec(num_layers=layers, encoders=encoders)
     job = JobConfig(spec=spec, global_batch_size=gbs, micro_batch_size=mbs, train_iters=steps,
                     optim=OptimConfig(optimizer="sgd", lr=0.1))
@@ -118,7 +119,6 @@ def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: i
 
 def run(out_dir: Path, steps: int = 4) -> dict[str, Any]:
     """Run every case; write schedule.json (+ schedule.png); return the document."""
-    apply_compat()
     rows = [_measure(*case, steps=steps) for case in CASES]
     doc = {"benchmark": "schedule", "steps": steps, "cases": rows}
     write_json(out_dir / "schedule.json", doc)
