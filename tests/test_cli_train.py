@@ -51,3 +51,17 @@ def test_train_cli_rejects_bad_layout_before_starting(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 2
     assert "--global-batch-size 6 is not divisible by dp(8)" in proc.stderr
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", sorted(p.name for p in LAYOUTS.glob("*.yaml")))
+def test_every_example_layout_trains_with_defaults(layout, tmp_path, capsys):
+    """In-process (the ranks fork from the test process): each example runs with only the layout given
+    (default sizes; disjoint layouts get a micro-batch size every module's DP divides)."""
+    from megatron_hetero.cli import main
+
+    log = tmp_path / "log.jsonl"
+    assert main(["train", "--hetero-layout", str(LAYOUTS / layout), "--train-iters", "1",
+                 "--log-jsonl", str(log)]) == 0, capsys.readouterr().err[-3000:]
+    loss = json.loads(log.read_text().splitlines()[0])["loss"]
+    assert 4.0 < loss < 5.5  # ln(128) = 4.85 at initialisation

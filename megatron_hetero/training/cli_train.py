@@ -22,7 +22,8 @@ from megatron_hetero.layout.spec import HeteroLayout
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train the tiny LLaVA-style model on a heterogeneous layout")
     g = p.add_argument_group("model (language model)")
-    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--num-layers", type=int, default=None,
+                   help="language-model layers (default: 2, or what the segments' `layers` cover)")
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
@@ -35,7 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--encoder-tokens", type=int, default=8, help="tokens per sample (image patches)")
     e.add_argument("--encoder-feature-dim", type=int, default=24, help="input features per token")
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, default=1)
+    t.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per micro-batch on a rank of the (first) language module (default: 1, or for "
+                        "disjoint layouts the smallest size whose micro-batches every module's DP divides)")
     t.add_argument("--global-batch-size", type=int, default=8)
     t.add_argument("--train-iters", type=int, default=5)
     t.add_argument("--lr", type=float, default=1e-3)
@@ -63,12 +66,32 @@ def language_names(layout: HeteroLayout) -> list[str]:
     return [m.name for m in layout.modules if not layout.consumers(m.name)]
 
 
+def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
+    """1 for colocated layouts; for disjoint ones the smallest micro-batch size b such that the
+    micro-batches of G / (dp_first_language * b) samples split evenly over every module's DP."""
+    if layout.placement == "colocated":
+        return 1
+    first = min((layout.module(n) for n in language_names(layout)),
+                key=lambda m: m.layers.start if m.layers is not None else 0)
+    dps = [m.dp for m in layout.modules]
+    for b in range(1, max(global_batch // first.dp, 1) + 1):
+        micro = global_batch // (first.dp * b)
+        if micro >= 1 and global_batch % (first.dp * b) == 0 and all((global_batch // micro) % d == 0 for d in dps):
+            return b
+    return 1  # nothing fits: validation explains why with the arithmetic
+
+
 def job_from_args(args: argparse.Namespace, layout: HeteroLayout):
     from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
     from megatron_hetero.runtime.module_state import OptimConfig
     from megatron_hetero.training.setup import JobConfig
 
     langs = language_names(layout)
+    if args.num_layers is None:
+        ends = [layout.module(n).layers.end for n in langs if layout.module(n).layers is not None]
+        args.num_layers = max(ends) + 1 if ends else 2
+    if args.micro_batch_size is None:
+        args.micro_batch_size = default_micro_batch_size(layout, args.global_batch_size)
     encoders, offset = {}, 1
     for m in layout.modules:
         if m.name in langs:
