@@ -35,6 +35,8 @@ from megatron_hetero.runtime.module_state import OptimConfig  # noqa: E402
 from megatron_hetero.training.setup import JobConfig, validate_job  # noqa: E402
 from megatron_hetero.training.trainer import train_rank  # noqa: E402
 
+from parity import max_loss_rel_diff, max_param_rel_diff  # noqa: E402
+
 STEPS = 5
 TOL = 1e-5
 SGD = OptimConfig(optimizer="sgd", lr=0.1)
@@ -112,24 +114,6 @@ def _full_params(layout, spec: LlavaSpec, per_rank, ref: dict) -> dict:
     return out
 
 
-def _max_param_rel_diff(got: dict, ref: dict) -> tuple[float, str]:
-    worst = (0.0, "")
-    assert set(got) == set(ref), (set(got), set(ref))
-    for module in ref:
-        assert set(got[module]) == set(ref[module]), (module, set(got[module]) ^ set(ref[module]))
-        for name, r in ref[module].items():
-            g = got[module][name]
-            assert g.shape == r.shape, (module, name, g.shape, r.shape)
-            rel = ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
-            worst = max(worst, (rel, f"{module}.{name}"))
-    return worst
-
-
-def _max_loss_rel_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == STEPS
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def _world1_doc(spec: LlavaSpec, frozen: tuple[str, ...] = ()) -> dict:
     mods = {n: {"frozen": n in frozen} for n in spec.encoders}
     mods["language"] = {"frozen": "language" in frozen}
@@ -151,8 +135,9 @@ def _reference(spec: LlavaSpec, optim: OptimConfig, frozen: tuple[str, ...] = ()
 
 def _assert_parity(layout, spec, per_rank, ref, label: str) -> tuple[float, float]:
     ref_losses, ref_params = ref
-    dl = _max_loss_rel_diff(_losses(per_rank), ref_losses)
-    dp, where = _max_param_rel_diff(_full_params(layout, spec, per_rank, ref_params), ref_params)
+    assert len(_losses(per_rank)) == len(ref_losses) == STEPS
+    dl = max_loss_rel_diff(_losses(per_rank), ref_losses)
+    dp, where = max_param_rel_diff(_full_params(layout, spec, per_rank, ref_params), ref_params)
     print(f"{label}: max loss rel diff {dl:.2e}, max param rel diff {dp:.2e} ({where})")
     assert dl <= TOL, f"{label}: loss differs by {dl:.2e} relative: {_losses(per_rank)} vs {ref_losses}"
     assert dp <= TOL, f"{label}: parameter {where} differs by {dp:.2e} relative"
