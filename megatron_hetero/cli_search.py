@@ -43,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--memory-limit-gb", type=float, default=None, help="per-rank limit (default 90%% of device memory)")
     p.add_argument("--placements", default="homogeneous,colocated,disjoint", help="comma-separated placements to try")
     p.add_argument("--max-segments", type=int, choices=[1, 2], default=2, help="LLM segments on a disjoint island")
+    p.add_argument("--all-layouts", action="store_true",
+                   help="search the cost model's whole space, also layouts `megatron-hetero train` does not run "
+                        "(uneven pipeline stages, LLM segments with different DP, the encoder inside LLM stage 0); "
+                        "default: only runnable layouts, so --out runs directly with `train`")
     p.add_argument("--top", type=int, default=5, help="candidates to print (default 5)")
     p.add_argument("--out", metavar="best.yaml", default=None, help="write the best layout YAML here")
     p.add_argument("--json", action="store_true", help="print a JSON document")
@@ -116,6 +120,8 @@ def result_text(res, wl, prof) -> str:
     lines.append("best per placement:")
     for kind in ("homogeneous", "colocated", "disjoint"):
         r = res.by_placement.get(kind)
+        if kind == "homogeneous" and r is None:
+            r = res.baseline  # runnable space: the colocated candidate whose modules share one layout
         lines.append(f"  {kind:12s} " + (f"{r.breakdown.total:.3f} s  {r.candidate.describe()}" if r else "none fits"))
     gain = res.gain
     lines.append(f"predicted gain over homogeneous: {gain:+.1%}" if gain is not None
@@ -143,12 +149,13 @@ def _space(args):
     from megatron_hetero.plan.search import SearchSpace
 
     placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
-    return SearchSpace(placements=placements, max_segments=args.max_segments)
+    runtime = not (args.all_layouts or args.regime_table)  # the regime table studies the whole space
+    return SearchSpace(placements=placements, max_segments=args.max_segments, runtime=runtime)
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_hetero.layout.yaml_io import dump_layout
-    from megatron_hetero.plan.search import regime_table, search
+    from megatron_hetero.plan.search import regime_table, search, train_micro_batch_size
 
     prof = _profile(args)
     limit = None if args.memory_limit_gb is None else args.memory_limit_gb * 1e9
@@ -161,6 +168,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.world_size is None:
         raise ValueError("--world-size is required (or use --regime-table)")
+    if args.out and args.all_layouts:
+        raise ValueError("--out writes a layout for `megatron-hetero train`, which runs only the default space; "
+                         "drop --all-layouts (or --out)")
+    if space.runtime and space.placements == ("homogeneous",):
+        raise ValueError("--placements homogeneous: the runtime runs a homogeneous layout as colocated with equal "
+                         "module layouts (searched under 'colocated'); use --all-layouts for the cost model's "
+                         "Megatron-LLaVA homogeneous placement")
     wl = workload_from_args(args)
     res = search(wl, prof, args.world_size, limit, space, top=args.top)
     layout = res.best_layout()
@@ -168,7 +182,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         header = (f"# megatron-hetero search: best of {res.space_size} candidates on {res.world_size} ranks\n"
                   f"# {res.best.candidate.describe()}\n# predicted step {res.best.breakdown.total:.3f} s"
-                  + (f", {res.gain:+.1%} over the best homogeneous\n" if res.gain is not None else "\n"))
+                  + (f", {res.gain:+.1%} over the best homogeneous\n" if res.gain is not None else "\n")
+                  + f"# megatron-hetero train --hetero-layout {Path(args.out).name} --global-batch-size "
+                    f"{wl.global_batch} --micro-batch-size {train_micro_batch_size(res.best.candidate, wl)}\n")
         try:
             Path(args.out).write_text(header + text)
         except OSError as exc:

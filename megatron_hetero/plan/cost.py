@@ -29,8 +29,9 @@ Collectives, alpha-beta per link (intra-node NVLink or inter-node network), ring
     send/recv       alpha + bytes * beta
   A group uses the inter-node link when the ranks it spans (group size x stride) exceed a node.
   Measured per-(kind, link, n) alpha-beta pairs in a `Profile` override the ring formula.
-Data-parallel gradient reduction, once per step (fp32 main grads, group dp*cp):
-    t_dp = allreduce(params_per_rank * grad_bytes, n=dp*cp)
+Data-parallel gradient reduction, once per step (fp32 main grads, group dp*cp), and the all-reduce
+of the step's loss over the world (breakdown: dp_comm):
+    t_dp = allreduce(params_per_rank * grad_bytes, n=dp*cp) + allreduce(8, n=world)
 Pipeline of stages with per-micro-batch costs c_i and B micro-batches (1F1B):
     t_pipe = sum_i c_i + (B-1) * max_i c_i
   Breakdown: the bottleneck stage's components x B are compute/tp/cp/pp/boundary; the rest
@@ -45,8 +46,10 @@ Memory per rank (bytes):
 Placements (see `evaluate`):
 - homogeneous: the encoder runs on the LLM's layout inside LLM pipeline stage 0 (Megatron LLaVA);
   stage 0 holds `first_stage_layers` LLM layers, the rest are split evenly.
-- colocated (three-phase): encoder forward phase over all B micro-batches, LLM 1F1B pipeline, encoder
-  backward phase; encoder activations of the whole step are held across the LLM phase; with
+- colocated (three-phase, as `runtime/colocated.py` runs it): encoder forward phase, one pass over the
+  rank's encoder-DP share (G * images / dp_enc images; with pp_enc > 1 the whole share goes stage to
+  stage, not pipelined: the stages' costs add up), LLM 1F1B pipeline, encoder backward phase (one
+  pass); encoder activations of the whole step are held across the LLM phase; with
   `offload` the encoder's parameters/grads/optimizer state leave the device during the LLM phase
   (costing 2 * state / host_bandwidth).
 - disjoint: one 1F1B pipeline through the encoder island's stages and the LLM island's segments;
@@ -54,13 +57,30 @@ Placements (see `evaluate`):
   gradients concurrently (the step waits for the slower).
 Boundaries (encoder -> LLM, forward activations + backward gradients):
 - disjoint, per micro-batch, on the LLM's first stage: 2 * sendrecv(samples/dp_llm * image_tokens
-  / cp_llm * h_enc * dtype), the bytes one destination rank needs (direct routing spreads senders);
-- colocated, once per step: 2 * allgather(G/dp_llm * image_tokens/cp_llm * h_enc * dtype,
+  / cp_llm * h * dtype), the bytes one destination rank needs (direct routing spreads senders; the
+  encoder's projector runs in the encoder module, so its tokens cross at the LLM's hidden size h);
+- colocated, once per step: 2 * allgather(G/dp_llm * image_tokens/cp_llm * h * dtype,
   n = max(fan factor, 2)); zero when both sides are single-stage with the same rank -> DP map.
+Measured overheads (a `Profile` from `megatron-hetero profile`; absent from simulated profiles: 0):
+  per run of a module's last stage, its work outside the layers, `overheads["<kind>_io"]` at
+  x = 6 * T * h * vocab / tp (LLM: data, embedding, output layer, loss) or 6 * T * (h_enc * h + h^2)
+  / tp (encoder: patch embedding, projector), plus with TP `overheads["<kind>_io_tp"].b` all-reduces of
+  the run's activation (T/cp * h * dtype) over the TP group; per stage and step, the optimizer step
+  `overheads["optimizer"]` at x = parameters on the rank, and SNAPSHOTS[placement] resident-state
+  snapshots `overheads["snapshot"]` (breakdown field `optimizer`); the gradient reduction goes
+  through `overheads["grad_sync"]` (t = a + b * the all-reduce formula) when measured. The step's
+  once-per-step tail is that of the stage with the longest dp + optimizer time.
+Shared execution units (`Profile.cores` > 0, e.g. ranks forked on one CPU machine; the profile's times
+were measured with `Profile.concurrency` ranks busy at once): the step is
+    max(work, critical * min(1, cores / concurrency))
+  work: the mean rank's busy time, sum over stages of ranks x (runs x stage cost + dp + optimizer),
+  over the world, plus the whole-step terms (colocated boundary, offload); critical: the formulas
+  above (the critical path at the profile's sharing, scaled to a rank with the units to itself).
+  The breakdown then gives the mean rank's busy time per part and the rest of the step as bubble.
 Not modelled (deliberately simple): overlap of TP/DP/p2p communication with compute, embedding and
-output-layer FLOPs (their parameters count for memory), grouped-query attention, activation
-recomputation. Colocated memory adds the worst LLM stage and the worst encoder stage (a rank may
-host both).
+output-layer FLOPs in simulated profiles (their parameters count for memory), grouped-query
+attention, activation recomputation. Colocated memory adds the worst LLM stage and the worst encoder
+stage (a rank may host both).
 """
 from __future__ import annotations
 
@@ -75,6 +95,9 @@ import numpy as np
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 LINKS = ("intra", "inter")
 PLACEMENT_KINDS = ("homogeneous", "colocated", "disjoint")
+OVERHEADS = ("llm_io", "encoder_io", "llm_io_tp", "encoder_io_tp", "optimizer", "snapshot", "grad_sync")
+#: resident-state snapshots per module per step (the runtimes report memory per phase / per step)
+SNAPSHOTS = {"colocated": 3, "disjoint": 1, "homogeneous": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +231,22 @@ class Profile:
     links: "intra"/"inter" -> per-hop alpha and per-byte beta used by the ring formulas.
     collectives: kind -> link -> group size -> AlphaBeta measured for that whole collective
     (t = alpha + bytes * beta); overrides the ring formula at that size.
+    overheads (measured profiles; empty: not modelled): name -> LayerModel t = a + b * x of the work
+    outside the transformer layers: "llm_io" (per LLM micro-batch on its last stage: data, embedding,
+    output layer, loss; x = output-layer FLOPs per rank), "encoder_io" (per encoder pass on its last
+    stage: patch embedding, projector; x = projector FLOPs per rank), "<kind>_io_tp" (with TP > 1: x =
+    the time of one all-reduce of the run's activation over the TP group, b = how many such
+    all-reduces the embedding, output layer and loss / projector add), "optimizer" (per module stage
+    per step: x = parameters on the rank), "snapshot" (one resident-state snapshot of a module stage,
+    x = parameters on the rank; `SNAPSHOTS` per step), "grad_sync" (an all-reduce that closes a phase,
+    as the DDP wrapper's gradient reduction after the backward pass, when ranks arrive as their work
+    ends: x = the all-reduce model's time for the same bytes and group).
+    layer_collectives (measured profiles): like `collectives`, for the TP all-reduces and CP
+    all-gathers as they run inside a transformer layer (interleaved with its compute), fitted from
+    the layer measurements; `layer_parts` prefers them.
+    cores, concurrency (measured profiles; 0: every rank has its own device): the ranks share `cores`
+    execution units (a CPU machine), and every time in this profile was measured with
+    `concurrency` ranks busy at once (see `shared_step`).
     """
 
     layers: dict
@@ -217,6 +256,30 @@ class Profile:
     host_bandwidth: float = 50e9
     collectives: dict = field(default_factory=dict)
     source: str = ""
+    overheads: dict = field(default_factory=dict)
+    cores: float = 0.0
+    concurrency: int = 0
+    layer_collectives: dict = field(default_factory=dict)
+
+    @property
+    def shared(self) -> bool:
+        """Whether ranks share execution units (the step is bounded by the ranks' total work)."""
+        return self.cores > 0
+
+    @property
+    def uncontended(self) -> float:
+        """Factor from this profile's times (measured with `concurrency` busy ranks) to the time of
+        the same work with the execution units to itself: min(1, cores / concurrency)."""
+        if not self.shared or self.concurrency <= 0:
+            return 1.0
+        return min(1.0, self.cores / self.concurrency)
+
+    def overhead_time(self, name: str, x):
+        """Time of overhead `name` (0 when the profile does not model it)."""
+        model = self.overheads.get(name)
+        if model is None:
+            return np.zeros_like(np.asarray(x, dtype=float))
+        return model.time(x)
 
     @classmethod
     def from_hardware(cls, hw: HardwareSpec) -> "Profile":
@@ -256,6 +319,18 @@ class Profile:
                 t = np.where(sel, ab.alpha + nbytes * ab.beta, t)
         return np.where(n > 1, t, 0.0)
 
+    def layer_collective_time(self, kind: str, nbytes, n, inter):
+        """`collective_time`, with the in-layer table where it has (kind, link, n)."""
+        t = self.collective_time(kind, nbytes, n, inter)
+        n = np.asarray(n, dtype=float)
+        nbytes = np.asarray(nbytes, dtype=float)
+        inter = np.asarray(inter, dtype=bool)
+        for link, table in self.layer_collectives.get(kind, {}).items():
+            for size, ab in table.items():
+                sel = (n == int(size)) & (inter == (link == "inter"))
+                t = np.where(sel & (n > 1), ab.alpha + nbytes * ab.beta, t)
+        return t
+
     def to_dict(self) -> dict:
         return {
             "source": self.source,
@@ -264,8 +339,11 @@ class Profile:
             "host_bandwidth": self.host_bandwidth,
             "layers": {k: dataclasses.asdict(v) for k, v in self.layers.items()},
             "links": {k: dataclasses.asdict(v) for k, v in self.links.items()},
-            "collectives": {k: {link: {str(n): dataclasses.asdict(ab) for n, ab in t.items()}
-                                for link, t in v.items()} for k, v in self.collectives.items()},
+            "collectives": _tables_to_dict(self.collectives),
+            "overheads": {k: dataclasses.asdict(v) for k, v in self.overheads.items()},
+            "layer_collectives": _tables_to_dict(self.layer_collectives),
+            "cores": self.cores,
+            "concurrency": self.concurrency,
         }
 
     @classmethod
@@ -275,16 +353,18 @@ class Profile:
         try:
             layers = {k: LayerModel(float(v["a"]), float(v["b"])) for k, v in doc["layers"].items()}
             links = {k: AlphaBeta(float(v["alpha"]), float(v["beta"])) for k, v in doc["links"].items()}
-            coll = {}
-            for kind, per_link in doc.get("collectives", {}).items():
-                if kind not in COLLECTIVES:
-                    raise ValueError(f"profile: unknown collective {kind!r}; kinds are {list(COLLECTIVES)}")
-                coll[kind] = {link: {int(n): AlphaBeta(float(ab["alpha"]), float(ab["beta"])) for n, ab in t.items()}
-                              for link, t in per_link.items()}
+            coll = _tables_from_dict(doc.get("collectives", {}))
+            layer_coll = _tables_from_dict(doc.get("layer_collectives", {}))
+            overheads = {k: LayerModel(float(v["a"]), float(v["b"])) for k, v in doc.get("overheads", {}).items()}
+            unknown = sorted(set(overheads) - set(OVERHEADS))
+            if unknown:
+                raise ValueError(f"profile: unknown overheads {unknown}; names are {list(OVERHEADS)}")
             prof = cls(layers=layers, links=links, devices_per_node=int(doc["devices_per_node"]),
                        memory_bytes=float(doc["memory_bytes"]),
                        host_bandwidth=float(doc.get("host_bandwidth", 50e9)), collectives=coll,
-                       source=str(doc.get("source", "")))
+                       source=str(doc.get("source", "")), overheads=overheads,
+                       cores=float(doc.get("cores", 0.0)), concurrency=int(doc.get("concurrency", 0)),
+                       layer_collectives=layer_coll)
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"profile is missing or has a malformed field: {exc!r}") from None
         missing = [k for k in LINKS if k not in prof.links]
@@ -298,6 +378,21 @@ class Profile:
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def _tables_to_dict(tables: dict) -> dict:
+    return {k: {link: {str(n): dataclasses.asdict(ab) for n, ab in t.items()} for link, t in v.items()}
+            for k, v in tables.items()}
+
+
+def _tables_from_dict(doc: dict) -> dict:
+    out = {}
+    for kind, per_link in doc.items():
+        if kind not in COLLECTIVES:
+            raise ValueError(f"profile: unknown collective {kind!r}; kinds are {list(COLLECTIVES)}")
+        out[kind] = {link: {int(n): AlphaBeta(float(ab["alpha"]), float(ab["beta"])) for n, ab in t.items()}
+                     for link, t in per_link.items()}
+    return out
 
 
 def _read_json(path, what: str) -> dict:
@@ -380,8 +475,8 @@ class Workload:
     byte sizes of the memory model (see module docstring).
 
     Micro-batches: a pipeline micro-batch carries M = micro_batch * dp samples (the largest dp of
-    the LLM segments), B = global_batch / M. Colocated encoders run the same B micro-batches
-    (global_batch * images_per_sample / (dp_enc * B) images each, possibly fractional in the model).
+    the LLM segments), B = global_batch / M. Colocated encoders run once per step over their DP share
+    (global_batch * images_per_sample / dp_enc images).
     """
 
     encoder: ModelSpec
@@ -486,7 +581,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class CostBreakdown:
-    """Step time split (seconds) and the per-rank memory peak (bytes); total = sum of the times."""
+    """Step time split (seconds) and the per-rank memory peak (bytes); total = sum of the times
+    (compute + tp_comm + cp_comm + pp_comm + dp_comm + boundary + offload + bubble + optimizer).
+    On a profile whose ranks share execution units the parts are the mean rank's busy time and
+    `bubble` is the rest of the step (waiting)."""
 
     compute: float
     tp_comm: float
@@ -499,6 +597,7 @@ class CostBreakdown:
     total: float
     memory_per_rank_peak: float
     micro_batches: int
+    optimizer: float = 0.0  # once per step: optimizer step(s) (profiles that model it)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -519,10 +618,10 @@ def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
     compute = prof.layer_time(spec.kind, flops)
     dpn = prof.devices_per_node
     act = tokens / cpe * spec.hidden * wl.dtype_bytes
-    tpc = 4.0 * prof.collective_time("all_reduce", act, tp, np.asarray(tp) > dpn)
+    tpc = 4.0 * prof.layer_collective_time("all_reduce", act, tp, np.asarray(tp) > dpn)
     if spec.shards:
         kv = 2.0 * tokens * spec.hidden / np.asarray(tp) * wl.dtype_bytes
-        ring = 3.0 * prof.collective_time("all_gather", kv, cp, np.asarray(tp) * cp > dpn)
+        ring = 3.0 * prof.layer_collective_time("all_gather", kv, cp, np.asarray(tp) * cp > dpn)
         attention = prof.layer_model(spec.kind).b * 12.0 * tokens * spec.seq * spec.hidden / (np.asarray(tp) * cpe)
         cpc = np.maximum(ring - attention, 0.0)
     else:
@@ -549,16 +648,25 @@ def act_bytes(wl: Workload, spec: ModelSpec, samples, tp, cp, layers):
 
 
 def dp_time(prof: Profile, wl: Workload, params_rank, tp, cp, dp):
-    """Once per step: all-reduce of the rank's fp32 grads over dp*cp ranks."""
+    """Once per step: all-reduce of the rank's fp32 grads over dp*cp ranks (through the profile's
+    measured `grad_sync` overhead where it has one)."""
     n = np.asarray(dp) * cp
-    return prof.collective_time("all_reduce", np.asarray(params_rank, dtype=float) * wl.grad_bytes, n,
-                                np.asarray(tp) * n > prof.devices_per_node)
+    t = prof.collective_time("all_reduce", np.asarray(params_rank, dtype=float) * wl.grad_bytes, n,
+                             np.asarray(tp) * n > prof.devices_per_node)
+    return prof.overhead_time("grad_sync", t) if "grad_sync" in prof.overheads else t
+
+
+def loss_reduce(prof: Profile, world):
+    """Once per step: the all-reduce of the step's loss over every rank (8 bytes); like the gradient
+    reduction it closes a phase, so it goes through the profile's `grad_sync` overhead too."""
+    t = prof.collective_time("all_reduce", 8.0, world, np.asarray(world) > prof.devices_per_node)
+    return prof.overhead_time("grad_sync", t) if "grad_sync" in prof.overheads else t
 
 
 def disjoint_boundary(prof: Profile, wl: Workload, samples_dst, cp_dst, world_size):
     """Encoder -> LLM per micro-batch on the LLM's first stage: 2 * sendrecv of what one LLM rank
-    needs (its samples, its CP share of the image tokens, encoder hidden)."""
-    nbytes = np.asarray(samples_dst, dtype=float) * wl.image_tokens / cp_dst * wl.encoder.hidden * wl.dtype_bytes
+    needs (its samples, its CP share of the image tokens, projected to the LLM's hidden size)."""
+    nbytes = np.asarray(samples_dst, dtype=float) * wl.image_tokens / cp_dst * wl.llm.hidden * wl.dtype_bytes
     return 2.0 * prof.collective_time("send_recv", nbytes, 2, np.asarray(world_size) > prof.devices_per_node)
 
 
@@ -571,7 +679,7 @@ def colocated_boundary(prof: Profile, wl: Workload, enc_tp, enc_cp, enc_pp, enc_
     """
     factor = np.maximum(enc_dp, dp) // np.minimum(enc_dp, dp)
     n = np.maximum(factor, 2)
-    nbytes = wl.global_batch / np.asarray(dp, dtype=float) * wl.image_tokens / cp * wl.encoder.hidden * wl.dtype_bytes
+    nbytes = wl.global_batch / np.asarray(dp, dtype=float) * wl.image_tokens / cp * wl.llm.hidden * wl.dtype_bytes
     t = 2.0 * prof.collective_time("all_gather", nbytes, n, np.asarray(tp) * cp * factor > prof.devices_per_node)
     same = (np.asarray(enc_pp) == 1) & (np.asarray(pp) == 1) & (np.asarray(enc_dp) == dp) & (
         np.asarray(enc_tp) * enc_cp == np.asarray(tp) * cp)
@@ -588,16 +696,55 @@ def distribute(layers: int, stages: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class _Stage:
+    """One pipeline stage of one module: per-run costs (a run = one micro-batch, or the whole share
+    for a colocated encoder), once-per-step costs, and how many ranks run it."""
+
     compute: float = 0.0
     tp: float = 0.0
     cp: float = 0.0
     pp: float = 0.0
     boundary: float = 0.0
     params: float = 0.0  # parameters per rank
+    ranks: int = 1  # ranks that run this stage (tp * cp * dp of its module)
+    runs: int = 1  # runs per step
+    dp: float = 0.0  # once per step: gradient all-reduce
+    opt: float = 0.0  # once per step: optimizer step
 
     @property
     def cost(self) -> float:
         return self.compute + self.tp + self.cp + self.pp + self.boundary
+
+    @property
+    def tail(self) -> float:
+        return self.dp + self.opt
+
+
+def io_flops(wl: Workload, spec: ModelSpec, samples, tp, cp):
+    """FLOPs per rank (fwd+bwd) of a module's work outside its layers, per run: the LLM's output
+    layer (6 * T * h * vocab), an encoder's projector to the LLM's hidden size (6 * T * (h_e * h + h^2))."""
+    tokens = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp)
+    if spec.kind == "encoder":
+        per_token = spec.hidden * wl.llm.hidden + wl.llm.hidden ** 2
+    else:
+        per_token = spec.hidden * spec.vocab
+    return 6.0 * tokens * per_token / np.asarray(tp)
+
+
+def io_allreduce(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
+    """One all-reduce of a run's activation (T/cp_eff * h * dtype) over the TP group (0 at tp = 1)."""
+    tokens = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp)
+    return prof.collective_time("all_reduce", tokens * wl.llm.hidden * wl.dtype_bytes, tp,
+                                np.asarray(tp) > prof.devices_per_node)
+
+
+def io_time(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
+    """The profile's `<kind>_io` overhead of one run (0 where not modelled), plus, with TP, its
+    `<kind>_io_tp` count of activation all-reduces over the TP group (embedding, output layer,
+    vocab-parallel loss / projector)."""
+    t = prof.overhead_time(f"{spec.kind}_io", io_flops(wl, spec, samples, tp, cp))
+    if f"{spec.kind}_io_tp" in prof.overheads:
+        t = t + prof.overhead_time(f"{spec.kind}_io_tp", io_allreduce(prof, wl, spec, samples, tp, cp))
+    return t
 
 
 def _add_layers(st: _Stage, prof, wl, spec, layers, samples, seg: Segment) -> None:
@@ -608,18 +755,30 @@ def _add_layers(st: _Stage, prof, wl, spec, layers, samples, seg: Segment) -> No
 
 
 def _module_stages(prof, wl, spec: ModelSpec, seg: Segment, layers_per_stage, samples, with_p2p: bool,
-                   world: int, embed_first: bool = False, embed_last: bool = False) -> list[_Stage]:
+                   world: int, embed_first: bool = False, embed_last: bool = False, io_last: bool = False,
+                   runs: int = 1) -> list[_Stage]:
     out = []
     n = len(layers_per_stage)
     for i, lay in enumerate(layers_per_stage):
-        st = _Stage()
+        st = _Stage(ranks=seg.tp * seg.cp * seg.dp, runs=runs)
         _add_layers(st, prof, wl, spec, lay, samples, seg)
         if with_p2p:
             st.pp = float(p2p_time(prof, wl, spec, samples, seg.cp, world > prof.devices_per_node))
+        if io_last and i == n - 1:
+            st.compute += float(io_time(prof, wl, spec, samples, seg.tp, seg.cp))
         params = lay * spec.layer_params + spec.embedding_params * ((embed_first and i == 0) + (embed_last and i == n - 1))
         st.params = params / seg.tp
         out.append(st)
     return out
+
+
+def _tails(prof: Profile, wl: Workload, stages: list[_Stage], seg_of: list[Segment], placement: str) -> None:
+    """Fill each stage's once-per-step costs: gradient all-reduce, optimizer step (+ the runtime's
+    resident-state snapshots)."""
+    for st, seg in zip(stages, seg_of):
+        st.dp = float(dp_time(prof, wl, st.params, seg.tp, seg.cp, seg.dp))
+        st.opt = float(prof.overhead_time("optimizer", st.params)
+                       + SNAPSHOTS[placement] * prof.overhead_time("snapshot", st.params))
 
 
 def _pipeline(stages: list[_Stage], b: int) -> tuple[float, dict, float]:
@@ -630,6 +789,12 @@ def _pipeline(stages: list[_Stage], b: int) -> tuple[float, dict, float]:
     st = stages[top]
     comp = {k: b * getattr(st, k) for k in ("compute", "tp", "cp", "pp", "boundary")}
     return total, comp, total - b * costs[top]
+
+
+def _slowest_tail(stages: list[_Stage]) -> tuple[float, float]:
+    """(dp, optimizer) of the stage whose once-per-step work is the longest."""
+    st = max(stages, key=lambda s: s.tail)
+    return st.dp, st.opt
 
 
 def check_candidate(c: Candidate, wl: Workload) -> int:
@@ -676,19 +841,52 @@ def _mem(wl, st: _Stage, seg: Segment, acts: float) -> float:
     return float(state_bytes(wl, st.params, seg.dp * seg.cp)) + acts
 
 
-def _finish(pipe_parts, bubble, dp, boundary, offload, memory, b) -> CostBreakdown:
-    total = sum(pipe_parts.values()) + bubble + dp + boundary + offload
-    return CostBreakdown(compute=pipe_parts["compute"], tp_comm=pipe_parts["tp"], cp_comm=pipe_parts["cp"],
-                         pp_comm=pipe_parts["pp"], dp_comm=dp, boundary=pipe_parts["boundary"] + boundary,
-                         offload=offload, bubble=bubble, total=total, memory_per_rank_peak=memory, micro_batches=b)
+_PARTS = ("compute", "tp", "cp", "pp", "boundary")
+
+
+def _finish(prof: Profile, stages: list[_Stage], world: int, pipe_parts: dict, bubble: float,
+            tail: tuple[float, float], step_boundary: float, offload: float, memory: float, b: int) -> CostBreakdown:
+    """The breakdown of the critical path (pipeline + slowest once-per-step tail + whole-step terms),
+    or, on a profile whose ranks share execution units, `shared_step` of it."""
+    dp, opt = tail
+    loss = float(loss_reduce(prof, world))
+    dp += loss
+    crit = sum(pipe_parts.values()) + bubble + dp + opt + step_boundary + offload
+    if not prof.shared:
+        return CostBreakdown(compute=pipe_parts["compute"], tp_comm=pipe_parts["tp"], cp_comm=pipe_parts["cp"],
+                             pp_comm=pipe_parts["pp"], dp_comm=dp, boundary=pipe_parts["boundary"] + step_boundary,
+                             offload=offload, bubble=bubble, total=crit, memory_per_rank_peak=memory,
+                             micro_batches=b, optimizer=opt)
+    # mean busy time of a rank per category (step-wide terms run on every rank)
+    mean = {k: sum(st.ranks * st.runs * getattr(st, k) for st in stages) / world for k in _PARTS}
+    mean_dp = sum(st.ranks * st.dp for st in stages) / world + loss
+    mean_opt = sum(st.ranks * st.opt for st in stages) / world
+    work = sum(mean.values()) + mean_dp + mean_opt + step_boundary + offload
+    total = shared_step(prof, work, crit)
+    return CostBreakdown(compute=mean["compute"], tp_comm=mean["tp"], cp_comm=mean["cp"], pp_comm=mean["pp"],
+                         dp_comm=mean_dp, boundary=mean["boundary"] + step_boundary, offload=offload,
+                         bubble=total - work, total=total, memory_per_rank_peak=memory, micro_batches=b,
+                         optimizer=mean_opt)
+
+
+def shared_step(prof: Profile, work, critical):
+    """Step time when ranks share execution units (`Profile.cores` > 0).
+
+    The profile's times are per-rank times with `concurrency` ranks busy at once. A step can be no
+    shorter than the work of the mean rank at that sharing (`work`: every rank's busy time, summed
+    and divided by the ranks: the units are kept busy by the ranks that have work), nor than the
+    critical path with the units to itself (`critical` x `uncontended`). The estimate is the larger
+    of the two."""
+    return np.maximum(work, np.asarray(critical) * prof.uncontended)
 
 
 def _eval_homogeneous(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
     s, enc, m = c.llm[0], wl.encoder, wl.micro_batch
     per = [s.layers] if s.pp == 1 else [c.first_stage_layers] + distribute(s.layers - c.first_stage_layers, s.pp - 1)
-    stages = _module_stages(prof, wl, wl.llm, s, per, m, s.pp > 1, s.size, True, True)
+    stages = _module_stages(prof, wl, wl.llm, s, per, m, s.pp > 1, s.size, True, True, io_last=True, runs=b)
     st0 = stages[0]
     _add_layers(st0, prof, wl, enc, enc.num_layers, m * wl.images_per_sample, s)
+    st0.compute += float(io_time(prof, wl, enc, m * wl.images_per_sample, s.tp, s.cp))
     mems = []
     for i, (st, lay) in enumerate(zip(stages, per)):
         acts = float(act_bytes(wl, wl.llm, m, s.tp, s.cp, lay)) * min(s.pp - i, b)
@@ -696,32 +894,34 @@ def _eval_homogeneous(c: Candidate, wl: Workload, prof: Profile, b: int) -> Cost
             st.params += enc.total_params / s.tp
             acts += float(act_bytes(wl, enc, m * wl.images_per_sample, s.tp, s.cp, enc.num_layers)) * min(s.pp, b)
         mems.append(_mem(wl, st, s, acts))
-    dp = max(float(dp_time(prof, wl, st.params, s.tp, s.cp, s.dp)) for st in stages)
+    _tails(prof, wl, stages, [s] * len(stages), "homogeneous")
     total, parts, bubble = _pipeline(stages, b)
-    return _finish(parts, bubble, dp, 0.0, 0.0, max(mems), b)
+    return _finish(prof, stages, s.size, parts, bubble, _slowest_tail(stages), 0.0, 0.0, max(mems), b)
 
 
 def _eval_colocated(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
     s, e, w = c.llm[0], c.encoder, c.llm[0].size
     per = distribute(s.layers, s.pp)
-    stages = _module_stages(prof, wl, wl.llm, s, per, wl.micro_batch, s.pp > 1, w, True, True)
+    stages = _module_stages(prof, wl, wl.llm, s, per, wl.micro_batch, s.pp > 1, w, True, True, io_last=True, runs=b)
     llm_peak = max(_mem(wl, st, s, float(act_bytes(wl, wl.llm, wl.micro_batch, s.tp, s.cp, lay)) * min(s.pp - i, b))
                    for i, (st, lay) in enumerate(zip(stages, per)))
     llm_state = max(_mem(wl, st, s, 0.0) for st in stages)
-    b_e = wl.global_batch * wl.images_per_sample / (e.dp * b)  # images per encoder micro-batch
+    b_e = wl.global_batch * wl.images_per_sample / e.dp  # images of the rank's encoder-DP share: one pass
     eper = distribute(e.layers, e.pp)
-    estages = _module_stages(prof, wl, wl.encoder, e, eper, b_e, e.pp > 1, w)
+    estages = _module_stages(prof, wl, wl.encoder, e, eper, b_e, e.pp > 1, w, io_last=True, runs=1)
     enc_state = max(_mem(wl, st, e, 0.0) for st in estages)
-    enc_acts = max(float(act_bytes(wl, wl.encoder, b_e, e.tp, e.cp, lay)) * b for lay in eper)
+    enc_acts = max(float(act_bytes(wl, wl.encoder, b_e, e.tp, e.cp, lay)) for lay in eper)
+    _tails(prof, wl, stages, [s] * len(stages), "colocated")
+    _tails(prof, wl, estages, [e] * len(estages), "colocated")
     t_llm, parts, bubble = _pipeline(stages, b)
-    t_enc, eparts, ebubble = _pipeline(estages, b)
+    t_enc, eparts, ebubble = _pipeline(estages, 1)
     parts = {k: parts[k] + eparts[k] for k in parts}
     bnd = float(colocated_boundary(prof, wl, e.tp, e.cp, e.pp, e.dp, s.tp, s.cp, s.pp, s.dp))
     off = 2.0 * enc_state / prof.host_bandwidth if c.offload else 0.0
-    dp = (max(float(dp_time(prof, wl, st.params, s.tp, s.cp, s.dp)) for st in stages)
-          + max(float(dp_time(prof, wl, st.params, e.tp, e.cp, e.dp)) for st in estages))
+    ltail, etail = _slowest_tail(stages), _slowest_tail(estages)
+    tail = (ltail[0] + etail[0], ltail[1] + etail[1])
     mem = max(llm_state + enc_state + enc_acts, llm_peak + enc_acts + (0.0 if c.offload else enc_state))
-    return _finish(parts, bubble + ebubble, dp, bnd, off, mem, b)
+    return _finish(prof, stages + estages, w, parts, bubble + ebubble, tail, bnd, off, mem, b)
 
 
 def _eval_disjoint(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
@@ -729,25 +929,26 @@ def _eval_disjoint(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBre
     mb = wl.micro_batch * max(s.dp for s in c.llm)
     total_llm_stages = sum(s.pp for s in c.llm)
     eper = distribute(e.layers, e.pp)
-    stages = _module_stages(prof, wl, wl.encoder, e, eper, mb * wl.images_per_sample / e.dp, e.pp > 1, e.size)
+    stages = _module_stages(prof, wl, wl.encoder, e, eper, mb * wl.images_per_sample / e.dp, e.pp > 1, e.size,
+                            io_last=True, runs=b)
     segs = [e] * e.pp
     pers = list(eper)
     for k, s in enumerate(c.llm):
         per = distribute(s.layers, s.pp)
         st = _module_stages(prof, wl, wl.llm, s, per, mb / s.dp, total_llm_stages > 1, w - e.size,
-                            k == 0, k == len(c.llm) - 1)
+                            k == 0, k == len(c.llm) - 1, io_last=k == len(c.llm) - 1, runs=b)
         if k == 0:
             st[0].boundary = float(disjoint_boundary(prof, wl, mb / s.dp, s.cp, w))
         stages += st
         segs += [s] * s.pp
         pers += per
     n = len(stages)
-    mems, dps = [], []
+    mems = []
     for i, (st, seg, lay) in enumerate(zip(stages, segs, pers)):
         spec = wl.encoder if i < e.pp else wl.llm
         samples = mb * wl.images_per_sample / e.dp if i < e.pp else mb / seg.dp
         acts = float(act_bytes(wl, spec, samples, seg.tp, seg.cp, lay)) * min(n - i, b)
         mems.append(_mem(wl, st, seg, acts))
-        dps.append(float(dp_time(prof, wl, st.params, seg.tp, seg.cp, seg.dp)))
+    _tails(prof, wl, stages, segs, "disjoint")
     total, parts, bubble = _pipeline(stages, b)
-    return _finish(parts, bubble, max(dps), 0.0, 0.0, max(mems), b)
+    return _finish(prof, stages, w, parts, bubble, _slowest_tail(stages), 0.0, 0.0, max(mems), b)

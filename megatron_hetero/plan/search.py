@@ -21,6 +21,10 @@ Disjoint candidates pair an encoder configuration e with an LLM chain c; with
 K(c) = C_sum + (B-1) C_max + C_dp, total(e, c) >= E_sum + K(c) (a lower bound), so after a probe
 gives tau (the K-th best exact value seen), only pairs with E_sum + K(c) <= tau are evaluated:
 the returned top-K equals the top-K of exhaustive evaluation (`prune=False` evaluates every pair).
+`SearchSpace(runtime=True)` keeps only layouts `megatron-hetero train` runs (the `search --out` CLI
+default). A measured profile's extra terms (`Profile.overheads`, shared execution units) exist in
+the scalar `cost.evaluate` only, so with such a profile every candidate is scored one by one
+(`brute_force`; measured profiles describe the machine at hand, whose spaces are small).
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import numpy as np
 from megatron_hetero.plan import cost as C
 from megatron_hetero.plan.cost import (Candidate, CostBreakdown, ModelSpec, Profile, Segment, Workload,
                                        act_bytes, colocated_boundary, disjoint_boundary, dp_time, evaluate,
-                                       layer_parts, p2p_time, state_bytes)
+                                       layer_parts, loss_reduce, p2p_time, state_bytes)
+from megatron_hetero.plan.schedule import MAX_MICRO_BATCHES  # the disjoint schedule's stage tables
 
 INF = float("inf")
 
@@ -286,7 +291,17 @@ def transformer_stage_cost(prof: Profile, wl: Workload, spec: ModelSpec, microba
 @dataclass(frozen=True)
 class SearchSpace:
     """The degrees the search tries. island_sizes: encoder island sizes for disjoint (default:
-    2^k and 3*2^k up to world/2). max_segments: 1 or 2 LLM segments on disjoint islands."""
+    2^k and 3*2^k up to world/2). max_segments: 1 or 2 LLM segments on disjoint islands.
+
+    runtime: only layouts `megatron-hetero train` runs (what `Candidate.to_layout` writes for it):
+    every pipeline stage holds the same number of layers (layers % pp == 0, per module and per LLM
+    segment), encoders run with cp = 1, the two LLM segments of a disjoint chain may differ in TP,
+    PP and DP (not only in TP/DP at equal PP), a disjoint step has at most MAX_MICRO_BATCHES
+    micro-batches, and no 'homogeneous' candidate: the runtime runs a layout whose modules share
+    one layout on the colocated schedule, so those are the colocated candidates with equal layouts
+    (the baseline). Train a disjoint pick with --micro-batch-size = micro_batch * max segment dp /
+    first segment dp (the search's micro-batch carries micro_batch samples per replica of the
+    largest DP; `train`'s is per rank of the first language module)."""
 
     placements: tuple = ("homogeneous", "colocated", "disjoint")
     tp: tuple = (1, 2, 4, 8)
@@ -298,6 +313,16 @@ class SearchSpace:
     island_sizes: Optional[tuple] = None
     max_segments: int = 2
     offload: tuple = (False, True)
+    runtime: bool = False
+
+    def effective(self) -> "SearchSpace":
+        """The space after the runtime's restrictions (see the class docstring)."""
+        if not self.runtime:
+            return self
+        import dataclasses
+
+        return dataclasses.replace(self, placements=tuple(p for p in self.placements if p != "homogeneous"),
+                                   encoder_cp=(1,))
 
     def islands(self, world: int) -> list[int]:
         if self.island_sizes is not None:
@@ -358,13 +383,23 @@ class SearchResult:
                 "best_per_placement": {k: one(v) for k, v in self.by_placement.items()}}
 
 
-def _layouts(n: int, tps, cps, pps, spec: ModelSpec, llm: bool) -> list[tuple[int, int, int, int]]:
-    """(tp, cp, pp, dp) with tp*cp*pp*dp = n that the module can take."""
+def train_micro_batch_size(cand: Candidate, wl: Workload) -> int:
+    """`megatron-hetero train --micro-batch-size` that runs `cand` with the micro-batches the cost
+    model assumed: per rank of the first language module (disjoint: micro_batch * max dp / dp_first)."""
+    if cand.placement != "disjoint":
+        return wl.micro_batch
+    return wl.micro_batch * max(s.dp for s in cand.llm) // cand.llm[0].dp
+
+
+def _layouts(n: int, tps, cps, pps, spec: ModelSpec, llm: bool, even: bool = False) -> list[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) with tp*cp*pp*dp = n that the module can take (even: layers % pp == 0)."""
     out = []
     for tp in tps:
         for cp in cps:
             for pp in pps:
                 if n % (tp * cp * pp) or spec.heads % tp or spec.num_layers < pp:
+                    continue
+                if even and spec.num_layers % pp:
                     continue
                 if llm and cp > 1 and spec.seq % (2 * cp):
                     continue
@@ -424,7 +459,7 @@ def _homogeneous(wl: Workload, prof: Profile, world: int, space: SearchSpace, li
                      np.where(multi, np.maximum(state_bytes(wl, p1, g) + a1, state_bytes(wl, pl, g) + al), 0.0))
     dpt = np.maximum(dp_time(prof, wl, p0, tp, cp, dp),
                      np.where(multi, np.maximum(dp_time(prof, wl, p1, tp, cp, dp), dp_time(prof, wl, pl, tp, cp, dp)), 0.0))
-    total = np.where(valid & (mem <= limit), pipe + dpt, INF)
+    total = np.where(valid & (mem <= limit), pipe + dpt + loss_reduce(prof, world), INF)
     best_l0 = np.argmin(total, axis=1)
     totals = total[np.arange(len(rows)), best_l0]
 
@@ -458,9 +493,10 @@ def _llm_uniform(wl, prof, tp, cp, pp, dp, world, b):
 
 
 def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float, pool: _Pool) -> int:
-    llm_rows = [r for r in _layouts(world, space.tp, space.cp, space.pp, wl.llm, True)
+    llm_rows = [r for r in _layouts(world, space.tp, space.cp, space.pp, wl.llm, True, space.runtime)
                 if wl.global_batch % (wl.micro_batch * r[3]) == 0]
-    enc_rows = [r for r in _layouts(world, space.encoder_tp, space.encoder_cp, space.encoder_pp, wl.encoder, False)
+    enc_rows = [r for r in _layouts(world, space.encoder_tp, space.encoder_cp, space.encoder_pp, wl.encoder, False,
+                                    space.runtime)
                 if wl.global_batch % r[3] == 0]
     combos = [(a, e, o) for a in llm_rows for e in enc_rows for o in space.offload
               if max(a[3], e[3]) % min(a[3], e[3]) == 0]
@@ -474,18 +510,18 @@ def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limi
     enc, Le, k = wl.encoder, wl.encoder.num_layers, wl.images_per_sample
     b = wl.global_batch // (wl.micro_batch * dp)
     pipe, llm_state, llm_peak, llm_dp = _llm_uniform(wl, prof, tp, cp, pp, dp, world, b)
-    be = wl.global_batch * k / (edp * b)
+    be = wl.global_batch * k / edp  # one pass over the rank's encoder-DP share
     lay_e = sum(layer_parts(prof, wl, enc, be, etp, ecp))
     Pe = np.where(epp > 1, p2p_time(prof, wl, enc, be, ecp, world > prof.devices_per_node), 0.0)
     ce = _ceil(Le, epp)
-    pipe_e = (Le * lay_e + epp * Pe) + (b - 1) * (ce * lay_e + Pe)
+    pipe_e = Le * lay_e + epp * Pe
     pe = ce * enc.layer_params / etp
     enc_state = state_bytes(wl, pe, edp * ecp)
-    enc_acts = act_bytes(wl, enc, be, etp, ecp, ce) * b
+    enc_acts = act_bytes(wl, enc, be, etp, ecp, ce)
     bnd = colocated_boundary(prof, wl, etp, ecp, epp, edp, tp, cp, pp, dp)
     offt = np.where(off, 2.0 * enc_state / prof.host_bandwidth, 0.0)
     mem = np.maximum(llm_state + enc_state + enc_acts, llm_peak + enc_acts + np.where(off, 0.0, enc_state))
-    total = pipe + pipe_e + bnd + offt + llm_dp + dp_time(prof, wl, pe, etp, ecp, edp)
+    total = pipe + pipe_e + bnd + offt + llm_dp + dp_time(prof, wl, pe, etp, ecp, edp) + loss_reduce(prof, world)
     total = np.where(mem <= limit, total, INF)
     L = wl.llm.num_layers
 
@@ -500,10 +536,27 @@ def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limi
 def _chains(wl: Workload, world_llm: int, space: SearchSpace) -> list[tuple]:
     """LLM chains on an island: (tp_a, cp, pp_a, dp_a, n_a, tp_b, pp_b, dp_b, n_b); n_b = 0: one segment."""
     llm, L, G, m = wl.llm, wl.llm.num_layers, wl.global_batch, wl.micro_batch
-    rows = [(t, c, p, d, L, 0, 0, 0, 0) for t, c, p, d in _layouts(world_llm, space.tp, space.cp, space.pp, llm, True)
-            if G % (m * d) == 0]
+    rows = [(t, c, p, d, L, 0, 0, 0, 0)
+            for t, c, p, d in _layouts(world_llm, space.tp, space.cp, space.pp, llm, True, space.runtime)
+            if G % (m * d) == 0 and (not space.runtime or G // (m * d) <= MAX_MICRO_BATCHES)]
     if space.max_segments >= 2 and world_llm % 2 == 0:
         half = _layouts(world_llm // 2, space.tp, space.cp, space.pp, llm, True)
+        if space.runtime:
+            # the runtime's segments: any two different TP/PP/DP (one DP dividing the other), every
+            # stage of a segment holding the same number of layers, at most MAX_MICRO_BATCHES
+            # micro-batches (the disjoint schedule's tables)
+            by_cp = {}
+            for t, c, p, d in half:
+                by_cp.setdefault(c, []).append((t, p, d))
+            for c, opts in by_cp.items():
+                for (ta, pa, da), (tb, pb, db) in itertools.permutations(opts, 2):
+                    hi, lo = max(da, db), min(da, db)
+                    if hi % lo or G % (m * hi) or G // (m * hi) > MAX_MICRO_BATCHES:
+                        continue
+                    for na in range(pa, L - pb + 1):
+                        if na % pa == 0 and (L - na) % pb == 0:
+                            rows.append((ta, c, pa, da, na, tb, pb, db, L - na))
+            return rows
         by = {}
         for t, c, p, d in half:
             by.setdefault((c, p), []).append((t, d))
@@ -528,7 +581,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
     size = 0
     for we in space.islands(world):
         wlm = world - we
-        enc_rows = _layouts(we, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False)
+        enc_rows = _layouts(we, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False, space.runtime)
         rows = _chains(wl, wlm, space)
         if not enc_rows or not rows:
             continue
@@ -599,7 +652,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
                 continue
             order = np.argsort(key[csel], kind="stable")
             csel = csel[order]
-            groups.append(dict(we=we, b=bg, rows=rows, enc_rows=enc_rows, cidx=csel, ckey=key[csel],
+            groups.append(dict(we=we, b=bg, rows=rows, loss=float(loss_reduce(prof, world)), enc_rows=enc_rows, cidx=csel, ckey=key[csel],
                                c_sum=c_sum[csel], c_max=c_max[csel], c_dp=c_dp[csel],
                                eidx=esel, e_sum=e_sum, e_max=e_max, e_dp=e_dp[esel]))
     return size
@@ -619,7 +672,7 @@ def _pairs(gr: dict, tau: float, probe: Optional[int]) -> tuple[np.ndarray, np.n
     ci = np.arange(int(cnt.sum())) - np.repeat(starts, cnt)
     b = gr["b"]
     tot = (gr["e_sum"][ei] + gr["c_sum"][ci] + (b - 1) * np.maximum(gr["e_max"][ei], gr["c_max"][ci])
-           + np.maximum(gr["e_dp"][ei], gr["c_dp"][ci]))
+           + np.maximum(gr["e_dp"][ei], gr["c_dp"][ci]) + gr["loss"])
     return ei, ci, tot
 
 
@@ -645,7 +698,13 @@ def search(wl: Workload, prof: Profile, world_size: int, memory_limit: Optional[
     if unknown:
         raise ValueError(f"unknown placements {unknown}; choose from {list(C.PLACEMENT_KINDS)}")
     limit = 0.9 * prof.memory_bytes if memory_limit is None else float(memory_limit)
+    space = space.effective()
     t0 = time.perf_counter()
+    if prof.overheads or prof.shared:
+        # a measured profile's extra terms (overheads, shared execution units) are in the scalar
+        # `cost.evaluate` only: score every candidate one by one (measured profiles are for the
+        # machine at hand, so spaces are small)
+        return _scalar_search(wl, prof, world_size, limit, space, top, t0)
     pool, evaluated, size = _Pool(), 0, 0
     if "homogeneous" in space.placements:
         n = _homogeneous(wl, prof, world_size, space, limit, pool)
@@ -689,8 +748,44 @@ def search(wl: Workload, prof: Profile, world_size: int, memory_limit: Optional[
         raise ValueError(f"no configuration of {wl.encoder.name} + {wl.llm.name} on {world_size} ranks fits the "
                          f"memory limit of {limit / 1e9:.1f} GB per rank (or none divides global batch "
                          f"{wl.global_batch} with micro-batch {wl.micro_batch})")
-    return SearchResult(ranked=ranked, baseline=by_placement.get("homogeneous"), evaluated=evaluated, space_size=size,
+    baseline = _runtime_baseline(wl, prof, world_size, space, limit) if space.runtime else by_placement.get("homogeneous")
+    return SearchResult(ranked=ranked, baseline=baseline, evaluated=evaluated, space_size=size,
                         seconds=time.perf_counter() - t0, world_size=world_size, memory_limit=limit,
+                        by_placement=by_placement)
+
+
+def _runtime_baseline(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float) -> Optional[Ranked]:
+    """The runtime's homogeneous baseline: the best colocated candidate whose encoder runs on the
+    LLM's own layout (cp = 1: the runtime's encoders do not take CP)."""
+    best = None
+    for t, c, p, d in _layouts(world, space.tp, (1,), space.pp, wl.llm, True, True):
+        if wl.encoder.heads % t or wl.encoder.num_layers % p:
+            continue
+        cand = Candidate("colocated", Segment(t, c, p, d, wl.encoder.num_layers), (Segment(t, c, p, d, wl.llm.num_layers),))
+        try:
+            bd = evaluate(cand, wl, prof)
+        except ValueError:
+            continue
+        if bd.memory_per_rank_peak <= limit and (best is None or bd.total < best.breakdown.total):
+            best = Ranked(cand, bd)
+    return best
+
+
+def _scalar_search(wl: Workload, prof: Profile, world: int, limit: float, space: SearchSpace, top: int,
+                   t0: float) -> SearchResult:
+    scored = brute_force(wl, prof, world, limit, space)
+    if not scored:
+        raise ValueError(f"no configuration of {wl.encoder.name} + {wl.llm.name} on {world} ranks fits the "
+                         f"memory limit of {limit / 1e9:.1f} GB per rank (or none divides global batch "
+                         f"{wl.global_batch} with micro-batch {wl.micro_batch})")
+    ranked = [Ranked(c, evaluate(c, wl, prof)) for _, c in scored[:top]]
+    by_placement = {}
+    for _, c in scored:
+        if c.placement not in by_placement:
+            by_placement[c.placement] = Ranked(c, evaluate(c, wl, prof))
+    baseline = _runtime_baseline(wl, prof, world, space, limit) if space.runtime else by_placement.get("homogeneous")
+    return SearchResult(ranked=ranked, baseline=baseline, evaluated=len(scored), space_size=len(scored),
+                        seconds=time.perf_counter() - t0, world_size=world, memory_limit=limit,
                         by_placement=by_placement)
 
 
@@ -724,6 +819,7 @@ def brute_force(wl: Workload, prof: Profile, world_size: int, memory_limit: Opti
     """Reference for tests: every candidate of `space` built one by one and scored with the scalar
     `cost.evaluate` (homogeneous: every stage-0 layer count). Sorted (total, candidate), feasible only."""
     limit = 0.9 * prof.memory_bytes if memory_limit is None else float(memory_limit)
+    space = space.effective()
     enc, llm, L, Le = wl.encoder, wl.llm, wl.llm.num_layers, wl.encoder.num_layers
     cands: list[Candidate] = []
     if "homogeneous" in space.placements:
@@ -738,14 +834,14 @@ def brute_force(wl: Workload, prof: Profile, world_size: int, memory_limit: Opti
                 if best:
                     cands.append(best[1])
     if "colocated" in space.placements:
-        for a in _layouts(world_size, space.tp, space.cp, space.pp, llm, True):
-            for e in _layouts(world_size, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False):
+        for a in _layouts(world_size, space.tp, space.cp, space.pp, llm, True, space.runtime):
+            for e in _layouts(world_size, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False, space.runtime):
                 if max(a[3], e[3]) % min(a[3], e[3]) == 0:
                     for o in space.offload:
                         cands.append(Candidate("colocated", Segment(*e, Le), (Segment(*a, L),), offload=o))
     if "disjoint" in space.placements:
         for we in space.islands(world_size):
-            for e in _layouts(we, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False):
+            for e in _layouts(we, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False, space.runtime):
                 for r in _chains(wl, world_size - we, space):
                     ta, cp, pa, da, na, tb, pb, db, nb = r
                     if max(e[3], da) % min(e[3], da):

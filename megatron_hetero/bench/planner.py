@@ -1,0 +1,412 @@
+"""`megatron-hetero bench planner`: the cost model against measured step times on this machine.
+
+One run, one process tree:
+  1. a profile is taken (`runtime.profile`) at each world size of the benchmark (4 and 8), with
+     that many ranks working at once (ranks share this machine's cores as they do in training);
+  2. each configuration (tiny LLaVA model: colocated heterogeneous, disjoint, and homogeneous, i.e.
+     colocated with every module on the language model's layout) is trained for `warmup + iters`
+     steps with `training.trainer.train_rank` on forked ranks; the measured step time is the median
+     over the last `iters` steps of the slowest rank's step (the first `warmup` are discarded);
+  3. the estimate of the same configuration is `plan.cost.evaluate(candidate, workload, profile)`
+     with the profile of its world size (`candidate_for` / `workload_for` map the layout and the
+     model onto the cost model's `Candidate` and `Workload`);
+  4. the search (`plan.search.search`) runs over the space of layouts the runtime accepts at each
+     world size; its pick is measured too (if it is not one of the configurations) and compared
+     with the fastest measured configuration of that world size.
+Reported: per configuration measured / estimated / error, the mean absolute percentage error
+(MAPE), and per world size the pick's measured time over the fastest measured time.
+Writes planner.json and planner.png (measured vs estimated per configuration).
+
+The machine may be shared with other jobs (another process only ever adds time): every measurement
+(profile round, configuration round) is checked for CPU time used outside this process tree and
+repeated when disturbed (`runtime.profile.undisturbed`); with `rounds` > 1 each configuration keeps
+its fastest round, as the profile keeps each case's fastest of `profile_rounds`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from megatron_hetero.bench.common import markdown_table, write_json
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.plan import cost as C
+from megatron_hetero.plan import search as S
+
+WORLDS = (4, 8)
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """The tiny model and batch of the benchmark (train CLI flag names)."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    seq_length: int = 32
+    vocab_size: int = 128
+    encoder_num_layers: int = 2
+    encoder_hidden_size: int = 32
+    encoder_num_attention_heads: int = 4
+    encoder_tokens: int = 8
+    encoder_feature_dim: int = 24
+    global_batch_size: int = 16
+    micro_batch_size: int = 2
+
+    def spec(self):
+        from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+
+        enc = EncoderSpec(num_layers=self.encoder_num_layers, hidden_size=self.encoder_hidden_size,
+                          num_attention_heads=self.encoder_num_attention_heads, tokens=self.encoder_tokens,
+                          feature_dim=self.encoder_feature_dim, offset=1)
+        return LlavaSpec(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                         num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
+                         seq_length=self.seq_length, encoders={"vision": enc})
+
+    def job(self, train_iters: int):
+        from megatron_hetero.training.setup import JobConfig
+
+        return JobConfig(spec=self.spec(), global_batch_size=self.global_batch_size,
+                         micro_batch_size=self.micro_batch_size, train_iters=train_iters)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime layout / model -> cost model candidate / workload
+# ---------------------------------------------------------------------------------------------
+def _ffn(hidden: int, ffn: Optional[int]) -> int:
+    return 4 * hidden if ffn is None else ffn
+
+
+def workload_for(spec, global_batch: int, micro_batch: int) -> C.Workload:
+    """The cost model's workload of a `LlavaSpec` with one encoder, trained in fp32 with Adam
+    (fp32 weights and main grads: 4 + 4 bytes, two fp32 moments: 8 bytes, no distributed optimizer)."""
+    if len(spec.encoders) != 1:
+        raise ValueError(f"the cost model takes one encoder; the model has {sorted(spec.encoders)}")
+    (name, e), = spec.encoders.items()
+    enc_layer = 4 * e.hidden_size ** 2 + 2 * e.hidden_size * _ffn(e.hidden_size, None)
+    # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
+    extra = (e.feature_dim + 1) * e.hidden_size + e.tokens * e.hidden_size + \
+        (e.hidden_size + 1) * spec.hidden_size + (spec.hidden_size + 1) * spec.hidden_size
+    enc = C.ModelSpec(name, e.num_layers, e.hidden_size, _ffn(e.hidden_size, None), e.num_attention_heads, e.tokens,
+                      kind="encoder", params=int(e.num_layers * enc_layer + extra))
+    llm = C.ModelSpec("language", spec.num_layers, spec.hidden_size, _ffn(spec.hidden_size, spec.ffn_hidden_size),
+                      spec.num_attention_heads, spec.seq_length, kind="llm", vocab=spec.vocab_size)
+    return C.Workload(enc, llm, global_batch=global_batch, micro_batch=micro_batch, images_per_sample=1,
+                      dtype_bytes=4, weight_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0,
+                      distributed_optimizer=False)
+
+
+def cost_micro_batch(layout: HeteroLayout, spec, micro_batch_size: int) -> int:
+    """The cost model's `Workload.micro_batch` (samples per replica of the largest language DP) of a
+    run with `train --micro-batch-size` (samples per rank of the first language module)."""
+    from megatron_hetero.models.llava import language_modules
+
+    langs = language_modules(layout, spec)
+    if layout.placement != "disjoint":
+        return micro_batch_size
+    samples = micro_batch_size * langs[0].dp  # one micro-batch of the disjoint schedule
+    top = max(m.dp for m in langs)
+    if samples % top:
+        raise ValueError(f"a micro-batch of {samples} samples does not split over dp({top})")
+    return samples // top
+
+
+def kind_of(layout: HeteroLayout, spec) -> str:
+    """'homogeneous' (colocated, every module on the same degrees), 'colocated' or 'disjoint'."""
+    if layout.placement == "disjoint":
+        return "disjoint"
+    degrees = {(m.tp, m.cp, m.pp, m.dp) for m in layout.modules}
+    return "homogeneous" if len(degrees) == 1 else "colocated"
+
+
+def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> C.Candidate:
+    """The cost model's candidate of what the runtime executes for `layout`. A homogeneous layout
+    runs on the colocated three-phase schedule, so it is costed as a colocated candidate."""
+    from megatron_hetero.models.llava import language_modules, segment_layers
+
+    langs = language_modules(layout, spec)
+    encs = [m for m in layout.modules if m.name in spec.encoders]
+    if len(encs) != 1:
+        raise ValueError(f"the cost model takes one encoder; the layout has {[m.name for m in encs]}")
+    e = encs[0]
+    enc = C.Segment(e.tp, e.cp, e.pp, e.dp, spec.encoders[e.name].num_layers)
+    segs = tuple(C.Segment(m.tp, m.cp, m.pp, m.dp, segment_layers(m, spec).size) for m in langs)
+    if layout.placement == "disjoint":
+        return C.Candidate("disjoint", enc, segs, encoder_ranks=e.size)
+    return C.Candidate("colocated", enc, segs, offload=offload)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------------------------
+def _colo(enc: dict, llm: dict) -> dict:
+    return {"placement": "colocated", "modules": {"vision": enc, "language": llm}, "edges": ["vision -> language"]}
+
+
+def _dis(enc: dict, *llm: dict) -> dict:
+    if len(llm) == 1:
+        return {"placement": "disjoint", "modules": {"vision": enc, "language": llm[0]}, "edges": ["vision -> language"]}
+    mods = {"vision": enc, "language_a": llm[0], "language_b": llm[1]}
+    return {"placement": "disjoint", "modules": mods, "edges": ["vision -> language_a", "language_a -> language_b"]}
+
+
+def _homo(d: dict) -> dict:
+    return _colo(dict(d), dict(d))
+
+
+#: (world, layout document); the benchmark model has 4 LLM layers (heads 4) and 2 encoder layers.
+CONFIGS: list[tuple[int, dict]] = [
+    # world 4
+    (4, _homo({"dp": 4})),
+    (4, _homo({"tp": 2, "dp": 2})),
+    (4, _homo({"pp": 2, "dp": 2})),
+    (4, _homo({"tp": 4})),
+    (4, _colo({"dp": 4}, {"tp": 2, "dp": 2})),
+    (4, _colo({"dp": 4}, {"pp": 2, "dp": 2})),
+    (4, _colo({"dp": 4}, {"cp": 2, "dp": 2})),
+    (4, _colo({"tp": 2, "dp": 2}, {"dp": 4})),
+    (4, _dis({"dp": 2}, {"dp": 2})),
+    (4, _dis({"dp": 2}, {"pp": 2})),
+    (4, _dis({"tp": 2}, {"tp": 2})),
+    (4, _dis({"pp": 2}, {"dp": 2})),
+    # world 8
+    (8, _homo({"dp": 8})),
+    (8, _homo({"tp": 2, "dp": 4})),
+    (8, _homo({"tp": 2, "pp": 2, "dp": 2})),
+    (8, _homo({"pp": 2, "dp": 4})),
+    (8, _colo({"dp": 8}, {"tp": 2, "pp": 2, "dp": 2})),
+    (8, _colo({"dp": 8}, {"tp": 2, "dp": 4})),
+    (8, _colo({"dp": 8}, {"cp": 2, "dp": 4})),
+    (8, _colo({"tp": 2, "dp": 4}, {"dp": 8})),
+    (8, _dis({"dp": 4}, {"tp": 2, "dp": 2})),
+    (8, _dis({"dp": 4}, {"dp": 4})),
+    (8, _dis({"dp": 4}, {"pp": 2, "dp": 2})),
+    (8, _dis({"dp": 2}, {"tp": 2, "layers": "0-1"}, {"tp": 2, "pp": 2, "layers": "2-3"})),
+    (8, _dis({"dp": 2}, {"tp": 2, "layers": "0-1"}, {"tp": 2, "dp": 2, "layers": "2-3"})),
+]
+
+
+def resolve(doc: dict, world: int) -> HeteroLayout:
+    from megatron_hetero.layout import layout_from_dict
+
+    return layout_from_dict(doc, world_size=world)
+
+
+def describe(layout: HeteroLayout) -> str:
+    parts = []
+    for m in layout.modules:
+        deg = "·".join(f"{k.upper()}{getattr(m, k)}" for k in ("tp", "cp", "pp", "dp") if getattr(m, k) > 1) or "DP1"
+        parts.append(f"{m.name} {deg}@{m.ranks}")
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------
+def measure_step(layout: HeteroLayout, model: BenchModel, iters: int, warmup: int = 1,
+                 timeout: float = 600.0, micro_batch_size: Optional[int] = None) -> dict[str, Any]:
+    """Median step time (slowest rank per step) over `iters` steps after `warmup` discarded ones."""
+    from megatron_hetero.compat import default_backend
+    from megatron_hetero.runtime.launcher import run_ranks
+    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.trainer import train_rank
+
+    job = model.job(warmup + iters)
+    if micro_batch_size is not None:
+        job = dataclasses.replace(job, micro_batch_size=micro_batch_size)
+    validate_job(layout, job)
+    t0 = time.perf_counter()
+    per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
+    steps = [max(r["records"][i]["step_time_s"] for r in per_rank) for i in range(job.train_iters)]
+    kept = steps[warmup:]
+    return {"step_s": float(statistics.median(kept)), "steps_s": steps, "loss": per_rank[0]["records"][-1]["loss"],
+            "wall_s": time.perf_counter() - t0}
+
+
+def bench_grid():
+    """The profile grid of the benchmark: the generic grid's shapes around the benchmark model's
+    (hidden 32-128, up to 128 tokens per micro-batch), every TP/CP degree and collective."""
+    from megatron_hetero.runtime.profile import ProfileGrid
+
+    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2)),
+                                     "encoder": ((32, 4, 8, 1), (32, 4, 8, 8), (64, 4, 16, 4))},
+                       module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 64, 2, 512)),
+                                      "encoder": ((32, 4, 8, 2, 64), (64, 4, 16, 4, 128))})
+
+
+def runtime_space(world: int, model: BenchModel) -> S.SearchSpace:
+    """The search space of the benchmark: the degrees the tiny model allows, layouts the runtime runs."""
+    tps = tuple(t for t in (1, 2, 4, 8) if t <= world and model.num_attention_heads % t == 0)
+    return S.SearchSpace(placements=("colocated", "disjoint"), tp=tps, cp=(1, 2), pp=(1, 2, 4),
+                         encoder_tp=tuple(t for t in tps if model.encoder_num_attention_heads % t == 0),
+                         encoder_cp=(1,), encoder_pp=(1, 2), offload=(False,), runtime=True)
+
+
+def _key(layout: HeteroLayout) -> str:
+    import json
+
+    return json.dumps(layout.to_dict(), sort_keys=True)
+
+
+def search_pick(world: int, model: BenchModel, prof: C.Profile, top: int = 5) -> S.SearchResult:
+    """The search over the runtime's layouts of the benchmark model at `world` ranks."""
+    wl = workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    return S.search(wl, prof, world, memory_limit=float("inf"), space=runtime_space(world, model), top=top)
+
+
+def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: Optional[list] = None,
+        rounds: int = 2, warmup: int = 1, grid=None, profile_rounds: int = 2, model: BenchModel = BenchModel(),
+        plot: bool = True, quiet_wait_s: float = 10.0, retries: int = 3) -> dict[str, Any]:
+    """Profile, search, measure every configuration, compare; write planner.json (+ planner.png).
+
+    iters: measured steps per configuration and round (after `warmup` discarded ones); rounds: each
+    configuration is measured `rounds` times (interleaved with the others) and keeps its fastest
+    round; profile_rounds: the same for the profile; retries: re-measurements of a round that
+    another process disturbed; grid: the profile grid (default `bench_grid()`)."""
+    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.runtime import profile as P
+    from megatron_hetero.training.cli_train import quiet_upstream_warnings
+
+    if iters < 1 or rounds < 1 or warmup < 0:
+        raise ValueError(f"iters and rounds must be >= 1 and warmup >= 0, got {iters}, {rounds}, {warmup}")
+    quiet_upstream_warnings()
+    apply_compat()
+    t_start = time.perf_counter()
+    grid = grid or bench_grid()
+    configs = list(CONFIGS if configs is None else configs)
+    worlds = sorted({int(w) for w in worlds} | {w for w, _ in configs})
+    spec = model.spec()
+    wl = workload_for(spec, model.global_batch_size, model.micro_batch_size)
+    # 1. profiles, one per world size, taken in this run
+    profiles, profile_docs = {}, {}
+    for w in worlds:
+        raw = P.measure(w, grid, rounds=profile_rounds, quiet_wait_s=quiet_wait_s, tries=retries + 1)
+        profiles[w] = P.fit_profile(raw)
+        profile_docs[w] = P.profile_document(raw, profiles[w])
+    # 2. the search's pick per world size (measured too)
+    rows: list[dict[str, Any]] = []
+    seen: dict[str, int] = {}
+    for w, doc in configs:
+        lay = resolve(doc, w)
+        seen[_key(lay)] = len(rows)
+        rows.append({"world": w, "layout": lay, "source": "config", "mbs": model.micro_batch_size})
+    picks = {}
+    for w in worlds:
+        res = search_pick(w, model, profiles[w])
+        lay = res.best.candidate.to_layout()
+        k = _key(lay)
+        if k not in seen:
+            seen[k] = len(rows)
+            rows.append({"world": w, "layout": lay, "source": "search pick",
+                         "mbs": S.train_micro_batch_size(res.best.candidate, wl)})
+        picks[w] = {"index": seen[k], "describe": res.best.candidate.describe(), "estimate_s": res.best.breakdown.total,
+                    "space_size": res.space_size}
+    # 3. measurements, rounds interleaved
+    for r in rows:
+        r["rounds_s"] = []
+    for _ in range(rounds):
+        for r in rows:
+            P.wait_quiet(quiet_wait_s)
+            m, load, tries = P.undisturbed(lambda: measure_step(r["layout"], model, iters, warmup,
+                                                                micro_batch_size=r["mbs"]),
+                                           tries=retries + 1, quiet_wait_s=quiet_wait_s)
+            r.setdefault("external_load", []).append(load)
+            r.setdefault("tries", []).append(tries)
+            r["rounds_s"].append(m["step_s"])
+            r.setdefault("steps_s", []).append(m["steps_s"])
+            r["loss"] = m["loss"]
+    # 4. estimates
+    out_rows = []
+    for i, r in enumerate(rows):
+        lay = r["layout"]
+        cand = candidate_for(lay, spec)
+        wl_r = workload_for(spec, model.global_batch_size, cost_micro_batch(lay, spec, r["mbs"]))
+        bd = C.evaluate(cand, wl_r, profiles[r["world"]])
+        measured = min(r["rounds_s"])
+        out_rows.append({"index": i, "world": r["world"], "kind": kind_of(lay, spec), "source": r["source"],
+                         "layout": describe(lay), "layout_doc": lay.to_dict(), "candidate": cand.to_dict(),
+                         "micro_batch_size": r["mbs"],
+                         "measured_s": measured, "rounds_s": r["rounds_s"], "steps_s": r["steps_s"],
+                         "external_load": r["external_load"], "tries": r["tries"],
+                         "estimate_s": bd.total, "error": bd.total / measured - 1.0, "breakdown": bd.to_dict(),
+                         "loss": r["loss"]})
+    errs = [abs(r["error"]) for r in out_rows]
+    summary_pick = {}
+    for w in worlds:
+        mine = [r for r in out_rows if r["world"] == w]
+        fastest = min(mine, key=lambda r: r["measured_s"])
+        pick = out_rows[picks[w]["index"]]
+        summary_pick[str(w)] = {**picks[w], "measured_s": pick["measured_s"], "layout": pick["layout"],
+                                "fastest_index": fastest["index"], "fastest_layout": fastest["layout"],
+                                "fastest_s": fastest["measured_s"],
+                                "pick_over_fastest": pick["measured_s"] / fastest["measured_s"] - 1.0,
+                                "mape": sum(abs(r["error"]) for r in mine) / len(mine)}
+    doc = {"benchmark": "planner", "backend": default_backend(), "worlds": list(worlds), "model": dataclasses_asdict(model),
+           "iters": iters, "warmup": warmup, "rounds": rounds, "profile_rounds": profile_rounds,
+           "configurations": out_rows, "mape": sum(errs) / len(errs), "max_abs_error": max(errs),
+           "picks": summary_pick, "profiles": {str(w): profile_docs[w] for w in worlds},
+           "seconds": time.perf_counter() - t_start}
+    write_json(Path(out_dir) / "planner.json", doc)
+    if plot:
+        _plot(Path(out_dir) / "planner.png", doc)
+    return doc
+
+
+def dataclasses_asdict(x) -> dict:
+    return dataclasses.asdict(x)
+
+
+def _plot(path: Path, doc: dict[str, Any]) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = doc["configurations"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 0.32 * len(rows) + 2), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [f"W{r['world']} {r['kind'][:4]} {r['layout']}" for r in rows]
+    y = list(range(len(rows)))
+    ax.barh([v - 0.2 for v in y], [r["measured_s"] * 1e3 for r in rows], height=0.4, label="measured (median step)")
+    ax.barh([v + 0.2 for v in y], [r["estimate_s"] * 1e3 for r in rows], height=0.4, label="estimate (cost model)")
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("step time (ms)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"planner: MAPE {doc['mape']:.1%} over {len(rows)} configurations")
+    lim = max(max(r["measured_s"], r["estimate_s"]) for r in rows) * 1e3 * 1.05
+    for w in doc["worlds"]:
+        sel = [r for r in rows if r["world"] == w]
+        bx.scatter([r["measured_s"] * 1e3 for r in sel], [r["estimate_s"] * 1e3 for r in sel], label=f"world {w}", s=18)
+    bx.plot([0, lim], [0, lim], "k--", lw=0.8)
+    bx.plot([0, lim], [0, lim * 1.1], "k:", lw=0.6)
+    bx.plot([0, lim], [0, lim * 0.9], "k:", lw=0.6)
+    bx.set_xlim(0, lim)
+    bx.set_ylim(0, lim)
+    bx.set_xlabel("measured (ms)")
+    bx.set_ylabel("estimated (ms)")
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(doc: dict[str, Any]) -> str:
+    rows = [[r["world"], r["kind"] + (" (search pick)" if r["source"] == "search pick" else ""), r["layout"],
+             f"{r['measured_s'] * 1e3:.1f} ms", f"{r['estimate_s'] * 1e3:.1f} ms", f"{r['error']:+.1%}"]
+            for r in doc["configurations"]]
+    text = markdown_table(["world", "kind", "configuration", "measured", "estimate", "error"], rows)
+    lines = [text, "", f"MAPE over {len(doc['configurations'])} configurations: {doc['mape']:.1%} "
+             f"(largest |error| {doc['max_abs_error']:.1%})"]
+    for w, p in doc["picks"].items():
+        lines.append(f"world {w}: MAPE {p['mape']:.1%}; search pick {p['describe']} measured "
+                     f"{p['measured_s'] * 1e3:.1f} ms; fastest measured {p['fastest_layout']} {p['fastest_s'] * 1e3:.1f} ms; "
+                     f"pick / fastest - 1 = {p['pick_over_fastest']:+.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+"""`megatron-hetero profile`: measure this machine's cost profile (layer and collective times) and write
+it as JSON for `megatron-hetero search --profile PROFILE.json`.
+
+    megatron-hetero profile --world-size 8 --out profile.json [--quick]
+
+Ranks are forked on this machine (gloo on CPU, NCCL on GPU) and measured all busy at once; see
+`runtime/profile.py` for what is measured and how it is fitted. Register with `add_parser(subparsers)`;
+the handler raises ValueError for invalid input (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser("profile", help="measure layer and collective times on this machine; write a cost profile",
+                       description="Measure transformer-layer times (per module kind, tokens, hidden, TP, CP), "
+                                   "whole-module overheads and collective times (per kind, group size, bytes) on "
+                                   "forked ranks; fit the cost model's profile and write it as JSON.")
+    p.add_argument("--world-size", type=int, default=8,
+                   help="ranks to measure with, all busy at once (default 8; on GPU: the GPUs of the node); use "
+                        "the world size you will train with: where ranks share a CPU, times depend on it")
+    p.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
+    p.add_argument("--quick", action="store_true", help="a small grid (seconds, for checks), not for planning")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the measurement and keep each case's least-disturbed round (default 1)")
+    p.add_argument("--json", action="store_true", help="print the whole profile document")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_hetero.training.cli_train import quiet_upstream_warnings
+
+    quiet_upstream_warnings()
+    from megatron_hetero.runtime import profile as P
+
+    world = args.world_size
+    if world < 2:
+        raise ValueError(f"--world-size must be >= 2 (collectives need two ranks), got {world}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    out = Path(args.out)
+    if out.exists() and out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a directory; give a file name")
+    grid = P.ProfileGrid.quick() if args.quick else P.ProfileGrid()
+    _, doc = P.run_profile(world, grid, out=out, rounds=args.rounds)
+    print(json.dumps(doc, indent=1) if args.json else P.summary(doc))
+    if not args.json:
+        print(f"\nwrote {out}")
+    return 0
+
+
+def main(argv: Optional[list] = None) -> int:
+    """Stand-alone entry (`python -m megatron_hetero.cli_profile profile ...`): exit 0 ok, 2 invalid input."""
+    parser = argparse.ArgumentParser(prog="megatron-hetero")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"megatron-hetero profile: invalid input: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""`megatron-hetero profile`, the planner benchmark and search -> train (runtime/profile.py,
+bench/planner.py, cli_profile.py, the runtime space of plan/search.py).
+
+Timings are not asserted (they depend on the machine and on whatever else runs on it): the profile
+must fit and round-trip, the planner benchmark must produce its document, and every layout the
+search can write must be one `megatron-hetero train` runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_hetero import cli
+from megatron_hetero.bench import planner as B
+from megatron_hetero.layout import dump_layout, layout_from_dict
+from megatron_hetero.plan import cost as C
+from megatron_hetero.plan import search as S
+from megatron_hetero.runtime import profile as P
+
+REPO = Path(__file__).resolve().parents[1]
+HW_FILE = REPO / "examples" / "hardware" / "h100_80gb.json"
+TINY = P.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
+                     module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 32, 2, 256)),
+                                    "encoder": ((32, 4, 8, 2, 64), (64, 4, 8, 2, 64))},
+                     tp=(1, 2), cp=(1, 2), sizes=(1 << 10, 1 << 23), iters=2, warmup=1, reps=1)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    from megatron_hetero.compat import apply_compat
+
+    apply_compat()
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    prof, doc = P.run_profile(2, TINY, out=out, quiet_wait_s=0.0, tries=1)
+    return prof, doc, out
+
+
+def _synthetic(shared: bool) -> C.Profile:
+    """A measured-looking profile with every term the profile command fits."""
+    lm = C.LayerModel(2e-3, 3e-11)
+    return C.Profile(layers={"llm": lm, "encoder": C.LayerModel(1.5e-3, 3e-11), "default": lm},
+                     links={"intra": C.AlphaBeta(1e-3, 1e-9), "inter": C.AlphaBeta(1e-3, 1e-9)},
+                     devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9,
+                     collectives={"all_reduce": {"intra": {2: C.AlphaBeta(1.5e-3, 1e-9)}}}, source="synthetic",
+                     overheads={"llm_io": C.LayerModel(4e-3, 1e-11), "encoder_io": C.LayerModel(2e-3, 0.0),
+                                "llm_io_tp": C.LayerModel(0.0, 5.0), "optimizer": C.LayerModel(2e-3, 1e-8)},
+                     cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
+                     layer_collectives={"all_reduce": {"intra": {2: C.AlphaBeta(8e-4, 1e-9)}}})
+
+
+# ------------------------------------------------------------------------------------------
+# profile
+# ------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_profile_measures_fits_and_round_trips(measured) -> None:
+    prof, doc, out = measured
+    on_disk = json.loads(out.read_text())
+    assert on_disk["world_size"] == 2 and on_disk["measurements"]["layers"] and on_disk["grid"]["tp"] == [1, 2]
+    back = C.Profile.load(out)
+    assert back == prof
+    for kind in ("llm", "encoder"):
+        assert prof.layers[kind].a >= 0 and prof.layers[kind].b >= 0
+        assert prof.layers[kind].a + prof.layers[kind].b > 0
+    for kind in ("all_reduce", "all_gather", "broadcast", "send_recv"):
+        ab = prof.collectives[kind]["intra"][2]
+        assert ab.alpha >= 0 and ab.beta > 0, (kind, ab)  # 1 KiB vs 8 MiB: the bytes show
+    assert prof.links["intra"].alpha > 0 and prof.links["intra"].beta >= 0
+    assert set(prof.overheads) >= {"llm_io", "encoder_io", "llm_io_tp", "optimizer", "snapshot", "grad_sync"}
+    assert prof.shared and 0 < prof.cores <= 2 and prof.concurrency == 2  # gloo on CPU: ranks share cores
+    # a layer time and a collective time from the fitted profile are positive and grow with the work
+    small, big = (float(prof.layer_time("llm", f)) for f in (1e6, 1e9))
+    assert 0 < small <= big
+    assert float(prof.collective_time("all_reduce", 1e6, 2, False)) > float(prof.collective_time("all_reduce", 1e3, 2, False)) >= 0
+    text = P.summary(doc)
+    assert "layer llm" in text and "send_recv" in text
+
+
+def test_profile_grid_cases_respect_divisibility() -> None:
+    grid = P.ProfileGrid()
+    for c in P.layer_cases(grid, 4):
+        assert 4 % (c["tp"] * c["cp"]) == 0 and c["heads"] % c["tp"] == 0
+        assert c["kind"] == "llm" or c["cp"] == 1
+        assert c["cp"] == 1 or c["seq"] % (2 * c["cp"]) == 0
+    assert {c["n"] for c in P.collective_cases(grid, 8) if c["kind"] == "all_reduce"} == {2, 4, 8}
+    assert {c["n"] for c in P.collective_cases(grid, 8) if c["kind"] == "send_recv"} == {2}
+    with pytest.raises(ValueError, match="unknown module kind"):
+        P.layer_cases(P.ProfileGrid(layer_shapes={"decoder": ((8, 1, 8, 1),)}), 2)
+    with pytest.raises(ValueError, match=">= 2"):
+        P.measure(1, TINY)
+
+
+def test_profile_json_with_extra_terms_round_trips(tmp_path) -> None:
+    prof = _synthetic(shared=True)
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert C.Profile.load(path) == prof
+    doc = json.loads(path.read_text())
+    doc["overheads"]["gpu_magic"] = {"a": 1, "b": 0}
+    with pytest.raises(ValueError, match="unknown overheads"):
+        C.Profile.from_dict(doc)
+    # an older profile without the new keys still loads, as a non-shared profile without overheads
+    old = {k: v for k, v in prof.to_dict().items() if k not in ("overheads", "cores", "concurrency", "layer_collectives")}
+    back = C.Profile.from_dict(old)
+    assert not back.shared and back.overheads == {} and back.uncontended == 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# cost model on a measured-style profile
+# ------------------------------------------------------------------------------------------
+def test_shared_profile_step_is_work_or_uncontended_critical_path() -> None:
+    model = B.BenchModel()
+    wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    shared, own = _synthetic(True), _synthetic(False)
+    for w, doc in B.CONFIGS:
+        cand = B.candidate_for(B.resolve(doc, w), model.spec())
+        a, b = C.evaluate(cand, wl, shared), C.evaluate(cand, wl, own)
+        parts = a.compute + a.tp_comm + a.cp_comm + a.pp_comm + a.dp_comm + a.boundary + a.offload + a.optimizer
+        assert a.bubble >= -1e-12 and parts + a.bubble == pytest.approx(a.total, rel=1e-12)
+        assert a.total >= b.total * shared.uncontended * (1 - 1e-12)  # never below the uncontended critical path
+        assert a.total <= b.total * (1 + 1e-12)  # never above the critical path at full sharing
+        assert b.optimizer > 0 and b.dp_comm > 0
+
+
+def test_io_overheads_land_on_the_last_stage() -> None:
+    prof, model = _synthetic(False), B.BenchModel()
+    wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    bare = C.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
+                     prof.collectives, "bare")
+    cand = C.Candidate("colocated", C.Segment(1, 1, 1, 4, 2), (C.Segment(1, 1, 1, 4, 4),))
+    with_io, without = C.evaluate(cand, wl, prof), C.evaluate(cand, wl, bare)
+    b = with_io.micro_batches
+    llm_io = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1))
+    enc_io = float(C.io_time(prof, wl, wl.encoder, wl.global_batch / 4, 1, 1))
+    assert with_io.compute == pytest.approx(without.compute + b * llm_io + enc_io, rel=1e-9)
+    # TP adds the fitted number of activation all-reduces over the TP group
+    tp2 = float(C.io_time(prof, wl, wl.llm, 2, 2, 1)) - float(prof.overhead_time("llm_io", C.io_flops(wl, wl.llm, 2, 2, 1)))
+    assert tp2 == pytest.approx(5.0 * float(C.io_allreduce(prof, wl, wl.llm, 2, 2, 1)))
+
+
+# ------------------------------------------------------------------------------------------
+# layout <-> cost model mapping
+# ------------------------------------------------------------------------------------------
+def test_workload_and_candidate_mapping_is_consistent() -> None:
+    model = B.BenchModel()
+    spec = model.spec()
+    wl = B.workload_for(spec, model.global_batch_size, model.micro_batch_size)
+    assert (wl.llm.num_layers, wl.llm.hidden, wl.llm.heads, wl.llm.seq, wl.llm.vocab) == (4, 64, 4, 32, 128)
+    assert (wl.encoder.num_layers, wl.encoder.hidden, wl.encoder.seq, wl.encoder.kind) == (2, 32, 8, "encoder")
+    assert wl.llm.ffn_hidden == 4 * 64 and wl.dtype_bytes == 4 and not wl.distributed_optimizer
+    assert wl.global_batch == 16 and wl.micro_batch == 2 and wl.image_tokens == 8
+    kinds = set()
+    for w, doc in B.CONFIGS:
+        lay = B.resolve(doc, w)
+        cand = B.candidate_for(lay, spec)
+        kinds.add(B.kind_of(lay, spec))
+        assert cand.world_size == w == lay.world_size
+        wl_c = B.workload_for(spec, model.global_batch_size, B.cost_micro_batch(lay, spec, model.micro_batch_size))
+        # the cost model's micro-batch count is the runtime's: G / (dp of the first language module * mbs)
+        assert C.check_candidate(cand, wl_c) == model.global_batch_size // (model.micro_batch_size * cand.llm[0].dp)
+        assert S.train_micro_batch_size(cand, wl_c) == model.micro_batch_size
+        assert sum(s.layers for s in cand.llm) == spec.num_layers
+        if lay.placement == "disjoint":
+            assert cand.placement == "disjoint" and cand.encoder_ranks == lay.module("vision").size
+            # the candidate's own layout is the same job (module names aside)
+            back = cand.to_layout()
+            assert [m.size for m in back.modules] == [m.size for m in lay.modules]
+            assert [(m.tp, m.cp, m.pp, m.dp) for m in back.modules] == [(m.tp, m.cp, m.pp, m.dp) for m in lay.modules]
+        else:
+            assert cand.placement == "colocated"  # homogeneous layouts run on the colocated schedule
+            assert cand.to_layout() == lay
+    assert kinds == {"homogeneous", "colocated", "disjoint"}
+    assert sum(1 for w, _ in B.CONFIGS if w == 4) >= 10 and sum(1 for w, _ in B.CONFIGS if w == 8) >= 10
+
+
+# ------------------------------------------------------------------------------------------
+# search -> layouts the runtime runs
+# ------------------------------------------------------------------------------------------
+def _runtime_accepts(layout, job) -> None:
+    from megatron_hetero.models.llava import language_modules, segment_layers
+    from megatron_hetero.runtime.disjoint import micro_batch_plan
+    from megatron_hetero.training.cli_train import language_names
+    from megatron_hetero.training.setup import validate_job
+
+    validate_job(layout, job)
+    assert [m.name for m in language_modules(layout, job.spec)] == language_names(layout)
+    for m in language_modules(layout, job.spec):
+        assert segment_layers(m, job.spec).size % m.pp == 0, m
+    for name in job.spec.encoders:
+        assert layout.module(name).cp == 1
+    if layout.placement == "disjoint":
+        micro_batch_plan(layout, job)
+
+
+@pytest.mark.parametrize("world", [4, 6, 8])
+def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
+    model = B.BenchModel(global_batch_size=24 if world == 6 else 16)
+    spec = model.spec()
+    wl = B.workload_for(spec, model.global_batch_size, model.micro_batch_size)
+    space = B.runtime_space(world, model)
+    cands = [c for _, c in S.brute_force(wl, _synthetic(True), world, float("inf"), space)]
+    assert {c.placement for c in cands} == {"colocated", "disjoint"}
+    assert any(len(c.llm) == 2 for c in cands) == (world > 4)  # two halves of a >= 4-rank island
+    if world == 8:  # segments that differ in DP, and in PP, both run
+        assert any(len(c.llm) == 2 and c.llm[0].dp != c.llm[1].dp for c in cands)
+        assert any(len(c.llm) == 2 and c.llm[0].pp != c.llm[1].pp for c in cands)
+    def accepted(cand) -> bool:
+        layout = layout_from_dict(yaml.safe_load(dump_layout(cand.to_layout())), world_size=world)  # as train reads it
+        job = dataclasses.replace(model.job(1), micro_batch_size=S.train_micro_batch_size(cand, wl))
+        try:
+            _runtime_accepts(layout, job)
+        except (ValueError, AssertionError):
+            return False
+        return True
+
+    rejected = [c.describe() for c in cands if not accepted(c)]
+    assert not rejected, rejected
+    # the cost model's whole space has layouts the runtime rejects (uneven stages, encoder in stage 0)
+    full = [c for _, c in S.brute_force(wl, _synthetic(True), world, float("inf"),
+                                        S.SearchSpace(tp=space.tp, cp=space.cp, pp=(1, 2, 3), encoder_tp=space.encoder_tp,
+                                                      encoder_pp=(1, 2), offload=(False,)))]
+    assert any(not accepted(c) for c in full if c.placement != "homogeneous")
+
+
+@pytest.mark.parametrize("world", [8, 12, 16])
+@pytest.mark.parametrize("prune", [True, False])
+def test_runtime_space_vectorized_search_equals_brute_force(world, prune) -> None:
+    """The vectorized search (simulated profile) restricted to the runtime's layouts, two-segment
+    chains with equal DP and different TP/PP included, against scoring each candidate."""
+    prof = C.Profile.from_hardware(C.HardwareSpec.load(HW_FILE))
+    enc = C.ModelSpec("vision", 4, 1024, 4096, 16, 256, kind="encoder")
+    llm = C.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
+    wl = C.Workload(enc, llm, global_batch=48, micro_batch=1)
+    space = S.SearchSpace(tp=(1, 2, 4), cp=(1, 2), pp=(1, 2, 3, 4), encoder_tp=(1, 2), encoder_pp=(1, 2, 3),
+                          encoder_cp=(1, 2), runtime=True)
+    ref = S.brute_force(wl, prof, world, None, space)
+    assert ref and {c.placement for _, c in ref} == {"colocated", "disjoint"}
+    assert all(c.encoder.cp == 1 and 4 % c.encoder.pp == 0 and all(s.layers % s.pp == 0 for s in c.llm)
+               for _, c in ref)
+    if world != 12:
+        assert any(len(c.llm) == 2 and c.llm[0].pp != c.llm[1].pp for _, c in ref)
+    top = 15 if prune else len(ref)
+    res = S.search(wl, prof, world, None, space, top=top, prune=prune)
+    assert [r.breakdown.total for r in res.ranked] == pytest.approx([t for t, _ in ref[:top]], rel=1e-9)
+    assert res.baseline is not None and res.gain >= -1e-12
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_search_equals_brute_force_on_measured_style_profiles(shared) -> None:
+    model = B.BenchModel()
+    wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    prof = _synthetic(shared)
+    space = B.runtime_space(8, model)
+    res = S.search(wl, prof, 8, float("inf"), space, top=5)
+    ref = S.brute_force(wl, prof, 8, float("inf"), space)
+    assert [r.breakdown.total for r in res.ranked] == pytest.approx([t for t, _ in ref[:5]], rel=1e-12)
+    assert res.baseline is not None
+    e, s = res.baseline.candidate.encoder, res.baseline.candidate.llm[0]
+    assert (e.tp, e.cp, e.pp, e.dp) == (s.tp, s.cp, s.pp, s.dp)
+    assert res.gain is not None and res.gain >= -1e-12
+
+
+@pytest.mark.timeout(180)
+def test_search_out_yaml_trains_directly(tmp_path, capsys) -> None:
+    from megatron_hetero.compat import apply_compat
+
+    apply_compat()
+    prof_path = tmp_path / "profile.json"
+    _synthetic(True).save(prof_path)
+    best = tmp_path / "best.yaml"
+    model = ["--encoder-layers", "2", "--encoder-hidden", "32", "--encoder-ffn-hidden", "128", "--encoder-heads", "4",
+             "--image-tokens", "8", "--llm-layers", "2", "--llm-hidden", "64", "--llm-ffn-hidden", "256",
+             "--llm-heads", "4", "--vocab-size", "128", "--seq-length", "32"]
+    rc = cli.main(["search", "--profile", str(prof_path), "--world-size", "4", *model, "--global-batch-size", "8",
+                   "--micro-batch-size", "1", "--out", str(best)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "predicted gain over homogeneous" in out
+    layout = yaml.safe_load(best.read_text())
+    assert layout["placement"] in ("colocated", "disjoint")
+    rc = cli.main(["train", "--hetero-layout", str(best), "--train-iters", "1", "--global-batch-size", "8",
+                   "--micro-batch-size", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "iteration    1/1 | lm loss" in out
+    # --all-layouts searches the cost model's whole space and cannot write a layout for train
+    rc = cli.main(["search", "--profile", str(prof_path), "--world-size", "4", *model, "--global-batch-size", "8",
+                   "--all-layouts", "--out", str(best)])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "--all-layouts" in err
+
+
+# ------------------------------------------------------------------------------------------
+# the planner benchmark, smoke
+# ------------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_planner_benchmark_smoke(tmp_path) -> None:
+    configs = [(4, B._homo({"dp": 4})), (4, B._dis({"dp": 2}, {"dp": 2}))]
+    doc = B.run(tmp_path, iters=2, warmup=1, worlds=(4,), configs=configs, rounds=1, profile_rounds=1,
+                grid=TINY, quiet_wait_s=0.0, retries=0, plot=False)
+    assert json.loads((tmp_path / "planner.json").read_text()) == json.loads(json.dumps(doc))
+    rows = doc["configurations"]
+    assert len(rows) in (2, 3)  # + the search's pick when it is not one of the configurations
+    assert [r["source"] for r in rows[:2]] == ["config", "config"]
+    for r in rows:
+        assert r["measured_s"] > 0 and r["estimate_s"] > 0 and len(r["steps_s"][0]) == 3
+        assert r["error"] == pytest.approx(r["estimate_s"] / r["measured_s"] - 1)
+        assert set(r["breakdown"]) >= {"compute", "tp_comm", "dp_comm", "optimizer", "bubble", "total"}
+        assert r["kind"] in ("homogeneous", "colocated", "disjoint")
+    assert doc["mape"] == pytest.approx(sum(abs(r["error"]) for r in rows) / len(rows))
+    pick = doc["picks"]["4"]
+    assert 0 <= pick["index"] < len(rows) and pick["pick_over_fastest"] >= 0
+    assert doc["profiles"]["4"]["world_size"] == 4
+    text = B.table(doc)
+    assert "| world | kind | configuration | measured | estimate | error |" in text and "MAPE" in text
