@@ -68,8 +68,14 @@ def _add_search(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    from megatron_hetero.cli_profile import add_parser
+
+    add_parser(sub)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_plan, _add_train, _add_schedule, _add_search, _add_bench,
+    _add_plan, _add_train, _add_schedule, _add_profile, _add_search, _add_bench,
 ]
 
 
