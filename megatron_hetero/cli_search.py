@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--max-segments", type=int, choices=[1, 2], default=2, help="LLM segments on a disjoint island")
     p.add_argument("--all-layouts", action="store_true",
                    help="search the cost model's whole space, also layouts `megatron-hetero train` does not run "
-                        "(uneven pipeline stages, LLM segments with different DP, the encoder inside LLM stage 0); "
+                        "(uneven pipeline stages, the encoder inside LLM stage 0, encoders with CP); "
                         "default: only runnable layouts, so --out runs directly with `train`")
     p.add_argument("--top", type=int, default=5, help="candidates to print (default 5)")
     p.add_argument("--out", metavar="best.yaml", default=None, help="write the best layout YAML here")

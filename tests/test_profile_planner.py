@@ -47,7 +47,9 @@ def _synthetic(shared: bool) -> C.Profile:
                      devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9,
                      collectives={"all_reduce": {"intra": {2: C.AlphaBeta(1.5e-3, 1e-9)}}}, source="synthetic",
                      overheads={"llm_io": C.LayerModel(4e-3, 1e-11), "encoder_io": C.LayerModel(2e-3, 0.0),
-                                "llm_io_tp": C.LayerModel(0.0, 5.0), "optimizer": C.LayerModel(2e-3, 1e-8)},
+                                "llm_io_tp": C.LayerModel(0.0, 5.0), "optimizer": C.LayerModel(2e-3, 1e-8),
+                                "data": C.LayerModel(3e-4, 1e-6), "snapshot": C.LayerModel(4e-4, 0.0),
+                                "grad_sync": C.LayerModel(5e-4, 1.4)},
                      cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
                      layer_collectives={"all_reduce": {"intra": {2: C.AlphaBeta(8e-4, 1e-9)}}})
 
@@ -125,7 +127,7 @@ def test_shared_profile_step_is_work_or_uncontended_critical_path() -> None:
         assert b.optimizer > 0 and b.dp_comm > 0
 
 
-def test_io_overheads_land_on_the_last_stage() -> None:
+def test_overheads_land_where_the_runtime_does_the_work() -> None:
     prof, model = _synthetic(False), B.BenchModel()
     wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
     bare = C.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
@@ -133,9 +135,20 @@ def test_io_overheads_land_on_the_last_stage() -> None:
     cand = C.Candidate("colocated", C.Segment(1, 1, 1, 4, 2), (C.Segment(1, 1, 1, 4, 4),))
     with_io, without = C.evaluate(cand, wl, prof), C.evaluate(cand, wl, bare)
     b = with_io.micro_batches
-    llm_io = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1))
-    enc_io = float(C.io_time(prof, wl, wl.encoder, wl.global_batch / 4, 1, 1))
+    llm_io = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1)) + float(C.data_time(prof, wl, wl.micro_batch))
+    enc_io = float(C.io_time(prof, wl, wl.encoder, wl.global_batch / 4, 1, 1)) + float(C.data_time(prof, wl, 4))
     assert with_io.compute == pytest.approx(without.compute + b * llm_io + enc_io, rel=1e-9)
+    # every pipeline stage of the language model builds its micro-batch; the output layer is on the last
+    pp2 = C.Candidate("colocated", C.Segment(1, 1, 1, 4, 2), (C.Segment(1, 1, 2, 2, 4),))
+    a, z = C.evaluate(pp2, wl, prof), C.evaluate(pp2, wl, bare)
+    b2, data = a.micro_batches, float(C.data_time(prof, wl, wl.micro_batch))
+    llm_last = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1))
+    # the breakdown on a non-shared profile is the bottleneck stage's: the last one (output layer)
+    assert a.compute == pytest.approx(z.compute + b2 * (llm_last + data) + enc_io, rel=1e-9)
+    # phase-closing communication goes through the measured grad_sync overhead
+    t = float(prof.collective_time("send_recv", 2 * 32 * 64 * 4, 2, False))
+    assert float(C.p2p_time(prof, wl, wl.llm, 2, 1, False)) == pytest.approx(5e-4 + 1.4 * 2 * t)
+    assert float(C.synced(prof, 0.0)) == 0.0
     # TP adds the fitted number of activation all-reduces over the TP group
     tp2 = float(C.io_time(prof, wl, wl.llm, 2, 2, 1)) - float(prof.overhead_time("llm_io", C.io_flops(wl, wl.llm, 2, 2, 1)))
     assert tp2 == pytest.approx(5.0 * float(C.io_allreduce(prof, wl, wl.llm, 2, 2, 1)))

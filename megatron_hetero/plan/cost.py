@@ -62,13 +62,15 @@ Boundaries (encoder -> LLM, forward activations + backward gradients):
 - colocated, once per step: 2 * allgather(G/dp_llm * image_tokens/cp_llm * h * dtype,
   n = max(fan factor, 2)); zero when both sides are single-stage with the same rank -> DP map.
 Measured overheads (a `Profile` from `megatron-hetero profile`; absent from simulated profiles: 0):
-  per run of a module's last stage, its work outside the layers, `overheads["<kind>_io"]` at
-  x = 6 * T * h * vocab / tp (LLM: data, embedding, output layer, loss) or 6 * T * (h_enc * h + h^2)
+  per run, building the run's samples `overheads["data"]` (x = samples * seq: every LLM stage, an
+  encoder's first stage); per run of a module's last stage, its work outside the layers,
+  `overheads["<kind>_io"]` at x = 6 * T * h * vocab / tp (LLM: embedding, output layer, loss) or 6 * T * (h_enc * h + h^2)
   / tp (encoder: patch embedding, projector), plus with TP `overheads["<kind>_io_tp"].b` all-reduces of
   the run's activation (T/cp * h * dtype) over the TP group; per stage and step, the optimizer step
   `overheads["optimizer"]` at x = parameters on the rank, and SNAPSHOTS[placement] resident-state
-  snapshots `overheads["snapshot"]` (breakdown field `optimizer`); the gradient reduction goes
-  through `overheads["grad_sync"]` (t = a + b * the all-reduce formula) when measured. The step's
+  snapshots `overheads["snapshot"]` (breakdown field `optimizer`); communication that closes a phase
+  (gradient and loss all-reduces, pipeline p2p, boundaries) goes through `overheads["grad_sync"]`
+  (t = a + b * the formula's time: ranks arrive as their own work ends) when measured. The step's
   once-per-step tail is that of the stage with the longest dp + optimizer time.
 Shared execution units (`Profile.cores` > 0, e.g. ranks forked on one CPU machine; the profile's times
 were measured with `Profile.concurrency` ranks busy at once): the step is
@@ -95,7 +97,7 @@ import numpy as np
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 LINKS = ("intra", "inter")
 PLACEMENT_KINDS = ("homogeneous", "colocated", "disjoint")
-OVERHEADS = ("llm_io", "encoder_io", "llm_io_tp", "encoder_io_tp", "optimizer", "snapshot", "grad_sync")
+OVERHEADS = ("llm_io", "encoder_io", "llm_io_tp", "encoder_io_tp", "optimizer", "snapshot", "grad_sync", "data")
 #: resident-state snapshots per module per step (the runtimes report memory per phase / per step)
 SNAPSHOTS = {"colocated": 3, "disjoint": 1, "homogeneous": 0}
 
@@ -232,15 +234,18 @@ class Profile:
     collectives: kind -> link -> group size -> AlphaBeta measured for that whole collective
     (t = alpha + bytes * beta); overrides the ring formula at that size.
     overheads (measured profiles; empty: not modelled): name -> LayerModel t = a + b * x of the work
-    outside the transformer layers: "llm_io" (per LLM micro-batch on its last stage: data, embedding,
-    output layer, loss; x = output-layer FLOPs per rank), "encoder_io" (per encoder pass on its last
+    outside the transformer layers: "data" (a rank building a run's samples from the data source,
+    every LLM stage per micro-batch and an encoder's first stage per run: x = samples * LLM seq),
+    "llm_io" (per LLM micro-batch on its last stage: embedding, output layer, loss; x = output-layer
+    FLOPs per rank), "encoder_io" (per encoder pass on its last
     stage: patch embedding, projector; x = projector FLOPs per rank), "<kind>_io_tp" (with TP > 1: x =
     the time of one all-reduce of the run's activation over the TP group, b = how many such
     all-reduces the embedding, output layer and loss / projector add), "optimizer" (per module stage
     per step: x = parameters on the rank), "snapshot" (one resident-state snapshot of a module stage,
-    x = parameters on the rank; `SNAPSHOTS` per step), "grad_sync" (an all-reduce that closes a phase,
-    as the DDP wrapper's gradient reduction after the backward pass, when ranks arrive as their work
-    ends: x = the all-reduce model's time for the same bytes and group).
+    x = parameters on the rank; `SNAPSHOTS` per step), "grad_sync" (communication that closes a phase,
+    when ranks arrive as their own work ends, measured on the DDP wrapper's gradient all-reduce after
+    the backward pass: x = the formula's time for the same bytes and group; applied to the gradient
+    and loss all-reduces, the pipeline p2p and the boundary exchanges, see `synced`).
     layer_collectives (measured profiles): like `collectives`, for the TP all-reduces and CP
     all-gathers as they run inside a transformer layer (interleaved with its compute), fitted from
     the layer measurements; `layer_parts` prefers them.
@@ -629,10 +634,20 @@ def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
     return compute, tpc, cpc
 
 
+def synced(prof: Profile, t):
+    """Time of communication that closes a phase (ranks arrive as their own work ends): the
+    profile's measured `grad_sync` overhead applied to the formula's time `t` (t where the profile
+    has none; 0 stays 0)."""
+    if "grad_sync" not in prof.overheads:
+        return t
+    t = np.asarray(t, dtype=float)
+    return np.where(t > 0, prof.overhead_time("grad_sync", t), 0.0)
+
+
 def p2p_time(prof: Profile, wl: Workload, spec: ModelSpec, samples, cp, inter):
     """Pipeline exchange of one stage per micro-batch: 2 * sendrecv(tokens/cp_eff * h * dtype)."""
     nbytes = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp) * spec.hidden * wl.dtype_bytes
-    return 2.0 * prof.collective_time("send_recv", nbytes, 2, inter)
+    return synced(prof, 2.0 * prof.collective_time("send_recv", nbytes, 2, inter))
 
 
 def state_bytes(wl: Workload, params_rank, dp_group):
@@ -653,21 +668,20 @@ def dp_time(prof: Profile, wl: Workload, params_rank, tp, cp, dp):
     n = np.asarray(dp) * cp
     t = prof.collective_time("all_reduce", np.asarray(params_rank, dtype=float) * wl.grad_bytes, n,
                              np.asarray(tp) * n > prof.devices_per_node)
-    return prof.overhead_time("grad_sync", t) if "grad_sync" in prof.overheads else t
+    return prof.overhead_time("grad_sync", t) if "grad_sync" in prof.overheads else t  # also at n = 1
 
 
 def loss_reduce(prof: Profile, world):
     """Once per step: the all-reduce of the step's loss over every rank (8 bytes); like the gradient
     reduction it closes a phase, so it goes through the profile's `grad_sync` overhead too."""
-    t = prof.collective_time("all_reduce", 8.0, world, np.asarray(world) > prof.devices_per_node)
-    return prof.overhead_time("grad_sync", t) if "grad_sync" in prof.overheads else t
+    return synced(prof, prof.collective_time("all_reduce", 8.0, world, np.asarray(world) > prof.devices_per_node))
 
 
 def disjoint_boundary(prof: Profile, wl: Workload, samples_dst, cp_dst, world_size):
     """Encoder -> LLM per micro-batch on the LLM's first stage: 2 * sendrecv of what one LLM rank
     needs (its samples, its CP share of the image tokens, projected to the LLM's hidden size)."""
     nbytes = np.asarray(samples_dst, dtype=float) * wl.image_tokens / cp_dst * wl.llm.hidden * wl.dtype_bytes
-    return 2.0 * prof.collective_time("send_recv", nbytes, 2, np.asarray(world_size) > prof.devices_per_node)
+    return synced(prof, 2.0 * prof.collective_time("send_recv", nbytes, 2, np.asarray(world_size) > prof.devices_per_node))
 
 
 def colocated_boundary(prof: Profile, wl: Workload, enc_tp, enc_cp, enc_pp, enc_dp, tp, cp, pp, dp):
@@ -680,7 +694,7 @@ def colocated_boundary(prof: Profile, wl: Workload, enc_tp, enc_cp, enc_pp, enc_
     factor = np.maximum(enc_dp, dp) // np.minimum(enc_dp, dp)
     n = np.maximum(factor, 2)
     nbytes = wl.global_batch / np.asarray(dp, dtype=float) * wl.image_tokens / cp * wl.llm.hidden * wl.dtype_bytes
-    t = 2.0 * prof.collective_time("all_gather", nbytes, n, np.asarray(tp) * cp * factor > prof.devices_per_node)
+    t = synced(prof, 2.0 * prof.collective_time("all_gather", nbytes, n, np.asarray(tp) * cp * factor > prof.devices_per_node))
     same = (np.asarray(enc_pp) == 1) & (np.asarray(pp) == 1) & (np.asarray(enc_dp) == dp) & (
         np.asarray(enc_tp) * enc_cp == np.asarray(tp) * cp)
     return np.where(same, 0.0, t)
@@ -754,14 +768,24 @@ def _add_layers(st: _Stage, prof, wl, spec, layers, samples, seg: Segment) -> No
     st.cp += layers * p
 
 
+def data_time(prof: Profile, wl: Workload, samples):
+    """The profile's `data` overhead: a rank building `samples` samples (0 where not modelled)."""
+    return prof.overhead_time("data", np.asarray(samples, dtype=float) * wl.llm.seq)
+
+
 def _module_stages(prof, wl, spec: ModelSpec, seg: Segment, layers_per_stage, samples, with_p2p: bool,
                    world: int, embed_first: bool = False, embed_last: bool = False, io_last: bool = False,
-                   runs: int = 1) -> list[_Stage]:
+                   runs: int = 1, data: str = "none") -> list[_Stage]:
+    """data: which stages build the run's samples: "all" (language model), "first" (encoder: the
+    samples of its images), "none"."""
     out = []
     n = len(layers_per_stage)
+    t_data = float(data_time(prof, wl, samples / wl.images_per_sample if data == "first" else samples))
     for i, lay in enumerate(layers_per_stage):
         st = _Stage(ranks=seg.tp * seg.cp * seg.dp, runs=runs)
         _add_layers(st, prof, wl, spec, lay, samples, seg)
+        if data == "all" or (data == "first" and i == 0):
+            st.compute += t_data
         if with_p2p:
             st.pp = float(p2p_time(prof, wl, spec, samples, seg.cp, world > prof.devices_per_node))
         if io_last and i == n - 1:
@@ -883,7 +907,8 @@ def shared_step(prof: Profile, work, critical):
 def _eval_homogeneous(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
     s, enc, m = c.llm[0], wl.encoder, wl.micro_batch
     per = [s.layers] if s.pp == 1 else [c.first_stage_layers] + distribute(s.layers - c.first_stage_layers, s.pp - 1)
-    stages = _module_stages(prof, wl, wl.llm, s, per, m, s.pp > 1, s.size, True, True, io_last=True, runs=b)
+    stages = _module_stages(prof, wl, wl.llm, s, per, m, s.pp > 1, s.size, True, True, io_last=True, runs=b,
+                            data="all")
     st0 = stages[0]
     _add_layers(st0, prof, wl, enc, enc.num_layers, m * wl.images_per_sample, s)
     st0.compute += float(io_time(prof, wl, enc, m * wl.images_per_sample, s.tp, s.cp))
@@ -902,13 +927,14 @@ def _eval_homogeneous(c: Candidate, wl: Workload, prof: Profile, b: int) -> Cost
 def _eval_colocated(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
     s, e, w = c.llm[0], c.encoder, c.llm[0].size
     per = distribute(s.layers, s.pp)
-    stages = _module_stages(prof, wl, wl.llm, s, per, wl.micro_batch, s.pp > 1, w, True, True, io_last=True, runs=b)
+    stages = _module_stages(prof, wl, wl.llm, s, per, wl.micro_batch, s.pp > 1, w, True, True, io_last=True, runs=b,
+                            data="all")
     llm_peak = max(_mem(wl, st, s, float(act_bytes(wl, wl.llm, wl.micro_batch, s.tp, s.cp, lay)) * min(s.pp - i, b))
                    for i, (st, lay) in enumerate(zip(stages, per)))
     llm_state = max(_mem(wl, st, s, 0.0) for st in stages)
     b_e = wl.global_batch * wl.images_per_sample / e.dp  # images of the rank's encoder-DP share: one pass
     eper = distribute(e.layers, e.pp)
-    estages = _module_stages(prof, wl, wl.encoder, e, eper, b_e, e.pp > 1, w, io_last=True, runs=1)
+    estages = _module_stages(prof, wl, wl.encoder, e, eper, b_e, e.pp > 1, w, io_last=True, runs=1, data="first")
     enc_state = max(_mem(wl, st, e, 0.0) for st in estages)
     enc_acts = max(float(act_bytes(wl, wl.encoder, b_e, e.tp, e.cp, lay)) for lay in eper)
     _tails(prof, wl, stages, [s] * len(stages), "colocated")
@@ -930,13 +956,13 @@ def _eval_disjoint(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBre
     total_llm_stages = sum(s.pp for s in c.llm)
     eper = distribute(e.layers, e.pp)
     stages = _module_stages(prof, wl, wl.encoder, e, eper, mb * wl.images_per_sample / e.dp, e.pp > 1, e.size,
-                            io_last=True, runs=b)
+                            io_last=True, runs=b, data="first")
     segs = [e] * e.pp
     pers = list(eper)
     for k, s in enumerate(c.llm):
         per = distribute(s.layers, s.pp)
         st = _module_stages(prof, wl, wl.llm, s, per, mb / s.dp, total_llm_stages > 1, w - e.size,
-                            k == 0, k == len(c.llm) - 1, io_last=k == len(c.llm) - 1, runs=b)
+                            k == 0, k == len(c.llm) - 1, io_last=k == len(c.llm) - 1, runs=b, data="all")
         if k == 0:
             st[0].boundary = float(disjoint_boundary(prof, wl, mb / s.dp, s.cp, w))
         stages += st

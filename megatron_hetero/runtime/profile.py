@@ -34,8 +34,9 @@ Fit (`fit_profile`), all from the measurements of this run (least squares, a, b 
     overrides the ring formula at that size; the link's per-hop alpha/beta from send/recv;
   * `layer_collectives`: the TP all-reduce and CP all-gather as they cost inside a layer, from the
     measured TP>1 and CP>1 layers minus the layer compute model;
-  * `overheads`: `<kind>_io` (module minus its layer model: data, embedding, output layer, loss /
-    patch embedding, projector) against the output-layer / projector FLOPs, `<kind>_io_tp` (what
+  * `overheads`: `data` (building a micro-batch of synthetic samples, against its tokens),
+    `<kind>_io` (module minus its layer model and data: embedding, output layer, loss / patch
+    embedding, projector) against the output-layer / projector FLOPs, `<kind>_io_tp` (what
     TP adds, in activation all-reduces over the TP group), `optimizer`, `snapshot` (against the
     parameters on the rank), `grad_sync` (DDP's gradient all-reduce against the all-reduce model);
   * gloo (ranks share the CPU): `cores` = world * t(one busy rank) / t(all ranks busy) of the solo
@@ -302,6 +303,9 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
                 t_mod = _timed(fwd_bwd, iters, warmup, reps)
                 t_opt = _timed(opt, iters, 1, reps)  # the step's cost does not depend on the gradient values
                 t_snap = _timed(state.resident_bytes, iters, 1, reps)
+                # a rank builds its micro-batch from the synthetic data (every pipeline stage does)
+                t_data = _timed(lambda c=c: data_mod.batch(data_mod.DataConfig(seq_length=c["seq"], vocab_size=128),
+                                                           0, c["batch"]), iters, 1, reps)
 
                 def fwd_bwd_sync(state=state) -> None:  # DDP's gradient all-reduce, as a step runs it:
                     fwd_bwd()  # after the backward pass (the ranks arrive as their compute ends)
@@ -315,7 +319,7 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
                 t_fbs = _timed(fwd_bwd_sync, iters, 1, reps)
                 t_fbz = _timed(fwd_bwd_zero, iters, 1, reps)
                 t_sync = [max(0.0, a - b) for a, b in zip(sorted(t_fbs), sorted(t_fbz))]
-                out[i] = {"module": t_mod, "optimizer": t_opt, "snapshot": t_snap, "grad_sync": t_sync,
+                out[i] = {"module": t_mod, "optimizer": t_opt, "snapshot": t_snap, "grad_sync": t_sync, "data": t_data,
                           "params": int(sum(p.numel() for p in module.parameters()))}
                 del state, module
         finally:
@@ -545,6 +549,7 @@ def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait
                     optimizer_seconds=_slowest_median([r["modules"][i]["optimizer"] for r in per_rank]),
                     snapshot_seconds=_slowest_median([r["modules"][i]["snapshot"] for r in per_rank]),
                     grad_sync_seconds=_slowest_median([r["modules"][i]["grad_sync"] for r in per_rank]),
+                    data_seconds=_slowest_median([r["modules"][i]["data"] for r in per_rank]),
                     dp=world_size // c["tp"],
                     params=max(r["modules"][i]["params"] for r in per_rank))
                for i, c in enumerate(mcases)]
@@ -625,8 +630,9 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> C.
                 continue
             spec, wl = _specs(s)
             layer = float(sum(C.layer_parts(prof, wl, spec, s["batch"], s["tp"], 1)))
+            data = s["data_seconds"] if kind == "llm" else 0.0  # the LLM module built its batch
             pts.append((s["tp"], float(C.io_flops(wl, spec, s["batch"], s["tp"], 1)),
-                        float(C.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)), s["seconds"] - layer))
+                        float(C.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)), s["seconds"] - layer - data))
         one = [p for p in pts if p[0] == 1]
         if not one:
             continue
@@ -640,6 +646,7 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> C.
             overheads[f"{kind}_io_tp"] = C.LayerModel(a=0.0, b=max(0.0, k))
     mods = raw.get("modules", [])
     if mods:
+        overheads["data"] = _fit_line([float(s["batch"] * s["seq"]) for s in mods], [s["data_seconds"] for s in mods])
         overheads["optimizer"] = _fit_line([float(s["params"]) for s in mods], [s["optimizer_seconds"] for s in mods])
         overheads["snapshot"] = _fit_line([float(s["params"]) for s in mods], [s["snapshot_seconds"] for s in mods])
         # DDP's gradient all-reduce right after the backward pass (fwd+bwd+sync minus fwd+bwd), against
