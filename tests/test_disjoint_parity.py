@@ -277,6 +277,8 @@ def test_rank_failure_stops_all_ranks_naming_the_edge(fail_rank, stall_s):
         assert all("gave up" in t or "timed out" in t for _, t in others), text
         assert elapsed < timeout_s + 5 + 10, f"took {elapsed:.1f} s"
     else:
-        assert err.failures[0][0] == fail_rank and "injected failure" in err.failures[0][1], text
+        # every rank fails on its own; which report reaches the launcher first is a race (the peers
+        # see the closed connection as soon as the failing rank exits)
+        assert "injected failure" in dict(err.failures)[fail_rank], text
         assert not err.killed, text
         assert elapsed < timeout_s + 10, f"took {elapsed:.1f} s"
