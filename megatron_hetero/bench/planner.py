@@ -270,8 +270,9 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     from megatron_hetero.runtime import profile as P
     from megatron_hetero.training.cli_train import quiet_upstream_warnings
 
-    if iters < 1 or rounds < 1 or warmup < 0:
-        raise ValueError(f"iters and rounds must be >= 1 and warmup >= 0, got {iters}, {rounds}, {warmup}")
+    if iters < 1 or rounds < 1 or profile_rounds < 1 or warmup < 0 or retries < 0:
+        raise ValueError(f"iters, rounds and profile_rounds must be >= 1, warmup and retries >= 0; got {iters}, "
+                         f"{rounds}, {profile_rounds}, {warmup}, {retries}")
     quiet_upstream_warnings()
     apply_compat()
     t_start = time.perf_counter()
@@ -280,19 +281,41 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     worlds = sorted({int(w) for w in worlds} | {w for w, _ in configs})
     spec = model.spec()
     wl = workload_for(spec, model.global_batch_size, model.micro_batch_size)
-    # 1. profiles, one per world size, taken in this run
-    profiles, profile_docs = {}, {}
-    for w in worlds:
-        raw = P.measure(w, grid, rounds=profile_rounds, quiet_wait_s=quiet_wait_s, tries=retries + 1)
-        profiles[w] = P.fit_profile(raw)
-        profile_docs[w] = P.profile_document(raw, profiles[w])
-    # 2. the search's pick per world size (measured too)
+    # 1. profiles (one per world size) and the configurations, measured in alternating rounds so that
+    #    both see the machine in the same periods (another job on it adds time to either)
     rows: list[dict[str, Any]] = []
     seen: dict[str, int] = {}
     for w, doc in configs:
         lay = resolve(doc, w)
         seen[_key(lay)] = len(rows)
-        rows.append({"world": w, "layout": lay, "source": "config", "mbs": model.micro_batch_size})
+        rows.append({"world": w, "layout": lay, "source": "config", "mbs": model.micro_batch_size,
+                     "rounds_s": [], "steps_s": [], "external_load": [], "tries": []})
+
+    def measure_row(r: dict[str, Any]) -> None:
+        P.wait_quiet(quiet_wait_s)
+        m, load, tries = P.undisturbed(lambda: measure_step(r["layout"], model, iters, warmup,
+                                                            micro_batch_size=r["mbs"]),
+                                       tries=retries + 1, quiet_wait_s=quiet_wait_s)
+        r["external_load"].append(load)
+        r["tries"].append(tries)
+        r["rounds_s"].append(m["step_s"])
+        r["steps_s"].append(m["steps_s"])
+        r["loss"] = m["loss"]
+
+    raws: dict[int, list] = {w: [] for w in worlds}
+    for k in range(max(rounds, profile_rounds)):
+        if k < profile_rounds:
+            for w in worlds:
+                raws[w].append(P.measure(w, grid, rounds=1, quiet_wait_s=quiet_wait_s, tries=retries + 1))
+        if k < rounds:
+            for r in rows:
+                measure_row(r)
+    profiles, profile_docs = {}, {}
+    for w in worlds:
+        raw = P.combine_rounds(raws[w])
+        profiles[w] = P.fit_profile(raw)
+        profile_docs[w] = P.profile_document(raw, profiles[w])
+    # 2. the search's pick per world size, measured too (now, if it is not a configuration)
     picks = {}
     for w in worlds:
         res = search_pick(w, model, profiles[w])
@@ -301,23 +324,12 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
         if k not in seen:
             seen[k] = len(rows)
             rows.append({"world": w, "layout": lay, "source": "search pick",
-                         "mbs": S.train_micro_batch_size(res.best.candidate, wl)})
+                         "mbs": S.train_micro_batch_size(res.best.candidate, wl),
+                         "rounds_s": [], "steps_s": [], "external_load": [], "tries": []})
+            for _ in range(rounds):
+                measure_row(rows[-1])
         picks[w] = {"index": seen[k], "describe": res.best.candidate.describe(), "estimate_s": res.best.breakdown.total,
                     "space_size": res.space_size}
-    # 3. measurements, rounds interleaved
-    for r in rows:
-        r["rounds_s"] = []
-    for _ in range(rounds):
-        for r in rows:
-            P.wait_quiet(quiet_wait_s)
-            m, load, tries = P.undisturbed(lambda: measure_step(r["layout"], model, iters, warmup,
-                                                                micro_batch_size=r["mbs"]),
-                                           tries=retries + 1, quiet_wait_s=quiet_wait_s)
-            r.setdefault("external_load", []).append(load)
-            r.setdefault("tries", []).append(tries)
-            r["rounds_s"].append(m["step_s"])
-            r.setdefault("steps_s", []).append(m["steps_s"])
-            r["loss"] = m["loss"]
     # 4. estimates
     out_rows = []
     for i, r in enumerate(rows):

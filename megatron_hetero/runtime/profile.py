@@ -494,7 +494,16 @@ def measure(world_size: int, grid: ProfileGrid = ProfileGrid(), timeout: float =
     for _ in range(rounds):
         docs.append(undisturbed(lambda: _measure_once(world_size, grid, timeout, quiet_wait_s), tries,
                                 quiet_wait_s)[0])
-    out = docs[0]
+    return combine_rounds(docs)
+
+
+def combine_rounds(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One measurement document from rounds of the same grid: per case the fastest round."""
+    if not docs:
+        raise ValueError("no measurement rounds to combine")
+    docs = [dict(d, external_load=d["external_load"] if isinstance(d["external_load"], list) else [d["external_load"]])
+            for d in docs]
+    out = {**docs[0], **{k: list(docs[0][k]) for k in ("layers", "modules", "collectives")}}
     for key in ("layers", "modules", "collectives"):
         for i, case in enumerate(out[key]):
             best = min((d[key][i] for d in docs), key=lambda c: c["seconds"])
@@ -502,8 +511,8 @@ def measure(world_size: int, grid: ProfileGrid = ProfileGrid(), timeout: float =
     out["solo_layer"] = min((d["solo_layer"] for d in docs), key=lambda c: c["seconds"])
     out["host_bandwidth"] = max(d["host_bandwidth"] for d in docs)
     out["seconds"] = sum(d["seconds"] for d in docs)
-    out["rounds"] = rounds
-    out["external_load"] = [d["external_load"] for d in docs]
+    out["rounds"] = sum(d.get("rounds", 1) for d in docs)
+    out["external_load"] = [x for d in docs for x in d["external_load"]]
     return out
 
 
@@ -711,7 +720,8 @@ def profile_document(raw: dict[str, Any], prof: C.Profile) -> dict[str, Any]:
     checks = layer_checks(prof, raw)
     errs = [abs(c["error"]) for c in checks]
     return {**prof.to_dict(), "world_size": raw["world_size"], "backend": raw["backend"], "grid": raw["grid"],
-            "measure_seconds": raw["seconds"], "measurements": {"layers": raw["layers"], "collectives": raw["collectives"],
+            "measure_seconds": raw["seconds"], "rounds": raw.get("rounds", 1),
+            "external_load": raw.get("external_load"), "measurements": {"layers": raw["layers"], "collectives": raw["collectives"],
                                                                 "host_bandwidth": raw["host_bandwidth"]},
             "checks": {"layers": checks, "layer_mape": sum(errs) / len(errs) if errs else None}}
 
