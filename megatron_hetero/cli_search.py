@@ -106,15 +106,16 @@ def result_text(res, wl, prof) -> str:
         f"cost model: {prof.source or 'profile'}; {res.world_size} ranks; memory limit {_gb(res.memory_limit)} GB/rank",
         f"space: {res.space_size:,} candidates, {res.evaluated:,} evaluated in {res.seconds:.3f} s",
         "",
-        "| # | step (s) | vs homog. | configuration | compute | tp | cp | pp | dp | boundary | offload | bubble | mem (GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| # | step (s) | vs homog. | configuration | compute | tp | cp | pp | dp | optimizer | boundary | offload | bubble "
+        "| mem (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = res.baseline.breakdown.total if res.baseline else None
     for i, r in enumerate(res.ranked, 1):
         b = r.breakdown
         rel = f"{base / b.total - 1:+.1%}" if base else "n/a"
         lines.append(f"| {i} | {b.total:.3f} | {rel} | {r.candidate.describe()} | {b.compute:.3f} | {b.tp_comm:.3f} | "
-                     f"{b.cp_comm:.3f} | {b.pp_comm:.3f} | {b.dp_comm:.3f} | {b.boundary:.3f} | {b.offload:.3f} | "
+                     f"{b.cp_comm:.3f} | {b.pp_comm:.3f} | {b.dp_comm:.3f} | {b.optimizer:.3f} | {b.boundary:.3f} | {b.offload:.3f} | "
                      f"{b.bubble:.3f} | {_gb(b.memory_per_rank_peak)} |")
     lines.append("")
     lines.append("best per placement:")
