@@ -13,7 +13,7 @@ from typing import Any, Optional
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.layout.yaml_io import layout_from_dict, load_layout, parse_module_flag
 
-DEFAULT_COMM_TIMEOUT_S = 600.0
+from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S  # noqa: F401 (re-exported)
 
 
 def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -9,8 +9,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_hetero.layout.degrees import DEGREE_KEYS, Degrees
+
 PLACEMENTS = ("colocated", "disjoint")
-DEGREE_KEYS = ("tp", "cp", "pp", "dp", "ep", "expt_tp")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,11 @@ class ModuleLayout:
     def offset(self) -> int:
         assert self.ranks is not None, f"module {self.name}: ranks not resolved"
         return self.ranks.start
+
+    @property
+    def par(self) -> Degrees:
+        """This module's degrees as the shared `Degrees` type."""
+        return Degrees(**{k: getattr(self, k) for k in DEGREE_KEYS})
 
     def degrees(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in DEGREE_KEYS}
