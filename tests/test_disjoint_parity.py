@@ -29,7 +29,7 @@ apply_compat()  # in the parent: forked ranks inherit the patches
 
 from megatron_hetero.layout import layout_from_dict  # noqa: E402
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, segment_layers  # noqa: E402
-from megatron_hetero.runtime.disjoint import micro_batch_plan  # noqa: E402
+from megatron_hetero.plan.rank_plan import step_micro_batching  # noqa: E402
 from megatron_hetero.runtime.launcher import RankFailure, run_ranks  # noqa: E402
 from megatron_hetero.runtime.module_state import OptimConfig  # noqa: E402
 from megatron_hetero.training.setup import JobConfig, validate_job  # noqa: E402
@@ -228,8 +228,9 @@ def test_micro_batch_not_divisible_by_encoder_dp():
     """G/M samples per micro-batch must split over every module's DP (ValueError before any group)."""
     layout = layout_from_dict(_dis(V2L, vision={"dp": 4}, language={"tp": 2, "dp": 2}), world_size=8)
     with pytest.raises(ValueError, match=r"8/4 = 2 samples.*not divisible by dp\(4\)"):
-        micro_batch_plan(layout, _job(ONE, mbs=1))
-    assert micro_batch_plan(layout, _job(ONE, mbs=2)) == (2, 4)
+        step_micro_batching(layout, 8, 1)
+    mb = step_micro_batching(layout, 8, 2)
+    assert (mb.count, mb.samples) == (2, 4)
 
 
 def _train_with_failure(layout, job, fail_rank: int, fail_step: int, fail_mb: int, stall_s: float = 0.0):

@@ -32,7 +32,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_hetero.compat import cp_chunk_positions, get_gpt_layer_local_spec_with_cp
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.models.init import deterministic_init
-from megatron_hetero.training.data import DataConfig, EncoderInput
+from megatron_hetero.models.data import DataConfig, EncoderInput
+from megatron_hetero.plan import roles as plan_roles
 
 
 @dataclass(frozen=True)
@@ -91,23 +92,11 @@ def transformer_config(*, num_layers: int, hidden: int, heads: int, ffn: Optiona
 
 
 def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout]:
-    """The language-model modules in layer order (one `language`, or segments with `layers`)."""
-    mods = [m for m in layout.modules if m.name not in spec.encoders]
-    if not mods:
-        raise ValueError(f"no language module: modules are {layout.names}, encoders are {list(spec.encoders)}")
-    if len(mods) == 1 and mods[0].layers is None:
-        return mods
-    if any(m.layers is None for m in mods):
-        raise ValueError(f"language segments {[m.name for m in mods]} must each declare `layers: A-B`")
-    mods = sorted(mods, key=lambda m: m.layers.start)
-    expect = 0
-    for m in mods:
-        if m.layers.start != expect:
-            raise ValueError(f"language segments must cover layers 0-{spec.num_layers - 1} in order; "
-                             f"{m.name} starts at layer {m.layers.start}, expected {expect}")
-        expect = m.layers.end + 1
-    if expect != spec.num_layers:
-        raise ValueError(f"language segments cover layers 0-{expect - 1} but --num-layers is {spec.num_layers}")
+    """The language-model modules in layer order (`plan.roles`'s rule), checked against the model:
+    segments must cover exactly layers 0..num_layers-1."""
+    mods = plan_roles.language_modules(layout)
+    if mods[0].layers is not None and mods[-1].layers.end + 1 != spec.num_layers:
+        raise ValueError(f"language segments cover layers 0-{mods[-1].layers.end} but --num-layers is {spec.num_layers}")
     return mods
 
 

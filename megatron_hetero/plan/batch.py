@@ -68,3 +68,15 @@ def check_divides(mb: MicroBatching, dp: int, what: str) -> None:
     if mb.samples % dp:
         raise ValueError(f"{what}: a micro-batch holds {mb.global_batch}/{mb.count} = {mb.samples} samples, "
                          f"which is not divisible by dp({dp}) (remainder {mb.samples % dp})")
+
+
+def megatron_micro_batch(first: int, global_batch: int, dp: int, dp_rank: int, micro_batch_size: int,
+                         mb: int) -> range:
+    """Megatron's data-parallel order (the colocated language model): DP rank d takes the contiguous
+    share [first + d*G/dp, first + (d+1)*G/dp) of the step and runs it as micro-batches of
+    `micro_batch_size` in order; returns the global samples of its micro-batch `mb`."""
+    share = sample_range(first, global_batch, dp, dp_rank)
+    start = share.start + mb * micro_batch_size
+    if start + micro_batch_size > share.stop:
+        raise ValueError(f"micro-batch {mb} of {micro_batch_size} samples is past the DP share {share}")
+    return range(start, start + micro_batch_size)

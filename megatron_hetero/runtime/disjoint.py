@@ -2,7 +2,7 @@
 interpreter of the graph-aware 1F1B stage tables of `plan/schedule.py`.
 
 Per step, for a global batch of G samples and M micro-batches (M = G / dp / micro_batch_size of the
-first language module):
+first language module; the arithmetic is the rank plan's, `plan/rank_plan.py`):
   * micro-batch i covers the global samples [first + i*G/M, first + (i+1)*G/M), first = step*G;
     inside it, DP rank d of a module owns the contiguous rows [d*(G/M)/dp, (d+1)*(G/M)/dp), so every
     module's DP share of a micro-batch is (G/M)/dp samples (G/M must be divisible by every dp);
@@ -10,10 +10,9 @@ first language module):
       RecvAct fwd  receive the stage's input of micro-batch mb (boundary forward on the destination
                    side of a module edge; a plain receive from the previous pipeline stage inside a
                    module); the input becomes a detached leaf that will collect its gradient;
-      Forward      run the stage: the encoder's first stage reads this rank's features; the language
-                   model's first stage embeds the text and puts the received encoder tokens at their
-                   placeholders; the last stage of the last language segment computes the per-token
-                   loss sum(per_token * mask) / global_loss_tokens (as the colocated schedule);
+      Forward      the stage runner runs the stage over this rank's samples of the micro-batch, from
+                   the received inputs (a loss stage returns its loss sum, divided here by the
+                   step's loss tokens, as the colocated schedule does);
       SendAct fwd  send the stage's output (boundary forward on the source side / pipeline send);
       RecvAct bwd  receive the gradient of the output (boundary backward on the source side / pipeline
                    receive);
@@ -48,39 +47,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.compat.device import get_device
-from megatron_hetero.layout.spec import Edge, HeteroLayout
-from megatron_hetero.models.llava import language_modules
-from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable, rank_tables
-from megatron_hetero.runtime.boundary import Boundary
-from megatron_hetero.runtime.colocated import StepResult, loss_contribution
-from megatron_hetero.runtime.module_state import ModuleState
+from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.placement import stage_ranks
+from megatron_hetero.plan.rank_plan import RankPlan
+from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable
+from megatron_hetero.runtime.boundary import Boundary
+from megatron_hetero.runtime.config import RuntimeConfig
+from megatron_hetero.runtime.module_state import ModuleState
+from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
+from megatron_hetero.runtime.step import StepResult, global_loss, resident_memory, run_collective
 from megatron_hetero.runtime.wire import BoundaryTimeout, p2p
-from megatron_hetero.training import data as data_mod
-from megatron_hetero.training.setup import JobConfig
 
 #: p2p tag of pipeline links inside a module (boundaries use their edge index, always smaller).
 PIPELINE_TAG = 1 << 20
-
-
-def micro_batch_plan(layout: HeteroLayout, job: JobConfig) -> tuple[int, int]:
-    """(M micro-batches per step, G/M samples per micro-batch); ValueError if a module's DP size does
-    not divide a micro-batch."""
-    langs = language_modules(layout, job.spec)
-    g = job.global_batch_size
-    m = job.llm_micro_batches(langs[0])
-    if m < 1 or g % m:
-        raise ValueError(f"--global-batch-size {g} does not split into micro-batches of {langs[0].name}: "
-                         f"{g}/dp({langs[0].dp})/--micro-batch-size {job.micro_batch_size} = "
-                         f"{g / langs[0].dp / job.micro_batch_size:g}")
-    per_mb = g // m
-    for mod in layout.modules:
-        if per_mb % mod.dp:
-            raise ValueError(
-                f"module {mod.name}: a micro-batch of the disjoint schedule holds {g}/{m} = {per_mb} samples "
-                f"(--global-batch-size {g} over {m} micro-batches = {g}/dp({langs[0].dp})/--micro-batch-size "
-                f"{job.micro_batch_size}), which is not divisible by dp({mod.dp}) (remainder {per_mb % mod.dp})")
-    return m, per_mb
 
 
 class LinkError(RuntimeError):
@@ -128,9 +107,10 @@ class _SendChannel:
 class DisjointSchedule:
     """Runs training steps of the graph-aware 1F1B tables on this rank (see module docstring)."""
 
-    def __init__(self, layout: HeteroLayout, job: JobConfig, topo, states: dict[str, ModuleState]) -> None:
-        if layout.placement != "disjoint":
-            raise ValueError(f"the disjoint schedule needs placement 'disjoint', got {layout.placement!r}")
+    def __init__(self, plan: RankPlan, config: RuntimeConfig, topo, states: dict[str, ModuleState],
+                 runner: StageRunner) -> None:
+        if plan.layout.placement != "disjoint":
+            raise ValueError(f"the disjoint schedule needs placement 'disjoint', got {plan.layout.placement!r}")
         if dist.get_backend() == "nccl":
             # NCCL runs the sends and receives between two ranks on one stream in issue order, so the
             # forward send of micro-batch k+1 and the backward receive of micro-batch k on the same
@@ -138,35 +118,25 @@ class DisjointSchedule:
             # into one batched call); the disjoint schedule needs that fusion first.
             raise NotImplementedError("the disjoint schedule runs on gloo only for now (NCCL needs the "
                                       "fused send/receive pairs of 1F1B); use --hetero-placement colocated on GPUs")
-        self.layout, self.job, self.topo, self.states = layout, job, topo, states
-        spec = job.spec
-        self.dcfg = spec.data_config()
-        self.micro_batches, self.mb_samples = micro_batch_plan(layout, job)
-        self.loss_tokens = data_mod.loss_tokens_per_sample(self.dcfg) * job.global_batch_size
-        self.timeout_s = float(job.comm_timeout_s)
-        self.rank = dist.get_rank()
+        self.plan, self.config, self.topo, self.states, self.runner = plan, config, topo, states, runner
+        self.layout = plan.layout
+        self.micro_batches, self.mb_samples = plan.micro_batching.count, plan.micro_batching.samples
+        self.timeout_s = float(config.comm_timeout_s)
+        self.rank = plan.rank
         self.device = get_device()
-        self.langs = [m.name for m in language_modules(layout, spec)]
-        tables = rank_tables(layout, self.micro_batches)
-        self.table: Optional[StageTable] = tables.get(self.rank)  # None: an idle rank (gap between islands)
+        self.table: Optional[StageTable] = plan.disjoint  # None: an idle rank (gap between islands)
         self._channels: dict[tuple[Link, str], _SendChannel] = {}
         self._step = -1
         if self.table is None:
             return
         self.stage = self.table.stage
         self.name = self.stage.module
-        self.mod = layout.module(self.name)
+        self.me = plan.modules[self.name]
         self.state = states[self.name]
-        self.module = self.state.module
-        self.is_encoder = self.name in spec.encoders
-        self.coord = topo.coord(self.name)
-        assert self.coord.pp == self.stage.pp, (self.coord, self.stage)
-        self.dp_share = self.mb_samples // self.mod.dp  # this module's rows of one micro-batch per DP rank
-        self.dtype = next(self.module.parameters()).dtype  # what flows between stages (fp32 here)
-        pp_ranks = dist.get_process_group_ranks(self.state.pgs.pp)
-        assert pp_ranks[self.stage.pp] == self.rank, (pp_ranks, self.stage, self.rank)
-        self.prev_rank = pp_ranks[self.stage.pp - 1] if self.stage.pp > 0 else None
-        self.next_rank = pp_ranks[self.stage.pp + 1] if self.stage.pp < self.mod.pp - 1 else None
+        assert self.me.coord.pp == self.stage.pp, (self.me, self.stage)
+        self.dp_share = self.mb_samples // self.me.dp  # this module's rows of one micro-batch per DP rank
+        self.prev_rank, self.next_rank = self.me.prev_rank, self.me.next_rank
+        self.is_loss_stage = self.name in runner.loss_modules() and self.me.last_stage
         # One Boundary per module edge this stage sends on or receives from.
         self.boundaries: dict[Link, Boundary] = {}
         links = {a.link for a in self.table.actions if isinstance(a, (SendAct, RecvAct))}
@@ -176,21 +146,9 @@ class DisjointSchedule:
 
     # -- construction helpers -------------------------------------------------------------------
     def _boundary(self, edge: Edge) -> Boundary:
-        spec = self.job.spec
-        common = dict(batch=self.mb_samples, hidden=spec.hidden_size, timeout_s=self.timeout_s, device=self.device)
-        if edge.src in spec.encoders:
-            enc = spec.encoders[edge.src]
-            return Boundary(self.layout, edge, seq=enc.tokens, dst_seq=spec.seq_length, dst_offset=enc.offset,
-                            **common)
-        return Boundary(self.layout, edge, seq=spec.seq_length, **common)
-
-    def _stage_shape(self) -> tuple[int, int, int]:
-        """Shape of the hidden state between two pipeline stages of this module (Megatron [s, b, h])."""
-        spec = self.job.spec
-        if self.is_encoder:
-            enc = spec.encoders[self.name]
-            return (enc.tokens, self.dp_share, enc.hidden_size)
-        return (spec.seq_length // self.mod.cp, self.dp_share, spec.hidden_size)
+        t = self.runner.edge_tensor(edge)
+        return Boundary(self.layout, edge, batch=self.mb_samples, hidden=t.hidden, seq=t.seq, dst_seq=t.dst_seq,
+                        dst_offset=t.dst_offset, timeout_s=self.timeout_s, device=self.device)
 
     def _channel(self, link: Link, direction: str) -> _SendChannel:
         key = (link, direction)
@@ -203,22 +161,19 @@ class DisjointSchedule:
             ch.close()
         self._channels = {}
 
-    def _memory(self) -> dict[str, int]:
-        return {n: s.resident_bytes() for n, s in self.states.items()}
-
     # -- the step ---------------------------------------------------------------------------------
     def step(self, step: int) -> StepResult:
         self._step = step
         for s in self.states.values():
             s.zero_grad()
-        self._first = step * self.job.global_batch_size
         self._inputs: dict[int, dict[Link, torch.Tensor]] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._out_grads: dict[int, dict[Link, torch.Tensor]] = {}
         self._seqs: dict[tuple[Link, int], int] = {}
         self._fwd_sends: dict[tuple[Link, int], concurrent.futures.Future] = {}
         self._pending: list[tuple[str, concurrent.futures.Future]] = []
-        self._reported: list[dict] = []
+        self._loss_sums: list[torch.Tensor] = []
+        self._loss_tokens = self.runner.loss_tokens(step)
         memory = {}
         if self.table is not None:
             for action in self.table.actions:
@@ -235,24 +190,16 @@ class DisjointSchedule:
                     raise AssertionError(f"unknown action {action!r}")
             self._drain()
             assert not self._outputs and not self._inputs, "a micro-batch was not finished"
-        memory["step"] = self._memory()
+        memory["step"] = resident_memory(self.states)
         for s in self.states.values():
             ranks = dist.get_process_group_ranks(s.pgs.dp_cp)
-            self._collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})",
-                             s.finalize_grads)
+            run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})", self.rank,
+                           s.finalize_grads)
         for s in self.states.values():
             s.step()
-        is_sink = self.table is not None and self.name == self.langs[-1] and self.module.last_stage
-        loss = loss_contribution(self.state if is_sink else None, self._reported, is_sink)
-        self._collective("loss all-reduce over the world", dist.all_reduce, loss)
-        return StepResult(loss=float(loss.item()) / self.loss_tokens, memory=memory)
-
-    def _collective(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        try:
-            fn(*args)
-        except Exception as exc:  # noqa: BLE001 - a peer died or timed out: say where
-            first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-            raise LinkError(f"{what}: rank {self.rank} failed: {type(exc).__name__}: {first}") from exc
+        counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0
+        loss = global_loss(self._loss_sums, counts, self._loss_tokens, self.rank)
+        return StepResult(loss=loss, memory=memory)
 
     # -- sends: asynchronous, FIFO per channel ------------------------------------------------------
     def _raise_failed_sends(self) -> None:
@@ -298,9 +245,9 @@ class DisjointSchedule:
             out = self._outputs[mb].detach()
             if lk in self.boundaries:
                 b = self.boundaries[lk]
-                x = out if self.is_encoder else out.transpose(0, 1).contiguous()  # [s, b, h] -> [b, s, h]
-                assert x.shape[0] == self.mb_samples // self.mod.dp, (x.shape, lk)
-                self._seqs[(lk, mb)] = x.shape[1] * self.mod.cp
+                x = out.contiguous()  # an edge tensor: [rows, seq, hidden]
+                assert x.shape[0] == self.dp_share, (x.shape, lk)
+                self._seqs[(lk, mb)] = x.shape[1] * self.me.cp
                 fut = ch.submit(self._comm, a, b.forward_exchange, x)
             else:
                 fut = ch.submit(self._comm, a, self._pipeline_send, out.contiguous(), self.next_rank, lk,
@@ -312,8 +259,6 @@ class DisjointSchedule:
             g = g.detach()
             if lk in self.boundaries:
                 b = self.boundaries[lk]
-                if lk.src.module not in self.job.spec.encoders:
-                    g = g.transpose(0, 1)  # [s, b, h] -> [b, s, h]
                 fut = ch.submit(self._comm, a, b.backward_exchange, g.contiguous(), self._seqs.pop((lk, mb)))
             else:
                 fut = ch.submit(self._comm, a, self._pipeline_send, g.contiguous(), self.prev_rank, lk, "gradient")
@@ -326,7 +271,8 @@ class DisjointSchedule:
         p2p({peer: t}, {}, what=f"pipeline {what}", edge=str(link), timeout_s=self.timeout_s, tag=PIPELINE_TAG)
 
     def _pipeline_recv(self, peer: int, link: Link, what: str) -> torch.Tensor:
-        buf = torch.empty(self._stage_shape(), dtype=self.dtype, device=self.device)
+        shape, dtype = self.runner.stage_tensor(self.name, self.dp_share)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
         p2p({}, {peer: buf}, what=f"pipeline {what}", edge=str(link), timeout_s=self.timeout_s, tag=PIPELINE_TAG)
         return buf
 
@@ -337,8 +283,6 @@ class DisjointSchedule:
             if lk in self.boundaries:
                 y, seq = self._comm(a, self.boundaries[lk].forward_exchange, None)
                 self._seqs[(lk, mb)] = seq
-                if lk.src.module not in self.job.spec.encoders:
-                    y = y.transpose(0, 1).contiguous()  # [b, s, h] -> Megatron's [s, b, h]
             else:
                 y = self._comm(a, self._pipeline_recv, self.prev_rank, lk, "activation")
             self._inputs.setdefault(mb, {})[lk] = y.detach().requires_grad_(True)
@@ -346,48 +290,21 @@ class DisjointSchedule:
             if lk in self.boundaries:
                 self._fwd_sends[(lk, mb)].result(timeout=2 * self.timeout_s + 5.0)  # our forward send of mb has left
                 g = self._comm(a, self.boundaries[lk].backward_exchange, None, self._seqs.pop((lk, mb)))
-                if not self.is_encoder:
-                    g = g.transpose(0, 1).contiguous()
             else:
                 g = self._comm(a, self._pipeline_recv, self.next_rank, lk, "gradient")
             self._out_grads.setdefault(mb, {})[lk] = g
 
     # -- compute ----------------------------------------------------------------------------------
-    def _samples(self, mb: int) -> tuple[int, int]:
-        """(first global sample, count) of this rank's DP share of micro-batch mb."""
-        start = self._first + mb * self.mb_samples + self.coord.dp * self.dp_share
-        return start, self.dp_share
-
     def _forward(self, mb: int) -> None:
-        start, count = self._samples(mb)
+        samples = self.plan.micro_batching.rows(self.me.dp, self.me.coord.dp, mb, self._step)
         inputs = self._inputs.get(mb, {})
-        if self.is_encoder:
-            if self.stage.pp == 0:
-                x = data_mod.batch(self.dcfg, start, count)["features"][self.name].to(self.device)
-            else:
-                (x,) = inputs.values()
-                self.module.trunk.set_input_tensor(x)
-            self._outputs[mb] = self.state.model(x)
-            return
-        lang = self.module
-        b = data_mod.batch(self.dcfg, start, count)
-        if lang.first_stage:
-            enc = {lk.src.module: t for lk, t in inputs.items()}
-            hidden = lang.embed(b["tokens"].to(self.device), enc)
-        else:
-            (x,) = inputs.values()
-            lang.set_input_tensor(x)
-            hidden = None
-        if not lang.last_stage:
-            self._outputs[mb] = self.state.model(hidden, None)
-            return
-        idx = lang.cp_positions()
-        labels = b["labels"][:, idx].to(self.device)
-        mask = b["loss_mask"][:, idx].to(self.device)
-        per_token = self.state.model(hidden, labels)
-        s = (per_token * mask).sum()
-        self._reported.append({"loss_sum": s.detach()})
-        self._outputs[mb] = s / self.loss_tokens
+        edge_in = {lk.src.module: t for lk, t in inputs.items() if lk in self.boundaries}
+        stage_in = next((t for lk, t in inputs.items() if lk not in self.boundaries), None)
+        out = self.runner.forward(self.name, samples, edge_in, stage_in)
+        if isinstance(out, LossSum):
+            self._loss_sums.append(out.loss_sum.detach())
+            out = out.loss_sum / self._loss_tokens
+        self._outputs[mb] = out
 
     def _backward(self, mb: int) -> None:
         out = self._outputs.pop(mb)

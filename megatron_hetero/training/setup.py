@@ -10,8 +10,11 @@ from typing import Optional
 
 import torch
 
-from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
+from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava import EncoderModule, LanguageModule, LlavaSpec, language_modules
+from megatron_hetero.plan.rank_plan import rank_plans
+from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
 
 
@@ -25,10 +28,10 @@ class JobConfig:
     train_iters: int = 5
     optim: OptimConfig = field(default_factory=OptimConfig)
     offload_encoder: bool = False
-    comm_timeout_s: float = 600.0
+    comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S
 
-    def llm_micro_batches(self, llm: ModuleLayout) -> int:
-        return self.global_batch_size // llm.dp // self.micro_batch_size
+    def runtime_config(self) -> RuntimeConfig:
+        return RuntimeConfig(comm_timeout_s=self.comm_timeout_s)
 
 
 def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
@@ -66,34 +69,17 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         if m.tp > 1 and (spec.encoders.get(m.name, spec).num_attention_heads % m.tp):
             heads = spec.encoders.get(m.name, spec).num_attention_heads
             raise ValueError(f"module {m.name}: {heads} attention heads are not divisible by tp({m.tp})")
-    # Disjoint: --micro-batch-size is the first language module's per-rank micro-batch; later segments
-    # run their DP share of the same G/M-sample micro-batches (checked below with the schedule).
-    for m in (langs[:1] if layout.placement == "disjoint" else langs):
-        share = job.global_batch_size // m.dp
-        if share % job.micro_batch_size:
-            raise ValueError(f"module {m.name}: its DP share {job.global_batch_size}/dp({m.dp}) = {share} samples "
-                             f"is not divisible by --micro-batch-size {job.micro_batch_size}")
     for m in langs:
         if m.cp > 1 and spec.seq_length % (2 * m.cp):
             raise ValueError(f"module {m.name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
-    if layout.placement == "disjoint":
-        from megatron_hetero.plan.schedule import rank_tables
-        from megatron_hetero.runtime.disjoint import micro_batch_plan
-
-        micro_batches, _ = micro_batch_plan(layout, job)  # G/M divisible by every module's dp
-        rank_tables(layout, micro_batches)  # 1 <= M <= 64, every stage reachable
-    elif len({job.global_batch_size // m.dp // job.micro_batch_size for m in langs}) != 1:
-        raise ValueError("language segments must run the same number of micro-batches: "
-                         + ", ".join(f"{m.name} {job.global_batch_size}/dp({m.dp})/{job.micro_batch_size}" for m in langs))
+    if job.offload_encoder and layout.placement != "colocated":
+        raise ValueError("--hetero-offload-encoder applies to the colocated schedule only")
+    # Batch arithmetic and the schedule tables (colocated phases, disjoint 1F1B) of every rank.
+    rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
     for name, enc in spec.encoders.items():
         m = layout.module(name)
         if enc.num_layers % m.pp:
             raise ValueError(f"module {name}: {enc.num_layers} encoder layers do not split over pp({m.pp})")
-    if layout.placement == "colocated":
-        if len(langs) != 1:
-            raise ValueError("colocated placement takes one language module; segments are disjoint modules")
-    if job.offload_encoder and layout.placement != "colocated":
-        raise ValueError("--hetero-offload-encoder applies to the colocated schedule only")
 
 
 def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch.nn.Module:

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from megatron_hetero.compat import ensure_global_memory_buffer, set_local_device
 from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.models.llava_runner import LlavaStageRunner
+from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.training.setup import JobConfig, build_states
 
@@ -23,14 +25,16 @@ def prepare_rank(job: JobConfig) -> None:
     model_parallel_cuda_manual_seed(job.spec.seed, tp_rank=0, ep_rank=0, etp_rank=0)
 
 
-def make_schedule(layout: HeteroLayout, job: JobConfig, topo, states):
-    if layout.placement == "colocated":
+def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
+    """The schedule of the plan's placement, driving `runner` (the LLaVA runner by default)."""
+    runner = runner if runner is not None else LlavaStageRunner(job.spec, plan, states)
+    if plan.layout.placement == "colocated":
         from megatron_hetero.runtime.colocated import ColocatedSchedule
 
-        return ColocatedSchedule(layout, job, topo, states)
+        return ColocatedSchedule(plan, job.runtime_config(), topo, states, runner)
     from megatron_hetero.runtime.disjoint import DisjointSchedule
 
-    return DisjointSchedule(layout, job, topo, states)
+    return DisjointSchedule(plan, job.runtime_config(), topo, states, runner)
 
 
 def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False) -> dict[str, Any]:
@@ -39,8 +43,9 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
     prepare_rank(job)
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
+        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
         states = build_states(layout, job, topo)
-        schedule = make_schedule(layout, job, topo, states)
+        schedule = make_schedule(plan, job, topo, states)
         records = []
         for it in range(job.train_iters):
             dist.barrier()

@@ -1,0 +1,293 @@
+"""The three-phase colocated schedule as per-rank tables (pure: no torch, no torch.distributed).
+
+Every module spans the same ranks [0, W), each through its own grid. Per step (global batch G):
+
+  phase 1  for each encoder, in declaration order: stage input (features on the first stage, a
+           pipeline receive from the previous stage otherwise), one forward over this rank's
+           encoder-DP share of the step (G/dp rows), a pipeline send to the next stage; then the
+           encoder's boundary forward (every rank takes part: sources on the encoder's last stage,
+           destinations on the language model's first stage).
+  phase 2  `StateMove('offload')` moves the encoders' state to host memory (when asked), then
+           `LanguagePhase`: the language model's own 1F1B over its M = G/dp/micro_batch_size
+           micro-batches (Megatron's `get_forward_backward_func`), fed from the detached boundary
+           outputs; `warmup` is Megatron's pp - stage - 1 (at most M).
+  phase 3  `Restore`; for each encoder in reverse order: boundary backward (and the encoder's last
+           stage backward behind it), then, stage by stage from last to first, a pipeline receive of
+           the output gradient, the stage backward, a pipeline send of the input gradient.
+  then     `GradSync` (each module over its own DP x CP group), `OptimizerStep`, `LossReduce`.
+
+No encoder collective runs while the language model's pipeline is in flight. Pipeline peers are
+computed here (`rank_of` with the same tp/cp/dp coordinates one stage up or down); the runtime
+executes the tables and never recomputes rank arithmetic. `check_colocated_tables` simulates all
+tables together: every pipeline send has its receive in the same order, every rank reaches the same
+collectives in the same order, and nothing waits forever.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.plan.batch import dp_rows, micro_batching
+from megatron_hetero.plan.placement import Coord, coord_of, rank_of
+from megatron_hetero.plan.roles import Roles, roles as layout_roles
+
+
+@dataclass(frozen=True)
+class PipeSend:
+    """Send this stage's `what` ('activation' forward, 'gradient' backward) of `module`, a tensor of
+    `rows` batch rows, to `peer`."""
+
+    module: str
+    stage: int
+    peer: int
+    what: str
+    rows: int
+
+    def __str__(self) -> str:
+        return f"send {self.what} {self.module}/{self.stage} -> r{self.peer}"
+
+
+@dataclass(frozen=True)
+class PipeRecv:
+    """Receive `what` of `module` (a tensor of `rows` batch rows) for this stage from `peer` (blocking)."""
+
+    module: str
+    stage: int
+    peer: int
+    what: str
+    rows: int
+
+    def __str__(self) -> str:
+        return f"recv {self.what} {self.module}/{self.stage} <- r{self.peer}"
+
+
+@dataclass(frozen=True)
+class EncoderForward:
+    """Forward of encoder stage `module/stage` over rows [rows.start, rows.stop) of the step."""
+
+    module: str
+    stage: int
+    rows: range
+
+    def __str__(self) -> str:
+        return f"forward {self.module}/{self.stage} rows {self.rows.start}-{self.rows.stop - 1}"
+
+
+@dataclass(frozen=True)
+class EncoderBackward:
+    """Backward of encoder stage `module/stage` with the received output gradient."""
+
+    module: str
+    stage: int
+
+    def __str__(self) -> str:
+        return f"backward {self.module}/{self.stage}"
+
+
+@dataclass(frozen=True)
+class BoundaryCall:
+    """The boundary of edge `edge` ('src->dst') in `direction` ('forward'/'backward'); every rank of
+    the colocated set takes part. `src`/`dst`: whether this rank holds the edge's source tensor
+    (the encoder's last stage) or needs its destination (the language model's first stage)."""
+
+    edge: str
+    direction: str
+    src: bool
+    dst: bool
+
+    def __str__(self) -> str:
+        side = "+".join(s for s, on in (("src", self.src), ("dst", self.dst)) if on) or "neither"
+        return f"boundary {self.direction} {self.edge} ({side})"
+
+
+@dataclass(frozen=True)
+class LanguagePhase:
+    """Megatron's forward-backward of the language model: `micro_batches` micro-batches of
+    `micro_batch_size` rows from this DP rank's share `rows` of the step; stage `stage` of `pp`."""
+
+    module: str
+    stage: int
+    pp: int
+    micro_batches: int
+    micro_batch_size: int
+    warmup: int
+    rows: range
+
+    def __str__(self) -> str:
+        return (f"1F1B {self.module}/{self.stage} of pp {self.pp}: {self.micro_batches} micro-batches of "
+                f"{self.micro_batch_size} (rows {self.rows.start}-{self.rows.stop - 1}), warm-up {self.warmup}")
+
+
+@dataclass(frozen=True)
+class StateMove:
+    """`offload` (to host) or `restore` (to the device) of the listed modules' state."""
+
+    kind: str
+    modules: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {', '.join(self.modules)}"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A step-closing collective: 'grad-sync' (each module over its DP x CP group), 'optimizer',
+    'loss-reduce' (over the world)."""
+
+    kind: str
+
+    def __str__(self) -> str:
+        return self.kind
+
+
+ColocatedAction = Union[PipeSend, PipeRecv, EncoderForward, EncoderBackward, BoundaryCall, LanguagePhase,
+                        StateMove, Collective]
+
+
+@dataclass(frozen=True)
+class ColocatedTable:
+    """One rank's ordered actions of a colocated step, grouped by phase."""
+
+    rank: int
+    phases: tuple[tuple[str, tuple], ...]  # (phase name, actions)
+
+    @property
+    def actions(self) -> tuple:
+        return tuple(a for _, acts in self.phases for a in acts)
+
+    def format(self) -> str:
+        lines = [f"rank {self.rank}:"]
+        for name, acts in self.phases:
+            lines.append(f"  {name}: " + ("; ".join(str(a) for a in acts) or "-"))
+        return "\n".join(lines)
+
+
+def stage_peer(layout: HeteroLayout, module: str, rank: int, delta: int) -> Optional[int]:
+    """The rank with this rank's tp/cp/dp coordinates `delta` stages away in `module` (None past the ends)."""
+    m = layout.module(module)
+    c = coord_of(m, rank)
+    if not 0 <= c.pp + delta < m.pp:
+        return None
+    return rank_of(m, tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp + delta)
+
+
+def _encoder_forward(layout: HeteroLayout, name: str, rank: int, global_batch: int) -> list:
+    m, c = layout.module(name), coord_of(layout.module(name), rank)
+    acts: list = []
+    prev, nxt = stage_peer(layout, name, rank, -1), stage_peer(layout, name, rank, +1)
+    rows = dp_rows(global_batch, m.dp, c.dp)
+    if prev is not None:
+        acts.append(PipeRecv(name, c.pp, prev, "activation", len(rows)))
+    acts.append(EncoderForward(name, c.pp, rows))
+    if nxt is not None:
+        acts.append(PipeSend(name, c.pp, nxt, "activation", len(rows)))
+    return acts
+
+
+def _encoder_backward(layout: HeteroLayout, name: str, rank: int, global_batch: int) -> list:
+    """Stages before the last: receive the output gradient, backward, send the input gradient down.
+    A frozen encoder trains only its projector (on its last stage): no pipeline backward."""
+    m, c = layout.module(name), coord_of(layout.module(name), rank)
+    if m.pp == 1 or m.frozen:
+        return []
+    acts: list = []
+    nxt, prev = stage_peer(layout, name, rank, +1), stage_peer(layout, name, rank, -1)
+    rows = len(dp_rows(global_batch, m.dp, c.dp))
+    if nxt is not None:
+        acts += [PipeRecv(name, c.pp, nxt, "gradient", rows), EncoderBackward(name, c.pp)]
+    if prev is not None:
+        acts.append(PipeSend(name, c.pp, prev, "gradient", rows))
+    return acts
+
+
+def colocated_tables(layout: HeteroLayout, global_batch: int, micro_batch_size: int,
+                     offload_encoders: bool = False, who: Optional[Roles] = None) -> dict[int, ColocatedTable]:
+    """{rank: its table} for a resolved colocated layout (see the module docstring). ValueError
+    for layouts this schedule cannot run (not colocated, several language segments, batch arithmetic)."""
+    if layout.placement != "colocated":
+        raise ValueError(f"the colocated schedule needs placement 'colocated', got {layout.placement!r}")
+    who = who or layout_roles(layout)
+    if len(who.language) != 1:
+        raise ValueError("colocated placement takes one language module; segments are disjoint modules")
+    lang = layout.module(who.first_language)
+    mbs = micro_batching(global_batch, lang.dp, micro_batch_size, what=f"module {lang.name}")
+    for name in who.encoders:
+        dp_rows(global_batch, layout.module(name).dp, 0)  # ValueError when dp does not divide G
+    tables = {}
+    for rank in range(layout.world_size):
+        lc: Coord = coord_of(lang, rank)
+        phase1: list = []
+        for name in who.encoders:
+            m = layout.module(name)
+            phase1 += _encoder_forward(layout, name, rank, global_batch)
+            phase1.append(BoundaryCall(f"{name}->{lang.name}", "forward", src=coord_of(m, rank).pp == m.pp - 1,
+                                       dst=lc.pp == 0))
+        phase2: list = [StateMove("offload", who.encoders)] if offload_encoders and who.encoders else []
+        phase2 += [LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size,
+                                min(mbs.count, lang.pp - lc.pp - 1), dp_rows(global_batch, lang.dp, lc.dp))]
+        phase3: list = [StateMove("restore", who.encoders)] if offload_encoders and who.encoders else []
+        for name in reversed(who.encoders):
+            m = layout.module(name)
+            phase3.append(BoundaryCall(f"{name}->{lang.name}", "backward", src=coord_of(m, rank).pp == m.pp - 1,
+                                       dst=lc.pp == 0))
+            phase3 += _encoder_backward(layout, name, rank, global_batch)
+        close = [Collective("grad-sync"), Collective("optimizer"), Collective("loss-reduce")]
+        tables[rank] = ColocatedTable(rank, (("phase 1", tuple(phase1)), ("phase 2", tuple(phase2)),
+                                             ("phase 3", tuple(phase3)), ("close", tuple(close))))
+    return tables
+
+
+_GLOBAL = (BoundaryCall, LanguagePhase, Collective)
+
+
+def check_colocated_tables(tables: dict[int, ColocatedTable]) -> int:
+    """Simulate every rank's table together: sends are asynchronous and FIFO per (sender, receiver),
+    receives block, and the boundary calls, the language phase and the closing collectives are
+    rendezvous of all ranks that must be reached in the same order. Returns the number of pipeline
+    messages; ValueError naming the rank and action when a receive has no matching send, a rank
+    reaches another collective than its peers, or the tables stop before every rank finishes."""
+    pos = {r: 0 for r in tables}
+    acts = {r: t.actions for r, t in tables.items()}
+    wires: dict[tuple[int, int], list] = {}
+    messages = 0
+    while True:
+        progressed = False
+        for r in tables:
+            while pos[r] < len(acts[r]):
+                a = acts[r][pos[r]]
+                if isinstance(a, PipeSend):
+                    wires.setdefault((r, a.peer), []).append((a.module, a.what, a.stage))
+                    messages += 1
+                elif isinstance(a, PipeRecv):
+                    q = wires.get((a.peer, r), [])
+                    if not q:
+                        break
+                    got = q.pop(0)
+                    want_stage = a.stage - 1 if a.what == "activation" else a.stage + 1
+                    if got != (a.module, a.what, want_stage):
+                        raise ValueError(f"rank {r}: '{a}' receives {got[1]} of {got[0]}/{got[2]} from rank {a.peer}")
+                elif isinstance(a, _GLOBAL):
+                    break
+                pos[r] += 1
+                progressed = True
+        waiting = {r: acts[r][pos[r]] for r in tables if pos[r] < len(acts[r])}
+        if not waiting:
+            break
+        if all(isinstance(a, _GLOBAL) for a in waiting.values()) and len(waiting) == len(tables):
+            kinds = {type(a).__name__ + ":" + (a.edge + a.direction if isinstance(a, BoundaryCall) else
+                                                 a.module if isinstance(a, LanguagePhase) else a.kind)
+                     for a in waiting.values()}
+            if len(kinds) != 1:
+                raise ValueError("ranks reach different collectives: " +
+                                 ", ".join(f"rank {r}: {a}" for r, a in sorted(waiting.items())))
+            for r in tables:
+                pos[r] += 1
+            continue
+        if not progressed:
+            raise ValueError("the colocated tables deadlock: " +
+                             ", ".join(f"rank {r} waits in '{a}'" for r, a in sorted(waiting.items())))
+    left = {k: v for k, v in wires.items() if v}
+    if left:
+        raise ValueError(f"pipeline messages never received: {left}")
+    return messages

@@ -1,0 +1,14 @@
+"""The runtime's own settings (not the model's, not the plan's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """`comm_timeout_s`: the longest any collective or point-to-point wait may take before it raises
+    an error naming the edge or group and the ranks (`--hetero-comm-timeout`)."""
+
+    comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S

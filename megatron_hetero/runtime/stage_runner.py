@@ -1,0 +1,77 @@
+"""The seam between the schedules and a model: the `StageRunner` protocol.
+
+The schedules (`colocated.py`, `disjoint.py`) know plans, process groups, boundaries and optimizers,
+and no model. A model side (the tiny LLaVA model in `models/llava_runner.py`, a test's toy model)
+implements this protocol for the modules this rank serves.
+
+Tensor conventions the schedules rely on:
+  * a tensor crossing a module edge is `[batch rows, seq, hidden]` (what `edge_tensor` describes);
+  * a tensor between two pipeline stages of one module has the shape `stage_tensor` returns
+    (Megatron's `[seq, batch rows, hidden]` for transformer stages);
+  * `forward` on a module's last stage returns the edge tensor (`[b, s, h]`), or a `LossSum` on the
+    last stage of a module listed in `loss_modules`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Optional, Protocol, Union, runtime_checkable
+
+import torch
+
+from megatron_hetero.layout.spec import Edge
+
+
+@dataclass(frozen=True)
+class EdgeTensor:
+    """What crosses an edge per sample: `seq` tokens of `hidden` features; `dst_seq`/`dst_offset`
+    when the tokens are inserted into a longer destination sequence at positions
+    [dst_offset, dst_offset + seq) (image tokens at their placeholders)."""
+
+    seq: int
+    hidden: int
+    dst_seq: Optional[int] = None
+    dst_offset: int = 0
+
+
+class LossSum(NamedTuple):
+    """A loss stage's result for one micro-batch on this rank: the sum of its per-token losses over
+    its loss tokens (a 0-d tensor that carries the graph), and the number of those tokens."""
+
+    loss_sum: torch.Tensor
+    tokens: torch.Tensor
+
+
+@runtime_checkable
+class StageRunner(Protocol):
+    """The model side of a training step, for the modules this rank serves."""
+
+    def loss_modules(self) -> tuple[str, ...]:
+        """Modules whose last pipeline stage returns a `LossSum`."""
+        ...
+
+    def loss_tokens(self, step: int) -> int:
+        """Loss tokens of the whole global batch of `step` (the per-token loss normaliser)."""
+        ...
+
+    def edge_tensor(self, edge: Edge) -> EdgeTensor:
+        """Per-sample shape of the tensor crossing `edge`."""
+        ...
+
+    def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the tensor between two pipeline stages of `module` for `rows` samples."""
+        ...
+
+    def model(self, module: str) -> torch.nn.Module:
+        """The (DDP-wrapped when it trains) model chunk of `module` on this rank, as Megatron's
+        pipeline schedules take it."""
+        ...
+
+    def forward(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
+                stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
+        """Run this rank's stage of `module` over the global samples `samples`.
+
+        `inputs`: on a module's first stage, the tensors received over its incoming edges, by
+        producer module (`[rows, seq, hidden]`, this rank's DP/CP share). `stage_input`: on a later
+        stage, the tensor received from the previous stage (None when Megatron's schedule has set
+        it with `set_input_tensor`)."""
+        ...
