@@ -6,10 +6,6 @@ import re
 
 import torch
 
-from megatron_hetero.compat import apply_compat
-
-apply_compat()  # in the parent: forked ranks inherit the patches
-
 from megatron_hetero.layout import layout_from_dict  # noqa: E402
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 from megatron_hetero.training.setup import JobConfig, validate_job  # noqa: E402

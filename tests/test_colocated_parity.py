@@ -100,7 +100,18 @@ def test_frozen_modules_parity(frozen):
     # ... while the projector trained
     moved = max((got["vision"][n] - init["vision"][n]).abs().max().item() for n in got["vision"] if n.startswith("projector."))
     assert moved > 1e-4
-    assert ref_params  # the unfrozen reference exists and differs from the frozen run
+    # The unfrozen reference holds every module's parameters under the same names as this run (so
+    # the parity comparisons cover each of them), and its trunks trained where this run's froze.
+    modules = set(JOB.spec.encoders) | {"language"}
+    assert set(ref_params) == set(got) == set(init) == modules, (set(ref_params), set(got), modules)
+    for module in modules:
+        assert ref_params[module], f"reference has no parameters for {module}"
+        assert set(ref_params[module]) == set(got[module]) == set(init[module]), module
+    for module in frozen:
+        trunk = [n for n in got[module] if not (module == "vision" and n.startswith("projector."))]
+        assert trunk, f"{module}: no frozen parameters to compare"
+        trained = max((ref_params[module][n] - got[module][n]).abs().max().item() for n in trunk)
+        assert trained > 1e-6, f"{module}: the unfrozen reference did not move the trunk either"
     # frozen modules hold no optimizer state and no gradient buffer: memory of a frozen LLM is params only
     mem = per_rank[0]["records"][-1]["memory"]["phase3"]
     if "language" in frozen:

@@ -41,8 +41,6 @@ from megatron_hetero.compat import (
     set_local_device,
 )
 
-apply_compat()  # in the parent: forked ranks inherit the patched modules
-
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
     DistributedDataParallelConfig,

@@ -23,10 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.compat import apply_compat
-
-apply_compat()  # in the parent: forked ranks inherit the patches
-
 from megatron_hetero.layout import layout_from_dict  # noqa: E402
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, segment_layers  # noqa: E402
 from megatron_hetero.plan.rank_plan import step_micro_batching  # noqa: E402

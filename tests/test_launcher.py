@@ -175,3 +175,20 @@ def test_free_port_and_argument_checks() -> None:
         run_ranks(0, _environment)
     with pytest.raises(ValueError, match="timeout"):
         run_ranks(1, _environment, timeout=0)
+
+
+def _compat_state() -> tuple[bool, bool]:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from megatron_hetero.compat import cpu_compat_applied
+    from megatron_hetero.compat._patching import MARK
+
+    return hasattr(vars(LanguageModule)["compute_language_model_loss"], MARK), cpu_compat_applied()
+
+
+@pytest.mark.timeout(60)
+def test_forked_ranks_inherit_the_session_compat() -> None:
+    """tests/conftest.py applies compat once in the pytest process; every forked rank sees it (the
+    pg_collection fix on every machine, the CPU redirects where there is no CUDA)."""
+    assert _compat_state() == (True, not torch.cuda.is_available())
+    assert run_ranks(2, _compat_state, init_distributed=False) == [(True, not torch.cuda.is_available())] * 2

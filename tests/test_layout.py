@@ -27,6 +27,7 @@ from megatron_hetero.layout import (
     layout_from_args,
     layout_from_dict,
     load_layout,
+    order_modules,
     resolve_layout,
     topological_order,
 )
@@ -89,7 +90,7 @@ def test_yaml_disjoint_defaults_contiguous_islands_in_declaration_order(tmp_path
 
 
 def test_yaml_llm_segments_example() -> None:
-    layout = HeteroLayout.from_yaml(REPO / "examples/layouts/llm_segments.yaml")
+    layout = load_layout(REPO / "examples/layouts/llm_segments.yaml")
     a, b = layout.modules
     assert (a.name, a.tp, a.dp, a.ranks, a.layers) == ("language_a", 4, 1, RankRange(0, 3), RankRange(0, 5))
     assert (b.name, b.tp, b.dp, b.ranks, b.layers) == ("language_b", 1, 4, RankRange(4, 7), RankRange(6, 11))
@@ -249,7 +250,42 @@ def test_topological_order_reports_cycle_as_value_error() -> None:
                           (Edge("a", "b"), Edge("b", "a")))
     with pytest.raises(ValueError) as info:
         topological_order(layout)
-    assert str(info.value) == "edges form a cycle among ['a', 'b']"
+    assert str(info.value) == "edges form a cycle: a -> b -> a; the module graph must be acyclic"
+    # The cycle is named from the module declared first, whichever node graphlib's walk starts at.
+    layout = HeteroLayout("colocated", tuple(ModuleLayout(n) for n in "xcab"),
+                          (Edge("b", "c"), Edge("a", "b"), Edge("c", "a"), Edge("x", "a")))
+    with pytest.raises(ValueError) as info:
+        topological_order(layout)
+    assert str(info.value) == "edges form a cycle: c -> a -> b -> c; the module graph must be acyclic"
+    # An edge to an undeclared module is a ValueError, not a KeyError.
+    layout = HeteroLayout("colocated", (ModuleLayout("a"),), (Edge("a", "z"),))
+    with pytest.raises(ValueError, match="edge a->z: unknown module 'z'"):
+        topological_order(layout)
+
+
+def test_topological_order_declaration_order_breaks_ties() -> None:
+    # Among the modules whose producers are placed, the one declared first comes next.
+    mods = tuple(ModuleLayout(n) for n in ("language", "projector", "vision", "audio"))
+    layout = HeteroLayout("colocated", mods, (Edge("vision", "projector"), Edge("projector", "language"),
+                                               Edge("audio", "language")))
+    assert topological_order(layout) == ["vision", "projector", "audio", "language"]
+    assert order_modules(["b", "a", "c"], [Edge("b", "a")]) == ["b", "a", "c"]
+    assert order_modules(["c", "b", "a"], []) == ["c", "b", "a"]
+    # No edges at all, or one module: declaration order.
+    assert topological_order(HeteroLayout("colocated", (ModuleLayout("m"),))) == ["m"]
+
+
+def test_topological_order_is_the_one_graph_function() -> None:
+    # validate.py and the package export the function of layout/graph.py (one implementation).
+    import megatron_hetero.layout as layout_pkg
+    from megatron_hetero.layout import graph, validate
+
+    assert layout_pkg.topological_order is graph.topological_order
+    assert validate.topological_order is graph.topological_order
+    assert not hasattr(validate, "find_cycle")
+    # spec.py is pure data: the constructors are the module-level functions, not staticmethods
+    # that would import the parsers back (the old spec <-> args/yaml_io cycle).
+    assert not hasattr(HeteroLayout, "from_args") and not hasattr(HeteroLayout, "from_yaml")
 
 
 def test_error_expert_parallel_does_not_fit() -> None:
@@ -421,7 +457,7 @@ def test_flags_defaults() -> None:
     assert args.hetero_comm_timeout == 600.0 and args.hetero_offload_encoder is False
     assert args.tensor_model_parallel_size == 1
     with pytest.raises(ValueError) as info:
-        HeteroLayout.from_args(args)
+        layout_from_args(args)
     assert str(info.value) == (
         "no layout: give --hetero-layout FILE or one --hetero-module NAME:tp=..,dp=.. per module")
 
@@ -435,7 +471,7 @@ def test_flags_colocated_modules_and_edge() -> None:
         "--hetero-comm-timeout", "30", "--hetero-offload-encoder",
     ])
     assert args.hetero_comm_timeout == 30.0 and args.hetero_offload_encoder is True
-    layout = HeteroLayout.from_args(args)
+    layout = layout_from_args(args)
     assert layout == load_layout(REPO / "examples/layouts/colocated_fan_in.yaml")
 
 
@@ -457,32 +493,32 @@ def test_flags_disjoint_ranks_frozen_and_world_size() -> None:
     # Megatron's args carry world_size: it is used when no explicit one is given.
     args.world_size = 10
     with pytest.raises(ValueError) as info:
-        HeteroLayout.from_args(args)
+        layout_from_args(args)
     assert str(info.value) == (
         "ranks 8-9 of world size 10 are not assigned to any module: language 2-5, vision 0-1, audio 6-7")
-    assert HeteroLayout.from_args(args, world_size=8) == layout
+    assert layout_from_args(args, world_size=8) == layout
 
 
 def test_flags_layout_file(tmp_path: Path) -> None:
     path = REPO / "examples/layouts/disjoint_fan_in.yaml"
     args = _parser().parse_args(["--hetero-layout", str(path)])
-    assert HeteroLayout.from_args(args) == load_layout(path)
+    assert layout_from_args(args) == load_layout(path)
     args = _parser().parse_args(["--hetero-layout", str(path), "--hetero-placement", "disjoint"])
-    assert HeteroLayout.from_args(args) == load_layout(path)
+    assert layout_from_args(args) == load_layout(path)
     args = _parser().parse_args(["--hetero-layout", str(path), "--hetero-placement", "colocated"])
     with pytest.raises(ValueError) as info:
-        HeteroLayout.from_args(args)
+        layout_from_args(args)
     assert str(info.value) == f"--hetero-placement colocated contradicts placement disjoint in {path}"
     args = _parser().parse_args(["--hetero-layout", str(path), "--hetero-module", "vision:dp=4"])
     with pytest.raises(ValueError) as info:
-        HeteroLayout.from_args(args)
+        layout_from_args(args)
     assert str(info.value) == "give either --hetero-layout FILE or --hetero-module/--hetero-edge flags, not both"
     args = _parser().parse_args(["--hetero-layout", str(path), "--hetero-edge", "a->b"])
     with pytest.raises(ValueError, match="not both"):
-        HeteroLayout.from_args(args)
+        layout_from_args(args)
     args = _parser().parse_args(["--hetero-layout", str(tmp_path / "missing.yaml")])
     with pytest.raises(ValueError, match="cannot read layout file"):
-        HeteroLayout.from_args(args)
+        layout_from_args(args)
 
 
 def test_flag_errors() -> None:
@@ -662,7 +698,7 @@ def test_property_flags_raise_only_value_error(modules, edges, placement, world_
         argv += ["--hetero-placement", placement]
     args = _parser().parse_args(argv)
     args.world_size = world_size
-    _accept_only_value_error(HeteroLayout.from_args, args)
+    _accept_only_value_error(layout_from_args, args)
 
 
 # Random valid layouts for the round trip.
@@ -718,8 +754,8 @@ def test_property_round_trip(doc) -> None:
 
 
 def test_long_acyclic_chain_is_valid() -> None:
-    """BUG: `find_cycle` recurses once per module on a path, so a valid chain of 1500 modules
-    raises RecursionError (not a layout error at all) from `layout_from_dict`."""
+    """BUG (fixed): a recursive cycle search raised RecursionError (not a layout error at all) from
+    `layout_from_dict` on a valid chain of 1500 modules; graphlib is iterative."""
     n = 1500
     doc = {"placement": "disjoint", "modules": {f"m{i}": {} for i in range(n)},
            "edges": [f"m{i} -> m{i + 1}" for i in range(n - 1)]}

@@ -1,7 +1,9 @@
 """Layout declarations: per-module parallel degrees, placement and the edges of the module graph.
 
-Pure data, no torch. `HeteroLayout.validate()` (see `validate.py`) resolves every module's rank
-range and raises `ValueError` with the arithmetic spelled out for any inconsistent input.
+Pure data only: no torch, and no imports of the parsing or validation modules (they import this
+one). `resolve_layout` (validate.py) resolves every module's rank range and raises `ValueError` with
+the arithmetic spelled out; `load_layout` (yaml_io.py) and `layout_from_args` (args.py) build a
+validated layout from a YAML file or from parsed `--hetero-*` flags.
 """
 from __future__ import annotations
 
@@ -158,20 +160,6 @@ class HeteroLayout:
 
     def consumers(self, name: str) -> list[str]:
         return [e.dst for e in self.edges if e.src == name]
-
-    @staticmethod
-    def from_args(args, world_size: Optional[int] = None) -> "HeteroLayout":
-        """The validated layout named by parsed `--hetero-*` flags (see layout/args.py)."""
-        from megatron_hetero.layout.args import layout_from_args
-
-        return layout_from_args(args, world_size)
-
-    @staticmethod
-    def from_yaml(path, world_size: Optional[int] = None) -> "HeteroLayout":
-        """The validated layout of a YAML file (see layout/yaml_io.py)."""
-        from megatron_hetero.layout.yaml_io import load_layout
-
-        return load_layout(path, world_size)
 
     def to_dict(self) -> dict:
         """The YAML/JSON document form (see layout/yaml_io.py)."""

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_hetero.layout.spec import DEGREE_KEYS, PLACEMENTS, Edge, HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.degrees import DEGREE_KEYS
+from megatron_hetero.layout.graph import topological_order  # also re-exported: plan/schedule.py's import
+from megatron_hetero.layout.spec import PLACEMENTS, Edge, HeteroLayout, ModuleLayout, RankRange
 
 
 def _check_degrees(m: ModuleLayout) -> None:
@@ -43,58 +45,7 @@ def _check_edges(layout: HeteroLayout) -> None:
             raise ValueError(
                 f"edge {e}: src dp({src.dp}) and dst dp({dst.dp}): {kind} factor {hi}/{lo} is not an integer"
             )
-    cycle = find_cycle(names, layout.edges)
-    if cycle:
-        raise ValueError(f"edges form a cycle: {' -> '.join(cycle)}; the module graph must be acyclic")
-
-
-def find_cycle(names: list[str], edges: tuple[Edge, ...]) -> Optional[list[str]]:
-    """Return one cycle as a list of module names (first == last), or None. Iterative (no recursion
-    limit for long chains): Kahn's algorithm removes every node not on a cycle, then a walk along the
-    remaining edges must revisit a node."""
-    succ: dict[str, list[str]] = {n: [] for n in names}
-    indeg = {n: 0 for n in names}
-    for e in edges:
-        succ[e.src].append(e.dst)
-        indeg[e.dst] += 1
-    ready = [n for n in names if indeg[n] == 0]
-    removed = set()
-    while ready:
-        n = ready.pop()
-        removed.add(n)
-        for s in succ[n]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                ready.append(s)
-    left = [n for n in names if n not in removed]
-    if not left:
-        return None
-    path, seen = [left[0]], {left[0]: 0}
-    while True:
-        nxt = next(s for s in succ[path[-1]] if s not in removed)
-        if nxt in seen:
-            return path[seen[nxt]:] + [nxt]
-        seen[nxt] = len(path)
-        path.append(nxt)
-
-
-def topological_order(layout: HeteroLayout) -> list[str]:
-    """Module names so that every producer comes before its consumers (declaration order breaks ties)."""
-    indeg = {n: 0 for n in layout.names}
-    for e in layout.edges:
-        indeg[e.dst] += 1
-    order: list[str] = []
-    ready = [n for n in layout.names if indeg[n] == 0]
-    while ready:
-        n = ready.pop(0)
-        order.append(n)
-        for c in layout.consumers(n):
-            indeg[c] -= 1
-            if indeg[c] == 0:
-                ready.append(c)
-    if len(order) != len(layout.names):
-        raise ValueError(f"edges form a cycle among {sorted(set(layout.names) - set(order))}")
-    return order
+    topological_order(layout)  # raises ValueError naming a cycle
 
 
 def _resolve_colocated(modules: tuple[ModuleLayout, ...], world_size: Optional[int]) -> list[ModuleLayout]:

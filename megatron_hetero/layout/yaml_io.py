@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 import yaml
 
-from megatron_hetero.layout.spec import DEGREE_KEYS, Edge, HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.degrees import DEGREE_KEYS
+from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.layout.validate import resolve_layout
 
 MODULE_KEYS = set(DEGREE_KEYS) | {"ranks", "frozen", "layers"}
