@@ -22,7 +22,9 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 from megatron_hetero.plan.schedule import build_tables
 from megatron_hetero.plan.schedule_check import check_tables
-from megatron_hetero.runtime.disjoint import DisjointSchedule, micro_batch_plan
+from megatron_hetero.models.llava_runner import LlavaStageRunner
+from megatron_hetero.plan.rank_plan import rank_plan, step_micro_batching
+from megatron_hetero.runtime.disjoint import DisjointSchedule
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.runtime.topology import Topology
@@ -71,8 +73,9 @@ def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
     layout = layout_from_dict(doc, world_size=dist.get_world_size())
     topo = Topology.build(layout)
     try:
+        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size)
         states = build_states(layout, job, topo)
-        sched = _TimedDisjoint(layout, job, topo, states)
+        sched = _TimedDisjoint(plan, job.runtime_config(), topo, states, LlavaStageRunner(job.spec, plan, states))
         out = []
         for it in range(steps):
             dist.barrier()
@@ -82,7 +85,7 @@ def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
             out.append({"t0": t0, "spans": list(sched.spans)})
         sched.close()
         stage = sched.table.stage if sched.table is not None else None
-        c = sched.coord if sched.table is not None else None
+        c = sched.me.coord if sched.table is not None else None
         timer = c is not None and c.tp == 0 and c.cp == 0 and c.dp == 0
         return {"stage": (stage.module, stage.pp) if stage else None, "timer": timer, "steps": out}
     finally:
@@ -109,7 +112,7 @@ def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: i
             fwd.setdefault(module, []).extend(s[3] - s[2] for s in v if s[0] == "F")
             bwd.setdefault(module, []).extend(s[3] - s[2] for s in v if s[0] == "B")
     costs = {m: (statistics.mean(fwd[m]), statistics.mean(bwd[m])) for m in fwd}
-    micro_batches, _ = micro_batch_plan(layout, job)
+    micro_batches = step_micro_batching(layout, job.global_batch_size, job.micro_batch_size).count
     tables = build_tables(layout, micro_batches, stage_costs=costs)
     report = check_tables(tables, layout=layout)
     return {"case": name, "stages": len(timers), "micro_batches": micro_batches,
