@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_hetero.layout.degrees import DEGREE_KEYS
-from megatron_hetero.layout.graph import topological_order  # also re-exported: plan/schedule.py's import
+from megatron_hetero.layout.graph import topological_order
 from megatron_hetero.layout.spec import PLACEMENTS, Edge, HeteroLayout, ModuleLayout, RankRange
 
 

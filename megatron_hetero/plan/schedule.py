@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.layout.validate import topological_order
+from megatron_hetero.layout.graph import topological_order
 from megatron_hetero.plan.placement import stage_ranks
 
 MAX_MICRO_BATCHES = 64

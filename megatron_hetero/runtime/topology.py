@@ -22,6 +22,7 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.plan.placement import AXES, Coord, coord_of, group_ranks
 
 # (ProcessGroupCollection field, grid dims) in creation order.
@@ -79,7 +80,7 @@ class Topology:
         self._destroyed = False
 
     @classmethod
-    def build(cls, layout: HeteroLayout, backend: Optional[str] = None, timeout_s: float = 600.0) -> "Topology":
+    def build(cls, layout: HeteroLayout, backend: Optional[str] = None, timeout_s: float = DEFAULT_COMM_TIMEOUT_S) -> "Topology":
         """Create every module's groups. `backend` defaults to the world group's backend."""
         if not dist.is_initialized():
             raise RuntimeError("Topology.build needs torch.distributed to be initialized")
