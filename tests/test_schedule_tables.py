@@ -26,7 +26,7 @@ from megatron_hetero.plan.schedule import (
     stage_costs_of, stage_graph,
 )
 from megatron_hetero.plan.schedule_check import (
-    CheckReport, ScheduleError, chain_bubble, chain_makespan, check_tables,
+    CheckReport, ScheduleError, chain_bubble, chain_makespan, check_tables, simulate_rendezvous, split_batches,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -279,7 +279,8 @@ def check_generated(doc: dict, m: int, costs_seed: int = 0) -> CheckReport:
         assert [(type(a).__name__[0], a.mb) for a in t.compute()] == one_f_one_b_order(m, dist[st_])
     rt = rank_tables(layout, m, stage_costs=costs)
     assert sorted(rt) == list(range(layout.world_size))
-    rep = check_tables(rt, layout=layout, micro_batches=m, latency=rng.choice([0.0, 0.25]))
+    latency = rng.choice([0.0, 0.25])
+    rep = check_tables(rt, layout=layout, micro_batches=m, latency=latency)
     assert rep.ok and rep.micro_batches == m and len(rep.stages) == len(tables)
     assert 0.0 <= rep.bubble_fraction < 1.0
     assert rep.makespan >= max(rep.busy.values())
@@ -288,6 +289,11 @@ def check_generated(doc: dict, m: int, costs_seed: int = 0) -> CheckReport:
         assert rep.idle[st_] == pytest.approx(rep.makespan - rep.busy[st_])
     n_links = len(stage_graph(layout).links)
     assert rep.messages == 2 * m * n_links
+    # the same tables, posted as the runtime posts them (batches, zero buffering), complete too
+    rdv = check_tables(rt, layout=layout, micro_batches=m, mode="rendezvous", latency=latency)
+    assert rdv.ok and rdv.makespan >= rep.makespan - 1e-9
+    for st_, t in tables.items():
+        assert rdv.busy[st_] == pytest.approx(m * (t.forward_cost + t.backward_cost))
     return rep
 
 
@@ -527,3 +533,42 @@ def test_plan_modules_stay_torch_free() -> None:
             "megatron_hetero.cli_schedule; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendezvous mode: what NCCL/gloo point-to-point guarantee (a send completes only when received)
+# ---------------------------------------------------------------------------------------------
+def test_batches_pair_sends_with_receives_in_1f1b_steady_state() -> None:
+    layout = layout_from_dict(chain_doc(2))
+    tables = build_tables(layout, 4)
+
+    def shown(t):
+        return [b.short() if not isinstance(b, tuple) else "+".join(a.short() for a in b) for b in t.batches()]
+
+    # Megatron's 1F1B: warm-up send alone, then send-forward+recv-backward / send-backward+recv-forward
+    assert shown(tables[S("seg0", 0)]) == [
+        "F0", "sa0>seg0/1", "F1", "sa1>seg0/1+rg0<seg0/1", "B0", "F2", "sa2>seg0/1+rg1<seg0/1", "B1", "F3",
+        "sa3>seg0/1+rg2<seg0/1", "B2", "rg3<seg0/1", "B3"]
+    assert shown(tables[S("seg0", 1)]) == [
+        "ra0<seg0/0", "F0", "B0", "sg0>seg0/0+ra1<seg0/0", "F1", "B1", "sg1>seg0/0+ra2<seg0/0", "F2", "B2",
+        "sg2>seg0/0+ra3<seg0/0", "F3", "B3", "sg3>seg0/0"]
+    for t in tables.values():  # batching only groups, never reorders
+        assert tuple(a for b in t.batches() for a in (b if isinstance(b, tuple) else (b,))) == t.actions
+
+
+def test_split_pairs_deadlock_under_rendezvous_but_batches_complete() -> None:
+    for doc, m in ((chain_doc(2), 4), (chain_doc(1, 3), 8)):
+        layout = layout_from_dict(doc)
+        tables = build_tables(layout, m)
+        with pytest.raises(ScheduleError, match=r"deadlock \(rendezvous\): stage .* blocked in batch #\d+ with "
+                                                r"unmatched send"):
+            simulate_rendezvous(tables, batches=split_batches(tables))
+        assert check_tables(tables, layout=layout, mode="rendezvous").ok
+        # the buffered model hides the problem: the split order passes there
+        assert check_tables(tables, layout=layout).ok
+
+
+def test_rendezvous_mode_is_validated() -> None:
+    layout = layout_from_dict(chain_doc(2))
+    with pytest.raises(ValueError, match="mode must be"):
+        check_tables(build_tables(layout, 2), mode="eager")

@@ -21,14 +21,21 @@ micro-batches M (1..64) and optional compute costs.
 * **Communication** around each compute action (within a group, sorted by link):
   Forward(mb) is preceded by RecvAct(link, mb, "fwd") on every incoming link (a join waits for
   all producers) and followed by SendAct(link, mb, "fwd") on every outgoing link (a branch feeds
-  all consumers). Backward(mb) is preceded by RecvAct(link, mb, "bwd") on every outgoing link and
-  followed by SendAct(link, mb, "bwd") on every incoming link.
+  all consumers). Backward(mb) is preceded by RecvAct(link, mb, "bwd") on every outgoing link.
+  The gradient of mb goes back on an incoming link whose producer has warm-up w_p no earlier than
+  the batch with the receive of activation min(mb + w_p, M - 1) on that link (where the producer,
+  after sending that activation, receives exactly this gradient: Megatron's
+  send_backward_recv_forward), no earlier than right after Backward(mb), and in micro-batch order. On a chain link w_p = w + 1 and this is
+  Megatron's 1F1B; on a skip link (a producer with a longer path to the sink elsewhere) it holds
+  the gradient until the producer can take it, because a send completes only when its receive is
+  posted (NCCL and gloo have no buffering): `StageTable.batches()` groups each run of sends and
+  receives into one batch, and `schedule_check` proves the batches complete in its rendezvous mode.
 * **Costs** (used by the checker/simulator in `schedule_check.py`; they do not change the order):
   forward 1.0 and backward 2.0 per stage by default; `stage_costs={module: (f, b)}` gives the
   cost of each stage of a module, `module_costs={module: (f, b)}` gives a module's total, split
   evenly over its pp stages.
 
-Why it cannot deadlock (with asynchronous sends, blocking receives): give F(mb k) on stage S the
+Why it cannot deadlock with buffered (asynchronous) sends and blocking receives: give F(mb k) on stage S the
 potential 2k - d(S) and B(mb i) the potential 2i + d(S) + 1, d = dist_to_sink. A forward waits on
 its producers (d larger, so smaller potential), a backward on its consumers (d smaller), and the
 local 1F1B order puts F(k) before B(i) exactly when k <= d(S) + i; each of these dependencies goes
@@ -185,6 +192,28 @@ class StageTable:
         """Only the Forward/Backward actions, in order."""
         return tuple(a for a in self.actions if isinstance(a, (Forward, Backward)))
 
+    def batches(self) -> tuple:
+        """The table as the runtime posts it: each compute action alone, and each maximal run of
+        sends and receives between two compute actions as ONE batch (a tuple of SendAct/RecvAct)
+        posted together (`torch.distributed.batch_isend_irecv`) and completed together: the 1F1B
+        steady state's "send forward, receive backward" and "send backward, receive forward" pairs
+        (Megatron's `send_forward_recv_backward` / `send_backward_recv_forward`), generalised to
+        joins and branches. Under rendezvous semantics (a send completes only when its receive is
+        posted) split pairs deadlock; these batches do not (`schedule_check`, mode 'rendezvous')."""
+        out: list = []
+        run: list = []
+        for a in self.actions:
+            if isinstance(a, (SendAct, RecvAct)):
+                run.append(a)
+                continue
+            if run:
+                out.append(tuple(run))
+                run = []
+            out.append(a)
+        if run:
+            out.append(tuple(run))
+        return tuple(out)
+
     def compact(self) -> str:
         """'F0 F1 | F2 B0 F3 B1 | B2 B3': compute order, warm-up | steady | cool-down ('-' if empty)."""
         ops = [a.short() for a in self.compute()]
@@ -335,10 +364,28 @@ def build_tables(
     graph = stage_graph(layout)
     costs = stage_costs_of(layout, stage_costs, module_costs)
     tables: dict[Stage, StageTable] = {}
+    warmup = {st: min(micro_batches, graph.dist_to_sink[st]) for st in graph.stages}
     for st in graph.stages:
-        w = min(micro_batches, graph.dist_to_sink[st])
+        w = warmup[st]
+        order = one_f_one_b_order(micro_batches, w)
+        where = {op: i for i, op in enumerate(order)}
+        # slot i = the communication between compute i-1 and compute i; each slot holds first the
+        # sends that follow compute i-1, then the gradient sends placed there, then the receives
+        # that compute i needs.
+        grads: dict[int, list] = {}
+        for lk in graph.incoming[st]:
+            last = 0
+            for mb in range(micro_batches):
+                after_backward = where[("B", mb)] + 1
+                # the producer posts the receive of gradient mb with its send of activation
+                # mb + w_p (or, in its cool-down, after sending its last activation): never earlier
+                paired = min(mb + warmup[lk.src], micro_batches - 1)
+                slot = max(after_backward, where[("F", paired)], last)
+                grads.setdefault(slot, []).append(SendAct(lk, mb, "bwd"))
+                last = slot
         actions: list = []
-        for kind, mb in one_f_one_b_order(micro_batches, w):
+        for i, (kind, mb) in enumerate(order):
+            actions += grads.get(i, [])
             if kind == "F":
                 actions += [RecvAct(lk, mb, "fwd") for lk in graph.incoming[st]]
                 actions.append(Forward(st, mb))
@@ -346,7 +393,7 @@ def build_tables(
             else:
                 actions += [RecvAct(lk, mb, "bwd") for lk in graph.outgoing[st]]
                 actions.append(Backward(st, mb))
-                actions += [SendAct(lk, mb, "bwd") for lk in graph.incoming[st]]
+        actions += grads.get(len(order), [])
         f, b = costs[st.module]
         tables[st] = StageTable(
             stage=st, actions=tuple(actions), warmup=w, steady=micro_batches - w, cooldown=w,

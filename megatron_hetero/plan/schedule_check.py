@@ -1,10 +1,15 @@
 """Checker and simulator for per-stage schedule tables (pure: no torch, no torch.distributed).
 
-Execution model (all stage tables run together, each stage sequentially in table order):
-  * a send is asynchronous: it never blocks, the message is buffered until received;
-  * a receive blocks until the matching send (same link, micro-batch, direction) has executed;
-    it completes at max(own clock, send time + link latency) (latency 0 unless given);
-  * Forward/Backward take the stage's forward/backward cost; communication takes no time.
+Execution models (all stage tables run together, each stage sequentially in table order):
+  'buffered' (the default for timing): a send is asynchronous and never blocks, the message is
+    buffered until received; a receive blocks until the matching send (same link, micro-batch,
+    direction) has executed and completes at max(own clock, send time + link latency);
+  'rendezvous' (what NCCL and gloo point-to-point guarantee, zero buffering): the table runs as its
+    `StageTable.batches()`; a batch of sends and receives is posted at once, each of its operations
+    is matched only when the peer has posted the batch holding the counterpart, and the batch
+    completes when all its operations are matched (at the latest post time + link latency). This is
+    the model the runtime's `batch_isend_irecv` batches execute under.
+  Forward/Backward take the stage's forward/backward cost; communication takes no time.
 
 `check_tables` proves, raising `ScheduleError` (a ValueError) naming stage, action and micro-batch:
   0. every action belongs to its table's stage (Forward/Backward of that stage, sends/receives on
@@ -16,8 +21,8 @@ Execution model (all stage tables run together, each stage sequentially in table
   3. data flow: on every link, the activation of mb is received before the consumer's Forward(mb)
      and sent after the producer's Forward(mb); the gradient is received before the producer's
      Backward(mb) and sent after the consumer's Backward(mb);
-  4. no deadlock: the simulation completes (otherwise the message lists each blocked stage and the
-     receive it waits on);
+  4. no deadlock: the simulation in the chosen mode completes (otherwise the message lists each
+     blocked stage and the receive or batch it waits on);
 and reports the makespan, per-stage busy/idle time and the bubble fraction
   1 - sum(busy over stages) / (makespan * number of stages).
 
@@ -278,6 +283,83 @@ def simulate(
     return clock, {st: tuple(v) for st, v in spans.items()}, busy
 
 
+def _counterpart(a) -> tuple:
+    kind = "recv" if isinstance(a, SendAct) else "send"
+    return (kind, a.link, a.mb, a.direction)
+
+
+def _key(a) -> tuple:
+    return ("send" if isinstance(a, SendAct) else "recv", a.link, a.mb, a.direction)
+
+
+def simulate_rendezvous(
+    tables: dict[Stage, StageTable],
+    *,
+    costs: Optional[Mapping[str, tuple]] = None,
+    latency: Union[None, float, Mapping[Link, float]] = None,
+    batches: Optional[Mapping[Stage, tuple]] = None,
+) -> tuple[dict[Stage, float], dict[Stage, tuple], dict[Stage, float]]:
+    """Run all tables under the rendezvous model (module docstring); returns (finish, spans, busy).
+
+    `batches`: {stage: the table as compute actions and comm batches} to simulate another grouping
+    (default `StageTable.batches()`). Raises `ScheduleError` on deadlock naming every blocked stage,
+    the batch it has posted and the operations of it still unmatched."""
+    items = {st: (batches[st] if batches is not None else t.batches()) for st, t in tables.items()}
+    clock = {st: 0.0 for st in tables}
+    pc = {st: 0 for st in tables}
+    busy = {st: 0.0 for st in tables}
+    spans: dict[Stage, list[Span]] = {st: [] for st in tables}
+    posted: dict[tuple, tuple[Stage, float]] = {}  # op key -> (stage, post time), while unmatched
+    pending: dict[Stage, dict[tuple, float]] = {}  # stage -> its posted batch's ops -> match time (-1: open)
+    progress = True
+    while progress:
+        progress = False
+        for st, t in tables.items():
+            while pc[st] < len(items[st]):
+                item = items[st][pc[st]]
+                if not isinstance(item, tuple):  # compute
+                    c = _cost_of(t, item, costs)
+                    spans[st].append(Span(clock[st], clock[st] + c, item))
+                    clock[st] += c
+                    busy[st] += c
+                    pc[st] += 1
+                    progress = True
+                    continue
+                if st not in pending:  # post the batch
+                    ops = {}
+                    for a in item:
+                        other = posted.pop(_counterpart(a), None)
+                        if other is None:
+                            posted[_key(a)] = (st, clock[st])
+                            ops[_key(a)] = -1.0
+                        else:
+                            peer, t_peer = other
+                            done = max(clock[st], t_peer) + _latency_of(latency, a.link)
+                            ops[_key(a)] = done
+                            pending[peer][_counterpart(a)] = done
+                    pending[st] = ops
+                    progress = True
+                if any(v < 0 for v in pending[st].values()):
+                    break
+                clock[st] = max([clock[st], *pending.pop(st).values()])
+                pc[st] += 1
+                progress = True
+    blocked = [st for st in tables if pc[st] < len(items[st])]
+    if blocked:
+        lines = []
+        for st in blocked:
+            open_ops = [k for k, v in pending.get(st, {}).items() if v < 0]
+            lines.append(f"stage {st} blocked in batch #{pc[st]} with unmatched "
+                         + ", ".join(f"{k[0]} {k[3]} {k[1]} mb {k[2]}" for k in open_ops))
+        raise ScheduleError("deadlock (rendezvous): " + "; ".join(lines))
+    return clock, {st: tuple(v) for st, v in spans.items()}, busy
+
+
+def split_batches(tables: dict[Stage, StageTable]) -> dict[Stage, tuple]:
+    """Every send and receive as a batch of its own, in table order (the pairs split)."""
+    return {st: tuple((a,) if isinstance(a, (SendAct, RecvAct)) else a for a in t.actions) for st, t in tables.items()}
+
+
 def check_tables(
     tables,
     *,
@@ -285,6 +367,7 @@ def check_tables(
     micro_batches: Optional[int] = None,
     costs: Optional[Mapping[str, tuple]] = None,
     latency: Union[None, float, Mapping[Link, float]] = None,
+    mode: str = "buffered",
 ) -> CheckReport:
     """Check and simulate a complete set of stage tables; see the module docstring.
 
@@ -293,7 +376,10 @@ def check_tables(
     `micro_batches`: the expected M (default: inferred as the largest micro-batch + 1).
     `costs`: {module: (forward, backward)} per-stage costs overriding the tables' own.
     `latency`: per-message latency, one number or {Link: seconds}.
+    `mode`: 'buffered' or 'rendezvous' (the execution model of the simulation).
     """
+    if mode not in ("buffered", "rendezvous"):
+        raise ValueError(f"mode must be 'buffered' or 'rendezvous', got {mode!r}")
     by_stage = _normalize(tables)
     for t in by_stage.values():
         _check_ownership(t)
@@ -303,7 +389,8 @@ def check_tables(
     m = _check_coverage(by_stage, micro_batches)
     messages = _check_matching(by_stage)
     _check_dataflow(by_stage, graph, m)
-    finish, spans, busy = simulate(by_stage, costs=costs, latency=latency)
+    sim = simulate if mode == "buffered" else simulate_rendezvous
+    finish, spans, busy = sim(by_stage, costs=costs, latency=latency)
     makespan = max(finish.values())
     total_busy = sum(busy.values())
     n = len(by_stage)
