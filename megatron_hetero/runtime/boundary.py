@@ -35,7 +35,6 @@ from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.spec import Edge, HeteroLayout
 from megatron_hetero.plan.blocks import Block, Transfer, local_extent
 from megatron_hetero.plan.boundary import MODES, BoundaryPlan, BoundaryShape, check_shape, plan_boundary
-from megatron_hetero.plan.placement import stage_ranks
 from megatron_hetero.runtime.hierarchical import run_route
 from megatron_hetero.runtime.wire import (
     CODE_DTYPES,
@@ -102,13 +101,13 @@ class Boundary:
         self.timeout_s = float(timeout_s)
         self.device = device or torch.device("cpu")
         self.rank = dist.get_rank()
-        self.is_src = self.rank in stage_ranks(self.src, self.src.pp - 1)
-        self.is_dst = self.rank in stage_ranks(self.dst, 0)
         self.tag = layout.edges.index(edge)
         self.stats = {"forward": WireStats(), "backward": WireStats()}
         self._plans: dict[int, BoundaryPlan] = {}
         # The peers never depend on the sequence length: learn them from a canonical plan.
         canon = self.plan_for(seq if seq is not None else self._canonical_seq())
+        self.is_src = self.rank in canon.src_ranks  # the source module's last stage
+        self.is_dst = self.rank in canon.dst_ranks  # the destination module's first stage
         self.fwd_recv_peers = sorted({t.src for t in canon.recvs(self.rank)})
         # The sample rows this rank holds as a source (the plan's DP rule; independent of seq).
         held = canon.holds.get(self.rank, ())
