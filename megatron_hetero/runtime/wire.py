@@ -103,6 +103,8 @@ def pack(tensor: torch.Tensor, blocks: tuple[Block, ...], pieces: list[Transfer]
     for t in pieces:
         b, s = locate(blocks, t.block)
         parts.append(tensor[b, s].reshape(-1))
+    if len(parts) == 1:  # one piece (often the whole local tensor): no concatenation copy
+        return parts[0].contiguous()
     return torch.cat(parts).contiguous()
 
 
