@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_hetero.layout import Edge, layout_from_dict, load_layout
-from megatron_hetero.plan import Block, BoundaryShape, Transfer, plan_all, plan_boundary
+from megatron_hetero.plan import Block, BoundaryShape, Coord, Transfer, coord_of, group_ranks, plan_all, plan_boundary, rank_of
 from megatron_hetero.plan.boundary import seq_chunks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,9 +340,9 @@ def _factorise(draw, size: int) -> dict:
 
 
 @st.composite
-def layouts(draw):
-    placement = draw(st.sampled_from(["colocated", "disjoint"]))
-    n = draw(st.integers(1, 3))
+def layouts(draw, placement=None, min_modules=1):
+    placement = placement or draw(st.sampled_from(["colocated", "disjoint"]))
+    n = draw(st.integers(min_modules, 3))
     names = ["m0", "m1", "m2"][:n]
     sizes = [draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))] * n if placement == "colocated" else [
         draw(st.sampled_from([1, 2, 3, 4, 6, 8])) for _ in range(n)]
@@ -537,3 +537,206 @@ def test_property_invalid_input_raises_only_value_error(data) -> None:
         assert str(exc)
         return
     assert p.planned_bytes() == p.min_bytes_forward
+
+
+# --------------------------------------------------------------------------------------------
+# The hierarchical (leader) route: explicit steps computed in the plan
+# --------------------------------------------------------------------------------------------
+
+_PG_DIMS = {"tp": ["tp"], "dp_cp": ["cp", "dp"], "tp_cp": ["tp", "cp"]}
+
+
+def _closed_form_hierarchical_bytes(src, dst, shape: BoundaryShape) -> int:
+    """Independent price of the forward leader route (not via the code under test): source CP
+    gather of (cp-1)/cp of the tensor, every shard once to the leader, TP-row and column broadcasts."""
+    full = shape.batch * shape.seq * shape.hidden
+    gather = full * (src.cp - 1) // src.cp if src.cp > 1 else 0
+    return (gather + full * (1 + (dst.tp - 1) + dst.tp * (dst.dp * dst.cp - 1))) * shape.dtype_bytes
+
+
+def _simulate_route(steps, start: dict, want: dict, shape: BoundaryShape) -> dict:
+    """Run the steps on element ids: each rank holds a [batch, seq] array of global element ids
+    (-1 = not held). Checks that every piece is sent by a rank that holds it, that every rectangle a
+    step assembles gets each of its elements exactly once, that a broadcast root holds what it
+    broadcasts, and at the end that every rank holds the right element at each position it wants.
+    Returns the bytes each rank sent."""
+    ids = np.arange(shape.batch * shape.seq).reshape(shape.batch, shape.seq)
+    held = {}
+    for r, blocks in start.items():
+        held[r] = np.full((shape.batch, shape.seq), -1)
+        for b in blocks:
+            held[r][b.b0:b.b1, b.s0:b.s1] = ids[b.b0:b.b1, b.s0:b.s1]
+    sent: dict[int, int] = {}
+    for step in steps:
+        assert step.kind in ("gather", "scatter", "broadcast"), step
+        assert step.root in step.group, step
+        for t in step.transfers:
+            assert t.src in step.group and t.dst in step.group, (step.label, t)
+            got = held[t.src][t.block.b0:t.block.b1, t.block.s0:t.block.s1]
+            np.testing.assert_array_equal(got, ids[t.block.b0:t.block.b1, t.block.s0:t.block.s1],
+                                          err_msg=f"{step.label}: rank {t.src} does not hold {t.block}")
+            if not t.local:
+                sent[t.src] = sent.get(t.src, 0) + t.block.numel(shape.hidden) * shape.dtype_bytes
+        if step.kind == "broadcast":
+            region = step.region_of(step.root)
+            assert dict(step.regions) == {r: region for r in step.group}
+            assert sorted(t.dst for t in step.transfers) == [r for r in step.group if r != step.root]
+            assert all(t.src == step.root and t.block == region for t in step.transfers)
+        if step.kind == "gather":
+            assert [r for r, _ in step.regions] == [step.root] and all(t.dst == step.root for t in step.transfers)
+        if step.kind == "scatter":
+            assert all(t.src == step.root and not t.local for t in step.transfers)
+            assert sorted(r for r, _ in step.regions) == sorted(t.dst for t in step.transfers)
+        new = {}
+        for r, region in step.regions:
+            count = np.zeros((shape.batch, shape.seq), dtype=np.int64)
+            new[r] = np.full((shape.batch, shape.seq), -1)
+            pieces = [t.block for t in step.transfers if t.dst == r]
+            if step.kind == "broadcast" and r == step.root:
+                pieces = [region]  # the root keeps what it broadcasts (checked above: it holds it)
+            for blk in pieces:
+                assert region.contains(blk), (step.label, blk, region)
+                count[blk.b0:blk.b1, blk.s0:blk.s1] += 1
+            inside = np.zeros_like(count)
+            inside[region.b0:region.b1, region.s0:region.s1] = 1
+            np.testing.assert_array_equal(count, inside, err_msg=f"{step.label}: rank {r} gets an element "
+                                                                 f"of {region} other than exactly once")
+            new[r][region.b0:region.b1, region.s0:region.s1] = ids[region.b0:region.b1, region.s0:region.s1]
+        held.update(new)
+    for r, blocks in want.items():
+        for b in blocks:
+            np.testing.assert_array_equal(held[r][b.b0:b.b1, b.s0:b.s1], ids[b.b0:b.b1, b.s0:b.s1],
+                                          err_msg=f"rank {r} lacks {b} at the end")
+    return sent
+
+
+def _check_route(layout, p) -> None:
+    """Every property the runtime relies on, for one disjoint plan."""
+    src, dst = layout.module(p.edge.src), layout.module(p.edge.dst)
+    route = p.route
+    assert route is not None and route.shape == p.shape
+    assert (route.src_leaders, route.dst_leader) == (p.src_leaders, p.dst_leader)
+    # Leaders: (tp0, cp0) of each source DP shard on the last stage; (tp0, cp0, dp0) of stage 0.
+    assert [coord_of(src, r) for r in route.src_leaders] == [
+        Coord(tp=0, cp=0, dp=d, pp=src.pp - 1) for d in range(src.dp)]
+    assert coord_of(dst, route.dst_leader) == Coord(tp=0, cp=0, dp=0, pp=0)
+    # Forward: destination ranks end with their needs; every element of each assembled
+    # rectangle exactly once; bytes = the plan's price = the closed form.
+    fwd = _simulate_route(route.forward, p.holds, p.needs, p.shape)
+    assert fwd == route.bytes_sent_per_rank("forward")
+    assert sum(fwd.values()) == route.bytes("forward") == p.costs["hierarchical"].bytes
+    assert p.costs["hierarchical"].bytes == _closed_form_hierarchical_bytes(src, dst, p.shape)
+    # Backward: every source replica ends with the gradient of all it holds.
+    bwd = _simulate_route(route.backward, p.needs, p.holds, p.shape)
+    assert bwd == route.bytes_sent_per_rank("backward") and sum(bwd.values()) == route.bytes("backward")
+    for step in route.forward + route.backward:
+        assert set(step.group) <= set(p.src_ranks) | set(p.dst_ranks), step
+        if step.kind == "broadcast":
+            # a real process group of the module (the one the runtime looks up), root inside it
+            m = layout.module(step.module)
+            assert list(step.group) in group_ranks(m, _PG_DIMS[step.pg]), step
+            assert step.root in step.group
+    # The broadcasts go where the design says: the leader over its TP row, each TP position down its column.
+    fb = [s for s in route.forward if s.kind == "broadcast"]
+    assert [s.pg for s in fb] == (["tp"] if dst.tp > 1 else []) + (["dp_cp"] * dst.tp if dst.dp * dst.cp > 1 else [])
+    assert [s.root for s in fb if s.pg == "dp_cp"] == (
+        [rank_of(dst, tp=t) for t in range(dst.tp)] if dst.dp * dst.cp > 1 else [])
+    bb = [s for s in route.backward if s.kind == "broadcast"]
+    assert [s.root for s in bb] == (list(route.src_leaders) if src.tp * src.cp > 1 else [])
+    assert str(route).count("\n") == 2 + len(route.forward) + len(route.backward)
+
+
+ROUTE_CASES = [
+    # (id, source, destination, batch, seq, hidden, dst placeholder)
+    ("fan-in dp4 -> tp2dp2", {"dp": 4}, {"tp": 2, "dp": 2}, 8, 4, 2, {}),
+    ("fan-out tp2 -> cp2dp2", {"tp": 2}, {"cp": 2, "dp": 2}, 4, 8, 2, {}),
+    ("equal-dp tp2dp2 -> tp2dp2", {"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}, 4, 4, 3, {}),
+    ("equal-dp cp2dp2 -> tp2cp2dp2", {"cp": 2, "dp": 2}, {"tp": 2, "cp": 2, "dp": 2}, 4, 8, 1, {}),
+    ("fan-in tp2cp2dp2 pp2 -> cp4", {"tp": 2, "cp": 2, "dp": 2, "pp": 2}, {"cp": 4}, 2, 16, 2, {}),
+    ("fan-out cp3 -> tp2dp3 pp2", {"cp": 3}, {"tp": 2, "dp": 3, "pp": 2}, 6, 12, 1, {}),
+    ("placeholder cp2 destination", {"tp": 2}, {"cp": 2, "dp": 2}, 2, 6, 1, {"dst_seq": 16, "dst_offset": 1}),
+    ("placeholder misses cp0", {"dp": 2}, {"tp": 2, "cp": 2}, 2, 4, 1, {"dst_seq": 8, "dst_offset": 2}),
+]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
+def test_leader_route_delivers_every_element_once_at_the_priced_bytes(case) -> None:
+    _, src, dst, batch, seq, hidden, extra = case
+    layout = layout_from_dict({"placement": "disjoint", "modules": {"vision": src, "language": dst},
+                               "edges": ["vision -> language"]})
+    p = plan_boundary(layout, "vision->language", BoundaryShape(batch, seq, hidden, **extra))
+    _check_route(layout, p)
+    assert p.costs["hierarchical"].bytes > p.costs["direct"].bytes
+
+
+def test_leader_route_hand_checked() -> None:
+    """vision TP2·CP2·DP2 on 0-7 -> language TP2·CP2 on 8-11; batch 4, seq 8, hidden 2, fp32.
+
+    Shard d (samples [2d, 2d+2)) has leader 4d; its TP-0 CP ranks are 4d (cp0) and 4d+2 (cp1).
+    language: rank 8 (tp0 cp0) leads, 9 is its TP peer, 10/11 are the cp1 ranks of tp0/tp1.
+    """
+    layout = layout_from_dict({"placement": "disjoint", "modules": {
+        "vision": {"tp": 2, "cp": 2, "dp": 2}, "language": {"tp": 2, "cp": 2}}, "edges": ["vision->language"]})
+    p = plan_boundary(layout, "vision->language", BoundaryShape(batch=4, seq=8, hidden=2))
+    r = p.route
+    assert (r.src_leaders, r.dst_leader) == ((0, 4), 8)
+    whole, s0, s1 = B(0, 4, 0, 8), B(0, 2, 0, 8), B(2, 4, 0, 8)
+    fwd = [(s.kind, s.root, s.group, s.regions, s.module, s.pg) for s in r.forward]
+    assert fwd == [
+        ("gather", 0, (0, 2), ((0, s0),), "", ""),
+        ("gather", 4, (4, 6), ((4, s1),), "", ""),
+        ("gather", 8, (0, 4, 8), ((8, whole),), "", ""),
+        ("broadcast", 8, (8, 9), ((8, whole), (9, whole)), "language", "tp"),
+        ("broadcast", 8, (8, 10), ((8, whole), (10, whole)), "language", "dp_cp"),
+        ("broadcast", 9, (9, 11), ((9, whole), (11, whole)), "language", "dp_cp"),
+    ]
+    # cp1 of shard 0 sends chunks 1 and 2 (of 4 chunks of 2); the leader's own chunks 0 and 3 are local.
+    assert r.forward[0].transfers == (T(0, 0, 0, 2, 0, 2), T(0, 0, 0, 2, 6, 8), T(2, 0, 0, 2, 2, 4), T(2, 0, 0, 2, 4, 6))
+    assert r.forward[2].transfers == (T(0, 8, 0, 2, 0, 8), T(4, 8, 2, 4, 0, 8))
+    # one shard is 2*8*2 fp32 = 128 B; the whole tensor 256 B
+    assert [s.bytes(p.shape) for s in r.forward] == [64, 64, 256, 256, 256, 256]
+    assert p.costs["hierarchical"].bytes == r.bytes("forward") == 1152
+    bwd = [(s.kind, s.root, s.group, s.regions, s.pg) for s in r.backward]
+    assert bwd == [
+        ("gather", 8, (8, 10), ((8, whole),), ""),
+        ("scatter", 8, (0, 4, 8), ((0, s0), (4, s1)), ""),
+        ("broadcast", 0, (0, 1, 2, 3), tuple((k, s0) for k in (0, 1, 2, 3)), "tp_cp"),
+        ("broadcast", 4, (4, 5, 6, 7), tuple((k, s1) for k in (4, 5, 6, 7)), "tp_cp"),
+    ]
+    assert r.backward[0].transfers == (T(8, 8, 0, 4, 0, 2), T(8, 8, 0, 4, 6, 8), T(10, 8, 0, 4, 2, 4),
+                                       T(10, 8, 0, 4, 4, 6))
+    assert r.bytes_sent_per_rank("backward") == {10: 128, 8: 256, 0: 384, 4: 384}
+    assert str(r).splitlines()[:3] == [
+        "leaders: source [0, 4], destination 8",
+        "forward (1152 B):",
+        "  1. gather    source CP gather (vision dp0): root 0, group [0, 2], 1 message, 64 B",
+    ]
+    assert "  4. broadcast TP-row broadcast (language): root 8, group [8, 9] over language:tp, 1 message, 256 B" in str(r)
+    _check_route(layout, p)
+
+
+def test_colocated_plans_have_no_leader_route() -> None:
+    layout = load_layout(LAYOUTS / "colocated_fan_in.yaml")
+    p = plan_boundary(layout, "vision -> language", BoundaryShape(batch=8, seq=4, hidden=2))
+    assert p.route is None and set(p.costs) == {"direct"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_property_leader_route(data) -> None:
+    layout = data.draw(layouts("disjoint", 2))
+    if not layout.edges:  # (no assume: most draws would be filtered out)
+        return
+    shape = data.draw(shapes_for(layout))
+    for p in plan_all(layout, shape):
+        _check_route(layout, p)
+
+
+def test_cp_chunk_positions_are_the_plan_chunks() -> None:
+    """compat's index tensor is built from the plan's one chunking rule (and so matches it)."""
+    from megatron_hetero.compat.cp_attention import cp_chunk_positions
+
+    for cp in (1, 2, 3, 4):
+        for c in range(cp):
+            want = [s for a, b in seq_chunks(24, cp, c) for s in range(a, b)]
+            assert cp_chunk_positions(24, c, cp).tolist() == want == _megatron_cp_positions(24, cp, c)

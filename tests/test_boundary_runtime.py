@@ -173,27 +173,34 @@ def test_dead_source_gives_timeout_naming_edge_rank_and_peer():
         assert f"edge vision->language: rank {r} waited for the forward boundary header from rank 0" in texts[r]
 
 
-def _run_hier(doc: dict, batch: int, seq: int, hidden: int) -> dict:
+def _run_hier(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_offset=0) -> dict:
     rank = dist.get_rank()
     layout = layout_from_dict(doc, world_size=dist.get_world_size())
     topo = Topology.build(layout)
     try:
         bnd = Boundary(layout, layout.edges[0], batch=batch, hidden=hidden, seq=seq, mode="hierarchical",
-                       topology=topo, timeout_s=30)
+                       topology=topo, timeout_s=30, dst_seq=dst_seq, dst_offset=dst_offset)
         g = torch.Generator().manual_seed(7)
         X, W = torch.randn(batch, seq, hidden, generator=g), torch.randn(batch, seq, hidden, generator=g)
         plan = bnd.plan_for(seq)
         x = _gather(plan.holds[rank], X).clone().requires_grad_(True) if bnd.is_src else None
         y = bnd(x)
         if bnd.is_dst:
-            assert torch.equal(y, _gather(plan.needs[rank], X)), f"rank {rank}: forward differs"
-            (y * _gather(plan.needs[rank], W)).sum().backward()
+            if plan.needs[rank]:
+                assert torch.equal(y, _gather(plan.needs[rank], X)), f"rank {rank}: forward differs"
+                (y * _gather(plan.needs[rank], W)).sum().backward()
+            else:
+                assert y.numel() == 0
+                y.sum().backward()
         elif bnd.is_src:
             Boundary.backward_source(y)
         if bnd.is_src:
             assert torch.equal(x.grad, _gather(plan.holds[rank], W)), f"rank {rank}: gradient differs"
-        return {"fwd": bnd.stats["forward"].per_call[0], "planned": plan.costs["hierarchical"].bytes,
-                "direct": plan.costs["direct"].bytes}
+        first = {d: (bnd.stats[d].per_call or [0])[0] for d in ("forward", "backward")}  # 0: on neither side
+        return {"fwd": first["forward"], "planned": plan.costs["hierarchical"].bytes,
+                "direct": plan.costs["direct"].bytes, "bwd": first["backward"],
+                "planned_fwd_rank": plan.route.bytes_sent_per_rank("forward").get(rank, 0),
+                "planned_bwd_rank": plan.route.bytes_sent_per_rank("backward").get(rank, 0)}
     finally:
         topo.destroy()
 
@@ -202,6 +209,8 @@ HIER_CASES = [
     ("fanin-dsttp2", _lay("disjoint", {"dp": 4}, {"tp": 2, "dp": 2}), 8, 8, 4, 2),
     ("fanout-srctp2-dstcp2", _lay("disjoint", {"tp": 2}, {"cp": 2, "dp": 2}), 6, 4, 8, 2),
     ("srccp2-dsttp2cp2", _lay("disjoint", {"cp": 2, "dp": 2}, {"tp": 2, "cp": 2}), 8, 4, 8, 2),
+    ("srctp2cp2-dsttp2dp2", _lay("disjoint", {"tp": 2, "cp": 2}, {"tp": 2, "dp": 2}), 8, 4, 8, 2),
+    ("srcpp2cp2-dstpp2tp2", _lay("disjoint", {"pp": 2, "cp": 2}, {"tp": 2, "pp": 2}), 8, 2, 4, 2),
 ]
 
 
@@ -213,6 +222,47 @@ def test_hierarchical_mode_matches_reference_and_its_planned_bytes(case):
     moved = sum(r["fwd"] for r in results)
     assert moved == results[0]["planned"], (moved, results[0]["planned"])
     assert moved > results[0]["direct"]  # the leader path moves more than the direct minimum here
+    for rank, r in enumerate(results):  # every rank sent exactly what the route's steps give it
+        assert (r["fwd"], r["bwd"]) == (r["planned_fwd_rank"], r["planned_bwd_rank"]), (rank, r)
+
+
+@pytest.mark.timeout(120)
+def test_hierarchical_mode_with_tokens_in_a_longer_cp_sequence():
+    """6 edge tokens at positions 1..6 of a 16-long destination sequence, destination CP2·DP1: the
+    leader route delivers the whole tensor and each CP rank selects only its tokens."""
+    doc = _lay("disjoint", {"tp": 2}, {"cp": 2, "dp": 1})
+    results = run_ranks(4, _run_hier, doc, 2, 6, 2, 16, 1, timeout=60)
+    assert sum(r["fwd"] for r in results) == results[0]["planned"] == 2 * (2 * 6 * 2 * 4)
+    for r in results:
+        assert (r["fwd"], r["bwd"]) == (r["planned_fwd_rank"], r["planned_bwd_rank"])
+
+
+def _hier_leader_dies() -> str:
+    import os
+
+    layout = layout_from_dict(_lay("disjoint", {"dp": 1}, {"tp": 2}), world_size=3)
+    topo = Topology.build(layout)
+    bnd = Boundary(layout, "vision->language", batch=2, hidden=2, seq=4, mode="hierarchical", topology=topo,
+                   timeout_s=3)
+    dist.barrier()  # every group is built everywhere before the source dies
+    if bnd.is_src:
+        os._exit(9)  # the source leader dies before its leader send
+    bnd(None)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_hierarchical_dead_source_leader_gives_timeout_naming_edge_rank_and_peer():
+    with pytest.raises(RankFailure) as info:
+        run_ranks(3, _hier_leader_dies, timeout=40)
+    texts = dict(info.value.failures)
+    assert "exit code 9" in texts[0]
+    assert not info.value.killed, f"ranks hung and had to be killed: {info.value.killed}"
+    # the destination leader (rank 1) names the step it waited in and the dead source leader
+    assert "BoundaryTimeout" in texts[1]
+    assert "edge vision->language: rank 1 waited for the leader send from rank 0" in texts[1]
+    # its TP peer (rank 2) was waiting in the TP-row broadcast from the leader
+    assert "edge vision->language: rank 2 waited for the TP-row broadcast (language) from rank 1" in texts[2]
 
 
 def _variable_seq() -> list:

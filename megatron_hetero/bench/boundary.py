@@ -3,7 +3,9 @@
 For each case: bytes moved (forward + backward, summed over ranks) / the theoretical minimum of the
 plan, and the time of one forward+backward boundary call / the time of a plain send of the same
 number of bytes between two ranks on the same backend, measured in the same process tree.
-Both times are bracketed by the same two barriers; medians over `iters`.
+Both times are bracketed by the same two barriers; medians over `iters`. Colocated cases run the
+direct mode (point-to-point messages plus local copies); disjoint cases run both the direct mode and
+the hierarchical leader route (the steps of `plan.route`).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_hetero.bench.common import bar_plot, markdown_table, write_json
 from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.plan.blocks import local_extent
 from megatron_hetero.runtime.boundary import Boundary
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.topology import Topology
@@ -65,7 +68,7 @@ def _rank_main(batch: int, seq: int, hidden: int, iters: int) -> list[dict[str, 
         try:
             bnd = Boundary(layout, layout.edges[0], batch=batch, hidden=hidden, seq=seq, mode=mode, topology=topo)
             plan = bnd.plan_for(seq)
-            x = torch.randn(batch // bnd.src.dp, len_local(plan.holds.get(rank, ())), hidden) if bnd.is_src else None
+            x = torch.randn(*local_extent(plan.holds[rank]), hidden) if bnd.is_src else None
 
             def step() -> None:
                 xi = x.clone().requires_grad_(True) if x is not None else None
@@ -102,10 +105,6 @@ def _rank_main(batch: int, seq: int, hidden: int, iters: int) -> list[dict[str, 
         finally:
             topo.destroy()
     return out
-
-
-def len_local(blocks) -> int:
-    return sum(b.s1 - b.s0 for b in blocks)
 
 
 def run(out_dir: Path, batch: int = 8, seq: int = 512, hidden: int = 256, iters: int = 10) -> dict[str, Any]:

@@ -36,21 +36,20 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_hetero.plan.blocks import seq_chunks
+
 __all__ = ["ContextParallelDotProductAttention", "cp_chunk_positions"]
 
 
 def cp_chunk_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> Tensor:
-    """Global token positions held by ``cp_rank`` under Megatron's 2*cp load-balanced chunking."""
+    """Global token positions held by ``cp_rank`` under Megatron's 2*cp load-balanced chunking
+    (the intervals of the pure ``plan.blocks.seq_chunks``, as an index tensor)."""
     if seq_len % (2 * cp_size) != 0:
         raise ValueError(
             f"sequence length {seq_len} is not divisible by 2*cp = {2 * cp_size}; context "
             f"parallelism cuts the sequence into 2*cp equal chunks"
         )
-    chunk = seq_len // (2 * cp_size)
-    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    second_start = (2 * cp_size - 1 - cp_rank) * chunk
-    second = torch.arange(second_start, second_start + chunk, device=device)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(a, b, device=device) for a, b in seq_chunks(seq_len, cp_size, cp_rank)])
 
 
 class ContextParallelDotProductAttention(DotProductAttention):
@@ -136,8 +135,8 @@ class ContextParallelDotProductAttention(DotProductAttention):
         value = gather_from_sequence_parallel_region(value, True, group=self.cp_group)
         order = [0] * (2 * cp)  # global chunk -> index in the gathered tensor
         for r in range(cp):
-            order[r] = 2 * r
-            order[2 * cp - 1 - r] = 2 * r + 1
+            for j, (c, _) in enumerate(seq_chunks(2 * cp, cp, r)):  # a 2cp-long sequence: chunk c = [c, c+1)
+                order[c] = 2 * r + j
         index = torch.tensor(order, device=key.device)
         key = key.reshape(2 * cp, chunk, *key.shape[1:]).index_select(0, index).flatten(0, 1)
         value = value.reshape(2 * cp, chunk, *value.shape[1:]).index_select(0, index).flatten(0, 1)

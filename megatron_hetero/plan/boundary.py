@@ -4,9 +4,10 @@ Pure data computed from a resolved layout, an edge and the shape of the edge ten
 `[batch, seq, hidden]` (the whole step's batch that crosses the edge). No torch.distributed.
 
 Data ownership (both sides, Megatron semantics):
-- batch: DP rank d of a module owns the contiguous samples [d*B/dp, (d+1)*B/dp);
+- batch: DP rank d of a module owns the contiguous samples `plan.batch.dp_rows(B, dp, d)`
+  = [d*B/dp, (d+1)*B/dp);
 - sequence: with cp > 1, CP rank c owns Megatron's load-balanced chunks c and 2*cp-1-c of
-  2*cp equal chunks (in that order); with cp == 1 the whole sequence;
+  2*cp equal chunks (in that order, `plan.blocks.seq_chunks`); with cp == 1 the whole sequence;
 - TP ranks are replicas: each holds the same tensor.
 The source side of an edge is the source module's last pipeline stage; the destination side is the
 destination module's first stage.
@@ -16,12 +17,14 @@ moves gradients the other way: every source replica (TP rank) needs the gradient
 holds; destination TP replicas hold identical gradients (Megatron all-reduces the input gradient
 over TP), so exactly one of them supplies each element - gradients are never summed over replicas.
 
-Two modes for disjoint edges:
-- direct: each piece travels once from one rank that holds it to each rank that needs it; a rank
-  that already holds a piece (colocated) copies it locally. This moves exactly the minimum.
-- hierarchical (leader-based, as the upstream bridge): source DP leaders send their shards to one
-  destination leader, which broadcasts over its TP row, then each TP position broadcasts down its
-  DP x CP column; every rank then selects its interval.
+Two modes:
+- direct (every edge; the only mode of a colocated edge): each piece travels once, point to point,
+  from one rank that holds it to each rank that needs it; a rank that already holds a piece
+  (colocated) copies it locally. This moves exactly the minimum (`forward`/`backward` transfers).
+- hierarchical (disjoint edges only; leader-based, as the upstream bridge): source DP leaders
+  send their shards to one destination leader, which broadcasts over its TP row, then each TP
+  position broadcasts down its DP x CP column; every rank then selects its interval. Its explicit
+  steps are `BoundaryPlan.route` (`plan/route.py`), and its priced bytes are those steps' bytes.
 """
 from __future__ import annotations
 
@@ -29,62 +32,18 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout
-from megatron_hetero.plan.placement import coord_of, rank_of, stage_ranks
+from megatron_hetero.plan.batch import dp_rows
+from megatron_hetero.plan.blocks import Block, BoundaryShape, Transfer, seq_chunks
+from megatron_hetero.plan.placement import coord_of, stage_ranks
+from megatron_hetero.plan.route import LeaderRoute, leaders, plan_leader_route
+
+__all__ = [
+    "MODES", "TRANSFORMS", "Block", "BoundaryPlan", "BoundaryShape", "ModeCost", "Transfer", "check_shape",
+    "needed_blocks", "owned_blocks", "plan_all", "plan_boundary", "route", "seq_chunks", "transform_of",
+]
 
 TRANSFORMS = ("equal-dp", "fan-in", "fan-out")
 MODES = ("direct", "hierarchical")
-
-
-@dataclass(frozen=True)
-class BoundaryShape:
-    """Shape of the edge tensor for one step: [batch, seq, hidden] and element size in bytes.
-
-    `dst_seq`/`dst_offset` describe an edge whose tokens are inserted into a longer destination
-    sequence (image tokens at placeholder positions [dst_offset, dst_offset+seq) of a dst_seq-long
-    text sequence): the destination's CP chunks are then taken over dst_seq *before* sharding, and
-    a destination CP rank needs only the edge tokens that fall into its chunks.
-    """
-
-    batch: int
-    seq: int
-    hidden: int
-    dtype_bytes: int = 4
-    dst_seq: Optional[int] = None
-    dst_offset: int = 0
-
-
-@dataclass(frozen=True, order=True)
-class Block:
-    """A rectangle of the global edge tensor: samples [b0, b1) x positions [s0, s1) x all hidden."""
-
-    b0: int
-    b1: int
-    s0: int
-    s1: int
-
-    def numel(self, hidden: int) -> int:
-        return (self.b1 - self.b0) * (self.s1 - self.s0) * hidden
-
-    def intersect(self, other: "Block") -> Optional["Block"]:
-        b0, b1 = max(self.b0, other.b0), min(self.b1, other.b1)
-        s0, s1 = max(self.s0, other.s0), min(self.s1, other.s1)
-        return Block(b0, b1, s0, s1) if b0 < b1 and s0 < s1 else None
-
-    def __str__(self) -> str:
-        return f"b[{self.b0}:{self.b1}] s[{self.s0}:{self.s1}]"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """`block` goes from global rank `src` to global rank `dst` (src == dst: a local copy, no bytes)."""
-
-    src: int
-    dst: int
-    block: Block
-
-    @property
-    def local(self) -> bool:
-        return self.src == self.dst
 
 
 @dataclass(frozen=True)
@@ -115,6 +74,7 @@ class BoundaryPlan:
     min_bytes_forward: int
     min_bytes_backward: int
     costs: dict[str, ModeCost] = field(default_factory=dict)
+    route: Optional[LeaderRoute] = None  # the hierarchical mode's explicit steps (disjoint edges)
 
     def _transfers(self, direction: str) -> tuple[Transfer, ...]:
         if direction not in ("forward", "backward"):
@@ -183,20 +143,11 @@ def transform_of(src: ModuleLayout, dst: ModuleLayout) -> tuple[str, int]:
     return ("fan-in" if src.dp > dst.dp else "fan-out"), hi // lo
 
 
-def seq_chunks(seq: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
-    """Sequence intervals CP rank `cp_rank` owns under Megatron's load-balanced 2*cp chunking."""
-    if cp == 1:
-        return [(0, seq)]
-    n = seq // (2 * cp)
-    first, second = cp_rank, 2 * cp - 1 - cp_rank
-    return [(first * n, (first + 1) * n), (second * n, (second + 1) * n)]
-
-
 def owned_blocks(m: ModuleLayout, rank: int, shape: BoundaryShape) -> tuple[Block, ...]:
     """The blocks of the edge tensor that `rank` owns in module `m` (see module docstring)."""
     c = coord_of(m, rank)
-    per = shape.batch // m.dp
-    return tuple(Block(c.dp * per, (c.dp + 1) * per, s0, s1) for s0, s1 in seq_chunks(shape.seq, m.cp, c.cp))
+    rows = dp_rows(shape.batch, m.dp, c.dp)
+    return tuple(Block(rows.start, rows.stop, s0, s1) for s0, s1 in seq_chunks(shape.seq, m.cp, c.cp))
 
 
 def needed_blocks(m: ModuleLayout, rank: int, shape: BoundaryShape) -> tuple[Block, ...]:
@@ -209,12 +160,12 @@ def needed_blocks(m: ModuleLayout, rank: int, shape: BoundaryShape) -> tuple[Blo
     if shape.dst_seq is None:
         return owned_blocks(m, rank, shape)
     c = coord_of(m, rank)
-    per = shape.batch // m.dp
+    rows = dp_rows(shape.batch, m.dp, c.dp)
     out = []
     for a, b in seq_chunks(shape.dst_seq, m.cp, c.cp):
         lo, hi = max(a, shape.dst_offset), min(b, shape.dst_offset + shape.seq)
         if lo < hi:
-            out.append(Block(c.dp * per, (c.dp + 1) * per, lo - shape.dst_offset, hi - shape.dst_offset))
+            out.append(Block(rows.start, rows.stop, lo - shape.dst_offset, hi - shape.dst_offset))
     return tuple(out)
 
 
@@ -309,15 +260,6 @@ def _max_messages(transfers: Iterable[Transfer]) -> int:
     return max((len(p) for p in peers.values()), default=0)
 
 
-def _hierarchical_cost(src: ModuleLayout, dst: ModuleLayout, shape: BoundaryShape) -> ModeCost:
-    """Leader path: src CP gather, src DP leaders -> one dst leader, TP-row bcast, DP x CP column bcast."""
-    full = shape.batch * shape.seq * shape.hidden
-    gather = full * (src.cp - 1) // src.cp if src.cp > 1 else 0
-    elems = gather + full * (1 + (dst.tp - 1) + dst.tp * (dst.dp * dst.cp - 1))
-    hops = (1 if src.cp > 1 else 0) + src.dp + (1 if dst.tp > 1 else 0) + (1 if dst.dp * dst.cp > 1 else 0)
-    return ModeCost(bytes=elems * shape.dtype_bytes, hops=hops)
-
-
 def plan_boundary(layout: HeteroLayout, edge: Edge | str, shape: BoundaryShape) -> BoundaryPlan:
     """Plan one edge of a resolved layout for the given shape (ValueError on bad input)."""
     if isinstance(edge, str):
@@ -334,8 +276,12 @@ def plan_boundary(layout: HeteroLayout, edge: Edge | str, shape: BoundaryShape) 
     forward = route(holds, needs, {r: i for i, r in enumerate(dst_ranks)})
     backward = route(needs, holds, {r: i for i, r in enumerate(src_ranks)})
     costs = {"direct": ModeCost(bytes=_moved_bytes(forward, shape), hops=_max_messages(forward))}
+    leader_route = None
     if layout.placement == "disjoint":
-        costs["hierarchical"] = _hierarchical_cost(src, dst, shape)
+        # priced by its own steps: the bytes of the forward leader route
+        leader_route = plan_leader_route(src, dst, shape, holds, needs)
+        costs["hierarchical"] = ModeCost(bytes=leader_route.bytes("forward"), hops=leader_route.hops)
+    src_leaders, dst_leader = leaders(src, dst)
     return BoundaryPlan(
         edge=edge,
         placement=layout.placement,
@@ -348,11 +294,12 @@ def plan_boundary(layout: HeteroLayout, edge: Edge | str, shape: BoundaryShape) 
         needs=needs,
         forward=tuple(forward),
         backward=tuple(backward),
-        src_leaders=tuple(rank_of(src, dp=d, pp=src.pp - 1) for d in range(src.dp)),
-        dst_leader=rank_of(dst),
+        src_leaders=src_leaders,
+        dst_leader=dst_leader,
         min_bytes_forward=_min_bytes(holds, needs, shape),
         min_bytes_backward=_min_bytes(needs, holds, shape),
         costs=costs,
+        route=leader_route,
     )
 
 

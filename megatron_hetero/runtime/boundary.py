@@ -1,21 +1,19 @@
 """Autograd-aware boundary: carries one edge's tensor from the source layout to the destination layout.
 
 `Boundary(layout, edge, ...)` is built identically on every rank; calling it runs the edge's
-transform for this rank as a `torch.autograd.Function`:
+transform for this rank as one `torch.autograd.Function` (`_BoundaryFunction`, whose docstring
+lists exactly what goes over the wire in each mode and direction). Every rank, block and byte
+count comes from the pure plan (`plan.boundary.plan_boundary`, and for the hierarchical mode its
+`route` of `plan/route.py`); this file only moves tensors.
 
-Two modes: "direct" (default, below) and "hierarchical" (disjoint edges only, the leader path of
-`runtime/hierarchical.py`, needs the Topology's groups).
-
-forward (direct mode, the plan of `plan/boundary.py`):
-  1. header phase: every source rank sends each destination peer an int64 header
-     `[seq, hidden, dtype, numel]`; the destination checks it (variable sequence lengths are learnt
-     here; a dtype/hidden mismatch raises an error naming the edge);
-  2. payload phase: each source rank sends each destination peer, in one message, the pieces of
-     its local `[b, s, h]` tensor that peer needs (plan order); pieces a rank already holds
-     (colocated) are copied locally and never sent.
-backward: the exact inverse route for gradients: every source rank (each TP replica) receives the
-  gradient of each element it holds from exactly one destination rank that needs it (destination
-  TP replicas hold identical gradients; they are not summed). No header phase: shapes are known.
+Two modes:
+- "direct" (default; the only mode of a colocated edge): point-to-point messages between the
+  ranks of the plan's transfers (one message per peer and phase) plus local copies where a rank
+  already holds a piece - in colocated placement both sides are the same set of ranks, nothing
+  leaves it and nothing is all-gathered. Forward has a header phase (variable sequence lengths
+  are learnt from it), then the payload phase; backward is the inverse route of the gradients.
+- "hierarchical" (disjoint edges only; needs the Topology's groups and a fixed seq): the leader
+  route's steps, executed by `runtime/hierarchical.py`.
 
 Local tensor layout on a rank: `[batch / dp, tokens, hidden]` where tokens are its blocks'
 sequence intervals concatenated in plan order (for cp > 1: chunk c then chunk 2cp-1-c).
@@ -23,7 +21,8 @@ sequence intervals concatenated in plan order (for cp > 1: chunk c then chunk 2c
 What the call returns: on a destination rank, the tensor in the destination layout; on a
 source-only rank (disjoint), a 0-element "token" tensor: call `Boundary.backward_source(token)`
 (or `token.backward(token.new_empty(0))`) once the destination's gradient will arrive; on a rank
-that is neither, `None`.
+that is neither, `None`. The disjoint schedule may also call `forward_exchange` /
+`backward_exchange` directly (no autograd), one side per rank.
 """
 from __future__ import annotations
 
@@ -32,40 +31,26 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.spec import Edge, HeteroLayout
-from megatron_hetero.plan.boundary import (
-    MODES,
-    Block,
-    BoundaryPlan,
-    BoundaryShape,
-    Transfer,
-    check_shape,
-    plan_boundary,
+from megatron_hetero.plan.blocks import Block, Transfer, local_extent
+from megatron_hetero.plan.boundary import MODES, BoundaryPlan, BoundaryShape, check_shape, plan_boundary
+from megatron_hetero.runtime.hierarchical import run_route
+from megatron_hetero.runtime.wire import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    HEADER_LEN,
+    WireStats,
+    by_peer,
+    copy_local,
+    header,
+    p2p,
+    pack,
+    unpack,
 )
-from megatron_hetero.plan.placement import stage_ranks
-from megatron_hetero.runtime.hierarchical import HierarchicalRoute
-from megatron_hetero.runtime.wire import CODE_DTYPES, DTYPE_CODES, HEADER_LEN, WireStats, header, p2p
 
 if TYPE_CHECKING:
     from megatron_hetero.runtime.topology import Topology
-
-
-def _locate(blocks: tuple[Block, ...], piece: Block) -> tuple[slice, slice]:
-    """Local (batch, seq) slices of `piece` inside a tensor made of `blocks` concatenated along seq."""
-    offset = 0
-    for blk in blocks:
-        if blk.b0 <= piece.b0 and piece.b1 <= blk.b1 and blk.s0 <= piece.s0 and piece.s1 <= blk.s1:
-            s = offset + piece.s0 - blk.s0
-            b = piece.b0 - blk.b0
-            return slice(b, b + piece.b1 - piece.b0), slice(s, s + piece.s1 - piece.s0)
-        offset += blk.s1 - blk.s0
-    raise AssertionError(f"piece {piece} is not inside the local blocks {blocks}")
-
-
-def _local_shape(blocks: tuple[Block, ...], hidden: int) -> tuple[int, int, int]:
-    if not blocks:
-        return (0, 0, hidden)
-    return (blocks[0].b1 - blocks[0].b0, sum(b.s1 - b.s0 for b in blocks), hidden)
 
 
 class Boundary:
@@ -83,7 +68,7 @@ class Boundary:
         dst_seq: Optional[int] = None,
         dst_offset: int = 0,
         mode: str = "direct",
-        timeout_s: float = 600.0,
+        timeout_s: float = DEFAULT_COMM_TIMEOUT_S,
         device: Optional[torch.device] = None,
         topology: Optional["Topology"] = None,
     ) -> None:
@@ -116,15 +101,29 @@ class Boundary:
         self.timeout_s = float(timeout_s)
         self.device = device or torch.device("cpu")
         self.rank = dist.get_rank()
-        self.is_src = self.rank in stage_ranks(self.src, self.src.pp - 1)
-        self.is_dst = self.rank in stage_ranks(self.dst, 0)
         self.tag = layout.edges.index(edge)
         self.stats = {"forward": WireStats(), "backward": WireStats()}
         self._plans: dict[int, BoundaryPlan] = {}
         # The peers never depend on the sequence length: learn them from a canonical plan.
         canon = self.plan_for(seq if seq is not None else self._canonical_seq())
+        self.is_src = self.rank in canon.src_ranks  # the source module's last stage
+        self.is_dst = self.rank in canon.dst_ranks  # the destination module's first stage
         self.fwd_recv_peers = sorted({t.src for t in canon.recvs(self.rank)})
-        self.route = HierarchicalRoute(self, topology) if mode == "hierarchical" else None
+        # The sample rows this rank holds as a source (the plan's DP rule; independent of seq).
+        held = canon.holds.get(self.rank, ())
+        self._src_rows = held[0].b1 - held[0].b0 if held else 0
+        # Hierarchical mode: the plan's leader route, and the process group of every broadcast step
+        # this rank is a member of (steps and membership do not depend on the sequence length).
+        self.route = canon.route if mode == "hierarchical" else None
+        self._groups: dict[str, dict[int, dist.ProcessGroup]] = {"forward": {}, "backward": {}}
+        if self.route is not None:
+            for direction in ("forward", "backward"):
+                for i, step in enumerate(self.route.steps(direction)):
+                    if step.kind == "broadcast" and self.rank in step.group:
+                        pg = getattr(topology.pg_collection(step.module), step.pg)
+                        members = tuple(sorted(dist.get_process_group_ranks(pg)))
+                        assert members == step.group, (step.label, members, step.group)
+                        self._groups[direction][i] = pg
 
     def _canonical_seq(self) -> int:
         n = 1
@@ -171,11 +170,9 @@ class Boundary:
             raise ValueError(f"edge {e}: rank {self.rank} got dtype {x.dtype}, the edge carries {self.dtype}")
         if x.dim() != 3:
             raise ValueError(f"edge {e}: rank {self.rank} expects a [batch, seq, hidden] tensor, got shape {tuple(x.shape)}")
-        if self.batch % m.dp:
-            raise ValueError(f"edge {e}: batch {self.batch} is not divisible by source {m.name} dp({m.dp})")
-        if x.shape[0] != self.batch // m.dp or x.shape[2] != self.hidden:
+        if x.shape[0] != self._src_rows or x.shape[2] != self.hidden:
             raise ValueError(
-                f"edge {e}: rank {self.rank} expects [batch/dp={self.batch // m.dp}, seq, hidden={self.hidden}], "
+                f"edge {e}: rank {self.rank} expects [batch/dp={self._src_rows}, seq, hidden={self.hidden}], "
                 f"got {tuple(x.shape)}"
             )
         seq = x.shape[1] * m.cp
@@ -185,36 +182,6 @@ class Boundary:
         return seq
 
     # -- the two exchanges --------------------------------------------------------------------
-    def _gather_pieces(self, tensor: torch.Tensor, blocks: tuple[Block, ...], transfers: list[Transfer]) -> torch.Tensor:
-        parts = []
-        for t in transfers:
-            b, s = _locate(blocks, t.block)
-            parts.append(tensor[b, s].reshape(-1))
-        return torch.cat(parts).contiguous()
-
-    def _scatter_pieces(self, out: torch.Tensor, blocks: tuple[Block, ...], transfers: list[Transfer],
-                        flat: torch.Tensor) -> None:
-        offset = 0
-        for t in transfers:
-            b, s = _locate(blocks, t.block)
-            n = t.block.numel(self.hidden)
-            out[b, s] = flat[offset:offset + n].view(t.block.b1 - t.block.b0, t.block.s1 - t.block.s0, self.hidden)
-            offset += n
-
-    @staticmethod
-    def _by_peer(transfers: tuple[Transfer, ...], rank: int) -> tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]:
-        """(what `rank` sends, by destination peer; what it receives, by source peer), in plan order."""
-        sends: dict[int, list[Transfer]] = {}
-        recvs: dict[int, list[Transfer]] = {}
-        for t in transfers:
-            if t.local:
-                continue
-            if t.src == rank:
-                sends.setdefault(t.dst, []).append(t)
-            if t.dst == rank:
-                recvs.setdefault(t.src, []).append(t)
-        return sends, recvs
-
     def _numel(self, transfers: list[Transfer]) -> int:
         return sum(t.block.numel(self.hidden) for t in transfers)
 
@@ -223,8 +190,8 @@ class Boundary:
         """Payload phase: route `have` (this rank's blocks) to every rank that wants them; return what
         this rank wants, assembled from local copies and received pieces (None if it wants nothing)."""
         transfers = plan.forward if direction == "forward" else plan.backward
-        sends, recvs = self._by_peer(transfers, self.rank)
-        payloads = {p: self._gather_pieces(have, have_blocks, ts) for p, ts in sends.items()}
+        sends, recvs = by_peer(transfers, self.rank)
+        payloads = {p: pack(have, have_blocks, ts) for p, ts in sends.items()}
         bufs = {p: torch.empty(self._numel(ts), dtype=self.dtype, device=self.device) for p, ts in recvs.items()}
         p2p(payloads, bufs, what=f"{direction} boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
             tag=self.tag)
@@ -232,14 +199,22 @@ class Boundary:
         self.stats[direction].record_call(sent, headers, len(payloads))
         if not want_blocks:
             return None
-        out = torch.empty(_local_shape(want_blocks, self.hidden), dtype=self.dtype, device=self.device)
-        for t in transfers:
-            if t.local and t.dst == self.rank:
-                sb, ss = _locate(have_blocks, t.block)
-                db, ds = _locate(want_blocks, t.block)
-                out[db, ds] = have[sb, ss]
+        out = torch.empty(*local_extent(want_blocks), self.hidden, dtype=self.dtype, device=self.device)
+        copy_local(out, want_blocks, have, have_blocks, plan.local_copies(self.rank, direction))
         for p, ts in recvs.items():
-            self._scatter_pieces(out, want_blocks, ts, bufs[p])
+            unpack(out, want_blocks, ts, bufs[p])
+        return out
+
+    def _run_route(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Hierarchical mode: run the plan's leader-route steps of `direction` on this rank."""
+        start, want = (plan.holds, plan.needs) if direction == "forward" else (plan.needs, plan.holds)
+        sides = (self.is_src, self.is_dst) if direction == "forward" else (self.is_dst, self.is_src)
+        out, sent = run_route(
+            plan.route.steps(direction), rank=self.rank, have=have if sides[0] else None,
+            have_blocks=start.get(self.rank, ()), want_blocks=want.get(self.rank, ()) if sides[1] else None,
+            groups=self._groups[direction], hidden=self.hidden, dtype=self.dtype, device=self.device,
+            edge=str(self.edge), tag=self.tag, timeout_s=self.timeout_s)
+        self.stats[direction].record_call(sent, 0, 0)
         return out
 
     def _check_header(self, peer: int, h: torch.Tensor, numel: int) -> None:
@@ -258,13 +233,12 @@ class Boundary:
     def forward_exchange(self, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
         """Forward transform (header phase, then payload phase); returns (output or None, global seq)."""
         if self.route is not None:
-            y, sent = self.route.forward(self.plan_for(self.seq), x.detach() if x is not None else None)
-            self.stats["forward"].record_call(sent, 0, 0)
+            y = self._run_route(self.plan_for(self.seq), "forward", x.detach() if x is not None else None)
             return y, self.seq
         own_seq = x.shape[1] * self.src.cp if self.is_src else None
         hdr_send: dict[int, torch.Tensor] = {}
         if self.is_src:
-            sends, _ = self._by_peer(self.plan_for(own_seq).forward, self.rank)
+            sends, _ = by_peer(self.plan_for(own_seq).forward, self.rank)
             hdr_send = {p: header(own_seq, self.hidden, self.dtype, self._numel(ts)).to(self.device)
                         for p, ts in sends.items()}
         hdr_recv = {p: torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device) for p in self.fwd_recv_peers}
@@ -278,7 +252,7 @@ class Boundary:
                              f"(rank: seq) {seqs}")
         seq = next(iter(seqs.values()))
         plan = self.plan_for(seq)
-        _, recvs = self._by_peer(plan.forward, self.rank)
+        _, recvs = by_peer(plan.forward, self.rank)
         for p, h in hdr_recv.items():
             self._check_header(p, h, self._numel(recvs.get(p, [])))
         y = self._move(plan, "forward", x.detach() if x is not None else None, plan.holds.get(self.rank, ()),
@@ -289,15 +263,47 @@ class Boundary:
         """Backward transform: destination gradients back to every source replica (no header phase)."""
         plan = self.plan_for(seq)
         if self.route is not None:
-            grad_x, sent = self.route.backward(plan, grad_y)
-            self.stats["backward"].record_call(sent, 0, 0)
-            return grad_x
+            return self._run_route(plan, "backward", grad_y)
         return self._move(plan, "backward", grad_y, plan.needs.get(self.rank, ()), plan.holds.get(self.rank, ()))
 
 
 class _BoundaryFunction(torch.autograd.Function):
-    """forward: `Boundary.forward_exchange` (P2P source -> destination, local copies where colocated);
-    backward: `Boundary.backward_exchange` (P2P destination -> source, one supplier per element)."""
+    """One edge's boundary as an autograd Function. Exactly what goes over the wire:
+
+    direct mode, forward (`Boundary.forward_exchange`):
+      1. header phase: every source rank sends each destination peer it has pieces for one int64
+         tensor `[seq, hidden, dtype code, numel]` (its global sequence length, the hidden size,
+         `wire.DTYPE_CODES[dtype]`, the element count of the payload that follows); every
+         destination rank receives one from each source peer of the plan, checks dtype, hidden and
+         numel (a mismatch raises ValueError naming the edge) and that all peers agree on seq;
+      2. payload phase: one flat message per (source, destination) pair: the pieces of
+         `plan.forward` from that source to that destination, each piece's [b, s, h] elements
+         row-major, concatenated in plan order (`wire.pack`); pieces a rank already holds
+         (colocated, src == dst) are local copies and never sent.
+    direct mode, backward (`Boundary.backward_exchange`): no header phase (shapes are known); one
+      flat message per (destination, source) pair with the pieces of `plan.backward`: every source
+      rank (each TP replica) receives the gradient of each element it holds from exactly one
+      destination rank (destination TP replicas hold identical gradients; nothing is summed);
+      local copies as in forward.
+    hierarchical mode (disjoint only, `plan.route`), no header phase (fixed seq):
+      forward: source CP gather (source cp > 1: each TP-0 rank of CP rank c > 0 sends its two
+      chunks, [B/dp_src, S/cp_src, H], as one message to its shard leader (tp0, cp0)); leader send
+      (each source leader sends its full-sequence shard [B/dp_src, S, H] to the destination leader);
+      TP-row broadcast of the whole [B, S, H] over the destination leader's TP group; DP x CP column
+      broadcast of [B, S, H] from each (tp t, cp0, dp0) over its DP x CP group; then every
+      destination rank selects its blocks locally.
+      backward: gradient gather (each destination TP-0 rank other than the leader sends the
+      gradient of its blocks, [B/dp_dst, tokens, H], as one message to the destination leader);
+      gradient leader send (the leader sends each source leader the gradient of its shard,
+      [B/dp_src, S, H]); source TP x CP broadcast of that shard over the shard's TP x CP group;
+      then every source rank selects its blocks locally.
+
+    Inputs and outputs: a source rank passes its local tensor `x`; a destination-only rank passes
+    a 0-element anchor that requires grad (`Boundary.__call__` makes it), so that its backward runs.
+    forward returns the destination tensor on a destination rank, and on a source-only rank a
+    0-element token (`x.new_empty(0)`), whose backward receives an empty gradient and returns the
+    gradient of `x`; a destination-only rank's backward returns no gradient for its anchor.
+    """
 
     @staticmethod
     def forward(ctx, boundary: Boundary, x: torch.Tensor) -> torch.Tensor:

@@ -1,160 +1,83 @@
-"""The hierarchical (leader-based) route of a disjoint edge, as the upstream bridge and the
-heteropipe design do it; kept for comparison with the direct route (`megatron-hetero bench boundary`).
+"""Executes the hierarchical (leader-based) route of a disjoint edge: the `RouteStep`s of
+`plan/route.py` (where every leader, group and block is computed), one direction at a time.
 
-forward:
-  1. source CP gather: in each source DP shard, the CP ranks of TP position 0 send their sequence
-     chunks to the shard leader (tp0, cp0, last stage), which assembles the full-sequence shard;
-  2. leader P2P: every source leader sends its shard to the one destination leader (tp0, cp0, dp0,
-     first stage), which assembles the whole [batch, seq, hidden] tensor;
-  3. TP-row broadcast: the destination leader broadcasts it over its TP group;
-  4. column broadcast: each TP position of that row broadcasts it down its DP x CP group;
-  5. every destination rank selects its own blocks.
-  Every broadcast source belongs to the group it broadcasts in.
-backward (inverse):
-  1. the destination ranks of TP position 0 send their gradient blocks to the destination leader
-     (TP replicas hold identical gradients; only one copy travels);
-  2. the leader sends each source leader the gradient of its shard;
-  3. each source leader broadcasts it over its TP x CP group; every source rank selects its chunks.
+Kept for comparison with the direct route (`megatron-hetero bench boundary`). This file computes
+no ranks: it takes the steps, this rank's tensor and blocks, and the process group of every
+broadcast step it takes part in, and for each step (in route order) that names this rank:
+- gather / scatter (point to point): sends the pieces it is the source of, one message per peer
+  (`wire.pack`), receives into flat buffers, and, when the step gives it a rectangle, assembles
+  that rectangle from its local copies and the received pieces;
+- broadcast: broadcasts the root's rectangle over the step's process group (every member then
+  holds it);
+then selects the blocks it wants from what it holds last. Payload bytes credited to a rank: the
+messages it sent, and for a broadcast root the rectangle times (group size - 1), as the plan prices.
 """
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.plan.boundary import Block, BoundaryPlan
-from megatron_hetero.plan.placement import coord_of, rank_of
-from megatron_hetero.runtime.wire import BoundaryTimeout, p2p
-
-if TYPE_CHECKING:
-    from megatron_hetero.runtime.boundary import Boundary
-    from megatron_hetero.runtime.topology import Topology
+from megatron_hetero.plan.blocks import Block, local_extent
+from megatron_hetero.plan.route import RouteStep
+from megatron_hetero.runtime.wire import broadcast, by_peer, copy_local, p2p, pack, select, unpack
 
 
-def _select(full: torch.Tensor, blocks: tuple[Block, ...], base: Block) -> torch.Tensor:
-    """Concatenate `blocks` (global coordinates) of `full`, which covers `base`, along seq."""
-    return torch.cat([full[b.b0 - base.b0:b.b1 - base.b0, b.s0 - base.s0:b.s1 - base.s0] for b in blocks], dim=1)
+def run_route(
+    steps: tuple[RouteStep, ...],
+    *,
+    rank: int,
+    have: Optional[torch.Tensor],
+    have_blocks: tuple[Block, ...],
+    want_blocks: Optional[tuple[Block, ...]],
+    groups: dict[int, dist.ProcessGroup],
+    hidden: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    edge: str,
+    tag: int,
+    timeout_s: float,
+) -> tuple[Optional[torch.Tensor], int]:
+    """Run `steps` on this rank. `have` is this rank's tensor (made of `have_blocks`; None and () on
+    a rank that starts with nothing); `groups[i]` is the process group of broadcast step `steps[i]`
+    for every such step this rank is a member of. Returns (the `want_blocks` of what this rank holds
+    at the end, concatenated along seq - None when `want_blocks` is None, a [0, 0, hidden] tensor
+    when it is empty; payload bytes this rank sent)."""
+    held, held_blocks = have, have_blocks
+    sent = 0
 
+    def empty(blocks: tuple[Block, ...]) -> torch.Tensor:
+        return torch.empty(*local_extent(blocks), hidden, dtype=dtype, device=device)
 
-def _place(full: torch.Tensor, blocks: tuple[Block, ...], base: Block, local: torch.Tensor) -> None:
-    offset = 0
-    for b in blocks:
-        n = b.s1 - b.s0
-        full[b.b0 - base.b0:b.b1 - base.b0, b.s0 - base.s0:b.s1 - base.s0] = local[:, offset:offset + n]
-        offset += n
-
-
-class HierarchicalRoute:
-    """Executes the leader path of one disjoint edge on this rank (see module docstring)."""
-
-    def __init__(self, boundary: "Boundary", topology: "Topology") -> None:
-        self.b = boundary
-        self.topo = topology
-        src, dst = boundary.src, boundary.dst
-        self.src_leaders = [rank_of(src, dp=d, pp=src.pp - 1) for d in range(src.dp)]
-        self.dst_leader = rank_of(dst)
-
-    def _bcast(self, t: torch.Tensor, root: int, group, what: str) -> None:
-        work = dist.broadcast(t, src=root, group=group, async_op=True)
-        try:
-            work.wait(timeout=timedelta(seconds=self.b.timeout_s))
-        except RuntimeError as exc:
-            raise BoundaryTimeout(
-                f"edge {self.b.edge}: rank {self.b.rank} waited for the {what} broadcast from rank {root} and gave "
-                f"up (timeout {self.b.timeout_s:g} s): {str(exc).splitlines()[0][:200]}"
-            ) from None
-
-    def _p2p(self, sends, recvs, what):
-        p2p(sends, recvs, what=what, edge=str(self.b.edge), timeout_s=self.b.timeout_s, tag=self.b.tag)
-        return sum(v.numel() * v.element_size() for v in sends.values())
-
-    def forward(self, plan: BoundaryPlan, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
-        """Returns (this rank's destination tensor or None, payload bytes this rank sent)."""
-        b, rank = self.b, self.b.rank
-        src, dst, sh = b.src, b.dst, plan.shape
-        per_src = sh.batch // src.dp
-        sent = 0
-        shard: Optional[torch.Tensor] = None
-        if b.is_src:
-            c = coord_of(src, rank)
-            leader = rank_of(src, dp=c.dp, pp=src.pp - 1)
-            base = Block(c.dp * per_src, (c.dp + 1) * per_src, 0, sh.seq)
-            if src.cp > 1 and c.tp == 0:
-                if rank == leader:
-                    shard = torch.empty(per_src, sh.seq, sh.hidden, dtype=b.dtype, device=b.device)
-                    _place(shard, plan.holds[rank], base, x)
-                    peers = [rank_of(src, cp=k, dp=c.dp, pp=src.pp - 1) for k in range(1, src.cp)]
-                    bufs = {p: torch.empty(per_src, sh.seq // src.cp, sh.hidden, dtype=b.dtype, device=b.device)
-                            for p in peers}
-                    self._p2p({}, bufs, "source CP gather")
-                    for p, buf in bufs.items():
-                        _place(shard, plan.holds[p], base, buf)
-                else:
-                    sent += self._p2p({leader: x.contiguous()}, {}, "source CP gather")
-            elif rank == leader:
-                shard = x
-            if rank == leader:
-                sent += self._p2p({self.dst_leader: shard.contiguous()}, {}, "leader send")
-        if not b.is_dst:
-            return None, sent
-        c = coord_of(dst, rank)
-        pgs = self.topo.pg_collection(dst.name)
-        full = torch.empty(sh.batch, sh.seq, sh.hidden, dtype=b.dtype, device=b.device)
-        if rank == self.dst_leader:
-            bufs = {p: full[d * per_src:(d + 1) * per_src] for d, p in enumerate(self.src_leaders)}
-            tmp = {p: torch.empty_like(v) for p, v in bufs.items()}
-            self._p2p({}, tmp, "leader receive")
-            for p, v in tmp.items():
-                bufs[p].copy_(v)
-        if c.cp == 0 and c.dp == 0 and dst.tp > 1:
-            self._bcast(full, self.dst_leader, pgs.tp, "TP-row")
-            if rank == self.dst_leader:
-                sent += full.numel() * full.element_size() * (dst.tp - 1)
-        if dst.cp * dst.dp > 1:
-            root = rank_of(dst, tp=c.tp)
-            self._bcast(full, root, pgs.dp_cp, "DP x CP column")
-            if rank == root:
-                sent += full.numel() * full.element_size() * (dst.cp * dst.dp - 1)
-        whole = Block(0, sh.batch, 0, sh.seq)
-        need = plan.needs[rank]
-        y = _select(full, need, whole) if need else torch.empty(0, 0, sh.hidden, dtype=b.dtype, device=b.device)
-        return y.contiguous(), sent
-
-    def backward(self, plan: BoundaryPlan, grad_y: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
-        """Returns (gradient of this rank's source tensor or None, payload bytes this rank sent)."""
-        b, rank = self.b, self.b.rank
-        src, dst, sh = b.src, b.dst, plan.shape
-        per_src = sh.batch // src.dp
-        sent = 0
-        if b.is_dst:
-            c = coord_of(dst, rank)
-            if rank == self.dst_leader:
-                full = torch.zeros(sh.batch, sh.seq, sh.hidden, dtype=b.dtype, device=b.device)
-                whole = Block(0, sh.batch, 0, sh.seq)
-                if plan.needs[rank]:
-                    _place(full, plan.needs[rank], whole, grad_y)
-                peers = [r for r in plan.dst_ranks if r != rank and coord_of(dst, r).tp == 0 and plan.needs[r]]
-                bufs = {p: torch.empty(sh.batch // dst.dp, sum(x.s1 - x.s0 for x in plan.needs[p]), sh.hidden,
-                                       dtype=b.dtype, device=b.device) for p in peers}
-                self._p2p({}, bufs, "gradient gather")
-                for p, buf in bufs.items():
-                    _place(full, plan.needs[p], whole, buf)
-                sends = {p: full[d * per_src:(d + 1) * per_src].contiguous() for d, p in enumerate(self.src_leaders)}
-                sent += self._p2p(sends, {}, "gradient leader send")
-            elif c.tp == 0 and plan.needs[rank]:
-                sent += self._p2p({self.dst_leader: grad_y.contiguous()}, {}, "gradient gather")
-        if not b.is_src:
-            return None, sent
-        c = coord_of(src, rank)
-        leader = rank_of(src, dp=c.dp, pp=src.pp - 1)
-        shard = torch.empty(per_src, sh.seq, sh.hidden, dtype=b.dtype, device=b.device)
-        if rank == leader:
-            self._p2p({}, {self.dst_leader: shard}, "gradient leader receive")
-        if src.tp * src.cp > 1:
-            self._bcast(shard, leader, self.topo.pg_collection(src.name).tp_cp, "source TP x CP")
-            if rank == leader:
-                sent += shard.numel() * shard.element_size() * (src.tp * src.cp - 1)
-        base = Block(c.dp * per_src, (c.dp + 1) * per_src, 0, sh.seq)
-        return _select(shard, plan.holds[rank], base).contiguous(), sent
+    for i, step in enumerate(steps):
+        if rank not in step.group:
+            continue
+        region = step.region_of(rank)
+        if step.kind == "broadcast":
+            assert region is not None, (step.label, rank)
+            if rank == step.root:
+                buf = held.contiguous() if held_blocks == (region,) else select(held, held_blocks, (region,))
+                sent += buf.numel() * buf.element_size() * (len(step.group) - 1)
+            else:
+                buf = empty((region,))
+            broadcast(buf, step.root, groups[i], what=step.label, edge=edge, timeout_s=timeout_s)
+            held, held_blocks = buf, (region,)
+            continue
+        sends, recvs = by_peer(step.transfers, rank)
+        payloads = {p: pack(held, held_blocks, ts) for p, ts in sends.items()}
+        bufs = {p: torch.empty(sum(t.block.numel(hidden) for t in ts), dtype=dtype, device=device)
+                for p, ts in recvs.items()}
+        p2p(payloads, bufs, what=step.label, edge=edge, timeout_s=timeout_s, tag=tag)
+        sent += sum(v.numel() * v.element_size() for v in payloads.values())
+        if region is not None:
+            buf = empty((region,))
+            copy_local(buf, (region,), held, held_blocks, step.local_copies(rank))
+            for p, ts in recvs.items():
+                unpack(buf, (region,), ts, bufs[p])
+            held, held_blocks = buf, (region,)
+    if want_blocks is None:
+        return None, sent
+    if not want_blocks:
+        return torch.empty(0, 0, hidden, dtype=dtype, device=device), sent
+    return select(held, held_blocks, want_blocks), sent

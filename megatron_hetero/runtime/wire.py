@@ -1,8 +1,10 @@
-"""Point-to-point exchange with timeouts that name the edge, the waiting rank and the peer.
+"""The wire under the boundaries: point-to-point exchange and broadcast with timeouts that name the
+edge, the waiting rank and the peer, and the packing of plan blocks into messages.
 
-A boundary phase moves one message per peer: a small int64 header (`[seq, hidden, dtype code,
-numel]`) first, then the payload. Every wait has a timeout; on expiry (or when a peer died and the
-transport reports it) a `BoundaryTimeout` is raised.
+A direct boundary phase moves one message per peer: a small int64 header (`[seq, hidden, dtype
+code, numel]`) first, then the payload (the peer's pieces, packed flat in plan order). Every wait
+has a timeout; on expiry (or when a peer died and the transport reports it) a `BoundaryTimeout` is
+raised. Local tensors hold their plan blocks concatenated along seq (`plan.blocks.locate`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_hetero.plan.blocks import Block, Transfer, locate
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int64: 5, torch.int32: 6,
@@ -79,3 +83,67 @@ def p2p(
         pending.append((f"{what} to", peer, dist.isend(tensor, dst=peer, group=group, tag=tag)))
     for label, peer, work in pending:
         _wait(work, label, edge, rank, peer, timeout_s)
+
+
+def broadcast(tensor: torch.Tensor, root: int, group: dist.ProcessGroup, *, what: str, edge: str, timeout_s: float) -> None:
+    """`dist.broadcast` from global rank `root` over `group`, with a timeout naming edge, rank and root."""
+    work = dist.broadcast(tensor, src=root, group=group, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise BoundaryTimeout(
+            f"edge {edge}: rank {dist.get_rank()} waited for the {what} from rank {root} and gave up "
+            f"(timeout {timeout_s:g} s): {str(exc).splitlines()[0][:200]}"
+        ) from None
+
+
+def pack(tensor: torch.Tensor, blocks: tuple[Block, ...], pieces: list[Transfer]) -> torch.Tensor:
+    """The pieces' elements of `tensor` (made of `blocks`), flat and contiguous, in order: one message."""
+    parts = []
+    for t in pieces:
+        b, s = locate(blocks, t.block)
+        parts.append(tensor[b, s].reshape(-1))
+    if len(parts) == 1:  # one piece (often the whole local tensor): no concatenation copy
+        return parts[0].contiguous()
+    return torch.cat(parts).contiguous()
+
+
+def unpack(out: torch.Tensor, blocks: tuple[Block, ...], pieces: list[Transfer], flat: torch.Tensor) -> None:
+    """Write a message made by `pack` into `out` (made of `blocks`)."""
+    hidden = out.shape[-1]
+    offset = 0
+    for t in pieces:
+        b, s = locate(blocks, t.block)
+        n = t.block.numel(hidden)
+        out[b, s] = flat[offset:offset + n].view(t.block.b1 - t.block.b0, t.block.s1 - t.block.s0, hidden)
+        offset += n
+
+
+def copy_local(out: torch.Tensor, out_blocks: tuple[Block, ...], src: torch.Tensor, src_blocks: tuple[Block, ...],
+               pieces: list[Transfer]) -> None:
+    """Copy the pieces from `src` (made of `src_blocks`) into `out` (made of `out_blocks`): no bytes move."""
+    for t in pieces:
+        db, ds = locate(out_blocks, t.block)
+        sb, ss = locate(src_blocks, t.block)
+        out[db, ds] = src[sb, ss]
+
+
+def select(src: torch.Tensor, src_blocks: tuple[Block, ...], blocks: tuple[Block, ...]) -> torch.Tensor:
+    """A new contiguous tensor made of `blocks` (concatenated along seq), taken from `src` (made of
+    `src_blocks`, which must contain every block)."""
+    return torch.cat([src[locate(src_blocks, b)] for b in blocks], dim=1).contiguous()
+
+
+def by_peer(pieces, rank: int) -> tuple[dict[int, list[Transfer]], dict[int, list[Transfer]]]:
+    """(what `rank` sends, by destination peer; what it receives, by source peer), in plan order;
+    local copies are left out."""
+    sends: dict[int, list[Transfer]] = {}
+    recvs: dict[int, list[Transfer]] = {}
+    for t in pieces:
+        if t.local:
+            continue
+        if t.src == rank:
+            sends.setdefault(t.dst, []).append(t)
+        if t.dst == rank:
+            recvs.setdefault(t.src, []).append(t)
+    return sends, recvs
