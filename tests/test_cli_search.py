@@ -130,13 +130,16 @@ def test_search_without_model_flags_plans_trains_model() -> None:
     # model flags change train's model; --encoder/--llm choose a preset instead (as before)
     wl = cli_search.workload_from_args(_search_args("--world-size", "4", "--hidden-size", "128"))
     assert wl.llm.hidden == 128 and wl.dtype_bytes == 4
+    # what train runs anyway may be spelled out
+    assert cli_search.workload_from_args(_search_args("--encoder-ffn-hidden-size", "128", "--images-per-sample", "1")) \
+        == workload(ModelArgs())
     wl = cli_search.workload_from_args(_search_args("--llm", "14B"))
     assert wl.llm.hidden == 5120 and wl.llm.seq == 8192 and wl.encoder.hidden == 1536 and wl.dtype_bytes == 2
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--encoder-ffn-hidden-size", "256"], "--encoder-ffn-hidden-size applies to the --encoder/--llm presets"),
-    (["--images-per-sample", "2"], "--images-per-sample applies to the --encoder/--llm presets"),
+    (["--encoder-ffn-hidden-size", "256"], "--encoder-ffn-hidden-size 256 applies to the --encoder/--llm presets"),
+    (["--images-per-sample", "2"], "--images-per-sample 2 applies to the --encoder/--llm presets"),
     (["--encoder-hidden-size", "30"], "--encoder-hidden-size 30 is not divisible by --encoder-num-attention-heads 4"),
     (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
 ])

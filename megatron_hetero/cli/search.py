@@ -110,11 +110,14 @@ def workload_from_args(args):
     from megatron_hetero.training.model_args import ModelArgs, workload
 
     if not uses_presets(args):
-        for name in ("encoder_ffn_hidden_size", "images_per_sample"):
-            if getattr(args, name) is not None and not (name == "images_per_sample" and args.images_per_sample == 1):
-                raise ValueError(f"{flag(name)} applies to the --encoder/--llm presets; `train` runs encoders with "
-                                 "an MLP of 4 * --encoder-hidden-size and one input of --encoder-tokens per sample")
-        return workload(ModelArgs.from_namespace(args))
+        model = ModelArgs.from_namespace(args)
+        # train's encoders: an MLP of 4 * hidden, one input of encoder_tokens per sample
+        for name, value in (("encoder_ffn_hidden_size", 4 * model.encoder_hidden_size), ("images_per_sample", 1)):
+            if getattr(args, name) not in (None, value):
+                raise ValueError(f"{flag(name)} {getattr(args, name)} applies to the --encoder/--llm presets; "
+                                 f"`train` runs encoders with an MLP of 4 * --encoder-hidden-size "
+                                 f"(= {4 * model.encoder_hidden_size}) and one input of --encoder-tokens per sample")
+        return workload(model)
     enc_base = ENCODER_PRESETS[args.encoder or "1B"]
     enc = _preset_spec(enc_base, args, "encoder", args.encoder_tokens or enc_base.seq)
     seq = args.seq_length or 8192
