@@ -46,7 +46,8 @@ def test_every_registered_subcommand_follows_the_convention() -> None:
 
 def test_cli_modules_do_not_import_torch() -> None:
     code = ("import sys; import megatron_hetero.cli as c; c.build_parser(); "
-            "import megatron_hetero.cli.search, megatron_hetero.training.model_args, megatron_hetero.plan.hardware_presets; "
+            "import megatron_hetero.cli.search, megatron_hetero.training.model_args, "
+            "megatron_hetero.plan.hardware_presets; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 

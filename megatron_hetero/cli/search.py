@@ -42,11 +42,19 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                      help=f"build the cost profile from a hardware description: a preset name "
                           f"({', '.join(hardware_names())}) or a JSON file with the same keys")
     p.add_argument("--world-size", type=int, default=None, help="total ranks")
-    add_model_flags(p)
-    m = p.add_argument_group("preset models (instead of train's model)")
+    add_model_flags(p, help={
+        "micro_batch_size": "samples per micro-batch per replica of the largest language DP, as the cost model "
+                            "counts it (default 1); the train line written into --out converts it to train's "
+                            "(per rank of the first language module)",
+        "global_batch_size": "samples per step (default: train's 8; with presets 4M tokens / --seq-length)",
+        "seq_length": "tokens per sample (default: train's 32; with presets 8192)",
+    })
+    m = p.add_argument_group("preset models (instead of train's model)",
+                             "With --encoder or --llm, the model flags not given take the preset's sizes.")
     m.add_argument("--encoder", choices=list(ENCODER_PRESETS), default=None,
                    help="encoder size preset (with --llm: default 1B)")
-    m.add_argument("--llm", choices=list(LLM_PRESETS), default=None, help="LLM size preset (with --encoder: default 14B)")
+    m.add_argument("--llm", choices=list(LLM_PRESETS), default=None,
+                   help="LLM size preset (with --encoder: default 14B)")
     m.add_argument("--encoder-ffn-hidden-size", type=int, default=None,
                    help="encoder MLP hidden size (presets only; train's encoders use 4 * --encoder-hidden-size)")
     m.add_argument("--images-per-sample", type=int, default=None,
@@ -164,8 +172,8 @@ def result_text(res, wl, prof) -> str:
         f"cost model: {prof.source or 'profile'}; {res.world_size} ranks; memory limit {_gb(res.memory_limit)} GB/rank",
         f"space: {res.space_size:,} candidates, {res.evaluated:,} evaluated in {res.seconds:.3f} s",
         "",
-        f"| # | step ({unit}) | vs homog. | configuration | compute | tp | cp | pp | dp | optimizer | boundary | offload | bubble "
-        "| mem (GB) |",
+        f"| # | step ({unit}) | vs homog. | configuration | compute | tp | cp | pp | dp | optimizer | boundary | offload "
+        "| bubble | mem (GB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = res.baseline.breakdown.total if res.baseline else None
@@ -183,7 +191,8 @@ def result_text(res, wl, prof) -> str:
         r = res.by_placement.get(kind)
         if kind == "homogeneous" and r is None:
             r = res.baseline  # runnable space: the colocated candidate whose modules share one layout
-        lines.append(f"  {kind:12s} " + (f"{r.breakdown.total * scale:.3f} {unit}  {r.candidate.describe()}" if r else "none fits"))
+        lines.append(f"  {kind:12s} " + (f"{r.breakdown.total * scale:.3f} {unit}  {r.candidate.describe()}"
+                                         if r else "none fits"))
     gain = res.gain
     lines.append(f"predicted gain over homogeneous: {gain:+.1%}" if gain is not None
                  else "predicted gain over homogeneous: n/a (no homogeneous configuration fits)")
@@ -241,9 +250,10 @@ def run(args: argparse.Namespace) -> int:
     layout = res.best_layout()
     text = dump_layout(layout)
     if args.out:
+        best = res.best.breakdown.total
+        unit, scale = _unit(best)
         header = (f"# megatron-hetero search: best of {res.space_size} candidates on {res.world_size} ranks\n"
-                  f"# {res.best.candidate.describe()}\n# predicted step "
-                  f"{res.best.breakdown.total * _unit(res.best.breakdown.total)[1]:.3f} {_unit(res.best.breakdown.total)[0]}"
+                  f"# {res.best.candidate.describe()}\n# predicted step {best * scale:.3f} {unit}"
                   + (f", {res.gain:+.1%} over the best homogeneous\n" if res.gain is not None else "\n")
                   + f"# {train_command(args, args.out, wl, train_micro_batch_size(res.best.candidate, wl))}\n")
         try:

@@ -33,8 +33,8 @@ def load_hardware(name_or_path: str | Path):
         return HardwareSpec.load(text)
     names = hardware_names()
     if text not in names:
-        raise ValueError(f"unknown hardware preset {text!r}: presets are {names}; or give a JSON file path "
-                         f"(the keys of {DEFAULT_HARDWARE}: megatron_hetero/plan/hardware_presets/{DEFAULT_HARDWARE}.json)")
+        raise ValueError(f"unknown hardware preset {text!r}: presets are {names}; or give a JSON file path (with "
+                         f"the keys of megatron_hetero/plan/hardware_presets/{DEFAULT_HARDWARE}.json)")
     doc = resources.files(__name__).joinpath(f"{text}.json").read_text()
 
     return HardwareSpec.from_dict(json.loads(doc))
