@@ -49,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to flush
+        pass
+
+
 def run_command(name: str, args: argparse.Namespace) -> int:
     """Run subcommand `name` on parsed `args`, mapping exceptions to exit codes (see module docstring)."""
     try:
@@ -60,6 +69,9 @@ def run_command(name: str, args: argparse.Namespace) -> int:
         print(f"megatron-hetero {name}: invalid input: {exc}", file=sys.stderr)
         return EXIT_INVALID
     except KeyboardInterrupt:
+        return EXIT_FAILURE
+    except BrokenPipeError:  # the reader went away (`... | head`): no traceback, stdout is gone
+        _silence_stdout()
         return EXIT_FAILURE
     except Exception:  # noqa: BLE001 - the CLI reports any unexpected failure with exit 1
         traceback.print_exc()
