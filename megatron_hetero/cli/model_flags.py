@@ -57,7 +57,3 @@ def add_model_flags(parser: argparse.ArgumentParser, names: Optional[Sequence[st
                                   help=(help or {}).get(dest, text))
     return parser
 
-
-def given_model_flags(args: argparse.Namespace) -> list[str]:
-    """The model flags set on the command line (as typed, e.g. ['--hidden-size'])."""
-    return [flag(d) for d in MODEL_FLAGS if getattr(args, d, None) is not None]

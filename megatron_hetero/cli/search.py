@@ -126,13 +126,16 @@ def workload_from_args(args):
                                  f"`train` runs encoders with an MLP of 4 * --encoder-hidden-size "
                                  f"(= {4 * model.encoder_hidden_size}) and one input of --encoder-tokens per sample")
         return workload(model)
-    enc_base = ENCODER_PRESETS[args.encoder or "1B"]
-    enc = _preset_spec(enc_base, args, "encoder", args.encoder_tokens or enc_base.seq)
-    seq = args.seq_length or 8192
-    llm = _preset_spec(LLM_PRESETS[args.llm or "14B"], args, "llm", seq)
-    gbs = args.global_batch_size or max(1, TOKENS_PER_STEP // seq)
-    return Workload(enc, llm, global_batch=gbs, micro_batch=args.micro_batch_size or 1,
-                    images_per_sample=args.images_per_sample or 1)
+    def given(value, default):
+        return default if value is None else value
+
+    enc_base = ENCODER_PRESETS[given(args.encoder, "1B")]
+    enc = _preset_spec(enc_base, args, "encoder", given(args.encoder_tokens, enc_base.seq))
+    seq = given(args.seq_length, 8192)
+    llm = _preset_spec(LLM_PRESETS[given(args.llm, "14B")], args, "llm", seq)
+    gbs = given(args.global_batch_size, max(1, TOKENS_PER_STEP // max(seq, 1)))
+    return Workload(enc, llm, global_batch=gbs, micro_batch=given(args.micro_batch_size, 1),
+                    images_per_sample=given(args.images_per_sample, 1))
 
 
 def train_command(args, out: str, wl, micro_batch_size: int) -> str:

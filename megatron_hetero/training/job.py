@@ -71,7 +71,8 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234):
                                        tokens=model.encoder_tokens, feature_dim=model.encoder_feature_dim,
                                        offset=offset)
         offset += model.encoder_tokens
-    return LlavaSpec(num_layers=model.num_layers or default_num_layers(layout), hidden_size=model.hidden_size,
+    layers = default_num_layers(layout) if model.num_layers is None else model.num_layers
+    return LlavaSpec(num_layers=layers, hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
                      vocab_size=model.vocab_size, seq_length=model.seq_length, encoders=encoders, seed=seed)
 

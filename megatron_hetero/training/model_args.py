@@ -79,9 +79,10 @@ def workload(model: ModelArgs, encoder: str = "vision", micro_batch: Optional[in
     extra = (model.encoder_feature_dim + 1) * eh + model.encoder_tokens * eh + (eh + 1) * h + (h + 1) * h
     enc = ModelSpec(encoder, model.encoder_num_layers, eh, _ffn(eh, None), model.encoder_num_attention_heads,
                     model.encoder_tokens, kind="encoder", params=int(model.encoder_num_layers * enc_layer + extra))
-    llm = ModelSpec("language", model.num_layers or DEFAULT_NUM_LAYERS, h, _ffn(h, model.ffn_hidden_size),
+    layers = DEFAULT_NUM_LAYERS if model.num_layers is None else model.num_layers
+    llm = ModelSpec("language", layers, h, _ffn(h, model.ffn_hidden_size),
                     model.num_attention_heads, model.seq_length, kind="llm", vocab=model.vocab_size)
-    mb = micro_batch or model.micro_batch_size or 1
+    mb = micro_batch if micro_batch is not None else 1 if model.micro_batch_size is None else model.micro_batch_size
     return Workload(enc, llm, global_batch=model.global_batch_size, micro_batch=mb, images_per_sample=1,
                     dtype_bytes=4, weight_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0,
                     distributed_optimizer=False)
