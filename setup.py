@@ -10,7 +10,8 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
-    package_data={"megatron_hetero": ["py.typed"]},
+    # hardware presets (`megatron-hetero search --hardware NAME`) ship inside the package
+    package_data={"megatron_hetero": ["py.typed"], "megatron_hetero.plan.hardware_presets": ["*.json"]},
     install_requires=[
         # CPU machines: install torch==2.13.0 first (a local CPU wheel); an unpinned torch pulls
         # a multi-GB CUDA build. The range below is satisfied by that pin and installs nothing more.

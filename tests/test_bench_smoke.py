@@ -40,3 +40,18 @@ def test_bench_schedule_smoke():
     expect = check_tables(build_tables(layout, row["micro_batches"], stage_costs=costs), layout=layout)
     assert row["predicted_bubble"] == pytest.approx(expect.bubble_fraction)
     assert row["stages"] == 4 and row["micro_batches"] == 8
+
+
+def test_bench_command_checks_its_input_before_running(capsys):
+    """`megatron-hetero bench` rejects bad input with exit 2 before any benchmark starts."""
+    from megatron_hetero import cli
+    from megatron_hetero.bench.suite import BENCHMARKS, DEFAULT_ITERS, run_benchmark
+
+    assert set(DEFAULT_ITERS) == set(BENCHMARKS)
+    assert cli.main(["bench", "boundary", "--iters", "0"]) == 2
+    assert capsys.readouterr().err == "megatron-hetero bench: invalid input: --iters must be >= 1, got 0\n"
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        run_benchmark("nope", ".")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "nope"])
+    assert info.value.code == 2

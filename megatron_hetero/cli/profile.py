@@ -4,20 +4,19 @@ it as JSON for `megatron-hetero search --profile PROFILE.json`.
     megatron-hetero profile --world-size 8 --out profile.json [--quick]
 
 Ranks are forked on this machine (gloo on CPU, NCCL on GPU) and measured all busy at once; see
-`runtime/profile.py` for what is measured and how it is fitted. Register with `add_parser(subparsers)`;
-the handler raises ValueError for invalid input (exit 2).
+`runtime/profile.py` for what is measured and how it is fitted.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-from typing import Optional
+
+NAME = "profile"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser("profile", help="measure layer and collective times on this machine; write a cost profile",
+    p = sub.add_parser(NAME, help="measure layer and collective times on this machine; write a cost profile",
                        description="Measure transformer-layer times (per module kind, tokens, hidden, TP, CP), "
                                    "whole-module overheads and collective times (per kind, group size, bytes) on "
                                    "forked ranks; fit the cost model's profile and write it as JSON.")
@@ -29,12 +28,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat the measurement and keep each case's least-disturbed round (default 1)")
     p.add_argument("--json", action="store_true", help="print the whole profile document")
-    p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.training.cli_train import quiet_upstream_warnings
+    from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
     from megatron_hetero.runtime import profile as P
@@ -54,19 +52,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwrote {out}")
     return 0
 
-
-def main(argv: Optional[list] = None) -> int:
-    """Stand-alone entry (`python -m megatron_hetero.cli_profile profile ...`): exit 0 ok, 2 invalid input."""
-    parser = argparse.ArgumentParser(prog="megatron-hetero")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except ValueError as exc:
-        print(f"megatron-hetero profile: invalid input: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,21 +7,22 @@ Prints every stage's compute order (warm-up | steady | cool-down), the links it 
 sends to, the checker verdict and the predicted bubble fraction (`--full`: every action, compact
 tokens `ra3<vision/1` = receive activation of mb 3 from vision/1, `sg3>vision/1` = send gradient).
 Exit codes: 0 ok, 2 invalid input (message on stderr), 1 the checker rejected the generated tables.
-Register with `add_parser(subparsers)`; pure (no torch).
+Pure (no torch); the tables and the checker are `plan/schedule.py` and `plan/schedule_check.py`.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
+from megatron_hetero.cli import CommandFailed
+
+NAME = "schedule"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `schedule` subcommand to an argparse subparsers object; returns its parser."""
-    p = sub.add_parser("schedule", help="per-stage graph-aware 1F1B tables of a disjoint layout, checked")
+    p = sub.add_parser(NAME, help="per-stage graph-aware 1F1B tables of a disjoint layout, checked")
     p.add_argument("layout", help="layout YAML (placement: disjoint)")
     p.add_argument("--micro-batches", type=int, required=True, metavar="M", help="micro-batches per step (1..64)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
@@ -32,7 +33,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--module-cost", action="append", default=[], metavar="NAME=F,B",
                    help="total forward,backward cost of module NAME, split evenly over its pp stages")
     p.add_argument("--latency", type=float, default=0.0, help="latency of every message (default 0)")
-    p.set_defaults(func=run_schedule)
     return p
 
 
@@ -114,23 +114,20 @@ def _text(tables, graph, report, error, full: bool, micro_batches: int) -> str:
     return "\n".join(lines)
 
 
-def run_schedule(args: argparse.Namespace) -> int:
-    """Body of the subcommand; returns the exit code (ValueError -> 2 with the message on stderr)."""
+def run(args: argparse.Namespace) -> int:
+    """Body of the subcommand: ValueError for invalid input (exit 2), CommandFailed (exit 1) when the
+    checker rejects the generated tables (after printing them)."""
     from megatron_hetero.layout.yaml_io import load_layout
     from megatron_hetero.plan.schedule import build_tables, stage_graph
     from megatron_hetero.plan.schedule_check import ScheduleError, check_tables
 
-    try:
-        layout = load_layout(args.layout, args.world_size)
-        stage_costs = _parse_costs(args.stage_cost, "--stage-cost")
-        module_costs = _parse_costs(args.module_cost, "--module-cost")
-        if not args.latency >= 0.0:
-            raise ValueError(f"--latency must be >= 0, got {args.latency}")
-        tables = build_tables(layout, args.micro_batches, stage_costs=stage_costs, module_costs=module_costs)
-        graph = stage_graph(layout)
-    except ValueError as exc:
-        print(f"megatron-hetero schedule: invalid input: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+    layout = load_layout(args.layout, args.world_size)
+    stage_costs = _parse_costs(args.stage_cost, "--stage-cost")
+    module_costs = _parse_costs(args.module_cost, "--module-cost")
+    if not args.latency >= 0.0:
+        raise ValueError(f"--latency must be >= 0, got {args.latency}")
+    tables = build_tables(layout, args.micro_batches, stage_costs=stage_costs, module_costs=module_costs)
+    graph = stage_graph(layout)
     tables = dict(sorted(tables.items(), key=lambda kv: (graph.depth[kv[0]], graph.stages.index(kv[0]))))
     report, error = None, None
     try:
@@ -142,6 +139,5 @@ def run_schedule(args: argparse.Namespace) -> int:
     else:
         print(_text(tables, graph, report, error, args.full, args.micro_batches))
     if error is not None:
-        print(f"megatron-hetero schedule: generated tables failed the check: {error}", file=sys.stderr)
-        return EXIT_FAILURE
-    return EXIT_OK
+        raise CommandFailed(f"generated tables failed the check: {error}")
+    return 0

@@ -1,0 +1,33 @@
+"""The benchmarks by name (`megatron-hetero bench NAME`): each runs its cases side by side in one
+process tree, writes OUT/NAME.json (and NAME.png with matplotlib) and returns its document."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Optional
+
+BENCHMARKS = ("boundary", "schedule", "planner")
+DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6}  # iterations per case; schedule: steps
+
+
+def _module(name: str):
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; benchmarks are {list(BENCHMARKS)}")
+    return importlib.import_module(f"megatron_hetero.bench.{name}")
+
+
+def run_benchmark(name: str, out: Path, iters: Optional[int] = None) -> dict[str, Any]:
+    """Run benchmark `name` with `iters` iterations per case (default DEFAULT_ITERS; the schedule
+    benchmark runs at least 2 steps); writes its files under `out` and returns its document."""
+    if iters is not None and iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {iters}")
+    bench = _module(name)
+    iters = iters or DEFAULT_ITERS[name]
+    if name == "schedule":
+        return bench.run(Path(out), steps=max(iters, 2))
+    return bench.run(Path(out), iters=iters)
+
+
+def table(name: str, doc: dict[str, Any]) -> str:
+    """The markdown table of benchmark `name`'s document."""
+    return _module(name).table(doc)

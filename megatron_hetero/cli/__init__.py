@@ -1,0 +1,88 @@
+"""`megatron-hetero` command line: one module per subcommand, one `main`.
+
+Exit codes: 0 ok, 2 invalid input (`megatron-hetero CMD: invalid input: MESSAGE` on stderr, one
+paragraph, no traceback; argparse's own usage errors exit 2 too), 1 runtime failure (a
+`CommandFailed` prints `megatron-hetero CMD: MESSAGE`; anything else prints its traceback).
+
+A subcommand is a module `megatron_hetero.cli.<module>` listed in `SUBCOMMANDS` that defines
+    NAME: str                                   the subcommand as typed (`megatron-lm` for megatron_lm)
+    add_parser(subparsers) -> ArgumentParser    subparsers.add_parser(NAME, ...) and its flags
+    run(args) -> int                            parse-level checks, call the domain packages, print;
+                                                raise ValueError for invalid input, CommandFailed for
+                                                a failure with a one-line reason; return the exit code
+Importing a subcommand module must not import torch (the parser of every subcommand is built on
+each call); import domain code inside `run`. Shared flags: `cli.model_flags`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+from types import ModuleType
+from typing import Optional, Sequence
+
+EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
+
+# Module names under megatron_hetero.cli, in `--help` order. Adding a subcommand is one entry here.
+SUBCOMMANDS: tuple[str, ...] = ("plan", "train", "schedule", "profile", "search", "bench")
+
+
+class CommandFailed(Exception):
+    """A runtime failure the subcommand explains in one line (exit 1, no traceback)."""
+
+
+def subcommand_modules() -> dict[str, ModuleType]:
+    """NAME -> module of every registered subcommand."""
+    mods = [importlib.import_module(f"{__name__}.{name}") for name in SUBCOMMANDS]
+    return {m.NAME: m for m in mods}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-hetero",
+        description="Per-module parallel layouts for multimodal training on Megatron-core.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in subcommand_modules().values():
+        mod.add_parser(sub)
+    return parser
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured): nothing to flush
+        pass
+
+
+def run_command(name: str, args: argparse.Namespace) -> int:
+    """Run subcommand `name` on parsed `args`, mapping exceptions to exit codes (see module docstring)."""
+    try:
+        return int(subcommand_modules()[name].run(args) or EXIT_OK)
+    except CommandFailed as exc:
+        print(f"megatron-hetero {name}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except ValueError as exc:
+        print(f"megatron-hetero {name}: invalid input: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return EXIT_FAILURE
+    except BrokenPipeError:  # the reader went away (`... | head`): no traceback, stdout is gone
+        _silence_stdout()
+        return EXIT_FAILURE
+    except Exception:  # noqa: BLE001 - the CLI reports any unexpected failure with exit 1
+        traceback.print_exc()
+        return EXIT_FAILURE
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The `megatron-hetero` console script; returns the exit code (argparse errors raise SystemExit(2))."""
+    args = build_parser().parse_args(None if argv is None else list(argv))
+    return run_command(args.command, args)
+
+
+__all__ = ["CommandFailed", "EXIT_FAILURE", "EXIT_INVALID", "EXIT_OK", "SUBCOMMANDS", "build_parser", "main",
+           "run_command", "subcommand_modules"]

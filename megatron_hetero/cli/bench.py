@@ -1,0 +1,32 @@
+"""`megatron-hetero bench NAME [--json] [--out DIR] [--iters N]`: run a benchmark, print its table,
+write NAME.json (and NAME.png). The benchmarks: `bench/suite.py`."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+NAME = "bench"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from megatron_hetero.bench.suite import BENCHMARKS
+
+    p = sub.add_parser(NAME, help="benchmarks (ratios measured side by side in one run; JSON + PNG)")
+    p.add_argument("name", choices=BENCHMARKS)
+    p.add_argument("--out", default="bench-results", help="folder for NAME.json and NAME.png")
+    p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
+    p.add_argument("--iters", type=int, default=None,
+                   help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_hetero.bench.suite import run_benchmark, table
+
+    out = Path(args.out)
+    doc = run_benchmark(args.name, out, args.iters)
+    print(json.dumps(doc, indent=1) if args.json else table(args.name, doc))
+    if not args.json:
+        print(f"\nwrote {out / (args.name + '.json')}")
+    return 0

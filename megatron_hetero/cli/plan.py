@@ -1,0 +1,52 @@
+"""`megatron-hetero plan`: validate a layout and print the rank map and boundary plans (`--json`).
+
+    megatron-hetero plan LAYOUT.yaml [--world-size N] [--json] [--global-batch-size G]
+        [--seq-length S] [--hidden-size H] [--dtype-bytes B]
+    megatron-hetero plan --hetero-module NAME:tp=..,dp=.. ... [--hetero-edge 'A->B'] [--hetero-placement P]
+
+The model flags give the shape crossing each edge (default: the smallest one every transform takes).
+Pure: no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatron_hetero.cli.model_flags import add_model_flags
+
+NAME = "plan"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    from megatron_hetero.layout.args import add_hetero_args
+
+    p = sub.add_parser(NAME, help="validate a layout and print the rank map and boundary plans")
+    p.add_argument("layout", nargs="?", default=None, help="layout YAML (or use --hetero-layout / --hetero-module)")
+    p.add_argument("--world-size", type=int, default=None, help="total ranks (default: what the layout uses)")
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    add_model_flags(p, ("global_batch_size", "seq_length", "hidden_size"), help={
+        "global_batch_size": "samples crossing each edge per step (default: lcm of the DP sizes)",
+        "seq_length": "tokens per sample on each edge (default: 8 * lcm of 2*cp)",
+        "hidden_size": "hidden size on each edge (default 64)",
+    })
+    p.add_argument("--dtype-bytes", type=int, default=4, help="bytes per element (4 fp32, 2 bf16)")
+    add_hetero_args(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_hetero.layout.args import layout_from_args
+    from megatron_hetero.plan.report import default_shape, layout_json, layout_text
+
+    if args.layout and args.hetero_layout:
+        raise ValueError("give the layout file once: positional LAYOUT or --hetero-layout, not both")
+    if args.layout:
+        args.hetero_layout = args.layout
+    layout = layout_from_args(args, world_size=args.world_size)
+    hidden = 64 if args.hidden_size is None else args.hidden_size
+    shape = default_shape(layout, args.global_batch_size, args.seq_length, hidden, args.dtype_bytes)
+    if args.json:
+        print(json.dumps(layout_json(layout, shape), indent=1))
+    else:
+        print(layout_text(layout, shape))
+    return 0

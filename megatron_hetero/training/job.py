@@ -1,0 +1,133 @@
+"""A training job from `train`'s flags, and the local run of it on forked ranks.
+
+`job_from_args` maps Megatron-style flag values (an argparse namespace, or any object with those
+attribute names) and a layout to the `training.setup.JobConfig` the trainer runs: which modules are
+encoders (every module except the language module(s): the sink of the module graph, or the modules
+that declare `layers`, i.e. pipeline segments), each encoder with the `--encoder-*` sizes and its
+placeholder span in the text following the previous one from position 1. `run_local` launches
+`training.trainer.train_rank` on one forked rank per layout rank and merges their records.
+Importing this module does not import torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.training.model_args import DEFAULT_NUM_LAYERS, ModelArgs
+
+
+def language_names(layout: HeteroLayout) -> list[str]:
+    """The language modules: those with `layers`, else the sinks of the module graph."""
+    with_layers = [m.name for m in layout.modules if m.layers is not None]
+    if with_layers:
+        return with_layers
+    return [m.name for m in layout.modules if not layout.consumers(m.name)]
+
+
+def default_num_layers(layout: HeteroLayout) -> int:
+    """What the language segments' `layers` cover, else DEFAULT_NUM_LAYERS."""
+    ends = [layout.module(n).layers.end for n in language_names(layout) if layout.module(n).layers is not None]
+    return max(ends) + 1 if ends else DEFAULT_NUM_LAYERS
+
+
+def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
+    """1 for colocated layouts; for disjoint ones the smallest micro-batch size b such that the
+    micro-batches of G / (dp_first_language * b) samples split evenly over every module's DP."""
+    if layout.placement == "colocated":
+        return 1
+    first = min((layout.module(n) for n in language_names(layout)),
+                key=lambda m: m.layers.start if m.layers is not None else 0)
+    dps = [m.dp for m in layout.modules]
+    for b in range(1, max(global_batch // first.dp, 1) + 1):
+        micro = global_batch // (first.dp * b)
+        if micro >= 1 and global_batch % (first.dp * b) == 0 and all((global_batch // micro) % d == 0 for d in dps):
+            return b
+    return 1  # nothing fits: validation explains why with the arithmetic
+
+
+def resolve_model(model: ModelArgs, layout: HeteroLayout) -> ModelArgs:
+    """`model` with the layout-dependent defaults filled in (num_layers, micro_batch_size)."""
+    import dataclasses
+
+    if model.num_layers is None:
+        model = dataclasses.replace(model, num_layers=default_num_layers(layout))
+    if model.micro_batch_size is None:
+        model = dataclasses.replace(model, micro_batch_size=default_micro_batch_size(layout, model.global_batch_size))
+    return model
+
+
+def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234):
+    """The `models.llava.LlavaSpec` of `model` on `layout` (one encoder spec per non-language module)."""
+    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+
+    model.validate()
+    langs = language_names(layout)
+    encoders, offset = {}, 1
+    for m in layout.modules:
+        if m.name in langs:
+            continue
+        encoders[m.name] = EncoderSpec(num_layers=model.encoder_num_layers, hidden_size=model.encoder_hidden_size,
+                                       num_attention_heads=model.encoder_num_attention_heads,
+                                       tokens=model.encoder_tokens, feature_dim=model.encoder_feature_dim,
+                                       offset=offset)
+        offset += model.encoder_tokens
+    layers = default_num_layers(layout) if model.num_layers is None else model.num_layers
+    return LlavaSpec(num_layers=layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
+                     vocab_size=model.vocab_size, seq_length=model.seq_length, encoders=encoders, seed=seed)
+
+
+def job_from_args(args: Any, layout: HeteroLayout):
+    """The `JobConfig` of `train`'s flags (Megatron names: the model sizes of `ModelArgs`, and
+    --train-iters --seed --optimizer --lr --weight-decay --clip-grad --adam-beta1/2 --adam-eps
+    --hetero-offload-encoder --hetero-comm-timeout) on `layout`. ValueError for invalid sizes."""
+    from megatron_hetero.runtime.module_state import OptimConfig
+    from megatron_hetero.training.setup import JobConfig
+
+    model = resolve_model(ModelArgs.from_namespace(args), layout)
+    spec = llava_spec(model, layout, seed=args.seed)
+    optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                        clip_grad=args.clip_grad)
+    return JobConfig(spec=spec, global_batch_size=model.global_batch_size, micro_batch_size=model.micro_batch_size,
+                     train_iters=args.train_iters, optim=optim, offload_encoder=args.hetero_offload_encoder,
+                     comm_timeout_s=args.hetero_comm_timeout)
+
+
+def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per iteration: the global loss, the slowest rank's step time, per-rank memory."""
+    out = []
+    for i, rec in enumerate(per_rank[0]["records"]):
+        out.append({
+            "iteration": rec["iteration"],
+            "loss": rec["loss"],
+            "step_time_s": max(r["records"][i]["step_time_s"] for r in per_rank),
+            "memory_bytes": {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)},
+        })
+    return out
+
+
+def quiet_upstream_warnings() -> None:
+    """Megatron-core and torch.distributed warn on every rank about CUDA-only features (fusions, CUDA
+    graphs, deprecated collective names); hide those in the launcher's ranks (inherited by fork)."""
+    import warnings
+
+    for module in (r"megatron\..*", r"torch\.distributed\..*"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+
+
+def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[str, Any]]:
+    """Validate `job` on `layout`, fork one rank per layout rank on this machine (gloo on CPU, NCCL on
+    GPU), train, and return the merged per-iteration records. ValueError before any rank starts;
+    `runtime.launcher.RankFailure` / `RankTimeout` when a rank fails or hangs."""
+    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.runtime.launcher import run_ranks
+    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.trainer import train_rank
+
+    validate_job(layout, job)
+    apply_compat()
+    per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
+    return merge_records(per_rank)

@@ -1,0 +1,234 @@
+"""The `megatron-hetero` command package (cli/): the subcommand registry, the shared model flags,
+the hardware presets as package data, and `search` planning the model `train` runs: `search`
+without model flags writes a layout that `train` without model flags trains."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_hetero import cli
+from megatron_hetero.cli import search as cli_search
+from megatron_hetero.cli.model_flags import MODEL_FLAGS
+from megatron_hetero.plan.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
+from megatron_hetero.training.model_args import ModelArgs, workload
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _search_args(*argv: str):
+    return cli.build_parser().parse_args(["search", *argv])
+
+
+# ------------------------------------------------------------------------------------------
+# registry
+# ------------------------------------------------------------------------------------------
+def test_every_registered_subcommand_follows_the_convention() -> None:
+    mods = cli.subcommand_modules()
+    assert list(mods) == ["plan", "train", "schedule", "profile", "search", "bench"]
+    for name, mod in mods.items():
+        assert mod.NAME == name and callable(mod.add_parser) and callable(mod.run), name
+    sub = cli.build_parser()._subparsers._group_actions[0]
+    assert list(sub.choices) == list(mods)
+
+
+def test_cli_modules_do_not_import_torch() -> None:
+    code = ("import sys; import megatron_hetero.cli as c; c.build_parser(); "
+            "import megatron_hetero.cli.search, megatron_hetero.training.model_args, "
+            "megatron_hetero.plan.hardware_presets; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+@pytest.mark.parametrize("module", ["megatron_hetero", "megatron_hetero.cli"])
+def test_python_dash_m_entry_points(module) -> None:
+    proc = subprocess.run([sys.executable, "-m", module, "search", "--world-size", "4", "--hardware", "nowhere"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("megatron-hetero search: invalid input: unknown hardware preset 'nowhere'")
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and all(name in proc.stdout for name in cli.SUBCOMMANDS)
+
+
+def test_command_failed_exits_1_without_traceback(capsys, monkeypatch) -> None:
+    from megatron_hetero.cli import plan
+
+    def fail(args):
+        raise cli.CommandFailed("failed: rank 3 exited with code 9")
+
+    monkeypatch.setattr(plan, "run", fail)
+    rc, out, err = _run(capsys, "plan", str(REPO / "examples/layouts/homogeneous.yaml"))
+    assert (rc, out, err) == (1, "", "megatron-hetero plan: failed: rank 3 exited with code 9\n")
+
+
+# ------------------------------------------------------------------------------------------
+# one set of model flags
+# ------------------------------------------------------------------------------------------
+def test_train_and_search_share_the_model_flags() -> None:
+    parser = cli.build_parser()
+    subs = parser._subparsers._group_actions[0].choices
+    for cmd in ("train", "search"):
+        dests = {a.dest for a in subs[cmd]._actions}
+        assert set(MODEL_FLAGS) <= dests, (cmd, set(MODEL_FLAGS) - dests)
+    plan_dests = {a.dest for a in subs["plan"]._actions}
+    assert {"global_batch_size", "seq_length", "hidden_size"} <= plan_dests
+    argv = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8", "--seq-length", "64",
+            "--vocab-size", "256", "--encoder-num-layers", "3", "--encoder-hidden-size", "48",
+            "--encoder-num-attention-heads", "6", "--encoder-tokens", "16", "--encoder-feature-dim", "12",
+            "--global-batch-size", "16", "--micro-batch-size", "2"]
+    train = ModelArgs.from_namespace(parser.parse_args(["train", *argv]))
+    search = ModelArgs.from_namespace(parser.parse_args(["search", *argv]))
+    assert train == search == ModelArgs(4, 128, 8, None, 64, 256, 3, 48, 6, 16, 12, 16, 2)
+
+
+def test_earlier_search_flag_spellings_still_parse() -> None:
+    old = _search_args("--llm-layers", "4", "--llm-hidden", "128", "--llm-heads", "8", "--llm-ffn-hidden", "512",
+                       "--encoder-layers", "3", "--encoder-hidden", "48", "--encoder-heads", "6",
+                       "--image-tokens", "16", "--encoder-ffn-hidden", "96", "--simulate", "h100_80gb")
+    new = _search_args("--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8",
+                       "--ffn-hidden-size", "512", "--encoder-num-layers", "3", "--encoder-hidden-size", "48",
+                       "--encoder-num-attention-heads", "6", "--encoder-tokens", "16",
+                       "--encoder-ffn-hidden-size", "96", "--hardware", "h100_80gb")
+    assert vars(old) == vars(new)
+    assert "--llm-hidden" not in cli.build_parser()._subparsers._group_actions[0].choices["search"].format_help()
+
+
+def test_model_args_defaults_are_trains() -> None:
+    """ModelArgs (pure) repeats train's defaults (models.llava's specs); they must not drift apart."""
+    from megatron_hetero.layout import load_layout
+    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+    from megatron_hetero.training.job import llava_spec, resolve_model
+
+    layout = load_layout(REPO / "examples/layouts/homogeneous.yaml")
+    spec = llava_spec(resolve_model(ModelArgs(), layout), layout)
+    assert spec == LlavaSpec(encoders={"vision": EncoderSpec()})
+    assert ModelArgs().global_batch_size == 8 and resolve_model(ModelArgs(), layout).micro_batch_size == 1
+
+
+def test_search_without_model_flags_plans_trains_model() -> None:
+    from megatron_hetero.bench.planner import workload_for
+    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+
+    wl = cli_search.workload_from_args(_search_args("--world-size", "4", "--hardware", DEFAULT_HARDWARE))
+    assert wl == workload(ModelArgs())
+    # the benchmark's mapping of train's model onto the cost model says the same
+    assert wl == workload_for(LlavaSpec(encoders={"vision": EncoderSpec()}), 8, 1)
+    assert (wl.llm.num_layers, wl.llm.hidden, wl.llm.seq, wl.encoder.seq, wl.global_batch) == (2, 64, 32, 8, 8)
+    # model flags change train's model; --encoder/--llm choose a preset instead (as before)
+    wl = cli_search.workload_from_args(_search_args("--world-size", "4", "--hidden-size", "128"))
+    assert wl.llm.hidden == 128 and wl.dtype_bytes == 4
+    # what train runs anyway may be spelled out
+    assert cli_search.workload_from_args(_search_args("--encoder-ffn-hidden-size", "128", "--images-per-sample", "1")) \
+        == workload(ModelArgs())
+    wl = cli_search.workload_from_args(_search_args("--llm", "14B"))
+    assert wl.llm.hidden == 5120 and wl.llm.seq == 8192 and wl.encoder.hidden == 1536 and wl.dtype_bytes == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--encoder-ffn-hidden-size", "256"], "--encoder-ffn-hidden-size 256 applies to the --encoder/--llm presets"),
+    (["--images-per-sample", "2"], "--images-per-sample 2 applies to the --encoder/--llm presets"),
+    (["--encoder-hidden-size", "30"], "--encoder-hidden-size 30 is not divisible by --encoder-num-attention-heads 4"),
+    (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
+])
+def test_search_invalid_model_flags_exit_2(capsys, argv, message) -> None:
+    rc, out, err = _run(capsys, "search", "--world-size", "4", "--hardware", DEFAULT_HARDWARE, *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("megatron-hetero search: invalid input: ") and message in err
+
+
+# ------------------------------------------------------------------------------------------
+# hardware presets: package data, by name or path
+# ------------------------------------------------------------------------------------------
+def test_hardware_presets_are_package_data(tmp_path, capsys) -> None:
+    assert DEFAULT_HARDWARE in hardware_names()
+    assert not (REPO / "examples" / "hardware").exists()
+    hw = load_hardware(DEFAULT_HARDWARE)
+    assert hw.memory_bytes == 80e9 and hw.devices_per_node == 8
+    setup = (REPO / "setup.py").read_text()
+    assert '"megatron_hetero.plan.hardware_presets": ["*.json"]' in setup
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(hw.to_dict()))
+    assert load_hardware(str(path)) == load_hardware(path) == hw
+    argv = ["search", "--world-size", "64", "--llm", "14B", "--top", "1", "--json"]
+    docs = []
+    for source in (DEFAULT_HARDWARE, str(path)):
+        rc, out, err = _run(capsys, *argv, "--hardware", source)
+        assert rc == 0, err
+        docs.append(json.loads(out))
+    assert docs[0]["ranked"] == docs[1]["ranked"]
+    rc, _, err = _run(capsys, "search", "--world-size", "8", "--hardware", str(tmp_path / "none.json"))
+    assert rc == 2 and "cannot read hardware spec file" in err
+    rc, out, _ = _run(capsys, "search", "--regime-table", "--json")  # the default preset
+    assert rc == 0 and len(json.loads(out)) == 36
+
+
+# ------------------------------------------------------------------------------------------
+# search --out trains directly
+# ------------------------------------------------------------------------------------------
+def _train_line(path: Path) -> list[str]:
+    """The `megatron-hetero train ...` command search writes into the layout's header."""
+    line = next(x for x in path.read_text().splitlines() if x.startswith("# megatron-hetero train "))
+    argv = shlex.split(line[2:])[1:]
+    layout_at = argv.index("--hetero-layout") + 1
+    argv[layout_at] = str(path.parent / argv[layout_at])
+    return argv
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("extra", [[], ["--placements", "disjoint"]], ids=["best", "disjoint"])
+def test_search_out_without_model_flags_trains(tmp_path, capsys, extra) -> None:
+    """`search` with no model flags (a hardware preset as the cost source) writes L.yaml; `train
+    --hetero-layout L.yaml --train-iters 1` with no model flags exits 0, and so does the train
+    command written into L.yaml's header."""
+    out = tmp_path / "L.yaml"
+    rc, text, err = _run(capsys, "search", "--hardware", DEFAULT_HARDWARE, "--world-size", "4", "--out", str(out),
+                         *extra)
+    assert rc == 0, err
+    assert "global batch 8, micro-batch 1" in text and f"(written to {out})" in text
+    doc = yaml.safe_load(out.read_text())
+    assert doc["placement"] == ("disjoint" if extra else doc["placement"])
+    log = tmp_path / "log.jsonl"
+    rc, text, err = _run(capsys, "train", "--hetero-layout", str(out), "--train-iters", "1", "--log-jsonl", str(log))
+    assert rc == 0, err[-3000:]
+    assert "iteration    1/1 | lm loss" in text
+    assert len(log.read_text().splitlines()) == 1
+    if extra:
+        rc, text, err = _run(capsys, *_train_line(out), "--train-iters", "1")
+        assert rc == 0, err[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_search_out_with_model_flags_header_trains(tmp_path, capsys) -> None:
+    """With model flags (and a measured-style profile), the header's train command carries them."""
+    from megatron_hetero.plan import cost as C
+
+    lm = C.LayerModel(2e-3, 3e-11)
+    prof = C.Profile(layers={"llm": lm, "encoder": C.LayerModel(1.5e-3, 3e-11), "default": lm},
+                     links={"intra": C.AlphaBeta(1e-3, 1e-9), "inter": C.AlphaBeta(1e-3, 1e-9)},
+                     devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9, source="synthetic")
+    prof_path = tmp_path / "profile.json"
+    prof.save(prof_path)
+    out = tmp_path / "best.yaml"
+    model = ["--num-layers", "4", "--hidden-size", "32", "--encoder-tokens", "4", "--global-batch-size", "8"]
+    rc, text, err = _run(capsys, "search", "--profile", str(prof_path), "--world-size", "4", *model,
+                         "--out", str(out))
+    assert rc == 0, err
+    argv = _train_line(out)
+    assert argv[:1] == ["train"] and " ".join(model[:6]) in " ".join(argv)
+    rc, text, err = _run(capsys, *argv, "--train-iters", "1")
+    assert rc == 0, err[-3000:]
+    assert "iteration    1/1 | lm loss" in text
