@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_hetero import cli_schedule
+from megatron_hetero import cli
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.plan.schedule import (
     Backward, Forward, Link, RecvAct, SendAct, Stage, StageTable, build_tables, one_f_one_b_order, rank_tables,
@@ -451,11 +451,7 @@ def test_broken_foreign_action_and_missing_stage() -> None:
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="megatron-hetero")
-    sub = parser.add_subparsers(dest="command", required=True)
-    cli_schedule.add_parser(sub)
-    args = parser.parse_args(list(argv))
-    rc = args.func(args)
+    rc = cli.main(list(argv))
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -477,7 +473,8 @@ def test_cli_text(capsys, tmp_path) -> None:
     assert "check: ok: 2 stages, 4 micro-batches, 8 messages matched, no deadlock; makespan 15, bubble 0.2000" in lines
     assert lines[-1] == "bubble fraction: 0.2000"
     rc, out, _ = _cli(capsys, "schedule", path, "--micro-batches", "4", "--full")
-    assert rc == 0 and "F0 sa0>language/1 F1 sa1>language/1 rg0<language/1 B0" in out
+    assert rc == 0 and "F0 sa0>language/1 F1 sa1>language/1+rg0<language/1 B0" in out
+    assert "rendezvous (zero buffering, the runtime's batches): ok, no deadlock" in out
 
 
 def test_cli_json(capsys, tmp_path) -> None:
@@ -509,10 +506,27 @@ def test_cli_invalid_exit_2(capsys, tmp_path, argv, message) -> None:
     assert err.startswith("megatron-hetero schedule: invalid input: ") and message in err
 
 
-def test_cli_colocated_and_missing_file_exit_2(capsys, tmp_path) -> None:
+def test_cli_colocated_tables_and_missing_file_exit_2(capsys, tmp_path) -> None:
     path = _write(tmp_path, {"placement": "colocated", "modules": {"a": {"dp": 2}, "b": {"tp": 2}}, "edges": ["a->b"]})
-    rc, out, err = _cli(capsys, "schedule", path, "--micro-batches", "2")
-    assert rc == 2 and "need placement 'disjoint'" in err
+    rc, out, err = _cli(capsys, "schedule", path)
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == "three-phase colocated schedule: 2 ranks, global batch 8, micro-batch 1"
+    assert lines[1:6] == [
+        "rank 0:",
+        "  phase 1: forward a/0 rows 0-3; boundary forward a->b (src+dst)",
+        "  phase 2: 1F1B b/0 of pp 1: 8 micro-batches of 1 (rows 0-7), warm-up 0",
+        "  phase 3: boundary backward a->b (src+dst)",
+        "  close: grad-sync; optimizer; loss-reduce"]
+    assert lines[-1] == "check: ok: 2 ranks, 0 pipeline messages matched, collectives in one order, no deadlock"
+    rc, out, err = _cli(capsys, "schedule", path, "--json", "--hetero-offload-encoder", "--global-batch-size", "4")
+    doc = json.loads(out)
+    assert rc == 0 and doc["check"]["ok"] and doc["ranks"][1]["phases"]["phase 2"][0] == "offload a"
+    rc, out, err = _cli(capsys, "schedule", path, "--global-batch-size", "3")
+    assert rc == 2 and "not divisible by dp(2)" in err
+    disjoint = _write(tmp_path, JOIN)
+    rc, out, err = _cli(capsys, "schedule", disjoint)
+    assert rc == 2 and "--micro-batches M is required for a disjoint layout" in err
     rc, out, err = _cli(capsys, "schedule", str(tmp_path / "nope.yaml"), "--micro-batches", "2")
     assert rc == 2 and "cannot read layout file" in err
 
@@ -530,7 +544,7 @@ def test_plan_modules_stay_torch_free() -> None:
     import subprocess
 
     code = ("import sys; import megatron_hetero.plan.schedule, megatron_hetero.plan.schedule_check, "
-            "megatron_hetero.cli_schedule; "
+            "megatron_hetero.cli.schedule; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 

@@ -1,13 +1,18 @@
-"""`megatron-hetero schedule`: graph-aware 1F1B tables of a disjoint layout, checked by simulation.
+"""`megatron-hetero schedule`: the schedule tables of a layout, checked by simulation.
 
-    megatron-hetero schedule LAYOUT.yaml --micro-batches M [--json] [--full]
+    megatron-hetero schedule DISJOINT.yaml --micro-batches M [--json] [--full]
         [--stage-cost NAME=F,B ...] [--module-cost NAME=F,B ...] [--latency L] [--world-size N]
+    megatron-hetero schedule COLOCATED.yaml [--global-batch-size G] [--micro-batch-size B]
+        [--hetero-offload-encoder] [--json] [--world-size N]
 
-Prints every stage's compute order (warm-up | steady | cool-down), the links it receives from and
-sends to, the checker verdict and the predicted bubble fraction (`--full`: every action, compact
-tokens `ra3<vision/1` = receive activation of mb 3 from vision/1, `sg3>vision/1` = send gradient).
+Disjoint: prints every stage's compute order (warm-up | steady | cool-down), the links it receives
+from and sends to, the checker verdict in both execution models (buffered sends, and rendezvous:
+the batches the runtime posts, which must complete with zero buffering) and the predicted bubble
+fraction (`--full`: every batch, compact tokens `ra3<vision/1` = receive activation of mb 3 from
+vision/1, `sg3>vision/1` = send gradient, `+` joins the operations of one batch).
+Colocated: prints every rank's three-phase table (`plan/colocated.py`) and the checker's verdict.
 Exit codes: 0 ok, 2 invalid input (message on stderr), 1 the checker rejected the generated tables.
-Pure (no torch); the tables and the checker are `plan/schedule.py` and `plan/schedule_check.py`.
+Pure (no torch): `plan/schedule.py`, `plan/colocated.py`, `plan/schedule_check.py`.
 """
 from __future__ import annotations
 
@@ -23,8 +28,13 @@ NAME = "schedule"
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `schedule` subcommand to an argparse subparsers object; returns its parser."""
     p = sub.add_parser(NAME, help="per-stage graph-aware 1F1B tables of a disjoint layout, checked")
-    p.add_argument("layout", help="layout YAML (placement: disjoint)")
-    p.add_argument("--micro-batches", type=int, required=True, metavar="M", help="micro-batches per step (1..64)")
+    p.add_argument("layout", help="layout YAML")
+    p.add_argument("--micro-batches", type=int, default=None, metavar="M",
+                   help="disjoint: micro-batches per step (1..64), required")
+    p.add_argument("--global-batch-size", type=int, default=8, help="colocated: samples per step (default 8)")
+    p.add_argument("--micro-batch-size", type=int, default=1,
+                   help="colocated: the language model's per-rank micro-batch (default 1)")
+    p.add_argument("--hetero-offload-encoder", action="store_true", help="colocated: offload encoders in phase 2")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     p.add_argument("--full", action="store_true", help="print every action of every stage (text mode)")
     p.add_argument("--world-size", type=int, default=None, help="total ranks (default: what the layout uses)")
@@ -103,10 +113,12 @@ def _text(tables, graph, report, error, full: bool, micro_batches: int) -> str:
         dst = ",".join(str(lk.dst) for lk in graph.outgoing[st]) or "-"
         lines.append(f"{str(st):<{width}}  {t.compact()}   (recv from {src}; send to {dst})")
         if full:
-            lines.append(f"{'':<{width}}  " + " ".join(a.short() for a in t.actions))
+            lines.append(f"{'':<{width}}  " + " ".join(
+                "+".join(a.short() for a in b) if isinstance(b, tuple) else b.short() for b in t.batches()))
     lines.append("")
     if report is not None:
         lines.append(f"check: {report.summary()}")
+        lines.append("rendezvous (zero buffering, the runtime's batches): ok, no deadlock")
         lines.append("idle:  " + ", ".join(f"{st} {report.idle[st]:g}" for st in tables))
         lines.append(f"bubble fraction: {report.bubble_fraction:.4f}")
     else:
@@ -122,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.plan.schedule_check import ScheduleError, check_tables
 
     layout = load_layout(args.layout, args.world_size)
+    if layout.placement == "colocated":
+        return _colocated(layout, args)
+    if args.micro_batches is None:
+        raise ValueError("--micro-batches M is required for a disjoint layout")
     stage_costs = _parse_costs(args.stage_cost, "--stage-cost")
     module_costs = _parse_costs(args.module_cost, "--module-cost")
     if not args.latency >= 0.0:
@@ -132,12 +148,42 @@ def run(args: argparse.Namespace) -> int:
     report, error = None, None
     try:
         report = check_tables(tables, layout=layout, micro_batches=args.micro_batches, latency=args.latency)
+        check_tables(tables, layout=layout, micro_batches=args.micro_batches, mode="rendezvous")
     except ScheduleError as exc:  # a generator bug, not a user error
         error = exc
     if args.json:
         print(json.dumps(_document(layout, tables, graph, report, error, args.micro_batches), indent=1))
     else:
         print(_text(tables, graph, report, error, args.full, args.micro_batches))
+    if error is not None:
+        raise CommandFailed(f"generated tables failed the check: {error}")
+    return 0
+
+
+def _colocated(layout, args: argparse.Namespace) -> int:
+    """The three-phase tables of a colocated layout, one block per rank, and the checker's verdict."""
+    from megatron_hetero.plan.colocated import check_colocated_tables, colocated_tables
+
+    tables = colocated_tables(layout, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
+    try:
+        messages = check_colocated_tables(tables)
+        error = None
+    except ValueError as exc:  # a generator bug, not a user error
+        messages, error = 0, exc
+    verdict = (f"ok: {len(tables)} ranks, {messages} pipeline messages matched, collectives in one order, "
+               f"no deadlock" if error is None else f"FAILED: {error}")
+    if args.json:
+        doc = {"placement": "colocated", "world_size": layout.world_size,
+               "ranks": [{"rank": r, "phases": {name: [str(a) for a in acts] for name, acts in t.phases}}
+                         for r, t in tables.items()],
+               "check": {"ok": error is None, "message": verdict}}
+        print(json.dumps(doc, indent=1))
+    else:
+        print(f"three-phase colocated schedule: {layout.world_size} ranks, global batch {args.global_batch_size}, "
+              f"micro-batch {args.micro_batch_size}")
+        for t in tables.values():
+            print(t.format())
+        print(f"check: {verdict}")
     if error is not None:
         raise CommandFailed(f"generated tables failed the check: {error}")
     return 0

@@ -13,21 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.plan.roles import language_layers, language_modules
 from megatron_hetero.training.model_args import DEFAULT_NUM_LAYERS, ModelArgs
-
-
-def language_names(layout: HeteroLayout) -> list[str]:
-    """The language modules: those with `layers`, else the sinks of the module graph."""
-    with_layers = [m.name for m in layout.modules if m.layers is not None]
-    if with_layers:
-        return with_layers
-    return [m.name for m in layout.modules if not layout.consumers(m.name)]
 
 
 def default_num_layers(layout: HeteroLayout) -> int:
     """What the language segments' `layers` cover, else DEFAULT_NUM_LAYERS."""
-    ends = [layout.module(n).layers.end for n in language_names(layout) if layout.module(n).layers is not None]
-    return max(ends) + 1 if ends else DEFAULT_NUM_LAYERS
+    return language_layers(layout, DEFAULT_NUM_LAYERS)
 
 
 def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
@@ -35,8 +27,7 @@ def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
     micro-batches of G / (dp_first_language * b) samples split evenly over every module's DP."""
     if layout.placement == "colocated":
         return 1
-    first = min((layout.module(n) for n in language_names(layout)),
-                key=lambda m: m.layers.start if m.layers is not None else 0)
+    first = language_modules(layout)[0]
     dps = [m.dp for m in layout.modules]
     for b in range(1, max(global_batch // first.dp, 1) + 1):
         micro = global_batch // (first.dp * b)
@@ -61,7 +52,7 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234):
     from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 
     model.validate()
-    langs = language_names(layout)
+    langs = [m.name for m in language_modules(layout)]
     encoders, offset = {}, 1
     for m in layout.modules:
         if m.name in langs:
