@@ -22,8 +22,9 @@ alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 # Jobs first, while slurmctld and slurmd can still clean up their steps.
 if [ -f "$dir/slurm.conf" ] && alive "$dir/slurmctld.pid"; then
   export SLURM_CONF="$dir/slurm.conf"
-  if [ -n "$(squeue -h -o %i 2>/dev/null)" ]; then
-    scancel --full $(squeue -h -o %i 2>/dev/null) 2>/dev/null || true
+  mapfile -t jobs < <(squeue -h -o %i 2>/dev/null)
+  if [ "${#jobs[@]}" -gt 0 ]; then
+    scancel --full "${jobs[@]}" 2>/dev/null || true
     for _ in $(seq 40); do
       [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
       sleep 0.25
