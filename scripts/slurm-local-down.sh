@@ -32,28 +32,32 @@ if [ -f "$dir/slurm.conf" ] && alive "$dir/slurmctld.pid"; then
   fi
 fi
 
-stop() {  # PIDFILE: TERM, wait up to 5 s, then KILL
-  local pidfile=$1 pid
-  [ -s "$pidfile" ] || return 0
-  pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
+stop() {  # PIDFILE...: TERM them all, wait up to 5 s, then KILL what is left
+  local pidfile pid pids=() _
+  for pidfile in "$@"; do
+    [ -s "$pidfile" ] || continue
+    pid=$(cat "$pidfile")
     if kill -0 "$pid" 2>/dev/null; then
-      echo "slurm-local-down: $pidfile ($pid) ignored TERM; sending KILL" >&2
+      kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+    fi
+  done
+  for _ in $(seq 50); do
+    alive_pids=()
+    for pid in ${pids[@]+"${pids[@]}"}; do kill -0 "$pid" 2>/dev/null && alive_pids+=("$pid"); done
+    [ "${#alive_pids[@]}" -eq 0 ] && break
+    sleep 0.1
+  done
+  for pid in ${pids[@]+"${pids[@]}"}; do
+    if kill -0 "$pid" 2>/dev/null; then
+      echo "slurm-local-down: $pid ignored TERM for 5 s; sending KILL" >&2
       kill -KILL "$pid" 2>/dev/null || true
     fi
-  fi
-  rm -f "$pidfile"
+  done
+  rm -f "$@"
 }
 
-for pidfile in "$dir"/slurmd.*.pid; do
-  [ -e "$pidfile" ] && stop "$pidfile"
-done
-stop "$dir/slurmctld.pid"
+# the daemons together (each takes ~2 s to exit), munged last: they talk to it while shutting down
+stop "$dir"/slurmd.*.pid "$dir/slurmctld.pid"
 stop "$dir/munged.pid"
 
 if [ "${MH_SLURM_KEEP:-0}" = 1 ]; then

@@ -83,6 +83,8 @@ ctld_port=$(free_port)
 node1_port=$(free_port)
 node2_port=$(free_port)
 
+first_job_id=$((1000 + (RANDOM * 32768 + RANDOM) % 1000000))
+
 mkdir -p "$dir/state" "$dir/spool" "$dir/munge"
 chmod 700 "$dir/munge"            # munged: key dir 700
 chmod 755 "$dir/spool"
@@ -108,6 +110,9 @@ fi
 cat > "$dir/slurm.conf" <<EOF
 # Written by scripts/slurm-local-up.sh: a throw-away cluster for tests.
 ClusterName=mhlocal
+# a random first job id: jobs derive their rendezvous port from it (20000 + id % 20000), so two clusters
+# on this machine (concurrent test sessions) do not meet on the same port
+FirstJobId=$first_job_id
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
 SlurmUser=root
@@ -176,6 +181,7 @@ wait_pidfile "$dir/munged.pid" 10 || fail "munged did not write its PID file"
 
 # The daemons run in their own mount namespace where DIR/hosts is /etc/hosts; they daemonize, so the
 # unshare'd shell returns at once and the namespace lives on with them.
+# shellcheck disable=SC2016  # $1 and $@ belong to the inner sh
 in_ns() { unshare -m sh -c 'mount --bind "$1" /etc/hosts && shift && exec "$@"' sh "$dir/hosts" "$@"; }
 
 in_ns slurmctld -f "$dir/slurm.conf" >>"$dir/slurmctld.log" 2>&1 || fail "slurmctld did not start"
