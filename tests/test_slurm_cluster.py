@@ -10,6 +10,7 @@ to it, so the ranks import this checkout.
 """
 from __future__ import annotations
 
+import argparse
 import atexit
 import json
 import os
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.training.slurm import sbatch_script
+from megatron_hetero.training.slurm import add_arguments, run, sbatch_script
 
 pytestmark = pytest.mark.slurm
 
@@ -128,6 +129,36 @@ def test_a_trivial_two_node_job(cluster):
     names = set(re.findall(r"^(node\d)$", log, re.MULTILINE))
     assert names == {"node1", "node2"}, log
     assert re.search(r"^0: \S+$", log, re.MULTILINE) and re.search(r"^1: \S+$", log, re.MULTILINE), log
+
+
+def test_submit_gpu_script_through_the_command(cluster, monkeypatch, capsys):
+    """`slurm --submit` end to end against real sbatch: the #SBATCH lines of a GPU job (the cluster's nodes
+    have 4 fake GPUs each) are accepted, the job id is printed, and the job holds 4 GPUs per node. MH_DRY_RUN=1
+    makes the job print its srun command line instead of starting torchrun on GPUs that are not there."""
+    for key in ("SLURM_CONF", "MH_PYTHON", "PYTHONPATH"):
+        monkeypatch.setenv(key, cluster.env[key])
+    monkeypatch.setenv("MH_DRY_RUN", "1")
+    monkeypatch.chdir(cluster.work)
+    layout = ROOT / "examples" / "layouts" / "colocated_fan_in.yaml"  # world 8 = 2 nodes x 4 GPUs
+    out = cluster.work / "gpu-%j.out"
+    parser = add_arguments(argparse.ArgumentParser(prog="megatron-hetero slurm"))
+    rc = run(parser.parse_args(["--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", str(layout),
+                                "--partition", "debug", "--time", "00:05:00", "--job-name", "gpu-dry",
+                                "--output", str(out), "--submit", "--script-file", "gpu.sbatch",
+                                "--", "--train-iters", "2", "--log-jsonl", "a b.jsonl"]))
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    job = int(cap.out.strip())
+    fields = cluster.wait(job, 60)
+    log = cluster.output(f"gpu-{job}")
+    assert fields["JobState"] == "COMPLETED", (fields, log)
+    assert (fields["JobName"], fields["Partition"], fields["TimeLimit"]) == ("gpu-dry", "debug", "00:05:00"), fields
+    assert fields["TresPerNode"] == "gres:gpu:4", fields  # #SBATCH --gpus-per-node=4
+    line = log.strip().splitlines()[-1]
+    assert line.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "), log
+    assert (f"--nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node1:{20000 + job % 20000} "
+            f"--rdzv-id={job} -m megatron_hetero.cli train --hetero-layout {layout} --train-iters 2 "
+            f"--log-jsonl a\\ b.jsonl") in line, line
 
 
 PROBE = '''\
