@@ -231,3 +231,18 @@ def test_submit_failure_exits_1_with_sbatch_message(tmp_path, capsys, monkeypatc
     cap = capsys.readouterr()
     assert rc == 1 and cap.out == ""
     assert re.search(r"sbatch failed \(exit 1\): sbatch: error: invalid partition specified: nope", cap.err)
+
+
+def test_registered_as_a_subcommand_train_arguments_follow_the_separator(capsys):
+    """How the CLI registers it: `megatron-hetero slurm ... -- <train arguments>`; flags after `--` belong
+    to train even when the slurm command has a flag of the same name."""
+    top = argparse.ArgumentParser(prog="megatron-hetero")
+    add_arguments(top.add_subparsers(dest="command", required=True).add_parser("slurm"))
+    args = top.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN,
+                           "--", "--train-iters", "3", "--seed", "9"])
+    assert args.train_args == ["--train-iters", "3", "--seed", "9"] and args.hetero_layout == FAN_IN
+    assert args.func(args) == 0
+    assert "train_args=(\n  --train-iters\n  3\n  --seed\n  9\n)" in capsys.readouterr().out
+    args = top.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN,
+                           "--", "--hetero-layout", "other.yaml"])
+    assert args.func(args) == 2 and "--hetero-layout is set by this command" in capsys.readouterr().err
