@@ -51,10 +51,15 @@ class Cluster:
     def __init__(self, directory: Path, work: Path) -> None:
         self.dir = directory
         self.work = work  # job scripts, outputs, layouts
-        self.env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf"), "MH_PYTHON": sys.executable,
+        # the submitting environment minus anything that describes another job or rank (this session may
+        # itself run under SLURM or torchrun) or overrides the generated script
+        launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                    "MASTER_PORT")
+        base = {k: v for k, v in os.environ.items()
+                if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "MH_", "TORCHELASTIC_"))
+                and k not in launcher}
+        self.env = {**base, "SLURM_CONF": str(directory / "slurm.conf"), "MH_PYTHON": sys.executable,
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.env.pop("MH_MASTER_ADDR", None)
-        self.env.pop("MH_MASTER_PORT", None)
 
     def submit(self, name: str, script: str) -> int:
         path = self.work / f"{name}.sbatch"
@@ -135,6 +140,9 @@ def test_submit_gpu_script_through_the_command(cluster, monkeypatch, capsys):
     """`slurm --submit` end to end against real sbatch: the #SBATCH lines of a GPU job (the cluster's nodes
     have 4 fake GPUs each) are accepted, the job id is printed, and the job holds 4 GPUs per node. MH_DRY_RUN=1
     makes the job print its srun command line instead of starting torchrun on GPUs that are not there."""
+    for key in list(os.environ):
+        if key.startswith(("MH_", "SLURM_")):
+            monkeypatch.delenv(key)
     for key in ("SLURM_CONF", "MH_PYTHON", "PYTHONPATH"):
         monkeypatch.setenv(key, cluster.env[key])
     monkeypatch.setenv("MH_DRY_RUN", "1")
