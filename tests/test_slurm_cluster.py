@@ -170,7 +170,8 @@ def test_submit_gpu_script_through_the_command(cluster, monkeypatch, capsys):
 
 
 PROBE = '''\
-"""Stands in for `megatron_hetero.cli`: one torchrun worker, reads its rank with rank_env and all-reduces."""
+"""Stands in for `megatron_hetero.cli`: one rank (a torchrun worker or an srun task) reads its place with
+rank_env, joins the others through env:// and all-reduces its rank."""
 import json, os, sys
 import torch
 import torch.distributed as dist
@@ -182,7 +183,8 @@ dist.init_process_group("gloo", init_method="env://")
 t = torch.tensor([float(env.rank)])
 dist.all_reduce(t)
 with open(os.path.join(os.environ["PROBE_DIR"], f"rank{env.rank}.json"), "w") as f:
-    json.dump({"env": env.__dict__, "sum": t.item(), "argv": sys.argv[1:], "node": os.environ["SLURMD_NODENAME"]}, f)
+    json.dump({"env": env.__dict__, "sum": t.item(), "argv": sys.argv[1:], "node": os.environ["SLURMD_NODENAME"],
+               "master": [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]}, f)
 dist.destroy_process_group()
 '''
 
@@ -215,6 +217,39 @@ def test_generated_script_rendezvous_across_two_nodes(cluster):
         assert res["argv"] == ["train", "--hetero-layout", "l.yaml", "--train-iters", "3", "--log-jsonl=$(touch x)"]
     assert not (ROOT / "x").exists()
     assert f"rendezvous node1:{20000 + job % 20000}" in log, log
+
+
+def test_srun_tasks_without_torchrun_find_each_other(cluster):
+    """rank_env's srun path on a real job step: 2 nodes x 2 srun tasks, no torchrun, no MASTER_* given:
+    the address is the step's first node, the port comes from the job id."""
+    probe_dir = cluster.work / "probe_srun"
+    probe_dir.mkdir()
+    (probe_dir / "mh_probe.py").write_text(PROBE)
+    out = cluster.work / "probe_srun.out"
+    env = dict(cluster.env)
+    cluster.env.update(PROBE_DIR=str(probe_dir))
+    try:
+        job = cluster.submit("probe_srun", textwrap.dedent(f"""\
+            #!/bin/bash
+            #SBATCH --nodes=2
+            #SBATCH --ntasks-per-node=2
+            #SBATCH --output={out}
+            set -euo pipefail
+            srun "$MH_PYTHON" {probe_dir / "mh_probe.py"} a "b c"
+            """))
+    finally:
+        cluster.env = env
+    fields = cluster.wait(job, 180)
+    log = cluster.output("probe_srun")
+    assert fields["JobState"] == "COMPLETED", (fields, log)
+    results = [json.loads((probe_dir / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["sum"] for r in results] == [6.0] * 4
+    assert [r["node"] for r in results] == ["node1", "node1", "node2", "node2"]  # block distribution
+    for r, res in enumerate(results):
+        e = res["env"]
+        assert (e["rank"], e["world_size"], e["local_rank"], e["local_world_size"], e["node_rank"], e["launcher"]) \
+            == (r, 4, r % 2, 2, r // 2, "srun"), e
+        assert res["master"] == ["node1", str(20000 + job % 20000)] and res["argv"] == ["a", "b c"]
 
 
 def _train_runs_as_rank() -> bool:
