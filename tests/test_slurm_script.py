@@ -246,3 +246,20 @@ def test_registered_as_a_subcommand_train_arguments_follow_the_separator(capsys)
     args = top.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN,
                            "--", "--hetero-layout", "other.yaml"])
     assert args.func(args) == 2 and "--hetero-layout is set by this command" in capsys.readouterr().err
+
+
+def test_train_parser_can_be_supplied_by_the_cli(capsys):
+    """The CLI may pass its own `train` registration (when the train parser moves out of training/)."""
+    seen = []
+
+    def add_train(sub):
+        seen.append(True)
+        p = sub.add_parser("train")
+        p.add_argument("--hetero-layout")
+        p.add_argument("--only-flag")
+
+    args = add_arguments(argparse.ArgumentParser(), add_train_parser=add_train).parse_args(
+        ["--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--", "--train-iters", "3"])
+    assert run(args) == 2 and seen and "do not parse" in capsys.readouterr().err
+    args.train_args = ["--only-flag", "v"]
+    assert run(args) == 0

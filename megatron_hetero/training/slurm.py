@@ -33,7 +33,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_hetero.training.rank_env import PORT_BASE, PORT_SPAN
 
@@ -47,8 +47,14 @@ _SBATCH_VALUE = re.compile(r"[^\s\"'\\#]+")
 _SBATCH_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[^\s\"'\\]+)?")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The `slurm` subcommand's flags; the train arguments come after `--`."""
+def add_arguments(parser: argparse.ArgumentParser,
+                  add_train_parser: Optional[Callable[[argparse._SubParsersAction], Any]] = None,
+                  ) -> argparse.ArgumentParser:
+    """The `slurm` subcommand's flags; the train arguments come after `--`.
+
+    ADD_TRAIN_PARSER registers the `train` subparser on a subparsers action (the CLI's own function); the
+    train arguments are parsed with it before anything is written, so typos fail now and not after the
+    queue wait. Default: `megatron_hetero.training.cli_train.add_parser` where that exists."""
     parser.description = (parser.description or "") + (
         "Write an sbatch script that runs `megatron-hetero train` on NODES nodes (one srun task per node, "
         "torchrun inside, rendezvous on the first node) and print it (--dry-run, the default) or submit it "
@@ -85,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="where --submit writes the script (default: ./JOB_NAME.sbatch)")
     parser.add_argument("train_args", nargs="*", metavar="-- TRAIN_ARGS",
                         help="arguments for `megatron-hetero train` (after `--`)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, add_train_parser=add_train_parser)
     return parser
 
 
@@ -222,7 +228,8 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
     return "\n".join(lines)
 
 
-def _check_train_args(train_args: Sequence[str], layout_file: str) -> None:
+def _check_train_args(train_args: Sequence[str], layout_file: str,
+                      add_train_parser: Optional[Callable[[argparse._SubParsersAction], Any]] = None) -> None:
     for arg in train_args:
         for flag in OWNED_TRAIN_FLAGS:
             if arg == flag or arg.startswith(flag + "="):
@@ -231,12 +238,13 @@ def _check_train_args(train_args: Sequence[str], layout_file: str) -> None:
                         else "the layout is `megatron-hetero slurm --hetero-layout FILE`'s")
                 raise ValueError(f"train argument {arg!r}: {flag} is set by this command ({what}); remove it from "
                                  f"the arguments after `--`")
-    try:  # typos fail here, not after the queue wait; the parser lives beside us in training/
-        from megatron_hetero.training.cli_train import add_parser
-    except ImportError:
-        return
+    if add_train_parser is None:
+        try:  # typos fail here, not after the queue wait
+            from megatron_hetero.training.cli_train import add_parser as add_train_parser
+        except ImportError:
+            return
     probe = argparse.ArgumentParser(prog="megatron-hetero", add_help=False)
-    add_parser(probe.add_subparsers(dest="command"))
+    add_train_parser(probe.add_subparsers(dest="command"))
     try:
         ns = probe.parse_args(["train", "--hetero-layout", layout_file, *train_args])
     except SystemExit as exc:  # argparse printed `usage ... error: ...` on stderr
@@ -280,7 +288,7 @@ def script_from_args(args: argparse.Namespace) -> str:
             f"layout {args.hetero_layout!r} uses {layout.world_size} ranks, but --nodes {args.nodes} x "
             f"{per_node} ranks per node ({source}) = {world} ranks ({layout.world_size} != {world}); choose nodes "
             f"and ranks per node whose product is {layout.world_size}")
-    _check_train_args(train_args, args.hetero_layout)
+    _check_train_args(train_args, args.hetero_layout, getattr(args, "add_train_parser", None))
     return sbatch_script(
         nodes=args.nodes, ranks_per_node=per_node, gpus_per_node=args.gpus_per_node, layout=args.hetero_layout,
         train_args=train_args, partition=args.partition, time=args.time, account=args.account,
