@@ -165,7 +165,7 @@ def test_submit_gpu_script_through_the_command(cluster, monkeypatch, capsys):
     line = log.strip().splitlines()[-1]
     assert line.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "), log
     assert (f"--nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node1:{20000 + job % 20000} "
-            f"--rdzv-id={job} -m megatron_hetero.cli train --hetero-layout {layout} --train-iters 2 "
+            f"--rdzv-id={job} -m megatron_hetero train --hetero-layout {layout} --train-iters 2 "
             f"--log-jsonl a\\ b.jsonl") in line, line
 
 
@@ -252,17 +252,6 @@ def test_srun_tasks_without_torchrun_find_each_other(cluster):
         assert res["master"] == ["node1", str(20000 + job % 20000)] and res["argv"] == ["a", "b c"]
 
 
-def _train_runs_as_rank() -> bool:
-    """Whether `train` reads rank_env yet (the integration step); until then a job's 4 torchrun workers
-    would each fork a whole local run: slow, and it would not test anything."""
-    for path in (ROOT / "megatron_hetero").rglob("*.py"):
-        if path.name in ("rank_env.py", "slurm.py"):
-            continue
-        if "rank_env" in path.read_text(errors="replace"):
-            return True
-    return False
-
-
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -278,9 +267,6 @@ def _cpu_job(cluster: Cluster, name: str, layout_text: str, *train_args: str) ->
 
 @pytest.mark.timeout(900)
 def test_b_two_node_cpu_run_matches_forked_run(cluster):
-    if not _train_runs_as_rank():
-        pytest.xfail("integration pending: `megatron-hetero train` does not call rank_env yet, so it cannot run "
-                     "as one torchrun rank")
     log_slurm = cluster.work / "b_slurm.jsonl"
     fields, log = _cpu_job(cluster, "b_train", LAYOUT_4, "--train-iters", "3", "--log-jsonl", str(log_slurm))
     assert fields["JobState"] == "COMPLETED", (fields, log[-4000:])
@@ -306,8 +292,6 @@ def test_c_invalid_layout_job_fails_with_our_message(cluster):
 @pytest.mark.timeout(600)
 def test_c_world_size_mismatch_job_fails_with_our_message(cluster):
     """A world-8 layout on 2 nodes x 2 ranks (the generator's check bypassed by calling sbatch_script)."""
-    if not _train_runs_as_rank():
-        pytest.xfail("integration pending: `megatron-hetero train` does not call rank_env/check_world_size yet")
     fields, log = _cpu_job(cluster, "c_world", LAYOUT_8, "--train-iters", "1")
     assert fields["JobState"] == "FAILED", (fields, log[-4000:])
     # check_world_size's message (the CLI may prefix it and wrap lines)

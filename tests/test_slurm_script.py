@@ -23,7 +23,10 @@ HOSTILE = [f"--log-jsonl={v}" for v in HOSTILE_VALUES] + ["--log-jsonl", "$(touc
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return add_arguments(argparse.ArgumentParser(prog="megatron-hetero slurm")).parse_args(list(argv))
+    from megatron_hetero.cli.train import add_parser as add_train_parser
+
+    return add_arguments(argparse.ArgumentParser(prog="megatron-hetero slurm"),
+                         add_train_parser=add_train_parser).parse_args(list(argv))
 
 
 def sbatch_lines(script: str) -> list[str]:
@@ -174,7 +177,7 @@ def test_hostile_arguments_arrive_verbatim_and_run_nothing(tmp_path, capsys):
     assert srun[5:] == ["python3", *python]
     assert python == ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
                       f"--rdzv-endpoint=node01:{20000 + 4242 % 20000}", "--rdzv-id=4242",
-                      "-m", "megatron_hetero.cli", "train", "--hetero-layout", str(layout), *HOSTILE]
+                      "-m", "megatron_hetero", "train", "--hetero-layout", str(layout), *HOSTILE]
     assert calls(log_dir, "scontrol") == [["show", "hostnames", "node[01-02]"]]
 
 
@@ -236,8 +239,9 @@ def test_submit_failure_exits_1_with_sbatch_message(tmp_path, capsys, monkeypatc
 def test_registered_as_a_subcommand_train_arguments_follow_the_separator(capsys):
     """How the CLI registers it: `megatron-hetero slurm ... -- <train arguments>`; flags after `--` belong
     to train even when the slurm command has a flag of the same name."""
-    top = argparse.ArgumentParser(prog="megatron-hetero")
-    add_arguments(top.add_subparsers(dest="command", required=True).add_parser("slurm"))
+    from megatron_hetero import cli
+
+    top = cli.build_parser()
     args = top.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN,
                            "--", "--train-iters", "3", "--seed", "9"])
     assert args.train_args == ["--train-iters", "3", "--seed", "9"] and args.hetero_layout == FAN_IN

@@ -1,6 +1,14 @@
-"""`megatron-hetero train`: run the LLaVA-style model locally on N ranks (forked; gloo on CPU, NCCL on GPU).
+"""`megatron-hetero train`: train the LLaVA-style model on a layout (gloo on CPU, NCCL on GPU).
 
     megatron-hetero train --hetero-layout LAYOUT.yaml [--nproc-per-node N] [--train-iters I] [model flags]
+    torchrun --nnodes 2 --nproc-per-node 4 ... -m megatron_hetero train --hetero-layout LAYOUT.yaml ...
+    srun -N 2 --ntasks-per-node 4 python -m megatron_hetero train --hetero-layout LAYOUT.yaml ...
+
+When the environment describes a rank (torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT; srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and a master address), this process is
+that one rank: it checks WORLD_SIZE against the layout (exit 2 on every rank), binds its device from
+the local rank, and only global rank 0 prints iteration lines and writes --log-jsonl. Otherwise it
+forks the layout's ranks on this machine.
 
 Megatron-style flags for sizes (`cli.model_flags`), batch and optimizer; the layout from
 `--hetero-layout FILE` or `--hetero-module ...`. The job is built by `training.job.job_from_args`
@@ -43,23 +51,43 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings, run_local
+    import os
+
+    from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings, run_as_rank, run_local
+    from megatron_hetero.training.rank_env import rank_env
 
     quiet_upstream_warnings()
     from megatron_hetero.compat import default_backend
     from megatron_hetero.layout.args import layout_from_args
     from megatron_hetero.runtime.launcher import RankFailure, RankTimeout
+    from megatron_hetero.training.rank_env import check_world_size
     from megatron_hetero.training.setup import validate_job
 
+    env = rank_env(os.environ)
+    if env is not None and args.nproc_per_node is not None:
+        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: this process is {env.describe()}; the launcher "
+                         f"starts the ranks (give --nproc-per-node to torchrun, not to train)")
     layout = layout_from_args(args, world_size=args.nproc_per_node)
     job = job_from_args(args, layout)
+    if env is not None:
+        check_world_size(env, layout.world_size)
     validate_job(layout, job)  # before anything is printed or started
-    print(f"megatron-hetero train: {layout.world_size} ranks ({default_backend()}), placement {layout.placement}: "
-          + ", ".join(f"{m.name} {m.short()} @{m.ranks}" for m in layout.modules), flush=True)
-    try:
-        records = run_local(layout, job, timeout=args.launch_timeout)
-    except (RankFailure, RankTimeout) as exc:
-        raise CommandFailed(f"failed: {exc}") from None
+    if env is None or env.rank == 0:
+        print(f"megatron-hetero train: {layout.world_size} ranks ({default_backend()}"
+              f"{', ' + env.launcher if env else ', forked here'}), placement {layout.placement}: "
+              + ", ".join(f"{m.name} {m.short()} @{m.ranks}" for m in layout.modules), flush=True)
+    if env is not None:
+        try:
+            records = run_as_rank(layout, job, env, timeout_s=job.comm_timeout_s)
+        except RuntimeError as exc:
+            raise CommandFailed(f"failed: {exc}") from None
+        if records is None:  # not global rank 0: nothing to print or write
+            return 0
+    else:
+        try:
+            records = run_local(layout, job, timeout=args.launch_timeout)
+        except (RankFailure, RankTimeout) as exc:
+            raise CommandFailed(f"failed: {exc}") from None
     for r in records:
         print(f" iteration {r['iteration']:>4}/{job.train_iters} | lm loss {r['loss']:.6f} | "
               f"step time {r['step_time_s'] * 1e3:.1f} ms", flush=True)

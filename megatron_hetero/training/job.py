@@ -10,7 +10,7 @@ Importing this module does not import torch.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.roles import language_layers, language_modules
@@ -122,3 +122,40 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     apply_compat()
     per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
     return merge_records(per_rank)
+
+
+def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[list[dict[str, Any]]]:
+    """Run `job` as the one rank `env` (a `training.rank_env.RankEnv`: torchrun, srun) describes:
+    join the job's process group through env:// (the launcher's rendezvous address, never a local
+    default), train, and gather every rank's records. Returns the merged records on global rank 0,
+    None elsewhere. ValueError (every rank says the same) before any group exists."""
+    import socket
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.training.rank_env import apply_rank_env, check_world_size
+    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.trainer import train_rank
+
+    check_world_size(env, layout.world_size)
+    validate_job(layout, job)
+    apply_rank_env(env)
+    apply_compat()
+    backend = default_backend()
+    if backend == "gloo":
+        torch.set_num_threads(1)  # as the fork launcher: ranks of one node share its cores
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        try:
+            result = train_rank(layout, job)
+        except Exception as exc:
+            raise RuntimeError(f"rank {env.rank} on {socket.gethostname()} (local rank {env.local_rank}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+        per_rank: list = [None] * env.world_size
+        dist.all_gather_object(per_rank, result)
+    finally:
+        dist.destroy_process_group()
+    return merge_records(per_rank) if env.rank == 0 else None

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 from megatron_hetero.training.rank_env import PORT_BASE, PORT_SPAN
 
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
-DEFAULT_ENTRY_MODULE = "megatron_hetero.cli"
+DEFAULT_ENTRY_MODULE = "megatron_hetero"
 DEFAULT_JOB_NAME = "megatron-hetero"
 # train flags this command sets itself (the layout, and the local spawn count that torchrun replaces)
 OWNED_TRAIN_FLAGS = ("--hetero-layout", "--hetero-module", "--hetero-placement", "--hetero-edge",
@@ -238,11 +238,8 @@ def _check_train_args(train_args: Sequence[str], layout_file: str,
                         else "the layout is `megatron-hetero slurm --hetero-layout FILE`'s")
                 raise ValueError(f"train argument {arg!r}: {flag} is set by this command ({what}); remove it from "
                                  f"the arguments after `--`")
-    if add_train_parser is None:
-        try:  # typos fail here, not after the queue wait
-            from megatron_hetero.training.cli_train import add_parser as add_train_parser
-        except ImportError:
-            return
+    if add_train_parser is None:  # the CLI passes train's parser so typos fail here, not after the queue wait
+        return
     probe = argparse.ArgumentParser(prog="megatron-hetero", add_help=False)
     add_train_parser(probe.add_subparsers(dest="command"))
     try:
@@ -339,13 +336,3 @@ def run(args: argparse.Namespace) -> int:
     print(result)
     print(f"megatron-hetero slurm: submitted job {result} (script {path}; cwd {os.getcwd()})", file=sys.stderr)
     return EXIT_OK
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Stand-alone entry (`python -m megatron_hetero.training.slurm ...`) until the CLI registers it."""
-    parser = add_arguments(argparse.ArgumentParser(prog="megatron-hetero slurm"))
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
