@@ -1,8 +1,11 @@
-"""Cost model and search (plan/cost.py, plan/search.py, cli_search.py). Pure: no torch.
+"""Cost model and search (plan/hardware.py, plan/workload.py, plan/cost.py, plan/heteropipe.py,
+plan/search.py, plan/presets.py, cli_search.py). Pure: no torch.
 
-The searches are checked against brute force: the heteropipe DP against every layer partition x
-strategy assignment (the seed's 189-configuration space and random cost tables), the multimodal
-search against every candidate built one by one and scored by the scalar `cost.evaluate`.
+The searches are checked against brute force (tests/search_reference.py): the heteropipe DP against
+every layer partition x strategy assignment (the seed's 189-configuration space and random cost
+tables), the multimodal search against every candidate built one by one and scored by
+`cost.evaluate` (the evaluator with one row). The colocated boundary's pricing is checked against
+the routes of the boundary plan (`plan/boundary.py`) that the runtime executes.
 """
 from __future__ import annotations
 
@@ -18,30 +21,41 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import search_reference as R
 from megatron_hetero import cli_search
 from megatron_hetero.layout import dump_layout, layout_from_dict
+from megatron_hetero.layout.degrees import Degrees
 from megatron_hetero.plan import cost as C
+from megatron_hetero.plan import hardware as HW
+from megatron_hetero.plan import heteropipe as H
+from megatron_hetero.plan import presets as PR
 from megatron_hetero.plan import search as S
+from megatron_hetero.plan import workload as W
 
 REPO = Path(__file__).resolve().parents[1]
 HW_FILE = REPO / "examples" / "hardware" / "h100_80gb.json"
 
 
 @pytest.fixture(scope="module")
-def hw() -> C.HardwareSpec:
-    return C.HardwareSpec.load(HW_FILE)
+def hw() -> HW.HardwareSpec:
+    return HW.HardwareSpec.load(HW_FILE)
 
 
 @pytest.fixture(scope="module")
-def prof(hw) -> C.Profile:
-    return C.Profile.from_hardware(hw)
+def prof(hw) -> HW.Profile:
+    return HW.Profile.from_hardware(hw)
 
 
-SMALL_ENC = C.ModelSpec("vision", 6, 1024, 4096, 16, 256, kind="encoder")
-SMALL_LLM = C.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
+SMALL_ENC = W.ModelSpec("vision", 6, 1024, 4096, 16, 256, kind="encoder")
+SMALL_LLM = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
 SMALL_SPACE = S.SearchSpace(tp=(1, 2, 4), cp=(1, 2), pp=(1, 2, 3, 4), encoder_tp=(1, 2), encoder_pp=(1, 2))
-TINYLLAMA = C.ModelSpec("tinyllama", 22, 2048, 5632, 32, 2048, vocab=32000, gated=True)
-SEED_STRATEGIES = [S.Strategy(tp=1, dp=4), S.Strategy(tp=2, dp=2), S.Strategy(tp=4, dp=1)]
+TINYLLAMA = W.ModelSpec("tinyllama", 22, 2048, 5632, 32, 2048, vocab=32000, gated=True)
+SEED_STRATEGIES = [Degrees(tp=1, dp=4), Degrees(tp=2, dp=2), Degrees(tp=4, dp=1)]
+#: `_candidates()` on the H100 description, images_per_sample=2 (the homogeneous and disjoint ones,
+#: and the third, are the values of the cost model before the evaluators were merged; the fourth
+#: moved from 0.07296211 with the colocated boundary priced as the plan's point-to-point routes)
+GOLDEN_TOTALS = [0.07423344597559466, 0.0633458736389812, 0.06394758101059227, 0.07300539278055142,
+                 0.0895161786233677, 0.12993118667415224]
 
 
 # ------------------------------------------------------------------------------------------
@@ -55,11 +69,11 @@ def test_hardware_file_has_published_figures(hw) -> None:
 
 
 def test_profile_json_round_trip(prof, tmp_path) -> None:
-    measured = C.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
-                         {"all_reduce": {"intra": {8: C.AlphaBeta(1e-4, 2e-12)}}}, "test")
+    measured = HW.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
+                         {"all_reduce": {"intra": {8: HW.AlphaBeta(1e-4, 2e-12)}}}, "test")
     path = tmp_path / "p.json"
     measured.save(path)
-    back = C.Profile.load(path)
+    back = HW.Profile.load(path)
     assert back == measured
     # the measured entry overrides the ring formula at n=8 intra only
     assert back.collective_time("all_reduce", 1e6, 8, False) == pytest.approx(1e-4 + 1e6 * 2e-12)
@@ -70,45 +84,45 @@ def test_profile_and_hardware_errors(tmp_path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        C.Profile.load(bad)
+        HW.Profile.load(bad)
     with pytest.raises(ValueError, match="cannot read"):
-        C.HardwareSpec.load(tmp_path / "missing.json")
+        HW.HardwareSpec.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="unknown keys"):
-        C.HardwareSpec.from_dict({"name": "x", "tflops": 1})
+        HW.HardwareSpec.from_dict({"name": "x", "tflops": 1})
     with pytest.raises(ValueError, match="malformed|missing"):
-        C.Profile.from_dict({"layers": {}})
+        HW.Profile.from_dict({"layers": {}})
 
 
 def test_fit_alpha_beta_recovers_line() -> None:
     sizes = np.array([1e3, 1e4, 1e5, 1e6, 1e7])
-    alpha, beta = C.fit_alpha_beta(sizes, 5e-6 + sizes / 40e9)
+    alpha, beta = HW.fit_alpha_beta(sizes, 5e-6 + sizes / 40e9)
     assert alpha == pytest.approx(5e-6, rel=1e-6) and beta == pytest.approx(1 / 40e9, rel=1e-9)
-    a0, b0 = C.fit_alpha_beta([1e3, 2e3], [-1e-6, 1e-6])  # negative intercept is clamped
+    a0, b0 = HW.fit_alpha_beta([1e3, 2e3], [-1e-6, 1e-6])  # negative intercept is clamped
     assert a0 == 0.0 and b0 > 0
     with pytest.raises(ValueError, match="2 distinct"):
-        C.fit_alpha_beta([1e3, 1e3], [1.0, 2.0])
+        HW.fit_alpha_beta([1e3, 1e3], [1.0, 2.0])
 
 
 def test_fit_layer_model_recovers_parameters() -> None:
-    truth = C.LayerModel(a=3e-5, b=2e-15)
+    truth = HW.LayerModel(a=3e-5, b=2e-15)
     samples = []
     for tokens, tp, cp in [(2048, 1, 1), (4096, 2, 1), (8192, 4, 2), (16384, 8, 1)]:
-        f = float(C.layer_flops(tokens, 2048, 2048, 5632, True)) / (tp * cp)
+        f = float(HW.layer_flops(tokens, 2048, 2048, 5632, True)) / (tp * cp)
         samples.append({"tokens": tokens, "seq": 2048, "hidden": 2048, "ffn_hidden": 5632, "gated": True,
                         "tp": tp, "cp": cp, "seconds": float(truth.time(f))})
-    fit = C.fit_layer_model(samples)
+    fit = HW.fit_layer_model(samples)
     assert fit.a == pytest.approx(truth.a, rel=1e-6) and fit.b == pytest.approx(truth.b, rel=1e-9)
-    pairs = C.fit_layer_model([(1e12, 1e-3), (2e12, 2e-3)])
+    pairs = HW.fit_layer_model([(1e12, 1e-3), (2e12, 2e-3)])
     assert pairs.b == pytest.approx(1e-15)
     with pytest.raises(ValueError, match="lacks key"):
-        C.fit_layer_model([{"tokens": 1}])
+        HW.fit_layer_model([{"tokens": 1}])
 
 
 # ------------------------------------------------------------------------------------------
 # cost model sanity
 # ------------------------------------------------------------------------------------------
-def _wl(**kw) -> C.Workload:
-    return C.Workload(SMALL_ENC, SMALL_LLM, **{"global_batch": 32, **kw})
+def _wl(**kw) -> W.Workload:
+    return W.Workload(SMALL_ENC, SMALL_LLM, **{"global_batch": 32, **kw})
 
 
 def test_more_tp_less_compute_per_rank(prof) -> None:
@@ -123,7 +137,7 @@ def test_more_tp_less_compute_per_rank(prof) -> None:
     assert float(C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 4)[0]) == float(C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 1)[0])
 
 
-@pytest.mark.parametrize("kind", C.COLLECTIVES)
+@pytest.mark.parametrize("kind", HW.COLLECTIVES)
 def test_more_bytes_more_time(prof, kind) -> None:
     sizes = [1e3, 1e5, 1e7, 1e9]
     for n in (2, 4, 8, 16):
@@ -158,14 +172,14 @@ def test_memory_model(prof) -> None:
 
 def _candidates():
     L, Le = SMALL_LLM.num_layers, SMALL_ENC.num_layers
-    seg = C.Segment
+    seg = W.Segment.of
     return [
-        C.Candidate("homogeneous", seg(2, 1, 2, 2, Le), (seg(2, 1, 2, 2, L),), first_stage_layers=3),
-        C.Candidate("homogeneous", seg(1, 2, 1, 4, Le), (seg(1, 2, 1, 4, L),)),
-        C.Candidate("colocated", seg(1, 1, 1, 8, Le), (seg(2, 1, 2, 2, L),)),
-        C.Candidate("colocated", seg(1, 1, 2, 4, Le), (seg(1, 2, 2, 2, L),), offload=True),
-        C.Candidate("disjoint", seg(2, 1, 1, 1, Le), (seg(2, 1, 3, 1, L),), encoder_ranks=2),
-        C.Candidate("disjoint", seg(1, 1, 1, 2, Le), (seg(1, 1, 1, 2, 5), seg(2, 1, 1, 1, 3)), encoder_ranks=2),
+        W.Candidate("homogeneous", seg(2, 1, 2, 2, Le), (seg(2, 1, 2, 2, L),), first_stage_layers=3),
+        W.Candidate("homogeneous", seg(1, 2, 1, 4, Le), (seg(1, 2, 1, 4, L),)),
+        W.Candidate("colocated", seg(1, 1, 1, 8, Le), (seg(2, 1, 2, 2, L),)),
+        W.Candidate("colocated", seg(1, 1, 2, 4, Le), (seg(1, 2, 2, 2, L),), offload=True),
+        W.Candidate("disjoint", seg(2, 1, 1, 1, Le), (seg(2, 1, 3, 1, L),), encoder_ranks=2),
+        W.Candidate("disjoint", seg(1, 1, 1, 2, Le), (seg(1, 1, 1, 2, 5), seg(2, 1, 1, 1, 3)), encoder_ranks=2),
     ]
 
 
@@ -177,55 +191,165 @@ def test_breakdown_sums_to_total(prof, cand) -> None:
     assert bd.total > 0 and bd.memory_per_rank_peak > 0 and bd.bubble >= 0
 
 
+def _measured_style(shared: bool) -> HW.Profile:
+    """A profile with every term `megatron-hetero profile` fits (overheads, shared execution units)."""
+    lm = HW.LayerModel(2e-3, 3e-11)
+    return HW.Profile(layers={"llm": lm, "encoder": HW.LayerModel(1.5e-3, 3e-11), "default": lm},
+                      links={"intra": HW.AlphaBeta(1e-3, 1e-9), "inter": HW.AlphaBeta(1e-3, 1e-9)},
+                      devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9,
+                      collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(1.5e-3, 1e-9)}}}, source="synthetic",
+                      overheads={"llm_io": HW.LayerModel(4e-3, 1e-11), "encoder_io": HW.LayerModel(2e-3, 0.0),
+                                 "llm_io_tp": HW.LayerModel(0.0, 5.0), "optimizer": HW.LayerModel(2e-3, 1e-8),
+                                 "data": HW.LayerModel(3e-4, 1e-6), "snapshot": HW.LayerModel(4e-4, 0.0),
+                                 "grad_sync": HW.LayerModel(5e-4, 1.4)},
+                      cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
+                      layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}})
+
+
+@pytest.mark.parametrize("which", ["simulated", "measured", "shared"])
+def test_batched_evaluation_equals_one_by_one(prof, which) -> None:
+    """The search scores candidate arrays; `evaluate` is the same evaluator with one row: scoring
+    several candidates one by one and all at once gives the same breakdowns."""
+    p = prof if which == "simulated" else _measured_style(which == "shared")
+    wl = _wl(images_per_sample=2)
+    fields = [f for f in C.CostBreakdown.__dataclass_fields__]
+
+    def same(batched: dict, cands: list) -> None:
+        for i, cand in enumerate(cands):
+            one = C.evaluate(cand, wl, p).to_dict()
+            got = {f: float(np.broadcast_to(batched[f], (len(cands),))[i]) for f in fields}
+            assert got == pytest.approx(one, rel=1e-12, abs=1e-15), cand.describe()
+
+    seg = W.Segment.of
+    homo = [(2, 1, 2, 2, 3), (1, 2, 1, 4, 0), (1, 1, 4, 2, 2), (2, 1, 4, 1, 5), (8, 1, 1, 1, 0)]
+    cands = [W.Candidate("homogeneous", seg(t, c, q, d, 6), (seg(t, c, q, d, 8),), first_stage_layers=l0)
+             for t, c, q, d, l0 in homo]
+    same(C.homogeneous(p, wl, *(np.array([h[k] for h in homo]) for k in range(5))), cands)
+    colo = [((2, 1, 2, 2), (1, 1, 1, 8), False), ((1, 2, 2, 2), (1, 1, 2, 4), True), ((1, 1, 1, 8), (2, 1, 1, 4), False),
+            ((4, 1, 2, 1), (1, 1, 4, 2), True), ((1, 1, 1, 8), (1, 1, 1, 8), False)]
+    cands = [W.Candidate("colocated", seg(*e, 6), (seg(*a, 8),), offload=o) for a, e, o in colo]
+    same(C.colocated(p, wl, *(np.array([c[0][k] for c in colo]) for k in range(4)),
+                     *(np.array([c[1][k] for c in colo]) for k in range(4)), np.array([c[2] for c in colo])), cands)
+    # disjoint: encoder islands and two-segment chains (pp = 0: no second segment), paired row by row
+    dis = [((2, 1, 1, 1), (2, 1, 3, 1, 8), (0, 1, 0, 0, 0)), ((1, 1, 1, 2), (1, 1, 1, 2, 5), (2, 1, 1, 2, 3)),
+           ((1, 1, 2, 1), (1, 1, 2, 1, 4), (2, 1, 2, 1, 4)), ((1, 1, 2, 1), (2, 1, 1, 1, 6), (1, 1, 2, 2, 2))]
+    world = [e[0] * e[1] * e[2] * e[3] + a[0] * a[1] * a[2] * a[3] + b[0] * b[1] * b[2] * b[3] for e, a, b in dis]
+    assert len(set(world)) == 1, world
+    cands = [W.Candidate("disjoint", seg(*e, 6), (seg(*a),) + ((seg(*b),) if b[2] else ()), encoder_ranks=seg(*e).size)
+             for e, a, b in dis]
+    arr = lambda j, k: np.array([d[j][k] for d in dis])  # noqa: E731
+    llm, llm_mem = C.llm_chain(p, wl, [tuple(arr(1, k) for k in range(5)), tuple(arr(2, k) for k in range(5))], world[0])
+    mb = wl.micro_batch * np.maximum(arr(1, 3), np.where(arr(2, 2) > 0, arr(2, 3), 1))
+    enc, enc_mem = C.encoder_island(p, wl, *(arr(0, k) for k in range(4)), mb, arr(1, 2) + arr(2, 2))
+    out = C.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb)
+    out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
+    same(out, cands)
+    assert C.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb, full=False) == pytest.approx(out["total"], rel=1e-12)
+
+
+def test_golden_step_times(prof) -> None:
+    """Step times of fixed candidates on the H100 description (regression values of this model)."""
+    wl = _wl(images_per_sample=2)
+    got = [C.evaluate(c, wl, prof).total for c in _candidates()]
+    assert got == pytest.approx(GOLDEN_TOTALS, rel=1e-9)
+
+
+def test_colocated_boundary_prices_what_the_plan_moves() -> None:
+    """The colocated boundary's traffic (busiest receiver: bytes and messages; mean sender: bytes)
+    per direction equals that of the direct boundary plan the runtime executes, over every layout
+    of 4 and 8 ranks (encoder cp = 1, as the runtime's)."""
+    import collections
+    import itertools
+
+    from megatron_hetero.plan.boundary import BoundaryShape, plan_boundary
+
+    T, h, dt = 8, 32, 2
+    enc, llm = W.ModelSpec("vision", 4, 64, 256, 8, T, kind="encoder"), W.ModelSpec("language", 8, h, 128, 8, 64)
+    checked = 0
+    for world in (4, 8):
+        divs = [d for d in (1, 2, 4, 8) if world % d == 0]
+        for et, ep, tp, cp, pp in itertools.product(divs, (1, 2, 4), divs, (1, 2), (1, 2, 4)):
+            if world % (et * ep) or world % (tp * cp * pp):
+                continue
+            ed, dp = world // (et * ep), world // (tp * cp * pp)
+            wl = W.Workload(enc, llm, global_batch=16, dtype_bytes=dt)
+            cand = W.Candidate("colocated", W.Segment.of(et, 1, ep, ed, 4), (W.Segment.of(tp, cp, pp, dp, 8),))
+            plan = plan_boundary(cand.to_layout(), "vision->language", BoundaryShape(batch=16, seq=T, hidden=h,
+                                                                                     dtype_bytes=dt))
+            model = C.colocated_traffic(wl, ep, ed, tp, cp, pp, dp)
+            for name, moves, receivers in (("forward", plan.forward, plan.dst_ranks),
+                                           ("backward", plan.backward, plan.src_ranks)):
+                sent, recv, peers = collections.Counter(), collections.Counter(), collections.defaultdict(set)
+                for t in moves:
+                    if not t.local:
+                        sent[t.src] += t.block.numel(h) * dt
+                        recv[t.dst] += t.block.numel(h) * dt
+                        peers[t.dst].add(t.src)
+                busiest = max(receivers, key=lambda r: (recv[r], len(peers[r])))
+                m = model[name]
+                assert (recv[busiest], len(peers[busiest])) == (m["recv_bytes"], m["recv_msgs"]), (name, cand.describe())
+                # the slower end of the exchange (busiest receiver or sender: the plan's routing spreads
+                # the senders, so the busiest sender moves the mean where it is the slower end)
+                assert max(max(recv.values(), default=0), max(sent.values(), default=0)) == pytest.approx(
+                    max(float(m["recv_bytes"]), float(m["send_bytes"]))), (name, cand.describe())
+                checked += 1
+    assert checked > 100
+    # a rank that holds its whole need receives nothing: the forward of a fan-out onto the same ranks
+    # is local copies only (its backward is not: an encoder rank needs the gradient of its whole shard)
+    fan_out = C.colocated_traffic(W.Workload(enc, llm, global_batch=16), 1, 2, 2, 1, 1, 4)
+    assert fan_out["forward"]["recv_bytes"] == 0 and fan_out["forward"]["send_bytes"] == 0
+    assert fan_out["backward"]["recv_bytes"] == 16 / 2 * T * llm.hidden * 2 / 2  # half its shard is its own
+
+
 def test_pipeline_formula_and_offload(prof) -> None:
     wl = _wl()
-    on, off = (C.evaluate(C.Candidate("colocated", C.Segment(1, 1, 1, 8, 6), (C.Segment(2, 1, 2, 2, 8),), offload=o),
+    on, off = (C.evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, 6), (W.Segment.of(2, 1, 2, 2, 8),), offload=o),
                           wl, prof) for o in (True, False))
     assert on.offload > 0 and off.offload == 0
     assert on.memory_per_rank_peak < off.memory_per_rank_peak  # encoder state leaves during the LLM phase
     assert on.total - on.offload == pytest.approx(off.total)
     # more micro-batches at the same per-micro-batch cost: the bubble share shrinks
-    small, large = (C.evaluate(C.Candidate("homogeneous", C.Segment(1, 1, 4, 2, 6), (C.Segment(1, 1, 4, 2, 8),),
+    small, large = (C.evaluate(W.Candidate("homogeneous", W.Segment.of(1, 1, 4, 2, 6), (W.Segment.of(1, 1, 4, 2, 8),),
                                            first_stage_layers=2), _wl(global_batch=g), prof) for g in (8, 64))
     assert small.bubble / small.total > large.bubble / large.total
 
 
 def test_invalid_candidates_raise(prof) -> None:
     wl = _wl()
-    seg = C.Segment
+    seg = W.Segment.of
     with pytest.raises(ValueError, match="not divisible"):
-        C.evaluate(C.Candidate("colocated", seg(1, 1, 1, 8, 6), (seg(1, 1, 1, 8, 8),)), _wl(global_batch=12), prof)
+        C.evaluate(W.Candidate("colocated", seg(1, 1, 1, 8, 6), (seg(1, 1, 1, 8, 8),)), _wl(global_batch=12), prof)
     with pytest.raises(ValueError, match="must equal the LLM"):
-        C.evaluate(C.Candidate("homogeneous", seg(1, 1, 1, 8, 6), (seg(2, 1, 1, 4, 8),)), wl, prof)
+        C.evaluate(W.Candidate("homogeneous", seg(1, 1, 1, 8, 6), (seg(2, 1, 1, 4, 8),)), wl, prof)
     with pytest.raises(ValueError, match="layers"):
-        C.evaluate(C.Candidate("disjoint", seg(1, 1, 1, 2, 6), (seg(1, 1, 1, 2, 5),), encoder_ranks=2), wl, prof)
+        C.evaluate(W.Candidate("disjoint", seg(1, 1, 1, 2, 6), (seg(1, 1, 1, 2, 5),), encoder_ranks=2), wl, prof)
     with pytest.raises(ValueError, match="placement"):
-        C.evaluate(C.Candidate("mixed", seg(), (seg(layers=8),)), wl, prof)
+        C.evaluate(W.Candidate("mixed", seg(), (seg(layers=8),)), wl, prof)
 
 
 # ------------------------------------------------------------------------------------------
 # (a) heteropipe DP
 # ------------------------------------------------------------------------------------------
 def _seed_cost(prof):
-    wl = C.Workload(SMALL_ENC, TINYLLAMA, global_batch=32)
-    return S.transformer_stage_cost(prof, wl, TINYLLAMA, microbatch_samples=4, num_stages=2)
+    wl = W.Workload(SMALL_ENC, TINYLLAMA, global_batch=32)
+    return H.transformer_stage_cost(prof, wl, TINYLLAMA, microbatch_samples=4, num_stages=2)
 
 
 def test_seed_space_has_189_configurations() -> None:
-    confs = list(S.enumerate_pipelines(22, 8, 2, SEED_STRATEGIES))
+    confs = list(H.enumerate_pipelines(22, 8, 2, SEED_STRATEGIES))
     assert len(confs) == 21 * 9 == 189
 
 
 def test_seed_189_dp_equals_brute_force(prof) -> None:
     cost = _seed_cost(prof)
-    best = S.heteropipe_search(22, 8, 2, SEED_STRATEGIES, cost, num_microbatches=8)
-    ref = S.heteropipe_brute_force(22, 8, 2, SEED_STRATEGIES, cost, num_microbatches=8)
-    every = [S.PipelinePlan(tuple(S.StagePlan(i, j, s, cost(i, j, s, k)) for k, (i, j, s) in enumerate(c)), 8).objective
-             for c in S.enumerate_pipelines(22, 8, 2, SEED_STRATEGIES)]
+    best = H.heteropipe_search(22, 8, 2, SEED_STRATEGIES, cost, num_microbatches=8)
+    ref = R.heteropipe_brute_force(22, 8, 2, SEED_STRATEGIES, cost, num_microbatches=8)
+    every = [H.PipelinePlan(tuple(H.StagePlan(i, j, s, cost(i, j, s, k)) for k, (i, j, s) in enumerate(c)), 8).objective
+             for c in H.enumerate_pipelines(22, 8, 2, SEED_STRATEGIES)]
     assert len(every) == 189
     assert best.objective == pytest.approx(min(every), rel=1e-12) == ref.objective
     # like the seed's measured result: with uniform blocks the homogeneous 11/11 TP1·DP4 split wins
-    assert [(s.start, s.end, str(s.strategy)) for s in best.stages] == [(0, 11, "TP1·DP4"), (11, 22, "TP1·DP4")]
+    assert [(s.start, s.end, H.strategy_label(s.strategy)) for s in best.stages] == [(0, 11, "TP1·DP4"), (11, 22, "TP1·DP4")]
 
 
 def test_heteropipe_prefers_tp_heavy_stage_when_costs_say_so() -> None:
@@ -233,8 +357,8 @@ def test_heteropipe_prefers_tp_heavy_stage_when_costs_say_so() -> None:
     def cost(i, j, s, k):
         return sum((8.0 if layer < 4 else 1.0) / s.tp + 0.3 * (s.tp - 1) for layer in range(i, j))
 
-    best = S.heteropipe_search(12, 8, 2, SEED_STRATEGIES, cost, 8)
-    ref = S.heteropipe_brute_force(12, 8, 2, SEED_STRATEGIES, cost, 8)
+    best = H.heteropipe_search(12, 8, 2, SEED_STRATEGIES, cost, 8)
+    ref = R.heteropipe_brute_force(12, 8, 2, SEED_STRATEGIES, cost, 8)
     assert best.objective == pytest.approx(ref.objective)
     assert best.stages[0].strategy.tp > best.stages[1].strategy.tp
 
@@ -244,7 +368,7 @@ def test_heteropipe_prefers_tp_heavy_stage_when_costs_say_so() -> None:
 def test_heteropipe_dp_equals_brute_force_random_tables(data) -> None:
     L = data.draw(st.integers(1, 7), label="layers")
     S_ = data.draw(st.integers(1, min(L, 3)), label="stages")
-    pool = [S.Strategy(1, 1), S.Strategy(2, 1), S.Strategy(1, 3), S.Strategy(2, 2)]
+    pool = [Degrees(tp=1, dp=1), Degrees(tp=2, dp=1), Degrees(tp=1, dp=3), Degrees(tp=2, dp=2)]
     strategies = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3, unique=True), label="strategies")
     D = data.draw(st.integers(1, 9), label="devices")
     B = data.draw(st.integers(1, 6), label="microbatches")
@@ -258,11 +382,11 @@ def test_heteropipe_dp_equals_brute_force_random_tables(data) -> None:
         return float(table[k, i, j, strategies.index(s)] * (j - i))
 
     try:
-        got = S.heteropipe_search(L, D, S_, strategies, cost, B, use_all_devices=use_all).objective
+        got = H.heteropipe_search(L, D, S_, strategies, cost, B, use_all_devices=use_all).objective
     except ValueError:
         got = None
     try:
-        ref = S.heteropipe_brute_force(L, D, S_, strategies, cost, B, use_all_devices=use_all).objective
+        ref = R.heteropipe_brute_force(L, D, S_, strategies, cost, B, use_all_devices=use_all).objective
     except ValueError:
         ref = None
     assert (got is None) == (ref is None)
@@ -271,20 +395,20 @@ def test_heteropipe_dp_equals_brute_force_random_tables(data) -> None:
 
 
 def test_heteropipe_memory_limit_and_errors(prof) -> None:
-    wl = C.Workload(SMALL_ENC, TINYLLAMA, global_batch=32)
-    free = S.transformer_stage_cost(prof, wl, TINYLLAMA, 4, 2)
-    tight = S.transformer_stage_cost(prof, wl, TINYLLAMA, 4, 2, memory_limit=7e9)
-    a = S.heteropipe_search(22, 8, 2, SEED_STRATEGIES, tight, 8)
-    assert a.objective == pytest.approx(S.heteropipe_brute_force(22, 8, 2, SEED_STRATEGIES, tight, 8).objective)
-    assert a.objective > S.heteropipe_search(22, 8, 2, SEED_STRATEGIES, free, 8).objective
+    wl = W.Workload(SMALL_ENC, TINYLLAMA, global_batch=32)
+    free = H.transformer_stage_cost(prof, wl, TINYLLAMA, 4, 2)
+    tight = H.transformer_stage_cost(prof, wl, TINYLLAMA, 4, 2, memory_limit=7e9)
+    a = H.heteropipe_search(22, 8, 2, SEED_STRATEGIES, tight, 8)
+    assert a.objective == pytest.approx(R.heteropipe_brute_force(22, 8, 2, SEED_STRATEGIES, tight, 8).objective)
+    assert a.objective > H.heteropipe_search(22, 8, 2, SEED_STRATEGIES, free, 8).objective
     # memory pressure on the first stage (2 in-flight micro-batches) makes it TP-heavy, the last DP-heavy
     assert [s.strategy.tp for s in a.stages] == [2, 1]
     with pytest.raises(ValueError, match="no feasible"):
-        S.heteropipe_search(22, 8, 2, SEED_STRATEGIES, S.transformer_stage_cost(prof, wl, TINYLLAMA, 4, 2, 1e6), 8)
+        H.heteropipe_search(22, 8, 2, SEED_STRATEGIES, H.transformer_stage_cost(prof, wl, TINYLLAMA, 4, 2, 1e6), 8)
     with pytest.raises(ValueError, match="no feasible"):
-        S.heteropipe_search(22, 7, 2, SEED_STRATEGIES, free, 8)
+        H.heteropipe_search(22, 7, 2, SEED_STRATEGIES, free, 8)
     with pytest.raises(ValueError, match="at least 3 layers"):
-        S.heteropipe_search(2, 8, 3, SEED_STRATEGIES, free, 8)
+        H.heteropipe_search(2, 8, 3, SEED_STRATEGIES, free, 8)
 
 
 # ------------------------------------------------------------------------------------------
@@ -293,8 +417,8 @@ def test_heteropipe_memory_limit_and_errors(prof) -> None:
 @pytest.mark.parametrize("world,gbs,images,limit", [(8, 32, 2, None), (8, 32, 1, 3e9), (12, 48, 2, None), (16, 64, 1, 6e9)])
 @pytest.mark.parametrize("prune", [True, False])
 def test_search_equals_brute_force(prof, world, gbs, images, limit, prune) -> None:
-    wl = C.Workload(SMALL_ENC, SMALL_LLM, global_batch=gbs, images_per_sample=images)
-    ref = S.brute_force(wl, prof, world, limit, SMALL_SPACE)
+    wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=gbs, images_per_sample=images)
+    ref = R.brute_force(wl, prof, world, limit, SMALL_SPACE)
     assert ref, "the small space must have feasible candidates"
     top = 12 if prune else len(ref)  # exhaustive mode: the whole ranking
     res = S.search(wl, prof, world, limit, SMALL_SPACE, top=top, prune=prune)
@@ -316,16 +440,16 @@ def test_search_equals_brute_force(prof, world, gbs, images, limit, prune) -> No
        images=st.integers(1, 3), mem_quantile=st.sampled_from([None, 0.3, 0.7]))
 def test_search_equals_brute_force_random_workloads(world, enc_layers, llm_layers, enc_hidden, llm_hidden, seq,
                                                     batch_factor, images, mem_quantile) -> None:
-    prof = C.Profile.from_hardware(C.HardwareSpec.load(HW_FILE))
-    enc = C.ModelSpec("vision", enc_layers, enc_hidden, 4 * enc_hidden, 8, 256, kind="encoder")
-    llm = C.ModelSpec("language", llm_layers, llm_hidden, 3 * llm_hidden, 8, seq, vocab=1000, gated=True)
-    wl = C.Workload(enc, llm, global_batch=24 * batch_factor, images_per_sample=images)
-    free = S.brute_force(wl, prof, world, 1e18, SMALL_SPACE)
+    prof = HW.Profile.from_hardware(HW.HardwareSpec.load(HW_FILE))
+    enc = W.ModelSpec("vision", enc_layers, enc_hidden, 4 * enc_hidden, 8, 256, kind="encoder")
+    llm = W.ModelSpec("language", llm_layers, llm_hidden, 3 * llm_hidden, 8, seq, vocab=1000, gated=True)
+    wl = W.Workload(enc, llm, global_batch=24 * batch_factor, images_per_sample=images)
+    free = R.brute_force(wl, prof, world, 1e18, SMALL_SPACE)
     limit = None
     if mem_quantile is not None:
         mems = sorted(C.evaluate(c, wl, prof).memory_per_rank_peak for _, c in free)
         limit = mems[int(mem_quantile * (len(mems) - 1))]
-    ref = S.brute_force(wl, prof, world, limit if limit is not None else 1e18, SMALL_SPACE)
+    ref = R.brute_force(wl, prof, world, limit if limit is not None else 1e18, SMALL_SPACE)
     res = S.search(wl, prof, world, limit if limit is not None else 1e18, SMALL_SPACE, top=8)
     assert [r.breakdown.total for r in res.ranked] == pytest.approx([t for t, _ in ref[:8]], rel=1e-9)
     assert {c.placement for _, c in ref} == set(res.by_placement)
@@ -334,7 +458,7 @@ def test_search_equals_brute_force_random_workloads(world, enc_layers, llm_layer
 
 
 def test_memory_limit_excludes_candidates(prof) -> None:
-    wl = C.Workload(SMALL_ENC, SMALL_LLM, global_batch=32, images_per_sample=2)
+    wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=32, images_per_sample=2)
     free = S.search(wl, prof, 8, 1e15, SMALL_SPACE, top=50)
     limit = free.best.breakdown.memory_per_rank_peak * 0.99
     tight = S.search(wl, prof, 8, limit, SMALL_SPACE, top=50)
@@ -347,7 +471,7 @@ def test_memory_limit_excludes_candidates(prof) -> None:
 
 def test_two_segment_llm_is_searched(prof) -> None:
     # an LLM whose best split uses two different TP/DP segments can only be reached with max_segments=2
-    wl = C.Workload(SMALL_ENC, SMALL_LLM, global_batch=32)
+    wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=32)
     space = S.SearchSpace(placements=("disjoint",), tp=(1, 2, 4), cp=(1,), pp=(1, 2), encoder_tp=(1, 2), encoder_pp=(1,))
     res = S.search(wl, prof, 10, None, space, top=500, prune=False)
     segs = {len(r.candidate.llm) for r in res.ranked}
@@ -358,7 +482,7 @@ def test_two_segment_llm_is_searched(prof) -> None:
 
 
 def test_best_layout_yaml_round_trips(prof) -> None:
-    wl = C.Workload(SMALL_ENC, SMALL_LLM, global_batch=32, images_per_sample=2)
+    wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=32, images_per_sample=2)
     res = S.search(wl, prof, 8, None, SMALL_SPACE, top=3)
     for cand in [res.best.candidate] + [r.candidate for r in res.by_placement.values()] + _candidates():
         layout = cand.to_layout()
@@ -371,7 +495,7 @@ def test_best_layout_yaml_round_trips(prof) -> None:
 
 
 def test_search_is_fast_on_100k_candidates(prof) -> None:
-    wl = S.regime_workload("6B", "120B", 8192)
+    wl = PR.regime_workload("6B", "120B", 8192)
     t0 = time.perf_counter()
     res = S.search(wl, prof, 1024, memory_limit=float("inf"), prune=False, top=5)
     wall = time.perf_counter() - t0
@@ -383,20 +507,20 @@ def test_search_is_fast_on_100k_candidates(prof) -> None:
 
 
 def test_search_input_errors(prof) -> None:
-    wl = C.Workload(SMALL_ENC, SMALL_LLM, global_batch=32)
+    wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=32)
     with pytest.raises(ValueError, match="world size"):
         S.search(wl, prof, 0)
     with pytest.raises(ValueError, match="unknown placements"):
         S.search(wl, prof, 8, space=S.SearchSpace(placements=("sideways",)))
     with pytest.raises(ValueError, match="positive integer"):
-        C.ModelSpec("x", 0, 1, 1, 1, 1)
+        W.ModelSpec("x", 0, 1, 1, 1, 1)
 
 
 def test_regime_table_row_per_combination(prof) -> None:
-    rows = S.regime_table(prof)
-    assert len(rows) == len(S.ENCODER_PRESETS) * len(S.LLM_PRESETS) * len(S.REGIME_CONTEXTS) == 36
+    rows = PR.regime_table(prof)
+    assert len(rows) == len(PR.ENCODER_PRESETS) * len(PR.LLM_PRESETS) * len(PR.REGIME_CONTEXTS) == 36
     assert {(r["encoder"], r["llm"], r["context"]) for r in rows} == {
-        (e, m, c) for e in S.ENCODER_PRESETS for m in S.LLM_PRESETS for c in S.REGIME_CONTEXTS}
+        (e, m, c) for e in PR.ENCODER_PRESETS for m in PR.LLM_PRESETS for c in PR.REGIME_CONTEXTS}
     assert {r["gpus"] for r in rows} == {64, 256, 1024}
     for r in rows:
         assert r["picked"] in ("homogeneous", "colocated", "disjoint")
@@ -456,6 +580,7 @@ def test_cli_regime_table_markdown(capsys) -> None:
 
 
 def test_plan_modules_do_not_import_torch() -> None:
-    code = ("import sys; import megatron_hetero.plan.cost, megatron_hetero.plan.search, megatron_hetero.cli_search; "
+    code = ("import sys; import megatron_hetero.plan.cost, megatron_hetero.plan.search, megatron_hetero.plan.heteropipe, "
+            "megatron_hetero.plan.presets, megatron_hetero.plan.profile_fit, megatron_hetero.cli_search; "
             "assert 'torch' not in sys.modules and 'torch.distributed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

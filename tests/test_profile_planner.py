@@ -1,5 +1,5 @@
-"""`megatron-hetero profile`, the planner benchmark and search -> train (runtime/profile.py,
-bench/planner.py, cli_profile.py, the runtime space of plan/search.py).
+"""`megatron-hetero profile`, the planner benchmark and search -> train (plan/profile_fit.py,
+runtime/profile.py, training/profile.py, bench/planner.py, the runtime space of plan/search.py).
 
 Timings are not asserted (they depend on the machine and on whatever else runs on it): the profile
 must fit and round-trip, the planner benchmark must produce its document, and every layout the
@@ -14,16 +14,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+import search_reference as R
 from megatron_hetero import cli
 from megatron_hetero.bench import planner as B
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.plan import cost as C
+from megatron_hetero.plan import hardware as HW
+from megatron_hetero.plan import profile_fit as F
 from megatron_hetero.plan import search as S
-from megatron_hetero.runtime import profile as P
+from megatron_hetero.plan import workload as W
+from megatron_hetero.training import profile as T
 
 REPO = Path(__file__).resolve().parents[1]
 HW_FILE = REPO / "examples" / "hardware" / "h100_80gb.json"
-TINY = P.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
+TINY = F.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
                      module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 32, 2, 256)),
                                     "encoder": ((32, 4, 8, 2, 64), (64, 4, 8, 2, 64))},
                      tp=(1, 2), cp=(1, 2), sizes=(1 << 10, 1 << 23), iters=2, warmup=1, reps=1)
@@ -35,23 +39,23 @@ def measured(tmp_path_factory):
 
     apply_compat()
     out = tmp_path_factory.mktemp("profile") / "profile.json"
-    prof, doc = P.run_profile(2, TINY, out=out, quiet_wait_s=0.0, tries=1)
+    prof, doc = T.run_profile(2, TINY, out=out, quiet_wait_s=0.0, tries=1)
     return prof, doc, out
 
 
-def _synthetic(shared: bool) -> C.Profile:
+def _synthetic(shared: bool) -> HW.Profile:
     """A measured-looking profile with every term the profile command fits."""
-    lm = C.LayerModel(2e-3, 3e-11)
-    return C.Profile(layers={"llm": lm, "encoder": C.LayerModel(1.5e-3, 3e-11), "default": lm},
-                     links={"intra": C.AlphaBeta(1e-3, 1e-9), "inter": C.AlphaBeta(1e-3, 1e-9)},
+    lm = HW.LayerModel(2e-3, 3e-11)
+    return HW.Profile(layers={"llm": lm, "encoder": HW.LayerModel(1.5e-3, 3e-11), "default": lm},
+                     links={"intra": HW.AlphaBeta(1e-3, 1e-9), "inter": HW.AlphaBeta(1e-3, 1e-9)},
                      devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9,
-                     collectives={"all_reduce": {"intra": {2: C.AlphaBeta(1.5e-3, 1e-9)}}}, source="synthetic",
-                     overheads={"llm_io": C.LayerModel(4e-3, 1e-11), "encoder_io": C.LayerModel(2e-3, 0.0),
-                                "llm_io_tp": C.LayerModel(0.0, 5.0), "optimizer": C.LayerModel(2e-3, 1e-8),
-                                "data": C.LayerModel(3e-4, 1e-6), "snapshot": C.LayerModel(4e-4, 0.0),
-                                "grad_sync": C.LayerModel(5e-4, 1.4)},
+                     collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(1.5e-3, 1e-9)}}}, source="synthetic",
+                     overheads={"llm_io": HW.LayerModel(4e-3, 1e-11), "encoder_io": HW.LayerModel(2e-3, 0.0),
+                                "llm_io_tp": HW.LayerModel(0.0, 5.0), "optimizer": HW.LayerModel(2e-3, 1e-8),
+                                "data": HW.LayerModel(3e-4, 1e-6), "snapshot": HW.LayerModel(4e-4, 0.0),
+                                "grad_sync": HW.LayerModel(5e-4, 1.4)},
                      cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
-                     layer_collectives={"all_reduce": {"intra": {2: C.AlphaBeta(8e-4, 1e-9)}}})
+                     layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}})
 
 
 # ------------------------------------------------------------------------------------------
@@ -62,7 +66,7 @@ def test_profile_measures_fits_and_round_trips(measured) -> None:
     prof, doc, out = measured
     on_disk = json.loads(out.read_text())
     assert on_disk["world_size"] == 2 and on_disk["measurements"]["layers"] and on_disk["grid"]["tp"] == [1, 2]
-    back = C.Profile.load(out)
+    back = HW.Profile.load(out)
     assert back == prof
     for kind in ("llm", "encoder"):
         assert prof.layers[kind].a >= 0 and prof.layers[kind].b >= 0
@@ -77,36 +81,36 @@ def test_profile_measures_fits_and_round_trips(measured) -> None:
     small, big = (float(prof.layer_time("llm", f)) for f in (1e6, 1e9))
     assert 0 < small <= big
     assert float(prof.collective_time("all_reduce", 1e6, 2, False)) > float(prof.collective_time("all_reduce", 1e3, 2, False)) >= 0
-    text = P.summary(doc)
+    text = F.summary(doc)
     assert "layer llm" in text and "send_recv" in text
 
 
 def test_profile_grid_cases_respect_divisibility() -> None:
-    grid = P.ProfileGrid()
-    for c in P.layer_cases(grid, 4):
+    grid = F.ProfileGrid()
+    for c in F.layer_cases(grid, 4):
         assert 4 % (c["tp"] * c["cp"]) == 0 and c["heads"] % c["tp"] == 0
         assert c["kind"] == "llm" or c["cp"] == 1
         assert c["cp"] == 1 or c["seq"] % (2 * c["cp"]) == 0
-    assert {c["n"] for c in P.collective_cases(grid, 8) if c["kind"] == "all_reduce"} == {2, 4, 8}
-    assert {c["n"] for c in P.collective_cases(grid, 8) if c["kind"] == "send_recv"} == {2}
+    assert {c["n"] for c in F.collective_cases(grid, 8) if c["kind"] == "all_reduce"} == {2, 4, 8}
+    assert {c["n"] for c in F.collective_cases(grid, 8) if c["kind"] == "send_recv"} == {2}
     with pytest.raises(ValueError, match="unknown module kind"):
-        P.layer_cases(P.ProfileGrid(layer_shapes={"decoder": ((8, 1, 8, 1),)}), 2)
+        F.layer_cases(F.ProfileGrid(layer_shapes={"decoder": ((8, 1, 8, 1),)}), 2)
     with pytest.raises(ValueError, match=">= 2"):
-        P.measure(1, TINY)
+        T.measure(1, TINY)
 
 
 def test_profile_json_with_extra_terms_round_trips(tmp_path) -> None:
     prof = _synthetic(shared=True)
     path = tmp_path / "p.json"
     prof.save(path)
-    assert C.Profile.load(path) == prof
+    assert HW.Profile.load(path) == prof
     doc = json.loads(path.read_text())
     doc["overheads"]["gpu_magic"] = {"a": 1, "b": 0}
     with pytest.raises(ValueError, match="unknown overheads"):
-        C.Profile.from_dict(doc)
+        HW.Profile.from_dict(doc)
     # an older profile without the new keys still loads, as a non-shared profile without overheads
     old = {k: v for k, v in prof.to_dict().items() if k not in ("overheads", "cores", "concurrency", "layer_collectives")}
-    back = C.Profile.from_dict(old)
+    back = HW.Profile.from_dict(old)
     assert not back.shared and back.overheads == {} and back.uncontended == 1.0
 
 
@@ -130,16 +134,16 @@ def test_shared_profile_step_is_work_or_uncontended_critical_path() -> None:
 def test_overheads_land_where_the_runtime_does_the_work() -> None:
     prof, model = _synthetic(False), B.BenchModel()
     wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
-    bare = C.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
+    bare = HW.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
                      prof.collectives, "bare")
-    cand = C.Candidate("colocated", C.Segment(1, 1, 1, 4, 2), (C.Segment(1, 1, 1, 4, 4),))
+    cand = W.Candidate("colocated", W.Segment.of(1, 1, 1, 4, 2), (W.Segment.of(1, 1, 1, 4, 4),))
     with_io, without = C.evaluate(cand, wl, prof), C.evaluate(cand, wl, bare)
     b = with_io.micro_batches
     llm_io = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1)) + float(C.data_time(prof, wl, wl.micro_batch))
     enc_io = float(C.io_time(prof, wl, wl.encoder, wl.global_batch / 4, 1, 1)) + float(C.data_time(prof, wl, 4))
     assert with_io.compute == pytest.approx(without.compute + b * llm_io + enc_io, rel=1e-9)
     # every pipeline stage of the language model builds its micro-batch; the output layer is on the last
-    pp2 = C.Candidate("colocated", C.Segment(1, 1, 1, 4, 2), (C.Segment(1, 1, 2, 2, 4),))
+    pp2 = W.Candidate("colocated", W.Segment.of(1, 1, 1, 4, 2), (W.Segment.of(1, 1, 2, 2, 4),))
     a, z = C.evaluate(pp2, wl, prof), C.evaluate(pp2, wl, bare)
     b2, data = a.micro_batches, float(C.data_time(prof, wl, wl.micro_batch))
     llm_last = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1))
@@ -173,7 +177,7 @@ def test_workload_and_candidate_mapping_is_consistent() -> None:
         assert cand.world_size == w == lay.world_size
         wl_c = B.workload_for(spec, model.global_batch_size, B.cost_micro_batch(lay, spec, model.micro_batch_size))
         # the cost model's micro-batch count is the runtime's: G / (dp of the first language module * mbs)
-        assert C.check_candidate(cand, wl_c) == model.global_batch_size // (model.micro_batch_size * cand.llm[0].dp)
+        assert W.check_candidate(cand, wl_c) == model.global_batch_size // (model.micro_batch_size * cand.llm[0].dp)
         assert S.train_micro_batch_size(cand, wl_c) == model.micro_batch_size
         assert sum(s.layers for s in cand.llm) == spec.num_layers
         if lay.placement == "disjoint":
@@ -214,7 +218,7 @@ def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
     spec = model.spec()
     wl = B.workload_for(spec, model.global_batch_size, model.micro_batch_size)
     space = B.runtime_space(world, model)
-    cands = [c for _, c in S.brute_force(wl, _synthetic(True), world, float("inf"), space)]
+    cands = [c for _, c in R.brute_force(wl, _synthetic(True), world, float("inf"), space)]
     assert {c.placement for c in cands} == {"colocated", "disjoint"}
     assert any(len(c.llm) == 2 for c in cands) == (world > 4)  # two halves of a >= 4-rank island
     if world == 8:  # segments that differ in DP, and in PP, both run
@@ -232,7 +236,7 @@ def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
     rejected = [c.describe() for c in cands if not accepted(c)]
     assert not rejected, rejected
     # the cost model's whole space has layouts the runtime rejects (uneven stages, encoder in stage 0)
-    full = [c for _, c in S.brute_force(wl, _synthetic(True), world, float("inf"),
+    full = [c for _, c in R.brute_force(wl, _synthetic(True), world, float("inf"),
                                         S.SearchSpace(tp=space.tp, cp=space.cp, pp=(1, 2, 3), encoder_tp=space.encoder_tp,
                                                       encoder_pp=(1, 2), offload=(False,)))]
     assert any(not accepted(c) for c in full if c.placement != "homogeneous")
@@ -243,13 +247,13 @@ def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
 def test_runtime_space_vectorized_search_equals_brute_force(world, prune) -> None:
     """The vectorized search (simulated profile) restricted to the runtime's layouts, two-segment
     chains with equal DP and different TP/PP included, against scoring each candidate."""
-    prof = C.Profile.from_hardware(C.HardwareSpec.load(HW_FILE))
-    enc = C.ModelSpec("vision", 4, 1024, 4096, 16, 256, kind="encoder")
-    llm = C.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
-    wl = C.Workload(enc, llm, global_batch=48, micro_batch=1)
+    prof = HW.Profile.from_hardware(HW.HardwareSpec.load(HW_FILE))
+    enc = W.ModelSpec("vision", 4, 1024, 4096, 16, 256, kind="encoder")
+    llm = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
+    wl = W.Workload(enc, llm, global_batch=48, micro_batch=1)
     space = S.SearchSpace(tp=(1, 2, 4), cp=(1, 2), pp=(1, 2, 3, 4), encoder_tp=(1, 2), encoder_pp=(1, 2, 3),
                           encoder_cp=(1, 2), runtime=True)
-    ref = S.brute_force(wl, prof, world, None, space)
+    ref = R.brute_force(wl, prof, world, None, space)
     assert ref and {c.placement for _, c in ref} == {"colocated", "disjoint"}
     assert all(c.encoder.cp == 1 and 4 % c.encoder.pp == 0 and all(s.layers % s.pp == 0 for s in c.llm)
                for _, c in ref)
@@ -268,7 +272,7 @@ def test_search_equals_brute_force_on_measured_style_profiles(shared) -> None:
     prof = _synthetic(shared)
     space = B.runtime_space(8, model)
     res = S.search(wl, prof, 8, float("inf"), space, top=5)
-    ref = S.brute_force(wl, prof, 8, float("inf"), space)
+    ref = R.brute_force(wl, prof, 8, float("inf"), space)
     assert [r.breakdown.total for r in res.ranked] == pytest.approx([t for t, _ in ref[:5]], rel=1e-12)
     assert res.baseline is not None
     e, s = res.baseline.candidate.encoder, res.baseline.candidate.llm[0]

@@ -1,7 +1,7 @@
 """`megatron-hetero bench planner`: the cost model against measured step times on this machine.
 
 One run, one process tree:
-  1. a profile is taken (`runtime.profile`) at each world size of the benchmark (4 and 8), with
+  1. a profile is taken (`training.profile`) at each world size of the benchmark (4 and 8), with
      that many ranks working at once (ranks share this machine's cores as they do in training);
   2. each configuration (tiny LLaVA model: colocated heterogeneous, disjoint, and homogeneous, i.e.
      colocated with every module on the language model's layout) is trained for `warmup + iters`
@@ -35,6 +35,8 @@ from megatron_hetero.bench.common import markdown_table, write_json
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan import cost as C
 from megatron_hetero.plan import search as S
+from megatron_hetero.plan.hardware import Profile
+from megatron_hetero.plan.workload import Candidate, ModelSpec, Segment, Workload
 
 WORLDS = (4, 8)
 
@@ -80,7 +82,7 @@ def _ffn(hidden: int, ffn: Optional[int]) -> int:
     return 4 * hidden if ffn is None else ffn
 
 
-def workload_for(spec, global_batch: int, micro_batch: int) -> C.Workload:
+def workload_for(spec, global_batch: int, micro_batch: int) -> Workload:
     """The cost model's workload of a `LlavaSpec` with one encoder, trained in fp32 with Adam
     (fp32 weights and main grads: 4 + 4 bytes, two fp32 moments: 8 bytes, no distributed optimizer)."""
     if len(spec.encoders) != 1:
@@ -90,11 +92,11 @@ def workload_for(spec, global_batch: int, micro_batch: int) -> C.Workload:
     # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
     extra = (e.feature_dim + 1) * e.hidden_size + e.tokens * e.hidden_size + \
         (e.hidden_size + 1) * spec.hidden_size + (spec.hidden_size + 1) * spec.hidden_size
-    enc = C.ModelSpec(name, e.num_layers, e.hidden_size, _ffn(e.hidden_size, None), e.num_attention_heads, e.tokens,
+    enc = ModelSpec(name, e.num_layers, e.hidden_size, _ffn(e.hidden_size, None), e.num_attention_heads, e.tokens,
                       kind="encoder", params=int(e.num_layers * enc_layer + extra))
-    llm = C.ModelSpec("language", spec.num_layers, spec.hidden_size, _ffn(spec.hidden_size, spec.ffn_hidden_size),
+    llm = ModelSpec("language", spec.num_layers, spec.hidden_size, _ffn(spec.hidden_size, spec.ffn_hidden_size),
                       spec.num_attention_heads, spec.seq_length, kind="llm", vocab=spec.vocab_size)
-    return C.Workload(enc, llm, global_batch=global_batch, micro_batch=micro_batch, images_per_sample=1,
+    return Workload(enc, llm, global_batch=global_batch, micro_batch=micro_batch, images_per_sample=1,
                       dtype_bytes=4, weight_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0,
                       distributed_optimizer=False)
 
@@ -122,7 +124,7 @@ def kind_of(layout: HeteroLayout, spec) -> str:
     return "homogeneous" if len(degrees) == 1 else "colocated"
 
 
-def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> C.Candidate:
+def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> Candidate:
     """The cost model's candidate of what the runtime executes for `layout`. A homogeneous layout
     runs on the colocated three-phase schedule, so it is costed as a colocated candidate."""
     from megatron_hetero.models.llava import language_modules, segment_layers
@@ -132,11 +134,11 @@ def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> C.Candid
     if len(encs) != 1:
         raise ValueError(f"the cost model takes one encoder; the layout has {[m.name for m in encs]}")
     e = encs[0]
-    enc = C.Segment(e.tp, e.cp, e.pp, e.dp, spec.encoders[e.name].num_layers)
-    segs = tuple(C.Segment(m.tp, m.cp, m.pp, m.dp, segment_layers(m, spec).size) for m in langs)
+    enc = Segment(e.par, spec.encoders[e.name].num_layers)
+    segs = tuple(Segment(m.par, segment_layers(m, spec).size) for m in langs)
     if layout.placement == "disjoint":
-        return C.Candidate("disjoint", enc, segs, encoder_ranks=e.size)
-    return C.Candidate("colocated", enc, segs, offload=offload)
+        return Candidate("disjoint", enc, segs, encoder_ranks=e.size)
+    return Candidate("colocated", enc, segs, offload=offload)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +231,7 @@ def measure_step(layout: HeteroLayout, model: BenchModel, iters: int, warmup: in
 def bench_grid():
     """The profile grid of the benchmark: the generic grid's shapes around the benchmark model's
     (hidden 32-128, up to 128 tokens per micro-batch), every TP/CP degree and collective."""
-    from megatron_hetero.runtime.profile import ProfileGrid
+    from megatron_hetero.plan.profile_fit import ProfileGrid
 
     return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2)),
                                      "encoder": ((32, 4, 8, 1), (32, 4, 8, 8), (64, 4, 16, 4))},
@@ -251,7 +253,7 @@ def _key(layout: HeteroLayout) -> str:
     return json.dumps(layout.to_dict(), sort_keys=True)
 
 
-def search_pick(world: int, model: BenchModel, prof: C.Profile, top: int = 5) -> S.SearchResult:
+def search_pick(world: int, model: BenchModel, prof: Profile, top: int = 5) -> S.SearchResult:
     """The search over the runtime's layouts of the benchmark model at `world` ranks."""
     wl = workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
     return S.search(wl, prof, world, memory_limit=float("inf"), space=runtime_space(world, model), top=top)
@@ -267,7 +269,9 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     round; profile_rounds: the same for the profile; retries: re-measurements of a round that
     another process disturbed; grid: the profile grid (default `bench_grid()`)."""
     from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.plan import profile_fit as F
     from megatron_hetero.runtime import profile as P
+    from megatron_hetero.training import profile as T
     from megatron_hetero.training.cli_train import quiet_upstream_warnings
 
     if iters < 1 or rounds < 1 or profile_rounds < 1 or warmup < 0 or retries < 0:
@@ -306,15 +310,15 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     for k in range(max(rounds, profile_rounds)):
         if k < profile_rounds:
             for w in worlds:
-                raws[w].append(P.measure(w, grid, rounds=1, quiet_wait_s=quiet_wait_s, tries=retries + 1))
+                raws[w].append(T.measure(w, grid, rounds=1, quiet_wait_s=quiet_wait_s, tries=retries + 1))
         if k < rounds:
             for r in rows:
                 measure_row(r)
     profiles, profile_docs = {}, {}
     for w in worlds:
-        raw = P.combine_rounds(raws[w])
-        profiles[w] = P.fit_profile(raw)
-        profile_docs[w] = P.profile_document(raw, profiles[w])
+        raw = F.combine_rounds(raws[w])
+        profiles[w] = F.fit_profile(raw)
+        profile_docs[w] = F.profile_document(raw, profiles[w])
     # 2. the search's pick per world size, measured too (now, if it is not a configuration)
     picks = {}
     for w in worlds:

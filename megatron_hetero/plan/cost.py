@@ -1,8 +1,11 @@
-"""Cost model: step time and per-rank memory of a heterogeneous configuration. Pure (numpy only).
+"""Cost model: step time and per-rank memory of heterogeneous configurations. Pure (numpy only).
 
-Every primitive below works elementwise on numpy arrays as well as on scalars, so the search can
-evaluate whole candidate arrays at once (`plan/search.py`) with exactly the formulas that the
-scalar reference `evaluate()` uses here.
+One evaluator: every formula below works on numpy arrays, one row per candidate; the search
+(`plan/search.py`) scores whole candidate arrays with it and `evaluate(candidate, workload,
+profile)` is the same code with one row. A pipeline's stages are held as classes of equal stages
+(`Stages`: a module's evenly split stages are four classes), so a candidate costs O(classes), not
+O(stages). Profiles and hardware: `plan/hardware.py`; models, workloads, candidates:
+`plan/workload.py`.
 
 Formulas (all times in seconds, per *micro-batch*, forward + backward, unless stated otherwise)
 -------------------------------------------------------------------------------------------------
@@ -22,13 +25,8 @@ overlapped with the attention-score compute (Megatron's ring attention); only th
     t_cp = max(0, 3 * allgather(2 * T * h/tp * dtype, n=cp) - b * 3 * 4*T*s*h / (tp * cp))
 Pipeline p2p per stage (activation forward + its gradient backward, one exchange each):
     t_pp = 2 * sendrecv(T/cp_eff * h * dtype)          (only when the module has > 1 stage)
-Collectives, alpha-beta per link (intra-node NVLink or inter-node network), ring algorithms:
-    all-reduce      2(n-1)*alpha + 2(n-1)/n * bytes * beta
-    all-gather / reduce-scatter   (n-1)*alpha + (n-1)/n * bytes * beta   (bytes = gathered size)
-    broadcast       ceil(log2 n)*alpha + bytes * beta                    (pipelined)
-    send/recv       alpha + bytes * beta
-  A group uses the inter-node link when the ranks it spans (group size x stride) exceed a node.
-  Measured per-(kind, link, n) alpha-beta pairs in a `Profile` override the ring formula.
+Collectives: alpha-beta per link, ring algorithms (`plan/hardware.py`). A group uses the inter-node
+link when the ranks it spans (group size x stride) exceed a node.
 Data-parallel gradient reduction, once per step (fp32 main grads, group dp*cp), and the all-reduce
 of the step's loss over the world (breakdown: dp_comm):
     t_dp = allreduce(params_per_rank * grad_bytes, n=dp*cp) + allreduce(8, n=world)
@@ -59,8 +57,14 @@ Boundaries (encoder -> LLM, forward activations + backward gradients):
 - disjoint, per micro-batch, on the LLM's first stage: 2 * sendrecv(samples/dp_llm * image_tokens
   / cp_llm * h * dtype), the bytes one destination rank needs (direct routing spreads senders; the
   encoder's projector runs in the encoder module, so its tokens cross at the LLM's hidden size h);
-- colocated, once per step: 2 * allgather(G/dp_llm * image_tokens/cp_llm * h * dtype,
-  n = max(fan factor, 2)); zero when both sides are single-stage with the same rank -> DP map.
+- colocated, once per step, as the runtime's direct boundary moves it (point-to-point messages of
+  what a rank needs and does not hold, local copies of what it holds; `colocated_boundary`): per
+  direction, messages * alpha + bytes * beta (send/recv) of the busiest receiver or of the mean
+  sender, whichever is slower. Forward an LLM first-stage rank needs N = G/dp_llm *
+  image_tokens/cp_llm * h * dtype; when the grids line up (one encoder stage, LLM pp = 1 or either
+  dp = 1) it holds all of it (enc_dp <= dp_llm: nothing moves) or 1/f of it (f = enc_dp/dp_llm:
+  it receives N(1 - 1/f) in f - 1 messages), else some rank receives N. Backward the encoder's
+  last-stage ranks receive the gradient of their G/enc_dp samples (`colocated_traffic`).
 Measured overheads (a `Profile` from `megatron-hetero profile`; absent from simulated profiles: 0):
   per run, building the run's samples `overheads["data"]` (x = samples * seq: every LLM stage, an
   encoder's first stage); per run of a module's last stage, its work outside the layers,
@@ -86,530 +90,20 @@ stage (a rank may host both).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
-LINKS = ("intra", "inter")
-PLACEMENT_KINDS = ("homogeneous", "colocated", "disjoint")
-OVERHEADS = ("llm_io", "encoder_io", "llm_io_tp", "encoder_io_tp", "optimizer", "snapshot", "grad_sync", "data")
+from megatron_hetero.plan.hardware import Profile, layer_flops
+from megatron_hetero.plan.workload import Candidate, CostBreakdown, ModelSpec, Workload, check_candidate
+
 #: resident-state snapshots per module per step (the runtimes report memory per phase / per step)
 SNAPSHOTS = {"colocated": 3, "disjoint": 1, "homogeneous": 0}
 
 
 # ---------------------------------------------------------------------------------------------
-# Fitted models and the profile
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class AlphaBeta:
-    """t = alpha + bytes * beta (seconds; beta in seconds per byte)."""
-
-    alpha: float
-    beta: float
-
-    def time(self, nbytes):
-        return self.alpha + np.asarray(nbytes, dtype=float) * self.beta
-
-
-@dataclass(frozen=True)
-class LayerModel:
-    """Time of one transformer layer, forward + backward, one micro-batch, on one rank:
-    t = a + b * flops_per_rank (a seconds, b seconds per FLOP)."""
-
-    a: float
-    b: float
-
-    def time(self, flops_per_rank):
-        return self.a + self.b * np.asarray(flops_per_rank, dtype=float)
-
-
-def ring_factors(kind: str, n):
-    """(latency hops, byte fraction) of collective `kind` over `n` ranks (see module docstring)."""
-    n = np.asarray(n, dtype=float)
-    if kind == "all_reduce":
-        return 2 * (n - 1), 2 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter"):
-        return n - 1, (n - 1) / n
-    if kind == "broadcast":
-        return np.ceil(np.log2(np.maximum(n, 1))), np.ones_like(n)
-    if kind == "send_recv":
-        return np.ones_like(n), np.ones_like(n)
-    raise ValueError(f"unknown collective kind {kind!r}; kinds are {list(COLLECTIVES)}")
-
-
-def layer_flops(tokens, seq, hidden, ffn_hidden, gated: bool = False):
-    """Training FLOPs (fwd+bwd) of one transformer layer: 3 * (8Th^2 + 2mThf + 4Tsh)."""
-    m = 3 if gated else 2
-    t = np.asarray(tokens, dtype=float)
-    h = float(hidden)
-    return 3.0 * (8.0 * t * h * h + 2.0 * m * t * h * ffn_hidden + 4.0 * t * seq * h)
-
-
-def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + bytes * beta to measured (size, time) samples.
-
-    A negative intercept (noise at small sizes) is clamped to 0 and beta refitted through the origin.
-    """
-    x = np.asarray(sizes_bytes, dtype=float)
-    y = np.asarray(times_s, dtype=float)
-    if x.shape != y.shape or x.ndim != 1:
-        raise ValueError(f"sizes and times must be equal-length 1-D sequences, got {x.shape} and {y.shape}")
-    if len(np.unique(x)) < 2:
-        raise ValueError(f"fit_alpha_beta needs at least 2 distinct message sizes, got {sorted(set(x.tolist()))}")
-    beta, alpha = np.polyfit(x, y, 1)
-    if alpha < 0:
-        alpha, beta = 0.0, float(np.dot(x, y) / np.dot(x, x))
-    return float(alpha), float(beta)
-
-
-def fit_layer_model(samples: Iterable[Any]) -> LayerModel:
-    """Fit `LayerModel` (t = a + b * flops_per_rank) to measured layer times.
-
-    Each sample is either a pair `(flops_per_rank, seconds)` or a mapping with keys `tokens` (of the
-    micro-batch replica), `seq`, `hidden`, `ffn_hidden`, `tp`, `cp` (default 1), `gated` (default
-    False) and `seconds`; its FLOPs per rank are `layer_flops(...) / (tp * cp)`.
-    """
-    xs, ys = [], []
-    for s in samples:
-        if isinstance(s, dict):
-            try:
-                f = layer_flops(s["tokens"], s["seq"], s["hidden"], s["ffn_hidden"], s.get("gated", False))
-                xs.append(float(f) / (s["tp"] * s.get("cp", 1)))
-                ys.append(float(s["seconds"]))
-            except KeyError as exc:
-                raise ValueError(f"layer sample {s!r} lacks key {exc}") from None
-        else:
-            x, y = s
-            xs.append(float(x))
-            ys.append(float(y))
-    a, b = fit_alpha_beta(xs, ys)
-    return LayerModel(a=a, b=b)
-
-
-@dataclass(frozen=True)
-class HardwareSpec:
-    """Published figures of one accelerator type and its cluster (JSON file; see examples/hardware/).
-
-    peak_flops: dense bf16 FLOP/s per device; efficiency: achieved fraction of it on transformer
-    layers; bandwidths in bytes/s per device and direction; latencies in seconds;
-    host_bandwidth: device<->host bytes/s (offload); layer_overhead_s: fixed time per layer.
-    """
-
-    name: str
-    peak_flops: float
-    efficiency: float
-    memory_bytes: float
-    intra_bandwidth: float
-    intra_latency: float
-    inter_bandwidth: float
-    inter_latency: float
-    devices_per_node: int
-    host_bandwidth: float = 50e9
-    layer_overhead_s: float = 0.0
-    source: str = ""
-
-    @classmethod
-    def from_dict(cls, doc: dict) -> "HardwareSpec":
-        return _from_dict(cls, doc, "hardware spec")
-
-    @classmethod
-    def load(cls, path) -> "HardwareSpec":
-        return cls.from_dict(_read_json(path, "hardware spec"))
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Fitted costs of one cluster: layer models per module kind and alpha-beta per link/collective.
-
-    layers: kind ("llm", "encoder", or "default" as fallback) -> LayerModel.
-    links: "intra"/"inter" -> per-hop alpha and per-byte beta used by the ring formulas.
-    collectives: kind -> link -> group size -> AlphaBeta measured for that whole collective
-    (t = alpha + bytes * beta); overrides the ring formula at that size.
-    overheads (measured profiles; empty: not modelled): name -> LayerModel t = a + b * x of the work
-    outside the transformer layers: "data" (a rank building a run's samples from the data source,
-    every LLM stage per micro-batch and an encoder's first stage per run: x = samples * LLM seq),
-    "llm_io" (per LLM micro-batch on its last stage: embedding, output layer, loss; x = output-layer
-    FLOPs per rank), "encoder_io" (per encoder pass on its last
-    stage: patch embedding, projector; x = projector FLOPs per rank), "<kind>_io_tp" (with TP > 1: x =
-    the time of one all-reduce of the run's activation over the TP group, b = how many such
-    all-reduces the embedding, output layer and loss / projector add), "optimizer" (per module stage
-    per step: x = parameters on the rank), "snapshot" (one resident-state snapshot of a module stage,
-    x = parameters on the rank; `SNAPSHOTS` per step), "grad_sync" (communication that closes a phase,
-    when ranks arrive as their own work ends, measured on the DDP wrapper's gradient all-reduce after
-    the backward pass: x = the formula's time for the same bytes and group; applied to the gradient
-    and loss all-reduces, the pipeline p2p and the boundary exchanges, see `synced`).
-    layer_collectives (measured profiles): like `collectives`, for the TP all-reduces and CP
-    all-gathers as they run inside a transformer layer (interleaved with its compute), fitted from
-    the layer measurements; `layer_parts` prefers them.
-    cores, concurrency (measured profiles; 0: every rank has its own device): the ranks share `cores`
-    execution units (a CPU machine), and every time in this profile was measured with
-    `concurrency` ranks busy at once (see `shared_step`).
-    """
-
-    layers: dict
-    links: dict
-    devices_per_node: int
-    memory_bytes: float
-    host_bandwidth: float = 50e9
-    collectives: dict = field(default_factory=dict)
-    source: str = ""
-    overheads: dict = field(default_factory=dict)
-    cores: float = 0.0
-    concurrency: int = 0
-    layer_collectives: dict = field(default_factory=dict)
-
-    @property
-    def shared(self) -> bool:
-        """Whether ranks share execution units (the step is bounded by the ranks' total work)."""
-        return self.cores > 0
-
-    @property
-    def uncontended(self) -> float:
-        """Factor from this profile's times (measured with `concurrency` busy ranks) to the time of
-        the same work with the execution units to itself: min(1, cores / concurrency)."""
-        if not self.shared or self.concurrency <= 0:
-            return 1.0
-        return min(1.0, self.cores / self.concurrency)
-
-    def overhead_time(self, name: str, x):
-        """Time of overhead `name` (0 when the profile does not model it)."""
-        model = self.overheads.get(name)
-        if model is None:
-            return np.zeros_like(np.asarray(x, dtype=float))
-        return model.time(x)
-
-    @classmethod
-    def from_hardware(cls, hw: HardwareSpec) -> "Profile":
-        """A simulated profile: b = 1 / (peak * efficiency), links from bandwidth and latency."""
-        return cls(
-            layers={"default": LayerModel(a=hw.layer_overhead_s, b=1.0 / (hw.peak_flops * hw.efficiency))},
-            links={"intra": AlphaBeta(hw.intra_latency, 1.0 / hw.intra_bandwidth),
-                   "inter": AlphaBeta(hw.inter_latency, 1.0 / hw.inter_bandwidth)},
-            devices_per_node=hw.devices_per_node,
-            memory_bytes=hw.memory_bytes,
-            host_bandwidth=hw.host_bandwidth,
-            source=f"simulated from {hw.name}",
-        )
-
-    def layer_model(self, kind: str) -> LayerModel:
-        model = self.layers.get(kind) or self.layers.get("default")
-        if model is None:
-            raise ValueError(f"profile has no layer model for {kind!r} (and no 'default'); has {sorted(self.layers)}")
-        return model
-
-    def layer_time(self, kind: str, flops_per_rank):
-        return self.layer_model(kind).time(flops_per_rank)
-
-    def collective_time(self, kind: str, nbytes, n, inter):
-        """Time of collective `kind` moving `nbytes` over `n` ranks (0 where n <= 1)."""
-        n = np.asarray(n, dtype=float)
-        nbytes = np.asarray(nbytes, dtype=float)
-        inter = np.asarray(inter, dtype=bool)
-        lo, hi = self.links["intra"], self.links["inter"]
-        alpha = np.where(inter, hi.alpha, lo.alpha)
-        beta = np.where(inter, hi.beta, lo.beta)
-        hops, frac = ring_factors(kind, n)
-        t = hops * alpha + frac * nbytes * beta
-        for link, table in self.collectives.get(kind, {}).items():
-            for size, ab in table.items():
-                sel = (n == int(size)) & (inter == (link == "inter"))
-                t = np.where(sel, ab.alpha + nbytes * ab.beta, t)
-        return np.where(n > 1, t, 0.0)
-
-    def layer_collective_time(self, kind: str, nbytes, n, inter):
-        """`collective_time`, with the in-layer table where it has (kind, link, n)."""
-        t = self.collective_time(kind, nbytes, n, inter)
-        n = np.asarray(n, dtype=float)
-        nbytes = np.asarray(nbytes, dtype=float)
-        inter = np.asarray(inter, dtype=bool)
-        for link, table in self.layer_collectives.get(kind, {}).items():
-            for size, ab in table.items():
-                sel = (n == int(size)) & (inter == (link == "inter"))
-                t = np.where(sel & (n > 1), ab.alpha + nbytes * ab.beta, t)
-        return t
-
-    def to_dict(self) -> dict:
-        return {
-            "source": self.source,
-            "devices_per_node": self.devices_per_node,
-            "memory_bytes": self.memory_bytes,
-            "host_bandwidth": self.host_bandwidth,
-            "layers": {k: dataclasses.asdict(v) for k, v in self.layers.items()},
-            "links": {k: dataclasses.asdict(v) for k, v in self.links.items()},
-            "collectives": _tables_to_dict(self.collectives),
-            "overheads": {k: dataclasses.asdict(v) for k, v in self.overheads.items()},
-            "layer_collectives": _tables_to_dict(self.layer_collectives),
-            "cores": self.cores,
-            "concurrency": self.concurrency,
-        }
-
-    @classmethod
-    def from_dict(cls, doc: dict) -> "Profile":
-        if not isinstance(doc, dict):
-            raise ValueError(f"a profile must be a JSON object, got {type(doc).__name__}")
-        try:
-            layers = {k: LayerModel(float(v["a"]), float(v["b"])) for k, v in doc["layers"].items()}
-            links = {k: AlphaBeta(float(v["alpha"]), float(v["beta"])) for k, v in doc["links"].items()}
-            coll = _tables_from_dict(doc.get("collectives", {}))
-            layer_coll = _tables_from_dict(doc.get("layer_collectives", {}))
-            overheads = {k: LayerModel(float(v["a"]), float(v["b"])) for k, v in doc.get("overheads", {}).items()}
-            unknown = sorted(set(overheads) - set(OVERHEADS))
-            if unknown:
-                raise ValueError(f"profile: unknown overheads {unknown}; names are {list(OVERHEADS)}")
-            prof = cls(layers=layers, links=links, devices_per_node=int(doc["devices_per_node"]),
-                       memory_bytes=float(doc["memory_bytes"]),
-                       host_bandwidth=float(doc.get("host_bandwidth", 50e9)), collectives=coll,
-                       source=str(doc.get("source", "")), overheads=overheads,
-                       cores=float(doc.get("cores", 0.0)), concurrency=int(doc.get("concurrency", 0)),
-                       layer_collectives=layer_coll)
-        except (KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"profile is missing or has a malformed field: {exc!r}") from None
-        missing = [k for k in LINKS if k not in prof.links]
-        if missing:
-            raise ValueError(f"profile: links {missing} missing; need alpha/beta for {list(LINKS)}")
-        return prof
-
-    @classmethod
-    def load(cls, path) -> "Profile":
-        return cls.from_dict(_read_json(path, "profile"))
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-
-
-def _tables_to_dict(tables: dict) -> dict:
-    return {k: {link: {str(n): dataclasses.asdict(ab) for n, ab in t.items()} for link, t in v.items()}
-            for k, v in tables.items()}
-
-
-def _tables_from_dict(doc: dict) -> dict:
-    out = {}
-    for kind, per_link in doc.items():
-        if kind not in COLLECTIVES:
-            raise ValueError(f"profile: unknown collective {kind!r}; kinds are {list(COLLECTIVES)}")
-        out[kind] = {link: {int(n): AlphaBeta(float(ab["alpha"]), float(ab["beta"])) for n, ab in t.items()}
-                     for link, t in per_link.items()}
-    return out
-
-
-def _read_json(path, what: str) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read {what} file {str(path)!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} file {str(path)!r} is not valid JSON: {exc}") from None
-
-
-def _from_dict(cls, doc: dict, what: str):
-    if not isinstance(doc, dict):
-        raise ValueError(f"a {what} must be a JSON object, got {type(doc).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(doc) - names)
-    if unknown:
-        raise ValueError(f"{what}: unknown keys {unknown}; allowed keys are {sorted(names)}")
-    try:
-        return cls(**doc)
-    except TypeError as exc:
-        raise ValueError(f"{what}: {exc}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Workload and candidates
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelSpec:
-    """One module's size. seq: tokens per sample (encoder: patches per image; LLM: context).
-
-    params: total parameters (default: layers * (4h^2 + m*h*f) + 2 * vocab * h, untied embedding
-    and output layer). shards_sequence: whether CP splits this module's sequence (default: LLMs yes,
-    encoders no: they run replicated over CP ranks).
-    """
-
-    name: str
-    num_layers: int
-    hidden: int
-    ffn_hidden: int
-    heads: int
-    seq: int
-    kind: str = "llm"
-    vocab: int = 0
-    gated: bool = False
-    params: Optional[int] = None
-    shards_sequence: Optional[bool] = None
-
-    def __post_init__(self):
-        for key in ("num_layers", "hidden", "ffn_hidden", "heads", "seq"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"model {self.name}: {key} must be a positive integer, got {v!r}")
-
-    @property
-    def shards(self) -> bool:
-        return self.kind == "llm" if self.shards_sequence is None else bool(self.shards_sequence)
-
-    @property
-    def embedding_params(self) -> int:
-        """Parameters of the input embedding (= of the output layer): vocab * hidden."""
-        return self.vocab * self.hidden
-
-    @property
-    def layer_params(self) -> float:
-        if self.params is not None:
-            return (self.params - 2 * self.embedding_params) / self.num_layers
-        m = 3 if self.gated else 2
-        return 4 * self.hidden ** 2 + m * self.hidden * self.ffn_hidden
-
-    @property
-    def total_params(self) -> float:
-        return self.layer_params * self.num_layers + 2 * self.embedding_params
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One training step: `global_batch` samples, LLM micro-batches of `micro_batch` samples per DP
-    replica, `images_per_sample` encoder inputs (of `encoder.seq` patches) per sample, and the
-    byte sizes of the memory model (see module docstring).
-
-    Micro-batches: a pipeline micro-batch carries M = micro_batch * dp samples (the largest dp of
-    the LLM segments), B = global_batch / M. Colocated encoders run once per step over their DP share
-    (global_batch * images_per_sample / dp_enc images).
-    """
-
-    encoder: ModelSpec
-    llm: ModelSpec
-    global_batch: int
-    micro_batch: int = 1
-    images_per_sample: int = 1
-    dtype_bytes: int = 2
-    weight_bytes: float = 2.0
-    grad_bytes: float = 4.0
-    optimizer_bytes: float = 12.0
-    distributed_optimizer: bool = True
-    activation_bytes: float = 34.0
-
-    def __post_init__(self):
-        for key in ("global_batch", "micro_batch", "images_per_sample", "dtype_bytes"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"workload: {key} must be a positive integer, got {v!r}")
-
-    @property
-    def image_tokens(self) -> int:
-        """Encoder tokens entering the LLM per sample."""
-        return self.images_per_sample * self.encoder.seq
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A module (or a pipeline segment of the LLM) on its layout, holding `layers` layers."""
-
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 1
-    layers: int = 0
-
-    @property
-    def size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    def short(self) -> str:
-        return f"TP{self.tp}·CP{self.cp}·PP{self.pp}·DP{self.dp}"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration. encoder_ranks: size of the encoder island (disjoint; else 0).
-    offload: colocated encoder state offloaded during the LLM phase. first_stage_layers:
-    homogeneous with pp > 1, the LLM layers sharing stage 0 with the encoder. The LLM is one
-    segment, or (disjoint) a chain of segments with their own TP/DP and contiguous layers."""
-
-    placement: str
-    encoder: Segment
-    llm: tuple
-    encoder_ranks: int = 0
-    offload: bool = False
-    first_stage_layers: int = 0
-
-    @property
-    def world_size(self) -> int:
-        if self.placement == "disjoint":
-            return self.encoder.size + sum(s.size for s in self.llm)
-        return self.llm[0].size
-
-    def describe(self) -> str:
-        llm = " + ".join(f"{s.short()}[{s.layers}L]" if len(self.llm) > 1 else s.short() for s in self.llm)
-        text = f"{self.placement}: encoder {self.encoder.short()}, LLM {llm}"
-        if self.placement == "disjoint":
-            text += f", islands {self.encoder.size}+{self.world_size - self.encoder.size}"
-        if self.offload:
-            text += ", encoder offload"
-        if self.placement == "homogeneous" and self.llm[0].pp > 1:
-            text += f", stage-0 LLM layers {self.first_stage_layers}"
-        return text
-
-    def to_dict(self) -> dict:
-        return {"placement": self.placement, "encoder": dataclasses.asdict(self.encoder),
-                "llm": [dataclasses.asdict(s) for s in self.llm], "encoder_ranks": self.encoder_ranks,
-                "offload": self.offload, "first_stage_layers": self.first_stage_layers}
-
-    def to_layout(self, encoder_name: str = "vision", llm_name: str = "language"):
-        """The resolved `HeteroLayout` of this candidate (homogeneous -> colocated, equal layouts)."""
-        from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
-        from megatron_hetero.layout.validate import resolve_layout
-
-        e = self.encoder
-        enc = ModuleLayout(name=encoder_name, tp=e.tp, cp=e.cp, pp=e.pp, dp=e.dp)
-        if len(self.llm) == 1:
-            s = self.llm[0]
-            mods = [enc, ModuleLayout(name=llm_name, tp=s.tp, cp=s.cp, pp=s.pp, dp=s.dp)]
-        else:
-            mods, start = [enc], 0
-            for i, s in enumerate(self.llm):
-                mods.append(ModuleLayout(name=f"{llm_name}_{chr(ord('a') + i)}", tp=s.tp, cp=s.cp, pp=s.pp,
-                                         dp=s.dp, layers=RankRange(start, start + s.layers - 1)))
-                start += s.layers
-        names = [m.name for m in mods]
-        edges = tuple(Edge(a, b) for a, b in zip(names, names[1:]))
-        placement = "disjoint" if self.placement == "disjoint" else "colocated"
-        return resolve_layout(HeteroLayout(placement=placement, modules=tuple(mods), edges=edges), self.world_size)
-
-
-@dataclass(frozen=True)
-class CostBreakdown:
-    """Step time split (seconds) and the per-rank memory peak (bytes); total = sum of the times
-    (compute + tp_comm + cp_comm + pp_comm + dp_comm + boundary + offload + bubble + optimizer).
-    On a profile whose ranks share execution units the parts are the mean rank's busy time and
-    `bubble` is the rest of the step (waiting)."""
-
-    compute: float
-    tp_comm: float
-    cp_comm: float
-    pp_comm: float
-    dp_comm: float
-    boundary: float
-    offload: float
-    bubble: float
-    total: float
-    memory_per_rank_peak: float
-    micro_batches: int
-    optimizer: float = 0.0  # once per step: optimizer step(s) (profiles that model it)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-# ---------------------------------------------------------------------------------------------
-# Array-friendly primitives (shared by `evaluate` and the vectorized search)
+# Primitives (elementwise on arrays)
 # ---------------------------------------------------------------------------------------------
 def _cp_eff(spec: ModelSpec, cp):
     return cp if spec.shards else np.ones_like(np.asarray(cp))
@@ -683,56 +177,6 @@ def disjoint_boundary(prof: Profile, wl: Workload, samples_dst, cp_dst, world_si
     nbytes = np.asarray(samples_dst, dtype=float) * wl.image_tokens / cp_dst * wl.llm.hidden * wl.dtype_bytes
     return synced(prof, 2.0 * prof.collective_time("send_recv", nbytes, 2, np.asarray(world_size) > prof.devices_per_node))
 
-
-def colocated_boundary(prof: Profile, wl: Workload, enc_tp, enc_cp, enc_pp, enc_dp, tp, cp, pp, dp):
-    """Whole-step colocated transform, forward + backward: 2 * allgather(needed bytes, n=factor).
-
-    Zero when both modules are single-stage with the same DP and the same rank -> DP-shard map (every
-    rank already holds its shard). Otherwise each LLM rank assembles its (G/dp samples, CP share)
-    shard from n = max(fan factor, 2) colocated ranks; intra-node when tp*cp*factor fits a node.
-    """
-    factor = np.maximum(enc_dp, dp) // np.minimum(enc_dp, dp)
-    n = np.maximum(factor, 2)
-    nbytes = wl.global_batch / np.asarray(dp, dtype=float) * wl.image_tokens / cp * wl.llm.hidden * wl.dtype_bytes
-    t = synced(prof, 2.0 * prof.collective_time("all_gather", nbytes, n, np.asarray(tp) * cp * factor > prof.devices_per_node))
-    same = (np.asarray(enc_pp) == 1) & (np.asarray(pp) == 1) & (np.asarray(enc_dp) == dp) & (
-        np.asarray(enc_tp) * enc_cp == np.asarray(tp) * cp)
-    return np.where(same, 0.0, t)
-
-
-def distribute(layers: int, stages: int) -> list[int]:
-    """Layers per stage: as even as possible, the extra layers on the first stages."""
-    return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Scalar reference evaluation: explicit stage lists
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class _Stage:
-    """One pipeline stage of one module: per-run costs (a run = one micro-batch, or the whole share
-    for a colocated encoder), once-per-step costs, and how many ranks run it."""
-
-    compute: float = 0.0
-    tp: float = 0.0
-    cp: float = 0.0
-    pp: float = 0.0
-    boundary: float = 0.0
-    params: float = 0.0  # parameters per rank
-    ranks: int = 1  # ranks that run this stage (tp * cp * dp of its module)
-    runs: int = 1  # runs per step
-    dp: float = 0.0  # once per step: gradient all-reduce
-    opt: float = 0.0  # once per step: optimizer step
-
-    @property
-    def cost(self) -> float:
-        return self.compute + self.tp + self.cp + self.pp + self.boundary
-
-    @property
-    def tail(self) -> float:
-        return self.dp + self.opt
-
-
 def io_flops(wl: Workload, spec: ModelSpec, samples, tp, cp):
     """FLOPs per rank (fwd+bwd) of a module's work outside its layers, per run: the LLM's output
     layer (6 * T * h * vocab), an encoder's projector to the LLM's hidden size (6 * T * (h_e * h + h^2))."""
@@ -761,136 +205,67 @@ def io_time(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
     return t
 
 
-def _add_layers(st: _Stage, prof, wl, spec, layers, samples, seg: Segment) -> None:
-    c, t, p = (float(x) for x in layer_parts(prof, wl, spec, samples, seg.tp, seg.cp))
-    st.compute += layers * c
-    st.tp += layers * t
-    st.cp += layers * p
-
-
 def data_time(prof: Profile, wl: Workload, samples):
     """The profile's `data` overhead: a rank building `samples` samples (0 where not modelled)."""
     return prof.overhead_time("data", np.asarray(samples, dtype=float) * wl.llm.seq)
 
 
-def _module_stages(prof, wl, spec: ModelSpec, seg: Segment, layers_per_stage, samples, with_p2p: bool,
-                   world: int, embed_first: bool = False, embed_last: bool = False, io_last: bool = False,
-                   runs: int = 1, data: str = "none") -> list[_Stage]:
-    """data: which stages build the run's samples: "all" (language model), "first" (encoder: the
-    samples of its images), "none"."""
-    out = []
-    n = len(layers_per_stage)
-    t_data = float(data_time(prof, wl, samples / wl.images_per_sample if data == "first" else samples))
-    for i, lay in enumerate(layers_per_stage):
-        st = _Stage(ranks=seg.tp * seg.cp * seg.dp, runs=runs)
-        _add_layers(st, prof, wl, spec, lay, samples, seg)
-        if data == "all" or (data == "first" and i == 0):
-            st.compute += t_data
-        if with_p2p:
-            st.pp = float(p2p_time(prof, wl, spec, samples, seg.cp, world > prof.devices_per_node))
-        if io_last and i == n - 1:
-            st.compute += float(io_time(prof, wl, spec, samples, seg.tp, seg.cp))
-        params = lay * spec.layer_params + spec.embedding_params * ((embed_first and i == 0) + (embed_last and i == n - 1))
-        st.params = params / seg.tp
-        out.append(st)
+def colocated_traffic(wl: Workload, enc_pp, enc_dp, tp, cp, pp, dp) -> dict:
+    """Per direction ("forward": encoder last stage -> LLM first stage; "backward": the inverse
+    route), the bytes and messages of the busiest receiving rank and of the mean sending rank in
+    the colocated boundary, as the direct plan of `plan/boundary.py` routes it (point-to-point
+    messages of what a rank needs and does not hold; what it holds is copied locally).
+
+    An LLM first-stage rank needs N = G/dp samples x T/cp image tokens (h x dtype bytes each); an
+    encoder last-stage rank holds (and needs the gradient of) Ns = G/enc_dp samples x T tokens
+    (encoders do not shard their sequence; the runtime's run with cp = 1). A rank that is on both
+    sides holds loc = G/max(enc_dp, dp) samples x T/cp of what it needs when the two grids line up:
+      forward, every LLM rank:  enc_pp = 1 and (pp = 1 or dp = 1 or enc_dp = 1);
+      backward, every encoder rank:  pp = 1 and (enc_pp = 1 or enc_dp = 1 or dp = 1);
+    otherwise some receiver holds nothing of its need. Pieces per receiver: one per encoder shard
+    it needs (max(enc_dp/dp, 1)) forward, one per LLM DP shard and CP chunk (max(dp/enc_dp, 1) * cp)
+    backward, less the one held. Senders share the bytes nobody held (ranks on both sides of a
+    one-sided alignment, enc_pp > 1 = pp or enc_pp = 1 < pp with enc_dp = 1 or dp = 1, hold loc
+    too); the plan's routing spreads them evenly."""
+    enc_pp, enc_dp, tp, cp, pp, dp = np.broadcast_arrays(*(np.asarray(x) for x in (enc_pp, enc_dp, tp, cp, pp, dp)))
+    T, unit = wl.image_tokens, wl.llm.hidden * wl.dtype_bytes
+    G, world = float(wl.global_batch), tp * cp * pp * dp
+    se, sl = world // enc_pp, world // pp  # ranks of the encoder's last stage, of the LLM's first
+    need, hold = G / dp * T / cp * unit, G / enc_dp * T * unit
+    loc = G / np.maximum(enc_dp, dp) * T / cp * unit
+    thin = (enc_dp == 1) | (dp == 1)
+    fwd_all = (enc_pp == 1) & ((pp == 1) | thin)
+    bwd_all = (pp == 1) & ((enc_pp == 1) | thin)
+    fwd_some, bwd_some = (enc_pp > 1) & (pp == 1) & thin, (enc_pp == 1) & (pp > 1) & thin
+    out = {}
+    for d, (recv, pieces, n_recv, n_send, every, some) in {
+            "forward": (need, np.maximum(enc_dp // dp, 1), sl, se, fwd_all, fwd_some),
+            "backward": (hold, np.maximum(dp // enc_dp, 1) * cp, se, sl, bwd_all, bwd_some)}.items():
+        holders = np.where(every, n_recv, np.where(some, n_send, 0))
+        out[d] = {"recv_bytes": recv - np.where(every, loc, 0.0), "recv_msgs": pieces - every,
+                  "send_bytes": (n_recv * recv - holders * loc) / n_send,
+                  "send_msgs": (n_recv * pieces - holders) / n_send}
     return out
 
 
-def _tails(prof: Profile, wl: Workload, stages: list[_Stage], seg_of: list[Segment], placement: str) -> None:
-    """Fill each stage's once-per-step costs: gradient all-reduce, optimizer step (+ the runtime's
-    resident-state snapshots)."""
-    for st, seg in zip(stages, seg_of):
-        st.dp = float(dp_time(prof, wl, st.params, seg.tp, seg.cp, seg.dp))
-        st.opt = float(prof.overhead_time("optimizer", st.params)
-                       + SNAPSHOTS[placement] * prof.overhead_time("snapshot", st.params))
-
-
-def _pipeline(stages: list[_Stage], b: int) -> tuple[float, dict, float]:
-    """(1F1B time, bottleneck components x B, bubble)."""
-    costs = [s.cost for s in stages]
-    top = max(range(len(stages)), key=lambda i: costs[i])
-    total = sum(costs) + (b - 1) * costs[top]
-    st = stages[top]
-    comp = {k: b * getattr(st, k) for k in ("compute", "tp", "cp", "pp", "boundary")}
-    return total, comp, total - b * costs[top]
-
-
-def _slowest_tail(stages: list[_Stage]) -> tuple[float, float]:
-    """(dp, optimizer) of the stage whose once-per-step work is the longest."""
-    st = max(stages, key=lambda s: s.tail)
-    return st.dp, st.opt
-
-
-def check_candidate(c: Candidate, wl: Workload) -> int:
-    """ValueError unless `c` splits the workload evenly; returns the number of micro-batches B."""
-    if c.placement not in PLACEMENT_KINDS:
-        raise ValueError(f"placement must be one of {list(PLACEMENT_KINDS)}, got {c.placement!r}")
-    llm = c.llm
-    if not llm or sum(s.layers for s in llm) != wl.llm.num_layers:
-        raise ValueError(f"LLM segments hold {sum(s.layers for s in llm)} layers, the LLM has {wl.llm.num_layers}")
-    if c.placement != "disjoint" and len(llm) != 1:
-        raise ValueError(f"{c.placement}: the LLM must be one segment, got {len(llm)}")
-    mb = wl.micro_batch * max(s.dp for s in llm)
-    if wl.global_batch % mb:
-        raise ValueError(f"global batch {wl.global_batch} is not divisible by micro-batch {wl.micro_batch} * "
-                         f"LLM dp {max(s.dp for s in llm)} = {mb}")
-    for s in llm:
-        if mb % s.dp:
-            raise ValueError(f"pipeline micro-batch {mb} is not divisible by segment dp {s.dp}")
-        if s.layers < s.pp:
-            raise ValueError(f"segment {s.short()} holds {s.layers} layers, fewer than its pp {s.pp}")
-    e = c.encoder
-    if e.layers != wl.encoder.num_layers or e.layers < e.pp:
-        raise ValueError(f"encoder segment holds {e.layers} layers; the encoder has {wl.encoder.num_layers} (>= pp {e.pp})")
-    batch = mb if c.placement == "disjoint" else wl.global_batch
-    if batch % e.dp:
-        raise ValueError(f"encoder dp {e.dp} does not divide the {batch} samples crossing the boundary")
-    if c.placement == "homogeneous":
-        s = llm[0]
-        if (e.tp, e.cp, e.pp, e.dp) != (s.tp, s.cp, s.pp, s.dp):
-            raise ValueError(f"homogeneous: encoder {e.short()} must equal the LLM's layout {s.short()}")
-        if s.pp > 1 and not 1 <= c.first_stage_layers <= s.layers - (s.pp - 1):
-            raise ValueError(f"homogeneous: first_stage_layers {c.first_stage_layers} outside 1..{s.layers - s.pp + 1}")
-    return wl.global_batch // mb
-
-
-def evaluate(c: Candidate, wl: Workload, prof: Profile) -> CostBreakdown:
-    """Step time and per-rank memory peak of candidate `c` (formulas in the module docstring)."""
-    b = check_candidate(c, wl)
-    fn = {"homogeneous": _eval_homogeneous, "colocated": _eval_colocated, "disjoint": _eval_disjoint}[c.placement]
-    return fn(c, wl, prof, b)
-
-
-def _mem(wl, st: _Stage, seg: Segment, acts: float) -> float:
-    return float(state_bytes(wl, st.params, seg.dp * seg.cp)) + acts
-
-
-_PARTS = ("compute", "tp", "cp", "pp", "boundary")
-
-
-def _finish(prof: Profile, stages: list[_Stage], world: int, pipe_parts: dict, bubble: float,
-            tail: tuple[float, float], step_boundary: float, offload: float, memory: float, b: int) -> CostBreakdown:
-    """The breakdown of the critical path (pipeline + slowest once-per-step tail + whole-step terms),
-    or, on a profile whose ranks share execution units, `shared_step` of it."""
-    dp, opt = tail
-    loss = float(loss_reduce(prof, world))
-    dp += loss
-    crit = sum(pipe_parts.values()) + bubble + dp + opt + step_boundary + offload
-    if not prof.shared:
-        return CostBreakdown(compute=pipe_parts["compute"], tp_comm=pipe_parts["tp"], cp_comm=pipe_parts["cp"],
-                             pp_comm=pipe_parts["pp"], dp_comm=dp, boundary=pipe_parts["boundary"] + step_boundary,
-                             offload=offload, bubble=bubble, total=crit, memory_per_rank_peak=memory,
-                             micro_batches=b, optimizer=opt)
-    # mean busy time of a rank per category (step-wide terms run on every rank)
-    mean = {k: sum(st.ranks * st.runs * getattr(st, k) for st in stages) / world for k in _PARTS}
-    mean_dp = sum(st.ranks * st.dp for st in stages) / world + loss
-    mean_opt = sum(st.ranks * st.opt for st in stages) / world
-    work = sum(mean.values()) + mean_dp + mean_opt + step_boundary + offload
-    total = shared_step(prof, work, crit)
-    return CostBreakdown(compute=mean["compute"], tp_comm=mean["tp"], cp_comm=mean["cp"], pp_comm=mean["pp"],
-                         dp_comm=mean_dp, boundary=mean["boundary"] + step_boundary, offload=offload,
-                         bubble=total - work, total=total, memory_per_rank_peak=memory, micro_batches=b,
-                         optimizer=mean_opt)
+def colocated_boundary(prof: Profile, wl: Workload, enc_tp, enc_cp, enc_pp, enc_dp, tp, cp, pp, dp):
+    """Whole-step colocated transform, forward + backward, as `runtime/boundary.py` (direct mode)
+    runs it: point-to-point messages of exactly what each rank needs and does not hold, a local copy
+    of what it holds (no collective). Per direction the slower of the busiest receiver and the mean
+    sender (`colocated_traffic`), messages * alpha + bytes * beta of send/recv; intra-node when the
+    grids line up inside the LLM's TP x CP span (pp = enc_pp = 1) or the world fits a node. Local
+    copies are not priced."""
+    world = np.asarray(tp) * cp * pp * dp
+    span = np.where((np.asarray(pp) == 1) & (np.asarray(enc_pp) == 1), np.asarray(tp) * cp, world)
+    inter = span > prof.devices_per_node
+    t = 0.0
+    for d in colocated_traffic(wl, enc_pp, enc_dp, tp, cp, pp, dp).values():
+        ends = []
+        for nbytes, msgs in ((d["recv_bytes"], d["recv_msgs"]), (d["send_bytes"], d["send_msgs"])):
+            one = prof.collective_time("send_recv", nbytes / np.maximum(msgs, 1e-300), 2, inter)
+            ends.append(np.where(msgs > 0, msgs * one, 0.0))
+        t = t + np.maximum(*ends)
+    return synced(prof, t)
 
 
 def shared_step(prof: Profile, work, critical):
@@ -904,77 +279,330 @@ def shared_step(prof: Profile, work, critical):
     return np.maximum(work, np.asarray(critical) * prof.uncontended)
 
 
-def _eval_homogeneous(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
-    s, enc, m = c.llm[0], wl.encoder, wl.micro_batch
-    per = [s.layers] if s.pp == 1 else [c.first_stage_layers] + distribute(s.layers - c.first_stage_layers, s.pp - 1)
-    stages = _module_stages(prof, wl, wl.llm, s, per, m, s.pp > 1, s.size, True, True, io_last=True, runs=b,
-                            data="all")
-    st0 = stages[0]
-    _add_layers(st0, prof, wl, enc, enc.num_layers, m * wl.images_per_sample, s)
-    st0.compute += float(io_time(prof, wl, enc, m * wl.images_per_sample, s.tp, s.cp))
-    mems = []
-    for i, (st, lay) in enumerate(zip(stages, per)):
-        acts = float(act_bytes(wl, wl.llm, m, s.tp, s.cp, lay)) * min(s.pp - i, b)
+# ---------------------------------------------------------------------------------------------
+# The evaluator: pipeline stages of many candidates at once, as numpy arrays
+# ---------------------------------------------------------------------------------------------
+_PARTS = ("compute", "tp", "cp", "pp", "boundary")
+_FIELDS = _PARTS + ("ranks", "runs", "dp", "opt", "state", "act")
+
+
+@dataclass
+class Stages:
+    """The pipeline stages of N rows (candidates, or one side of them), grouped into K classes of
+    equal stages: arrays (N, K). A module's evenly split stages fall into four classes (its first
+    stage, the other stages with ceil(L/pp) layers, those with floor(L/pp), its last stage).
+
+    count: stages in the class (0: absent); first: index of its first stage in the pipeline (the
+    1F1B in-flight micro-batches of stage i of n are min(n - i, B)); compute/tp/cp/pp/boundary: one
+    run (a micro-batch, or a colocated encoder's whole share); ranks: ranks running one stage;
+    runs: per step; dp/opt: once per step (gradient all-reduce, optimizer step); state: bytes of
+    weights, grads and optimizer state on a rank; act: activation bytes of one run."""
+
+    count: np.ndarray
+    first: np.ndarray
+    compute: np.ndarray
+    tp: np.ndarray
+    cp: np.ndarray
+    pp: np.ndarray
+    boundary: np.ndarray
+    ranks: np.ndarray
+    runs: np.ndarray
+    dp: np.ndarray
+    opt: np.ndarray
+    state: np.ndarray
+    act: np.ndarray
+
+    @property
+    def cost(self) -> np.ndarray:
+        return self.compute + self.tp + self.cp + self.pp + self.boundary
+
+    @staticmethod
+    def cat(*parts: "Stages") -> "Stages":
+        return Stages(**{k: np.concatenate([getattr(p, k) for p in parts], axis=1)
+                         for k in ("count", "first") + _FIELDS})
+
+
+def _col(x, n: int) -> np.ndarray:
+    return np.broadcast_to(np.asarray(x), (n,))[:, None]
+
+
+def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, layers, samples, *, runs, p2p,
+                  inter, placement: str, offset=0, embed_first=False, embed_last=False, io_last=False,
+                  data: str = "none", head: Optional[dict] = None) -> Stages:
+    """The four stage classes of a module (or LLM segment) of `layers` layers evenly split over `pp`
+    stages (pp = 0: absent), each stage running `samples` samples per replica and run.
+
+    embed_first / embed_last: the first / last stage holds an embedding's parameters; io_last: the
+    last stage does the module's work outside its layers (`io_time`); data: which stages build the
+    run's samples, "all" (language model), "first" (an encoder: the samples of its images) or
+    "none"; p2p: whether stages exchange with a neighbour stage (over the inter-node link where
+    `inter`); head: extra per-run costs / parameters / activations on the first stage (the encoder
+    inside a homogeneous stage 0: keys compute, tp, cp, params, act). Arguments broadcast over rows."""
+    shape = np.broadcast(*(np.asarray(x) for x in (tp, cp, pp, dp, layers, samples, runs, p2p, inter, offset,
+                                                    embed_first, embed_last, io_last))).shape
+    n = int(np.prod(shape)) if shape else 1
+    tp, cp, pp, dp, layers, samples, runs = (_col(x, n) for x in (tp, cp, pp, dp, layers, samples, runs))
+    p2p, inter, offset = _col(p2p, n), _col(inter, n), _col(offset, n)
+    embed_first, embed_last, io_last = _col(embed_first, n), _col(embed_last, n), _col(io_last, n)
+    p = np.maximum(pp, 1)
+    r = layers % p
+    fl = layers // p
+    ce = fl + (r > 0)
+    multi = pp > 1
+    count = np.hstack([(pp >= 1).astype(int), np.maximum(r - 1, 0),
+                       np.where(multi, np.maximum(p - 1 - np.maximum(r, 1), 0), 0), multi.astype(int)])
+    first = offset + np.hstack([np.zeros_like(p), np.ones_like(p), np.maximum(r, 1), p - 1])
+    lam = np.hstack([ce, ce, fl, fl]).astype(float)
+    is_first = np.array([True, False, False, False])[None, :]
+    is_last = np.hstack([pp == 1, np.zeros((n, 2), bool), np.ones((n, 1), bool)])
+    c, t, q = layer_parts(prof, wl, spec, samples, tp, cp)
+    compute = lam * c
+    if data != "none":
+        per = samples / wl.images_per_sample if data == "first" else samples
+        compute = compute + data_time(prof, wl, per) * (is_first if data == "first" else 1.0)
+    compute = compute + np.where(io_last & is_last, io_time(prof, wl, spec, samples, tp, cp), 0.0)
+    tpc, cpc = lam * t, lam * q
+    ppc = np.broadcast_to(np.where(p2p, p2p_time(prof, wl, spec, samples, cp, inter), 0.0), lam.shape)
+    emb = float(spec.embedding_params)
+    params = lam * spec.layer_params + emb * ((embed_first & is_first).astype(float) + (embed_last & is_last))
+    act = act_bytes(wl, spec, samples, tp, cp, lam)
+    if head is not None:
+        compute = compute + is_first * np.asarray(head["compute"])[..., None]
+        tpc = tpc + is_first * np.asarray(head["tp"])[..., None]
+        cpc = cpc + is_first * np.asarray(head["cp"])[..., None]
+        params = params + is_first * np.asarray(head["params"])[..., None]
+        act = act + is_first * np.asarray(head["act"])[..., None]
+    params = params / tp
+    opt = prof.overhead_time("optimizer", params) + SNAPSHOTS[placement] * prof.overhead_time("snapshot", params)
+    shape = lam.shape
+    return Stages(count=count, first=first, compute=compute, tp=np.broadcast_to(tpc, shape),
+                  cp=np.broadcast_to(cpc, shape), pp=ppc, boundary=np.zeros(shape),
+                  ranks=np.broadcast_to((tp * cp * dp).astype(float), shape), runs=np.broadcast_to(runs, shape),
+                  dp=dp_time(prof, wl, params, tp, cp, dp), opt=np.broadcast_to(opt, shape),
+                  state=state_bytes(wl, params, dp * cp), act=act)
+
+
+@dataclass
+class Side:
+    """Aggregates of a pipeline's stages (or of one side: a disjoint encoder island, an LLM chain)
+    for `b` runs per step: sum and max of the stage costs, the bottleneck's components, the stage
+    with the longest once-per-step tail, and the busy time of all its ranks."""
+
+    sum: np.ndarray
+    max: np.ndarray
+    parts: dict  # the bottleneck stage's per-run components
+    tail: np.ndarray
+    tail_dp: np.ndarray
+    tail_opt: np.ndarray
+    busy: dict  # sum over stages of count * ranks * runs * part, and of count * ranks * dp / opt
+    work: np.ndarray  # sum of `busy`
+
+    @classmethod
+    def of(cls, st: Stages) -> "Side":
+        valid = st.count > 0
+        rows = np.arange(st.count.shape[0])
+        cost = st.cost
+        top = np.argmax(np.where(valid, cost, -np.inf), axis=1)  # the first of equal maxima, as stage order
+        tail = st.dp + st.opt
+        tt = np.argmax(np.where(valid, tail, -np.inf), axis=1)
+        w = st.count * st.ranks
+        busy = {k: (w * st.runs * getattr(st, k)).sum(axis=1) for k in _PARTS}
+        busy["dp"], busy["opt"] = (w * st.dp).sum(axis=1), (w * st.opt).sum(axis=1)
+        return cls(sum=(st.count * cost).sum(axis=1), max=cost[rows, top],
+                   parts={k: getattr(st, k)[rows, top] for k in _PARTS}, tail=tail[rows, tt],
+                   tail_dp=st.dp[rows, tt], tail_opt=st.opt[rows, tt], busy=busy, work=sum(busy.values()))
+
+    def rows(self, idx, full: bool = True) -> "Side":
+        """Rows `idx`; without `full`, only what the step time needs (no breakdown parts)."""
+        pick = (lambda d: {k: v[idx] for k, v in d.items()}) if full else (lambda d: {})
+        return Side(sum=self.sum[idx], max=self.max[idx], parts=pick(self.parts), tail=self.tail[idx],
+                    tail_dp=self.tail_dp[idx], tail_opt=self.tail_opt[idx], busy=pick(self.busy), work=self.work[idx])
+
+
+def peak_memory(st: Stages, n, b) -> np.ndarray:
+    """Largest per-rank bytes of any stage: state + activations of min(n - i, b) in-flight runs."""
+    flight = np.minimum(np.asarray(n)[..., None] - st.first, np.asarray(b)[..., None])
+    return np.where(st.count > 0, st.state + st.act * flight, -np.inf).max(axis=1)
+
+
+def _valid_max(st: Stages, x) -> np.ndarray:
+    return np.where(st.count > 0, x, -np.inf).max(axis=1)
+
+
+def finish(prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: dict, step_boundary, offload,
+           memory) -> dict:
+    """The breakdown arrays (`CostBreakdown` fields) of a critical path: the pipeline time `pipe`
+    (bottleneck components `parts`, the rest is bubble), the slowest once-per-step tail, the loss
+    all-reduce and the whole-step terms; on a profile whose ranks share execution units, the step
+    is `shared_step` of it and the parts are the mean rank's busy time (`busy` / world)."""
+    loss = loss_reduce(prof, world)
+    dp = tail_dp + loss
+    crit = pipe + dp + tail_opt + step_boundary + offload
+    out = {"memory_per_rank_peak": memory, "micro_batches": b, "offload": np.broadcast_to(offload, np.shape(crit))}
+    if not prof.shared:
+        out.update(compute=parts["compute"], tp_comm=parts["tp"], cp_comm=parts["cp"], pp_comm=parts["pp"],
+                   dp_comm=dp, boundary=parts["boundary"] + step_boundary, optimizer=tail_opt,
+                   bubble=pipe - sum(parts.values()), total=crit)
+        return out
+    mean = {k: busy[k] / world for k in busy}
+    work = sum(mean[k] for k in _PARTS) + mean["dp"] + loss + mean["opt"] + step_boundary + offload
+    total = shared_step(prof, work, crit)
+    out.update(compute=mean["compute"], tp_comm=mean["tp"], cp_comm=mean["cp"], pp_comm=mean["pp"],
+               dp_comm=mean["dp"] + loss, boundary=mean["boundary"] + step_boundary, optimizer=mean["opt"],
+               bubble=total - work, total=total)
+    return out
+
+
+def _scaled(parts: dict, k) -> dict:
+    return {name: v * k for name, v in parts.items()}
+
+
+# --- homogeneous ------------------------------------------------------------------------------
+def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers) -> dict:
+    """Breakdown arrays of homogeneous candidates: the encoder on the LLM's layout inside LLM
+    stage 0, which holds `first_layers` LLM layers (pp = 1: all of them); the other LLM layers
+    split evenly over the other stages."""
+    enc, llm, m, k = wl.encoder, wl.llm, wl.micro_batch, wl.images_per_sample
+    tp, cp, pp, dp, first_layers = np.broadcast_arrays(*(np.asarray(x) for x in (tp, cp, pp, dp, first_layers)))
+    L = llm.num_layers
+    l0 = np.where(pp == 1, L, first_layers)
+    b = wl.global_batch // (m * dp)
+    world = tp * cp * pp * dp
+    inter = world > prof.devices_per_node
+    ec, et, eq = layer_parts(prof, wl, enc, m * k, tp, cp)
+    head = {"compute": enc.num_layers * ec + io_time(prof, wl, enc, m * k, tp, cp), "tp": enc.num_layers * et,
+            "cp": enc.num_layers * eq, "params": np.broadcast_to(float(enc.total_params), tp.shape),
+            "act": act_bytes(wl, enc, m * k, tp, cp, enc.num_layers)}
+    common = dict(runs=b, p2p=pp > 1, inter=inter, placement="homogeneous", data="all")
+    st = Stages.cat(
+        module_stages(prof, wl, llm, tp, cp, np.ones_like(pp), dp, l0, m, embed_first=True, embed_last=pp == 1,
+                      io_last=pp == 1, head=head, **common),
+        module_stages(prof, wl, llm, tp, cp, pp - 1, dp, L - l0, m, offset=1, embed_last=True, io_last=True, **common))
+    s = Side.of(st)
+    pipe = s.sum + (b - 1) * s.max
+    return finish(prof, world, b, pipe, _scaled(s.parts, b), s.tail_dp, s.tail_opt, s.busy, 0.0, 0.0,
+                  peak_memory(st, pp, b))
+
+
+# --- colocated --------------------------------------------------------------------------------
+def colocated(prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, offload) -> dict:
+    """Breakdown arrays of colocated three-phase candidates (LLM tp/cp/pp/dp, encoder etp/ecp/epp/edp
+    on the same ranks; `offload`: the encoder's state leaves the device during the LLM phase)."""
+    enc, llm, G, k = wl.encoder, wl.llm, wl.global_batch, wl.images_per_sample
+    tp, cp, pp, dp, etp, ecp, epp, edp, offload = np.broadcast_arrays(
+        *(np.asarray(x) for x in (tp, cp, pp, dp, etp, ecp, epp, edp, offload)))
+    b = G // (wl.micro_batch * dp)
+    world = tp * cp * pp * dp
+    inter = world > prof.devices_per_node
+    lst = module_stages(prof, wl, llm, tp, cp, pp, dp, llm.num_layers, wl.micro_batch, runs=b, p2p=pp > 1,
+                        inter=inter, placement="colocated", embed_first=True, embed_last=True, io_last=True,
+                        data="all")
+    be = G * k / edp  # images of the rank's encoder-DP share: one pass
+    est = module_stages(prof, wl, enc, etp, ecp, epp, edp, enc.num_layers, be, runs=1, p2p=epp > 1, inter=inter,
+                        placement="colocated", io_last=True, data="first")
+    ls, es = Side.of(lst), Side.of(est)
+    pipe = (ls.sum + (b - 1) * ls.max) + es.sum
+    parts = {n: b * ls.parts[n] + es.parts[n] for n in _PARTS}
+    busy = {n: ls.busy[n] + es.busy[n] for n in ls.busy}
+    enc_state, enc_acts = _valid_max(est, est.state), _valid_max(est, est.act)
+    mem = np.maximum(_valid_max(lst, lst.state) + enc_state + enc_acts,
+                     peak_memory(lst, pp, b) + enc_acts + np.where(offload, 0.0, enc_state))
+    bnd = colocated_boundary(prof, wl, etp, ecp, epp, edp, tp, cp, pp, dp)
+    off = np.where(offload, 2.0 * enc_state / prof.host_bandwidth, 0.0)
+    return finish(prof, world, b, pipe, parts, ls.tail_dp + es.tail_dp, ls.tail_opt + es.tail_opt, busy, bnd, off,
+                  mem)
+
+
+# --- disjoint: an encoder island and an LLM chain, one 1F1B pipeline ---------------------------
+def encoder_island(prof: Profile, wl: Workload, etp, ecp, epp, edp, micro_samples,
+                   llm_stages) -> tuple[Side, np.ndarray]:
+    """The encoder island's side of disjoint candidates whose pipeline micro-batch carries
+    `micro_samples` samples and whose LLM chain has `llm_stages` stages: (Side, memory peak)."""
+    enc, k = wl.encoder, wl.images_per_sample
+    etp, ecp, epp, edp, M, P = np.broadcast_arrays(*(np.asarray(x) for x in (etp, ecp, epp, edp, micro_samples,
+                                                                                llm_stages)))
+    b = wl.global_batch // M
+    st = module_stages(prof, wl, enc, etp, ecp, epp, edp, enc.num_layers, M * k / edp, runs=b, p2p=epp > 1,
+                       inter=etp * ecp * epp * edp > prof.devices_per_node, placement="disjoint", io_last=True,
+                       data="first")
+    return Side.of(st), peak_memory(st, epp + P, b)
+
+
+def llm_chain(prof: Profile, wl: Workload, segments: list, world) -> tuple[Side, np.ndarray]:
+    """The LLM side of disjoint candidates: `segments` [(tp, cp, pp, dp, layers)] in pipeline order
+    (arrays; pp = 0: the segment is absent), on the island of the world's other ranks: (Side, memory
+    peak). The first stage receives the encoder boundary."""
+    segs = [tuple(np.asarray(x) for x in s) for s in segments]
+    present = [s[2] > 0 for s in segs]
+    M = wl.micro_batch * np.max([np.where(p, s[3], 1) for s, p in zip(segs, present)], axis=0)
+    b = wl.global_batch // M
+    P = sum(s[2] for s in segs)
+    island = sum(np.where(p, s[0] * s[1] * s[2] * s[3], 0) for s, p in zip(segs, present))
+    parts, offset = [], 0
+    for i, (tp, cp, pp, dp, layers) in enumerate(segs):
+        later = np.zeros_like(present[i])
+        for p in present[i + 1:]:
+            later = later | p
+        dps = np.maximum(dp, 1)
+        st = module_stages(prof, wl, wl.llm, np.maximum(tp, 1), np.maximum(cp, 1), pp, dps, layers, M / dps, runs=b,
+                           p2p=P > 1, inter=island > prof.devices_per_node, placement="disjoint", offset=offset,
+                           embed_first=i == 0, embed_last=present[i] & ~later, io_last=present[i] & ~later,
+                           data="all")
         if i == 0:
-            st.params += enc.total_params / s.tp
-            acts += float(act_bytes(wl, enc, m * wl.images_per_sample, s.tp, s.cp, enc.num_layers)) * min(s.pp, b)
-        mems.append(_mem(wl, st, s, acts))
-    _tails(prof, wl, stages, [s] * len(stages), "homogeneous")
-    total, parts, bubble = _pipeline(stages, b)
-    return _finish(prof, stages, s.size, parts, bubble, _slowest_tail(stages), 0.0, 0.0, max(mems), b)
+            st.boundary[:, :1] = disjoint_boundary(prof, wl, M / dps, cp, world)[..., None]
+        parts.append(st)
+        offset = offset + pp
+    st = Stages.cat(*parts)
+    return Side.of(st), peak_memory(st, P, b)
 
 
-def _eval_colocated(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
-    s, e, w = c.llm[0], c.encoder, c.llm[0].size
-    per = distribute(s.layers, s.pp)
-    stages = _module_stages(prof, wl, wl.llm, s, per, wl.micro_batch, s.pp > 1, w, True, True, io_last=True, runs=b,
-                            data="all")
-    llm_peak = max(_mem(wl, st, s, float(act_bytes(wl, wl.llm, wl.micro_batch, s.tp, s.cp, lay)) * min(s.pp - i, b))
-                   for i, (st, lay) in enumerate(zip(stages, per)))
-    llm_state = max(_mem(wl, st, s, 0.0) for st in stages)
-    b_e = wl.global_batch * wl.images_per_sample / e.dp  # images of the rank's encoder-DP share: one pass
-    eper = distribute(e.layers, e.pp)
-    estages = _module_stages(prof, wl, wl.encoder, e, eper, b_e, e.pp > 1, w, io_last=True, runs=1, data="first")
-    enc_state = max(_mem(wl, st, e, 0.0) for st in estages)
-    enc_acts = max(float(act_bytes(wl, wl.encoder, b_e, e.tp, e.cp, lay)) for lay in eper)
-    _tails(prof, wl, stages, [s] * len(stages), "colocated")
-    _tails(prof, wl, estages, [e] * len(estages), "colocated")
-    t_llm, parts, bubble = _pipeline(stages, b)
-    t_enc, eparts, ebubble = _pipeline(estages, 1)
-    parts = {k: parts[k] + eparts[k] for k in parts}
-    bnd = float(colocated_boundary(prof, wl, e.tp, e.cp, e.pp, e.dp, s.tp, s.cp, s.pp, s.dp))
-    off = 2.0 * enc_state / prof.host_bandwidth if c.offload else 0.0
-    ltail, etail = _slowest_tail(stages), _slowest_tail(estages)
-    tail = (ltail[0] + etail[0], ltail[1] + etail[1])
-    mem = max(llm_state + enc_state + enc_acts, llm_peak + enc_acts + (0.0 if c.offload else enc_state))
-    return _finish(prof, stages + estages, w, parts, bubble + ebubble, tail, bnd, off, mem, b)
+def disjoint(prof: Profile, wl: Workload, enc: Side, llm: Side, world, b, full: bool = True):
+    """Disjoint candidates pairing encoder-island rows with LLM-chain rows (already indexed alike):
+    breakdown arrays (full) or the step times only. The bottleneck and the slowest tail are the
+    encoder's on ties (its stages come first)."""
+    e_top = enc.max >= llm.max
+    mx = np.where(e_top, enc.max, llm.max)
+    pipe = enc.sum + llm.sum + (b - 1) * mx
+    e_tail = enc.tail >= llm.tail
+    tail_dp, tail_opt = np.where(e_tail, enc.tail_dp, llm.tail_dp), np.where(e_tail, enc.tail_opt, llm.tail_opt)
+    if not full:
+        loss = loss_reduce(prof, world)
+        crit = pipe + tail_dp + tail_opt + loss
+        return shared_step(prof, (enc.work + llm.work) / world + loss, crit) if prof.shared else crit
+    parts = {n: b * np.where(e_top, enc.parts[n], llm.parts[n]) for n in _PARTS}
+    busy = {n: enc.busy[n] + llm.busy[n] for n in enc.busy}
+    return finish(prof, world, b, pipe, parts, tail_dp, tail_opt, busy, 0.0, 0.0, None)
 
 
-def _eval_disjoint(c: Candidate, wl: Workload, prof: Profile, b: int) -> CostBreakdown:
-    e, w = c.encoder, c.world_size
-    mb = wl.micro_batch * max(s.dp for s in c.llm)
-    total_llm_stages = sum(s.pp for s in c.llm)
-    eper = distribute(e.layers, e.pp)
-    stages = _module_stages(prof, wl, wl.encoder, e, eper, mb * wl.images_per_sample / e.dp, e.pp > 1, e.size,
-                            io_last=True, runs=b, data="first")
-    segs = [e] * e.pp
-    pers = list(eper)
-    for k, s in enumerate(c.llm):
-        per = distribute(s.layers, s.pp)
-        st = _module_stages(prof, wl, wl.llm, s, per, mb / s.dp, total_llm_stages > 1, w - e.size,
-                            k == 0, k == len(c.llm) - 1, io_last=k == len(c.llm) - 1, runs=b, data="all")
-        if k == 0:
-            st[0].boundary = float(disjoint_boundary(prof, wl, mb / s.dp, s.cp, w))
-        stages += st
-        segs += [s] * s.pp
-        pers += per
-    n = len(stages)
-    mems = []
-    for i, (st, seg, lay) in enumerate(zip(stages, segs, pers)):
-        spec = wl.encoder if i < e.pp else wl.llm
-        samples = mb * wl.images_per_sample / e.dp if i < e.pp else mb / seg.dp
-        acts = float(act_bytes(wl, spec, samples, seg.tp, seg.cp, lay)) * min(n - i, b)
-        mems.append(_mem(wl, st, seg, acts))
-    _tails(prof, wl, stages, segs, "disjoint")
-    total, parts, bubble = _pipeline(stages, b)
-    return _finish(prof, stages, w, parts, bubble, _slowest_tail(stages), 0.0, 0.0, max(mems), b)
+# --- one candidate ----------------------------------------------------------------------------
+def evaluate(c: Candidate, wl: Workload, prof: Profile) -> CostBreakdown:
+    """Step time and per-rank memory peak of candidate `c` (formulas in the module docstring): the
+    evaluator above with one row."""
+    b = check_candidate(c, wl)
+    e, s = c.encoder, c.llm[0]
+    if c.placement == "homogeneous":
+        out = homogeneous(prof, wl, s.tp, s.cp, s.pp, s.dp, c.first_stage_layers)
+    elif c.placement == "colocated":
+        out = colocated(prof, wl, s.tp, s.cp, s.pp, s.dp, e.tp, e.cp, e.pp, e.dp, c.offload)
+    else:
+        mb = wl.micro_batch * max(x.dp for x in c.llm)
+        llm, llm_mem = llm_chain(prof, wl, [(x.tp, x.cp, x.pp, x.dp, x.layers) for x in c.llm], c.world_size)
+        enc, enc_mem = encoder_island(prof, wl, e.tp, e.cp, e.pp, e.dp, mb, sum(x.pp for x in c.llm))
+        out = disjoint(prof, wl, enc, llm, c.world_size, b)
+        out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
+    return CostBreakdown(**{k: (int if k == "micro_batches" else float)(np.asarray(out[k]).reshape(-1)[0])
+                            for k in out})
+
+
+#: Transitional (remove once the CLI imports them from `plan.hardware` / `plan.workload`): names that
+#: moved out of this module in the split, still reachable here for callers not yet updated.
+_MOVED = {"HardwareSpec": "hardware", "AlphaBeta": "hardware", "LayerModel": "hardware", "COLLECTIVES": "hardware",
+          "Segment": "workload", "PLACEMENT_KINDS": "workload"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(f"megatron_hetero.plan.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

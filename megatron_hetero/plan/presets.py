@@ -1,0 +1,65 @@
+"""Model-size presets and the simulated regime table (`megatron-hetero search --regime-table`): the
+search's pick per (encoder, LLM, context) at cluster scale. Pure (numpy only)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from megatron_hetero.plan.hardware import Profile
+from megatron_hetero.plan.search import SearchSpace, search
+from megatron_hetero.plan.workload import ModelSpec, Workload
+
+# Encoders: ViT-style, 1024 patches per image (448 px / 14 px patches), non-gated MLP 4h.
+ENCODER_PRESETS = {
+    "1B": ModelSpec("vision-1B", 32, 1536, 6144, 16, 1024, kind="encoder"),
+    "3B": ModelSpec("vision-3B", 48, 2304, 9216, 24, 1024, kind="encoder"),
+    "6B": ModelSpec("vision-6B", 48, 3200, 12800, 32, 1024, kind="encoder"),
+    "12B": ModelSpec("vision-12B", 60, 4096, 16384, 32, 1024, kind="encoder"),
+}
+# LLMs: gated (SwiGLU) MLP, 128K vocabulary, untied embeddings; seq is set per context.
+LLM_PRESETS = {
+    "14B": ModelSpec("llm-14B", 40, 5120, 13824, 40, 8192, vocab=128256, gated=True),
+    "70B": ModelSpec("llm-70B", 80, 8192, 24576, 64, 8192, vocab=128256, gated=True),
+    "120B": ModelSpec("llm-120B", 96, 10240, 26624, 80, 8192, vocab=128256, gated=True),
+}
+REGIME_WORLD = {"14B": 64, "70B": 256, "120B": 1024}
+REGIME_CONTEXTS = (8192, 32768, 131072)
+TOKENS_PER_STEP = 4 * 1024 * 1024
+
+
+def regime_workload(encoder: str, llm: str, context: int, tokens_per_step: int = TOKENS_PER_STEP) -> Workload:
+    """The regime table's workload: global batch = tokens_per_step / context samples, one
+    1024-patch image per 8K tokens of context (image tokens = 1/8 of the context)."""
+    try:
+        enc, lm = ENCODER_PRESETS[encoder], LLM_PRESETS[llm]
+    except KeyError as exc:
+        raise ValueError(f"unknown preset {exc}; encoders {list(ENCODER_PRESETS)}, LLMs {list(LLM_PRESETS)}") from None
+    lm = ModelSpec(lm.name, lm.num_layers, lm.hidden, lm.ffn_hidden, lm.heads, context, vocab=lm.vocab, gated=lm.gated)
+    return Workload(enc, lm, global_batch=max(1, tokens_per_step // context), images_per_sample=max(1, context // 8192))
+
+
+def regime_table(prof: Profile, encoders: Sequence[str] = tuple(ENCODER_PRESETS), llms: Sequence[str] = tuple(LLM_PRESETS),
+                 contexts: Sequence[int] = REGIME_CONTEXTS, world_sizes: Optional[dict] = None,
+                 memory_limit: Optional[float] = None, space: SearchSpace = SearchSpace()) -> list[dict]:
+    """One row per (encoder, LLM, context): the placement the search picks, its step time, the best
+    step time per placement and the predicted gain over the best homogeneous configuration."""
+    worlds = dict(REGIME_WORLD, **(world_sizes or {}))
+    rows = []
+    for lm in llms:
+        for enc in encoders:
+            for ctx in contexts:
+                wl = regime_workload(enc, lm, ctx)
+                row = {"encoder": enc, "llm": lm, "context": ctx, "gpus": worlds[lm], "global_batch": wl.global_batch,
+                       "picked": None, "layout": None, "step_s": None, "gain": None,
+                       "homogeneous_s": None, "colocated_s": None, "disjoint_s": None}
+                try:
+                    res = search(wl, prof, worlds[lm], memory_limit, space, top=1)
+                except ValueError:
+                    rows.append(row)
+                    continue
+                row.update(picked=res.best.candidate.placement, layout=res.best.candidate.describe(),
+                           step_s=res.best.breakdown.total, gain=res.gain, evaluated=res.evaluated,
+                           space_size=res.space_size, seconds=res.seconds)
+                for kind, r in res.by_placement.items():
+                    row[f"{kind}_s"] = r.breakdown.total
+                rows.append(row)
+    return rows

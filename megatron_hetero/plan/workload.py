@@ -1,0 +1,242 @@
+"""What is being trained and how it is laid out, as the cost model sees it: model sizes
+(`ModelSpec`), one training step (`Workload`), a configuration (`Candidate` of `Segment`s: a module
+or an LLM pipeline segment on its `Degrees`), and the result type (`CostBreakdown`). Pure.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_hetero.layout.degrees import Degrees
+
+PLACEMENT_KINDS = ("homogeneous", "colocated", "disjoint")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One module's size. seq: tokens per sample (encoder: patches per image; LLM: context).
+
+    params: total parameters (default: layers * (4h^2 + m*h*f) + 2 * vocab * h, untied embedding
+    and output layer). shards_sequence: whether CP splits this module's sequence (default: LLMs yes,
+    encoders no: they run replicated over CP ranks).
+    """
+
+    name: str
+    num_layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    seq: int
+    kind: str = "llm"
+    vocab: int = 0
+    gated: bool = False
+    params: Optional[int] = None
+    shards_sequence: Optional[bool] = None
+
+    def __post_init__(self):
+        for key in ("num_layers", "hidden", "ffn_hidden", "heads", "seq"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model {self.name}: {key} must be a positive integer, got {v!r}")
+
+    @property
+    def shards(self) -> bool:
+        return self.kind == "llm" if self.shards_sequence is None else bool(self.shards_sequence)
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the input embedding (= of the output layer): vocab * hidden."""
+        return self.vocab * self.hidden
+
+    @property
+    def layer_params(self) -> float:
+        if self.params is not None:
+            return (self.params - 2 * self.embedding_params) / self.num_layers
+        m = 3 if self.gated else 2
+        return 4 * self.hidden ** 2 + m * self.hidden * self.ffn_hidden
+
+    @property
+    def total_params(self) -> float:
+        return self.layer_params * self.num_layers + 2 * self.embedding_params
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step: `global_batch` samples, LLM micro-batches of `micro_batch` samples per DP
+    replica, `images_per_sample` encoder inputs (of `encoder.seq` patches) per sample, and the
+    byte sizes of the memory model (see module docstring).
+
+    Micro-batches: a pipeline micro-batch carries M = micro_batch * dp samples (the largest dp of
+    the LLM segments), B = global_batch / M. Colocated encoders run once per step over their DP share
+    (global_batch * images_per_sample / dp_enc images).
+    """
+
+    encoder: ModelSpec
+    llm: ModelSpec
+    global_batch: int
+    micro_batch: int = 1
+    images_per_sample: int = 1
+    dtype_bytes: int = 2
+    weight_bytes: float = 2.0
+    grad_bytes: float = 4.0
+    optimizer_bytes: float = 12.0
+    distributed_optimizer: bool = True
+    activation_bytes: float = 34.0
+
+    def __post_init__(self):
+        for key in ("global_batch", "micro_batch", "images_per_sample", "dtype_bytes"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"workload: {key} must be a positive integer, got {v!r}")
+
+    @property
+    def image_tokens(self) -> int:
+        """Encoder tokens entering the LLM per sample."""
+        return self.images_per_sample * self.encoder.seq
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A module (or a pipeline segment of the LLM) on its degrees, holding `layers` layers."""
+
+    par: Degrees
+    layers: int = 0
+
+    @classmethod
+    def of(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, layers: int = 0) -> "Segment":
+        return cls(Degrees(tp=tp, cp=cp, pp=pp, dp=dp), layers)
+
+    tp = property(lambda self: self.par.tp)
+    cp = property(lambda self: self.par.cp)
+    pp = property(lambda self: self.par.pp)
+    dp = property(lambda self: self.par.dp)
+    size = property(lambda self: self.par.size)
+
+    def short(self) -> str:
+        return self.par.short()
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "layers": self.layers}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration. encoder_ranks: size of the encoder island (disjoint; else 0).
+    offload: colocated encoder state offloaded during the LLM phase. first_stage_layers:
+    homogeneous with pp > 1, the LLM layers sharing stage 0 with the encoder. The LLM is one
+    segment, or (disjoint) a chain of segments with their own TP/DP and contiguous layers."""
+
+    placement: str
+    encoder: Segment
+    llm: tuple
+    encoder_ranks: int = 0
+    offload: bool = False
+    first_stage_layers: int = 0
+
+    @property
+    def world_size(self) -> int:
+        if self.placement == "disjoint":
+            return self.encoder.size + sum(s.size for s in self.llm)
+        return self.llm[0].size
+
+    def describe(self) -> str:
+        llm = " + ".join(f"{s.short()}[{s.layers}L]" if len(self.llm) > 1 else s.short() for s in self.llm)
+        text = f"{self.placement}: encoder {self.encoder.short()}, LLM {llm}"
+        if self.placement == "disjoint":
+            text += f", islands {self.encoder.size}+{self.world_size - self.encoder.size}"
+        if self.offload:
+            text += ", encoder offload"
+        if self.placement == "homogeneous" and self.llm[0].pp > 1:
+            text += f", stage-0 LLM layers {self.first_stage_layers}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"placement": self.placement, "encoder": self.encoder.to_dict(),
+                "llm": [s.to_dict() for s in self.llm], "encoder_ranks": self.encoder_ranks,
+                "offload": self.offload, "first_stage_layers": self.first_stage_layers}
+
+    def to_layout(self, encoder_name: str = "vision", llm_name: str = "language"):
+        """The resolved `HeteroLayout` of this candidate (homogeneous -> colocated, equal layouts)."""
+        from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
+        from megatron_hetero.layout.validate import resolve_layout
+
+        e = self.encoder
+        enc = ModuleLayout(name=encoder_name, tp=e.tp, cp=e.cp, pp=e.pp, dp=e.dp)
+        if len(self.llm) == 1:
+            s = self.llm[0]
+            mods = [enc, ModuleLayout(name=llm_name, tp=s.tp, cp=s.cp, pp=s.pp, dp=s.dp)]
+        else:
+            mods, start = [enc], 0
+            for i, s in enumerate(self.llm):
+                mods.append(ModuleLayout(name=f"{llm_name}_{chr(ord('a') + i)}", tp=s.tp, cp=s.cp, pp=s.pp,
+                                         dp=s.dp, layers=RankRange(start, start + s.layers - 1)))
+                start += s.layers
+        names = [m.name for m in mods]
+        edges = tuple(Edge(a, b) for a, b in zip(names, names[1:]))
+        placement = "disjoint" if self.placement == "disjoint" else "colocated"
+        return resolve_layout(HeteroLayout(placement=placement, modules=tuple(mods), edges=edges), self.world_size)
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Step time split (seconds) and the per-rank memory peak (bytes); total = sum of the times
+    (compute + tp_comm + cp_comm + pp_comm + dp_comm + boundary + offload + bubble + optimizer).
+    On a profile whose ranks share execution units the parts are the mean rank's busy time and
+    `bubble` is the rest of the step (waiting)."""
+
+    compute: float
+    tp_comm: float
+    cp_comm: float
+    pp_comm: float
+    dp_comm: float
+    boundary: float
+    offload: float
+    bubble: float
+    total: float
+    memory_per_rank_peak: float
+    micro_batches: int
+    optimizer: float = 0.0  # once per step: optimizer step(s) (profiles that model it)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def distribute(layers: int, stages: int) -> list[int]:
+    """Layers per stage: as even as possible, the extra layers on the first stages."""
+    return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
+
+
+def check_candidate(c: Candidate, wl: Workload) -> int:
+    """ValueError unless `c` splits the workload evenly; returns the number of micro-batches B."""
+    if c.placement not in PLACEMENT_KINDS:
+        raise ValueError(f"placement must be one of {list(PLACEMENT_KINDS)}, got {c.placement!r}")
+    llm = c.llm
+    if not llm or sum(s.layers for s in llm) != wl.llm.num_layers:
+        raise ValueError(f"LLM segments hold {sum(s.layers for s in llm)} layers, the LLM has {wl.llm.num_layers}")
+    if c.placement != "disjoint" and len(llm) != 1:
+        raise ValueError(f"{c.placement}: the LLM must be one segment, got {len(llm)}")
+    mb = wl.micro_batch * max(s.dp for s in llm)
+    if wl.global_batch % mb:
+        raise ValueError(f"global batch {wl.global_batch} is not divisible by micro-batch {wl.micro_batch} * "
+                         f"LLM dp {max(s.dp for s in llm)} = {mb}")
+    for s in llm:
+        if mb % s.dp:
+            raise ValueError(f"pipeline micro-batch {mb} is not divisible by segment dp {s.dp}")
+        if s.layers < s.pp:
+            raise ValueError(f"segment {s.short()} holds {s.layers} layers, fewer than its pp {s.pp}")
+    e = c.encoder
+    if e.layers != wl.encoder.num_layers or e.layers < e.pp:
+        raise ValueError(f"encoder segment holds {e.layers} layers; the encoder has {wl.encoder.num_layers} (>= pp {e.pp})")
+    batch = mb if c.placement == "disjoint" else wl.global_batch
+    if batch % e.dp:
+        raise ValueError(f"encoder dp {e.dp} does not divide the {batch} samples crossing the boundary")
+    if c.placement == "homogeneous":
+        s = llm[0]
+        if (e.tp, e.cp, e.pp, e.dp) != (s.tp, s.cp, s.pp, s.dp):
+            raise ValueError(f"homogeneous: encoder {e.short()} must equal the LLM's layout {s.short()}")
+        if s.pp > 1 and not 1 <= c.first_stage_layers <= s.layers - (s.pp - 1):
+            raise ValueError(f"homogeneous: first_stage_layers {c.first_stage_layers} outside 1..{s.layers - s.pp + 1}")
+    return wl.global_batch // mb
+
+
