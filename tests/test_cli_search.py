@@ -37,7 +37,7 @@ def _search_args(*argv: str):
 # ------------------------------------------------------------------------------------------
 def test_every_registered_subcommand_follows_the_convention() -> None:
     mods = cli.subcommand_modules()
-    assert list(mods) == ["plan", "train", "schedule", "profile", "search", "bench"]
+    assert list(mods) == ["plan", "train", "schedule", "profile", "search", "bench", "slurm"]
     for name, mod in mods.items():
         assert mod.NAME == name and callable(mod.add_parser) and callable(mod.run), name
     sub = cli.build_parser()._subparsers._group_actions[0]
@@ -120,12 +120,12 @@ def test_model_args_defaults_are_trains() -> None:
 
 
 def test_search_without_model_flags_plans_trains_model() -> None:
-    from megatron_hetero.bench.planner import workload_for
     from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+    from megatron_hetero.training.model_args import workload_for
 
     wl = cli_search.workload_from_args(_search_args("--world-size", "4", "--hardware", DEFAULT_HARDWARE))
     assert wl == workload(ModelArgs())
-    # the benchmark's mapping of train's model onto the cost model says the same
+    # the mapping of a LlavaSpec onto the cost model (what the planner benchmark uses) says the same
     assert wl == workload_for(LlavaSpec(encoders={"vision": EncoderSpec()}), 8, 1)
     assert (wl.llm.num_layers, wl.llm.hidden, wl.llm.seq, wl.encoder.seq, wl.global_batch) == (2, 64, 32, 8, 8)
     # model flags change train's model; --encoder/--llm choose a preset instead (as before)
@@ -214,7 +214,7 @@ def test_search_out_without_model_flags_trains(tmp_path, capsys, extra) -> None:
 @pytest.mark.timeout(300)
 def test_search_out_with_model_flags_header_trains(tmp_path, capsys) -> None:
     """With model flags (and a measured-style profile), the header's train command carries them."""
-    from megatron_hetero.plan import cost as C
+    from megatron_hetero.plan import hardware as C
 
     lm = C.LayerModel(2e-3, 3e-11)
     prof = C.Profile(layers={"llm": lm, "encoder": C.LayerModel(1.5e-3, 3e-11), "default": lm},

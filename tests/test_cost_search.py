@@ -1,5 +1,5 @@
 """Cost model and search (plan/hardware.py, plan/workload.py, plan/cost.py, plan/heteropipe.py,
-plan/search.py, plan/presets.py, cli_search.py). Pure: no torch.
+plan/search.py, plan/presets.py, cli/search.py). Pure: no torch.
 
 The searches are checked against brute force (tests/search_reference.py): the heteropipe DP against
 every layer partition x strategy assignment (the seed's 189-configuration space and random cost
@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import search_reference as R
-from megatron_hetero import cli_search
+from megatron_hetero import cli
+from megatron_hetero.cli import search as cli_search
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.layout.degrees import Degrees
 from megatron_hetero.plan import cost as C
@@ -33,7 +34,7 @@ from megatron_hetero.plan import search as S
 from megatron_hetero.plan import workload as W
 
 REPO = Path(__file__).resolve().parents[1]
-HW_FILE = REPO / "examples" / "hardware" / "h100_80gb.json"
+HW_FILE = REPO / "megatron_hetero" / "plan" / "hardware_presets" / "h100_80gb.json"
 
 
 @pytest.fixture(scope="module")
@@ -535,7 +536,7 @@ def test_regime_table_row_per_combination(prof) -> None:
 # ------------------------------------------------------------------------------------------
 def test_cli_search_writes_layout(tmp_path, capsys) -> None:
     out = tmp_path / "best.yaml"
-    rc = cli_search.main(["search", "--world-size", "64", "--simulate", str(HW_FILE), "--encoder", "12B",
+    rc = cli.main(["search", "--world-size", "64", "--simulate", str(HW_FILE), "--encoder", "12B",
                           "--llm", "14B", "--top", "3", "--out", str(out)])
     text, err = capsys.readouterr()
     assert rc == 0, err
@@ -547,7 +548,7 @@ def test_cli_search_writes_layout(tmp_path, capsys) -> None:
 def test_cli_search_json_and_profile(tmp_path, capsys, prof) -> None:
     path = tmp_path / "profile.json"
     prof.save(path)
-    rc = cli_search.main(["search", "--world-size", "8", "--profile", str(path), "--encoder-layers", "6",
+    rc = cli.main(["search", "--world-size", "8", "--profile", str(path), "--encoder-layers", "6",
                           "--encoder-hidden", "1024", "--encoder-ffn-hidden", "4096", "--image-tokens", "256",
                           "--llm-layers", "8", "--llm-hidden", "2048", "--llm-ffn-hidden", "5632", "--llm-heads", "16",
                           "--seq-length", "2048", "--global-batch-size", "32", "--memory-limit-gb", "60", "--json"])
@@ -566,13 +567,13 @@ def test_cli_search_json_and_profile(tmp_path, capsys, prof) -> None:
     (["search", "--world-size", "64", "--simulate", str(HW_FILE), "--placements", "nowhere"], "unknown placements"),
 ])
 def test_cli_search_invalid_input_exit_2(capsys, argv, message) -> None:
-    rc = cli_search.main(argv)
+    rc = cli.main(argv)
     _, err = capsys.readouterr()
     assert rc == 2 and message in err
 
 
 def test_cli_regime_table_markdown(capsys) -> None:
-    rc = cli_search.main(["search", "--regime-table", "--simulate", str(HW_FILE)])
+    rc = cli.main(["search", "--regime-table", "--simulate", str(HW_FILE)])
     text, _ = capsys.readouterr()
     assert rc == 0
     lines = text.strip().splitlines()
@@ -581,6 +582,6 @@ def test_cli_regime_table_markdown(capsys) -> None:
 
 def test_plan_modules_do_not_import_torch() -> None:
     code = ("import sys; import megatron_hetero.plan.cost, megatron_hetero.plan.search, megatron_hetero.plan.heteropipe, "
-            "megatron_hetero.plan.presets, megatron_hetero.plan.profile_fit, megatron_hetero.cli_search; "
+            "megatron_hetero.plan.presets, megatron_hetero.plan.profile_fit, megatron_hetero.cli.search; "
             "assert 'torch' not in sys.modules and 'torch.distributed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

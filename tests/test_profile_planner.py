@@ -26,7 +26,7 @@ from megatron_hetero.plan import workload as W
 from megatron_hetero.training import profile as T
 
 REPO = Path(__file__).resolve().parents[1]
-HW_FILE = REPO / "examples" / "hardware" / "h100_80gb.json"
+HW_FILE = REPO / "megatron_hetero" / "plan" / "hardware_presets" / "h100_80gb.json"
 TINY = F.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
                      module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 32, 2, 256)),
                                     "encoder": ((32, 4, 8, 2, 64), (64, 4, 8, 2, 64))},
@@ -198,18 +198,17 @@ def test_workload_and_candidate_mapping_is_consistent() -> None:
 # ------------------------------------------------------------------------------------------
 def _runtime_accepts(layout, job) -> None:
     from megatron_hetero.models.llava import language_modules, segment_layers
-    from megatron_hetero.runtime.disjoint import micro_batch_plan
-    from megatron_hetero.training.cli_train import language_names
+    from megatron_hetero.plan.rank_plan import rank_plans
+    from megatron_hetero.plan.roles import roles
     from megatron_hetero.training.setup import validate_job
 
     validate_job(layout, job)
-    assert [m.name for m in language_modules(layout, job.spec)] == language_names(layout)
+    assert tuple(m.name for m in language_modules(layout, job.spec)) == roles(layout).language
     for m in language_modules(layout, job.spec):
         assert segment_layers(m, job.spec).size % m.pp == 0, m
     for name in job.spec.encoders:
         assert layout.module(name).cp == 1
-    if layout.placement == "disjoint":
-        micro_batch_plan(layout, job)
+    rank_plans(layout, job.global_batch_size, job.micro_batch_size)
 
 
 @pytest.mark.parametrize("world", [4, 6, 8])

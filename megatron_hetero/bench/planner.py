@@ -37,6 +37,7 @@ from megatron_hetero.plan import cost as C
 from megatron_hetero.plan import search as S
 from megatron_hetero.plan.hardware import Profile
 from megatron_hetero.plan.workload import Candidate, ModelSpec, Segment, Workload
+from megatron_hetero.training.model_args import workload_for
 
 WORLDS = (4, 8)
 
@@ -78,29 +79,6 @@ class BenchModel:
 # ---------------------------------------------------------------------------------------------
 # Runtime layout / model -> cost model candidate / workload
 # ---------------------------------------------------------------------------------------------
-def _ffn(hidden: int, ffn: Optional[int]) -> int:
-    return 4 * hidden if ffn is None else ffn
-
-
-def workload_for(spec, global_batch: int, micro_batch: int) -> Workload:
-    """The cost model's workload of a `LlavaSpec` with one encoder, trained in fp32 with Adam
-    (fp32 weights and main grads: 4 + 4 bytes, two fp32 moments: 8 bytes, no distributed optimizer)."""
-    if len(spec.encoders) != 1:
-        raise ValueError(f"the cost model takes one encoder; the model has {sorted(spec.encoders)}")
-    (name, e), = spec.encoders.items()
-    enc_layer = 4 * e.hidden_size ** 2 + 2 * e.hidden_size * _ffn(e.hidden_size, None)
-    # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
-    extra = (e.feature_dim + 1) * e.hidden_size + e.tokens * e.hidden_size + \
-        (e.hidden_size + 1) * spec.hidden_size + (spec.hidden_size + 1) * spec.hidden_size
-    enc = ModelSpec(name, e.num_layers, e.hidden_size, _ffn(e.hidden_size, None), e.num_attention_heads, e.tokens,
-                      kind="encoder", params=int(e.num_layers * enc_layer + extra))
-    llm = ModelSpec("language", spec.num_layers, spec.hidden_size, _ffn(spec.hidden_size, spec.ffn_hidden_size),
-                      spec.num_attention_heads, spec.seq_length, kind="llm", vocab=spec.vocab_size)
-    return Workload(enc, llm, global_batch=global_batch, micro_batch=micro_batch, images_per_sample=1,
-                      dtype_bytes=4, weight_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0,
-                      distributed_optimizer=False)
-
-
 def cost_micro_batch(layout: HeteroLayout, spec, micro_batch_size: int) -> int:
     """The cost model's `Workload.micro_batch` (samples per replica of the largest language DP) of a
     run with `train --micro-batch-size` (samples per rank of the first language module)."""
@@ -272,7 +250,7 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     from megatron_hetero.plan import profile_fit as F
     from megatron_hetero.runtime import profile as P
     from megatron_hetero.training import profile as T
-    from megatron_hetero.training.cli_train import quiet_upstream_warnings
+    from megatron_hetero.training.job import quiet_upstream_warnings
 
     if iters < 1 or rounds < 1 or profile_rounds < 1 or warmup < 0 or retries < 0:
         raise ValueError(f"iters, rounds and profile_rounds must be >= 1, warmup and retries >= 0; got {iters}, "

@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
-    from megatron_hetero.runtime import profile as P
+    from megatron_hetero.plan import profile_fit as F
+    from megatron_hetero.training import profile as T
 
     world = args.world_size
     if world < 2:
@@ -45,9 +46,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and out.is_dir():
         raise ValueError(f"--out {args.out!r} is a directory; give a file name")
-    grid = P.ProfileGrid.quick() if args.quick else P.ProfileGrid()
-    _, doc = P.run_profile(world, grid, out=out, rounds=args.rounds)
-    print(json.dumps(doc, indent=1) if args.json else P.summary(doc))
+    grid = F.ProfileGrid.quick() if args.quick else F.ProfileGrid()
+    _, doc = T.run_profile(world, grid, out=out, rounds=args.rounds)
+    print(json.dumps(doc, indent=1) if args.json else F.summary(doc))
     if not args.json:
         print(f"\nwrote {out}")
     return 0

@@ -32,7 +32,7 @@ _OLD_FLAGS = {"--llm-layers": "num_layers", "--llm-hidden": "hidden_size", "--ll
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from megatron_hetero.plan.hardware_presets import DEFAULT_HARDWARE, hardware_names
-    from megatron_hetero.plan.search import ENCODER_PRESETS, LLM_PRESETS
+    from megatron_hetero.plan.presets import ENCODER_PRESETS, LLM_PRESETS
 
     p = sub.add_parser(NAME, help="rank per-module layouts and placements by predicted step time",
                        description="Search per-module layouts (homogeneous, colocated, disjoint) with the cost model.")
@@ -79,7 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _profile(args):
-    from megatron_hetero.plan.cost import Profile
+    from megatron_hetero.plan.hardware import Profile
     from megatron_hetero.plan.hardware_presets import DEFAULT_HARDWARE, load_hardware
 
     if args.profile:
@@ -97,7 +97,7 @@ def uses_presets(args) -> bool:
 
 
 def _preset_spec(base, args, side: str, seq: int):
-    from megatron_hetero.plan.cost import ModelSpec
+    from megatron_hetero.plan.workload import ModelSpec
 
     names = {"encoder": ("encoder_num_layers", "encoder_hidden_size", "encoder_ffn_hidden_size",
                          "encoder_num_attention_heads"),
@@ -113,8 +113,8 @@ def _preset_spec(base, args, side: str, seq: int):
 def workload_from_args(args):
     """The cost model's workload: `train`'s model (training.model_args.workload) with the model
     flags given, or, with --encoder/--llm, a preset whose sizes the model flags override."""
-    from megatron_hetero.plan.cost import Workload
-    from megatron_hetero.plan.search import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP
+    from megatron_hetero.plan.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP
+    from megatron_hetero.plan.workload import Workload
     from megatron_hetero.training.model_args import ModelArgs, workload
 
     if not uses_presets(args):
@@ -228,7 +228,8 @@ def _space(args):
 
 def run(args: argparse.Namespace) -> int:
     from megatron_hetero.layout.yaml_io import dump_layout
-    from megatron_hetero.plan.search import regime_table, search, train_micro_batch_size
+    from megatron_hetero.plan.presets import regime_table
+    from megatron_hetero.plan.search import search, train_micro_batch_size
 
     prof = _profile(args)
     limit = None if args.memory_limit_gb is None else args.memory_limit_gb * 1e9

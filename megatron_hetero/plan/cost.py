@@ -592,17 +592,3 @@ def evaluate(c: Candidate, wl: Workload, prof: Profile) -> CostBreakdown:
         out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
     return CostBreakdown(**{k: (int if k == "micro_batches" else float)(np.asarray(out[k]).reshape(-1)[0])
                             for k in out})
-
-
-#: Transitional (remove once the CLI imports them from `plan.hardware` / `plan.workload`): names that
-#: moved out of this module in the split, still reachable here for callers not yet updated.
-_MOVED = {"HardwareSpec": "hardware", "AlphaBeta": "hardware", "LayerModel": "hardware", "COLLECTIVES": "hardware",
-          "Segment": "workload", "PLACEMENT_KINDS": "workload"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        import importlib
-
-        return getattr(importlib.import_module(f"megatron_hetero.plan.{_MOVED[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -111,7 +111,7 @@ def fit_layer_model(samples: Iterable[Any]) -> LayerModel:
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """Published figures of one accelerator type and its cluster (JSON file; see examples/hardware/).
+    """Published figures of one accelerator type and its cluster (JSON file; presets in plan/hardware_presets/).
 
     peak_flops: dense bf16 FLOP/s per device; efficiency: achieved fraction of it on transformer
     layers; bandwidths in bytes/s per device and direction; latencies in seconds;

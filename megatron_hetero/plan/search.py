@@ -441,17 +441,3 @@ def _rank(pool: _Pool, wl: Workload, prof: Profile, top: int) -> tuple[list, dic
         if len(hit):
             by_placement[kind] = make(order[hit[0]])
     return ranked, by_placement
-
-
-#: Transitional (remove once the CLI imports them from `plan.presets`): names that moved out of this
-#: module in the split, still reachable here for callers not yet updated (cli_search.py).
-_MOVED = {"ENCODER_PRESETS", "LLM_PRESETS", "TOKENS_PER_STEP", "REGIME_WORLD", "REGIME_CONTEXTS", "regime_workload",
-          "regime_table"}
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        from megatron_hetero.plan import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -113,7 +113,7 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
     from megatron_hetero.models.llava import EncoderModule, EncoderSpec, LanguageModule, LlavaSpec
     from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
     from megatron_hetero.runtime.topology import Topology
-    from megatron_hetero.training import data as data_mod
+    from megatron_hetero.models import data as data_mod
 
     world = dist.get_world_size()
     device = get_device()

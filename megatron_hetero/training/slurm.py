@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser,
 
     ADD_TRAIN_PARSER registers the `train` subparser on a subparsers action (the CLI's own function); the
     train arguments are parsed with it before anything is written, so typos fail now and not after the
-    queue wait. Default: `megatron_hetero.training.cli_train.add_parser` where that exists."""
+    queue wait (the CLI passes `cli.train.add_parser`; without it the train arguments are not parsed here)."""
     parser.description = (parser.description or "") + (
         "Write an sbatch script that runs `megatron-hetero train` on NODES nodes (one srun task per node, "
         "torchrun inside, rendezvous on the first node) and print it (--dry-run, the default) or submit it "

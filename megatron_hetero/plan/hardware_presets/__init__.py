@@ -26,7 +26,7 @@ def is_hardware_name(text: str) -> bool:
 def load_hardware(name_or_path: str | Path):
     """The `HardwareSpec` of a preset name (e.g. 'h100_80gb') or of a JSON file path.
     ValueError (exit 2) for an unknown name or an unreadable/invalid file."""
-    from megatron_hetero.plan.cost import HardwareSpec
+    from megatron_hetero.plan.hardware import HardwareSpec
 
     text = str(name_or_path)
     if isinstance(name_or_path, Path) or not is_hardware_name(text) or Path(text).is_file():
