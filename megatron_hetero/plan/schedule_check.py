@@ -283,13 +283,15 @@ def simulate(
     return clock, {st: tuple(v) for st, v in spans.items()}, busy
 
 
-def _counterpart(a) -> tuple:
+def _counterpart(op) -> tuple:
+    rnd, a = op if isinstance(op, tuple) else ("", op)
     kind = "recv" if isinstance(a, SendAct) else "send"
-    return (kind, a.link, a.mb, a.direction)
+    return (kind, a.link, a.mb, a.direction, rnd)
 
 
-def _key(a) -> tuple:
-    return ("send" if isinstance(a, SendAct) else "recv", a.link, a.mb, a.direction)
+def _key(op) -> tuple:
+    rnd, a = op if isinstance(op, tuple) else ("", op)
+    return ("send" if isinstance(a, SendAct) else "recv", a.link, a.mb, a.direction, rnd)
 
 
 def simulate_rendezvous(
@@ -302,7 +304,7 @@ def simulate_rendezvous(
     """Run all tables under the rendezvous model (module docstring); returns (finish, spans, busy).
 
     `batches`: {stage: the table as compute actions and comm batches} to simulate another grouping
-    (default `StageTable.batches()`). Raises `ScheduleError` on deadlock naming every blocked stage,
+    (default `StageTable.batches()`, what the runtime posts). Raises `ScheduleError` on deadlock naming every blocked stage,
     the batch it has posted and the operations of it still unmatched."""
     items = {st: (batches[st] if batches is not None else t.batches()) for st, t in tables.items()}
     clock = {st: 0.0 for st in tables}
@@ -334,7 +336,7 @@ def simulate_rendezvous(
                             ops[_key(a)] = -1.0
                         else:
                             peer, t_peer = other
-                            done = max(clock[st], t_peer) + _latency_of(latency, a.link)
+                            done = max(clock[st], t_peer) + _latency_of(latency, (a[1] if isinstance(a, tuple) else a).link)
                             ops[_key(a)] = done
                             pending[peer][_counterpart(a)] = done
                     pending[st] = ops
@@ -350,7 +352,8 @@ def simulate_rendezvous(
         for st in blocked:
             open_ops = [k for k, v in pending.get(st, {}).items() if v < 0]
             lines.append(f"stage {st} blocked in batch #{pc[st]} with unmatched "
-                         + ", ".join(f"{k[0]} {k[3]} {k[1]} mb {k[2]}" for k in open_ops))
+                         + ", ".join(f"{k[0]} {k[3]} {k[1]} mb {k[2]}{' (' + k[4] + ')' if k[4] else ''}"
+                                     for k in open_ops))
         raise ScheduleError("deadlock (rendezvous): " + "; ".join(lines))
     return clock, {st: tuple(v) for st, v in spans.items()}, busy
 

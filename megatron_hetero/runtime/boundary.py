@@ -26,7 +26,8 @@ that is neither, `None`. The disjoint schedule may also call `forward_exchange` 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,19 @@ from megatron_hetero.runtime.wire import (
 
 if TYPE_CHECKING:
     from megatron_hetero.runtime.topology import Topology
+
+
+@dataclass
+class Phase:
+    """One exchange of a boundary on this rank before it goes on the wire: `sends` {peer: tensor},
+    `recvs` {peer: buffer} (global ranks, message tag `tag`), and `finish()`, to call once every
+    message has arrived (assembles this rank's output; None where it wants nothing). The disjoint
+    schedule posts the phases of several boundaries and pipeline links as one batch."""
+
+    sends: dict[int, torch.Tensor]
+    recvs: dict[int, torch.Tensor]
+    finish: Callable[[], Optional[torch.Tensor]]
+    tag: int
 
 
 class Boundary:
@@ -185,25 +199,36 @@ class Boundary:
     def _numel(self, transfers: list[Transfer]) -> int:
         return sum(t.block.numel(self.hidden) for t in transfers)
 
-    def _move(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor],
-              have_blocks: tuple[Block, ...], want_blocks: tuple[Block, ...], headers: int = 0) -> Optional[torch.Tensor]:
-        """Payload phase: route `have` (this rank's blocks) to every rank that wants them; return what
-        this rank wants, assembled from local copies and received pieces (None if it wants nothing)."""
+    def _phase(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor],
+               have_blocks: tuple[Block, ...], want_blocks: tuple[Block, ...], headers: int = 0) -> "Phase":
+        """The payload phase of `direction` on this rank, not yet on the wire: `have` (this rank's
+        blocks) packed per destination peer, a buffer per source peer, and `finish` to assemble what
+        this rank wants from local copies and the received pieces (None if it wants nothing)."""
         transfers = plan.forward if direction == "forward" else plan.backward
         sends, recvs = by_peer(transfers, self.rank)
         payloads = {p: pack(have, have_blocks, ts) for p, ts in sends.items()}
         bufs = {p: torch.empty(self._numel(ts), dtype=self.dtype, device=self.device) for p, ts in recvs.items()}
-        p2p(payloads, bufs, what=f"{direction} boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
-            tag=self.tag)
         sent = sum(v.numel() * v.element_size() for v in payloads.values())
-        self.stats[direction].record_call(sent, headers, len(payloads))
-        if not want_blocks:
-            return None
-        out = torch.empty(*local_extent(want_blocks), self.hidden, dtype=self.dtype, device=self.device)
-        copy_local(out, want_blocks, have, have_blocks, plan.local_copies(self.rank, direction))
-        for p, ts in recvs.items():
-            unpack(out, want_blocks, ts, bufs[p])
-        return out
+
+        def finish() -> Optional[torch.Tensor]:
+            self.stats[direction].record_call(sent, headers, len(payloads))
+            if not want_blocks:
+                return None
+            out = torch.empty(*local_extent(want_blocks), self.hidden, dtype=self.dtype, device=self.device)
+            copy_local(out, want_blocks, have, have_blocks, plan.local_copies(self.rank, direction))
+            for p, ts in recvs.items():
+                unpack(out, want_blocks, ts, bufs[p])
+            return out
+
+        return Phase(payloads, bufs, finish, self.tag)
+
+    def _move(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor],
+              have_blocks: tuple[Block, ...], want_blocks: tuple[Block, ...], headers: int = 0) -> Optional[torch.Tensor]:
+        """Payload phase on the wire now (`_phase`, then one exchange with every peer)."""
+        ph = self._phase(plan, direction, have, have_blocks, want_blocks, headers)
+        p2p(ph.sends, ph.recvs, what=f"{direction} boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
+            tag=self.tag)
+        return ph.finish()
 
     def _run_route(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Hierarchical mode: run the plan's leader-route steps of `direction` on this rank."""
@@ -230,21 +255,23 @@ class Boundary:
         if problems:
             raise ValueError(f"edge {self.edge}: rank {self.rank} received from rank {peer}: " + ", ".join(problems))
 
-    def forward_exchange(self, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
-        """Forward transform (header phase, then payload phase); returns (output or None, global seq)."""
-        if self.route is not None:
-            y = self._run_route(self.plan_for(self.seq), "forward", x.detach() if x is not None else None)
-            return y, self.seq
-        own_seq = x.shape[1] * self.src.cp if self.is_src else None
+    def header_phase(self, x: Optional[torch.Tensor]) -> "Phase":
+        """Direct mode, forward, step 1 (not yet on the wire): a source rank's header per destination
+        peer, a header buffer per source peer (see `_BoundaryFunction`)."""
         hdr_send: dict[int, torch.Tensor] = {}
         if self.is_src:
+            own_seq = self._check_source(x)
             sends, _ = by_peer(self.plan_for(own_seq).forward, self.rank)
             hdr_send = {p: header(own_seq, self.hidden, self.dtype, self._numel(ts)).to(self.device)
                         for p, ts in sends.items()}
         hdr_recv = {p: torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device) for p in self.fwd_recv_peers}
-        p2p(hdr_send, hdr_recv, what="forward boundary header", edge=str(self.edge), timeout_s=self.timeout_s,
-            tag=self.tag)
-        seqs = {p: int(h[0]) for p, h in hdr_recv.items()}
+        return Phase(hdr_send, hdr_recv, lambda: None, self.tag)
+
+    def forward_phase(self, x: Optional[torch.Tensor], hdr: "Phase") -> tuple["Phase", int]:
+        """Direct mode, forward, step 2 once the header phase `hdr` completed: check the headers and
+        agree on seq, then the payload phase (not yet on the wire) and the global seq."""
+        own_seq = x.shape[1] * self.src.cp if self.is_src else None
+        seqs = {p: int(h[0]) for p, h in hdr.recvs.items()}
         if own_seq is not None:
             seqs[self.rank] = own_seq
         if len(set(seqs.values())) != 1:
@@ -253,18 +280,54 @@ class Boundary:
         seq = next(iter(seqs.values()))
         plan = self.plan_for(seq)
         _, recvs = by_peer(plan.forward, self.rank)
-        for p, h in hdr_recv.items():
+        for p, h in hdr.recvs.items():
             self._check_header(p, h, self._numel(recvs.get(p, [])))
-        y = self._move(plan, "forward", x.detach() if x is not None else None, plan.holds.get(self.rank, ()),
-                       plan.needs.get(self.rank, ()), headers=len(hdr_send) * HEADER_LEN * 8)
-        return y, seq
+        ph = self._phase(plan, "forward", x.detach() if x is not None else None, plan.holds.get(self.rank, ()),
+                         plan.needs.get(self.rank, ()), headers=len(hdr.sends) * HEADER_LEN * 8)
+        return ph, seq
+
+    def planned_forward_phase(self, x: Optional[torch.Tensor]) -> tuple["Phase", int]:
+        """Direct mode, forward, for an edge with a fixed seq: the payload phase without a header
+        phase (both sides size their messages from the same plan; the source checks its tensor
+        against it first). Used where several exchanges are posted as one batch (the disjoint
+        schedule), since a header round inside a batch would hold back the batch's other messages."""
+        if self.seq is None:
+            raise ValueError(f"edge {self.edge}: a forward without headers needs the edge's fixed seq")
+        if self.is_src:
+            self._check_source(x)
+        plan = self.plan_for(self.seq)
+        ph = self._phase(plan, "forward", x.detach() if x is not None else None, plan.holds.get(self.rank, ()),
+                         plan.needs.get(self.rank, ()))
+        return ph, self.seq
+
+    def backward_phase(self, grad_y: Optional[torch.Tensor], seq: int) -> "Phase":
+        """Direct mode, backward (not yet on the wire): destination gradients back to every source
+        replica; no header phase (the shapes are known from the forward)."""
+        plan = self.plan_for(seq)
+        return self._phase(plan, "backward", grad_y, plan.needs.get(self.rank, ()), plan.holds.get(self.rank, ()))
+
+    def forward_exchange(self, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
+        """Forward transform (header phase, then payload phase); returns (output or None, global seq)."""
+        if self.route is not None:
+            y = self._run_route(self.plan_for(self.seq), "forward", x.detach() if x is not None else None)
+            return y, self.seq
+        hdr = self.header_phase(x)
+        p2p(hdr.sends, hdr.recvs, what="forward boundary header", edge=str(self.edge), timeout_s=self.timeout_s,
+            tag=self.tag)
+        ph, seq = self.forward_phase(x, hdr)
+        p2p(ph.sends, ph.recvs, what="forward boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
+            tag=self.tag)
+        return ph.finish(), seq
 
     def backward_exchange(self, grad_y: Optional[torch.Tensor], seq: int) -> Optional[torch.Tensor]:
         """Backward transform: destination gradients back to every source replica (no header phase)."""
         plan = self.plan_for(seq)
         if self.route is not None:
             return self._run_route(plan, "backward", grad_y)
-        return self._move(plan, "backward", grad_y, plan.needs.get(self.rank, ()), plan.holds.get(self.rank, ()))
+        ph = self.backward_phase(grad_y, seq)
+        p2p(ph.sends, ph.recvs, what="backward boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
+            tag=self.tag)
+        return ph.finish()
 
 
 class _BoundaryFunction(torch.autograd.Function):

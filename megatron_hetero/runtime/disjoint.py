@@ -23,25 +23,27 @@ first language module; the arithmetic is the rank plan's, `plan/rank_plan.py`):
   * then every module reduces its gradients over its own DP x CP group and steps its optimizer
     (`ModuleState`; frozen modules do nothing), and the loss is all-reduced over the world.
 
-Sends are asynchronous, receives blocking (the model under which the tables are proven free of
-deadlock): gloo's send only completes once the peer has posted the matching receive, so every send
-runs on a per-channel sender thread (one channel = one (link, direction) of this rank, FIFO, so the
-messages of a channel leave in micro-batch order, the order in which the peer receives them). A
-boundary call has a source side and a destination side; in disjoint placement a rank is on exactly
-one side of an edge, so the source's `forward_exchange` (and the destination's `backward_exchange`)
-only sends and runs on the sender thread, while the receiving side runs on the main thread. The
-autograd cut at every stage input/output is done here, as Megatron's pipeline schedules do (detached
-input leaves, backward with the received gradient), so the boundary's exchanges are used directly.
+Communication runs in batches, no threads: `StageTable.batches()` groups each run of sends and
+receives between two compute actions (1F1B's "send forward, receive backward" and "send backward,
+receive forward", generalised to joins, branches and skip links), and this rank posts each batch at
+once with `torch.distributed.batch_isend_irecv` and waits for all of it (`wire.exchange_batch`): the
+same code path on gloo and NCCL. Boundary messages carry no header here: every edge has a fixed
+sequence length (the stage runner's `edge_tensor`), both sides size each message from the same
+plan, and the source checks its tensor against it (`Boundary.planned_forward_phase`); a header round
+inside a batch would hold back the batch's other messages and can deadlock. Neither transport
+buffers a message, so a send completes only when its receive is posted; the checker's rendezvous
+mode proves that these batches complete for every table set the planner generates.
+The autograd cut at every stage input/output is done here, as Megatron's pipeline schedules do
+(detached input leaves, backward with the received gradient), so the boundary's phases are used
+directly.
 
 Every wait has the job's communication timeout; a timeout or a dead peer raises an error that names
 the edge or pipeline link and both ranks (`runtime/wire.py`).
 """
 from __future__ import annotations
 
-import concurrent.futures
-import queue
-import threading
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,12 +53,12 @@ from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.placement import stage_ranks
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable
-from megatron_hetero.runtime.boundary import Boundary
+from megatron_hetero.runtime.boundary import Boundary, Phase
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
 from megatron_hetero.runtime.step import StepResult, global_loss, resident_memory, run_collective
-from megatron_hetero.runtime.wire import BoundaryTimeout, p2p
+from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
 
 #: p2p tag of pipeline links inside a module (boundaries use their edge index, always smaller).
 PIPELINE_TAG = 1 << 20
@@ -67,41 +69,15 @@ class LinkError(RuntimeError):
     edge or pipeline link, this rank and the peer ranks."""
 
 
-class _SendChannel:
-    """One FIFO sender thread for one (link, direction) of this rank. `submit` returns a Future; after
-    a failure the channel refuses further work (its peer is gone or late: the step is lost)."""
+@dataclass
+class _Comm:
+    """One send or receive of a batch on this rank: its messages (`phase`) and what to do with the
+    result once the batch completed."""
 
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._failed: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name=f"send {label}", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            if self._failed is not None:
-                fut.set_exception(RuntimeError(f"{self.label}: an earlier send failed: {self._failed}"))
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                self._failed = exc
-                fut.set_exception(exc)
-
-    def close(self) -> None:
-        self._queue.put(None)
+    action: object
+    where: str
+    phase: Phase
+    finish: Callable[[Phase], None]
 
 
 class DisjointSchedule:
@@ -111,13 +87,6 @@ class DisjointSchedule:
                  runner: StageRunner) -> None:
         if plan.layout.placement != "disjoint":
             raise ValueError(f"the disjoint schedule needs placement 'disjoint', got {plan.layout.placement!r}")
-        if dist.get_backend() == "nccl":
-            # NCCL runs the sends and receives between two ranks on one stream in issue order, so the
-            # forward send of micro-batch k+1 and the backward receive of micro-batch k on the same
-            # pair deadlock on the device whatever the host threads do (Megatron fuses such pairs
-            # into one batched call); the disjoint schedule needs that fusion first.
-            raise NotImplementedError("the disjoint schedule runs on gloo only for now (NCCL needs the "
-                                      "fused send/receive pairs of 1F1B); use --hetero-placement colocated on GPUs")
         self.plan, self.config, self.topo, self.states, self.runner = plan, config, topo, states, runner
         self.layout = plan.layout
         self.micro_batches, self.mb_samples = plan.micro_batching.count, plan.micro_batching.samples
@@ -125,7 +94,6 @@ class DisjointSchedule:
         self.rank = plan.rank
         self.device = get_device()
         self.table: Optional[StageTable] = plan.disjoint  # None: an idle rank (gap between islands)
-        self._channels: dict[tuple[Link, str], _SendChannel] = {}
         self._step = -1
         if self.table is None:
             return
@@ -150,16 +118,8 @@ class DisjointSchedule:
         return Boundary(self.layout, edge, batch=self.mb_samples, hidden=t.hidden, seq=t.seq, dst_seq=t.dst_seq,
                         dst_offset=t.dst_offset, timeout_s=self.timeout_s, device=self.device)
 
-    def _channel(self, link: Link, direction: str) -> _SendChannel:
-        key = (link, direction)
-        if key not in self._channels:
-            self._channels[key] = _SendChannel(f"rank {self.rank} {direction} sends on {link}")
-        return self._channels[key]
-
     def close(self) -> None:
-        for ch in self._channels.values():
-            ch.close()
-        self._channels = {}
+        """Nothing to release: communication has no background threads."""
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self, step: int) -> StepResult:
@@ -170,25 +130,19 @@ class DisjointSchedule:
         self._outputs: dict[int, torch.Tensor] = {}
         self._out_grads: dict[int, dict[Link, torch.Tensor]] = {}
         self._seqs: dict[tuple[Link, int], int] = {}
-        self._fwd_sends: dict[tuple[Link, int], concurrent.futures.Future] = {}
-        self._pending: list[tuple[str, concurrent.futures.Future]] = []
         self._loss_sums: list[torch.Tensor] = []
         self._loss_tokens = self.runner.loss_tokens(step)
         memory = {}
         if self.table is not None:
-            for action in self.table.actions:
-                self._raise_failed_sends()
-                if isinstance(action, RecvAct):
-                    self._recv(action)
-                elif isinstance(action, Forward):
-                    self._forward(action.mb)
-                elif isinstance(action, SendAct):
-                    self._send(action)
-                elif isinstance(action, Backward):
-                    self._backward(action.mb)
-                else:  # pragma: no cover - the tables hold only these four
-                    raise AssertionError(f"unknown action {action!r}")
-            self._drain()
+            for item in self.table.batches():
+                if isinstance(item, tuple):
+                    self._exchange(item)
+                elif isinstance(item, Forward):
+                    self._forward(item.mb)
+                elif isinstance(item, Backward):
+                    self._backward(item.mb)
+                else:  # pragma: no cover - the tables hold only these
+                    raise AssertionError(f"unknown action {item!r}")
             assert not self._outputs and not self._inputs, "a micro-batch was not finished"
         memory["step"] = resident_memory(self.states)
         for s in self.states.values():
@@ -201,22 +155,7 @@ class DisjointSchedule:
         loss = global_loss(self._loss_sums, counts, self._loss_tokens, self.rank)
         return StepResult(loss=loss, memory=memory)
 
-    # -- sends: asynchronous, FIFO per channel ------------------------------------------------------
-    def _raise_failed_sends(self) -> None:
-        for _, fut in self._pending:
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()
-
-    def _drain(self) -> None:
-        for label, fut in self._pending:
-            try:
-                fut.result(timeout=2 * self.timeout_s + 5.0)  # each wait inside has timeout_s
-            except concurrent.futures.TimeoutError:
-                raise RuntimeError(f"rank {self.rank}: {label} did not finish within {2 * self.timeout_s + 5.0:g} s "
-                                   f"(--hetero-comm-timeout {self.timeout_s:g} s)") from None
-        self._pending = []
-        self._fwd_sends = {}
-
+    # -- communication: one batch at a time --------------------------------------------------------
     def _peers(self, a) -> list[int]:
         """The ranks on the other end of action `a` from this rank."""
         lk = a.link
@@ -225,74 +164,70 @@ class DisjointSchedule:
         other = lk.dst if a.stage == lk.src else lk.src
         return stage_ranks(self.layout.module(other.module), other.pp)
 
-    def _comm(self, a, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run one communication of action `a`; failures name the edge/link, this rank and its peers."""
+    def _exchange(self, actions: tuple) -> None:
+        """Post one batch of sends and receives at once, wait for all of it, then finish each."""
+        comms = [self._prepare(a) for a in actions]
+        ops = []
+        for c in comms:
+            ph, what = c.phase, str(c.action)
+            ops += [WireOp(True, peer, t.contiguous(), ph.tag, what, c.where) for peer, t in ph.sends.items()]
+            ops += [WireOp(False, peer, t, ph.tag, what, c.where) for peer, t in ph.recvs.items()]
         try:
-            return fn(*args)
+            exchange_batch(ops, timeout_s=self.timeout_s)
         except BoundaryTimeout:  # already names the edge, this rank and the peer
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. gloo 'Connection closed by peer' when posting
-            where = f"edge {self.boundaries[a.link].edge}" if a.link in self.boundaries else f"pipeline link {a.link}"
             first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-            raise LinkError(f"{where}: rank {self.rank} failed in '{a}' with peer ranks {self._peers(a)}: "
-                            f"{type(exc).__name__}: {first}") from exc
+            where = "; ".join(f"{c.where} '{c.action}' with peer ranks {self._peers(c.action)}" for c in comms)
+            raise LinkError(f"rank {self.rank} failed in a batch on {where}: {type(exc).__name__}: {first}") from exc
+        for c in comms:
+            c.finish(c.phase)
 
-    def _send(self, a: SendAct) -> None:
+    def _prepare(self, a) -> _Comm:
+        """The messages of action `a` on this rank (see `_Comm`)."""
         mb, lk = a.mb, a.link
-        ch = self._channel(lk, a.direction)
-        label = f"{a} (rank {self.rank})"
-        if a.direction == "fwd":
-            out = self._outputs[mb].detach()
-            if lk in self.boundaries:
-                b = self.boundaries[lk]
-                x = out.contiguous()  # an edge tensor: [rows, seq, hidden]
-                assert x.shape[0] == self.dp_share, (x.shape, lk)
-                self._seqs[(lk, mb)] = x.shape[1] * self.me.cp
-                fut = ch.submit(self._comm, a, b.forward_exchange, x)
-            else:
-                fut = ch.submit(self._comm, a, self._pipeline_send, out.contiguous(), self.next_rank, lk,
-                                "activation")
-            self._fwd_sends[(lk, mb)] = fut
-        else:
-            leaf = self._inputs[mb][lk]
-            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            g = g.detach()
-            if lk in self.boundaries:
-                b = self.boundaries[lk]
-                fut = ch.submit(self._comm, a, b.backward_exchange, g.contiguous(), self._seqs.pop((lk, mb)))
-            else:
-                fut = ch.submit(self._comm, a, self._pipeline_send, g.contiguous(), self.prev_rank, lk, "gradient")
-            del self._inputs[mb][lk]
+        b = self.boundaries.get(lk)
+        where = f"edge {b.edge}" if b is not None else f"pipeline link {lk}"
+        none = lambda: None  # noqa: E731 - a pipeline message assembles nothing
+        if isinstance(a, SendAct) and a.direction == "fwd":
+            out = self._outputs[mb].detach().contiguous()  # an edge tensor [rows, seq, hidden] / a stage tensor
+            if b is None:
+                return _Comm(a, where, Phase({self.next_rank: out}, {}, none, PIPELINE_TAG), lambda ph: None)
+            assert out.shape[0] == self.dp_share, (out.shape, lk)
+            ph, self._seqs[(lk, mb)] = b.planned_forward_phase(out)
+            return _Comm(a, where, ph, lambda ph: ph.finish())
+        if isinstance(a, SendAct):  # gradients of this stage's input leaves go back
+            leaf = self._inputs[mb].pop(lk)
             if not self._inputs[mb]:
                 del self._inputs[mb]
-        self._pending.append((label, fut))
-
-    def _pipeline_send(self, t: torch.Tensor, peer: int, link: Link, what: str) -> None:
-        p2p({peer: t}, {}, what=f"pipeline {what}", edge=str(link), timeout_s=self.timeout_s, tag=PIPELINE_TAG)
-
-    def _pipeline_recv(self, peer: int, link: Link, what: str) -> torch.Tensor:
-        shape, dtype = self.runner.stage_tensor(self.name, self.dp_share)
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        p2p({}, {peer: buf}, what=f"pipeline {what}", edge=str(link), timeout_s=self.timeout_s, tag=PIPELINE_TAG)
-        return buf
-
-    # -- receives: blocking, on this thread --------------------------------------------------------
-    def _recv(self, a: RecvAct) -> None:
-        mb, lk = a.mb, a.link
-        if a.direction == "fwd":
-            if lk in self.boundaries:
-                y, seq = self._comm(a, self.boundaries[lk].forward_exchange, None)
-                self._seqs[(lk, mb)] = seq
+            g = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().contiguous()
+            if b is None:
+                return _Comm(a, where, Phase({self.prev_rank: g}, {}, none, PIPELINE_TAG), lambda ph: None)
+            return _Comm(a, where, b.backward_phase(g, self._seqs.pop((lk, mb))), lambda ph: ph.finish())
+        if a.direction == "fwd":  # receive this stage's input of mb
+            if b is None:
+                shape, dtype = self.runner.stage_tensor(self.name, self.dp_share)
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
+                ph = Phase({}, {self.prev_rank: buf}, lambda: buf, PIPELINE_TAG)
             else:
-                y = self._comm(a, self._pipeline_recv, self.prev_rank, lk, "activation")
-            self._inputs.setdefault(mb, {})[lk] = y.detach().requires_grad_(True)
+                ph, self._seqs[(lk, mb)] = b.planned_forward_phase(None)
+
+            def store_input(ph: Phase) -> None:
+                self._inputs.setdefault(mb, {})[lk] = ph.finish().detach().requires_grad_(True)
+
+            return _Comm(a, where, ph, store_input)
+        # receive the gradient of this stage's output
+        if b is None:
+            shape, dtype = self.runner.stage_tensor(self.name, self.dp_share)
+            gbuf = torch.empty(shape, dtype=dtype, device=self.device)
+            ph = Phase({}, {self.next_rank: gbuf}, lambda: gbuf, PIPELINE_TAG)
         else:
-            if lk in self.boundaries:
-                self._fwd_sends[(lk, mb)].result(timeout=2 * self.timeout_s + 5.0)  # our forward send of mb has left
-                g = self._comm(a, self.boundaries[lk].backward_exchange, None, self._seqs.pop((lk, mb)))
-            else:
-                g = self._comm(a, self._pipeline_recv, self.next_rank, lk, "gradient")
-            self._out_grads.setdefault(mb, {})[lk] = g
+            ph = b.backward_phase(None, self._seqs.pop((lk, mb)))
+
+        def store_grad(ph: Phase) -> None:
+            self._out_grads.setdefault(mb, {})[lk] = ph.finish()
+
+        return _Comm(a, where, ph, store_grad)
 
     # -- compute ----------------------------------------------------------------------------------
     def _forward(self, mb: int) -> None:

@@ -85,6 +85,38 @@ def p2p(
         _wait(work, label, edge, rank, peer, timeout_s)
 
 
+@dataclass(frozen=True)
+class WireOp:
+    """One message of a batch: send `tensor` to, or receive into `tensor` from, global rank `peer`.
+    `what` and `edge` name it in errors (e.g. 'forward boundary payload', 'edge vision->language')."""
+
+    send: bool
+    peer: int
+    tensor: torch.Tensor
+    tag: int
+    what: str
+    edge: str
+
+
+def exchange_batch(ops: list[WireOp], *, timeout_s: float) -> None:
+    """Post every operation of `ops` at once (`torch.distributed.batch_isend_irecv`: one fused group
+    on NCCL, independent isend/irecv on gloo, the same code path) and wait for all of them, each
+    with `timeout_s`; a failure names the edge or link, this rank and the peer. The batch completes
+    only when every peer has posted the matching operation (no buffering is assumed)."""
+    if not ops:
+        return
+    rank = dist.get_rank()
+    p2p_ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, tag=op.tag) for op in ops]
+    works = dist.batch_isend_irecv(p2p_ops)
+    if len(works) == len(ops):
+        for op, work in zip(ops, works):
+            _wait(work, f"{op.what} {'to' if op.send else 'from'}", op.edge, rank, op.peer, timeout_s)
+    else:  # one coalesced work for the whole group (NCCL)
+        labels = ", ".join(sorted({f"{op.edge} (rank {op.peer})" for op in ops}))
+        for work in works:
+            _wait(work, f"batch of {len(ops)} messages on {labels}; peer", ops[0].edge, rank, ops[0].peer, timeout_s)
+
+
 def broadcast(tensor: torch.Tensor, root: int, group: dist.ProcessGroup, *, what: str, edge: str, timeout_s: float) -> None:
     """`dist.broadcast` from global rank `root` over `group`, with a timeout naming edge, rank and root."""
     work = dist.broadcast(tensor, src=root, group=group, async_op=True)
