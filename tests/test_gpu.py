@@ -60,3 +60,18 @@ def test_colocated_two_gpus_same_loss_as_world1():
     got, ref = _losses(two, 2), _reference()
     assert len(got) == len(ref) == JOB.train_iters
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs (one per NCCL rank); {GPUS} present")
+def test_disjoint_on_nccl_same_loss_as_world1():
+    """The disjoint schedule's batch_isend_irecv batches on NCCL: encoder @0 -> language PP1 @1, and
+    with 3+ GPUs a pipelined language model (fused send-forward/receive-backward pairs)."""
+    two = {"placement": "disjoint", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
+    got, ref = _losses(two, 2), _reference()
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
+    if GPUS >= 3:
+        three = {"placement": "disjoint", "modules": {"vision": {}, "language": {"pp": 2}},
+                 "edges": ["vision -> language"]}
+        got = _losses(three, 3)
+        assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
