@@ -5,7 +5,7 @@
         -- <train arguments>
 
 The job: one `srun` task per node, each running `torchrun --nnodes N --nproc-per-node R --rdzv-backend c10d
---rdzv-endpoint HEAD:PORT -m megatron_hetero.cli train --hetero-layout L <train arguments>`, with the
+--rdzv-endpoint HEAD:PORT -m megatron_hetero train --hetero-layout L <train arguments>`, with the
 rendezvous on the first node of the allocation (`scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1`)
 and the port derived from the job id (20000 + SLURM_JOB_ID % 20000, the rule `rank_env` uses too).
 Each torchrun worker is one rank of `train` (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*).
