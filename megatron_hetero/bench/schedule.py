@@ -114,9 +114,11 @@ def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: i
     costs = {m: (statistics.mean(fwd[m]), statistics.mean(bwd[m])) for m in fwd}
     micro_batches = step_micro_batching(layout, job.global_batch_size, job.micro_batch_size).count
     tables = build_tables(layout, micro_batches, stage_costs=costs)
-    report = check_tables(tables, layout=layout)
+    report = check_tables(tables, layout=layout, mode="rendezvous")  # what the runtime's batches do
+    buffered = check_tables(tables, layout=layout)  # with sends that never wait
     return {"case": name, "stages": len(timers), "micro_batches": micro_batches,
             "measured_bubble": statistics.median(measured), "predicted_bubble": report.bubble_fraction,
+            "predicted_bubble_buffered": buffered.bubble_fraction,
             "stage_costs_s": {m: {"forward": f, "backward": b} for m, (f, b) in costs.items()}}
 
 
