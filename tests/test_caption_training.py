@@ -110,18 +110,59 @@ def test_world1_trains_on_digits(setup):
     assert ref["position"]["consumed"] == STEPS * G and ref["position"]["samples_per_epoch"] == 1597
 
 
+LAYOUTS = [
+    ("colocated vision DP2 + language TP2", _doc({"dp": 2}, {"tp": 2})),
+    ("colocated vision TP2 + language DP2", _doc({"tp": 2}, {"dp": 2})),
+    ("disjoint vision rank 0, language rank 1", {**_doc({}, {}), "placement": "disjoint"}),
+]
+
+
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("vision,language", [({"dp": 2}, {"tp": 2}), ({"tp": 2}, {"dp": 2})],
-                         ids=["vision DP2 + language TP2", "vision TP2 + language DP2"])
-def test_layouts_see_the_same_samples_and_losses(setup, vision, language):
+@pytest.mark.parametrize("label,doc", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_layouts_see_the_same_samples_and_losses(setup, label, doc):
     cfg, spec, job = setup
     ref = _reference(cfg, spec, job)
-    per_rank = _run(_doc(vision, language), 2, cfg, spec, job)
+    per_rank = _run(doc, 2, cfg, spec, job)
     for r in per_rank:
         assert r["keys"] == ref["keys"]  # the same global samples at every step, on every rank
         assert r["loss_tokens"] == ref["loss_tokens"]
     got = per_rank[0]["losses"]
     assert all(r["losses"] == got for r in per_rank)
     rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref["losses"]))
-    print(f"\n{vision} {language}: losses {got}, reference {ref['losses']}, max rel {rel:.2e}")
+    print(f"\n{label}: losses {got}, reference {ref['losses']}, max rel {rel:.2e}")
     assert rel <= 1e-5, f"losses differ by {rel:.2e} relative: {got} vs {ref['losses']}"
+
+
+def _train_args(*argv: str):
+    import argparse
+
+    from megatron_hetero.cli.data import add_train_data_flags
+    from megatron_hetero.cli.model_flags import add_model_flags
+
+    p = argparse.ArgumentParser()
+    add_model_flags(p)
+    add_train_data_flags(p)
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args(list(argv))
+
+
+def test_train_flags_to_caption_job_data(digits):
+    from megatron_hetero.models.caption_runner import caption_job_data
+
+    base = LlavaSpec()
+    assert caption_job_data(_train_args(), base) == (base, None)  # synthetic data
+    assert caption_job_data(_train_args("--mock-data"), base) == (base, None)
+    spec, cfg = caption_job_data(_train_args("--data-path", digits, "--seed", "5"), base)
+    assert cfg.resolved() and cfg.seed == 5 and cfg.path == digits and cfg.tokenizer_model is None
+    assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim, spec.vocab_size) == (4, 16, 384)
+    spec, cfg = caption_job_data(_train_args("--data-path", digits, "--patch-size", "2", "--vocab-size", "512",
+                                             "--encoder-tokens", "16"), base)
+    assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim, spec.vocab_size) == (16, 4, 512)
+    for argv, match in ((("--data-path", digits, "--mock-data"), "give one"),
+                        (("--tokenizer-model", "t.json"), "applies to --data-path"),
+                        (("--data-path", digits, "--encoder-tokens", "8"), "tokens = \\(H/p\\)"),
+                        (("--data-path", digits, "--vocab-size", "100"), "smaller than the tokenizer"),
+                        (("--data-path", digits, "--patch-size", "3"), "not divisible by --patch-size 3"),
+                        (("--data-path", digits + "/nowhere",), "cannot open split 'train'")):
+        with pytest.raises(ValueError, match=match):
+            caption_job_data(_train_args(*argv), base)

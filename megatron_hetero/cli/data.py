@@ -32,6 +32,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`train`'s data flags (Megatron-LM's names where it has them); read by
+    `models.caption_runner.caption_job_data`."""
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", default=None,
+                   help="an energon captioning dataset (image + caption), e.g. from `megatron-hetero data digits`; "
+                        "the encoder's tokens/features come from its images and --patch-size, the vocabulary from "
+                        "the tokenizer (default: synthetic data)")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="a Hugging Face tokenizer.json (default: the shipped byte-level BPE, no download)")
+    g.add_argument("--mock-data", action="store_true", help="synthetic data (the default without --data-path)")
+    g.add_argument("--patch-size", type=int, default=None, help="image patch size in pixels (default 4): "
+                                                                 "one encoder token per patch")
+    g.add_argument("--data-prompt", default=None, help="text between the image and the caption (not in the loss; "
+                                                       "default none)")
+    return parser
+
+
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 

@@ -9,16 +9,18 @@ count because every rank reads the whole global batch, see energon_data's docstr
 `caption_runner_factory(data, spec, global_batch)` is what a trainer plugs in:
     runner = factory(plan, states) if factory else None
     schedule = make_schedule(plan, job, topo, states, runner=runner)
+and `caption_job_data(args, spec)` what `train --data-path DIR` does in the launching process: the
+resolved `CaptionDataConfig` and the model spec fitted to the data and the tokenizer.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
 from megatron_hetero.models import llava_runner as _llava_runner
-from megatron_hetero.models.energon_data import CaptionBatches, CaptionDataConfig
+from megatron_hetero.models.energon_data import CaptionBatches, CaptionDataConfig, caption_spec, resolve_config
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.models.tokenizer import load_tokenizer
@@ -87,3 +89,33 @@ def caption_runner_factory(data: CaptionDataConfig, spec: LlavaSpec,
         return CaptionStageRunner(spec, plan, states, batches)
 
     return make
+
+
+def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[CaptionDataConfig]]:
+    """`train`'s data flags -> (spec, data config), in the launching process (and on every rank under
+    torchrun/srun: deterministic). Without --data-path: (spec, None), the synthetic data (--mock-data).
+    With it: the dataset's image format resolved (`energon_data.resolve_config`), and `spec` with the
+    encoder's tokens/feature_dim from the data and the vocabulary from the tokenizer
+    (`energon_data.caption_spec`). Flags read (absent ones count as not given): data_path,
+    tokenizer_model, mock_data, patch_size, data_prompt, seed, vocab_size, encoder_tokens,
+    encoder_feature_dim. ValueError for conflicting or impossible values."""
+    path = getattr(args, "data_path", None)
+    if not path:
+        if getattr(args, "tokenizer_model", None):
+            raise ValueError("--tokenizer-model applies to --data-path (the synthetic data has no text)")
+        return spec, None
+    if getattr(args, "mock_data", False):
+        raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
+    cfg = resolve_config(CaptionDataConfig(
+        path=str(path), tokenizer_model=getattr(args, "tokenizer_model", None),
+        seed=int(getattr(args, "seed", 1234)), patch_size=int(getattr(args, "patch_size", None) or 4),
+        prompt=getattr(args, "data_prompt", None) or ""))
+    for flag, given, derived in (("--encoder-tokens", getattr(args, "encoder_tokens", None), cfg.image_tokens),
+                                 ("--encoder-feature-dim", getattr(args, "encoder_feature_dim", None), cfg.feature_dim)):
+        if given is not None and given != derived:
+            h, w = cfg.image_size
+            raise ValueError(f"{flag} {given}: --data-path {path} gives {derived} ({h}x{w} images, {cfg.channels} "
+                             f"channel(s), --patch-size {cfg.patch_size}: tokens = (H/p)*(W/p), features = C*p*p); "
+                             f"leave it out or change --patch-size")
+    tok = load_tokenizer(cfg.tokenizer_model)
+    return caption_spec(spec, cfg, tok, vocab_size=getattr(args, "vocab_size", None)), cfg
