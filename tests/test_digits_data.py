@@ -185,6 +185,50 @@ def test_text_sample_masks_caption_tokens_only(tok):
     assert long["loss_mask"].sum() == S - 4 and tok.eos_id not in long["labels"].tolist()
 
 
+def _colour_dataset(out: Path) -> Path:
+    """Another energon captioning dataset: 24 RGB 12x10 JPEGs of plain colours, one split."""
+    import io
+
+    from PIL import Image
+
+    out.mkdir()
+    colours = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255)}
+    with tarfile.open(out / "shard-000000.tar", "w") as tf:
+        for i in range(24):
+            name = list(colours)[i % 3]
+            buf = io.BytesIO()
+            Image.new("RGB", (10, 12), colours[name]).save(buf, "JPEG")
+            for ext, data in (("jpg", buf.getvalue()), ("txt", f"a {name} picture".encode())):
+                info = tarfile.TarInfo(f"{i:03d}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    energon = [sys.executable, "-c", "import sys; from megatron.energon.cli.main import main; sys.exit(main())"]
+    subprocess.run(energon + ["prepare", str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
+                              "CaptioningSample", "--field-map", '{"image": "jpg", "caption": "txt"}',
+                              "--num-workers", "1", "--no-progress"], check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_any_captioning_dataset_rgb_and_resized(tmp_path, tok):
+    path = str(_colour_dataset(tmp_path / "colours"))
+    cfg = resolve_config(CaptionDataConfig(path, patch_size=2))
+    assert cfg.image_size == (12, 10) and cfg.channels == 3
+    assert (cfg.image_tokens, cfg.feature_dim) == (30, 12)
+    with pytest.raises(ValueError, match="12x10 is not divisible by --patch-size 4"):
+        resolve_config(CaptionDataConfig(path))
+    small = resolve_config(CaptionDataConfig(path, patch_size=4, image_size=(8, 8)))  # resized
+    assert (small.image_tokens, small.feature_dim) == (4, 48)
+    data = CaptionBatches(small, tok, encoder="vision", seq_length=S, global_batch=4)
+    win = data.step_batch(0)
+    assert win["features"]["vision"].shape == (4, 4, 48)
+    for caption, feats in zip(win["captions"], win["features"]["vision"]):
+        rgb = feats.reshape(4, 3, 16).mean(dim=(0, 2))  # per-channel mean in [-1, 1]
+        assert int(rgb.argmax()) == ["red", "green", "blue"].index(caption.split()[1])
+    # byte-level tokens of these words are long: captions are cut at the sequence end (S + 1 - BOS - 4 image)
+    assert data.loss_tokens(0) == sum(min(len(tok.encode(c)) + 1, S - 4) for c in win["captions"])
+
+
 # ------------------------------------------------------------------------------------------
 # the global sample stream
 # ------------------------------------------------------------------------------------------

@@ -158,6 +158,9 @@ def resolve_config(cfg: CaptionDataConfig, probe: int = 32) -> CaptionDataConfig
         raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' is empty")
     probes = [_next(it) for _ in range(min(n, probe))]
     first = probes[0]
+    if not (isinstance(getattr(first, "image", None), torch.Tensor) and hasattr(first, "caption")):
+        raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' yields {type(first).__name__} samples, not "
+                         f"captioning samples (an image tensor and a caption; energon's CaptioningSample)")
     grey = all(s.image.shape[0] == 1 or bool((s.image[0] == s.image[1]).all() and (s.image[1] == s.image[2]).all())
                for s in probes)
     size = cfg.image_size or (int(first.image.shape[-2]), int(first.image.shape[-1]))
