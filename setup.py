@@ -1,6 +1,10 @@
 """megatron-hetero: per-module parallel layouts for multimodal training on Megatron-core."""
 from setuptools import find_packages, setup
 
+# Real image-caption data (`megatron-hetero data digits`, `train --data-path`): Megatron's multimodal
+# loader, the bundled digits, PNG decoding, and the caption tokenizer (notes/energon-...-on-cpu.md).
+DATA = ["megatron-energon==7.4.1", "scikit-learn", "pillow", "tokenizers"]
+
 setup(
     name="megatron-hetero",
     version="0.1.0",
@@ -10,8 +14,10 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
-    # hardware presets (`megatron-hetero search --hardware NAME`) ship inside the package
-    package_data={"megatron_hetero": ["py.typed"], "megatron_hetero.plan.hardware_presets": ["*.json"]},
+    # hardware presets (`megatron-hetero search --hardware NAME`) and the caption tokenizer
+    # (models/digits_tokenizer.json, `train --data-path` without --tokenizer-model) ship inside the package
+    package_data={"megatron_hetero": ["py.typed"], "megatron_hetero.plan.hardware_presets": ["*.json"],
+                  "megatron_hetero.models": ["*.json"]},
     install_requires=[
         # CPU machines: install torch==2.13.0 first (a local CPU wheel); an unpinned torch pulls
         # a multi-GB CUDA build. The range below is satisfied by that pin and installs nothing more.
@@ -26,7 +32,9 @@ setup(
             "pytest>=7",
             "pytest-timeout>=2",
             "hypothesis>=6",
+            *DATA,
         ],
+        "data": DATA,
         "bench": ["matplotlib"],
         # GPU machines only. Never install on a CPU machine: the transformer-engine meta package
         # alone makes `import megatron.core` raise. NVIDIA apex is not on PyPI (the PyPI package

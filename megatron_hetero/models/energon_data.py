@@ -1,0 +1,362 @@
+"""Image-caption training data from ANY energon captioning dataset, addressed by GLOBAL sample index.
+
+What a sample becomes (the `models.data` contract, so `LlavaStageRunner` and the model are unchanged):
+
+  * image -> `features[encoder]` [tokens, feature_dim]: the image (energon decodes it to float RGB in
+    [0, 1]) is reduced to `channels` (1: the mean of R, G, B), resized to `image_size` (bilinear,
+    antialiased) when it differs, scaled to [-1, 1], and cut into non-overlapping `patch_size` x
+    `patch_size` patches in row-major order; each patch is one encoder token of
+    channels * patch_size**2 features. So the ENCODER'S TOKENS AND FEATURE_DIM COME FROM THE DATA:
+    tokens = (H / p) * (W / p), feature_dim = C * p * p (the digits: 8x8 grey, p = 4 -> 4 tokens of
+    16 features). `resolve_config` fills `image_size` and `channels` from the split's first samples
+    (grey when all of the first 32 have R = G = B) unless given, and `caption_spec` puts the result
+    into the model's `LlavaSpec`.
+  * caption -> text: `[BOS] [PLACEHOLDER_ID] * tokens  prompt  caption  [EOS]  [PAD] ...`, cut or
+    padded to seq_length + 1; the image placeholder span sits at the encoder's `offset` (= 1, right
+    after BOS), as in `models.data`. `tokens` = the first seq_length, `labels` = the next token at
+    each position, and `loss_mask` = 1 exactly where the label is a CAPTION token (the caption's
+    tokens and its EOS, which ends the caption), 0 for the prompt, BOS, placeholders and padding.
+    A caption longer than the sequence is cut (then without EOS).
+
+Determinism across layouts. The samples of a run are ONE global stream, the same on every rank: the
+energon loader runs as rank 0 of a world of 1 (`WorkerConfig(rank=0, world_size=1, num_workers=0)`),
+so it knows no process group and no layout. Epoch e is the split shuffled with seed offset
+`seed * 1_000_003 + e` (`repeat=False`: each epoch is exactly a permutation of the split), and the
+stream is epoch 0, then epoch 1, ...; global sample i is sample i % N of epoch i // N (N samples in
+the split). Step t covers global samples [t*G, (t+1)*G). The stage runner asks `CaptionBatches.batch`
+for the global indices it needs (a module's DP rank d reads its rows of the step, whatever the
+layout), and `loss_tokens(step)` counts the caption tokens of the whole step. Cost: every rank reads,
+decodes, patchifies and tokenises the whole global batch of every step (G images and captions), not
+just its rows: for the 8x8 digits ~3 ms per sample (~20 ms per step of 8, measured on a busy 2-core
+machine, next to ~200 ms for the tiny model's step). For large images, decode once per node and
+share, or let each rank decode only its rows and all-reduce the loss-token count.
+
+Position (for checkpoints). Because the data is addressed by global index, the iteration number
+alone fixes the position; `state_dict()` is plain data (ints and strings, JSON-safe, no pickle):
+    {"consumed": C, "epoch": C // N, "index_in_epoch": C % N, "samples_per_epoch": N,
+     "seed": ..., "split": ..., "shuffle": ...}
+where C is the number of global samples of the steps read so far (t*G after step t-1). On restore
+`load_state_dict` checks that seed, split, shuffle and N match (ValueError otherwise: other data)
+and pre-positions the reader by deterministic replay within the epoch: a new epoch-e loader
+reading C % N samples (at most one epoch; ~1,800 samples/s for the digits on one core). Energon's
+own savable loader state would skip the replay but is a pickle (see the notes); replay restores
+exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+
+from megatron_hetero.models.data import PLACEHOLDER_ID
+from megatron_hetero.models.tokenizer import CaptionTokenizer
+
+VOCAB_MULTIPLE = 128  # the model's vocabulary is the tokenizer's padded up to a multiple of this (Megatron's default)
+_WINDOWS = 2  # steps kept decoded (the current one and the one before)
+
+
+@dataclass(frozen=True)
+class CaptionDataConfig:
+    """Where the caption data comes from and how a sample is shaped (see the module docstring).
+    `image_size` (H, W) and `channels` None: taken from the data by `resolve_config`."""
+
+    path: str
+    tokenizer_model: Optional[str] = None  # None: the shipped tokenizer (models/tokenizer.py)
+    split: str = "train"
+    seed: int = 1234
+    patch_size: int = 4
+    image_size: Optional[tuple[int, int]] = None
+    channels: Optional[int] = None
+    prompt: str = ""
+    shuffle: bool = True
+    shuffle_buffer_size: int = 100
+    max_samples_per_sequence: int = 100
+
+    def resolved(self) -> bool:
+        return self.image_size is not None and self.channels is not None
+
+    @property
+    def image_tokens(self) -> int:
+        h, w = self._size()
+        return (h // self.patch_size) * (w // self.patch_size)
+
+    @property
+    def feature_dim(self) -> int:
+        self._size()
+        return self.channels * self.patch_size ** 2
+
+    def _size(self) -> tuple[int, int]:
+        if not self.resolved():
+            raise ValueError("caption data config is not resolved (image_size/channels unknown): call resolve_config")
+        return self.image_size
+
+    def validate(self) -> None:
+        if self.patch_size < 1:
+            raise ValueError(f"--patch-size {self.patch_size}: must be >= 1")
+        if self.channels is not None and self.channels not in (1, 3):
+            raise ValueError(f"image channels must be 1 (grey) or 3 (RGB), got {self.channels}")
+        if self.image_size is not None:
+            h, w = self.image_size
+            if h % self.patch_size or w % self.patch_size:
+                raise ValueError(f"image size {h}x{w} is not divisible by --patch-size {self.patch_size} "
+                                 f"(remainders {h % self.patch_size}, {w % self.patch_size})")
+
+
+@contextlib.contextmanager
+def _quiet():
+    """energon warns on every loader on CPU (pin_memory, a deprecated handler kwarg)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    return seed * 1_000_003 + epoch
+
+
+def open_split(path: str, split: str, *, seed: int = 0, epoch: int = 0, shuffle: bool = False,
+               shuffle_buffer_size: int = 100, max_samples_per_sequence: int = 100):
+    """(number of samples, iterator of single CaptioningSamples) over one epoch of `split`, read as
+    rank 0 of 1 (no process group). shuffle False: the split's stored order."""
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
+    from megatron.energon.errors import reraise_exception
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, seed_offset=epoch_seed(seed, epoch),
+                      global_error_handler=reraise_exception)  # a bad sample stops the run, never shifts indices
+    with _quiet():
+        if shuffle:
+            ds = get_train_dataset(path, split_part=split, worker_config=wc, batch_size=None, repeat=False,
+                                   shuffle_buffer_size=shuffle_buffer_size,
+                                   max_samples_per_sequence=max_samples_per_sequence)
+        else:
+            ds = get_val_dataset(path, split_part=split, worker_config=wc, batch_size=None)
+        return len(ds), iter(get_loader(ds))
+
+
+def _next(it):
+    with _quiet():
+        return next(it)
+
+
+def resolve_config(cfg: CaptionDataConfig, probe: int = 32) -> CaptionDataConfig:
+    """`cfg` with `image_size` (the first sample's) and `channels` (1 if the first `probe` samples
+    of the split, in stored order, are all grey, else 3) filled in where None; validated."""
+    cfg.validate()
+    if cfg.resolved():
+        return cfg
+    try:
+        n, it = open_split(cfg.path, cfg.split)
+    except Exception as exc:
+        raise ValueError(f"--data-path {cfg.path}: cannot open split '{cfg.split}' as an energon dataset "
+                         f"({type(exc).__name__}: {exc})") from None
+    if n == 0:
+        raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' is empty")
+    probes = [_next(it) for _ in range(min(n, probe))]
+    first = probes[0]
+    if not (isinstance(getattr(first, "image", None), torch.Tensor) and hasattr(first, "caption")):
+        raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' yields {type(first).__name__} samples, not "
+                         f"captioning samples (an image tensor and a caption; energon's CaptioningSample)")
+    grey = all(s.image.shape[0] == 1 or bool((s.image[0] == s.image[1]).all() and (s.image[1] == s.image[2]).all())
+               for s in probes)
+    size = cfg.image_size or (int(first.image.shape[-2]), int(first.image.shape[-1]))
+    out = replace(cfg, image_size=tuple(size), channels=cfg.channels or (1 if grey else 3))
+    out.validate()
+    return out
+
+
+def patchify(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
+    """[C0, H0, W0] (or [H0, W0]) float image in [0, 1] -> [tokens, feature_dim] encoder input."""
+    h, w = cfg._size()
+    x = image.float()
+    if x.dim() == 2:
+        x = x.unsqueeze(0)
+    if cfg.channels == 1:
+        x = x.mean(0, keepdim=True)
+    elif x.shape[0] == 1:
+        x = x.expand(3, -1, -1)
+    if tuple(x.shape[-2:]) != (h, w):
+        x = torch.nn.functional.interpolate(x.unsqueeze(0), size=(h, w), mode="bilinear", align_corners=False,
+                                            antialias=True).squeeze(0)
+    x = (x - 0.5) / 0.5
+    p, c = cfg.patch_size, x.shape[0]
+    return x.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape((h // p) * (w // p), c * p * p).contiguous()
+
+
+def caption_text(caption: Any) -> str:
+    return caption if isinstance(caption, str) else str(caption[0])
+
+
+def text_sample(caption: str, tok: CaptionTokenizer, *, seq_length: int, image_tokens: int,
+                prompt: str = "") -> dict:
+    """tokens, labels, loss_mask [seq_length] of one caption (layout: module docstring)."""
+    cap = tok.encode(caption) + [tok.eos_id]
+    head = [tok.bos_id] + [PLACEHOLDER_ID] * image_tokens + (tok.encode(prompt) if prompt else [])
+    full = (head + cap)[:seq_length + 1]
+    is_caption = [0] * len(head) + [1] * len(cap)
+    is_caption = is_caption[:seq_length + 1]
+    pad = seq_length + 1 - len(full)
+    full += [tok.pad_id] * pad
+    is_caption += [0] * pad
+    t = torch.tensor(full, dtype=torch.long)
+    return {"tokens": t[:-1].clone(), "labels": t[1:].clone(),
+            "loss_mask": torch.tensor(is_caption[1:], dtype=torch.float32)}
+
+
+def caption_spec(spec, cfg: CaptionDataConfig, tok: CaptionTokenizer, vocab_size: Optional[int] = None):
+    """`spec` (a `models.llava.LlavaSpec` with ONE encoder) made to fit the caption data: the encoder's
+    `tokens` and `feature_dim` from the (resolved) image format, and the vocabulary from the tokenizer
+    (its size padded up to a multiple of 128, or `vocab_size` if given and large enough).
+    ValueError when the encoder is not at offset 1, the sequence cannot hold BOS + image + prompt +
+    one caption token + EOS, or `vocab_size` is too small."""
+    if len(spec.encoders) != 1:
+        raise ValueError(f"caption data feeds one image encoder; the layout has encoders {sorted(spec.encoders)}")
+    (name, enc), = spec.encoders.items()
+    if enc.offset != 1:
+        raise ValueError(f"encoder {name}: caption data puts the image right after BOS (offset 1), not at {enc.offset}")
+    need = 1 + cfg.image_tokens + (len(tok.encode(cfg.prompt)) if cfg.prompt else 0) + 2
+    if spec.seq_length + 1 < need:
+        raise ValueError(f"--seq-length {spec.seq_length}: a caption sample needs at least {need - 1} positions "
+                         f"(BOS 1 + image tokens {cfg.image_tokens} + prompt + one caption token + EOS)")
+    if vocab_size is None:
+        vocab_size = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif vocab_size < tok.vocab_size:
+        raise ValueError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens "
+                         f"({tok.name})")
+    enc = replace(enc, tokens=cfg.image_tokens, feature_dim=cfg.feature_dim)
+    return replace(spec, vocab_size=vocab_size, encoders={name: enc})
+
+
+class CaptionStream:
+    """Global sample i of the run -> (key, image, caption); see the module docstring ("Determinism")."""
+
+    def __init__(self, cfg: CaptionDataConfig) -> None:
+        self.cfg = cfg
+        self._epoch, self._next, self._it = -1, 0, None
+        self.samples_per_epoch = self._open(0)
+        if self.samples_per_epoch == 0:
+            raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' is empty")
+        self.replayed = 0  # samples read only to reach a position (restore, going back)
+
+    def _open(self, epoch: int) -> int:
+        c = self.cfg
+        n, self._it = open_split(c.path, c.split, seed=c.seed, epoch=epoch, shuffle=c.shuffle,
+                                 shuffle_buffer_size=c.shuffle_buffer_size,
+                                 max_samples_per_sequence=c.max_samples_per_sequence)
+        self._epoch, self._next = epoch, 0
+        return n
+
+    def seek(self, index: int) -> None:
+        """Make `read(index)` the next read."""
+        epoch, j = divmod(index, self.samples_per_epoch)
+        if epoch != self._epoch or j < self._next:
+            self._open(epoch)
+        while self._next < j:
+            _next(self._it)
+            self._next += 1
+            self.replayed += 1
+
+    def read(self, index: int) -> tuple[str, torch.Tensor, str]:
+        self.seek(index)
+        s = _next(self._it)
+        self._next += 1
+        return str(s.__key__), s.image, caption_text(s.caption)
+
+
+class CaptionBatches:
+    """The caption samples of a training run by global sample index, for one rank (see the module
+    docstring): `batch(samples)` has the keys of `models.data.batch`; `loss_tokens(step)`;
+    `state_dict`/`load_state_dict` (plain data)."""
+
+    def __init__(self, cfg: CaptionDataConfig, tok: CaptionTokenizer, *, encoder: str, seq_length: int,
+                 global_batch: int) -> None:
+        if not cfg.resolved():
+            raise ValueError("CaptionBatches needs a resolved config (resolve_config)")
+        self.cfg, self.tok, self.encoder = cfg, tok, encoder
+        self.seq_length, self.global_batch = seq_length, global_batch
+        self.stream = CaptionStream(cfg)
+        self._windows: "OrderedDict[int, dict]" = OrderedDict()
+        self.consumed = 0
+
+    def step_batch(self, step: int) -> dict:
+        """Every sample of global step `step`, stacked: tokens, labels, loss_mask [G, S], features
+        {encoder: [G, tokens, feature_dim]}, and keys, captions (lists)."""
+        if step in self._windows:
+            self._windows.move_to_end(step)
+            return self._windows[step]
+        g, items = self.global_batch, []
+        for i in range(step * g, (step + 1) * g):
+            key, image, caption = self.stream.read(i)
+            t = text_sample(caption, self.tok, seq_length=self.seq_length, image_tokens=self.cfg.image_tokens,
+                            prompt=self.cfg.prompt)
+            items.append((key, caption, patchify(image, self.cfg), t))
+        win = {
+            "tokens": torch.stack([t["tokens"] for *_, t in items]),
+            "labels": torch.stack([t["labels"] for *_, t in items]),
+            "loss_mask": torch.stack([t["loss_mask"] for *_, t in items]),
+            "features": {self.encoder: torch.stack([f for _, _, f, _ in items])},
+            "keys": [k for k, *_ in items],
+            "captions": [c for _, c, *_ in items],
+        }
+        self._windows[step] = win
+        while len(self._windows) > _WINDOWS:
+            self._windows.popitem(last=False)
+        self.consumed = max(self.consumed, (step + 1) * g)
+        return win
+
+    def batch(self, samples: range) -> dict:
+        """Global samples `samples` (within one step), stacked as `models.data.batch` stacks them."""
+        step, lo = divmod(samples.start, self.global_batch)
+        hi = lo + len(samples)
+        if hi > self.global_batch:
+            raise ValueError(f"samples {samples} cross the end of step {step} (global batch {self.global_batch})")
+        win = self.step_batch(step)
+        return {"tokens": win["tokens"][lo:hi], "labels": win["labels"][lo:hi], "loss_mask": win["loss_mask"][lo:hi],
+                "features": {n: f[lo:hi] for n, f in win["features"].items()}}
+
+    def loss_tokens(self, step: int) -> int:
+        """Caption loss tokens of the whole global batch of `step`."""
+        return int(self.step_batch(step)["loss_mask"].sum().item())
+
+    def state_dict(self) -> dict:
+        n, c = self.stream.samples_per_epoch, self.consumed
+        return {"consumed": c, "epoch": c // n, "index_in_epoch": c % n, "samples_per_epoch": n,
+                "seed": self.cfg.seed, "split": self.cfg.split, "shuffle": self.cfg.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a position saved by `state_dict` (checks it is the same data; replays to it)."""
+        mine = self.state_dict()
+        for k in ("samples_per_epoch", "seed", "split", "shuffle"):
+            if state.get(k) != mine[k]:
+                raise ValueError(f"data position was saved for {k}={state.get(k)!r}, this run has {mine[k]!r}")
+        c = int(state["consumed"])
+        if c % self.global_batch:
+            raise ValueError(f"data position: {c} consumed samples is not a whole number of global batches "
+                             f"of {self.global_batch}")
+        self._windows.clear()
+        self.consumed = c
+        self.stream.seek(c)
+
+
+def heldout_batch(cfg: CaptionDataConfig, tok: CaptionTokenizer, *, encoder: str, seq_length: int,
+                  split: str = "val", limit: Optional[int] = None) -> dict:
+    """Every sample of `split` in stored order (no shuffle), stacked as `CaptionBatches.step_batch`
+    (for evaluation, e.g. `caption_eval.greedy_digit_accuracy`)."""
+    c = replace(cfg, split=split, shuffle=False)
+    n, it = open_split(c.path, split)
+    n = n if limit is None else min(n, limit)
+    samples = [_next(it) for _ in range(n)]
+    texts = [text_sample(caption_text(s.caption), tok, seq_length=seq_length, image_tokens=c.image_tokens,
+                         prompt=c.prompt) for s in samples]
+    return {
+        "tokens": torch.stack([t["tokens"] for t in texts]),
+        "labels": torch.stack([t["labels"] for t in texts]),
+        "loss_mask": torch.stack([t["loss_mask"] for t in texts]),
+        "features": {encoder: torch.stack([patchify(s.image, c) for s in samples])},
+        "keys": [str(s.__key__) for s in samples],
+        "captions": [caption_text(s.caption) for s in samples],
+    }
