@@ -29,7 +29,7 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 0.0
-    min_lr: float = 0.0  # the floor of a decaying learning-rate schedule (param groups carry it)
+    min_lr: float = 0.0  # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it)
 
     def validate(self) -> None:
         if self.optimizer not in ("adam", "sgd"):

@@ -83,7 +83,7 @@ def job_from_args(args: Any, layout: HeteroLayout):
 
     optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        clip_grad=args.clip_grad, min_lr=getattr(args, "min_lr", 0.0))
+                        clip_grad=args.clip_grad)
     schedule = LRSchedule(lr_warmup_iters=getattr(args, "lr_warmup_iters", 0),
                           lr_decay_style=getattr(args, "lr_decay_style", "constant"),
                           lr_decay_iters=getattr(args, "lr_decay_iters", None), min_lr=getattr(args, "min_lr", 0.0))

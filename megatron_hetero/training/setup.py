@@ -127,9 +127,12 @@ def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch
 
 def build_states(layout: HeteroLayout, job: JobConfig, topo) -> dict[str, ModuleState]:
     """Every module this rank serves, wrapped with DDP and its optimizer (none if frozen)."""
+    import dataclasses
+
+    optim = dataclasses.replace(job.optim, min_lr=job.schedule.min_lr)  # the param groups' floor (the scheduler's)
     states = {}
     for m in layout.modules:
         if topo.serves(m.name):
             pgs = topo.pg_collection(m.name)
-            states[m.name] = ModuleState(m.name, build_module(m.name, layout, job.spec, pgs), pgs, job.optim)
+            states[m.name] = ModuleState(m.name, build_module(m.name, layout, job.spec, pgs), pgs, optim)
     return states
