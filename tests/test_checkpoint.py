@@ -241,3 +241,23 @@ def test_cli_save_resume_and_inspect(tmp_path):
                          str(ck / "iter_0000004"), "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     doc = json.loads(js.stdout)
     assert doc["iteration"] == 4 and doc["modules"]["vision"]["tensors"]["vision.position"]["shape"] == [8, 32]
+
+
+@pytest.mark.timeout(300)
+def test_frozen_modules_resume_and_unfreeze(tmp_path):
+    """LLaVA stage 1 (encoder trunk and LLM frozen, projector trains): exact resume; then stage 2
+    (LLM unfrozen) starts from the stage-1 weights with a fresh LLM optimizer."""
+    stage1 = {"placement": "colocated", "modules": {"vision": {"dp": 2, "frozen": True},
+                                                   "language": {"tp": 2, "frozen": True}},
+              "edges": ["vision -> language"]}
+    root = tmp_path / "s1"
+    full = losses(run_job(stage1, 2, JOB))
+    run_job(stage1, 2, dataclasses.replace(JOB, train_iters=2, save=str(root), save_interval=2))
+    from megatron_hetero.training import checkpoint as ckpt
+
+    _, state = ckpt.read_train_state(root)
+    assert state["modules"]["language"]["optimizer"] is None and state["modules"]["vision"]["optimizer"] == "adam"
+    assert losses(run_job(stage1, 2, dataclasses.replace(JOB, load=str(root)))) == full[2:]
+    stage2 = {**stage1, "modules": {"vision": {"dp": 2, "frozen": True}, "language": {"tp": 2}}}
+    resumed = losses(run_job(stage2, 2, dataclasses.replace(JOB, load=str(root))))
+    assert resumed[0] == full[2]  # same weights going in; the LLM trains from here on

@@ -187,7 +187,7 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
         problems.append(f"data position {data!r} is not iteration {it} x global batch")
     for name in set(saved_models) & set(now):
         rec = saved_models[name]
-        if rec.get("optimizer") not in (None, job.optim.optimizer) and _trainable(layout, now[name]):
+        if rec.get("optimizer") not in (None, job.optim.optimizer):
             problems.append(f"model {name}: saved with --optimizer {rec.get('optimizer')}, now {job.optim.optimizer}")
     if not getattr(job, "override_opt_param_scheduler", False):
         from megatron_hetero.training.lr_schedule import schedule_mismatch
@@ -205,10 +205,6 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     if problems:
         raise ValueError(f"--load {root} (iteration {it}, {d / STATE_FILE}): " + "; ".join(problems))
     return it
-
-
-def _trainable(layout: HeteroLayout, modules: list[str]) -> bool:
-    return True  # an encoder frozen in its trunk still trains its projector
 
 
 # ---------------------------------------------------------------------------------------------------
