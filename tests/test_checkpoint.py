@@ -77,12 +77,17 @@ def test_resume_same_layout_is_exact(saved):
 
 
 # (target layout, world): TP2 colocated -> disjoint islands (the encoder on its own rank); LLM TP2 ->
-# DP2; LLM PP 1 -> 2; one language module -> two pipeline segments on their own islands.
+# DP2; LLM PP 1 -> 2; one language module -> two pipeline segments on their own islands; LLM TP2 -> CP2;
+# the encoder DP2 -> PP2.
 CHANGES = {
     "colocated->disjoint": (DISJOINT_1_1, 2),
     "tp2->dp2": (COLOC_DP2, 2),
     "pp1->pp2": (COLOC_PP2, 2),
     "one module->segments": (DISJOINT_SEGMENTS, 3),
+    "tp2->cp2": ({"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"cp": 2}},
+                  "edges": ["vision -> language"]}, 2),
+    "encoder dp2->pp2": ({"placement": "colocated", "modules": {"vision": {"pp": 2}, "language": {"tp": 2}},
+                          "edges": ["vision -> language"]}, 2),
 }
 
 
