@@ -266,3 +266,34 @@ def test_frozen_modules_resume_and_unfreeze(tmp_path):
     stage2 = {**stage1, "modules": {"vision": {"dp": 2, "frozen": True}, "language": {"tp": 2}}}
     resumed = losses(run_job(stage2, 2, dataclasses.replace(JOB, load=str(root))))
     assert resumed[0] == full[2]  # same weights going in; the LLM trains from here on
+
+
+@pytest.mark.timeout(300)
+def test_killed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """A save that dies after the ranks wrote their files but before the train state and the marker
+    (rank 0 fails there) leaves the marker on the previous checkpoint, which still resumes exactly;
+    the next save of that iteration replaces the partial folder."""
+    from megatron_hetero.runtime.launcher import RankFailure
+    from megatron_hetero.training import checkpoint as ckpt
+
+    real = ckpt.manifest
+
+    def dying(d):
+        if d.name == "iter_0000004":
+            raise RuntimeError("killed while saving")
+        return real(d)
+
+    root = tmp_path / "ck"
+    monkeypatch.setattr(ckpt, "manifest", dying)  # inherited by the forked ranks
+    with pytest.raises(RankFailure, match="killed while saving"):
+        run_job(COLOC_TP2, 2, dataclasses.replace(JOB, save=str(root), save_interval=2))
+    monkeypatch.setattr(ckpt, "manifest", real)
+    assert (root / ckpt.TRACKER).read_text().strip() == "2"
+    assert (root / "iter_0000004" / "language").is_dir() and not (root / "iter_0000004" / ckpt.STATE_FILE).exists()
+    from megatron_hetero.layout import layout_from_dict
+
+    assert ckpt.check_loadable(root, layout_from_dict(COLOC_TP2, world_size=2), JOB) == 2
+    full = losses(run_job(COLOC_TP2, 2, JOB))
+    assert losses(run_job(COLOC_TP2, 2, dataclasses.replace(JOB, load=str(root), save=str(root)))) == full[2:]
+    assert (root / ckpt.TRACKER).read_text().strip() == "4"
+    ckpt.verify_manifest(*ckpt.read_train_state(root))

@@ -390,7 +390,8 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
             sub.mkdir()
         dist.barrier()
         _guard(f"saving {sub}", dist_checkpointing.save, sd, str(sub))
-    (d / RNG_DIR).mkdir(exist_ok=True) if rank == 0 else None
+    if rank == 0:
+        (d / RNG_DIR).mkdir()
     dist.barrier()
     _guard(f"saving {d / RNG_DIR}", dist_checkpointing.save, _rng_sharded_state_dict(rank, world), str(d / RNG_DIR))
     gathered: list = [None] * world
