@@ -122,7 +122,18 @@ def read_train_state(root: str | Path, iteration: Optional[int] = None) -> tuple
     return d, state
 
 
+_HASHED: dict[tuple[str, int, int], str] = {}  # (path, bytes, mtime_ns) -> sha256: validation runs more than once
+
+
 def _sha256(path: Path) -> str:
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = _sha256_of(path)
+    return _HASHED[key]
+
+
+def _sha256_of(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
