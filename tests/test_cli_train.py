@@ -38,6 +38,11 @@ def test_train_cli_same_losses_heterogeneous_and_homogeneous(tmp_path):
         assert a["step_time_s"] > 0 and set(a["memory_bytes"]) == {str(r) for r in range(8)}
     assert het_rec[-1]["loss"] < het_rec[0]["loss"]  # it trains
     assert "iteration    3/3 | lm loss" in het.stdout
+    assert "| consumed samples: 24 |" in het.stdout and "| learning rate: 1.000000E-03 |" in het.stdout
+    assert "\r[" not in het.stdout  # no progress line when stdout is not a terminal
+    for r in het_rec:
+        assert r["lr"] == 1e-3 and r["grad_norm"] > 0 and set(r["grad_norm_per_module"]) == {"vision", "language"}
+        assert r["consumed_samples"] == 8 * r["iteration"] and r["tokens_per_s"] > 0
 
 
 @pytest.mark.timeout(120)
@@ -69,3 +74,25 @@ def test_every_example_layout_trains_with_defaults(layout, tmp_path, capsys):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == 1  # --train-iters 1
     assert 4.0 < records[0]["loss"] < 5.5  # ln(128) = 4.85 at initialisation
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_schedule_clip_and_log_interval(tmp_path, capsys):
+    """In-process: --lr-warmup-iters / --lr-decay-style / --min-lr / --clip-grad reach every module's
+    optimizer; --log-interval 2 prints iterations 2 and 3 (the last), with the interval's mean loss."""
+    from megatron_hetero.cli import main
+
+    log = tmp_path / "log.jsonl"
+    rc = main(["train", "--hetero-layout", str(LAYOUTS / "disjoint_fan_in.yaml"), "--train-iters", "3",
+               "--lr-warmup-iters", "1", "--lr-decay-style", "linear", "--min-lr", "1e-4", "--clip-grad", "0.5",
+               "--log-interval", "2", "--log-jsonl", str(log)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["lr"] for r in recs] == pytest.approx([0.0, 1e-3, 1e-3 - 0.5 * (1e-3 - 1e-4)])
+    lines = [x for x in out.splitlines() if x.startswith(" iteration")]
+    assert [x.split("|")[0].split()[1] for x in lines] == ["2/3", "3/3"]
+    assert f"lm loss {(recs[0]['loss'] + recs[1]['loss']) / 2:.6f}" in lines[0]
+    assert f"grad norm: {recs[2]['grad_norm']:.4f}" in lines[1]
+    rc = main(["train", "--hetero-layout", str(LAYOUTS / "disjoint_fan_in.yaml"), "--lr-warmup-iters", "5"])
+    assert rc == 2 and "--lr-warmup-iters 5 must be smaller than the decay iterations 5" in capsys.readouterr().err

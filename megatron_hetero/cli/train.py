@@ -10,6 +10,12 @@ that one rank: it checks WORLD_SIZE against the layout (exit 2 on every rank), b
 the local rank, and only global rank 0 prints iteration lines and writes --log-jsonl. Otherwise it
 forks the layout's ranks on this machine.
 
+Iteration lines (Megatron-style, every --log-interval iterations: lm loss, consumed samples, step
+time, learning rate, grad norm, tokens/s) are printed while training; a progress line in between
+when stdout is a terminal. --lr-warmup-iters / --lr-decay-style / --lr-decay-iters / --min-lr set
+Megatron's learning-rate schedule; --save DIR --save-interval N and --load DIR checkpoint and resume
+(`training.checkpoint`: any layout of the same model can resume any other's checkpoint).
+
 Megatron-style flags for sizes (`cli.model_flags`), batch and optimizer; the layout from
 `--hetero-layout FILE` or `--hetero-module ...`. The job is built by `training.job.job_from_args`
 and validated (`training.setup.validate_job`) before any rank starts (exit 2 with the message).
@@ -41,10 +47,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up from 0 to --lr over these iterations")
+    t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
+    t.add_argument("--lr-decay-iters", type=int, default=None, help="iterations to decay over (default: --train-iters)")
+    t.add_argument("--min-lr", type=float, default=0.0, help="the rate a decay ends at")
+    t.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="on --load, use this job's learning-rate schedule instead of requiring the checkpoint's")
+    c = p.add_argument_group("checkpoints (Megatron-core dist_checkpointing; movable between layouts)")
+    c.add_argument("--save", type=str, default=None, metavar="DIR", help="save checkpoints here (and after the last iteration)")
+    c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")
+    c.add_argument("--load", type=str, default=None, metavar="DIR",
+                   help="resume from the latest checkpoint under DIR (any layout of the same model)")
     r = p.add_argument_group("launch")
     r.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks to spawn on this machine (default: what the layout uses)")
     r.add_argument("--log-jsonl", type=str, default=None, help="one JSON object per iteration")
+    r.add_argument("--log-interval", type=int, default=1, help="iteration lines every N iterations")
     r.add_argument("--launch-timeout", type=float, default=3600.0, help="seconds before hung ranks are killed")
     add_hetero_args(p)
     return p
@@ -67,8 +85,12 @@ def run(args: argparse.Namespace) -> int:
     if env is not None and args.nproc_per_node is not None:
         raise ValueError(f"--nproc-per-node {args.nproc_per_node}: this process is {env.describe()}; the launcher "
                          f"starts the ranks (give --nproc-per-node to torchrun, not to train)")
+    import dataclasses
+    import sys
+
     layout = layout_from_args(args, world_size=args.nproc_per_node)
     job = job_from_args(args, layout)
+    job = dataclasses.replace(job, progress=bool(getattr(sys.stdout, "isatty", lambda: False)()))
     if env is not None:
         check_world_size(env, layout.world_size)
     validate_job(layout, job)  # before anything is printed or started
@@ -88,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
             records = run_local(layout, job, timeout=args.launch_timeout)
         except (RankFailure, RankTimeout) as exc:
             raise CommandFailed(f"failed: {exc}") from None
-    for r in records:
-        print(f" iteration {r['iteration']:>4}/{job.train_iters} | lm loss {r['loss']:.6f} | "
-              f"step time {r['step_time_s'] * 1e3:.1f} ms", flush=True)
+    # the iteration lines were printed by global rank 0 while it trained
+    if job.save:
+        print(f"checkpoints in {job.save} (latest: iteration {job.train_iters})", flush=True)
     if layout.placement == "colocated" and records:
         mem = records[-1]["memory_bytes"]["0"]
         print("rank 0 module state resident per phase (bytes): " + "; ".join(

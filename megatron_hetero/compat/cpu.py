@@ -11,7 +11,8 @@ Megatron calls.
 The set is what a Megatron-core ``GPTModel`` (local spec, explicit ``pg_collection``) needs for
 forward/backward with TP, SP, PP (1F1B via ``get_forward_backward_func``) and CP (with
 :mod:`megatron_hetero.compat.cp_attention`), Megatron ``DistributedDataParallel`` and the
-non-distributed fp32 Megatron optimizer, and for ``CLIPViTModel``; see
+non-distributed fp32 Megatron optimizer, ``CLIPViTModel``, and ``dist_checkpointing.save`` (torch_dist
+format; loading needs nothing); see
 ``tests/test_compat.py``. Every entry was checked to be needed by one of those cases. Not covered
 (they still fail on CPU): the distributed optimizer and fp16/bf16 optimizers
 (``param.type() == 'torch.cuda.*'`` checks in ``optimizer/optimizer.py`` and
@@ -380,6 +381,19 @@ PATCHES: List[Patch] = [
         "tensor.type() reports the CUDA type name during the call (rebound in clip_grads and "
         "optimizer.optimizer, which imported it by name)",
         _clip_grads_type_check,
+    ),
+    Patch(
+        "megatron.core.dist_checkpointing.strategies.filesystem_async: FileSystemWriterAsync."
+        "preload_tensors (torch.cuda.synchronize(); every dist_checkpointing.save)",
+        "torch -> _TorchOnCpu (synchronising is a no-op on CPU)",
+        _redirect_torch_in("megatron.core.dist_checkpointing.strategies.filesystem_async"),
+    ),
+    Patch(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver: verify_global_md_reuse, "
+        "save_state_dict_async_finalize (torch.tensor(..., device='cuda' | torch.cuda.current_device()) for "
+        "the all-reduce of plan reuse and write failures; every dist_checkpointing.save)",
+        "torch -> _TorchOnCpu (the flags are CPU tensors, reduced over gloo)",
+        _redirect_torch_in("megatron.core.dist_checkpointing.strategies.state_dict_saver"),
     ),
 ]
 

@@ -29,6 +29,7 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 0.0
+    min_lr: float = 0.0  # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it)
 
     def validate(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -49,6 +50,10 @@ class ModuleState:
         self.trainable = any(p.requires_grad for p in module.parameters())
         self.ddp: Optional[DistributedDataParallel] = None
         self.optimizer = None
+        #: of the last `step`: the learning rate it ran at, and this module's gradient norm (before
+        #: clipping; over the module's own model-parallel group, so the same on every rank of it)
+        self.last_lr: Optional[float] = None
+        self.last_grad_norm: Optional[float] = None
         if self.trainable:
             config = self._config(module)
             self.ddp = DistributedDataParallel(
@@ -66,7 +71,7 @@ class ModuleState:
                     OptimizerConfig(
                         optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay,
                         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                        clip_grad=optim.clip_grad, params_dtype=torch.float32,
+                        clip_grad=optim.clip_grad, min_lr=optim.min_lr, params_dtype=torch.float32,
                     ),
                     [self.ddp],
                     pg_collection=opt_pgs,
@@ -99,10 +104,25 @@ class ModuleState:
             self.ddp.finish_grad_sync()
 
     def step(self) -> None:
+        """One optimizer step (gradients clipped to --clip-grad by this module's own norm); records
+        `last_lr` and `last_grad_norm`."""
         if self.optimizer is not None:
-            ok, _, _ = self.optimizer.step()
+            self.last_lr = self.current_lr()
+            ok, grad_norm, _ = self.optimizer.step()
             if not ok:
                 raise RuntimeError(f"module {self.name}: optimizer step skipped (non-finite gradients?)")
+            if grad_norm is None:  # a lone FP32Optimizer computes the norm only when it clips
+                grad_norm = self.optimizer.get_grad_norm()
+            self.last_grad_norm = float(grad_norm)
+
+    def current_lr(self) -> Optional[float]:
+        """The learning rate the next step runs at (the first parameter group that has parameters)."""
+        if self.optimizer is None:
+            return None
+        for group in self.optimizer.param_groups:
+            if group["params"]:
+                return float(group["lr"])
+        return None
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor of parameters, gradient buffers and optimizer state this module holds here."""

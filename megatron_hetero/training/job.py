@@ -71,31 +71,85 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234):
 def job_from_args(args: Any, layout: HeteroLayout):
     """The `JobConfig` of `train`'s flags (Megatron names: the model sizes of `ModelArgs`, and
     --train-iters --seed --optimizer --lr --weight-decay --clip-grad --adam-beta1/2 --adam-eps
-    --hetero-offload-encoder --hetero-comm-timeout) on `layout`. ValueError for invalid sizes."""
+    --lr-warmup-iters --lr-decay-style --lr-decay-iters --min-lr --save --save-interval --load
+    --override-opt-param-scheduler --log-interval --hetero-offload-encoder --hetero-comm-timeout; and
+    `progress`, set by the CLI when stdout is a terminal) on `layout`. ValueError for invalid sizes."""
     from megatron_hetero.runtime.module_state import OptimConfig
     from megatron_hetero.training.setup import JobConfig
 
     model = resolve_model(ModelArgs.from_namespace(args), layout)
     spec = llava_spec(model, layout, seed=args.seed)
+    from megatron_hetero.training.lr_schedule import LRSchedule
+
     optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                         clip_grad=args.clip_grad)
+    schedule = LRSchedule(lr_warmup_iters=getattr(args, "lr_warmup_iters", 0),
+                          lr_decay_style=getattr(args, "lr_decay_style", "constant"),
+                          lr_decay_iters=getattr(args, "lr_decay_iters", None), min_lr=getattr(args, "min_lr", 0.0))
     return JobConfig(spec=spec, global_batch_size=model.global_batch_size, micro_batch_size=model.micro_batch_size,
                      train_iters=args.train_iters, optim=optim, offload_encoder=args.hetero_offload_encoder,
-                     comm_timeout_s=args.hetero_comm_timeout)
+                     comm_timeout_s=args.hetero_comm_timeout, schedule=schedule,
+                     save=getattr(args, "save", None), save_interval=getattr(args, "save_interval", None) or 0,
+                     load=getattr(args, "load", None),
+                     override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
+                     log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False))
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per iteration: the global loss, the slowest rank's step time, per-rank memory."""
     out = []
     for i, rec in enumerate(per_rank[0]["records"]):
-        out.append({
-            "iteration": rec["iteration"],
-            "loss": rec["loss"],
-            "step_time_s": max(r["records"][i]["step_time_s"] for r in per_rank),
-            "memory_bytes": {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)},
-        })
+        step = max(r["records"][i]["step_time_s"] for r in per_rank)
+        merged = {"iteration": rec["iteration"], "loss": rec["loss"], "step_time_s": step}
+        for key in ("consumed_samples", "lr", "grad_norm", "grad_norm_per_module"):
+            if key in rec:
+                merged[key] = rec[key]
+        if "tokens" in rec:
+            merged["tokens_per_s"] = rec["tokens"] / step if step > 0 else 0.0
+        merged["memory_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}
+        out.append(merged)
     return out
+
+
+class _LinesFromRanks:
+    """A pipe the ranks' global rank 0 writes its iteration lines into (inherited over fork); a
+    thread of this process copies them to sys.stdout as they come (so they show while training, and
+    land in whatever sys.stdout is here, a capture included)."""
+
+    def __init__(self) -> None:
+        import os
+        import threading
+
+        self._r, self._w = os.pipe()
+        self._thread = threading.Thread(target=self._copy, name="rank-lines", daemon=True)
+        self._thread.start()
+
+    def write(self, text: str) -> None:  # called in the rank
+        import os
+
+        data = text.encode()
+        while data:
+            data = data[os.write(self._w, data):]
+
+    def _copy(self) -> None:
+        import os
+        import sys
+
+        with os.fdopen(self._r, "rb", buffering=0) as f:
+            while True:
+                chunk = f.read(65536)
+                if not chunk:
+                    return
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+
+    def close(self) -> None:
+        """After the ranks exited: the last writer end closes, the copy drains and ends."""
+        import os
+
+        os.close(self._w)
+        self._thread.join(timeout=10)
 
 
 def quiet_upstream_warnings() -> None:
@@ -120,7 +174,13 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
 
     validate_job(layout, job)
     apply_compat()
-    per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
+    lines = _LinesFromRanks() if job.log_interval or job.progress else None
+    try:
+        per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend(),
+                             log_write=lines.write if lines else None)
+    finally:
+        if lines is not None:
+            lines.close()
     return merge_records(per_rank)
 
 
@@ -150,7 +210,13 @@ def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[li
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     try:
         try:
-            result = train_rank(layout, job)
+            import sys
+
+            def write(text: str) -> None:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+
+            result = train_rank(layout, job, log_write=write)
         except Exception as exc:
             raise RuntimeError(f"rank {env.rank} on {socket.gethostname()} (local rank {env.local_rank}): "
                                f"{type(exc).__name__}: {exc}") from exc

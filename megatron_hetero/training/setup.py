@@ -16,6 +16,7 @@ from megatron_hetero.models.llava import EncoderModule, LanguageModule, LlavaSpe
 from megatron_hetero.plan.rank_plan import rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
+from megatron_hetero.training.lr_schedule import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,17 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     offload_encoder: bool = False
     comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    # checkpoints (Megatron's flags): save every save_interval iterations and at the end into `save`;
+    # resume from the latest checkpoint under `load`
+    save: Optional[str] = None
+    save_interval: int = 0
+    load: Optional[str] = None
+    override_opt_param_scheduler: bool = False
+    # iteration lines: every log_interval iterations on global rank 0 (0: none; the CLI sets 1),
+    # and a carriage-return progress line in between when `progress` (stdout is a terminal)
+    log_interval: int = 0
+    progress: bool = False
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(comm_timeout_s=self.comm_timeout_s)
@@ -38,6 +50,13 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     """Every user error of a job, as ValueError with the arithmetic, before any group is created."""
     spec = job.spec
     job.optim.validate()
+    job.schedule.validate(job.optim.lr, job.train_iters)
+    if not isinstance(job.save_interval, int) or job.save_interval < 0:
+        raise ValueError(f"--save-interval must be >= 0, got {job.save_interval!r}")
+    if job.save_interval and not job.save:
+        raise ValueError(f"--save-interval {job.save_interval} needs --save DIR")
+    if not isinstance(job.log_interval, int) or job.log_interval < 0:
+        raise ValueError(f"--log-interval must be >= 0, got {job.log_interval!r}")
     spec.data_config().validate()
     for name in ("global_batch_size", "micro_batch_size", "train_iters"):
         v = getattr(job, name)
@@ -80,6 +99,16 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         m = layout.module(name)
         if enc.num_layers % m.pp:
             raise ValueError(f"module {name}: {enc.num_layers} encoder layers do not split over pp({m.pp})")
+    if job.save:
+        from pathlib import Path
+
+        p = Path(job.save)
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"--save {job.save}: exists and is not a directory")
+    if job.load:
+        from megatron_hetero.training.checkpoint import check_loadable
+
+        check_loadable(job.load, layout, job)
 
 
 def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch.nn.Module:
@@ -98,9 +127,12 @@ def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch
 
 def build_states(layout: HeteroLayout, job: JobConfig, topo) -> dict[str, ModuleState]:
     """Every module this rank serves, wrapped with DDP and its optimizer (none if frozen)."""
+    import dataclasses
+
+    optim = dataclasses.replace(job.optim, min_lr=job.schedule.min_lr)  # the param groups' floor (the scheduler's)
     states = {}
     for m in layout.modules:
         if topo.serves(m.name):
             pgs = topo.pg_collection(m.name)
-            states[m.name] = ModuleState(m.name, build_module(m.name, layout, job.spec, pgs), pgs, job.optim)
+            states[m.name] = ModuleState(m.name, build_module(m.name, layout, job.spec, pgs), pgs, optim)
     return states

@@ -1,9 +1,10 @@
 """The training loop of one rank, for colocated and disjoint layouts alike."""
 from __future__ import annotations
 
+import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -37,22 +38,82 @@ def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
     return DisjointSchedule(plan, job.runtime_config(), topo, states, runner)
 
 
-def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False) -> dict[str, Any]:
-    """Run `job.train_iters` steps on this rank; returns per-step records (loss is global, the same
-    on every rank) and, if asked, this rank's parameters by module (for parity tests)."""
+def module_stats(layout: HeteroLayout, states: dict, rank: int) -> tuple[Optional[float], dict[str, float], Optional[float]]:
+    """(whole-model grad norm, per-module grad norms, learning rate) of the last step, the same on
+    every rank: one all-reduce of each module's squared norm and rate, contributed by one rank of
+    the module (TP 0, DP·CP 0, last pipeline stage: the one stage sure to hold an optimizer)."""
+    import torch
+
+    from megatron_hetero.compat.device import get_device
+    from megatron_hetero.runtime.step import run_collective
+
+    names = layout.names
+    vec = torch.zeros(3 * len(names), dtype=torch.float64, device=get_device())
+    for i, n in enumerate(names):
+        s = states.get(n)
+        if s is None or s.last_grad_norm is None:
+            continue
+        if s.pgs.tp.rank() == 0 and s.pgs.dp_cp.rank() == 0 and s.pgs.pp.rank() == s.pgs.pp.size() - 1:
+            vec[i] = s.last_grad_norm ** 2
+            vec[len(names) + i] = s.last_lr if s.last_lr is not None else 0.0
+            vec[2 * len(names) + i] = 1.0
+    run_collective("grad-norm all-reduce over the world", rank, dist.all_reduce, vec)
+    k = len(names)
+    have = [i for i in range(k) if vec[2 * k + i] > 0]
+    per_module = {names[i]: math.sqrt(float(vec[i])) for i in have}
+    total = math.sqrt(sum(float(vec[i]) for i in have)) if have else None
+    lr = float(vec[k + have[0]]) if have else None
+    return total, per_module, lr
+
+
+def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False,
+               log_write: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+    """Run iterations [start, job.train_iters) on this rank (start: 0, or the iteration of the
+    checkpoint under job.load); returns per-step records (loss is global, the same on every rank)
+    and, if asked, this rank's parameters by module (for parity tests). Saves a checkpoint every
+    job.save_interval iterations and after the last one when job.save is set. Global rank 0 writes
+    iteration lines through `log_write` (job.log_interval, job.progress)."""
+    from megatron_hetero.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_hetero.training.iteration_log import IterationLog
+    from megatron_hetero.training.lr_schedule import build_scheduler
+
     prepare_rank(job)
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
         states = build_states(layout, job, topo)
+        schedulers = {n: build_scheduler(s.optimizer, job.schedule, job.optim.lr, job.optim.weight_decay,
+                                         job.train_iters, override=job.override_opt_param_scheduler)
+                      for n, s in states.items() if s.optimizer is not None}
+        start = 0
+        if job.load:
+            start = load_checkpoint(job.load, layout, job, topo, states, schedulers)
         schedule = make_schedule(plan, job, topo, states)
+        log = IterationLog(log_write if topo.rank == 0 else None, job.train_iters, job.global_batch_size,
+                           job.log_interval, job.progress)
+        tokens = job.global_batch_size * job.spec.seq_length
         records = []
-        for it in range(job.train_iters):
+        last_saved = start if job.load else None
+        for it in range(start, job.train_iters):
             dist.barrier()
             t0 = time.perf_counter()
             res = schedule.step(it)
-            records.append({"iteration": it + 1, "loss": res.loss, "step_time_s": time.perf_counter() - t0,
-                            "memory": res.memory})
+            for sch in schedulers.values():
+                sch.step(increment=1)
+            dt = time.perf_counter() - t0
+            grad_norm, per_module, lr = module_stats(layout, states, topo.rank)
+            rec = {"iteration": it + 1, "loss": res.loss, "step_time_s": dt, "memory": res.memory,
+                   "consumed_samples": (it + 1) * job.global_batch_size, "lr": lr, "grad_norm": grad_norm,
+                   "grad_norm_per_module": per_module, "tokens": tokens,
+                   "tokens_per_s": tokens / dt if dt > 0 else 0.0}
+            records.append(rec)
+            log.record(rec)
+            if job.save and job.save_interval and (it + 1) % job.save_interval == 0:
+                save_checkpoint(job.save, it + 1, layout, job, topo, states, schedulers)
+                last_saved = it + 1
+        if job.save and job.train_iters > start and last_saved != job.train_iters:
+            save_checkpoint(job.save, job.train_iters, layout, job, topo, states, schedulers)
+        log.close()
         out: dict[str, Any] = {"records": records}
         if collect_params:
             out["params"] = {n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()}

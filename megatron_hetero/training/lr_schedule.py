@@ -1,0 +1,85 @@
+"""Learning-rate schedule of a job: Megatron-core's `OptimizerParamScheduler`, one per module optimizer.
+
+Megatron's flags and semantics, counted in iterations (Megatron counts samples when it is given
+iterations: `steps = iters * global_batch`; the ratios, and so the rates, are the same):
+  --lr-warmup-iters W   linear warm-up from 0 to --lr over the first W iterations (iteration 1 runs
+                        at lr 0 when W > 0, as in Megatron)
+  --lr-decay-style S    constant | linear | cosine after the warm-up, down to --min-lr
+  --lr-decay-iters D    iterations over which the rate decays (default: --train-iters)
+Every module steps its own scheduler once per iteration after its optimizer step; all modules have
+the same schedule, so they all run at the same rate. The scheduler's state is part of a checkpoint.
+Importing this module does not import torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Megatron's learning-rate schedule flags (iterations)."""
+
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: Optional[int] = None  # None: --train-iters
+    min_lr: float = 0.0
+
+    def decay_iters(self, train_iters: int) -> int:
+        return self.lr_decay_iters if self.lr_decay_iters is not None else train_iters
+
+    def validate(self, lr: float, train_iters: int) -> None:
+        """ValueError with the numbers for a schedule Megatron's scheduler would assert on."""
+        if self.lr_decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style must be one of {', '.join(DECAY_STYLES)}, got {self.lr_decay_style!r}")
+        if not isinstance(self.lr_warmup_iters, int) or self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters!r}")
+        decay = self.decay_iters(train_iters)
+        if not isinstance(decay, int) or decay < 1:
+            raise ValueError(f"--lr-decay-iters must be >= 1, got {decay!r}")
+        if self.lr_warmup_iters >= decay:
+            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters} must be smaller than the decay iterations "
+                             f"{decay} (--lr-decay-iters, default --train-iters)")
+        if not 0.0 <= self.min_lr <= lr:
+            raise ValueError(f"--min-lr must satisfy 0 <= min-lr <= lr, got --min-lr {self.min_lr} --lr {lr}")
+
+    def scheduler_config(self, lr: float, train_iters: int) -> dict:
+        """The values a checkpoint records and a resumed job must match (Megatron's state-dict names)."""
+        return {"max_lr": float(lr), "min_lr": float(self.min_lr), "lr_warmup_steps": self.lr_warmup_iters,
+                "lr_decay_steps": self.decay_iters(train_iters), "lr_decay_style": self.lr_decay_style}
+
+
+def build_scheduler(optimizer, schedule: LRSchedule, lr: float, weight_decay: float, train_iters: int,
+                    override: bool = False):
+    """Megatron's `OptimizerParamScheduler` on one module's Megatron optimizer (sets the rate of
+    iteration 1 already). `override`: a checkpoint's schedule values are replaced by these
+    (Megatron's --override-opt-param-scheduler); otherwise they must match."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=lr, min_lr=schedule.min_lr, lr_warmup_steps=schedule.lr_warmup_iters,
+        lr_decay_steps=schedule.decay_iters(train_iters), lr_decay_style=schedule.lr_decay_style,
+        start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=max(train_iters, 1), wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=override,
+    )
+
+
+def schedule_mismatch(saved: dict, current: dict) -> list[str]:
+    """Human-readable differences between a checkpoint's schedule values and this job's."""
+    flag = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
+            "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style"}
+    keys = list(current)
+    if current.get("lr_decay_style") == "constant" == saved.get("lr_decay_style"):
+        keys = [k for k in keys if k not in ("lr_decay_steps", "min_lr")]  # no decay: they play no part
+    return [f"{flag[k]} {saved.get(k)!r} in the checkpoint, {current[k]!r} now" for k in keys
+            if saved.get(k) != current[k]]
+
+
+def restore_scheduler(scheduler, saved: dict) -> None:
+    """Continue `scheduler` at a checkpoint's step count. Its values are this job's: the launcher
+    checked they match the checkpoint's (`schedule_mismatch`) or --override-opt-param-scheduler
+    was given (Megatron's override semantics)."""
+    scheduler.num_steps = 0
+    scheduler.step(increment=int(saved["num_steps"]))
