@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     p = sub.add_parser(NAME, help="train the tiny LLaVA-style model on a heterogeneous layout")
     add_model_flags(p)
+    from megatron_hetero.cli.data import add_train_data_flags
+
+    add_train_data_flags(p)
     t = p.add_argument_group("training")
     t.add_argument("--train-iters", type=int, default=5)
     t.add_argument("--lr", type=float, default=1e-3)

@@ -79,6 +79,9 @@ def job_from_args(args: Any, layout: HeteroLayout):
 
     model = resolve_model(ModelArgs.from_namespace(args), layout)
     spec = llava_spec(model, layout, seed=args.seed)
+    from megatron_hetero.models.caption_runner import caption_job_data
+
+    spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
     from megatron_hetero.training.lr_schedule import LRSchedule
 
     optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
@@ -93,7 +96,8 @@ def job_from_args(args: Any, layout: HeteroLayout):
                      save=getattr(args, "save", None), save_interval=getattr(args, "save_interval", None) or 0,
                      load=getattr(args, "load", None),
                      override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
-                     log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False))
+                     log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False),
+                     data=data)
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -6,7 +6,7 @@ batch configuration is rejected with a ValueError in the launching process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -41,6 +41,8 @@ class JobConfig:
     # and a carriage-return progress line in between when `progress` (stdout is a terminal)
     log_interval: int = 0
     progress: bool = False
+    # real image-caption data (models.energon_data.CaptionDataConfig); None: the synthetic data
+    data: Optional[Any] = None
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(comm_timeout_s=self.comm_timeout_s)

@@ -88,7 +88,12 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
         start = 0
         if job.load:
             start = load_checkpoint(job.load, layout, job, topo, states, schedulers)
-        schedule = make_schedule(plan, job, topo, states)
+        runner = None
+        if job.data is not None:
+            from megatron_hetero.models.caption_runner import caption_runner_factory
+
+            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size)(plan, states)
+        schedule = make_schedule(plan, job, topo, states, runner=runner)
         log = IterationLog(log_write if topo.rank == 0 else None, job.train_iters, job.global_batch_size,
                            job.log_interval, job.progress)
         tokens = job.global_batch_size * job.spec.seq_length
