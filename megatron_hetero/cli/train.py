@@ -13,6 +13,12 @@ forks the layout's ranks on this machine.
 Megatron-style flags for sizes (`cli.model_flags`), batch and optimizer; the layout from
 `--hetero-layout FILE` or `--hetero-module ...`. The job is built by `training.job.job_from_args`
 and validated (`training.setup.validate_job`) before any rank starts (exit 2 with the message).
+
+`--trace FILE.json` records every rank's spans (`runtime.trace`: encoder and LLM forward/backward per
+micro-batch, boundary calls with bytes, communication batches and waits, gradient reduction,
+optimizer) and global rank 0 writes them as one Chrome/Perfetto trace (ui.perfetto.dev, or
+`megatron-hetero timeline FILE.json --out FILE.png`). It sets MEGATRON_HETERO_TRACE=FILE for the
+ranks, which the trainer reads; setting that variable yourself traces a run the same way.
 """
 from __future__ import annotations
 
