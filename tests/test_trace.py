@@ -102,6 +102,19 @@ def test_disjoint_trace_has_every_micro_batch_and_labelled_batches(tmp_path):
         assert len(waits) == len(comm)  # one wait per batch, inside it
         for c, w in zip(sorted(comm, key=lambda e: e["ts"]), sorted(waits, key=lambda e: e["ts"])):
             assert c["ts"] <= w["ts"] and w["ts"] + w["dur"] <= c["ts"] + c["dur"] + 1e-3
+    # one clock for all ranks: language/0 starts micro-batch mb only after vision finished it, and
+    # vision starts the backward of mb only after language/0 finished its backward of mb
+    def one(rank, kind, mb, step):
+        return sorted((e for e in spans if e["pid"] == rank and e["cat"] == kind and e["args"]["mb"] == mb),
+                      key=lambda e: e["ts"])[step]
+
+    for step in range(iters):
+        for mb in range(micro):
+            for v in (0, 1):
+                f_v, f_l = one(v, "encoder-forward", mb, step), one(2, "llm-forward", mb, step)
+                assert f_v["ts"] + f_v["dur"] <= f_l["ts"], (step, mb, v)
+                b_l, b_v = one(2, "llm-backward", mb, step), one(v, "encoder-backward", mb, step)
+                assert b_l["ts"] + b_l["dur"] <= b_v["ts"], (step, mb, v)
     # the boundary's bytes: what vision sends in forward is what language's first stage receives
     sent = sum(e["args"]["bytes_sent"] for e in spans if e["cat"] == "wait" and e["pid"] in (0, 1))
     recv = sum(e["args"]["bytes_recv"] for e in spans if e["cat"] == "wait" and e["pid"] == 2)
