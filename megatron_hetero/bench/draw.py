@@ -45,18 +45,21 @@ def _pyplot():
 
 
 # -- Gantt charts ------------------------------------------------------------------------------
-def _depths(spans: Row) -> list[int]:
-    """Nesting depth of each span of one row (a span inside another is one deeper)."""
+def _depths(spans: Row) -> tuple[list[int], list[bool]]:
+    """Nesting depth of each span of one row (a span inside another is one deeper), and whether a
+    span has a span inside it."""
     order = sorted(range(len(spans)), key=lambda i: (spans[i][0], -(spans[i][1] - spans[i][0])))
-    depth = [0] * len(spans)
-    stack: list[float] = []
+    depth, parent = [0] * len(spans), [False] * len(spans)
+    stack: list[tuple[float, int]] = []
     for i in order:
         t0, t1 = spans[i][0], spans[i][1]
-        while stack and stack[-1] <= t0:
+        while stack and stack[-1][0] <= t0:
             stack.pop()
         depth[i] = len(stack)
-        stack.append(t1)
-    return depth
+        if stack:
+            parent[stack[-1][1]] = True
+        stack.append((t1, i))
+    return depth, parent
 
 
 def gantt(rows: Mapping[int, Row], out: Path, *, title: str, xlabel: str,
@@ -74,13 +77,13 @@ def gantt(rows: Mapping[int, Row], out: Path, *, title: str, xlabel: str,
     bars, labels = 0, 0
     for y, rank in enumerate(ranks):
         spans = rows[rank]
-        depth = _depths(spans)
+        depth, parent = _depths(spans)
         groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
-        for (t0, t1, kind, label), d in zip(spans, depth):
+        for (t0, t1, kind, label), d, has_inner in zip(spans, depth, parent):
             groups.setdefault((kind, d), []).append((t0, max(t1 - t0, t_end * 1e-4)))
             if kind not in kinds_seen:
                 kinds_seen.append(kind)
-            if label and (t1 - t0) >= (len(label) + 1) * char and labels < 600:
+            if label and not has_inner and (t1 - t0) >= (len(label) + 1) * char and labels < 600:
                 ax.text((t0 + t1) / 2, y, label, ha="center", va="center", fontsize=6, zorder=10 + d, clip_on=True)
                 labels += 1
         for (kind, d), segs in groups.items():

@@ -183,7 +183,8 @@ class DisjointSchedule:
             ops += [WireOp(True, peer, t.contiguous(), ph.tag, what, c.where) for peer, t in ph.sends.items()]
             ops += [WireOp(False, peer, t, ph.tag, what, c.where) for peer, t in ph.recvs.items()]
         try:
-            with self.config.tracer.span("wait", "wait for the batch", lambda: wire_args(ops)):
+            with self.config.tracer.span("wait", lambda: "wait " + " + ".join(a.short() for a in actions),
+                                         lambda: wire_args(ops)):
                 exchange_batch(ops, timeout_s=self.timeout_s)
         except BoundaryTimeout:  # already names the edge, this rank and the peer
             raise
