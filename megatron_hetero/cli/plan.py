@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "hidden_size": "hidden size on each edge (default 64)",
     })
     p.add_argument("--dtype-bytes", type=int, default=4, help="bytes per element (4 fp32, 2 bf16)")
+    p.add_argument("--draw", default=None, metavar="FILE.png",
+                   help="also draw the layout: ranks as cells coloured by module with their coordinates, "
+                        "edges with their transform (needs matplotlib)")
     add_hetero_args(p)
     return p
 
@@ -49,4 +52,20 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(layout_json(layout, shape), indent=1))
     else:
         print(layout_text(layout, shape))
+    if args.draw:
+        _draw(layout, shape, args.draw, quiet=args.json)
     return 0
+
+
+def _draw(layout, shape, out: str, quiet: bool) -> None:
+    import sys
+
+    from megatron_hetero.bench.draw import draw_layout
+    from megatron_hetero.cli import CommandFailed
+
+    try:
+        summary = draw_layout(layout, out, shape)
+    except ImportError as exc:
+        raise CommandFailed(str(exc)) from None
+    print(f"drew {summary['cells']} cells over {len(summary['ranks'])} ranks -> {out}",
+          file=sys.stderr if quiet else sys.stdout)

@@ -43,7 +43,23 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--module-cost", action="append", default=[], metavar="NAME=F,B",
                    help="total forward,backward cost of module NAME, split evenly over its pp stages")
     p.add_argument("--latency", type=float, default=0.0, help="latency of every message (default 0)")
+    p.add_argument("--draw", default=None, metavar="FILE.png",
+                   help="also draw the planned per-rank timeline (disjoint: simulated stage spans; colocated: "
+                        "the phases with nominal costs; needs matplotlib)")
     return p
+
+
+def _draw(layout, args: argparse.Namespace, **kwargs) -> None:
+    import sys
+
+    from megatron_hetero.bench.draw import draw_schedule
+
+    try:
+        summary = draw_schedule(layout, args.draw, **kwargs)
+    except ImportError as exc:
+        raise CommandFailed(str(exc)) from None
+    print(f"drew the planned timeline of {len(summary['ranks'])} ranks ({summary['bars']} spans) -> {args.draw}",
+          file=sys.stderr if args.json else sys.stdout)
 
 
 def _parse_costs(values: list[str], flag: str) -> dict[str, tuple[float, float]]:
@@ -157,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         print(_text(tables, graph, report, error, args.full, args.micro_batches))
     if error is not None:
         raise CommandFailed(f"generated tables failed the check: {error}")
+    if args.draw:
+        _draw(layout, args, micro_batches=args.micro_batches, stage_costs=stage_costs, module_costs=module_costs,
+              latency=args.latency)
     return 0
 
 
@@ -186,4 +205,7 @@ def _colocated(layout, args: argparse.Namespace) -> int:
         print(f"check: {verdict}")
     if error is not None:
         raise CommandFailed(f"generated tables failed the check: {error}")
+    if args.draw:
+        _draw(layout, args, global_batch=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+              offload=args.hetero_offload_encoder)
     return 0

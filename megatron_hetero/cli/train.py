@@ -19,6 +19,12 @@ Megatron's learning-rate schedule; --save DIR --save-interval N and --load DIR c
 Megatron-style flags for sizes (`cli.model_flags`), batch and optimizer; the layout from
 `--hetero-layout FILE` or `--hetero-module ...`. The job is built by `training.job.job_from_args`
 and validated (`training.setup.validate_job`) before any rank starts (exit 2 with the message).
+
+`--trace FILE.json` records every rank's spans (`runtime.trace`: encoder and LLM forward/backward per
+micro-batch, boundary calls with bytes, communication batches and waits, gradient reduction,
+optimizer) and global rank 0 writes them as one Chrome/Perfetto trace (ui.perfetto.dev, or
+`megatron-hetero timeline FILE.json --out FILE.png`). It sets MEGATRON_HETERO_TRACE=FILE for the
+ranks, which the trainer reads; setting that variable yourself traces a run the same way.
 """
 from __future__ import annotations
 
@@ -67,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     r.add_argument("--log-jsonl", type=str, default=None, help="one JSON object per iteration")
     r.add_argument("--log-interval", type=int, default=1, help="iteration lines every N iterations")
     r.add_argument("--launch-timeout", type=float, default=3600.0, help="seconds before hung ranks are killed")
+    p.add_argument("--trace", type=str, default=None, metavar="FILE.json",
+                   help="write a Chrome/Perfetto trace of every rank's spans (view: ui.perfetto.dev, or "
+                        "megatron-hetero timeline FILE.json --out FILE.png)")
     add_hetero_args(p)
     return p
 
@@ -97,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if env is not None:
         check_world_size(env, layout.world_size)
     validate_job(layout, job)  # before anything is printed or started
+    trace_before = _request_trace(args.trace)
     if env is None or env.rank == 0:
         print(f"megatron-hetero train: {layout.world_size} ranks ({default_backend()}"
               f"{', ' + env.launcher if env else ', forked here'}), placement {layout.placement}: "
@@ -126,4 +136,28 @@ def run(args: argparse.Namespace) -> int:
         with path.open("w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
+    if args.trace:
+        _request_trace(trace_before, restore=True)
+        print(f"trace of {layout.world_size} ranks in {args.trace} (megatron-hetero timeline {args.trace} "
+              f"--out TIMELINE.png)", flush=True)
     return 0
+
+
+def _request_trace(path, restore: bool = False):
+    """`--trace FILE`: MEGATRON_HETERO_TRACE=FILE (absolute) for the ranks this process forks or is
+    (`runtime.trace`: every rank records spans, global rank 0 writes the merged file); returns the
+    previous value, which `restore=True` puts back."""
+    import os
+
+    from megatron_hetero.runtime.trace import TRACE_ENV
+
+    before = os.environ.get(TRACE_ENV)
+    if restore:
+        if path is None:
+            os.environ.pop(TRACE_ENV, None)
+        else:
+            os.environ[TRACE_ENV] = path
+    elif path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        os.environ[TRACE_ENV] = str(Path(path).resolve())
+    return before

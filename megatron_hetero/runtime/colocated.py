@@ -35,6 +35,7 @@ from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.offload import Offloader
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
 from megatron_hetero.runtime.step import StepResult, global_loss, resident_memory
+from megatron_hetero.runtime.trace import MEGATRON_P2P_METHODS, boundary_args
 from megatron_hetero.runtime.wire import p2p
 
 
@@ -63,6 +64,8 @@ class ColocatedSchedule:
         if lm.pp > 1:
             self.schedule_kwargs["p2p_communicator"] = P2PCommunicator(pp_group=self.lang.pgs.pp,
                                                                        config=self.lang.module.config)
+            config.tracer.wrap_methods(self.schedule_kwargs["p2p_communicator"], MEGATRON_P2P_METHODS, "wait",
+                                       f"{self.lang_name} pipeline")
 
     def step(self, step: int) -> StepResult:
         first = step * self.plan.global_batch
@@ -100,7 +103,11 @@ class ColocatedSchedule:
         elif isinstance(a, EncoderForward):
             inp = self._received.pop(a.module, None)
             samples = range(first + a.rows.start, first + a.rows.stop)
-            self._io[a.module] = (inp, self.runner.forward(a.module, samples, {}, inp))
+            with self.config.tracer.span("encoder-forward", a.__str__, lambda: {"module": a.module, "stage": a.stage,
+                                                                                "mb": 0}):
+                self._io[a.module] = (inp, self.runner.forward(a.module, samples, {}, inp))
+            self.config.tracer.mark_backward(self._io[a.module][1], "encoder-backward", lambda: f"backward {a.module}/"
+                                             f"{a.stage}", lambda: {"module": a.module, "stage": a.stage, "mb": 0})
         elif isinstance(a, PipeSend):
             inp, out = self._io[a.module]
             if a.what == "activation":
@@ -112,26 +119,32 @@ class ColocatedSchedule:
             _, out = self._io[a.module]
             torch.autograd.backward(out, self._out_grad.pop(a.module))
         elif isinstance(a, BoundaryCall):
-            self._boundary(a)
+            with self.config.tracer.span("boundary", a.__str__, lambda: boundary_args(self.boundaries[a.edge], a)):
+                self._boundary(a)
         elif isinstance(a, StateMove):
-            for n in a.modules:
-                getattr(self.offloaders[n], a.kind)()
+            with self.config.tracer.span("offload", a.__str__):
+                for n in a.modules:
+                    getattr(self.offloaders[n], a.kind)()
         elif isinstance(a, LanguagePhase):
-            self._language_phase(a, first)
+            with self.config.tracer.span("schedule", a.__str__):
+                self._language_phase(a, first)
         elif isinstance(a, Collective):
             if a.kind == "grad-sync":
-                for s in self.states.values():
-                    s.finalize_grads()
+                with self.config.tracer.span("grad-reduce", "gradient reduction (each module over its DP x CP)"):
+                    for s in self.states.values():
+                        s.finalize_grads()
             elif a.kind == "optimizer":
-                for s in self.states.values():
-                    s.step()
+                with self.config.tracer.span("optimizer", "optimizer step"):
+                    for s in self.states.values():
+                        s.step()
             # 'loss-reduce' runs after the table (the step's result)
         else:  # pragma: no cover - the tables hold only these
             raise AssertionError(f"unknown action {a!r}")
 
     def _p2p(self, a, sends: dict, recvs: dict) -> None:
-        p2p(sends, recvs, what=f"{a.module} pipeline {a.what}", edge=f"{a.module} stage link",
-            timeout_s=self.config.comm_timeout_s)
+        with self.config.tracer.span("wait", a.__str__):
+            p2p(sends, recvs, what=f"{a.module} pipeline {a.what}", edge=f"{a.module} stage link",
+                timeout_s=self.config.comm_timeout_s)
 
     def _boundary(self, a: BoundaryCall) -> None:
         bnd = self.boundaries[a.edge]
@@ -172,7 +185,7 @@ class ColocatedSchedule:
             return out.loss_sum, loss_func
 
         self.forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=self.config.tracer.wrap_forward_step(forward_step, "llm", name),
             data_iterator=iter(range(a.micro_batches)),
             model=[runner.model(name)],
             num_microbatches=a.micro_batches,

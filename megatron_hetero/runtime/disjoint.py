@@ -58,6 +58,7 @@ from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
 from megatron_hetero.runtime.step import StepResult, global_loss, resident_memory, run_collective
+from megatron_hetero.runtime.trace import kind_of, wire_args
 from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
 
 #: p2p tag of pipeline links inside a module (boundaries use their edge index, always smaller).
@@ -134,23 +135,32 @@ class DisjointSchedule:
         self._loss_tokens = self.runner.loss_tokens(step)
         memory = {}
         if self.table is not None:
+            tr, enc = self.config.tracer, self.plan.roles.is_encoder(self.name)
             for item in self.table.batches():
                 if isinstance(item, tuple):
-                    self._exchange(item)
+                    with tr.span("comm", lambda: " + ".join(a.short() for a in item),
+                                 lambda: {"module": self.name, "stage": self.stage.pp, "actions": [str(a) for a in item]}):
+                        self._exchange(item)
                 elif isinstance(item, Forward):
-                    self._forward(item.mb)
+                    with tr.span(kind_of(enc, "forward"), lambda: f"{self.stage} {item.short()}",
+                                 lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb}):
+                        self._forward(item.mb)
                 elif isinstance(item, Backward):
-                    self._backward(item.mb)
+                    with tr.span(kind_of(enc, "backward"), lambda: f"{self.stage} {item.short()}",
+                                 lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb}):
+                        self._backward(item.mb)
                 else:  # pragma: no cover - the tables hold only these
                     raise AssertionError(f"unknown action {item!r}")
             assert not self._outputs and not self._inputs, "a micro-batch was not finished"
         memory["step"] = resident_memory(self.states)
         for s in self.states.values():
             ranks = dist.get_process_group_ranks(s.pgs.dp_cp)
-            run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})", self.rank,
-                           s.finalize_grads)
+            with self.config.tracer.span("grad-reduce", f"gradient reduction {s.name}", {"module": s.name}):
+                run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})",
+                               self.rank, s.finalize_grads)
         for s in self.states.values():
-            s.step()
+            with self.config.tracer.span("optimizer", f"optimizer step {s.name}", {"module": s.name}):
+                s.step()
         counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0
         loss = global_loss(self._loss_sums, counts, self._loss_tokens, self.rank)
         return StepResult(loss=loss, memory=memory)
@@ -173,7 +183,9 @@ class DisjointSchedule:
             ops += [WireOp(True, peer, t.contiguous(), ph.tag, what, c.where) for peer, t in ph.sends.items()]
             ops += [WireOp(False, peer, t, ph.tag, what, c.where) for peer, t in ph.recvs.items()]
         try:
-            exchange_batch(ops, timeout_s=self.timeout_s)
+            with self.config.tracer.span("wait", lambda: "wait " + " + ".join(a.short() for a in actions),
+                                         lambda: wire_args(ops)):
+                exchange_batch(ops, timeout_s=self.timeout_s)
         except BoundaryTimeout:  # already names the edge, this rank and the peer
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. gloo 'Connection closed by peer' when posting

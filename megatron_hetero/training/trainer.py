@@ -13,6 +13,7 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.topology import Topology
+from megatron_hetero.runtime.trace import gather_trace, tracer_from_env
 from megatron_hetero.training.setup import JobConfig, build_states
 
 
@@ -28,14 +29,18 @@ def prepare_rank(job: JobConfig) -> None:
 
 def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
     """The schedule of the plan's placement, driving `runner` (the LLaVA runner by default)."""
+    from dataclasses import replace
+
     runner = runner if runner is not None else LlavaStageRunner(job.spec, plan, states)
+    # this rank's tracer: recording when MEGATRON_HETERO_TRACE names a file (`train --trace FILE`)
+    config = replace(job.runtime_config(), tracer=tracer_from_env(plan.rank))
     if plan.layout.placement == "colocated":
         from megatron_hetero.runtime.colocated import ColocatedSchedule
 
-        return ColocatedSchedule(plan, job.runtime_config(), topo, states, runner)
+        return ColocatedSchedule(plan, config, topo, states, runner)
     from megatron_hetero.runtime.disjoint import DisjointSchedule
 
-    return DisjointSchedule(plan, job.runtime_config(), topo, states, runner)
+    return DisjointSchedule(plan, config, topo, states, runner)
 
 
 def module_stats(layout: HeteroLayout, states: dict, rank: int) -> tuple[Optional[float], dict[str, float], Optional[float]]:
@@ -120,6 +125,8 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             save_checkpoint(job.save, job.train_iters, layout, job, topo, states, schedulers)
         log.close()
         out: dict[str, Any] = {"records": records}
+        gather_trace(schedule.config.tracer, {"placement": layout.placement, "layout": {  # collective; rank 0 writes
+            m.name: f"{m.short()} @{m.ranks}" for m in layout.modules}})
         if collect_params:
             out["params"] = {n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()}
                              for n, s in states.items()}

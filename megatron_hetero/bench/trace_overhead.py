@@ -1,0 +1,130 @@
+"""What tracing costs: on vs off in the same run (`python -m megatron_hetero.bench.trace_overhead LAYOUT`).
+
+Every rank builds two schedules over the same modules, one recording spans (`runtime.trace.Tracer`)
+and one with `NULL_TRACER`, and alternates them step by step (off, on, on, off, ...: each pair's
+order is swapped so that neither mode always runs first). A step's wall time is the slowest rank's;
+CPU time is summed over the ranks (the tracer's cost is CPU work, and CPU time is less disturbed than
+wall time when other processes share the cores). It also reports the recording cost of one span
+(best of several repetitions) times the spans per rank and step, as a bound that does not depend on
+the noise. The first step of each mode is dropped (warm-up).
+
+    python -m megatron_hetero.bench.trace_overhead LAYOUT.yaml [--steps 40] [--global-batch-size 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+
+def _span_cost_s(reps: int = 5, n: int = 20000) -> float:
+    """Best-of-`reps` time of one recorded span minus one null span (the tracer's own cost)."""
+    from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
+
+    def per_span(tr) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                with tr.span("wait", lambda: "x", lambda: {"a": 1}):
+                    pass
+            best = min(best, (time.perf_counter() - t0) / n)
+        return best
+
+    return max(per_span(Tracer(0)) - per_span(NULL_TRACER), 0.0)
+
+
+def _rank(layout, job, steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from megatron_hetero.models.llava_runner import LlavaStageRunner
+    from megatron_hetero.plan.rank_plan import rank_plan
+    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
+    from megatron_hetero.training.setup import build_states
+    from megatron_hetero.training.trainer import prepare_rank
+
+    prepare_rank(job)
+    topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
+    try:
+        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+        states = build_states(layout, job, topo)
+        runner = LlavaStageRunner(job.spec, plan, states)
+        if layout.placement == "colocated":
+            from megatron_hetero.runtime.colocated import ColocatedSchedule as Schedule
+        else:
+            from megatron_hetero.runtime.disjoint import DisjointSchedule as Schedule
+        tracer = Tracer(topo.rank)
+        schedules = {"off": Schedule(plan, replace(job.runtime_config(), tracer=NULL_TRACER), topo, states, runner),
+                     "on": Schedule(plan, replace(job.runtime_config(), tracer=tracer), topo, states, runner)}
+        wall: dict[str, list[float]] = {"off": [], "on": []}
+        cpu: dict[str, list[float]] = {"off": [], "on": []}
+        spans: list[int] = []
+        for it in range(steps):
+            mode = (("off", "on") if (it // 2) % 2 == 0 else ("on", "off"))[it % 2]
+            dist.barrier()
+            n0 = len(tracer.spans)
+            t0, c0 = time.perf_counter(), time.process_time()
+            schedules[mode].step(it)
+            wall[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
+            if mode == "on":
+                spans.append(len(tracer.spans) - n0)
+        dist.barrier()
+        return {"wall": wall, "cpu": cpu, "spans": spans, "span_cost_s": _span_cost_s() if topo.rank == 0 else None}
+    finally:
+        topo.destroy()
+
+
+def measure(layout, job, steps: int = 40, timeout: float = 900.0) -> dict[str, Any]:
+    """Fork the layout's ranks, alternate traced and untraced steps, return the comparison."""
+    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.runtime.launcher import run_ranks
+    from megatron_hetero.training.setup import validate_job
+
+    validate_job(layout, job)
+    apply_compat()
+    per_rank = run_ranks(layout.world_size, _rank, layout, job, steps, timeout=timeout, backend=default_backend())
+    n = len(per_rank[0]["wall"]["on"])
+    wall = {m: [max(r["wall"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
+    cpu = {m: [sum(r["cpu"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
+    med = {k: {m: statistics.median(v[m]) for m in v} for k, v in (("wall", wall), ("cpu", cpu))}
+    spans = max(max(r["spans"]) for r in per_rank)
+    cost = per_rank[0]["span_cost_s"]
+    return {
+        "steps_per_mode": n - 1,
+        "wall_median_ms": {m: v * 1e3 for m, v in med["wall"].items()},
+        "wall_overhead": med["wall"]["on"] / med["wall"]["off"] - 1,
+        "cpu_median_ms": {m: v * 1e3 for m, v in med["cpu"].items()},
+        "cpu_overhead": med["cpu"]["on"] / med["cpu"]["off"] - 1,
+        "spans_per_rank_step": spans,
+        "span_cost_us": cost * 1e6,
+        "span_bound": spans * cost / med["wall"]["off"],
+    }
+
+
+def main(argv=None) -> int:
+    from megatron_hetero.layout.yaml_io import load_layout
+    from megatron_hetero.training.job import llava_spec, quiet_upstream_warnings, resolve_model
+    from megatron_hetero.training.model_args import ModelArgs
+    from megatron_hetero.training.setup import JobConfig
+
+    p = argparse.ArgumentParser(prog="python -m megatron_hetero.bench.trace_overhead")
+    p.add_argument("layout")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    args = p.parse_args(argv)
+    quiet_upstream_warnings()
+    layout = load_layout(args.layout, None)
+    model = resolve_model(ModelArgs(global_batch_size=args.global_batch_size), layout)
+    job = JobConfig(spec=llava_spec(model, layout), global_batch_size=model.global_batch_size,
+                    micro_batch_size=model.micro_batch_size, comm_timeout_s=120.0)
+    print(json.dumps({"layout": args.layout, **measure(layout, job, args.steps)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
