@@ -41,6 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--seed", type=int, default=1234)
+    e = p.add_argument_group("mixture of experts (language model; ep/expt_tp come from the layout)")
+    e.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
+    e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (default 2)")
+    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss weight (default 0)")
+    e.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert MLP hidden size (default --ffn-hidden-size)")
     r = p.add_argument_group("launch")
     r.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks to spawn on this machine (default: what the layout uses)")
@@ -89,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
         except (RankFailure, RankTimeout) as exc:
             raise CommandFailed(f"failed: {exc}") from None
     for r in records:
-        print(f" iteration {r['iteration']:>4}/{job.train_iters} | lm loss {r['loss']:.6f} | "
+        parts = "".join(f" | {m} loss {v:.6f}" for m, v in (r.get("loss_parts") or {}).items())
+        aux = f" | aux loss {r['aux_loss']:.6f}" if r.get("aux_loss") is not None else ""
+        print(f" iteration {r['iteration']:>4}/{job.train_iters} | lm loss {r['loss']:.6f}{parts}{aux} | "
               f"step time {r['step_time_s'] * 1e3:.1f} ms", flush=True)
     if layout.placement == "colocated" and records:
         mem = records[-1]["memory_bytes"]["0"]

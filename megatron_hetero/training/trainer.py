@@ -52,7 +52,8 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             t0 = time.perf_counter()
             res = schedule.step(it)
             records.append({"iteration": it + 1, "loss": res.loss, "step_time_s": time.perf_counter() - t0,
-                            "memory": res.memory})
+                            "memory": res.memory, "loss_parts": res.loss_parts,
+                            "aux_loss": getattr(res, "aux_loss", None)})
         out: dict[str, Any] = {"records": records}
         if collect_params:
             out["params"] = {n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()}
