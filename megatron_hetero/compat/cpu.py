@@ -293,7 +293,32 @@ def _torch_norm_sequence_parallel() -> None:
     WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+def _moe_split_sizes_on_cpu() -> None:
+    """`maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA tensors; on CPU the split
+    sizes stay tensors, which `all_to_all_single` rejects. Convert CPU tensors too when asked."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, MARK, None) is not None:
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    setattr(maybe_move_tensor_to_cpu, MARK, original)
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 PATCHES: List[Patch] = [
+    Patch(
+        "megatron.core.transformer.moe.moe_utils: maybe_move_tensor_to_cpu(as_numpy=True) leaves CPU "
+        "tensors as tensors (alltoall dispatcher split sizes; all_to_all_single wants a sequence)",
+        "CPU tensors become numpy arrays when as_numpy (rebound in token_dispatcher)",
+        _moe_split_sizes_on_cpu,
+    ),
     Patch(
         "megatron.core.transformer.moe.token_dispatcher: MoEAlltoAllTokenDispatcher "
         "(torch.cuda.Stream(), current_stream, stream context, record_event; device-to-host split sizes)",
