@@ -349,7 +349,7 @@ class OutputModule(torch.nn.Module):
                  pgs: ProcessGroupCollection, seed: int) -> None:
         super().__init__()
         self.name, self.spec, self.frozen = name, out, m.frozen
-        config = transformer_config(num_layers=1, hidden=out.out_dim, heads=1, ffn=out.hidden_size, m=m)
+        config = transformer_config(num_layers=1, hidden=out.out_dim, heads=m.tp, ffn=out.hidden_size, m=m)  # heads unused
         self.config = config
         mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
         self.head = MultimodalProjector(config, mlp, "mlp", input_size=llm_hidden, tp_group=pgs.tp)
