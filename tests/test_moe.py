@@ -163,3 +163,37 @@ def test_moe_parity_with_world1(case):
     assert dp <= 1e-5, f"{label}: parameter {where} differs by {dp:.2e}"
     n_experts = sum(1 for n in got["language"] if _EXPERT.search(n))
     assert n_experts == 2 * 2 * job.spec.num_experts  # 2 layers x (fc1, fc2) x experts, all gathered
+
+
+# -- train rejects invalid expert layouts before any rank starts ------------------------------------------
+@pytest.mark.parametrize("layout_flags,moe_flags,message", [
+    (["language:dp=4,ep=4"], ["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6"),
+    (["language:dp=4,ep=2"], [], "module language: ep(2) expt_tp(1) > 1 but the module has no experts"),
+    (["language:dp=4,ep=2,expt_tp=2"], ["--num-experts", "4"],
+     "module language: expert tensor parallelism expt_tp(2) > 1 needs NCCL"),
+    (["language:dp=2,ep=4"], ["--num-experts", "4"],
+     "module language: expert-tp(1)*ep(4)=4 does not divide tp(1)*cp(1)*dp(2)=2"),
+    (["language:tp=2,dp=2,ep=2"], ["--num-experts", "4"], "module language: ep(2) with tp(2) > 1 needs sequence"),
+])
+def test_train_rejects_invalid_expert_layouts_with_exit_2(capsys, monkeypatch, layout_flags, moe_flags, message):
+    from megatron_hetero import cli
+    from megatron_hetero.runtime import launcher
+
+    if "NCCL" in message:
+        import megatron_hetero.compat as compat
+
+        monkeypatch.setattr(compat, "default_backend", lambda: "gloo")
+
+    def no_ranks(*a, **k):  # pragma: no cover - reaching it is the failure
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launcher, "run_ranks", no_ranks)
+    vision = "vision:dp=2" if layout_flags[0].startswith("language:dp=2") else "vision:dp=4"
+    if "tp=2,dp=2" in layout_flags[0]:
+        vision = "vision:dp=4"
+    argv = ["train", "--hetero-module", vision, "--hetero-module", *layout_flags, "--hetero-edge", "vision->language",
+            "--train-iters", "1", *moe_flags]
+    rc = cli.main(argv)
+    _, err = capsys.readouterr()
+    assert rc == 2, err
+    assert message in err, err
