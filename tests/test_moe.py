@@ -197,3 +197,71 @@ def test_train_rejects_invalid_expert_layouts_with_exit_2(capsys, monkeypatch, l
     _, err = capsys.readouterr()
     assert rc == 2, err
     assert message in err, err
+
+
+# -- cost model and search (pure) ----------------------------------------------------------------------
+def _cost_setup():
+    from pathlib import Path
+
+    from megatron_hetero.plan import hardware as HW
+    from megatron_hetero.plan import workload as W
+
+    hw = HW.HardwareSpec.load(Path(__file__).resolve().parents[1] / "megatron_hetero" / "plan" / "hardware_presets"
+                              / "h100_80gb.json")
+    prof = HW.Profile.from_hardware(hw)
+    enc = W.ModelSpec("vision", 6, 1024, 4096, 16, 256, kind="encoder")
+    moe = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=16, moe_topk=2,
+                      moe_ffn_hidden=2816)
+    return W, prof, enc, moe
+
+
+def test_cost_prices_expert_memory_and_dispatch():
+    from megatron_hetero.plan.cost import evaluate
+
+    W, prof, enc, moe = _cost_setup()
+    wl = W.Workload(encoder=enc, llm=moe, global_batch=64)
+    cost = {}
+    for ep in (1, 2, 4, 8):
+        c = W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
+                        (W.Segment.of(1, 1, 1, 8, moe.num_layers, ep=ep),))
+        cost[ep] = evaluate(c, wl, prof)
+    # expert state shrinks with ep; the dispatch all-to-all appears with ep > 1
+    assert cost[1].memory_per_rank_peak > cost[2].memory_per_rank_peak > cost[4].memory_per_rank_peak \
+        > cost[8].memory_per_rank_peak
+    assert cost[2].tp_comm > cost[1].tp_comm == 0.0
+    # compute sees top-k experts, not all of them: the same as a dense MLP of topk * expert width
+    dense_eq = W.ModelSpec("language", 8, 2048, 2 * 2816, 16, 2048, vocab=32000, gated=True)
+    d = evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
+                             (W.Segment.of(1, 1, 1, 8, 8),)), W.Workload(encoder=enc, llm=dense_eq, global_batch=64),
+                 prof)
+    assert abs(d.compute - cost[1].compute) <= 1e-12 * d.compute
+    # the candidate's layout carries ep
+    layout = W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
+                         (W.Segment.of(1, 1, 1, 8, moe.num_layers, ep=4),)).to_layout()
+    assert layout.module("language").ep == 4
+    with pytest.raises(ValueError, match=r"ep\(3\) must divide the LLM's 16 experts"):
+        evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 6, enc.num_layers),
+                             (W.Segment.of(1, 1, 1, 6, moe.num_layers, ep=3),)), W.Workload(encoder=enc, llm=moe,
+                                                                                          global_batch=12), prof)
+
+
+def test_search_picks_ep_when_experts_do_not_fit():
+    from megatron_hetero.plan import search as S
+    from megatron_hetero.plan.cost import evaluate
+
+    W, prof, enc, moe = _cost_setup()
+    big = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=64, moe_topk=2,
+                      moe_ffn_hidden=5632)
+    wl = W.Workload(encoder=enc, llm=big, global_batch=64)
+    space = S.SearchSpace(placements=("colocated",), tp=(1, 2), cp=(1,), pp=(1, 2), encoder_tp=(1,), encoder_pp=(1,))
+    ep1 = evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
+                               (W.Segment.of(1, 1, 1, 8, big.num_layers),)), wl, prof)
+    limit = 0.5 * ep1.memory_per_rank_peak  # the experts of every layer do not fit on one rank
+    res = S.search(wl, prof, 8, memory_limit=limit, space=space, top=3)
+    best = res.best.candidate
+    assert best.llm[0].ep > 1, best.describe()
+    assert res.best.breakdown.memory_per_rank_peak <= limit
+    # without experts the search never proposes ep
+    dense = W.Workload(encoder=enc, llm=W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True),
+                       global_batch=64)
+    assert all(r.candidate.llm[0].ep == 1 for r in S.search(dense, prof, 8, space=space, top=5).ranked)
