@@ -788,3 +788,13 @@ def test_huge_disjoint_degree_does_not_exhaust_memory() -> None:
     assert colocated.world_size == 2**40  # the colocated path resolves arithmetically
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.startswith(("OK", "VALUEERROR")), (out.stdout, out.stderr[-2000:])
+
+
+def test_role_key_round_trips_and_is_validated() -> None:
+    doc = {"placement": "disjoint", "modules": {"img": {}, "llm": {"pp": 2, "role": "language"}, "head": {}},
+           "edges": ["img -> llm", "llm -> head"]}
+    layout = layout_from_dict(doc)
+    assert layout.module("llm").role == "language" and layout.module("img").role is None
+    assert layout_from_dict(yaml.safe_load(dump_layout(layout))) == layout
+    _raises({"modules": {"vision": {"role": "encoder"}}},
+            "module vision: role must be one of ['language'], got 'encoder'")
