@@ -165,6 +165,45 @@ def test_moe_parity_with_world1(case):
     assert n_experts == 2 * 2 * job.spec.num_experts  # 2 layers x (fc1, fc2) x experts, all gathered
 
 
+def _gradient_groups(layout, job):
+    """On this rank: (dense buffer group ranks, expert buffer group ranks, expert parameter count)
+    of the language model's DDP, after one step's gradient sync."""
+    import torch.distributed as dist
+
+    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.training.setup import build_states
+    from megatron_hetero.training.trainer import prepare_rank
+
+    prepare_rank(job)
+    topo = Topology.build(layout)
+    try:
+        states = build_states(layout, job, topo)
+        ddp = states["language"].ddp
+        dense = {tuple(dist.get_process_group_ranks(b.data_parallel_group)) for b in ddp.buffers}
+        expert = {tuple(dist.get_process_group_ranks(b.data_parallel_group)) for b in ddp.expert_parallel_buffers}
+        n_expert = sum(1 for p in ddp.module.parameters() if not getattr(p, "allreduce", True))
+        return sorted(dense), sorted(expert), n_expert
+    finally:
+        topo.destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_expert_gradients_reduce_over_expert_dp():
+    """LLM DP8·EP4 on 8 ranks: dense buffers reduce over the 8 DP ranks, expert buffers over the
+    expert-DP pairs {r, r+4} (ranks holding the same experts); `finalize_grads` (DDP's
+    finish_grad_sync) covers both kinds of bucket groups."""
+    from megatron_hetero.runtime.launcher import run_ranks
+
+    job = _moe_job(steps=1)
+    layout = layout_from_dict(_doc("colocated", {"dp": 8}, {"dp": 8, "ep": 4}), world_size=8)
+    out = run_ranks(8, _gradient_groups, layout, job, timeout=120)
+    for rank, (dense, expert, n_expert) in enumerate(out):
+        assert dense == [tuple(range(8))], (rank, dense)
+        assert expert == [(rank % 4, rank % 4 + 4)], (rank, expert)
+        assert n_expert == 2 * 2 * 1  # 2 layers x (fc1, fc2) x 4/4 local experts
+
+
 # -- train rejects invalid expert layouts before any rank starts ------------------------------------------
 @pytest.mark.parametrize("layout_flags,moe_flags,message", [
     (["language:dp=4,ep=4"], ["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6"),

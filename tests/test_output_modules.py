@@ -95,7 +95,7 @@ def test_output_module_validation():
 
 
 # -- multi-rank parity ----------------------------------------------------------------------------------
-STEPS = 3
+STEPS = 5
 
 
 def _job():
