@@ -189,3 +189,29 @@ def test_generator_gradient_reaches_the_language_model():
     assert moved > 1e-5
     # the encoders see it too (through the language model)
     assert max((with_head["vision"][n] - without["vision"][n]).abs().max().item() for n in without["vision"]) > 1e-7
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_moe_language_model_with_a_generator(placement):
+    """Both features together: an MoE language model (EP2) between the encoders and the generator.
+    Per-step loss, its parts and the load-balancing loss match the world-1 run (5 steps)."""
+    import dataclasses
+
+    from parity import losses, max_loss_rel_diff, run_job
+
+    job = _job()
+    job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, num_experts=4, moe_router_topk=2,
+                                                            moe_aux_loss_coeff=1e-2, moe_ffn_hidden_size=64))
+    ref = run_job(_two_enc_doc("colocated", {}, {}, {}, {}), 1, job)
+    if placement == "colocated":
+        doc, world = _two_enc_doc("colocated", {"dp": 4}, {"dp": 4}, {"dp": 4, "ep": 2}, {"tp": 2, "dp": 2}), 4
+    else:  # one sample per LLM micro-batch on each DP rank, as in the world-1 run (the aux loss sees it)
+        doc, world = _two_enc_doc("disjoint", {}, {}, {"dp": 2, "ep": 2}, {"dp": 2}), 6
+    got = run_job(doc, world, job)
+    recs, ref_recs = got[0]["records"], ref[0]["records"]
+    assert max_loss_rel_diff(losses(got), losses(ref)) <= 1e-5, (losses(got), losses(ref))
+    assert max_loss_rel_diff([r["aux_loss"] for r in recs], [r["aux_loss"] for r in ref_recs]) <= 1e-5
+    for m in ("language", "generator"):
+        assert max_loss_rel_diff([r["loss_parts"][m] for r in recs], [r["loss_parts"][m] for r in ref_recs]) <= 1e-5
