@@ -118,8 +118,11 @@ def test_plan_json_from_flags_with_shape(capsys) -> None:
     assert doc["ranks"][0]["modules"] == {"vision": {"tp": 0, "cp": 0, "dp": 0, "pp": 0, "ep": 0, "expt_tp": 0}}
     assert doc["ranks"][1]["modules"]["vision"]["tp"] == 1
     # language CP2·DP2 with ep2: rank 3 is cp1 dp0 ep1, rank 4 cp0 dp1 ep0.
-    assert doc["ranks"][3]["modules"] == {"language": {"tp": 0, "cp": 1, "dp": 0, "pp": 0, "ep": 1, "expt_tp": 0}}
-    assert doc["ranks"][4]["modules"] == {"language": {"tp": 0, "cp": 0, "dp": 1, "pp": 0, "ep": 0, "expt_tp": 0}}
+    # (an MoE module's entries carry the expert-DP coordinate too)
+    assert doc["ranks"][3]["modules"] == {"language": {"tp": 0, "cp": 1, "dp": 0, "pp": 0, "ep": 1, "expt_tp": 0,
+                                                       "expt_dp": 0}}
+    assert doc["ranks"][4]["modules"] == {"language": {"tp": 0, "cp": 0, "dp": 1, "pp": 0, "ep": 0, "expt_tp": 0,
+                                                       "expt_dp": 1}}
     (edge,) = doc["edges"]
     assert (edge["src"], edge["dst"], edge["transform"], edge["factor"]) == ("vision", "language", "fan-out", 2)
     assert [t for t in edge["forward"] if t["dst"] == 3] == [
@@ -211,3 +214,40 @@ def test_subprocess_exit_2_prints_message_on_stderr(tmp_path: Path) -> None:
     assert proc.stdout == ""
     assert f"megatron-hetero plan: invalid input: layout file {str(path)!r}: {BROKEN_MESSAGE}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_plan_moe_expert_coordinates(capsys) -> None:
+    """Every rank entry of an MoE module carries its expert coordinates (ep, expt_dp); text shows
+    them as ep/edp and names the folding."""
+    path = str(REPO / "examples" / "layouts" / "colocated_moe.yaml")
+    rc, out, err = _run(capsys, "plan", path, "--json", "--num-experts", "8")
+    assert rc == 0, err
+    doc = json.loads(out)
+    lang = doc["modules"]["language"]
+    assert (lang["ep"], lang["expt_dp"], lang["num_experts"], lang["experts_per_rank"]) == (4, 2, 8, 2)
+    assert "expt_dp" not in doc["modules"]["vision"]
+    seen = set()
+    for e in doc["ranks"]:
+        c = e["modules"]["language"]
+        assert {"ep", "expt_dp", "expt_tp"} <= set(c)
+        assert c["ep"] == e["rank"] % 4 and c["expt_dp"] == e["rank"] // 4  # Megatron's folding: ep fastest
+        seen.add((c["ep"], c["expt_dp"]))
+        assert "expt_dp" not in e["modules"]["vision"]
+    assert len(seen) == 8
+    rc, out, err = _run(capsys, "plan", path, "--num-experts", "8")
+    assert rc == 0, err
+    assert "experts folded as expt_tp(1) x ep(4) x expt_dp(2) over each stage's 8 ranks; 8 experts, 2 per EP rank" in out
+    assert "tp0 cp0 dp5 pp0 ep1 edp1" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6 (6 % 4 = 2)"),
+    (["--hetero-module", "language:dp=8,ep=4", "--hetero-module", "vision:dp=8,ep=2",
+      "--hetero-edge", "vision->language", "--num-experts", "4"], "module vision: ep(2) expt_tp(1) > 1 but the module "
+                                                                  "has no experts"),
+])
+def test_plan_moe_invalid_exits_2(capsys, argv, message) -> None:
+    if argv[0] == "--num-experts":
+        argv = [str(REPO / "examples" / "layouts" / "colocated_moe.yaml")] + argv
+    rc, out, err = _run(capsys, "plan", *argv)
+    assert rc == 2 and message in err, err

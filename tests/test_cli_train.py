@@ -69,8 +69,9 @@ def test_every_example_layout_trains_with_defaults(layout, tmp_path, capsys):
     from megatron_hetero.cli import main
 
     log = tmp_path / "log.jsonl"
+    moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "64"] if "moe" in layout else []  # ep > 1 needs experts
     assert main(["train", "--hetero-layout", str(LAYOUTS / layout), "--train-iters", "1",
-                 "--log-jsonl", str(log)]) == 0, capsys.readouterr().err[-3000:]
+                 "--log-jsonl", str(log), *moe]) == 0, capsys.readouterr().err[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == 1  # --train-iters 1
     assert 4.0 < records[0]["loss"] < 5.5  # ln(128) = 4.85 at initialisation

@@ -354,7 +354,7 @@ def test_error_unassigned_ranks_colocated_range_smaller_than_world() -> None:
 def test_error_unknown_keys() -> None:
     _raises({"modules": {"vision": {"tp": 1, "dpp": 2}}},
             "module vision: unknown keys ['dpp']; allowed keys are "
-            "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'tp']")
+            "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']")
     _raises({"modules": {"vision": {"tp": 1}}, "edge": ["a->b"]},
             "unknown top-level keys ['edge']; allowed keys are ['edges', 'modules', 'placement']")
     _raises({"modules": {"vision": {"tensor_parallel": 2, "tp": 2}}, "size": 3, "zz": 1},
@@ -419,7 +419,7 @@ def test_error_document_shape() -> None:
             "'edges' must be a list of 'src -> dst' strings, got 'vision->language'")
     _raises({"modules": {"vision": [1]}},
             "module vision: expected a mapping of ['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', "
-            "'ranks', 'tp'], got [1]")
+            "'ranks', 'role', 'tp'], got [1]")
     _raises({"placement": "mixed", "modules": {"vision": {}}},
             "placement must be one of ['colocated', 'disjoint'], got 'mixed'")
     _raises({"modules": {"a b": {}}}, "module name 'a b' must be a non-empty name of letters, digits, '_' or '-'")
@@ -539,7 +539,7 @@ def test_flag_errors() -> None:
     assert err(["vision:tp="]) == "module vision: tp must be a positive integer, got ''"
     assert err(["vision:size=2"]) == (
         "module vision: unknown keys ['size']; allowed keys are "
-        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'tp']")
+        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']")
     assert err(["vision:dp=8", "language:tp=2,pp=2,dp=3"]) == "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)"
     assert err(["vision:dp=2"], ["vision->llm"]) == "edge vision->llm: unknown module 'llm'; modules are ['vision']"
     assert err(["a:dp=2", "b:dp=2"], ["a->b", "b->a"]) == (
@@ -788,3 +788,13 @@ def test_huge_disjoint_degree_does_not_exhaust_memory() -> None:
     assert colocated.world_size == 2**40  # the colocated path resolves arithmetically
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.startswith(("OK", "VALUEERROR")), (out.stdout, out.stderr[-2000:])
+
+
+def test_role_key_round_trips_and_is_validated() -> None:
+    doc = {"placement": "disjoint", "modules": {"img": {}, "llm": {"pp": 2, "role": "language"}, "head": {}},
+           "edges": ["img -> llm", "llm -> head"]}
+    layout = layout_from_dict(doc)
+    assert layout.module("llm").role == "language" and layout.module("img").role is None
+    assert layout_from_dict(yaml.safe_load(dump_layout(layout))) == layout
+    _raises({"modules": {"vision": {"role": "encoder"}}},
+            "module vision: role must be one of ['language'], got 'encoder'")

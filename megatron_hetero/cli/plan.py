@@ -1,7 +1,7 @@
 """`megatron-hetero plan`: validate a layout and print the rank map and boundary plans (`--json`).
 
     megatron-hetero plan LAYOUT.yaml [--world-size N] [--json] [--global-batch-size G]
-        [--seq-length S] [--hidden-size H] [--dtype-bytes B]
+        [--seq-length S] [--hidden-size H] [--dtype-bytes B] [--num-experts E]
     megatron-hetero plan --hetero-module NAME:tp=..,dp=.. ... [--hetero-edge 'A->B'] [--hetero-placement P]
 
 The model flags give the shape crossing each edge (default: the smallest one every transform takes).
@@ -33,6 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--draw", default=None, metavar="FILE.png",
                    help="also draw the layout: ranks as cells coloured by module with their coordinates, "
                         "edges with their transform (needs matplotlib)")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer of the language model: checks ep against it and prints them")
     add_hetero_args(p)
     return p
 
@@ -45,13 +47,20 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the layout file once: positional LAYOUT or --hetero-layout, not both")
     if args.layout:
         args.hetero_layout = args.layout
+    from megatron_hetero.layout.validate import check_experts
+    from megatron_hetero.plan.roles import roles
+
     layout = layout_from_args(args, world_size=args.world_size)
+    experts = {}
+    if args.num_experts is not None:  # ep > 1 on a dense module, ep not dividing --num-experts: exit 2
+        experts = {n: args.num_experts for n in roles(layout).language}
+        check_experts(layout, experts)
     hidden = 64 if args.hidden_size is None else args.hidden_size
     shape = default_shape(layout, args.global_batch_size, args.seq_length, hidden, args.dtype_bytes)
     if args.json:
-        print(json.dumps(layout_json(layout, shape), indent=1))
+        print(json.dumps(layout_json(layout, shape, experts), indent=1))
     else:
-        print(layout_text(layout, shape))
+        print(layout_text(layout, shape, experts))
     if args.draw:
         _draw(layout, shape, args.draw, quiet=args.json)
     return 0

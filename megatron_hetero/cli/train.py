@@ -67,6 +67,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")
     c.add_argument("--load", type=str, default=None, metavar="DIR",
                    help="resume from the latest checkpoint under DIR (any layout of the same model)")
+    e = p.add_argument_group("mixture of experts (language model; ep/expt_tp come from the layout)")
+    e.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
+    e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (default 2)")
+    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss weight (default 0)")
+    e.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert MLP hidden size (default --ffn-hidden-size)")
     r = p.add_argument_group("launch")
     r.add_argument("--nproc-per-node", type=int, default=None,
                    help="ranks to spawn on this machine (default: what the layout uses)")

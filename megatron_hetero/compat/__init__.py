@@ -36,6 +36,7 @@ _LAZY = {
     "with_cp_core_attention": "specs",
     "clip_vit_norm_kwargs": "specs",
     "ensure_global_memory_buffer": "specs",
+    "ensure_moe_without_te": "specs",
 }
 
 __all__ = [

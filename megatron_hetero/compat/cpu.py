@@ -103,8 +103,36 @@ class _CudaOnCpu:
     def manual_seed(seed: int) -> None:
         torch.manual_seed(seed)
 
+    # Streams and events (MoE's alltoall token dispatcher moves its split sizes to the host on a
+    # side stream): on CPU there is one stream and everything is already synchronous.
+    Stream = staticmethod(lambda *a, **k: _CPU_STREAM)
+
+    @staticmethod
+    def current_stream(device: Any = None) -> "_CpuStream":
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(s: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
+
+
+class _CpuStream:
+    """The one CPU 'stream': waits and events are no-ops (CPU work is synchronous)."""
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> "_CpuStream":
+        return self  # doubles as the event: synchronize() is a no-op
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
 
 
 class _TorchOnCpu(types.ModuleType):
@@ -266,7 +294,51 @@ def _torch_norm_sequence_parallel() -> None:
     WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+def _moe_split_sizes_on_cpu() -> None:
+    """`maybe_move_tensor_to_cpu(t, as_numpy=True)` converts only CUDA tensors; on CPU the split
+    sizes stay tensors, which `all_to_all_single` rejects. Convert CPU tensors too when asked."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, MARK, None) is not None:
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and not tensor.is_cuda and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    setattr(maybe_move_tensor_to_cpu, MARK, original)
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 PATCHES: List[Patch] = [
+    Patch(
+        "megatron.core.transformer.moe.moe_utils: maybe_move_tensor_to_cpu(as_numpy=True) leaves CPU "
+        "tensors as tensors (alltoall dispatcher split sizes; all_to_all_single wants a sequence)",
+        "CPU tensors become numpy arrays when as_numpy (rebound in token_dispatcher)",
+        _moe_split_sizes_on_cpu,
+    ),
+    Patch(
+        "megatron.core.transformer.moe.token_dispatcher: MoEAlltoAllTokenDispatcher "
+        "(torch.cuda.Stream(), current_stream, stream context, record_event; device-to-host split sizes)",
+        "torch -> _TorchOnCpu (one synchronous CPU stream)",
+        _redirect_torch_in("megatron.core.transformer.moe.token_dispatcher"),
+    ),
+    Patch(
+        "megatron.core.transformer.moe.router: TopKRouter.gating/__init__ (weights moved to "
+        "torch.cuda.current_device(); expert-bias buffers on it)",
+        "torch -> _TorchOnCpu",
+        _redirect_torch_in("megatron.core.transformer.moe.router"),
+    ),
+    Patch(
+        "megatron.core.transformer.moe.moe_utils / experts: aux-loss tracker and expert buffers "
+        "(device='cuda', torch.cuda.current_device())",
+        "torch -> _TorchOnCpu",
+        lambda: (_redirect_torch_in("megatron.core.transformer.moe.moe_utils")(),
+                 _redirect_torch_in("megatron.core.transformer.moe.experts")()),
+    ),
     Patch(
         "megatron.core.tensor_parallel.random: _get_cuda_rng_state, _set_cuda_rng_state",
         "read/write the CPU generator state (the CUDA generator does not exist)",

@@ -19,6 +19,7 @@ __all__ = [
     "with_cp_core_attention",
     "clip_vit_norm_kwargs",
     "ensure_global_memory_buffer",
+    "ensure_moe_without_te",
 ]
 
 
@@ -65,3 +66,16 @@ def ensure_global_memory_buffer() -> None:
     """
     if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
         parallel_state._set_global_memory_buffer()
+
+
+def ensure_moe_without_te() -> None:
+    """Make Megatron's MoE router run without Transformer Engine.
+
+    Upstream bug (megatron/core/transformer/moe/moe_utils.py, 0.16.1): `te_general_gemm` is bound
+    only when TE imports, but `RouterGatingLinearFunction` reads it unconditionally (NameError
+    without TE). Without TE it must be None (the torch.mm path). With TE: no change.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -14,6 +14,8 @@ from typing import Optional
 from megatron_hetero.layout.degrees import DEGREE_KEYS, Degrees
 
 PLACEMENTS = ("colocated", "disjoint")
+#: `role:` values a module may declare (`plan/roles.py` decides roles; this only names them).
+ROLES = ("language",)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ModuleLayout:
     (expert tensor parallel; Megatron's parallel folding requires expt_tp*ep | tp*cp*dp).
     `ranks` is the module's global rank range; `None` until resolved by validation.
     `layers` optionally names the slice of a model this module holds (a pipeline segment).
+    `role` optionally names the module's role explicitly (`role: language`; see `plan/roles.py`).
     """
 
     name: str
@@ -74,6 +77,7 @@ class ModuleLayout:
     ranks: Optional[RankRange] = None
     frozen: bool = False
     layers: Optional[RankRange] = None
+    role: Optional[str] = None
 
     @property
     def size(self) -> int:
@@ -176,5 +180,7 @@ class HeteroLayout:
                 d["frozen"] = True
             if m.layers is not None:
                 d["layers"] = str(m.layers)
+            if m.role is not None:
+                d["role"] = m.role
             mods[m.name] = d
         return {"placement": self.placement, "modules": mods, "edges": [f"{e.src} -> {e.dst}" for e in self.edges]}

@@ -9,7 +9,7 @@ from typing import Optional
 
 from megatron_hetero.layout.degrees import DEGREE_KEYS
 from megatron_hetero.layout.graph import topological_order
-from megatron_hetero.layout.spec import PLACEMENTS, Edge, HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.spec import PLACEMENTS, ROLES, Edge, HeteroLayout, ModuleLayout, RankRange
 
 
 def _check_degrees(m: ModuleLayout) -> None:
@@ -24,6 +24,37 @@ def _check_degrees(m: ModuleLayout) -> None:
             f"module {m.name}: expert-tp({m.expt_tp})*ep({m.ep})={expert} does not divide "
             f"tp({m.tp})*cp({m.cp})*dp({m.dp})={dense} (Megatron's MoE parallel folding needs it to)"
         )
+    if m.role is not None and m.role not in ROLES:
+        raise ValueError(f"module {m.name}: role must be one of {list(ROLES)}, got {m.role!r}")
+
+
+def check_experts(layout: HeteroLayout, num_experts: dict[str, Optional[int]], backend: Optional[str] = None) -> None:
+    """The expert layout of every module against its model (ValueError with the arithmetic, before
+    any group exists). `num_experts`: module -> its number of experts (None or 0: a dense module;
+    modules not listed are dense). Rules: expt_tp*ep divides tp*cp*dp (Megatron's parallel folding,
+    also checked by `resolve_layout`); ep divides the number of experts; ep or expt_tp > 1 only on a
+    module with experts; expert-TP > 1 needs NCCL (on gloo Megatron's expert-TP all-gather of uneven
+    token counts fails)."""
+    for m in layout.modules:
+        n = num_experts.get(m.name) or 0
+        if n and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"module {m.name}: --num-experts must be a positive integer, got {n!r}")
+        expert, dense = m.expt_tp * m.ep, m.tp * m.cp * m.dp
+        if dense % expert:
+            raise ValueError(f"module {m.name}: expert-tp({m.expt_tp})*ep({m.ep})={expert} does not divide "
+                             f"tp({m.tp})*cp({m.cp})*dp({m.dp})={dense}")
+        if not n:
+            if m.ep > 1 or m.expt_tp > 1:
+                raise ValueError(f"module {m.name}: ep({m.ep}) expt_tp({m.expt_tp}) > 1 but the module has no experts "
+                                 f"(give the language model --num-experts, or drop ep/expt_tp from {m.name})")
+            continue
+        if n % m.ep:
+            raise ValueError(f"module {m.name}: ep({m.ep}) does not divide --num-experts {n} "
+                             f"({n} % {m.ep} = {n % m.ep}); each EP rank holds num_experts/ep experts")
+        if m.expt_tp > 1 and backend is not None and backend != "nccl":
+            raise ValueError(f"module {m.name}: expert tensor parallelism expt_tp({m.expt_tp}) > 1 needs NCCL "
+                             f"(backend here: {backend}; Megatron's expert-TP all-gather of uneven token counts "
+                             f"fails on gloo); use expt_tp 1")
 
 
 def _check_edges(layout: HeteroLayout) -> None:

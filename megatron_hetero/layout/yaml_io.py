@@ -1,7 +1,8 @@
 """Layout documents: the YAML file contract and the equivalent `--hetero-module` flag strings.
 
 YAML keys: `placement: colocated|disjoint`, `modules: {NAME: {tp, cp, pp, dp, ep, expt_tp,
-ranks: "A-B", frozen: bool, layers: "A-B"}}`, `edges: ["vision -> language", ...]`.
+ranks: "A-B", frozen: bool, layers: "A-B",
+role: language}}`, `edges: ["vision -> language", ...]`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from megatron_hetero.layout.degrees import DEGREE_KEYS
 from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.layout.validate import resolve_layout
 
-MODULE_KEYS = set(DEGREE_KEYS) | {"ranks", "frozen", "layers"}
+MODULE_KEYS = set(DEGREE_KEYS) | {"ranks", "frozen", "layers", "role"}
 TOP_KEYS = {"placement", "modules", "edges"}
 
 
@@ -54,6 +55,8 @@ def module_from_dict(name: str, spec: Any) -> ModuleLayout:
         kwargs["ranks"] = RankRange.parse(spec["ranks"], f"module {name}")
     if "layers" in spec and spec["layers"] is not None:
         kwargs["layers"] = RankRange.parse(spec["layers"], f"module {name}: layers")
+    if "role" in spec and spec["role"] is not None:
+        kwargs["role"] = str(spec["role"]).strip()
     if "frozen" in spec:
         kwargs["frozen"] = _as_bool(spec["frozen"], f"module {name}: frozen")
     return ModuleLayout(name=str(name), **kwargs)

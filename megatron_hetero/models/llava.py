@@ -12,11 +12,22 @@
   The first segment's first stage builds its input: text embeddings of the whole sequence, cut to
   this CP rank's load-balanced chunks, with the encoders' tokens put at their placeholder positions.
 
+- Mixture of experts: with `num_experts` the language model's MLPs are Megatron MoE layers (local
+  spec, `SequentialMLP` experts, top-k router with the load-balancing auxiliary loss, alltoall token
+  dispatcher) on the module's expert groups (`ep`, `expt_tp`, `expt_dp` of its
+  `ProcessGroupCollection`). Expert k of layer l is initialised from its *global* expert index, so
+  every EP sharding starts from the same weights.
+- Output modules (`generator`, ...: modules after the language model): a Megatron MLP (column- then
+  row-parallel on the module's TP group) from the language model's final hidden states at the
+  positions [offset, offset + tokens) to an `out_dim` representation, with its own loss (squared
+  error against a deterministic per-sample target, summed; normalised like the language loss).
+
 Tensors between modules are `[batch, tokens, hidden]` (the boundary layout); inside modules
 Megatron's `[seq, batch, hidden]`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,8 +40,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.compat import cp_chunk_positions, get_gpt_layer_local_spec_with_cp
+from megatron_hetero.compat import cp_chunk_positions, ensure_moe_without_te, get_gpt_layer_local_spec_with_cp
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.validate import check_experts
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.data import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
@@ -49,6 +61,17 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True)
+class OutputSpec:
+    """One output module: reads the language model's final hidden states at text positions
+    [offset, offset + tokens) and maps them through an MLP of width `hidden_size` to `out_dim`."""
+
+    tokens: int = 4
+    offset: int = 24
+    hidden_size: int = 32
+    out_dim: int = 16
+
+
+@dataclass(frozen=True)
 class LlavaSpec:
     """Sizes of the whole model (Megatron flag names)."""
 
@@ -60,6 +83,21 @@ class LlavaSpec:
     seq_length: int = 32
     encoders: dict[str, EncoderSpec] = field(default_factory=lambda: {"vision": EncoderSpec()})
     seed: int = 1234
+    num_experts: Optional[int] = None  # Megatron's --num-experts: MoE MLPs in the language model
+    moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 0.0
+    moe_ffn_hidden_size: Optional[int] = None
+    outputs: dict[str, OutputSpec] = field(default_factory=dict)
+
+    def moe_kwargs(self, m: ModuleLayout) -> dict:
+        """The TransformerConfig fields of the language model's MoE layers on layout `m` ({} if dense)."""
+        if not self.num_experts:
+            return {}
+        return dict(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                    moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+                    moe_router_load_balancing_type="aux_loss" if self.moe_aux_loss_coeff > 0 else "none",
+                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, add_bias_linear=False,
+                    expert_model_parallel_size=m.ep, expert_tensor_parallel_size=m.expt_tp)
 
     def data_config(self) -> DataConfig:
         return DataConfig(
@@ -71,7 +109,7 @@ class LlavaSpec:
 
 
 def transformer_config(*, num_layers: int, hidden: int, heads: int, ffn: Optional[int], m: ModuleLayout,
-                       dtype: torch.dtype = torch.float32) -> TransformerConfig:
+                       dtype: torch.dtype = torch.float32, **extra) -> TransformerConfig:
     """Megatron config of one module on its own layout (fp32, no dropout, per-token loss: gradients
     are summed, not averaged, over DP x CP because the loss is already normalised globally)."""
     return TransformerConfig(
@@ -88,6 +126,7 @@ def transformer_config(*, num_layers: int, hidden: int, heads: int, ffn: Optiona
         params_dtype=dtype,
         pipeline_dtype=dtype,
         calculate_per_token_loss=True,
+        **extra,
     )
 
 
@@ -100,8 +139,59 @@ def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout
     return mods
 
 
+def validate_model(layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str] = None) -> None:
+    """The model's checks against the layout that need the model's sizes (experts, output modules);
+    ValueError with the arithmetic, before any group exists."""
+    who = plan_roles.roles(layout)
+    langs = set(who.language)
+    if spec.num_experts is not None and (spec.num_experts < 1 or spec.moe_router_topk < 1
+                                         or spec.moe_router_topk > spec.num_experts):
+        raise ValueError(f"--moe-router-topk {spec.moe_router_topk} must be in 1..--num-experts {spec.num_experts}")
+    if spec.moe_aux_loss_coeff < 0:
+        raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {spec.moe_aux_loss_coeff}")
+    check_experts(layout, {n: spec.num_experts for n in langs}, backend)
+    for name in langs:
+        m = layout.module(name)
+        if spec.num_experts and m.ep > 1 and m.tp > 1:
+            raise ValueError(f"module {name}: ep({m.ep}) with tp({m.tp}) > 1 needs sequence parallelism in Megatron's "
+                             "MoE layers, which this model does not use; use tp 1 with ep > 1 (or ep 1)")
+    for name in who.outputs:
+        if name not in spec.outputs:
+            raise ValueError(f"module {name} comes after the language model but the model has no output head "
+                             f"named {name} (output heads: {sorted(spec.outputs)})")
+        m, o = layout.module(name), spec.outputs[name]
+        if m.pp != 1 or m.cp != 1:
+            raise ValueError(f"module {name}: an output head runs with pp 1 and cp 1, got {m.arithmetic()}")
+        if m.tp > 1 and o.hidden_size % m.tp:
+            raise ValueError(f"module {name}: its hidden size {o.hidden_size} is not divisible by tp({m.tp})")
+        if o.offset < 0 or o.offset + o.tokens > spec.seq_length:
+            raise ValueError(f"module {name}: positions [{o.offset}, {o.offset + o.tokens}) do not fit in "
+                             f"--seq-length {spec.seq_length}")
+        producers = layout.producers(name)
+        if producers != [who.last_language]:
+            raise ValueError(f"output module {name} must have exactly one edge, '{who.last_language} -> {name}'; "
+                             f"its producers are {producers}")
+        lm = layout.module(who.last_language)
+        if lm.cp != 1:
+            raise ValueError(f"module {lm.name}: cp({lm.cp}) > 1 with output module {name}: the output positions "
+                             "would be spread over CP ranks; use cp 1 on the language model")
+
+
 def segment_layers(m: ModuleLayout, spec: LlavaSpec) -> RankRange:
     return m.layers if m.layers is not None else RankRange(0, spec.num_layers - 1)
+
+
+_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)\.")
+
+
+def _is_expert(name: str) -> bool:
+    return _EXPERT.search(name) is not None
+
+
+def global_expert_name(name: str, first_expert: int) -> str:
+    """`...experts.local_experts.3.x` with this EP rank's first global expert index added."""
+    return _EXPERT.sub(lambda mt: f"{mt.group(1)}experts.local_experts.{int(mt.group(2)) + first_expert}.", name,
+                       count=1)
 
 
 class EncoderModule(torch.nn.Module):
@@ -165,7 +255,7 @@ class LanguageModule(torch.nn.Module):
     """One language-model segment stage (a Megatron GPTModel over the segment's layers)."""
 
     def __init__(self, name: str, spec: LlavaSpec, m: ModuleLayout, pgs: ProcessGroupCollection,
-                 first_segment: bool, last_segment: bool) -> None:
+                 first_segment: bool, last_segment: bool, last_segment_feeds_outputs: bool = False) -> None:
         super().__init__()
         layers = segment_layers(m, spec)
         n_layers = layers.size
@@ -179,11 +269,15 @@ class LanguageModule(torch.nn.Module):
         self.first_stage = first_segment and pp_rank == 0
         self.last_stage = last_segment and pp_rank == m.pp - 1
         config = transformer_config(num_layers=n_layers, hidden=spec.hidden_size, heads=spec.num_attention_heads,
-                                    ffn=spec.ffn_hidden_size, m=m)
+                                    ffn=spec.ffn_hidden_size, m=m, **spec.moe_kwargs(m))
         self.config = config
+        if spec.num_experts:
+            ensure_moe_without_te()
+        layer_spec = (get_gpt_layer_local_spec_with_cp(num_experts=spec.num_experts, moe_grouped_gemm=False)
+                      if spec.num_experts else get_gpt_layer_local_spec_with_cp())
         self.gpt = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec_with_cp(),
+            transformer_layer_spec=layer_spec,
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
             pre_process=self.first_stage,
@@ -194,11 +288,24 @@ class LanguageModule(torch.nn.Module):
         )
         self.model_type = self.gpt.model_type  # what Megatron's schedules look up on the wrapped model
         local_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
-        deterministic_init(self.named_parameters(), seed=spec.seed, module="language", tp_rank=pgs.tp.rank(),
+        dense = [(n, p) for n, p in self.named_parameters() if not _is_expert(n)]
+        deterministic_init(dense, seed=spec.seed, module="language", tp_rank=pgs.tp.rank(),
                            tp_size=pgs.tp.size(), layer_offset=layers.start + local_offset)
+        experts = [(n, p) for n, p in self.named_parameters() if _is_expert(n)]
+        if experts:  # global expert index: local index + ep_rank * experts per EP rank
+            local = spec.num_experts // pgs.ep.size()
+            experts = [(global_expert_name(n, pgs.ep.rank() * local), p) for n, p in experts]
+            deterministic_init(experts, seed=spec.seed, module="language", tp_rank=pgs.expt_tp.rank(),
+                               tp_size=pgs.expt_tp.size(), layer_offset=layers.start + local_offset)
+        self.last_hidden: Optional[torch.Tensor] = None  # the decoder's output of the last forward
+        if self.last_stage and last_segment_feeds_outputs:
+            self.gpt.decoder.register_forward_hook(self._keep_hidden)
         if self.frozen:
             for p in self.parameters():
                 p.requires_grad_(False)
+
+    def _keep_hidden(self, module, args, output) -> None:
+        self.last_hidden = output  # [s_local, b, h] after the final layer norm; carries the graph
 
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
@@ -232,3 +339,28 @@ class LanguageModule(torch.nn.Module):
         """hidden: [s_local, b, h] decoder input on the first stage (None elsewhere); returns [s_local, b, h], or the per-token loss
         [b, s_local] on the last stage (labels at this CP rank's positions)."""
         return self.gpt(None, None, None, decoder_input=hidden, labels=labels)
+
+
+class OutputModule(torch.nn.Module):
+    """An output head on its own layout: [b, tokens, llm_hidden] -> MLP (Megatron's column- then
+    row-parallel linear on the module's TP group) -> [b, tokens, out_dim]."""
+
+    def __init__(self, name: str, out: OutputSpec, llm_hidden: int, m: ModuleLayout,
+                 pgs: ProcessGroupCollection, seed: int) -> None:
+        super().__init__()
+        self.name, self.spec, self.frozen = name, out, m.frozen
+        config = transformer_config(num_layers=1, hidden=out.out_dim, heads=m.tp, ffn=out.hidden_size, m=m)  # heads unused
+        self.config = config
+        mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+        self.head = MultimodalProjector(config, mlp, "mlp", input_size=llm_hidden, tp_group=pgs.tp)
+        deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
+                           tp_size=pgs.tp.size())
+        if self.frozen:
+            for p in self.parameters():
+                p.requires_grad_(False)
+
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)

@@ -2,9 +2,17 @@
 run a stage (`runtime.stage_runner.StageRunner`).
 
 Data comes from `models/data.py` by global sample index, so every layout sees the same samples.
-Tensors crossing edges are `[rows, tokens, hidden]`: encoder tokens (from the projector) and, between
-language segments, the hidden states of this CP rank's positions; between pipeline stages Megatron's
+Tensors crossing edges are `[rows, tokens, hidden]`: encoder tokens (from the projector); between
+language segments, the hidden states of this CP rank's positions; from the language model to its
+output modules, its final hidden states over the span of text positions the output heads read
+(`output_span`; each head takes its own positions from it); between pipeline stages Megatron's
 `[seq, rows, hidden]`.
+
+Losses: the language loss (per-token cross entropy) and each output head's loss (squared error
+against a deterministic target, mean over `out_dim`, summed over tokens) are loss sums normalised
+by the same global count of language loss tokens. With experts, Megatron's load-balancing loss
+enters the gradient with the weight of the micro-batch's tokens over that count (the scale Megatron
+uses with per-token loss: `MoEAuxLossAutoScaler` scale 1/loss_tokens), and `aux_losses` reports it.
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ import torch
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.models import data as data_mod
-from megatron_hetero.models.llava import LlavaSpec
+from megatron_hetero.models.llava import LlavaSpec, OutputSpec
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
@@ -29,9 +37,27 @@ class LlavaStageRunner:
         self.dcfg = spec.data_config()
         self._loss_tokens = data_mod.loss_tokens_per_sample(self.dcfg) * plan.global_batch
         self.device = get_device()
+        self._aux = torch.zeros((), dtype=torch.float64)
+        self._langs = set(plan.roles.language)
 
     def loss_modules(self) -> tuple[str, ...]:
-        return (self.plan.roles.last_language,)
+        return self.plan.roles.loss_modules
+
+    def output_span(self) -> tuple[int, int]:
+        """Text positions [start, end) of the language model's hidden states its output modules read."""
+        outs = [self.spec.outputs[n] for n in self.plan.roles.outputs]
+        return min(o.offset for o in outs), max(o.offset + o.tokens for o in outs)
+
+    def aux_losses(self, step: int) -> dict[str, torch.Tensor]:
+        """This rank's share of the load-balancing loss as it entered the gradient this step (counted on
+        TP rank 0 of the language model's ranks: TP replicas route the same tokens); resets it."""
+        out, self._aux = self._aux, torch.zeros((), dtype=torch.float64)
+        if not self.spec.num_experts:
+            return {}
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+        return {"aux_loss": out}
 
     def loss_tokens(self, step: int) -> int:
         return self._loss_tokens  # the placeholder spans are the same for every sample
@@ -41,6 +67,9 @@ class LlavaStageRunner:
         if edge.src in spec.encoders:
             enc = spec.encoders[edge.src]
             return EdgeTensor(seq=enc.tokens, hidden=spec.hidden_size, dst_seq=spec.seq_length, dst_offset=enc.offset)
+        if edge.dst in spec.outputs:
+            start, end = self.output_span()
+            return EdgeTensor(seq=end - start, hidden=spec.hidden_size)
         return EdgeTensor(seq=spec.seq_length, hidden=spec.hidden_size)
 
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -57,7 +86,19 @@ class LlavaStageRunner:
                 stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
         if module in self.spec.encoders:
             return self._encoder(module, samples, stage_input)
+        if module in self.spec.outputs:
+            return self._output(module, samples, inputs)
         return self._language(module, samples, inputs, stage_input)
+
+    def _output(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor]) -> LossSum:
+        (x,) = inputs.values()  # [rows, span, hidden] from the language model
+        o: OutputSpec = self.spec.outputs[module]
+        start, _ = self.output_span()
+        x = x[:, o.offset - start:o.offset - start + o.tokens]
+        y = self.states[module].model(x)
+        target = output_target(self.spec.seed, module, o, samples).to(device=y.device, dtype=y.dtype)
+        loss_sum = (y - target).pow(2).mean(-1).sum()
+        return LossSum(loss_sum, torch.tensor(y.shape[0] * y.shape[1], dtype=torch.int))
 
     def _encoder(self, module: str, samples: range, stage_input: Optional[torch.Tensor]) -> torch.Tensor:
         x = stage_input
@@ -78,10 +119,45 @@ class LlavaStageRunner:
             (x,) = inputs.values()
             lang.set_input_tensor(x.transpose(0, 1).contiguous())
         if not lang.last_stage:
-            out = model(hidden, None)
+            out = self._with_aux(lang, me, len(samples), lambda: model(hidden, None))
             return out.transpose(0, 1).contiguous() if me.last_stage else out  # a segment's end crosses an edge
         idx = lang.cp_positions()
         labels = b["labels"][:, idx].to(self.device)
         mask = b["loss_mask"][:, idx].to(self.device)
-        per_token = model(hidden, labels)
-        return LossSum((per_token * mask).sum(), mask.sum().to(torch.int))
+        per_token = self._with_aux(lang, me, len(samples), lambda: model(hidden, labels))
+        out = None
+        if self.plan.roles.outputs and me.last_stage and module == self.plan.roles.last_language:
+            start, end = self.output_span()  # cp == 1 here (validated): positions are global
+            out = lang.last_hidden[start:end].transpose(0, 1).contiguous()
+        return LossSum((per_token * mask).sum(), mask.sum().to(torch.int), out)
+
+    def _with_aux(self, lang, me, rows: int, run):
+        """Run a language stage's forward; with experts, set the scale of the load-balancing loss's
+        gradient (1/loss tokens, the per-token convention) and account what it adds this micro-batch."""
+        if not self.spec.num_experts:
+            return run()
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0 / self._loss_tokens], device=self.device))
+        tracker = get_moe_layer_wise_logging_tracker()
+
+        def total() -> float:
+            t = tracker.get("load_balancing_loss")
+            return float(t["values"].sum()) if t is not None else 0.0
+
+        before = total()
+        result = run()
+        if me.coord.tp == 0:
+            local_tokens = rows * self.spec.seq_length // me.cp
+            self._aux += (total() - before) * self.spec.moe_aux_loss_coeff * local_tokens / self._loss_tokens
+        return result
+
+
+def output_target(seed: int, module: str, o: OutputSpec, samples: range) -> torch.Tensor:
+    """The target of output head `module` for the global samples `samples`: [rows, tokens, out_dim],
+    deterministic per (seed, module, sample index), independent of any layout."""
+    rows = []
+    for i in samples:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (sum(map(ord, module)) + 1) + i)
+        rows.append(torch.randn(o.tokens, o.out_dim, generator=g))
+    return torch.stack(rows)

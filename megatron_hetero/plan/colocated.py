@@ -11,6 +11,21 @@ Every module spans the same ranks [0, W), each through its own grid. Per step (g
            `LanguagePhase`: the language model's own 1F1B over its M = G/dp/micro_batch_size
            micro-batches (Megatron's `get_forward_backward_func`), fed from the detached boundary
            outputs; `warmup` is Megatron's pp - stage - 1 (at most M).
+           With output modules (heads after the language model, e.g. `generator`), phase 2 is
+           2a `LanguagePhase(forward_only)`: Megatron's forward-only pass over the same micro-batches,
+              keeping (detached) the last stage's hidden states that the heads read;
+           2b per output module: boundary forward (language model's last stage -> the head's layout),
+              `OutputStep` (the head's forward and backward over its DP share of the step, its loss
+              into the step's loss), boundary backward (the gradient of those hidden states back on
+              the language model's last stage);
+           2c the full `LanguagePhase`, whose last stage adds <hidden, gradient> to its loss, so the
+              language model's backward carries the heads' gradients exactly.
+           Why a second forward: the heads need the language model's output of every micro-batch
+           and the language model's backward needs the heads' gradients, and the heads' boundary is
+           a collective of the whole rank set, which cannot run inside the language model's 1F1B
+           (the other stages are busy in their own 1F1B). Recomputing the forward keeps Megatron's
+           1F1B (and its activation memory) for the language model; the price is one extra
+           forward of it.
   phase 3  `Restore`; for each encoder in reverse order: boundary backward (and the encoder's last
            stage backward behind it), then, stage by stage from last to first, a pipeline receive of
            the output gradient, the stage backward, a pipeline send of the input gradient.
@@ -104,7 +119,8 @@ class BoundaryCall:
 @dataclass(frozen=True)
 class LanguagePhase:
     """Megatron's forward-backward of the language model: `micro_batches` micro-batches of
-    `micro_batch_size` rows from this DP rank's share `rows` of the step; stage `stage` of `pp`."""
+    `micro_batch_size` rows from this DP rank's share `rows` of the step; stage `stage` of `pp`.
+    `forward_only`: the forward pass that produces the output modules' inputs (phase 2a)."""
 
     module: str
     stage: int
@@ -113,10 +129,25 @@ class LanguagePhase:
     micro_batch_size: int
     warmup: int
     rows: range
+    forward_only: bool = False
 
     def __str__(self) -> str:
-        return (f"1F1B {self.module}/{self.stage} of pp {self.pp}: {self.micro_batches} micro-batches of "
-                f"{self.micro_batch_size} (rows {self.rows.start}-{self.rows.stop - 1}), warm-up {self.warmup}")
+        kind = "forward-only" if self.forward_only else "1F1B"
+        warm = "" if self.forward_only else f", warm-up {self.warmup}"
+        return (f"{kind} {self.module}/{self.stage} of pp {self.pp}: {self.micro_batches} micro-batches of "
+                f"{self.micro_batch_size} (rows {self.rows.start}-{self.rows.stop - 1}){warm}")
+
+
+@dataclass(frozen=True)
+class OutputStep:
+    """Forward and backward of output module `module` (pp 1) over rows [rows.start, rows.stop) of
+    the step, from its boundary's output; its loss enters the step's loss."""
+
+    module: str
+    rows: range
+
+    def __str__(self) -> str:
+        return f"forward+backward {self.module} rows {self.rows.start}-{self.rows.stop - 1}"
 
 
 @dataclass(frozen=True)
@@ -142,7 +173,7 @@ class Collective:
 
 
 ColocatedAction = Union[PipeSend, PipeRecv, EncoderForward, EncoderBackward, BoundaryCall, LanguagePhase,
-                        StateMove, Collective]
+                        OutputStep, StateMove, Collective]
 
 
 @dataclass(frozen=True)
@@ -212,8 +243,12 @@ def colocated_tables(layout: HeteroLayout, global_batch: int, micro_batch_size: 
         raise ValueError("colocated placement takes one language module; segments are disjoint modules")
     lang = layout.module(who.first_language)
     mbs = micro_batching(global_batch, lang.dp, micro_batch_size, what=f"module {lang.name}")
-    for name in who.encoders:
+    for name in who.encoders + who.outputs:
         dp_rows(global_batch, layout.module(name).dp, 0)  # ValueError when dp does not divide G
+    for name in who.outputs:
+        if layout.module(name).pp != 1:
+            raise ValueError(f"module {name}: an output module runs with pp 1 in colocated placement, "
+                             f"got pp({layout.module(name).pp})")
     tables = {}
     for rank in range(layout.world_size):
         lc: Coord = coord_of(lang, rank)
@@ -224,8 +259,18 @@ def colocated_tables(layout: HeteroLayout, global_batch: int, micro_batch_size: 
             phase1.append(BoundaryCall(f"{name}->{lang.name}", "forward", src=coord_of(m, rank).pp == m.pp - 1,
                                        dst=lc.pp == 0))
         phase2: list = [StateMove("offload", who.encoders)] if offload_encoders and who.encoders else []
+        lrows = dp_rows(global_batch, lang.dp, lc.dp)
+        if who.outputs:
+            phase2.append(LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, 0, lrows,
+                                        forward_only=True))
+            for name in who.outputs:
+                om = layout.module(name)
+                edge = f"{lang.name}->{name}"
+                phase2 += [BoundaryCall(edge, "forward", src=lc.pp == lang.pp - 1, dst=True),
+                           OutputStep(name, dp_rows(global_batch, om.dp, coord_of(om, rank).dp)),
+                           BoundaryCall(edge, "backward", src=lc.pp == lang.pp - 1, dst=True)]
         phase2 += [LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size,
-                                min(mbs.count, lang.pp - lc.pp - 1), dp_rows(global_batch, lang.dp, lc.dp))]
+                                min(mbs.count, lang.pp - lc.pp - 1), lrows)]
         phase3: list = [StateMove("restore", who.encoders)] if offload_encoders and who.encoders else []
         for name in reversed(who.encoders):
             m = layout.module(name)
@@ -276,7 +321,8 @@ def check_colocated_tables(tables: dict[int, ColocatedTable]) -> int:
             break
         if all(isinstance(a, _GLOBAL) for a in waiting.values()) and len(waiting) == len(tables):
             kinds = {type(a).__name__ + ":" + (a.edge + a.direction if isinstance(a, BoundaryCall) else
-                                                 a.module if isinstance(a, LanguagePhase) else a.kind)
+                                                 f"{a.module}{a.forward_only}" if isinstance(a, LanguagePhase)
+                                                 else a.kind)
                      for a in waiting.values()}
             if len(kinds) != 1:
                 raise ValueError("ranks reach different collectives: " +

@@ -109,11 +109,13 @@ def _cp_eff(spec: ModelSpec, cp):
     return cp if spec.shards else np.ones_like(np.asarray(cp))
 
 
-def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
-    """(compute, tp_comm, cp_comm) of one layer, one micro-batch of `samples` per replica."""
+def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp, ep=1):
+    """(compute, tp_comm, cp_comm) of one layer, one micro-batch of `samples` per replica. With
+    experts the MLP FLOPs are the top-k experts' (`flops_ffn`), and tp_comm also holds the token
+    dispatcher's all-to-alls over the EP group (`ep_dispatch_time`)."""
     cpe = _cp_eff(spec, cp)
     tokens = np.asarray(samples, dtype=float) * spec.seq
-    flops = layer_flops(tokens, spec.seq, spec.hidden, spec.ffn_hidden, spec.gated) / (np.asarray(tp) * cpe)
+    flops = layer_flops(tokens, spec.seq, spec.hidden, spec.flops_ffn, spec.gated) / (np.asarray(tp) * cpe)
     compute = prof.layer_time(spec.kind, flops)
     dpn = prof.devices_per_node
     act = tokens / cpe * spec.hidden * wl.dtype_bytes
@@ -125,7 +127,21 @@ def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
         cpc = np.maximum(ring - attention, 0.0)
     else:
         cpc = np.zeros_like(compute)
+    if spec.num_experts:
+        tpc = tpc + ep_dispatch_time(prof, wl, spec, samples, tp, cp, ep)
     return compute, tpc, cpc
+
+
+def ep_dispatch_time(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp, ep):
+    """Megatron's alltoall token dispatcher of one MoE layer, one micro-batch: dispatch and combine
+    in forward and again in backward, 4 all-to-alls over the EP group, each carrying this rank's
+    routed tokens (T/cp_eff * topk * h * dtype, of which (ep-1)/ep leave the rank). Priced as an
+    all-gather of that size over ep ranks (the same per-rank volume, alpha-beta); 0 at ep = 1."""
+    ep = np.asarray(ep)
+    nbytes = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp) * spec.moe_topk * spec.hidden \
+        * wl.dtype_bytes
+    t = 4.0 * prof.layer_collective_time("all_gather", nbytes, ep, np.asarray(tp) * ep > prof.devices_per_node)
+    return np.where(ep > 1, t, 0.0)
 
 
 def synced(prof: Profile, t):
@@ -328,7 +344,7 @@ def _col(x, n: int) -> np.ndarray:
 
 def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, layers, samples, *, runs, p2p,
                   inter, placement: str, offset=0, embed_first=False, embed_last=False, io_last=False,
-                  data: str = "none", head: Optional[dict] = None) -> Stages:
+                  data: str = "none", head: Optional[dict] = None, ep=1) -> Stages:
     """The four stage classes of a module (or LLM segment) of `layers` layers evenly split over `pp`
     stages (pp = 0: absent), each stage running `samples` samples per replica and run.
 
@@ -337,11 +353,13 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
     run's samples, "all" (language model), "first" (an encoder: the samples of its images) or
     "none"; p2p: whether stages exchange with a neighbour stage (over the inter-node link where
     `inter`); head: extra per-run costs / parameters / activations on the first stage (the encoder
-    inside a homogeneous stage 0: keys compute, tp, cp, params, act). Arguments broadcast over rows."""
+    inside a homogeneous stage 0: keys compute, tp, cp, params, act). Arguments broadcast over rows.
+    ep: the module's expert parallelism (a model with experts: expert parameters are split over ep
+    instead of tp, and their gradients reduce over expert-DP = tp*cp*dp/ep)."""
     shape = np.broadcast(*(np.asarray(x) for x in (tp, cp, pp, dp, layers, samples, runs, p2p, inter, offset,
-                                                    embed_first, embed_last, io_last))).shape
+                                                    embed_first, embed_last, io_last, ep))).shape
     n = int(np.prod(shape)) if shape else 1
-    tp, cp, pp, dp, layers, samples, runs = (_col(x, n) for x in (tp, cp, pp, dp, layers, samples, runs))
+    tp, cp, pp, dp, layers, samples, runs, ep = (_col(x, n) for x in (tp, cp, pp, dp, layers, samples, runs, ep))
     p2p, inter, offset = _col(p2p, n), _col(inter, n), _col(offset, n)
     embed_first, embed_last, io_last = _col(embed_first, n), _col(embed_last, n), _col(io_last, n)
     p = np.maximum(pp, 1)
@@ -355,7 +373,7 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
     lam = np.hstack([ce, ce, fl, fl]).astype(float)
     is_first = np.array([True, False, False, False])[None, :]
     is_last = np.hstack([pp == 1, np.zeros((n, 2), bool), np.ones((n, 1), bool)])
-    c, t, q = layer_parts(prof, wl, spec, samples, tp, cp)
+    c, t, q = layer_parts(prof, wl, spec, samples, tp, cp, ep)
     compute = lam * c
     if data != "none":
         per = samples / wl.images_per_sample if data == "first" else samples
@@ -364,7 +382,8 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
     tpc, cpc = lam * t, lam * q
     ppc = np.broadcast_to(np.where(p2p, p2p_time(prof, wl, spec, samples, cp, inter), 0.0), lam.shape)
     emb = float(spec.embedding_params)
-    params = lam * spec.layer_params + emb * ((embed_first & is_first).astype(float) + (embed_last & is_last))
+    experts = float(spec.expert_layer_params)  # 0 for a dense model
+    params = lam * (spec.layer_params - experts) + emb * ((embed_first & is_first).astype(float) + (embed_last & is_last))
     act = act_bytes(wl, spec, samples, tp, cp, lam)
     if head is not None:
         compute = compute + is_first * np.asarray(head["compute"])[..., None]
@@ -373,13 +392,19 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
         params = params + is_first * np.asarray(head["params"])[..., None]
         act = act + is_first * np.asarray(head["act"])[..., None]
     params = params / tp
+    dpt, state = dp_time(prof, wl, params, tp, cp, dp), state_bytes(wl, params, dp * cp)
+    if experts:  # this rank's experts: 1/ep of each layer's, reduced and sharded over expert-DP
+        eparams = lam * experts / ep
+        edp = tp * cp * dp // ep
+        dpt = dpt + dp_time(prof, wl, eparams, ep, 1, edp)
+        state = state + state_bytes(wl, eparams, edp)
+        params = params + eparams
     opt = prof.overhead_time("optimizer", params) + SNAPSHOTS[placement] * prof.overhead_time("snapshot", params)
     shape = lam.shape
     return Stages(count=count, first=first, compute=compute, tp=np.broadcast_to(tpc, shape),
                   cp=np.broadcast_to(cpc, shape), pp=ppc, boundary=np.zeros(shape),
                   ranks=np.broadcast_to((tp * cp * dp).astype(float), shape), runs=np.broadcast_to(runs, shape),
-                  dp=dp_time(prof, wl, params, tp, cp, dp), opt=np.broadcast_to(opt, shape),
-                  state=state_bytes(wl, params, dp * cp), act=act)
+                  dp=dpt, opt=np.broadcast_to(opt, shape), state=state, act=act)
 
 
 @dataclass
@@ -458,12 +483,13 @@ def _scaled(parts: dict, k) -> dict:
 
 
 # --- homogeneous ------------------------------------------------------------------------------
-def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers) -> dict:
+def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers, ep=1) -> dict:
     """Breakdown arrays of homogeneous candidates: the encoder on the LLM's layout inside LLM
     stage 0, which holds `first_layers` LLM layers (pp = 1: all of them); the other LLM layers
     split evenly over the other stages."""
     enc, llm, m, k = wl.encoder, wl.llm, wl.micro_batch, wl.images_per_sample
-    tp, cp, pp, dp, first_layers = np.broadcast_arrays(*(np.asarray(x) for x in (tp, cp, pp, dp, first_layers)))
+    tp, cp, pp, dp, first_layers, ep = np.broadcast_arrays(*(np.asarray(x) for x in (tp, cp, pp, dp, first_layers,
+                                                                                       ep)))
     L = llm.num_layers
     l0 = np.where(pp == 1, L, first_layers)
     b = wl.global_batch // (m * dp)
@@ -473,7 +499,7 @@ def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers) -> di
     head = {"compute": enc.num_layers * ec + io_time(prof, wl, enc, m * k, tp, cp), "tp": enc.num_layers * et,
             "cp": enc.num_layers * eq, "params": np.broadcast_to(float(enc.total_params), tp.shape),
             "act": act_bytes(wl, enc, m * k, tp, cp, enc.num_layers)}
-    common = dict(runs=b, p2p=pp > 1, inter=inter, placement="homogeneous", data="all")
+    common = dict(runs=b, p2p=pp > 1, inter=inter, placement="homogeneous", data="all", ep=ep)
     st = Stages.cat(
         module_stages(prof, wl, llm, tp, cp, np.ones_like(pp), dp, l0, m, embed_first=True, embed_last=pp == 1,
                       io_last=pp == 1, head=head, **common),
@@ -485,18 +511,19 @@ def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers) -> di
 
 
 # --- colocated --------------------------------------------------------------------------------
-def colocated(prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, offload) -> dict:
-    """Breakdown arrays of colocated three-phase candidates (LLM tp/cp/pp/dp, encoder etp/ecp/epp/edp
-    on the same ranks; `offload`: the encoder's state leaves the device during the LLM phase)."""
+def colocated(prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep=1) -> dict:
+    """Breakdown arrays of colocated three-phase candidates (LLM tp/cp/pp/dp (and ep, with experts),
+    encoder etp/ecp/epp/edp on the same ranks; `offload`: the encoder's state leaves the device
+    during the LLM phase)."""
     enc, llm, G, k = wl.encoder, wl.llm, wl.global_batch, wl.images_per_sample
-    tp, cp, pp, dp, etp, ecp, epp, edp, offload = np.broadcast_arrays(
-        *(np.asarray(x) for x in (tp, cp, pp, dp, etp, ecp, epp, edp, offload)))
+    tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep = np.broadcast_arrays(
+        *(np.asarray(x) for x in (tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep)))
     b = G // (wl.micro_batch * dp)
     world = tp * cp * pp * dp
     inter = world > prof.devices_per_node
     lst = module_stages(prof, wl, llm, tp, cp, pp, dp, llm.num_layers, wl.micro_batch, runs=b, p2p=pp > 1,
                         inter=inter, placement="colocated", embed_first=True, embed_last=True, io_last=True,
-                        data="all")
+                        data="all", ep=ep)
     be = G * k / edp  # images of the rank's encoder-DP share: one pass
     est = module_stages(prof, wl, enc, etp, ecp, epp, edp, enc.num_layers, be, runs=1, p2p=epp > 1, inter=inter,
                         placement="colocated", io_last=True, data="first")
@@ -532,14 +559,14 @@ def llm_chain(prof: Profile, wl: Workload, segments: list, world) -> tuple[Side,
     """The LLM side of disjoint candidates: `segments` [(tp, cp, pp, dp, layers)] in pipeline order
     (arrays; pp = 0: the segment is absent), on the island of the world's other ranks: (Side, memory
     peak). The first stage receives the encoder boundary."""
-    segs = [tuple(np.asarray(x) for x in s) for s in segments]
+    segs = [tuple(np.asarray(x) for x in s) + ((np.asarray(1),) if len(s) == 5 else ()) for s in segments]
     present = [s[2] > 0 for s in segs]
     M = wl.micro_batch * np.max([np.where(p, s[3], 1) for s, p in zip(segs, present)], axis=0)
     b = wl.global_batch // M
     P = sum(s[2] for s in segs)
     island = sum(np.where(p, s[0] * s[1] * s[2] * s[3], 0) for s, p in zip(segs, present))
     parts, offset = [], 0
-    for i, (tp, cp, pp, dp, layers) in enumerate(segs):
+    for i, (tp, cp, pp, dp, layers, ep) in enumerate(segs):
         later = np.zeros_like(present[i])
         for p in present[i + 1:]:
             later = later | p
@@ -547,7 +574,7 @@ def llm_chain(prof: Profile, wl: Workload, segments: list, world) -> tuple[Side,
         st = module_stages(prof, wl, wl.llm, np.maximum(tp, 1), np.maximum(cp, 1), pp, dps, layers, M / dps, runs=b,
                            p2p=P > 1, inter=island > prof.devices_per_node, placement="disjoint", offset=offset,
                            embed_first=i == 0, embed_last=present[i] & ~later, io_last=present[i] & ~later,
-                           data="all")
+                           data="all", ep=ep)
         if i == 0:
             st.boundary[:, :1] = disjoint_boundary(prof, wl, M / dps, cp, world)[..., None]
         parts.append(st)
@@ -581,12 +608,12 @@ def evaluate(c: Candidate, wl: Workload, prof: Profile) -> CostBreakdown:
     b = check_candidate(c, wl)
     e, s = c.encoder, c.llm[0]
     if c.placement == "homogeneous":
-        out = homogeneous(prof, wl, s.tp, s.cp, s.pp, s.dp, c.first_stage_layers)
+        out = homogeneous(prof, wl, s.tp, s.cp, s.pp, s.dp, c.first_stage_layers, s.ep)
     elif c.placement == "colocated":
-        out = colocated(prof, wl, s.tp, s.cp, s.pp, s.dp, e.tp, e.cp, e.pp, e.dp, c.offload)
+        out = colocated(prof, wl, s.tp, s.cp, s.pp, s.dp, e.tp, e.cp, e.pp, e.dp, c.offload, s.ep)
     else:
         mb = wl.micro_batch * max(x.dp for x in c.llm)
-        llm, llm_mem = llm_chain(prof, wl, [(x.tp, x.cp, x.pp, x.dp, x.layers) for x in c.llm], c.world_size)
+        llm, llm_mem = llm_chain(prof, wl, [(x.tp, x.cp, x.pp, x.dp, x.layers, x.ep) for x in c.llm], c.world_size)
         enc, enc_mem = encoder_island(prof, wl, e.tp, e.cp, e.pp, e.dp, mb, sum(x.pp for x in c.llm))
         out = disjoint(prof, wl, enc, llm, c.world_size, b)
         out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)

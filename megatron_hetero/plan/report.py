@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.plan.boundary import BoundaryPlan, BoundaryShape, Transfer, plan_all
-from megatron_hetero.plan.placement import rank_map
+from megatron_hetero.plan.placement import Coord, rank_map
 
 
 def default_shape(layout: HeteroLayout, batch: Optional[int] = None, seq: Optional[int] = None,
@@ -48,15 +48,45 @@ def edge_json(p: BoundaryPlan) -> dict[str, Any]:
     }
 
 
-def layout_json(layout: HeteroLayout, shape: BoundaryShape) -> dict[str, Any]:
-    """The `megatron-hetero plan --json` document."""
+def is_moe(m: ModuleLayout, experts: Optional[dict[str, int]] = None) -> bool:
+    """Whether module `m` has experts: it declares ep or expt_tp > 1, or `experts` gives it some."""
+    return m.ep > 1 or m.expt_tp > 1 or bool((experts or {}).get(m.name))
+
+
+def expert_coord(m: ModuleLayout, c: Coord) -> dict[str, int]:
+    """A rank's expert coordinates in `m` (Megatron's parallel folding inside a pipeline stage:
+    expt_tp fastest, then ep, then expert-DP over the stage's tp*cp*dp ranks)."""
+    in_stage = c.tp + m.tp * (c.cp + m.cp * c.dp)
+    return {"ep": c.ep, "expt_tp": c.expt_tp, "expt_dp": in_stage // (m.expt_tp * m.ep)}
+
+
+def _module_json(m: ModuleLayout, experts: Optional[dict[str, int]]) -> dict[str, Any]:
+    d: dict[str, Any] = {**m.degrees(), "ranks": str(m.ranks), "frozen": m.frozen}
+    if m.role is not None:
+        d["role"] = m.role
+    if is_moe(m, experts):
+        d["expt_dp"] = m.stage_size // (m.expt_tp * m.ep)
+        if (experts or {}).get(m.name):
+            d["num_experts"] = experts[m.name]
+            d["experts_per_rank"] = experts[m.name] // m.ep
+    return d
+
+
+def layout_json(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[dict[str, int]] = None) -> dict[str, Any]:
+    """The `megatron-hetero plan --json` document. Rank entries of a module with experts (`is_moe`)
+    carry its expert coordinates `ep`, `expt_tp`, `expt_dp` too."""
+    def coords(e) -> dict[str, dict[str, int]]:
+        out = {}
+        for n, c in e.modules.items():
+            m = layout.module(n)
+            out[n] = {**c.as_dict(), **(expert_coord(m, c) if is_moe(m, experts) else {})}
+        return out
+
     return {
         "world_size": layout.world_size,
         "placement": layout.placement,
-        "modules": {m.name: {**m.degrees(), "ranks": str(m.ranks), "frozen": m.frozen} for m in layout.modules},
-        "ranks": [
-            {"rank": e.rank, "modules": {n: c.as_dict() for n, c in e.modules.items()}} for e in rank_map(layout)
-        ],
+        "modules": {m.name: _module_json(m, experts) for m in layout.modules},
+        "ranks": [{"rank": e.rank, "modules": coords(e)} for e in rank_map(layout)],
         "edges": [edge_json(p) for p in plan_all(layout, shape)],
     }
 
@@ -69,9 +99,16 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def layout_text(layout: HeteroLayout, shape: BoundaryShape) -> str:
-    """The `megatron-hetero plan` table: rank map, then one paragraph per edge."""
+def layout_text(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[dict[str, int]] = None) -> str:
+    """The `megatron-hetero plan` table: rank map (with expert coordinates `ep`, `edp` (expert-DP)
+    and `etp` for modules with experts), then one paragraph per edge."""
     lines = [f"world size {layout.world_size}, placement {layout.placement}", ""]
+    for m in layout.modules:
+        if is_moe(m, experts):
+            n = (experts or {}).get(m.name)
+            lines.insert(-1, f"module {m.name}: experts folded as expt_tp({m.expt_tp}) x ep({m.ep}) x expt_dp("
+                             f"{m.stage_size // (m.expt_tp * m.ep)}) over each stage's {m.stage_size} ranks"
+                             + (f"; {n} experts, {n // m.ep} per EP rank" if n else ""))
     heads = ["rank"] + [f"{m.name} {m.short()} @{m.ranks}" + (" frozen" if m.frozen else "") for m in layout.modules]
     rows = []
     for e in rank_map(layout):
@@ -82,8 +119,9 @@ def layout_text(layout: HeteroLayout, shape: BoundaryShape) -> str:
                 row.append("-")
             else:
                 text = f"tp{c.tp} cp{c.cp} dp{c.dp} pp{c.pp}"
-                if m.ep > 1 or m.expt_tp > 1:
-                    text += f" ep{c.ep} etp{c.expt_tp}"
+                if is_moe(m, experts):
+                    x = expert_coord(m, c)
+                    text += f" ep{x['ep']} edp{x['expt_dp']}" + (f" etp{x['expt_tp']}" if m.expt_tp > 1 else "")
                 row.append(text)
         rows.append(row)
     widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]

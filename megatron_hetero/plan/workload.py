@@ -33,6 +33,9 @@ class ModelSpec:
     gated: bool = False
     params: Optional[int] = None
     shards_sequence: Optional[bool] = None
+    num_experts: int = 0  # > 0: every layer's MLP is a mixture of `num_experts` experts
+    moe_topk: int = 2
+    moe_ffn_hidden: Optional[int] = None  # each expert's MLP width (default ffn_hidden)
 
     def __post_init__(self):
         for key in ("num_layers", "hidden", "ffn_hidden", "heads", "seq"):
@@ -54,7 +57,24 @@ class ModelSpec:
         if self.params is not None:
             return (self.params - 2 * self.embedding_params) / self.num_layers
         m = 3 if self.gated else 2
+        if self.num_experts:  # attention + router + the experts' MLPs
+            return 4 * self.hidden ** 2 + self.hidden * self.num_experts + self.expert_layer_params
         return 4 * self.hidden ** 2 + m * self.hidden * self.ffn_hidden
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
+
+    @property
+    def expert_layer_params(self) -> float:
+        """Parameters of one layer's experts (0 for a dense model): they shard over EP, not TP."""
+        m = 3 if self.gated else 2
+        return float(self.num_experts * m * self.hidden * self.expert_ffn) if self.num_experts else 0.0
+
+    @property
+    def flops_ffn(self) -> int:
+        """The MLP width a token's FLOPs see: ffn_hidden, or top-k experts of expert_ffn each."""
+        return self.moe_topk * self.expert_ffn if self.num_experts else self.ffn_hidden
 
     @property
     def total_params(self) -> float:
@@ -104,20 +124,24 @@ class Segment:
     layers: int = 0
 
     @classmethod
-    def of(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, layers: int = 0) -> "Segment":
-        return cls(Degrees(tp=tp, cp=cp, pp=pp, dp=dp), layers)
+    def of(cls, tp: int = 1, cp: int = 1, pp: int = 1, dp: int = 1, layers: int = 0, ep: int = 1) -> "Segment":
+        return cls(Degrees(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep), layers)
 
     tp = property(lambda self: self.par.tp)
     cp = property(lambda self: self.par.cp)
     pp = property(lambda self: self.par.pp)
     dp = property(lambda self: self.par.dp)
     size = property(lambda self: self.par.size)
+    ep = property(lambda self: self.par.ep)
 
     def short(self) -> str:
         return self.par.short()
 
     def to_dict(self) -> dict:
-        return {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "layers": self.layers}
+        d = {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": self.dp, "layers": self.layers}
+        if self.ep > 1:
+            d["ep"] = self.ep
+        return d
 
 
 @dataclass(frozen=True)
@@ -165,12 +189,12 @@ class Candidate:
         enc = ModuleLayout(name=encoder_name, tp=e.tp, cp=e.cp, pp=e.pp, dp=e.dp)
         if len(self.llm) == 1:
             s = self.llm[0]
-            mods = [enc, ModuleLayout(name=llm_name, tp=s.tp, cp=s.cp, pp=s.pp, dp=s.dp)]
+            mods = [enc, ModuleLayout(name=llm_name, tp=s.tp, cp=s.cp, pp=s.pp, dp=s.dp, ep=s.ep)]
         else:
             mods, start = [enc], 0
             for i, s in enumerate(self.llm):
                 mods.append(ModuleLayout(name=f"{llm_name}_{chr(ord('a') + i)}", tp=s.tp, cp=s.cp, pp=s.pp,
-                                         dp=s.dp, layers=RankRange(start, start + s.layers - 1)))
+                                         dp=s.dp, ep=s.ep, layers=RankRange(start, start + s.layers - 1)))
                 start += s.layers
         names = [m.name for m in mods]
         edges = tuple(Edge(a, b) for a, b in zip(names, names[1:]))
@@ -221,6 +245,9 @@ def check_candidate(c: Candidate, wl: Workload) -> int:
         raise ValueError(f"global batch {wl.global_batch} is not divisible by micro-batch {wl.micro_batch} * "
                          f"LLM dp {max(s.dp for s in llm)} = {mb}")
     for s in llm:
+        if s.ep > 1 and (not wl.llm.num_experts or wl.llm.num_experts % s.ep or s.par.stage_size % s.ep):
+            raise ValueError(f"segment {s.short()}: ep({s.ep}) must divide the LLM's {wl.llm.num_experts} experts and "
+                             f"its stage's tp*cp*dp = {s.par.stage_size}")
         if mb % s.dp:
             raise ValueError(f"pipeline micro-batch {mb} is not divisible by segment dp {s.dp}")
         if s.layers < s.pp:

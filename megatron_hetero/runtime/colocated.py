@@ -9,6 +9,9 @@ Per step (the table's phases; see `plan/colocated.py` for who does what):
            function runs the language model's micro-batches (1F1B when pp > 1) from those leaves.
   phase 3: offloaded state comes back; boundary backward (gradients into each encoder's layout) and
            one encoder backward per encoder (stage by stage, last to first, when pp > 1).
+With output modules (heads after the language model), phase 2 runs a forward-only pass of the
+language model first, the heads' boundary forward, forward+backward and boundary backward, and then
+the full 1F1B whose last stage adds <hidden, head gradient> to its loss (`plan/colocated.py` says why).
 Then each module reduces its gradients over its own DP x CP group and steps its own optimizer.
 No encoder collective ever runs while the language model's pipeline is in flight.
 
@@ -26,7 +29,8 @@ from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.batch import megatron_micro_batch
 from megatron_hetero.plan.colocated import (
-    BoundaryCall, Collective, EncoderBackward, EncoderForward, LanguagePhase, PipeRecv, PipeSend, StateMove,
+    BoundaryCall, Collective, EncoderBackward, EncoderForward, LanguagePhase, OutputStep, PipeRecv, PipeSend,
+    StateMove,
 )
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.boundary import Boundary
@@ -34,7 +38,7 @@ from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.offload import Offloader
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
-from megatron_hetero.runtime.step import StepResult, global_loss, resident_memory
+from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory
 from megatron_hetero.runtime.trace import MEGATRON_P2P_METHODS, boundary_args
 from megatron_hetero.runtime.wire import p2p
 
@@ -51,8 +55,9 @@ class ColocatedSchedule:
         self.lang = states[self.lang_name]
         g = plan.global_batch
         self.boundaries: dict[str, Boundary] = {}
-        for name in plan.roles.encoders:
-            edge = Edge(name, self.lang_name)
+        edges = [Edge(n, self.lang_name) for n in plan.roles.encoders]
+        edges += [Edge(self.lang_name, n) for n in plan.roles.outputs]
+        for edge in edges:
             t = runner.edge_tensor(edge)
             self.boundaries[str(edge)] = Boundary(plan.layout, edge, batch=g, hidden=t.hidden, seq=t.seq,
                                                   dst_seq=t.dst_seq, dst_offset=t.dst_offset,
@@ -76,7 +81,9 @@ class ColocatedSchedule:
         self._out_grad: dict[str, torch.Tensor] = {}  # encoder -> received gradient of this stage's output
         self._edge_out: dict[str, Optional[torch.Tensor]] = {}  # edge -> boundary output
         self._leaves: dict[str, torch.Tensor] = {}  # encoder -> detached boundary output (LLM input)
-        self._loss_sums: list[torch.Tensor] = []
+        self._loss_sums: dict[str, list[torch.Tensor]] = {}
+        self._lang_out: list[torch.Tensor] = []  # phase 2a: the last stage's output per micro-batch
+        self._lang_leaf: Optional[torch.Tensor] = None  # their concatenation, the output boundaries' input
         memory: dict[str, dict[str, int]] = {}
         for phase, actions in self.plan.colocated.phases:
             for a in actions:
@@ -85,10 +92,12 @@ class ColocatedSchedule:
                 self._run(a, first)
             if phase in ("phase 1", "phase 3"):
                 memory[phase.replace(" ", "")] = resident_memory(self.states)
-        lm = self.plan.modules[self.lang_name]
-        loss = global_loss(self._loss_sums, lm.last_stage and lm.coord.tp == 0, self.runner.loss_tokens(step),
-                           self.plan.rank)
-        return StepResult(loss=loss, memory=memory)
+        counted = {m for m in self.runner.loss_modules()
+                   if m in self.plan.modules and self.plan.modules[m].last_stage and self.plan.modules[m].coord.tp == 0}
+        extras = self.runner.aux_losses(step) if hasattr(self.runner, "aux_losses") else {}
+        loss, parts, aux = global_loss_parts(tuple(self.runner.loss_modules()), self._loss_sums, counted, extras,
+                                             self.runner.loss_tokens(step), self.plan.rank)
+        return StepResult(loss=loss, memory=memory, loss_parts=parts, aux_loss=aux)
 
     # -- one action ---------------------------------------------------------------------------------
     def _run(self, a, first: int) -> None:
@@ -128,6 +137,8 @@ class ColocatedSchedule:
         elif isinstance(a, LanguagePhase):
             with self.config.tracer.span("schedule", a.__str__):
                 self._language_phase(a, first)
+        elif isinstance(a, OutputStep):
+            self._output_step(a, first)
         elif isinstance(a, Collective):
             if a.kind == "grad-sync":
                 with self.config.tracer.span("grad-reduce", "gradient reduction (each module over its DP x CP)"):
@@ -146,7 +157,40 @@ class ColocatedSchedule:
             p2p(sends, recvs, what=f"{a.module} pipeline {a.what}", edge=f"{a.module} stage link",
                 timeout_s=self.config.comm_timeout_s)
 
+    def _output_step(self, a: OutputStep, first: int) -> None:
+        """An output module's forward and backward over its DP share; its loss joins the step's."""
+        samples = range(first + a.rows.start, first + a.rows.stop)
+        out = self.runner.forward(a.module, samples, {self.lang_name: self._leaves[a.module]}, None)
+        assert isinstance(out, LossSum), f"output module {a.module} returned no loss"
+        self._loss_sums.setdefault(a.module, []).append(out.loss_sum.detach())
+        if out.loss_sum.requires_grad:
+            torch.autograd.backward(out.loss_sum / self.runner.loss_tokens(first // self.plan.global_batch))
+
+    def _output_boundary(self, a: BoundaryCall) -> None:
+        """The language model -> output module edge: forward from the concatenated phase-2a outputs of
+        the language model's last stage; backward leaves their gradient in `_lang_leaf.grad`."""
+        bnd, out = self.boundaries[a.edge], a.edge.split("->")[1]
+        if a.direction == "forward":
+            x = None
+            if a.src:
+                if self._lang_leaf is None:
+                    self._lang_leaf = torch.cat(self._lang_out).requires_grad_(True)
+                x = self._lang_leaf
+            y = bnd(x)
+            self._edge_out[a.edge] = y
+            if a.dst:
+                self._leaves[out] = y.detach().requires_grad_(True)
+            return
+        y = self._edge_out.pop(a.edge)
+        if a.dst:
+            leaf = self._leaves.pop(out)
+            torch.autograd.backward(y, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+        elif a.src:
+            Boundary.backward_source(y)
+
     def _boundary(self, a: BoundaryCall) -> None:
+        if a.edge.split("->")[0] == self.lang_name:
+            return self._output_boundary(a)
         bnd = self.boundaries[a.edge]
         enc = a.edge.split("->")[0]
         if a.direction == "forward":
@@ -168,19 +212,38 @@ class ColocatedSchedule:
         leaves = self._leaves
         loss_tokens = runner.loss_tokens(first // plan.global_batch)
         mbs = a.micro_batch_size
-        loss_sums = self._loss_sums
+        loss_sums = self._loss_sums.setdefault(name, [])
+        encoders = set(plan.roles.encoders)
+        lang_out = self._lang_out
+        # The output modules' gradient of this stage's hidden states (phase 2b), scaled as the loss sum.
+        head_grad = None
+        if not a.forward_only and self._lang_leaf is not None:
+            g = self._lang_leaf.grad
+            head_grad = (g if g is not None else torch.zeros_like(self._lang_leaf)) * loss_tokens
+        # The loss sum is divided by the step's loss tokens in Megatron's backward (grad_scale_func),
+        # which also scales the MoE load-balancing loss's gradient (per-token convention).
+        config = self.lang.module.config
+        config.grad_scale_func = lambda t: t / loss_tokens
 
         def forward_step(data_iterator, model):
             i = next(data_iterator)
             samples = megatron_micro_batch(first, plan.global_batch, lm.dp, lm.coord.dp, mbs, i)
-            inputs = {n: t[i * mbs:(i + 1) * mbs] for n, t in leaves.items()} if lm.first_stage else {}
-            out = runner.forward(name, samples, inputs, None)
+            inputs = ({n: t[i * mbs:(i + 1) * mbs] for n, t in leaves.items() if n in encoders}
+                      if lm.first_stage else {})
+            with torch.set_grad_enabled(not a.forward_only):
+                out = runner.forward(name, samples, inputs, None)
             if not isinstance(out, LossSum):
                 return out, None
 
             def loss_func(loss_sum: torch.Tensor):
+                if a.forward_only:
+                    lang_out.append(out.output.detach())
+                    return loss_sum, out.tokens, {}
                 loss_sums.append(loss_sum.detach())
-                return loss_sum / loss_tokens, out.tokens, {"loss_sum": loss_sum.detach()}
+                total = loss_sum
+                if head_grad is not None:
+                    total = total + (out.output * head_grad[i * mbs:(i + 1) * mbs]).sum()
+                return total, out.tokens, {"loss_sum": loss_sum.detach()}
 
             return out.loss_sum, loss_func
 
@@ -191,6 +254,7 @@ class ColocatedSchedule:
             num_microbatches=a.micro_batches,
             seq_length=runner.stage_tensor(name, mbs)[0][0] * lm.cp,
             micro_batch_size=mbs,
-            forward_only=False,
+            forward_only=a.forward_only,
             **self.schedule_kwargs,
         )
+        config.grad_scale_func = None

@@ -57,7 +57,7 @@ from megatron_hetero.runtime.boundary import Boundary, Phase
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
-from megatron_hetero.runtime.step import StepResult, global_loss, resident_memory, run_collective
+from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory, run_collective
 from megatron_hetero.runtime.trace import kind_of, wire_args
 from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
 
@@ -132,6 +132,7 @@ class DisjointSchedule:
         self._out_grads: dict[int, dict[Link, torch.Tensor]] = {}
         self._seqs: dict[tuple[Link, int], int] = {}
         self._loss_sums: list[torch.Tensor] = []
+        self._stage_losses: dict[int, torch.Tensor] = {}  # mb -> loss of a loss stage that also sends on
         self._loss_tokens = self.runner.loss_tokens(step)
         memory = {}
         if self.table is not None:
@@ -162,8 +163,11 @@ class DisjointSchedule:
             with self.config.tracer.span("optimizer", f"optimizer step {s.name}", {"module": s.name}):
                 s.step()
         counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0
-        loss = global_loss(self._loss_sums, counts, self._loss_tokens, self.rank)
-        return StepResult(loss=loss, memory=memory)
+        extras = self.runner.aux_losses(step) if hasattr(self.runner, "aux_losses") else {}
+        loss, parts, aux = global_loss_parts(tuple(self.runner.loss_modules()),
+                                             {self.name: self._loss_sums} if self.table is not None else {},
+                                             {self.name} if counts else set(), extras, self._loss_tokens, self.rank)
+        return StepResult(loss=loss, memory=memory, loss_parts=parts, aux_loss=aux)
 
     # -- communication: one batch at a time --------------------------------------------------------
     def _peers(self, a) -> list[int]:
@@ -250,7 +254,11 @@ class DisjointSchedule:
         out = self.runner.forward(self.name, samples, edge_in, stage_in)
         if isinstance(out, LossSum):
             self._loss_sums.append(out.loss_sum.detach())
-            out = out.loss_sum / self._loss_tokens
+            if out.output is not None:  # a loss stage that also feeds modules after it
+                self._stage_losses[mb] = out.loss_sum / self._loss_tokens
+                out = out.output
+            else:
+                out = out.loss_sum / self._loss_tokens
         self._outputs[mb] = out
 
     def _backward(self, mb: int) -> None:
@@ -263,5 +271,8 @@ class DisjointSchedule:
         g = None
         for t in grads.values():  # a branch: the output's gradient is the sum over its consumers
             g = t if g is None else g + t
-        if out.requires_grad:
+        loss = self._stage_losses.pop(mb, None)
+        if loss is not None and loss.requires_grad:  # its own loss and its consumers' gradient together
+            torch.autograd.backward([loss, out], [None, g.to(out.dtype)])
+        elif out.requires_grad:
             torch.autograd.backward(out, g.to(out.dtype))

@@ -35,10 +35,14 @@ class EdgeTensor:
 
 class LossSum(NamedTuple):
     """A loss stage's result for one micro-batch on this rank: the sum of its per-token losses over
-    its loss tokens (a 0-d tensor that carries the graph), and the number of those tokens."""
+    its loss tokens (a 0-d tensor that carries the graph), and the number of those tokens. A loss
+    stage that also feeds modules after it (the language model before an output head) sets `output`:
+    the edge tensor `[b, s, h]` it sends on its outgoing edges; its backward then takes the loss and
+    the gradient of `output` together."""
 
     loss_sum: torch.Tensor
     tokens: torch.Tensor
+    output: Optional[torch.Tensor] = None
 
 
 @runtime_checkable
@@ -65,6 +69,10 @@ class StageRunner(Protocol):
         """The (DDP-wrapped when it trains) model chunk of `module` on this rank, as Megatron's
         pipeline schedules take it."""
         ...
+
+    # Optional: `aux_losses(step) -> dict[str, torch.Tensor]`: this rank's share of auxiliary terms that
+    # entered the gradient but not the reported loss (the MoE load-balancing loss), summed over the world
+    # by the schedule and reported in `StepResult.aux_loss`.
 
     def forward(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
                 stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:

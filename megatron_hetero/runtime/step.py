@@ -3,7 +3,7 @@ labelling of a failed collective."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ class StepResult:
     loss: float
     memory: dict[str, dict[str, int]]  # phase -> module -> resident state bytes on this rank
     loss_parts: dict[str, float] | None = None  # loss per loss module, when there are several
+    aux_loss: float | None = None  # auxiliary terms in the gradient but not in `loss` (MoE load balancing)
 
 
 class CollectiveError(RuntimeError):
@@ -41,6 +42,30 @@ def global_loss(loss_sums: Iterable[torch.Tensor], counts: bool, loss_tokens: in
             total += s.detach().to(total)
     run_collective("loss all-reduce over the world", rank, dist.all_reduce, total)
     return float(total.item()) / loss_tokens
+
+
+def global_loss_parts(loss_modules: tuple[str, ...], sums: dict[str, list[torch.Tensor]], counted: set[str],
+                      extras: dict[str, torch.Tensor], loss_tokens: int, rank: int
+                      ) -> tuple[float, Optional[dict[str, float]], Optional[float]]:
+    """`global_loss` for several loss modules at once, plus the runner's auxiliary terms, in one
+    all-reduce over the world: returns (total loss, loss per module when there are several, the sum of
+    the `extras` or None). `counted`: the modules whose loss sums this rank contributes (their last
+    stage, TP rank 0); `extras` are already normalised shares of this rank (every rank lists the same
+    names)."""
+    names = sorted(extras)
+    vec = torch.zeros(len(loss_modules) + len(names), dtype=torch.float64, device=get_device())
+    for i, m in enumerate(loss_modules):
+        if m in counted:
+            for s in sums.get(m, []):
+                vec[i] += s.detach().to(vec)
+    for j, n in enumerate(names):
+        vec[len(loss_modules) + j] += extras[n].detach().to(vec)
+    run_collective("loss all-reduce over the world", rank, dist.all_reduce, vec)
+    vals = vec.tolist()
+    parts = {m: vals[i] / loss_tokens for i, m in enumerate(loss_modules)}
+    total = sum(vals[:len(loss_modules)]) / loss_tokens
+    aux = sum(vals[len(loss_modules):]) if names else None
+    return total, (parts if len(loss_modules) > 1 else None), aux
 
 
 def resident_memory(states: dict) -> dict[str, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.plan.roles import language_layers, language_modules
+from megatron_hetero.plan.roles import language_layers, language_modules, roles
 from megatron_hetero.training.model_args import DEFAULT_NUM_LAYERS, ModelArgs
 
 
@@ -47,15 +47,17 @@ def resolve_model(model: ModelArgs, layout: HeteroLayout) -> ModelArgs:
     return model
 
 
-def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234):
-    """The `models.llava.LlavaSpec` of `model` on `layout` (one encoder spec per non-language module)."""
-    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234, moe: Optional[dict] = None):
+    """The `models.llava.LlavaSpec` of `model` on `layout` (one encoder spec per module before the
+    language model, one output head per module after it; `moe`: Megatron's MoE flags by dest name)."""
+    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, OutputSpec
 
     model.validate()
-    langs = [m.name for m in language_modules(layout)]
+    who = roles(layout)
+    langs = list(who.language)
     encoders, offset = {}, 1
     for m in layout.modules:
-        if m.name in langs:
+        if m.name in langs or m.name in who.outputs:
             continue
         encoders[m.name] = EncoderSpec(num_layers=model.encoder_num_layers, hidden_size=model.encoder_hidden_size,
                                        num_attention_heads=model.encoder_num_attention_heads,
@@ -63,9 +65,13 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234):
                                        offset=offset)
         offset += model.encoder_tokens
     layers = default_num_layers(layout) if model.num_layers is None else model.num_layers
+    # Output heads read the last positions of the text, each the 4 before the previous one's.
+    outputs = {n: OutputSpec(tokens=4, offset=model.seq_length - 4 * (k + 1)) for k, n in enumerate(who.outputs)}
+    moe = {k: v for k, v in (moe or {}).items() if v is not None}
     return LlavaSpec(num_layers=layers, hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
-                     vocab_size=model.vocab_size, seq_length=model.seq_length, encoders=encoders, seed=seed)
+                     vocab_size=model.vocab_size, seq_length=model.seq_length, encoders=encoders, seed=seed,
+                     outputs=outputs, **moe)
 
 
 def job_from_args(args: Any, layout: HeteroLayout):
@@ -78,7 +84,9 @@ def job_from_args(args: Any, layout: HeteroLayout):
     from megatron_hetero.training.setup import JobConfig
 
     model = resolve_model(ModelArgs.from_namespace(args), layout)
-    spec = llava_spec(model, layout, seed=args.seed)
+    moe = {k: getattr(args, k, None) for k in ("num_experts", "moe_router_topk", "moe_aux_loss_coeff",
+                                               "moe_ffn_hidden_size")}
+    spec = llava_spec(model, layout, seed=args.seed, moe=moe)
     from megatron_hetero.models.caption_runner import caption_job_data
 
     spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
@@ -106,8 +114,8 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, rec in enumerate(per_rank[0]["records"]):
         step = max(r["records"][i]["step_time_s"] for r in per_rank)
         merged = {"iteration": rec["iteration"], "loss": rec["loss"], "step_time_s": step}
-        for key in ("consumed_samples", "lr", "grad_norm", "grad_norm_per_module"):
-            if key in rec:
+        for key in ("consumed_samples", "lr", "grad_norm", "grad_norm_per_module", "loss_parts", "aux_loss"):
+            if rec.get(key) is not None:
                 merged[key] = rec[key]
         if "tokens" in rec:
             merged["tokens_per_s"] = rec["tokens"] / step if step > 0 else 0.0

@@ -12,7 +12,9 @@ import torch
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.models.llava import EncoderModule, LanguageModule, LlavaSpec, language_modules
+from megatron_hetero.models.llava import (
+    EncoderModule, LanguageModule, LlavaSpec, OutputModule, language_modules, validate_model,
+)
 from megatron_hetero.plan.rank_plan import rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
@@ -68,10 +70,14 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         raise ValueError(f"--hidden-size {spec.hidden_size} is not divisible by --num-attention-heads "
                          f"{spec.num_attention_heads}")
     langs = language_modules(layout, spec)
-    known = set(spec.encoders) | {m.name for m in langs}
+    known = set(spec.encoders) | set(spec.outputs) | {m.name for m in langs}
     for m in layout.modules:
         if m.name not in known:
-            raise ValueError(f"module {m.name} is neither an encoder ({sorted(spec.encoders)}) nor a language module")
+            raise ValueError(f"module {m.name} is neither an encoder ({sorted(spec.encoders)}), an output module "
+                             f"({sorted(spec.outputs)}) nor a language module")
+    from megatron_hetero.compat import default_backend
+
+    validate_model(layout, spec, default_backend())  # experts (ep, expt_tp) and output modules
     for name in spec.encoders:
         if name not in layout.names:
             raise ValueError(f"encoder {name} has no module in the layout (modules are {layout.names})")
@@ -120,10 +126,13 @@ def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch
     m = layout.module(name)
     if name in spec.encoders:
         mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed)
+    elif name in spec.outputs:
+        mod = OutputModule(name, spec.outputs[name], spec.hidden_size, m, pgs, spec.seed)
     else:
         langs = language_modules(layout, spec)
         mod = LanguageModule(name, spec, m, pgs, first_segment=langs[0].name == name,
-                             last_segment=langs[-1].name == name)
+                             last_segment=langs[-1].name == name,
+                             last_segment_feeds_outputs=bool(layout.consumers(langs[-1].name)))
     return mod.to(get_device())
 
 

@@ -115,6 +115,7 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             rec = {"iteration": it + 1, "loss": res.loss, "step_time_s": dt, "memory": res.memory,
                    "consumed_samples": (it + 1) * job.global_batch_size, "lr": lr, "grad_norm": grad_norm,
                    "grad_norm_per_module": per_module, "tokens": tokens,
+                   "loss_parts": res.loss_parts, "aux_loss": getattr(res, "aux_loss", None),
                    "tokens_per_s": tokens / dt if dt > 0 else 0.0}
             records.append(rec)
             log.record(rec)
