@@ -31,6 +31,7 @@ __all__ = ["apply_megatron_lm_cpu_compat", "apply_megatron_lm_no_te_fixes", "MEG
 
 _APPLIED = False
 _NO_TE_APPLIED = False
+_NORM_MARK = "__megatron_hetero_clip_vit_norm__"
 
 
 class _NullStream:
@@ -236,16 +237,20 @@ def _clip_vit_torch_norm() -> None:
     if not clip_vit_norm_kwargs():
         return
 
-    def make(init):
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            for k, v in clip_vit_norm_kwargs().items():
-                kwargs.setdefault(k, v)
-            return init(self, *args, **kwargs)
+    init = vars(CLIPViTModel)["__init__"]
+    if getattr(init, _NORM_MARK, False):
+        return
 
-        return __init__
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for k, v in clip_vit_norm_kwargs().items():
+            kwargs.setdefault(k, v)
+        return init(self, *args, **kwargs)
 
-    wrap_method(CLIPViTModel, "__init__", make)
+    # Its own marker: the CPU set's own wrapper of this __init__ (tensor.cuda() identity) may be
+    # installed before or after this one, and both must stay.
+    setattr(__init__, _NORM_MARK, True)
+    CLIPViTModel.__init__ = __init__
 
 
 NO_TE_PATCHES: List[Patch] = [

@@ -23,4 +23,15 @@ def pretrain_vlm(*args, **kwargs):
     return _impl(*args, **kwargs)
 
 
-__all__ = ["pretrain_vlm", "requested"]
+__all__ = ["pretrain_vlm", "refuse_single_module", "requested"]
+
+
+def refuse_single_module(script: str) -> int:
+    """What patched single-model scripts (pretrain_gpt.py) do with a `--hetero-*` flag: exit 2."""
+    import os
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"megatron-hetero megatron-lm: invalid input: {script} trains one model on one layout; per-module "
+              f"layouts (--hetero-*) apply to pretrain_vlm.py (modules 'vision' and 'language')",
+              file=sys.stderr, flush=True)
+    return 2
