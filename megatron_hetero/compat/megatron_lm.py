@@ -202,6 +202,10 @@ MEGATRON_LM_PATCHES: List[Patch] = [
     Patch("megatron.training.utils: get_batch_on_this_tp_rank, report_memory, "
           "reduce_max_stat_across_model_parallel_group (device=torch.cuda.current_device())",
           "torch -> CPU redirect with one device", _redirect_torch("megatron.training.utils")),
+    Patch("megatron.training.checkpointing: read_metadata (device='cuda'), get_rng_state "
+          "(torch.cuda.get_rng_state), load_checkpoint (torch.cuda.set_rng_state) -- --save/--load",
+          "torch -> CPU redirect with one device (the CUDA RNG state is the CPU generator's)",
+          _redirect_torch("megatron.training.checkpointing")),
     Patch("megatron.core.timers: _get_elapsed_time_all_ranks, Timer.start/stop (cuda tensors, synchronize)",
           "torch -> CPU redirect", _redirect_torch("megatron.core.timers")),
     Patch("megatron.core.rerun_state_machine: _save_state (torch.cuda.get_rng_state), "

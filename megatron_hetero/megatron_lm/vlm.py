@@ -113,7 +113,8 @@ def check_args(args: Any, layout: HeteroLayout) -> None:
         raise ValueError("--save is not supported with a layout yet (checkpoints of a heterogeneous run); "
                          "--load of a torch-format checkpoint is")
     if args.load and args.ckpt_format != "torch":
-        raise ValueError(f"--load with a layout reads --ckpt-format torch checkpoints; got {args.ckpt_format}")
+        raise ValueError(f"--load with a layout reads --ckpt-format torch checkpoints (Megatron's own "
+                         f"load_checkpoint on the layout of Megatron's parallel flags); got {args.ckpt_format}")
     if args.train_iters is None:
         raise ValueError("--train-iters is required with a layout (--train-samples is not supported)")
     if args.rampup_batch_size:
@@ -177,9 +178,7 @@ def _train(args, layout: HeteroLayout, datasets_provider: Callable, model_provid
 
     ensure_global_memory_buffer()
     source = None
-    if args.load:
-        source = weights_mod.CheckpointSource(args.load)
-    elif args.hetero_init == "reference":
+    if args.load or args.hetero_init == "reference":
         source = weights_mod.ReferenceSource.build(model_provider)
     from megatron_hetero.megatron_lm.build import build_vlm_module, vlm_sizes
 
@@ -200,12 +199,14 @@ def _train(args, layout: HeteroLayout, datasets_provider: Callable, model_provid
             if source is not None:
                 weights_mod.copy_into(model, source, pgs)
             states[m.name] = ModuleState(m.name, model, pgs, optim)
+            if source is not None and args.load:
+                weights_mod.copy_optimizer_state(model, states[m.name].optimizer, source, pgs)
         if source is not None:
             source.release()
         for name, s in states.items():
             if s.optimizer is not None:
                 schedulers[name] = get_optimizer_param_scheduler(s.optimizer)
-        start = source.iteration if isinstance(source, weights_mod.CheckpointSource) else 0
+        start = source.iteration if source is not None else 0
         if start and start >= args.train_iters:
             _print_last(f"{PREFIX}: checkpoint iteration {start} >= --train-iters {args.train_iters}: nothing to do")
             return

@@ -1,20 +1,21 @@
-"""Whole-model weights by parameter name, and this rank's shard of them for one module.
+"""Whole-model weights (and Adam state) by parameter name, and this rank's shard of them for one module.
 
-Two sources give the full (un-sharded) tensor of a parameter of Megatron's LLaVA model, by its name
-in the whole model (`language_model.decoder.layers.3.mlp.linear_fc1.weight`, ...):
-  * `ReferenceSource`: Megatron's own model built by the script's model provider on Megatron's
-    global parallel state (the reference layout), each tensor-parallel parameter all-gathered over the
-    reference TP group and concatenated along its `partition_dim`;
-  * `CheckpointSource`: a `--ckpt-format torch` checkpoint (`iter_NNNNNNN/mp_rank_TT/model_optim_rng.pt`,
-    one file per TP rank of the saving run, pipeline size 1), the TP shards concatenated the same way.
-`copy_into` keeps this rank's shard (`chunk(tp)[tp_rank]` along `partition_dim`; layer numbers shifted
-by the stage's offset when the module is pipelined). Megatron's QKV and (non-GLU) MLP layouts are
-plain chunks along the partition dimension, which is what Megatron's own TP resharding assumes.
+`ReferenceSource.build` runs Megatron's own `setup_model_and_optimizer` with the script's model
+provider on Megatron's global parallel state (the *reference* layout, Megatron's own
+`--tensor-model-parallel-size`): the model the unpatched script would train, with its own
+initialisation and, with `--load DIR`, Megatron's own `load_checkpoint` (weights, optimizer state,
+learning-rate scheduler, RNG, iteration) of a checkpoint saved by a run with that layout. Each
+tensor-parallel parameter and its optimizer state are all-gathered over the reference TP group and
+concatenated along the parameter's `partition_dim`, keyed by the parameter's name in the whole model
+(`language_model.decoder.layers.3.mlp.linear_fc1.weight`, ...).
+
+`copy_into` keeps this rank's shard of each tensor (`chunk(tp)[tp_rank]` along `partition_dim`;
+layer numbers shifted by the stage's offset when the module is pipelined); `copy_optimizer_state`
+does the same for the module's optimizer. Megatron's QKV and (non-GLU) MLP layouts are plain chunks
+along the partition dimension, which is what Megatron's own TP resharding assumes.
 """
 from __future__ import annotations
 
-import glob
-import os
 import re
 from typing import Any, Callable, Optional
 
@@ -28,74 +29,66 @@ def _partition(p: torch.Tensor) -> Optional[int]:
     return int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
 
 
-class ReferenceSource:
-    """Full tensors of Megatron's own model on the reference layout (see module docstring)."""
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron optimizer (chained or not)."""
+    if optimizer is None:
+        return []
+    outer = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in outer if getattr(o, "optimizer", None) is not None]
 
-    def __init__(self, full: dict[str, torch.Tensor]) -> None:
-        self.full = full
+
+class ReferenceSource:
+    """Full tensors of Megatron's own model (and optimizer state) on the reference layout."""
+
+    def __init__(self, full: dict[str, torch.Tensor], state: dict[str, dict[str, Any]], iteration: int) -> None:
+        self.full, self.state, self.iteration = full, state, iteration
 
     @classmethod
     def build(cls, model_provider: Callable) -> "ReferenceSource":
         from megatron.core import parallel_state as ps
         from megatron.core.enums import ModelType
-        from megatron.training.training import get_model
+        from megatron.training import get_args
+        from megatron.training.training import setup_model_and_optimizer
+        from megatron.training.utils import unwrap_model
 
-        chunks = get_model(model_provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
+        chunks, optimizer, _ = setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
         if len(chunks) != 1:
             raise ValueError("the reference model must have one chunk (no virtual pipeline)")
-        model = chunks[0]
+        model = unwrap_model(chunks)[0]
         tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
-        full = {}
-        for name, p in model.named_parameters():
-            t = p.detach()
-            dim = _partition(p)
+        opt_state: dict[int, dict] = {}
+        for inner in _inner_optimizers(optimizer):
+            for p, st in inner.state.items():
+                opt_state[id(p)] = st
+
+        def gather(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+            t = t.detach()
             if dim is not None and tp > 1:
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 dist.all_gather(parts, t.contiguous(), group=tp_group)
                 t = torch.cat(parts, dim=dim)
-            full[name] = t.cpu().clone()
-        del chunks, model
-        return cls(full)
+            return t.cpu().clone()
 
-    def tensor(self, name: str, partition_dim: Optional[int]) -> torch.Tensor:
+        full, state = {}, {}
+        for name, p in model.named_parameters():
+            dim = _partition(p)
+            full[name] = gather(p, dim)
+            st = opt_state.get(id(p))
+            if st:
+                state[name] = {k: gather(v, dim) if isinstance(v, torch.Tensor) and v.shape == p.shape
+                               else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                               for k, v in sorted(st.items())}
+        iteration = int(get_args().iteration or 0)
+        del chunks, model, optimizer
+        return cls(full, state, iteration)
+
+    def tensor(self, name: str) -> torch.Tensor:
         if name not in self.full:
             raise KeyError(f"the reference model has no parameter {name}")
         return self.full[name]
 
     def release(self) -> None:
-        self.full = {}
-
-
-class CheckpointSource:
-    """Full tensors of a `--ckpt-format torch` checkpoint directory (`--load DIR`)."""
-
-    def __init__(self, load_dir: str) -> None:
-        tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
-        if not os.path.isfile(tracker):
-            raise ValueError(f"--load {load_dir}: no latest_checkpointed_iteration.txt (not a torch-format "
-                             f"Megatron checkpoint)")
-        text = open(tracker).read().strip()
-        self.iteration = 0 if text == "release" else int(text)
-        it_dir = os.path.join(load_dir, "release" if text == "release" else f"iter_{self.iteration:07d}")
-        files = sorted(glob.glob(os.path.join(it_dir, "mp_rank_*", "model_optim_rng.pt")))
-        if not files:
-            raise ValueError(f"--load {load_dir}: no mp_rank_*/model_optim_rng.pt under {it_dir}")
-        if any(re.search(r"mp_rank_\d+_\d+", f) for f in files):
-            raise ValueError(f"--load {load_dir}: the checkpoint is pipeline-parallel; loading it into a layout "
-                             f"needs pipeline size 1 in the saving run")
-        self.dir = it_dir
-        self.shards = [torch.load(f, map_location="cpu", weights_only=False)["model"] for f in files]
-
-    def tensor(self, name: str, partition_dim: Optional[int]) -> torch.Tensor:
-        if name not in self.shards[0]:
-            raise KeyError(f"checkpoint {self.dir} has no parameter {name}")
-        parts = [sd[name] for sd in self.shards]
-        if partition_dim is None or len(parts) == 1:
-            return parts[0]
-        return torch.cat(parts, dim=partition_dim)
-
-    def release(self) -> None:
-        self.shards = []
+        self.full, self.state = {}, {}
 
 
 def _global_name(name: str, layer_offset: int) -> str:
@@ -112,17 +105,45 @@ def _layer_offset(model: torch.nn.Module) -> int:
     return lm.decoder.layers[0].layer_number - 1
 
 
+def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str) -> torch.Tensor:
+    dim = _partition(p)
+    t = full.chunk(tp, dim=dim)[tp_rank] if dim is not None and tp > 1 else full
+    if tuple(t.shape) != tuple(p.shape):
+        raise ValueError(f"{what}: reference shape {tuple(full.shape)} gives shard {tuple(t.shape)} at tp={tp}, "
+                         f"the module holds {tuple(p.shape)} (different model sizes or padded vocabulary?)")
+    return t
+
+
 @torch.no_grad()
-def copy_into(model: torch.nn.Module, source: Any, pgs) -> None:
+def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs) -> None:
     """Overwrite every parameter of `model` (one module on this rank) with its shard from `source`."""
     tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
     offset = _layer_offset(model)
     for name, p in model.named_parameters():
-        dim = _partition(p)
-        full = source.tensor(_global_name(name, offset), dim)
-        t = full.chunk(tp, dim=dim)[tp_rank] if dim is not None and tp > 1 else full
-        if tuple(t.shape) != tuple(p.shape):
-            raise ValueError(f"parameter {name}: source shape {tuple(full.shape)} gives shard {tuple(t.shape)} "
-                             f"at tp={tp}, the module holds {tuple(p.shape)} (different model sizes or padded "
-                             f"vocabulary?)")
-        p.copy_(t.to(p.dtype))
+        full = source.tensor(_global_name(name, offset))
+        p.copy_(_shard(full, p, tp, tp_rank, f"parameter {name}").to(p.dtype))
+
+
+@torch.no_grad()
+def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs) -> int:
+    """Give `optimizer` (the module's Megatron optimizer) the reference optimizer's state of each
+    parameter, sharded as the parameter is; returns how many parameters got state."""
+    if not source.state:
+        return 0
+    tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
+    offset = _layer_offset(model)
+    by_id = {id(p): (n, p) for n, p in model.named_parameters()}
+    done = 0
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                name, mp = by_id[id(p)]
+                st = source.state.get(_global_name(name, offset))
+                if st is None:
+                    continue
+                inner.state[p] = {k: (_shard(v, mp, tp, tp_rank, f"optimizer state {k} of {name}").to(p.device).clone()
+                                      if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0
+                                      else (v.to(p.device).clone() if isinstance(v, torch.Tensor) else v))
+                                  for k, v in st.items()}
+                done += 1
+    return done
