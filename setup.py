@@ -26,7 +26,14 @@ setup(
             "pytest>=7",
             "pytest-timeout>=2",
             "hypothesis>=6",
+            # tests/test_megatron_lm.py runs Megatron-LM's own scripts, which import these
+            "six",
+            "regex",
+            "pydantic",
         ],
+        # What Megatron-LM's training package (core_v0.16.1) imports beyond megatron-core:
+        # six, regex (tokenizer), pydantic (training.py imports megatron.rl).
+        "megatron-lm": ["six", "regex", "pydantic"],
         "bench": ["matplotlib"],
         # GPU machines only. Never install on a CPU machine: the transformer-engine meta package
         # alone makes `import megatron.core` raise. NVIDIA apex is not on PyPI (the PyPI package
