@@ -182,10 +182,11 @@ def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
     assert_losses(run, reference, 1e-6, "homogeneous layout as --hetero-* flags")
 
 
-def test_colocated_heterogeneous_layout_matches(trees, reference):
+@pytest.mark.parametrize("language", ["tp=2", "pp=2"])
+def test_colocated_heterogeneous_layout_matches(trees, reference, language):
     run = torchrun(trees["patched"] / "pretrain_vlm.py",
-                   VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"] + EDGE)
-    assert_losses(run, reference, RTOL, "colocated vision DP2 + language TP2")
+                   VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", f"language:{language}"] + EDGE)
+    assert_losses(run, reference, RTOL, f"colocated vision DP2 + language {language.upper()}")
 
 
 def test_disjoint_layout_matches(trees, reference, tmp_path):
@@ -195,6 +196,22 @@ def test_disjoint_layout_matches(trees, reference, tmp_path):
     run = torchrun(trees["patched"] / "pretrain_vlm.py", VLM + ITERS + ["--hetero-layout", str(layout)])
     assert "training with disjoint layout" in run.out, run.tail()
     assert_losses(run, reference, RTOL, "disjoint vision @0 -> language @1")
+
+
+def test_disjoint_fan_in_at_world_4_matches(trees):
+    """vision DP2 on ranks 0-1 -> language TP2 on ranks 2-3 (global batch 8, micro-batch size 2: 4
+    micro-batches of 2 samples, one per vision DP rank, joined on the language side), against the
+    unpatched TP1·DP2 run of the same batch."""
+    args = [a for a in VLM]
+    args[args.index("--micro-batch-size") + 1] = "2"
+    args[args.index("--global-batch-size") + 1] = "8"
+    ref = torchrun(trees["pristine"] / "pretrain_vlm.py", args + ITERS)
+    assert ref.rc == 0 and sorted(ref.losses) == [1, 2, 3], ref.tail()
+    run = torchrun(trees["patched"] / "pretrain_vlm.py",
+                   args + ITERS + ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2",
+                                   "--hetero-module", "language:tp=2"] + EDGE, nproc=4)
+    assert "vision tp1·pp1·dp2@0-1, language tp2·pp1·dp1@2-3" in run.out, run.tail()
+    assert_losses(run, ref.losses, RTOL, "disjoint vision DP2 @0-1 -> language TP2 @2-3")
 
 
 def test_broken_layout_exits_2_before_any_model(trees):
