@@ -85,8 +85,13 @@ def _sha(p: Path) -> str:
 
 
 def _patch(tree: Path, patch: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["patch", "-p1", "--batch", "-i", str(patch), *flags], cwd=tree, capture_output=True,
-                          text=True)
+    """`patch -p1` (or `git apply` where `patch` is not installed) in `tree`."""
+    if shutil.which("patch"):
+        cmd = ["patch", "-p1", "--batch", "-i", str(patch), *flags]
+    else:
+        cmd = ["git", "apply", *(["--check"] if "--dry-run" in flags else []), *(["-R"] if "-R" in flags else []),
+               str(patch)]
+    return subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,11 @@ arguments), and what this module does with them, in order:
      (the `StageRunner`) over Megatron's own train dataset (the script's provider; sample k of the
      run is dataset[k], as Megatron's sequential sampler reads it), and each iteration prints
      Megatron's log line (`iteration N/ M | consumed samples | ... | lm loss: X |`).
+
+The loss is normalised per token over the global batch (Megatron's `--calculate-per-token-loss`);
+Megatron's default (a mean per micro-batch, averaged) is the same number when every micro-batch has
+the same count of loss tokens, as with mock data. Features a layout refuses are listed in
+`check_args` (each with the flag named, exit 2 before any process group or model exists).
 """
 from __future__ import annotations
 
@@ -115,6 +120,9 @@ def check_args(args: Any, layout: HeteroLayout) -> None:
     if args.load and args.ckpt_format != "torch":
         raise ValueError(f"--load with a layout reads --ckpt-format torch checkpoints (Megatron's own "
                          f"load_checkpoint on the layout of Megatron's parallel flags); got {args.ckpt_format}")
+    if args.eval_iters and args.eval_iters > 0:
+        raise ValueError(f"--eval-iters {args.eval_iters}: evaluation is not implemented with a layout yet; "
+                         f"pass --eval-iters 0")
     if args.train_iters is None:
         raise ValueError("--train-iters is required with a layout (--train-samples is not supported)")
     if args.rampup_batch_size:
