@@ -235,7 +235,8 @@ def test_broken_layout_exits_2_before_any_model(trees):
 def test_checkpoint_of_unpatched_run_resumes_in_a_layout(trees, tmp_path):
     """A TP2 torch-format checkpoint of the unpatched script (2 files: mp_rank_00, mp_rank_01) resumes
     with vision DP2 + language TP1·DP2 (every tensor resharded, Adam state included) with the losses
-    of the unpatched run resumed from it."""
+    of the unpatched run resumed from it; and a checkpoint saved by a layout's run resumes in the
+    unpatched script the same way."""
     ckpt = tmp_path / "ckpt"
     tp2 = ["--tensor-model-parallel-size", "2"]
     saved = torchrun(trees["pristine"] / "pretrain_vlm.py",
@@ -250,3 +251,16 @@ def test_checkpoint_of_unpatched_run_resumes_in_a_layout(trees, tmp_path):
     assert "from iteration 1" in hetero.out, hetero.tail()
     assert _close(hetero.losses.get(2, float("nan")), upstream.losses[2]), (hetero.losses, upstream.losses)
     assert_losses(hetero, upstream.losses, RTOL, "resumed in vision DP2 + language DP2")
+
+    # And back: a layout's run saves a TP2 torch checkpoint (Megatron's own save_checkpoint on the
+    # reference layout) that the unpatched script resumes from with the same losses.
+    ckpt_h = tmp_path / "ckpt-hetero"
+    saved_h = torchrun(
+        trees["patched"] / "pretrain_vlm.py",
+        VLM + tp2 + ["--train-iters", "1", "--save", str(ckpt_h), "--save-interval", "1",
+                     "--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"] + EDGE)
+    assert saved_h.rc == 0, saved_h.tail()
+    assert sorted(p.name for p in (ckpt_h / "iter_0000001").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    back = torchrun(trees["pristine"] / "pretrain_vlm.py",
+                    VLM + tp2 + ["--train-iters", "4", "--load", str(ckpt_h), "--override-opt_param-scheduler"])
+    assert_losses(back, upstream.losses, RTOL, "unpatched run resumed from a layout's checkpoint")

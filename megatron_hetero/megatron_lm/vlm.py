@@ -115,8 +115,14 @@ def check_args(args: Any, layout: HeteroLayout) -> None:
     if args.optimizer not in ("adam", "sgd"):
         raise ValueError(f"--optimizer {args.optimizer} is not supported with a layout (adam or sgd)")
     if args.save:
-        raise ValueError("--save is not supported with a layout yet (checkpoints of a heterogeneous run); "
-                         "--load of a torch-format checkpoint is")
+        if args.ckpt_format != "torch":
+            raise ValueError(f"--save with a layout writes --ckpt-format torch checkpoints; got {args.ckpt_format}")
+        if any(m.pp != 1 for m in (vis, lang)):
+            raise ValueError("--save with a layout needs pp=1 in every module (the checkpoint is written on the "
+                             "reference layout, Megatron's parallel flags)")
+        if args.hetero_init != "reference":
+            raise ValueError("--save with a layout needs --hetero-init reference (the checkpoint is written "
+                             "through Megatron's own model on the reference layout)")
     if args.load and args.ckpt_format != "torch":
         raise ValueError(f"--load with a layout reads --ckpt-format torch checkpoints (Megatron's own "
                          f"load_checkpoint on the layout of Megatron's parallel flags); got {args.ckpt_format}")
@@ -187,7 +193,7 @@ def _train(args, layout: HeteroLayout, datasets_provider: Callable, model_provid
     ensure_global_memory_buffer()
     source = None
     if args.load or args.hetero_init == "reference":
-        source = weights_mod.ReferenceSource.build(model_provider)
+        source = weights_mod.ReferenceSource.build(model_provider, keep=bool(args.save))
     from megatron_hetero.megatron_lm.build import build_vlm_module, vlm_sizes
 
     vlm_sizes(args)  # what the model provider sets on args (sequence lengths), also without it
@@ -234,6 +240,10 @@ def _train(args, layout: HeteroLayout, datasets_provider: Callable, model_provid
             for sched in schedulers.values():
                 sched.step(increment=args.global_batch_size)
             log.add(it + 1, res.loss, (time.perf_counter() - t0) * 1000.0, _current_lr(states))
+            if source is not None and source.kept is not None:
+                source.kept[2].step(increment=args.global_batch_size)  # the reference scheduler follows
+                if (it + 1) % (args.save_interval or args.train_iters) == 0 or it + 1 == args.train_iters:
+                    weights_mod.save_reference_checkpoint(source, it + 1, states, layout, topo)
         if hasattr(schedule, "close"):
             schedule.close()
         dist.barrier()

@@ -42,16 +42,17 @@ class ReferenceSource:
 
     def __init__(self, full: dict[str, torch.Tensor], state: dict[str, dict[str, Any]], iteration: int) -> None:
         self.full, self.state, self.iteration = full, state, iteration
+        self.kept: Optional[tuple] = None  # (model chunks, optimizer, scheduler) when kept for --save
 
     @classmethod
-    def build(cls, model_provider: Callable) -> "ReferenceSource":
+    def build(cls, model_provider: Callable, keep: bool = False) -> "ReferenceSource":
         from megatron.core import parallel_state as ps
         from megatron.core.enums import ModelType
         from megatron.training import get_args
         from megatron.training.training import setup_model_and_optimizer
         from megatron.training.utils import unwrap_model
 
-        chunks, optimizer, _ = setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
+        chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
         if len(chunks) != 1:
             raise ValueError("the reference model must have one chunk (no virtual pipeline)")
         model = unwrap_model(chunks)[0]
@@ -79,8 +80,10 @@ class ReferenceSource:
                                else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                                for k, v in sorted(st.items())}
         iteration = int(get_args().iteration or 0)
-        del chunks, model, optimizer
-        return cls(full, state, iteration)
+        src = cls(full, state, iteration)
+        if keep:
+            src.kept = (chunks, optimizer, scheduler)
+        return src
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.full:
@@ -147,3 +150,82 @@ def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSou
                                   for k, v in st.items()}
                 done += 1
     return done
+
+
+def _owner(name: str) -> str:
+    return "language" if name.startswith("language_model.") else "vision"
+
+
+@torch.no_grad()
+def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: dict, layout, topo) -> None:
+    """Write a `--ckpt-format torch` checkpoint of the *reference* layout (Megatron's parallel flags)
+    with Megatron's own `save_checkpoint`: every module's parameters and Adam state are gathered over
+    the module's TP group, broadcast from the module's first rank to every rank, and this rank's
+    reference TP shard is put into the kept reference model and optimizer. The unpatched script
+    resumes from it (`--load`). Modules must have pp 1 (checked before training)."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.utils import unwrap_model
+
+    from megatron_hetero.compat.device import get_device
+
+    assert source.kept is not None, "the reference model was not kept"
+    chunks, optimizer, scheduler = source.kept
+    ref = unwrap_model(chunks)[0]
+    ref_tp, ref_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dev = get_device()
+    inner = _inner_optimizers(optimizer)
+    ref_opt = {id(p): o for o in inner for g in o.param_groups for p in g["params"]}
+    mine = {n: (dict(s.module.named_parameters()), s) for n, s in states.items()}
+
+    def full_from_module(name: str, ref_p: torch.Tensor, get) -> torch.Tensor:
+        """`get(param, state)` -> this module rank's local tensor; returns the full tensor on every rank."""
+        m = layout.module(_owner(name))
+        dim = _partition(ref_p)
+        shape = list(ref_p.shape)
+        if dim is not None:
+            shape[dim] *= ref_tp
+        out = torch.empty(shape, dtype=ref_p.dtype, device=dev)
+        if m.name in mine:
+            params, st = mine[m.name]
+            local = get(params[name], st).to(dev).contiguous()
+            if dim is not None and m.tp > 1:
+                parts = [torch.empty_like(local) for _ in range(m.tp)]
+                dist.all_gather(parts, local, group=st.pgs.tp)
+                local = torch.cat(parts, dim=dim)
+            if dist.get_rank() == m.offset:
+                out.copy_(local)
+        dist.broadcast(out, src=m.offset)
+        return out
+
+    def shard(full: torch.Tensor, ref_p: torch.Tensor) -> torch.Tensor:
+        dim = _partition(ref_p)
+        return full.chunk(ref_tp, dim=dim)[ref_rank] if dim is not None and ref_tp > 1 else full
+
+    def adam(key: str):
+        def get(p, st):
+            if st.optimizer is None:
+                return torch.zeros_like(p)
+            for o in _inner_optimizers(st.optimizer):
+                if p in o.state:
+                    return o.state[p][key]
+            return torch.zeros_like(p)
+        return get
+
+    for name, rp in ref.named_parameters():
+        rp.data.copy_(shard(full_from_module(name, rp, lambda p, st: p.detach()), rp))
+        o = ref_opt.get(id(rp))
+        trained = rp.requires_grad and o is not None
+        if not trained:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = shard(full_from_module(name, rp, adam(key)), rp)
+            if getattr(o, "defaults", {}).get("betas") is None:
+                break  # not Adam (SGD keeps no such state)
+            o.state.setdefault(rp, {})[key] = t.clone()
+        if rp in o.state:
+            o.state[rp]["step"] = torch.tensor(float(iteration))
+    args = get_args()
+    args.consumed_train_samples = iteration * args.global_batch_size
+    save_checkpoint(iteration, chunks, optimizer, scheduler, 0)
