@@ -23,7 +23,7 @@ from typing import Any, List
 
 import torch
 
-from ._patching import MARK, Patch, rebind_function, swapped, wrap_call, wrap_method
+from ._patching import MARK, Patch, rebind_function, wrap_call
 from .cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity, apply_cpu_compat
 
 __all__ = ["apply_megatron_lm_cpu_compat", "apply_megatron_lm_no_te_fixes", "MEGATRON_LM_PATCHES",

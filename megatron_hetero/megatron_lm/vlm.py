@@ -31,7 +31,6 @@ the same count of loss tokens, as with mock data. Features a layout refuses are 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import os
 import sys
