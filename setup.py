@@ -3,6 +3,9 @@ from setuptools import find_packages, setup
 
 # Real image-caption data (`megatron-hetero data digits`, `train --data-path`): Megatron's multimodal
 # loader, the bundled digits, PNG decoding, and the caption tokenizer (notes/energon-...-on-cpu.md).
+# What Megatron-LM's training package (core_v0.16.1) imports beyond megatron-core:
+# six, regex (tokenizer), pydantic (training.py imports megatron.rl).
+MEGATRON_LM = ["six", "regex", "pydantic"]
 DATA = ["megatron-energon==7.4.1", "scikit-learn", "pillow", "tokenizers"]
 
 setup(
@@ -33,8 +36,11 @@ setup(
             "pytest-timeout>=2",
             "hypothesis>=6",
             *DATA,
+            # tests/test_megatron_lm.py runs Megatron-LM's own scripts, which import these
+            *MEGATRON_LM,
         ],
         "data": DATA,
+        "megatron-lm": MEGATRON_LM,
         "bench": ["matplotlib"],
         # GPU machines only. Never install on a CPU machine: the transformer-engine meta package
         # alone makes `import megatron.core` raise. NVIDIA apex is not on PyPI (the PyPI package

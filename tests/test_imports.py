@@ -65,6 +65,8 @@ def floor_of(rel: Path) -> Optional[str]:
         return None
     if top == "cli":
         return "cli"
+    if top == "megatron_lm":  # builds Megatron-LM's models and runs training: the training floor
+        return "training"
     if top == "testing":
         return "bench"
     return top if top in ALLOWED else None

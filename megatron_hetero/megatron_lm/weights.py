@@ -1,0 +1,231 @@
+"""Whole-model weights (and Adam state) by parameter name, and this rank's shard of them for one module.
+
+`ReferenceSource.build` runs Megatron's own `setup_model_and_optimizer` with the script's model
+provider on Megatron's global parallel state (the *reference* layout, Megatron's own
+`--tensor-model-parallel-size`): the model the unpatched script would train, with its own
+initialisation and, with `--load DIR`, Megatron's own `load_checkpoint` (weights, optimizer state,
+learning-rate scheduler, RNG, iteration) of a checkpoint saved by a run with that layout. Each
+tensor-parallel parameter and its optimizer state are all-gathered over the reference TP group and
+concatenated along the parameter's `partition_dim`, keyed by the parameter's name in the whole model
+(`language_model.decoder.layers.3.mlp.linear_fc1.weight`, ...).
+
+`copy_into` keeps this rank's shard of each tensor (`chunk(tp)[tp_rank]` along `partition_dim`;
+layer numbers shifted by the stage's offset when the module is pipelined); `copy_optimizer_state`
+does the same for the module's optimizer. Megatron's QKV and (non-GLU) MLP layouts are plain chunks
+along the partition dimension, which is what Megatron's own TP resharding assumes.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+_LAYER = re.compile(r"^(language_model\.decoder\.layers\.)(\d+)(\..*)$")
+
+
+def _partition(p: torch.Tensor) -> Optional[int]:
+    return int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron optimizer (chained or not)."""
+    if optimizer is None:
+        return []
+    outer = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in outer if getattr(o, "optimizer", None) is not None]
+
+
+class ReferenceSource:
+    """Full tensors of Megatron's own model (and optimizer state) on the reference layout."""
+
+    def __init__(self, full: dict[str, torch.Tensor], state: dict[str, dict[str, Any]], iteration: int) -> None:
+        self.full, self.state, self.iteration = full, state, iteration
+        self.kept: Optional[tuple] = None  # (model chunks, optimizer, scheduler) when kept for --save
+
+    @classmethod
+    def build(cls, model_provider: Callable, keep: bool = False) -> "ReferenceSource":
+        from megatron.core import parallel_state as ps
+        from megatron.core.enums import ModelType
+        from megatron.training import get_args
+        from megatron.training.training import setup_model_and_optimizer
+        from megatron.training.utils import unwrap_model
+
+        chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
+        if len(chunks) != 1:
+            raise ValueError("the reference model must have one chunk (no virtual pipeline)")
+        model = unwrap_model(chunks)[0]
+        tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+        opt_state: dict[int, dict] = {}
+        for inner in _inner_optimizers(optimizer):
+            for p, st in inner.state.items():
+                opt_state[id(p)] = st
+
+        def gather(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+            t = t.detach()
+            if dim is not None and tp > 1:
+                parts = [torch.empty_like(t) for _ in range(tp)]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                t = torch.cat(parts, dim=dim)
+            return t.cpu().clone()
+
+        full, state = {}, {}
+        for name, p in model.named_parameters():
+            dim = _partition(p)
+            full[name] = gather(p, dim)
+            st = opt_state.get(id(p))
+            if st:
+                state[name] = {k: gather(v, dim) if isinstance(v, torch.Tensor) and v.shape == p.shape
+                               else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                               for k, v in sorted(st.items())}
+        iteration = int(get_args().iteration or 0)
+        src = cls(full, state, iteration)
+        if keep:
+            src.kept = (chunks, optimizer, scheduler)
+        return src
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.full:
+            raise KeyError(f"the reference model has no parameter {name}")
+        return self.full[name]
+
+    def release(self) -> None:
+        self.full, self.state = {}, {}
+
+
+def _global_name(name: str, layer_offset: int) -> str:
+    m = _LAYER.match(name)
+    if m is None or not layer_offset:
+        return name
+    return f"{m.group(1)}{int(m.group(2)) + layer_offset}{m.group(3)}"
+
+
+def _layer_offset(model: torch.nn.Module) -> int:
+    lm = getattr(model, "language_model", None)
+    if lm is None or not len(lm.decoder.layers):
+        return 0
+    return lm.decoder.layers[0].layer_number - 1
+
+
+def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str) -> torch.Tensor:
+    dim = _partition(p)
+    t = full.chunk(tp, dim=dim)[tp_rank] if dim is not None and tp > 1 else full
+    if tuple(t.shape) != tuple(p.shape):
+        raise ValueError(f"{what}: reference shape {tuple(full.shape)} gives shard {tuple(t.shape)} at tp={tp}, "
+                         f"the module holds {tuple(p.shape)} (different model sizes or padded vocabulary?)")
+    return t
+
+
+@torch.no_grad()
+def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs) -> None:
+    """Overwrite every parameter of `model` (one module on this rank) with its shard from `source`."""
+    tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
+    offset = _layer_offset(model)
+    for name, p in model.named_parameters():
+        full = source.tensor(_global_name(name, offset))
+        p.copy_(_shard(full, p, tp, tp_rank, f"parameter {name}").to(p.dtype))
+
+
+@torch.no_grad()
+def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs) -> int:
+    """Give `optimizer` (the module's Megatron optimizer) the reference optimizer's state of each
+    parameter, sharded as the parameter is; returns how many parameters got state."""
+    if not source.state:
+        return 0
+    tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
+    offset = _layer_offset(model)
+    by_id = {id(p): (n, p) for n, p in model.named_parameters()}
+    done = 0
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                name, mp = by_id[id(p)]
+                st = source.state.get(_global_name(name, offset))
+                if st is None:
+                    continue
+                inner.state[p] = {k: (_shard(v, mp, tp, tp_rank, f"optimizer state {k} of {name}").to(p.device).clone()
+                                      if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0
+                                      else (v.to(p.device).clone() if isinstance(v, torch.Tensor) else v))
+                                  for k, v in st.items()}
+                done += 1
+    return done
+
+
+def _owner(name: str) -> str:
+    return "language" if name.startswith("language_model.") else "vision"
+
+
+@torch.no_grad()
+def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: dict, layout, topo) -> None:
+    """Write a `--ckpt-format torch` checkpoint of the *reference* layout (Megatron's parallel flags)
+    with Megatron's own `save_checkpoint`: every module's parameters and Adam state are gathered over
+    the module's TP group, broadcast from the module's first rank to every rank, and this rank's
+    reference TP shard is put into the kept reference model and optimizer. The unpatched script
+    resumes from it (`--load`). Modules must have pp 1 (checked before training)."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.utils import unwrap_model
+
+    from megatron_hetero.compat.device import get_device
+
+    assert source.kept is not None, "the reference model was not kept"
+    chunks, optimizer, scheduler = source.kept
+    ref = unwrap_model(chunks)[0]
+    ref_tp, ref_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    dev = get_device()
+    inner = _inner_optimizers(optimizer)
+    ref_opt = {id(p): o for o in inner for g in o.param_groups for p in g["params"]}
+    mine = {n: (dict(s.module.named_parameters()), s) for n, s in states.items()}
+
+    def full_from_module(name: str, ref_p: torch.Tensor, get) -> torch.Tensor:
+        """`get(param, state)` -> this module rank's local tensor; returns the full tensor on every rank."""
+        m = layout.module(_owner(name))
+        dim = _partition(ref_p)
+        shape = list(ref_p.shape)
+        if dim is not None:
+            shape[dim] *= ref_tp
+        out = torch.empty(shape, dtype=ref_p.dtype, device=dev)
+        if m.name in mine:
+            params, st = mine[m.name]
+            local = get(params[name], st).to(dev).contiguous()
+            if dim is not None and m.tp > 1:
+                parts = [torch.empty_like(local) for _ in range(m.tp)]
+                dist.all_gather(parts, local, group=st.pgs.tp)
+                local = torch.cat(parts, dim=dim)
+            if dist.get_rank() == m.offset:
+                out.copy_(local)
+        dist.broadcast(out, src=m.offset)
+        return out
+
+    def shard(full: torch.Tensor, ref_p: torch.Tensor) -> torch.Tensor:
+        dim = _partition(ref_p)
+        return full.chunk(ref_tp, dim=dim)[ref_rank] if dim is not None and ref_tp > 1 else full
+
+    def adam(key: str):
+        def get(p, st):
+            if st.optimizer is None:
+                return torch.zeros_like(p)
+            for o in _inner_optimizers(st.optimizer):
+                if p in o.state:
+                    return o.state[p][key]
+            return torch.zeros_like(p)
+        return get
+
+    for name, rp in ref.named_parameters():
+        rp.data.copy_(shard(full_from_module(name, rp, lambda p, st: p.detach()), rp))
+        o = ref_opt.get(id(rp))
+        trained = rp.requires_grad and o is not None
+        if not trained:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = shard(full_from_module(name, rp, adam(key)), rp)
+            if getattr(o, "defaults", {}).get("betas") is None:
+                break  # not Adam (SGD keeps no such state)
+            o.state.setdefault(rp, {})[key] = t.clone()
+        if rp in o.state:
+            o.state[rp]["step"] = torch.tensor(float(iteration))
+    args = get_args()
+    args.consumed_train_samples = iteration * args.global_batch_size
+    save_checkpoint(iteration, chunks, optimizer, scheduler, 0)
