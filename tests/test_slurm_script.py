@@ -57,7 +57,8 @@ def test_script_text_gpu_case(capsys, monkeypatch):
     assert '--nnodes="$nnodes" --nproc-per-node="$nproc_per_node"' in out
     assert '--rdzv-backend="$rdzv_backend" --rdzv-endpoint="$head:$port"' in out
     assert "rdzv_backend=${MH_RDZV_BACKEND:-c10d}" in out
-    assert '-m "$entry_module" train --hetero-layout "$layout"' in out
+    assert 'if [ -z "$script" ]; then entry=(-m "$entry_module" train)' in out
+    assert '"${entry[@]}" --hetero-layout "$layout"' in out
     assert "srun_args=(--nodes=\"$nnodes\" --ntasks=\"$nnodes\" --ntasks-per-node=1" in out
     assert "train_args=(\n  --train-iters\n  3\n  --log-jsonl\n  out/log.jsonl\n)" in out
     for var in ("MH_PYTHON", "MH_TORCHRUN", "MH_NNODES", "MH_NPROC_PER_NODE", "MH_MASTER_ADDR", "MH_MASTER_PORT",
@@ -267,3 +268,27 @@ def test_train_parser_can_be_supplied_by_the_cli(capsys):
     assert run(args) == 2 and seen and "do not parse" in capsys.readouterr().err
     args.train_args = ["--only-flag", "v"]
     assert run(args) == 0
+
+
+@pytest.mark.parametrize("gpus", [0, 4])
+def test_megatron_lm_script_runs_with_the_layout(tmp_path, gpus):
+    """`--script PRETRAIN.py`: torchrun runs Megatron-LM's (patched) script with --hetero-layout and the
+    Megatron flags verbatim; on CPU nodes through megatron_hetero.megatron_lm.run (its CPU redirections)."""
+    hostile_script = "/opt/Megatron LM/$(touch x)/pretrain_vlm.py"
+    script = sbatch_script(nodes=2, ranks_per_node=2 if gpus == 0 else gpus, gpus_per_node=gpus, layout="l.yaml",
+                           train_args=["--num-layers", "2", "$(touch x)"], script=hostile_script)
+    proc, log_dir = run_script(tmp_path, script)
+    assert proc.returncode == 0, proc.stderr
+    assert not list(tmp_path.rglob("x")), "a hostile argument ran as shell code"
+    (python,) = calls(log_dir, "python3")
+    entry = ["-m", "megatron_hetero.megatron_lm.run", hostile_script] if gpus == 0 else [hostile_script]
+    tail = [*entry, "--hetero-layout", "l.yaml", "--num-layers", "2", "$(touch x)"]
+    assert python[-len(tail):] == tail, python
+
+
+def test_megatron_lm_script_flag_skips_train_parsing(capsys):
+    args = parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--script", "pretrain_vlm.py",
+                 "--", "--encoder-num-layers", "1", "--tokenizer-type", "NullTokenizer")
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "generated_script=pretrain_vlm.py" in out and "--encoder-num-layers" in out

@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser,
     g.add_argument("--container-image", default=None, help="run each node's task in this image (pyxis srun flag)")
     g.add_argument("--entry-module", default=DEFAULT_ENTRY_MODULE,
                    help="python module torchrun runs with `train ...` (default: %(default)s)")
+    g.add_argument("--script", default=None, metavar="PRETRAIN.py",
+                   help="run this training script instead of `megatron-hetero train` (Megatron-LM's patched "
+                        "pretrain_vlm.py; the arguments after `--` are its Megatron flags)")
     m = parser.add_mutually_exclusive_group()
     m.add_argument("--dry-run", action="store_true", help="print the script (the default)")
     m.add_argument("--submit", action="store_true", help="write the script to --script-file and run sbatch on it")
@@ -119,9 +122,13 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
                   account: Optional[str] = None, job_name: Optional[str] = DEFAULT_JOB_NAME,
                   output: Optional[str] = None, container_image: Optional[str] = None,
                   cpus_per_task: Optional[int] = None, request_gpus: bool = True,
-                  sbatch_options: Sequence[str] = (), entry_module: str = DEFAULT_ENTRY_MODULE) -> str:
+                  sbatch_options: Sequence[str] = (), entry_module: str = DEFAULT_ENTRY_MODULE,
+                  script: Optional[str] = None) -> str:
     """The sbatch script text (pure). Checks only what makes the text unsafe or meaningless (counts < 1,
-    `#SBATCH` values that sbatch would split or misread); the layout's world size is `run`'s check."""
+    `#SBATCH` values that sbatch would split or misread); the layout's world size is `run`'s check.
+    `script`: a training script (Megatron-LM's patched `pretrain_vlm.py`) that torchrun runs instead of
+    `-m ENTRY_MODULE train`, with `--hetero-layout` and the train arguments; on CPU nodes it runs
+    through `-m megatron_hetero.megatron_lm.run SCRIPT` (the CPU redirections Megatron-LM needs)."""
     _positive("--nodes", nodes)
     _positive("ranks per node", ranks_per_node)
     _positive("--gpus-per-node", gpus_per_node, 0)
@@ -165,6 +172,8 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         "#   MH_SRUN_ARGS        extra srun arguments, whitespace-split (default: none)",
         "#   MH_CONTAINER_IMAGE  image for `srun --container-image` (pyxis); empty = none (default: as generated)",
         f"#   MH_ENTRY_MODULE     python module torchrun runs with `train ...` (default: {entry_module})",
+        f"#   MH_SCRIPT           a training script torchrun runs instead (Megatron-LM's pretrain_vlm.py; "
+        f"default: {script or 'none'})",
         "#   MH_HETERO_LAYOUT    layout file given to train (default: as generated)",
         "#   MH_TRAIN_ARGS       extra train arguments appended last, whitespace-split (default: none)",
         "#   MH_DRY_RUN          set to 1 to print the srun command line instead of running it",
@@ -185,6 +194,8 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         f"nproc_per_node=${{MH_NPROC_PER_NODE:-{ranks_per_node}}}",
         "rdzv_backend=${MH_RDZV_BACKEND:-c10d}",
         f"entry_module=${{MH_ENTRY_MODULE:-{entry_module}}}",
+        f"generated_script={shlex.quote(script or '')}",
+        "script=${MH_SCRIPT-$generated_script}",
         f"generated_layout={shlex.quote(layout)}",
         "layout=${MH_HETERO_LAYOUT:-$generated_layout}",
         f"generated_container_image={shlex.quote(container_image or '')}",
@@ -210,12 +221,15 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         'srun_args=(--nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1)',
         'if [ -n "$container_image" ]; then srun_args+=(--container-image="$container_image"); fi',
         "",
+        'if [ -z "$script" ]; then entry=(-m "$entry_module" train)',
+        # CPU nodes: Megatron-LM's scripts need the CPU redirections of megatron_hetero.megatron_lm.run
+        'else entry=(' + ('-m megatron_hetero.megatron_lm.run ' if gpus_per_node == 0 else '') + '"$script"); fi',
         # ${a[@]+"${a[@]}"}: empty arrays expand to nothing under `set -u` on bash < 4.4 too
         'cmd=(srun "${srun_args[@]}" ${srun_extra[@]+"${srun_extra[@]}"}',
         '  "${torchrun[@]}" --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"',
         '  --rdzv-backend="$rdzv_backend" --rdzv-endpoint="$head:$port" --rdzv-id="$SLURM_JOB_ID"',
         '  ${torchrun_extra[@]+"${torchrun_extra[@]}"}',
-        '  -m "$entry_module" train --hetero-layout "$layout"',
+        '  "${entry[@]}" --hetero-layout "$layout"',
         '  ${train_args[@]+"${train_args[@]}"} ${train_extra[@]+"${train_extra[@]}"})',
         'echo "megatron-hetero: job $SLURM_JOB_ID: $nnodes nodes x $nproc_per_node ranks, rendezvous $head:$port" >&2',
         'if [ "${MH_DRY_RUN:-0}" = 1 ]; then',
@@ -285,13 +299,14 @@ def script_from_args(args: argparse.Namespace) -> str:
             f"layout {args.hetero_layout!r} uses {layout.world_size} ranks, but --nodes {args.nodes} x "
             f"{per_node} ranks per node ({source}) = {world} ranks ({layout.world_size} != {world}); choose nodes "
             f"and ranks per node whose product is {layout.world_size}")
-    _check_train_args(train_args, args.hetero_layout, getattr(args, "add_train_parser", None))
+    script = getattr(args, "script", None)
+    _check_train_args(train_args, args.hetero_layout, None if script else getattr(args, "add_train_parser", None))
     return sbatch_script(
         nodes=args.nodes, ranks_per_node=per_node, gpus_per_node=args.gpus_per_node, layout=args.hetero_layout,
         train_args=train_args, partition=args.partition, time=args.time, account=args.account,
         job_name=args.job_name, output=args.output, container_image=args.container_image,
         cpus_per_task=args.cpus_per_task, request_gpus=not args.no_gpu_request,
-        sbatch_options=args.sbatch_option, entry_module=args.entry_module)
+        sbatch_options=args.sbatch_option, entry_module=args.entry_module, script=script)
 
 
 def submit(script: str, path: Path) -> tuple[int, str]:
