@@ -82,12 +82,12 @@ class ModuleLayout:
     @property
     def size(self) -> int:
         """Number of ranks this layout needs: tp*cp*pp*dp."""
-        return self.tp * self.cp * self.pp * self.dp
+        return self.par.size
 
     @property
     def stage_size(self) -> int:
         """Ranks per pipeline stage: tp*cp*dp."""
-        return self.tp * self.cp * self.dp
+        return self.par.stage_size
 
     @property
     def offset(self) -> int:
@@ -100,18 +100,15 @@ class ModuleLayout:
         return Degrees(**{k: getattr(self, k) for k in DEGREE_KEYS})
 
     def degrees(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in DEGREE_KEYS}
+        return self.par.as_dict()
 
     def arithmetic(self) -> str:
         """'tp(2)*cp(1)*pp(2)*dp(2)=8', used in error messages and printouts."""
-        return f"tp({self.tp})*cp({self.cp})*pp({self.pp})*dp({self.dp})={self.size}"
+        return self.par.arithmetic()
 
     def short(self) -> str:
         """'TP2·CP1·PP2·DP2' (EP shown only when > 1)."""
-        text = f"TP{self.tp}·CP{self.cp}·PP{self.pp}·DP{self.dp}"
-        if self.ep > 1 or self.expt_tp > 1:
-            text += f"·EP{self.ep}·ETP{self.expt_tp}"
-        return text
+        return self.par.short()
 
     def replace(self, **changes) -> "ModuleLayout":
         return dataclasses.replace(self, **changes)

@@ -49,29 +49,26 @@ from megatron_hetero.plan.roles import Roles, roles as layout_roles
 
 
 @dataclass(frozen=True)
-class PipeSend:
-    """Send this stage's `what` ('activation' forward, 'gradient' backward) of `module`, a tensor of
-    `rows` batch rows, to `peer`."""
+class _PipeMessage:
+    """One pipeline message of encoder `module` at this rank's stage `stage`: `what` ('activation'
+    forward, 'gradient' backward), a tensor of `rows` batch rows, exchanged with rank `peer`."""
 
     module: str
     stage: int
     peer: int
     what: str
     rows: int
+
+
+class PipeSend(_PipeMessage):
+    """Send the message to `peer`."""
 
     def __str__(self) -> str:
         return f"send {self.what} {self.module}/{self.stage} -> r{self.peer}"
 
 
-@dataclass(frozen=True)
-class PipeRecv:
-    """Receive `what` of `module` (a tensor of `rows` batch rows) for this stage from `peer` (blocking)."""
-
-    module: str
-    stage: int
-    peer: int
-    what: str
-    rows: int
+class PipeRecv(_PipeMessage):
+    """Receive the message from `peer` (blocking)."""
 
     def __str__(self) -> str:
         return f"recv {self.what} {self.module}/{self.stage} <- r{self.peer}"
