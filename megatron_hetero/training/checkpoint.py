@@ -196,6 +196,10 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     data = state.get("data", {})
     if data.get("next_sample") != it * state.get("global_batch_size", 0):
         problems.append(f"data position {data!r} is not iteration {it} x global batch")
+    now_data = data_position(job, it)
+    for key in ("kind", "dataset"):
+        if data.get(key) != now_data.get(key):
+            problems.append(f"the data differs: {key} {data.get(key)!r} in the checkpoint, {now_data.get(key)!r} now")
     for name in set(saved_models) & set(now):
         rec = saved_models[name]
         if rec.get("optimizer") not in (None, job.optim.optimizer):
@@ -431,7 +435,7 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
         state = {
             "format": FORMAT, "version": VERSION, "iteration": iteration,
             "consumed_samples": iteration * job.global_batch_size,
-            "data": {"kind": "synthetic", "next_sample": iteration * job.global_batch_size, "iteration": iteration},
+            "data": data_position(job, iteration),
             "global_batch_size": job.global_batch_size, "world_size": world,
             "layout": layout_text, "layout_dict": layout.to_dict(), "model": spec_record(job.spec), "modules": models,
             "files": manifest(d),
@@ -440,6 +444,18 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
         _atomic_write(root / TRACKER, f"{iteration}\n")
     dist.barrier()
     return d
+
+
+def data_position(job, iteration: int) -> dict:
+    """The loader's position after `iteration` steps, as plain data: the next global sample index (both
+    data sources address samples by global index: step t reads samples [t*G, (t+1)*G)), and for
+    energon data the dataset's identity (path, split, shuffle seed), which a resume must match."""
+    pos: dict = {"kind": "synthetic", "next_sample": iteration * job.global_batch_size, "iteration": iteration}
+    cfg = getattr(job, "data", None)
+    if cfg is not None:
+        pos["kind"] = "energon"
+        pos["dataset"] = {"path": str(cfg.path), "split": cfg.split, "seed": cfg.seed, "shuffle": cfg.shuffle}
+    return pos
 
 
 def _atomic_write(path: Path, text: str) -> None:
