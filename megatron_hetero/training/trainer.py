@@ -148,7 +148,8 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
         if job.data is not None:
             from megatron_hetero.models.caption_runner import caption_runner_factory
 
-            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size)(plan, states)
+            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size,
+                                            heldout=bool(job.eval_interval))(plan, states)
         schedule = make_schedule(plan, job, topo, states, runner=runner)
         log = IterationLog(log_write if topo.rank == 0 else None, job.train_iters, job.global_batch_size,
                            job.log_interval, job.progress)
