@@ -37,7 +37,9 @@ def main() -> None:
         "train_loss": [[r["iteration"], r["loss"]] for r in s1 + s2],
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    text = json.dumps({k: v for k, v in summary.items() if k != "train_loss"}, indent=1)
+    rows = ",\n  ".join(json.dumps([i, round(x, 6)]) for i, x in summary["train_loss"])
+    a.out.with_suffix(".json").write_text(text[:-2] + ',\n "train_loss": [\n  ' + rows + "\n ]\n}\n")
 
     import matplotlib
 
