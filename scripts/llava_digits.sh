@@ -4,11 +4,11 @@
 #   stage 1: encoder and language model frozen, the projector trains (LLaVA's alignment stage);
 #   stage 2: from stage 1's checkpoint, the projector and the language model train, encoder frozen.
 # Held-out loss and caption accuracy are printed every --eval-interval iterations.
-# Usage: scripts/llava_digits.sh [OUT]   (default runs/llava-digits; needs `scripts/install.sh data`)
+# Usage: scripts/llava_digits.sh [OUT]   (default bench-results/llava-digits; needs `scripts/install.sh data`)
 # STAGE1_ITERS / STAGE2_ITERS (environment) change the iterations (stage 2 counts on from stage 1's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-runs/llava-digits}"
+out="${1:-bench-results/llava-digits}"
 mh="${MEGATRON_HETERO:-.venv/bin/megatron-hetero}"  # or e.g. MEGATRON_HETERO="python -m megatron_hetero"
 mkdir -p "$out"
 [ -d "$out/digits/.nv-meta" ] || $mh data digits --out "$out/digits" --force
