@@ -169,6 +169,7 @@ LAYOUTS = [
     ("colocated vision DP2 + language TP2", _doc({"dp": 2}, {"tp": 2}), 2),
     ("colocated vision TP2 + language CP2", _doc({"tp": 2}, {"cp": 2}), 2),
     ("disjoint vision rank 0, language rank 1", _doc({}, {}, "disjoint"), 2),
+    ("colocated vision DP2 + language PP2", _doc({"dp": 2}, {"pp": 2}), 2),
 ]
 _EVAL: dict = {}
 
