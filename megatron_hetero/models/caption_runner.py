@@ -14,7 +14,7 @@ resolved `CaptionDataConfig` and the model spec fitted to the data and the token
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -27,7 +27,6 @@ from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.models.tokenizer import load_tokenizer
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.runtime.stage_runner import LossSum
 
 #: the energon split evaluation reads (`megatron-hetero data digits` registers its held-out shard as `val`)
 HELDOUT_SPLIT = "val"
