@@ -97,3 +97,39 @@ def test_train_cli_schedule_clip_and_log_interval(tmp_path, capsys):
     assert f"grad norm: {recs[2]['grad_norm']:.4f}" in lines[1]
     rc = main(["train", "--hetero-layout", str(LAYOUTS / "disjoint_fan_in.yaml"), "--lr-warmup-iters", "5"])
     assert rc == 2 and "--lr-warmup-iters 5 must be smaller than the decay iterations 5" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_eval_on_digits(tmp_path, capsys):
+    """In-process: --eval-interval 2 on the digits evaluates after iterations 2 and 3 (the last) over
+    the whole held-out split by default (200 samples: 25 global batches of 8), prints the validation
+    lines and writes eval_loss / eval_accuracy into those records; on synthetic data the held-out
+    loss has no accuracy. --eval-iters without --eval-interval is refused (exit 2)."""
+    from megatron_hetero.cli import main
+    from megatron_hetero.models.digits import write_digits_dataset
+
+    data = tmp_path / "digits"
+    write_digits_dataset(data)
+    log = tmp_path / "log.jsonl"
+    common = ["train", "--hetero-placement", "colocated", "--hetero-module", "vision:dp=2",
+              "--hetero-module", "language:tp=2", "--hetero-edge", "vision->language", "--seq-length", "16",
+              "--train-iters", "3"]
+    rc = main([*common, "--data-path", str(data), "--eval-interval", "2", "--log-jsonl", str(log)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert ["eval_loss" in r for r in recs] == [False, True, True]
+    for r in recs[1:]:
+        assert 0 < r["eval_loss"] < 10 and 0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_samples"] == 200
+    lines = [x for x in out.splitlines() if x.startswith(" validation")]
+    assert len(lines) == 2
+    assert lines[0].startswith(f" validation loss at iteration 2 | lm loss {recs[1]['eval_loss']:.6f} | "
+                               f"caption accuracy {recs[1]['eval_accuracy']:.4f} |")
+    rc = main([*common, "--eval-interval", "3", "--eval-iters", "1", "--log-jsonl", str(log)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
+    rec = [json.loads(line) for line in log.read_text().splitlines()][-1]
+    assert 0 < rec["eval_loss"] < 10 and "eval_accuracy" not in rec
+    assert " validation loss at iteration 3 | lm loss" in out and "caption accuracy" not in out
+    rc = main([*common, "--eval-iters", "2"])
+    assert rc == 2 and "--eval-iters 2 needs --eval-interval" in capsys.readouterr().err

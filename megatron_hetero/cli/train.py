@@ -62,6 +62,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--min-lr", type=float, default=0.0, help="the rate a decay ends at")
     t.add_argument("--override-opt-param-scheduler", action="store_true",
                    help="on --load, use this job's learning-rate schedule instead of requiring the checkpoint's")
+    v = p.add_argument_group("evaluation (held-out split: `val` of --data-path; synthetic data: unseen samples)")
+    v.add_argument("--eval-interval", type=int, default=0, metavar="N",
+                   help="evaluate every N iterations and after the last one (default 0: never)")
+    v.add_argument("--eval-iters", type=int, default=None, metavar="K",
+                   help="global batches per evaluation (default: the held-out split once, N // global batch; "
+                        "synthetic data: 1)")
     c = p.add_argument_group("checkpoints (Megatron-core dist_checkpointing; movable between layouts)")
     c.add_argument("--save", type=str, default=None, metavar="DIR", help="save checkpoints here (and after the last iteration)")
     c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")

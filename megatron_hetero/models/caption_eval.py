@@ -46,3 +46,17 @@ def greedy_digit_accuracy(logits: torch.Tensor, loss_mask: torch.Tensor, tok: Ca
     """`digit_accuracy(greedy_captions(logits, loss_mask, tok), digits)`; the held-out digits come
     from the reference captions: `[digit_of_caption(c) for c in heldout_batch(...)["captions"]]`."""
     return digit_accuracy(greedy_captions(logits, loss_mask, tok), digits)
+
+
+def digit_hits(ids: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, tok: CaptionTokenizer) -> int:
+    """How many rows of `ids` (greedy token ids [N, S], or logits [N, S, V]) caption the digit their
+    reference caption names (the reference: `labels` [N, S] at the same `loss_mask` positions, cut at
+    EOS). A row whose reference names no digit never counts. With the references' digits this is
+    `greedy_digit_accuracy(...) * N`."""
+    preds = greedy_captions(ids, loss_mask, tok)
+    refs = greedy_captions(labels, loss_mask, tok)
+    hits = 0
+    for p, r in zip(preds, refs):
+        d = digit_of_caption(r)
+        hits += d is not None and digit_of_caption(p) == d
+    return hits

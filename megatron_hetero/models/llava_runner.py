@@ -28,6 +28,9 @@ from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
 
+#: evaluation on the synthetic data reads global samples EVAL_OFFSET + i, which no training step reaches
+EVAL_OFFSET = 1 << 40
+
 
 class LlavaStageRunner:
     """Stage runner of `models/llava.py` on one rank (see the module docstring)."""
@@ -39,6 +42,21 @@ class LlavaStageRunner:
         self.device = get_device()
         self._aux = torch.zeros((), dtype=torch.float64)
         self._langs = set(plan.roles.language)
+        self.evaluating = False
+
+    def set_eval(self, on: bool) -> None:
+        """Evaluation mode (`train --eval-interval`): `batch` reads held-out samples (a step's global
+        sample i is held-out sample i) and the loss stage also hands its logits to `eval_logits`."""
+        self.evaluating = bool(on)
+
+    def batch(self, samples: range) -> dict:
+        """The global samples `samples` (`models.data.batch`'s keys): the one place stages read data."""
+        start = samples.start + (EVAL_OFFSET if self.evaluating else 0)
+        return data_mod.batch(self.dcfg, start, len(samples))
+
+    def eval_logits(self, module: str, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
+        """Evaluation hook of the loss stage: this rank's logits [rows, s_local, vocab/tp] (vocab-parallel
+        over the module's TP group) with the labels and loss mask [rows, s_local] at its CP positions."""
 
     def loss_modules(self) -> tuple[str, ...]:
         return self.plan.roles.loss_modules
@@ -103,13 +121,13 @@ class LlavaStageRunner:
     def _encoder(self, module: str, samples: range, stage_input: Optional[torch.Tensor]) -> torch.Tensor:
         x = stage_input
         if x is None:  # the first stage reads this rank's features
-            x = data_mod.batch(self.dcfg, samples.start, len(samples))["features"][module].to(self.device)
+            x = self.batch(samples)["features"][module].to(self.device)
         return self.states[module].model(x)
 
     def _language(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
                   stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
         lang, model, me = self.states[module].module, self.states[module].model, self.plan.modules[module]
-        b = data_mod.batch(self.dcfg, samples.start, len(samples))
+        b = self.batch(samples)
         hidden = None
         if lang.first_stage:
             hidden = lang.embed(b["tokens"].to(self.device), dict(inputs))
@@ -124,7 +142,13 @@ class LlavaStageRunner:
         idx = lang.cp_positions()
         labels = b["labels"][:, idx].to(self.device)
         mask = b["loss_mask"][:, idx].to(self.device)
-        per_token = self._with_aux(lang, me, len(samples), lambda: model(hidden, labels))
+        if self.evaluating:  # the same loss, from the logits the evaluation also reads
+            logits = self._with_aux(lang, me, len(samples), lambda: model(hidden, None))  # [b, s_local, V/tp]
+            # a copy first: Megatron's vocab-parallel cross entropy works in place on the logits
+            self.eval_logits(module, logits.detach().clone(), labels, mask)
+            per_token = lang.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
+        else:
+            per_token = self._with_aux(lang, me, len(samples), lambda: model(hidden, labels))
         out = None
         if self.plan.roles.outputs and me.last_stage and module == self.plan.roles.last_language:
             start, end = self.output_span()  # cp == 1 here (validated): positions are global

@@ -72,7 +72,11 @@ class ColocatedSchedule:
             config.tracer.wrap_methods(self.schedule_kwargs["p2p_communicator"], MEGATRON_P2P_METHODS, "wait",
                                        f"{self.lang_name} pipeline")
 
-    def step(self, step: int) -> StepResult:
+    def step(self, step: int, train: bool = True) -> StepResult:
+        """One step over the global samples [step*G, (step+1)*G) of the runner's current data.
+        train=False (evaluation): the same tables, but no gradient reduction and no optimizer step;
+        the gradients computed are discarded (the next step zeroes them)."""
+        self._train = train
         first = step * self.plan.global_batch
         for s in self.states.values():
             s.zero_grad()
@@ -140,6 +144,8 @@ class ColocatedSchedule:
         elif isinstance(a, OutputStep):
             self._output_step(a, first)
         elif isinstance(a, Collective):
+            if not self._train and a.kind in ("grad-sync", "optimizer"):
+                return  # evaluation: gradients are discarded, weights stay
             if a.kind == "grad-sync":
                 with self.config.tracer.span("grad-reduce", "gradient reduction (each module over its DP x CP)"):
                     for s in self.states.values():

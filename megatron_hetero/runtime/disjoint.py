@@ -123,7 +123,10 @@ class DisjointSchedule:
         """Nothing to release: communication has no background threads."""
 
     # -- the step ---------------------------------------------------------------------------------
-    def step(self, step: int) -> StepResult:
+    def step(self, step: int, train: bool = True) -> StepResult:
+        """One step over the global samples [step*G, (step+1)*G) of the runner's current data.
+        train=False (evaluation): the same tables, but no gradient reduction and no optimizer step;
+        the gradients computed are discarded (the next step zeroes them)."""
         self._step = step
         for s in self.states.values():
             s.zero_grad()
@@ -154,12 +157,12 @@ class DisjointSchedule:
                     raise AssertionError(f"unknown action {item!r}")
             assert not self._outputs and not self._inputs, "a micro-batch was not finished"
         memory["step"] = resident_memory(self.states)
-        for s in self.states.values():
+        for s in (self.states.values() if train else ()):
             ranks = dist.get_process_group_ranks(s.pgs.dp_cp)
             with self.config.tracer.span("grad-reduce", f"gradient reduction {s.name}", {"module": s.name}):
                 run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})",
                                self.rank, s.finalize_grads)
-        for s in self.states.values():
+        for s in (self.states.values() if train else ()):
             with self.config.tracer.span("optimizer", f"optimizer step {s.name}", {"module": s.name}):
                 s.step()
         counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0

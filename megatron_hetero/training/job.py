@@ -78,7 +78,7 @@ def job_from_args(args: Any, layout: HeteroLayout):
     """The `JobConfig` of `train`'s flags (Megatron names: the model sizes of `ModelArgs`, and
     --train-iters --seed --optimizer --lr --weight-decay --clip-grad --adam-beta1/2 --adam-eps
     --lr-warmup-iters --lr-decay-style --lr-decay-iters --min-lr --save --save-interval --load
-    --override-opt-param-scheduler --log-interval --hetero-offload-encoder --hetero-comm-timeout; and
+    --override-opt-param-scheduler --log-interval --eval-interval --eval-iters --hetero-offload-encoder --hetero-comm-timeout; and
     `progress`, set by the CLI when stdout is a terminal) on `layout`. ValueError for invalid sizes."""
     from megatron_hetero.runtime.module_state import OptimConfig
     from megatron_hetero.training.setup import JobConfig
@@ -105,7 +105,8 @@ def job_from_args(args: Any, layout: HeteroLayout):
                      load=getattr(args, "load", None),
                      override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
                      log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False),
-                     data=data)
+                     data=data, eval_interval=getattr(args, "eval_interval", None) or 0,
+                     eval_iters=getattr(args, "eval_iters", None))
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -114,7 +115,8 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, rec in enumerate(per_rank[0]["records"]):
         step = max(r["records"][i]["step_time_s"] for r in per_rank)
         merged = {"iteration": rec["iteration"], "loss": rec["loss"], "step_time_s": step}
-        for key in ("consumed_samples", "lr", "grad_norm", "grad_norm_per_module", "loss_parts", "aux_loss"):
+        for key in ("consumed_samples", "lr", "grad_norm", "grad_norm_per_module", "loss_parts", "aux_loss",
+                    "eval_loss", "eval_accuracy", "eval_samples"):
             if rec.get(key) is not None:
                 merged[key] = rec[key]
         if "tokens" in rec:

@@ -45,6 +45,10 @@ class JobConfig:
     progress: bool = False
     # real image-caption data (models.energon_data.CaptionDataConfig); None: the synthetic data
     data: Optional[Any] = None
+    # held-out evaluation every eval_interval iterations and after the last (0: none), over eval_iters
+    # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)
+    eval_interval: int = 0
+    eval_iters: Optional[int] = None
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(comm_timeout_s=self.comm_timeout_s)
@@ -61,6 +65,12 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         raise ValueError(f"--save-interval {job.save_interval} needs --save DIR")
     if not isinstance(job.log_interval, int) or job.log_interval < 0:
         raise ValueError(f"--log-interval must be >= 0, got {job.log_interval!r}")
+    if not isinstance(job.eval_interval, int) or job.eval_interval < 0:
+        raise ValueError(f"--eval-interval must be >= 0, got {job.eval_interval!r}")
+    if job.eval_iters is not None and (not isinstance(job.eval_iters, int) or job.eval_iters < 1):
+        raise ValueError(f"--eval-iters must be a positive integer, got {job.eval_iters!r}")
+    if job.eval_iters is not None and not job.eval_interval:
+        raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
     spec.data_config().validate()
     for name in ("global_batch_size", "micro_batch_size", "train_iters"):
         v = getattr(job, name)

@@ -71,6 +71,57 @@ def module_stats(layout: HeteroLayout, states: dict, rank: int) -> tuple[Optiona
     return total, per_module, lr
 
 
+def evaluate(schedule, iters: int, rank: int) -> dict[str, Any]:
+    """Held-out evaluation: `iters` steps of the schedule with train=False over the runner's held-out
+    samples (step k reads held-out samples [k*G, (k+1)*G)), then the runner's training data again.
+    Returns the token-weighted held-out loss (`eval_loss`, per caption token, as the training loss)
+    and, when the runner counts greedy captions (caption data), `eval_accuracy`: correct digit
+    captions over held-out samples, summed over the world (the runner counts only on the ranks that
+    count the loss). Collective: every rank calls it at the same iterations."""
+    import torch
+
+    from megatron_hetero.compat.device import get_device
+    from megatron_hetero.runtime.step import run_collective
+
+    runner = schedule.runner
+    runner.set_eval(True)
+    try:
+        loss_sum = tokens = 0.0
+        for k in range(iters):
+            res = schedule.step(k, train=False)
+            n = runner.loss_tokens(k)
+            loss_sum += res.loss * n
+            tokens += n
+        counts = runner.take_eval_counts() if hasattr(runner, "take_eval_counts") else None
+    finally:
+        runner.set_eval(False)
+    out: dict[str, Any] = {"eval_loss": loss_sum / tokens if tokens else float("nan"), "eval_accuracy": None}
+    if counts is not None:
+        vec = torch.tensor(counts, dtype=torch.float64, device=get_device())
+        run_collective("caption-accuracy all-reduce over the world", rank, dist.all_reduce, vec)
+        hits, samples = vec.tolist()
+        out["eval_accuracy"] = hits / samples if samples else None
+        out["eval_samples"] = int(samples)
+    return out
+
+
+def eval_iters_of(job: JobConfig, runner) -> int:
+    """--eval-iters, or one pass over the held-out split without repeats (caption data: N // G
+    steps, at least 1), or 1 (synthetic data)."""
+    if job.eval_iters:
+        return job.eval_iters
+    if hasattr(runner, "heldout_size"):
+        return max(1, runner.heldout_size() // job.global_batch_size)
+    return 1
+
+
+def validation_line(iteration: int, ev: dict[str, Any]) -> str:
+    text = f" validation loss at iteration {iteration} | lm loss {ev['eval_loss']:.6f} |"
+    if ev.get("eval_accuracy") is not None:
+        text += f" caption accuracy {ev['eval_accuracy']:.4f} | held-out samples: {ev['eval_samples']} |"
+    return text
+
+
 def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False,
                log_write: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
     """Run iterations [start, job.train_iters) on this rank (start: 0, or the iteration of the
@@ -97,7 +148,8 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
         if job.data is not None:
             from megatron_hetero.models.caption_runner import caption_runner_factory
 
-            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size)(plan, states)
+            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size,
+                                            heldout=bool(job.eval_interval))(plan, states)
         schedule = make_schedule(plan, job, topo, states, runner=runner)
         log = IterationLog(log_write if topo.rank == 0 else None, job.train_iters, job.global_batch_size,
                            job.log_interval, job.progress)
@@ -117,8 +169,15 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
                    "grad_norm_per_module": per_module, "tokens": tokens,
                    "loss_parts": res.loss_parts, "aux_loss": getattr(res, "aux_loss", None),
                    "tokens_per_s": tokens / dt if dt > 0 else 0.0}
+            if job.eval_interval and ((it + 1) % job.eval_interval == 0 or it + 1 == job.train_iters):
+                ev = evaluate(schedule, eval_iters_of(job, schedule.runner), topo.rank)
+                rec.update(ev)
             records.append(rec)
             log.record(rec)
+            if "eval_loss" in rec and log.write is not None:
+                prefix = "\r\033[K" if log.bar_shown else ""
+                log.bar_shown = False
+                log.write(prefix + validation_line(it + 1, rec) + "\n")
             if job.save and job.save_interval and (it + 1) % job.save_interval == 0:
                 save_checkpoint(job.save, it + 1, layout, job, topo, states, schedulers)
                 last_saved = it + 1
