@@ -133,3 +133,14 @@ def test_train_cli_eval_on_digits(tmp_path, capsys):
     assert " validation loss at iteration 3 | lm loss" in out and "caption accuracy" not in out
     rc = main([*common, "--eval-iters", "2"])
     assert rc == 2 and "--eval-iters 2 needs --eval-interval" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present: --bf16 runs there")
+def test_bf16_is_refused_on_cpu_before_any_rank_starts(tmp_path):
+    """--bf16 (bf16 parameters, fp32 main weights) needs Megatron's mixed-precision optimizer, which
+    takes CUDA tensors only at this version: on CPU it exits 2 with the reason."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_hetero", "train", "--hetero-layout",
+                           str(LAYOUTS / "colocated_fan_in.yaml"), "--bf16", "--train-iters", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--bf16 needs CUDA" in proc.stderr

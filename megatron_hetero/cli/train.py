@@ -52,6 +52,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--clip-grad", type=float, default=0.0)
+    t.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and compute, fp32 main weights in the optimizer (Megatron's mixed precision)")
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)

@@ -88,6 +88,12 @@ class LlavaSpec:
     moe_aux_loss_coeff: float = 0.0
     moe_ffn_hidden_size: Optional[int] = None
     outputs: dict[str, OutputSpec] = field(default_factory=dict)
+    bf16: bool = False  # Megatron's --bf16: bf16 parameters and compute (the optimizer keeps fp32 main weights)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of parameters and of every tensor between stages and modules."""
+        return torch.bfloat16 if self.bf16 else torch.float32
 
     def moe_kwargs(self, m: ModuleLayout) -> dict:
         """The TransformerConfig fields of the language model's MoE layers on layout `m` ({} if dense)."""

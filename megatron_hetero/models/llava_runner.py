@@ -84,18 +84,19 @@ class LlavaStageRunner:
         spec = self.spec
         if edge.src in spec.encoders:
             enc = spec.encoders[edge.src]
-            return EdgeTensor(seq=enc.tokens, hidden=spec.hidden_size, dst_seq=spec.seq_length, dst_offset=enc.offset)
+            return EdgeTensor(seq=enc.tokens, hidden=spec.hidden_size, dst_seq=spec.seq_length, dst_offset=enc.offset,
+                              dtype=spec.dtype)
         if edge.dst in spec.outputs:
             start, end = self.output_span()
-            return EdgeTensor(seq=end - start, hidden=spec.hidden_size)
-        return EdgeTensor(seq=spec.seq_length, hidden=spec.hidden_size)
+            return EdgeTensor(seq=end - start, hidden=spec.hidden_size, dtype=spec.dtype)
+        return EdgeTensor(seq=spec.seq_length, hidden=spec.hidden_size, dtype=spec.dtype)
 
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
         spec = self.spec
         if module in spec.encoders:
             enc = spec.encoders[module]
-            return (enc.tokens, rows, enc.hidden_size), torch.float32
-        return (spec.seq_length // self.plan.modules[module].cp, rows, spec.hidden_size), torch.float32
+            return (enc.tokens, rows, enc.hidden_size), spec.dtype
+        return (spec.seq_length // self.plan.modules[module].cp, rows, spec.hidden_size), spec.dtype
 
     def model(self, module: str) -> torch.nn.Module:
         return self.states[module].model
@@ -121,7 +122,7 @@ class LlavaStageRunner:
     def _encoder(self, module: str, samples: range, stage_input: Optional[torch.Tensor]) -> torch.Tensor:
         x = stage_input
         if x is None:  # the first stage reads this rank's features
-            x = self.batch(samples)["features"][module].to(self.device)
+            x = self.batch(samples)["features"][module].to(self.device, self.spec.dtype)
         return self.states[module].model(x)
 
     def _language(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],

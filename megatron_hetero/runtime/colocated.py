@@ -60,7 +60,7 @@ class ColocatedSchedule:
         for edge in edges:
             t = runner.edge_tensor(edge)
             self.boundaries[str(edge)] = Boundary(plan.layout, edge, batch=g, hidden=t.hidden, seq=t.seq,
-                                                  dst_seq=t.dst_seq, dst_offset=t.dst_offset,
+                                                  dst_seq=t.dst_seq, dst_offset=t.dst_offset, dtype=t.dtype,
                                                   timeout_s=config.comm_timeout_s, device=get_device(), topology=topo)
         self.offloaders = {n: Offloader(states[n].state_tensors) for n in plan.roles.encoders}
         lm = plan.modules[self.lang_name]

@@ -117,7 +117,7 @@ class DisjointSchedule:
     def _boundary(self, edge: Edge) -> Boundary:
         t = self.runner.edge_tensor(edge)
         return Boundary(self.layout, edge, batch=self.mb_samples, hidden=t.hidden, seq=t.seq, dst_seq=t.dst_seq,
-                        dst_offset=t.dst_offset, timeout_s=self.timeout_s, device=self.device)
+                        dst_offset=t.dst_offset, dtype=t.dtype, timeout_s=self.timeout_s, device=self.device)
 
     def close(self) -> None:
         """Nothing to release: communication has no background threads."""

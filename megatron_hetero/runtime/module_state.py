@@ -29,6 +29,7 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 0.0
+    bf16: bool = False  # bf16 parameters: Megatron's mixed-precision optimizer with fp32 main weights
     min_lr: float = 0.0  # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it)
 
     def validate(self) -> None:
@@ -71,7 +72,8 @@ class ModuleState:
                     OptimizerConfig(
                         optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay,
                         adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                        clip_grad=optim.clip_grad, min_lr=optim.min_lr, params_dtype=torch.float32,
+                        clip_grad=optim.clip_grad, min_lr=optim.min_lr, bf16=optim.bf16,
+                        params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
                     ),
                     [self.ddp],
                     pg_collection=opt_pgs,

@@ -31,6 +31,7 @@ class EdgeTensor:
     hidden: int
     dst_seq: Optional[int] = None
     dst_offset: int = 0
+    dtype: torch.dtype = torch.float32
 
 
 class LossSum(NamedTuple):

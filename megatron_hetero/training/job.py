@@ -90,11 +90,16 @@ def job_from_args(args: Any, layout: HeteroLayout):
     from megatron_hetero.models.caption_runner import caption_job_data
 
     spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
+    bf16 = bool(getattr(args, "bf16", False))
+    if bf16:
+        import dataclasses
+
+        spec = dataclasses.replace(spec, bf16=True)
     from megatron_hetero.training.lr_schedule import LRSchedule
 
     optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
                         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        clip_grad=args.clip_grad)
+                        clip_grad=args.clip_grad, bf16=bf16)
     schedule = LRSchedule(lr_warmup_iters=getattr(args, "lr_warmup_iters", 0),
                           lr_decay_style=getattr(args, "lr_decay_style", "constant"),
                           lr_decay_iters=getattr(args, "lr_decay_iters", None), min_lr=getattr(args, "min_lr", 0.0))

@@ -59,6 +59,16 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     spec = job.spec
     job.optim.validate()
     job.schedule.validate(job.optim.lr, job.train_iters)
+    if spec.bf16 != job.optim.bf16:
+        raise ValueError("--bf16 must set both the model's and the optimizer's precision")
+    from megatron_hetero.compat import default_backend
+
+    if spec.bf16 and default_backend() != "nccl":
+        raise ValueError("--bf16 needs CUDA: Megatron-core 0.16.1's mixed-precision optimizer "
+                         "(Float16OptimizerWithFloat16Params, fp32 main weights) accepts CUDA tensors only")
+    if spec.bf16 and (job.save or job.load):
+        raise ValueError("--bf16 with --save/--load is not supported yet (the checkpoint holds fp32 models and "
+                         "the non-mixed-precision optimizer state); train in fp32 to keep checkpoints")
     if not isinstance(job.save_interval, int) or job.save_interval < 0:
         raise ValueError(f"--save-interval must be >= 0, got {job.save_interval!r}")
     if job.save_interval and not job.save:
@@ -143,6 +153,14 @@ def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch
         mod = LanguageModule(name, spec, m, pgs, first_segment=langs[0].name == name,
                              last_segment=langs[-1].name == name,
                              last_segment_feeds_outputs=bool(layout.consumers(langs[-1].name)))
+    if spec.bf16:
+        # Megatron's mixed precision: bf16 parameters and compute; the optimizer keeps fp32 main
+        # weights (OptimConfig.bf16). Initialised in fp32 (the same values in every layout), then cast.
+        mod = mod.to(torch.bfloat16)
+        for sub in mod.modules():
+            cfg = getattr(sub, "config", None)
+            if cfg is not None and hasattr(cfg, "pipeline_dtype"):
+                cfg.bf16, cfg.params_dtype, cfg.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
     return mod.to(get_device())
 
 
