@@ -135,12 +135,25 @@ def test_train_cli_eval_on_digits(tmp_path, capsys):
     assert rc == 2 and "--eval-iters 2 needs --eval-interval" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present: --bf16 runs there")
-def test_bf16_is_refused_on_cpu_before_any_rank_starts(tmp_path):
-    """--bf16 (bf16 parameters, fp32 main weights) needs Megatron's mixed-precision optimizer, which
-    takes CUDA tensors only at this version: on CPU it exits 2 with the reason."""
+def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path):
+    """--bf16: bf16 parameters and compute, fp32 main weights (Megatron's mixed-precision optimizer).
+    The loss falls and stays within 1% of the fp32 run, colocated and disjoint (bf16 has 8 bits of
+    mantissa: parity is to that precision, not to 1e-5); with --save it is refused (exit 2)."""
+    runs = {}
+    for name, layout, extra in (("fp32", "colocated_fan_out.yaml", ()), ("bf16", "colocated_fan_out.yaml", ("--bf16",)),
+                                ("bf16-disjoint", "disjoint_fan_in.yaml", ("--bf16",))):
+        log = tmp_path / f"{name}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "megatron_hetero", "train", "--hetero-layout", str(LAYOUTS / layout),
+                               "--train-iters", "4", "--lr", "1e-2", "--log-jsonl", str(log), *extra],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+        assert len(runs[name]) == 4
+    for name in ("bf16", "bf16-disjoint"):
+        assert runs[name][-1] < runs[name][0], runs[name]
+        assert max(abs(a - b) / b for a, b in zip(runs[name], runs["fp32"])) < 1e-2, (runs[name], runs["fp32"])
+    assert runs["bf16"] != runs["fp32"]  # it did compute in bf16
     proc = subprocess.run([sys.executable, "-m", "megatron_hetero", "train", "--hetero-layout",
-                           str(LAYOUTS / "colocated_fan_in.yaml"), "--bf16", "--train-iters", "1"],
+                           str(LAYOUTS / "colocated_fan_out.yaml"), "--bf16", "--save", str(tmp_path / "ck")],
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "--bf16 needs CUDA" in proc.stderr
+    assert proc.returncode == 2 and "--bf16 with --save/--load is not supported yet" in proc.stderr

@@ -313,7 +313,37 @@ def _moe_split_sizes_on_cpu() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _cuda_type_names() -> contextlib.AbstractContextManager:
+    """`tensor.type()` (no argument) names CPU float tensors as their CUDA types, e.g.
+    'torch.BFloat16Tensor' -> 'torch.cuda.BFloat16Tensor'; every other use of `.type` is untouched."""
+    original = torch.Tensor.type
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            if name in ("torch.FloatTensor", "torch.HalfTensor", "torch.BFloat16Tensor"):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return swapped(torch.Tensor, "type", type_)
+
+
+def _float16_optimizer_on_cpu() -> None:
+    from megatron.core.optimizer import optimizer as opt
+
+    cls = opt.Float16OptimizerWithFloat16Params
+    if not hasattr(cls.__init__, MARK):
+        cls.__init__ = wrap_call(cls.__init__, _cuda_type_names)
+
+
 PATCHES: List[Patch] = [
+    Patch(
+        "megatron.core.optimizer.optimizer: Float16OptimizerWithFloat16Params.__init__ accepts only "
+        "parameters whose type() is torch.cuda.{Half,BFloat16,Float}Tensor (--bf16 mixed precision)",
+        "during __init__, tensor.type() names CPU float tensors by their CUDA type names",
+        _float16_optimizer_on_cpu,
+    ),
     Patch(
         "megatron.core.transformer.moe.moe_utils: maybe_move_tensor_to_cpu(as_numpy=True) leaves CPU "
         "tensors as tensors (alltoall dispatcher split sizes; all_to_all_single wants a sequence)",

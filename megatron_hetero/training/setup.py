@@ -61,11 +61,6 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     job.schedule.validate(job.optim.lr, job.train_iters)
     if spec.bf16 != job.optim.bf16:
         raise ValueError("--bf16 must set both the model's and the optimizer's precision")
-    from megatron_hetero.compat import default_backend
-
-    if spec.bf16 and default_backend() != "nccl":
-        raise ValueError("--bf16 needs CUDA: Megatron-core 0.16.1's mixed-precision optimizer "
-                         "(Float16OptimizerWithFloat16Params, fp32 main weights) accepts CUDA tensors only")
     if spec.bf16 and (job.save or job.load):
         raise ValueError("--bf16 with --save/--load is not supported yet (the checkpoint holds fp32 models and "
                          "the non-mixed-precision optimizer state); train in fp32 to keep checkpoints")
