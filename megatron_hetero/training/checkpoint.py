@@ -449,12 +449,14 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
 def data_position(job, iteration: int) -> dict:
     """The loader's position after `iteration` steps, as plain data: the next global sample index (both
     data sources address samples by global index: step t reads samples [t*G, (t+1)*G)), and for
-    energon data the dataset's identity (path, split, shuffle seed), which a resume must match."""
+    energon data the stream's identity (split, shuffle, seed: the sample order), which a resume must
+    match (the dataset's folder may move between jobs; its name is recorded for people)."""
     pos: dict = {"kind": "synthetic", "next_sample": iteration * job.global_batch_size, "iteration": iteration}
     cfg = getattr(job, "data", None)
     if cfg is not None:
         pos["kind"] = "energon"
-        pos["dataset"] = {"path": str(cfg.path), "split": cfg.split, "seed": cfg.seed, "shuffle": cfg.shuffle}
+        pos["dataset"] = {"split": cfg.split, "seed": cfg.seed, "shuffle": cfg.shuffle}
+        pos["dataset_path"] = str(cfg.path)
     return pos
 
 
