@@ -36,6 +36,7 @@ setup(
             "pytest-timeout>=2",
             "hypothesis>=6",
             *DATA,
+            "matplotlib",  # tests/test_draw.py and test_trace.py check the pictures
             # tests/test_megatron_lm.py runs Megatron-LM's own scripts, which import these
             *MEGATRON_LM,
         ],
