@@ -43,6 +43,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_hetero.compat import cp_chunk_positions, ensure_moe_without_te, get_gpt_layer_local_spec_with_cp
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.layout.validate import check_experts
+from megatron_hetero.models.architecture import check_architecture
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.data import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
@@ -58,6 +59,15 @@ class EncoderSpec:
     tokens: int = 8
     feature_dim: int = 24
     offset: int = 1
+    # "linear": the features go through a linear patch embedding + learned positions + a GPT-style
+    # trunk (the default); "clip": Megatron's CLIPViTModel (patch convolution over the image the
+    # features are the patches of, class token, learned positions, ln_pre, pre-norm LayerNorm
+    # layers with quick-GELU, ln_post kept for the pooled output): `models.clip_encoder`.
+    kind: str = "linear"
+    patch_size: int = 0  # clip: the patch side (features = 3 * patch_size**2 per token)
+    ffn_hidden_size: Optional[int] = None  # clip: the MLP width (default 4 * hidden_size)
+    norm_epsilon: float = 1e-5
+    activation: str = "quick_gelu"  # clip: quick_gelu or gelu
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,19 @@ class LlavaSpec:
     moe_ffn_hidden_size: Optional[int] = None
     outputs: dict[str, OutputSpec] = field(default_factory=dict)
     bf16: bool = False  # Megatron's --bf16: bf16 parameters and compute (the optimizer keeps fp32 main weights)
+    # Language-model architecture (Megatron's TransformerConfig / GPTModel options; the defaults are
+    # the original tiny GPT; a Llama/Qwen2-style model: RMSNorm, swiglu, rope, no linear biases,
+    # grouped-query attention, QKV bias for Qwen2, tied embeddings for the small Qwen2 models)
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -104,6 +127,37 @@ class LlavaSpec:
                     moe_router_load_balancing_type="aux_loss" if self.moe_aux_loss_coeff > 0 else "none",
                     moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, add_bias_linear=False,
                     expert_model_parallel_size=m.ep, expert_tensor_parallel_size=m.expt_tp)
+
+    def language_config_kwargs(self) -> dict:
+        """The TransformerConfig fields of the language model's architecture."""
+        import torch.nn.functional as F
+
+        return dict(normalization=self.normalization, layernorm_epsilon=self.norm_epsilon,
+                    gated_linear_unit=self.swiglu, activation_func=F.silu if self.swiglu else F.gelu,
+                    bias_activation_fusion=False, add_bias_linear=self.add_bias_linear,
+                    add_qkv_bias=self.add_qkv_bias, num_query_groups=self.num_query_groups,
+                    kv_channels=self.kv_channels, apply_rope_fusion=False)
+
+    @classmethod
+    def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
+        """The spec a checkpoint recorded (`training.checkpoint.spec_record`); ValueError naming an
+        unknown field (a checkpoint of a newer model family)."""
+        import dataclasses as dc
+
+        known = {f.name for f in dc.fields(cls)}
+        unknown = sorted(set(record) - known)
+        if unknown:
+            raise ValueError(f"the checkpoint's model has fields this build does not know: {unknown}")
+        enc_known = {f.name for f in dc.fields(EncoderSpec)}
+        out_known = {f.name for f in dc.fields(OutputSpec)}
+        d = dict(record)
+        for name, e in d.get("encoders", {}).items():
+            if set(e) - enc_known:
+                raise ValueError(f"the checkpoint's encoder {name} has unknown fields {sorted(set(e) - enc_known)}")
+        d["encoders"] = {n: EncoderSpec(**e) for n, e in d.get("encoders", {}).items()}
+        d["outputs"] = {n: OutputSpec(**{k: v for k, v in o.items() if k in out_known})
+                        for n, o in d.get("outputs", {}).items()}
+        return cls(**d, seed=seed)
 
     def data_config(self) -> DataConfig:
         return DataConfig(
@@ -156,6 +210,7 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str]
     if spec.moe_aux_loss_coeff < 0:
         raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {spec.moe_aux_loss_coeff}")
     check_experts(layout, {n: spec.num_experts for n in langs}, backend)
+    check_architecture(layout, spec, langs)
     for name in langs:
         m = layout.module(name)
         if spec.num_experts and m.ep > 1 and m.tp > 1:
@@ -274,13 +329,16 @@ class LanguageModule(torch.nn.Module):
         pp_rank = pgs.pp.rank()
         self.first_stage = first_segment and pp_rank == 0
         self.last_stage = last_segment and pp_rank == m.pp - 1
+        arch = spec.language_config_kwargs()
+        arch.update(spec.moe_kwargs(m))
         config = transformer_config(num_layers=n_layers, hidden=spec.hidden_size, heads=spec.num_attention_heads,
-                                    ffn=spec.ffn_hidden_size, m=m, **spec.moe_kwargs(m))
+                                    ffn=spec.ffn_hidden_size, m=m, **arch)
         self.config = config
         if spec.num_experts:
             ensure_moe_without_te()
-        layer_spec = (get_gpt_layer_local_spec_with_cp(num_experts=spec.num_experts, moe_grouped_gemm=False)
-                      if spec.num_experts else get_gpt_layer_local_spec_with_cp())
+        layer_spec = (get_gpt_layer_local_spec_with_cp(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                                       normalization=spec.normalization)
+                      if spec.num_experts else get_gpt_layer_local_spec_with_cp(normalization=spec.normalization))
         self.gpt = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -288,8 +346,9 @@ class LanguageModule(torch.nn.Module):
             max_sequence_length=spec.seq_length,
             pre_process=self.first_stage,
             post_process=self.last_stage,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="learned_absolute",
+            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+            position_embedding_type=spec.position_embedding_type,
+            rotary_base=spec.rotary_base,
             pg_collection=pgs,
         )
         self.model_type = self.gpt.model_type  # what Megatron's schedules look up on the wrapped model

@@ -139,7 +139,11 @@ def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch
     from megatron_hetero.compat.device import get_device
 
     m = layout.module(name)
-    if name in spec.encoders:
+    if name in spec.encoders and spec.encoders[name].kind == "clip":
+        from megatron_hetero.models.clip_encoder import ClipEncoderModule
+
+        mod = ClipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed)
+    elif name in spec.encoders:
         mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed)
     elif name in spec.outputs:
         mod = OutputModule(name, spec.outputs[name], spec.hidden_size, m, pgs, spec.seed)

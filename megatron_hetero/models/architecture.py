@@ -1,0 +1,46 @@
+"""The architecture options of the model family (language model: Megatron's `TransformerConfig` /
+`GPTModel` options; encoders: the tiny linear-patch trunk or a CLIP ViT) checked against each other
+and the layout, before any process group exists. Pure: no torch."""
+from __future__ import annotations
+
+from megatron_hetero.layout.spec import HeteroLayout
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+ENCODER_KINDS = ("linear", "clip")
+CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
+
+
+def check_architecture(layout: HeteroLayout, spec, langs) -> None:
+    """The architecture options against each other and the layout; ValueError with the reason."""
+    if spec.normalization not in NORMALIZATIONS:
+        raise ValueError(f"--normalization {spec.normalization!r}: one of {NORMALIZATIONS}")
+    if spec.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ValueError(f"--position-embedding-type {spec.position_embedding_type!r}: one of {POSITION_EMBEDDINGS}")
+    groups = spec.num_query_groups or spec.num_attention_heads
+    if spec.num_attention_heads % groups:
+        raise ValueError(f"--num-query-groups {groups} does not divide --num-attention-heads {spec.num_attention_heads}")
+    for name in langs:
+        m = layout.module(name)
+        if m.tp > 1 and groups % m.tp:
+            raise ValueError(f"module {name}: {groups} query groups are not divisible by tp({m.tp})")
+        if m.tp > 1 and spec.vocab_size % m.tp:
+            raise ValueError(f"module {name}: --vocab-size {spec.vocab_size} is not divisible by tp({m.tp})")
+        if not spec.untie_embeddings_and_output_weights and (m.pp > 1 or len(langs) > 1):
+            raise ValueError(f"module {name}: tied input and output embeddings need the whole language model on "
+                             f"one pipeline stage (pp 1, no segments); got {m.arithmetic()}")
+    for name, enc in spec.encoders.items():
+        if enc.kind not in ENCODER_KINDS:
+            raise ValueError(f"encoder {name}: kind {enc.kind!r}, one of {ENCODER_KINDS}")
+        if enc.kind != "clip" or name not in layout.names:
+            continue
+        m = layout.module(name)
+        if m.pp > 1:
+            raise ValueError(f"encoder {name}: Megatron's CLIPViTModel runs on one pipeline stage; got pp({m.pp})")
+        if enc.activation not in CLIP_ACTIVATIONS:
+            raise ValueError(f"encoder {name}: activation {enc.activation!r}, one of {CLIP_ACTIVATIONS}")
+        side = round(enc.tokens ** 0.5)
+        if enc.patch_size < 1 or side * side != enc.tokens or enc.feature_dim != 3 * enc.patch_size ** 2:
+            raise ValueError(f"encoder {name}: a CLIP encoder takes a square RGB image cut into patches: tokens "
+                             f"{enc.tokens} must be a square and feature_dim {enc.feature_dim} = 3 * patch_size**2 "
+                             f"(patch_size {enc.patch_size})")

@@ -1,0 +1,97 @@
+"""A CLIP-style vision encoder module: Megatron-core's `CLIPViTModel` + the LLaVA projector.
+
+Input: the encoder features `[b, tokens, 3 * p * p]` that the data produces (`models.data`,
+`models.energon_data.patchify`: an image cut into non-overlapping p x p patches in row-major order,
+each flattened as (channel, row, column)). They are put back together into the image
+`[b, 3, H, W]` and fed to `CLIPViTModel` (patch convolution without bias, a class token at position
+0, learned absolute positions, `ln_pre`, pre-norm LayerNorm transformer layers with quick-GELU,
+bidirectional attention), all Megatron-core's own; its output `[b, 1 + tokens, h]` is Hugging
+Face's `CLIPVisionModel.last_hidden_state` (`features`). LLaVA's feature selection ("default":
+drop the class token) leaves `tokens` patch features, which the projector (Megatron's
+`MultimodalProjector`, linear -> GELU -> linear) maps to the language model's hidden size.
+
+`ln_post` (Hugging Face's `post_layernorm`) is kept for the pooled class-token output (`pooled`):
+LLaVA does not use it, so it never trains (requires_grad False) but it is converted and saved so a
+checkpoint round trip returns every tensor of the original tower.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_hetero.compat import clip_vit_norm_kwargs
+from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.models.init import deterministic_init
+
+
+def activation(name: str):
+    from megatron.core.activations import quick_gelu
+
+    return {"quick_gelu": quick_gelu, "gelu": torch.nn.functional.gelu}[name]
+
+
+class ClipEncoderModule(torch.nn.Module):
+    """[b, tokens, 3*p*p] patch features -> CLIP ViT -> drop the class token -> projector ->
+    [b, tokens, llm_hidden]. One pipeline stage, cp 1; TP on the module's own TP group."""
+
+    def __init__(self, name: str, enc, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection,
+                 seed: int) -> None:
+        super().__init__()
+        from megatron_hetero.models.llava import transformer_config
+
+        if m.cp != 1 or m.pp != 1:
+            raise ValueError(f"module {name}: a CLIP encoder runs with pp 1 and cp 1, got {m.arithmetic()}")
+        self.name, self.frozen = name, m.frozen
+        self.first = self.last = True
+        self.patch = enc.patch_size
+        self.grid = round(enc.tokens ** 0.5)
+        config = transformer_config(num_layers=enc.num_layers, hidden=enc.hidden_size,
+                                    heads=enc.num_attention_heads, ffn=enc.ffn_hidden_size, m=m,
+                                    layernorm_epsilon=enc.norm_epsilon, activation_func=activation(enc.activation),
+                                    bias_activation_fusion=False, add_bias_linear=True)
+        layer_spec = get_gpt_layer_local_spec()
+        layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+        side = self.grid * self.patch
+        self.vit = CLIPViTModel(config, layer_spec, add_class_token=True, class_token_len=1, patch_dim=self.patch,
+                                img_h=side, img_w=side, model_subtype="clip", pg_collection=pgs,
+                                **clip_vit_norm_kwargs())
+        self.ln_post = torch.nn.LayerNorm(enc.hidden_size, eps=enc.norm_epsilon)
+        proj_config = transformer_config(num_layers=1, hidden=llm_hidden, heads=enc.num_attention_heads,
+                                         ffn=llm_hidden, m=m)
+        mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+        self.projector = MultimodalProjector(proj_config, mlp, "mlp", input_size=enc.hidden_size, tp_group=pgs.tp)
+        deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
+                           tp_size=pgs.tp.size())
+        for p in self.ln_post.parameters():
+            p.requires_grad_(False)
+        if self.frozen:
+            for n, p in self.named_parameters():
+                if not n.startswith("projector."):
+                    p.requires_grad_(False)
+
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def image(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, g*g, 3*p*p] patches (row-major, each (c, i, j)) -> [b, 3, g*p, g*p]."""
+        b, g, p = x.shape[0], self.grid, self.patch
+        return x.reshape(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, g * p, g * p)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, tokens, 3*p*p] -> the ViT's last hidden states [b, 1 + tokens, h] (class token first)."""
+        return self.vit(self.image(x).contiguous())
+
+    def pooled(self, x: torch.Tensor) -> torch.Tensor:
+        """Hugging Face's `pooler_output`: ln_post of the class token's last hidden state [b, h]."""
+        return self.ln_post(self.features(x)[:, 0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            h = self.features(x)[:, 1:]  # LLaVA's "default" selection: the patch tokens
+        if self.frozen:
+            h = h.detach()
+        return self.projector(h.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
