@@ -1,0 +1,301 @@
+"""Hugging Face folders <-> a megatron-hetero checkpoint (`megatron-hetero convert`).
+
+    hf_to_checkpoint(vision=HF_DIR, language=HF_DIR, projector=FILE|None, out=DIR)
+    checkpoint_to_hf(DIR, out=OUT)  ->  OUT/vision, OUT/language (config.json + model.safetensors),
+                                        OUT/projector/model.safetensors (LLaVA's names)
+
+hf -> checkpoint, in order: (1) both `config.json`s are read and mapped to the model family
+(`models.hf_config`): a model it cannot express is refused with the reason here, before any weight
+is read; (2) the safetensors headers (names and shapes only) are checked against the names and
+shapes that configuration implies (`models.hf_names.check_tensors`: every missing, unexpected or
+mis-shaped tensor named with both shapes); (3) only then are tensors read (safetensors, memory
+mapped; pickle files are never opened), fused into Megatron-core's layouts and loaded into the
+modules, built in this process as a world of one (gloo, TP1/PP1: whole tensors); (4) each logical
+model (`vision` with its projector, `language`) is saved with `dist_checkpointing` under the same
+layout-independent global keys `train --save` uses (`training.checkpoint.model_sharded_state_dict`),
+so `train --load DIR` reads it under ANY layout. The projector is LLaVA's
+`multi_modal_projector.linear_1/2` from `--projector FILE.safetensors`, or else the family's own
+deterministic initialisation (LLaVA stage 1 trains it from scratch).
+
+The checkpoint is iteration 0 and marked `"origin": "convert"` in its `train_state.json`: it holds
+model weights only (no optimizer, scheduler, data position or RNG), records the model
+(`spec_record`: `train --load DIR` builds that model without its flags, `training.pretrained`),
+and keeps the original `config.json`s under `hf/` (written back by `checkpoint_to_hf`). Its
+manifest (bytes + sha256 of every file) is checked on load like any checkpoint's.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Iterator, Optional
+
+from megatron_hetero.models import hf_config
+
+ORIGIN = "convert"
+HF_DIR = "hf"
+VISION, LANGUAGE = "vision", "language"
+
+
+# ---------------------------------------------------------------------------------------------------
+# safetensors (no pickle)
+# ---------------------------------------------------------------------------------------------------
+
+def safetensors_files(folder: str | Path) -> list[Path]:
+    """The *.safetensors files of a Hugging Face folder (or the file itself); ValueError if none."""
+    p = Path(folder)
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ValueError(f"{p}: not a .safetensors file (pickle checkpoints are not read)")
+        return [p]
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        found = sorted(x.name for x in p.glob("*.bin")) + sorted(x.name for x in p.glob("*.pt"))
+        raise ValueError(f"{p}: no *.safetensors file" + (f" (found {found}: pickle files are not read; "
+                                                          "save the model with safe_serialization=True)" if found else ""))
+    return files
+
+
+def tensor_index(folder: str | Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
+    """(name -> shape, name -> file) from the safetensors headers only (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes, where = {}, {}
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name in where:
+                    raise ValueError(f"tensor {name} is in both {where[name]} and {f}")
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+                where[name] = f
+    return shapes, where
+
+
+class _Reader:
+    """`reader(name)` -> the tensor, from the file the index names (files opened once)."""
+
+    def __init__(self, where: dict[str, Path]) -> None:
+        self.where, self.open = where, {}
+
+    def __call__(self, name: str):
+        from safetensors import safe_open
+
+        f = self.where[name]
+        if f not in self.open:
+            self.open[f] = safe_open(str(f), framework="pt")
+        return self.open[f].get_tensor(name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# a world of one, for building the modules whole
+# ---------------------------------------------------------------------------------------------------
+
+def world_of_one_layout(encoders: list[str]):
+    from megatron_hetero.layout import layout_from_dict
+
+    doc = {"placement": "colocated", "modules": {**{e: {} for e in encoders}, LANGUAGE: {}},
+           "edges": [f"{e} -> {LANGUAGE}" for e in encoders]}
+    return layout_from_dict(doc, world_size=1)
+
+
+@contextmanager
+def world_of_one(layout) -> Iterator:
+    """A gloo process group of one rank (a file store: no port) and the layout's Topology; if this
+    process already belongs to a group, that one is used."""
+    import torch.distributed as dist
+
+    from megatron_hetero.compat import apply_compat
+    from megatron_hetero.runtime.topology import Topology
+
+    apply_compat()
+    tmp, own = None, not dist.is_initialized()
+    if own:
+        tmp = tempfile.mkdtemp(prefix="mh-convert-")
+        dist.init_process_group("gloo", store=dist.FileStore(str(Path(tmp) / "store"), 1), rank=0, world_size=1)
+    topo = Topology.build(layout, backend="gloo")
+    try:
+        yield topo
+    finally:
+        topo.destroy()
+        if own:
+            dist.destroy_process_group()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_whole(layout, spec, topo) -> dict[str, SimpleNamespace]:
+    """Each module of `layout`, whole (TP1/PP1), as the `state` objects `training.checkpoint` takes."""
+    from megatron_hetero.training.setup import build_module
+
+    out = {}
+    for m in layout.modules:
+        pgs = topo.pg_collection(m.name)
+        out[m.name] = SimpleNamespace(name=m.name, module=build_module(m.name, layout, spec, pgs).cpu(), pgs=pgs,
+                                      optimizer=None)
+    return out
+
+
+def _load_whole(module, tensors: dict, where: str) -> None:
+    own = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    shaped = [k for k in own if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)]
+    if missing or unexpected or shaped:  # the name mapping and the module disagree: a bug, said plainly
+        raise RuntimeError(f"{where}: mapping and module differ: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                           f"shapes {[(k, list(own[k].shape), list(tensors[k].shape)) for k in shaped[:5]]}")
+    module.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# hf -> checkpoint
+# ---------------------------------------------------------------------------------------------------
+
+def spec_from_hf(vision: str | Path, language: str | Path, seq_length: Optional[int] = None, seed: int = 1234):
+    """(LlavaSpec, vision config, language config) from the two config.json files; refuses what the
+    family cannot express (ValueError / hf_config.UnsupportedModel). No weight is read."""
+    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+
+    vcfg, lcfg = hf_config.read_config(vision), hf_config.read_config(language)
+    enc = EncoderSpec(offset=1, **hf_config.encoder_fields(vcfg, f"--vision {vision}"))
+    lm = hf_config.language_fields(lcfg, f"--language {language}")
+    if seq_length is None:
+        seq_length = max(enc.tokens + 64, min(int(lcfg.get("max_position_embeddings", 2048)), 2048))
+    if enc.offset + enc.tokens > seq_length:
+        raise ValueError(f"--seq-length {seq_length} cannot hold the image's {enc.tokens} tokens after position "
+                         f"{enc.offset}")
+    return LlavaSpec(**lm, seq_length=seq_length, encoders={VISION: enc}, seed=seed), vcfg, lcfg
+
+
+def hf_to_checkpoint(vision: str | Path, language: str | Path, out: str | Path, projector: Optional[str] = None,
+                     seq_length: Optional[int] = None) -> dict:
+    """Convert (module docstring); returns a summary {model, tensors per module, directory}."""
+    from megatron_hetero.models import hf_names
+
+    spec, vcfg, lcfg = spec_from_hf(vision, language, seq_length)  # refusal happens here, before any weight
+    enc = spec.encoders[VISION]
+    vshapes, vwhere = tensor_index(vision)
+    lshapes, lwhere = tensor_index(language)
+    hf_names.check_tensors(vshapes, hf_names.expected_vision(enc), f"--vision {vision}", hf_names.ignorable_vision)
+    hf_names.check_tensors(lshapes, hf_names.expected_language(spec), f"--language {language}",
+                           lambda n: hf_names.ignorable_language(n, spec))
+    pwhere = None
+    if projector:
+        pshapes, pwhere = tensor_index(projector)
+        pshapes = {(n if n.startswith(hf_names.PROJECTOR_PREFIX) else hf_names.PROJECTOR_PREFIX + n): s
+                   for n, s in pshapes.items()}
+        pwhere = {(n if n.startswith(hf_names.PROJECTOR_PREFIX) else hf_names.PROJECTOR_PREFIX + n):
+                  (n, f) for n, f in pwhere.items()}
+        hf_names.check_tensors(pshapes, hf_names.expected_projector(enc.hidden_size, spec.hidden_size),
+                               f"--projector {projector}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out}: exists and is not empty")
+    vision_t = hf_names.vision_to_ours(_Reader(vwhere), enc)
+    language_t = hf_names.language_to_ours(_Reader(lwhere), spec)
+    if pwhere is not None:
+        inner = {k: f for k, (n, f) in pwhere.items()}
+        plain = {k: n for k, (n, f) in pwhere.items()}
+        read = _Reader({plain[k]: inner[k] for k in inner})
+        vision_t.update(hf_names.projector_to_ours(lambda k: read(plain[k])))
+    layout = world_of_one_layout([VISION])
+    with world_of_one(layout) as topo:
+        states = build_whole(layout, spec, topo)
+        if pwhere is None:  # the family's own initialisation of the projector
+            vision_t.update({k: v for k, v in states[VISION].module.state_dict().items() if k.startswith("projector.")
+                             and not k.endswith("_extra_state")})
+        _load_whole(states[VISION].module, vision_t, f"--vision {vision}")
+        _load_whole(states[LANGUAGE].module, language_t, f"--language {language}")
+        d = write_checkpoint(out, layout, spec, states,
+                             origin={"vision": str(vision), "language": str(language), "projector": projector},
+                             configs={VISION: vcfg, LANGUAGE: lcfg})
+    return {"directory": str(d), "model": spec, "tensors": {VISION: len(vision_t), LANGUAGE: len(language_t)},
+            "projector": "converted" if projector else "initialised"}
+
+
+def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, configs: dict) -> Path:
+    """Iteration 0 of a weights-only checkpoint under `root` (world of one)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_hetero.layout.yaml_io import dump_layout
+    from megatron_hetero.training import checkpoint as ckpt
+
+    ckpt._writer_results_in_process()
+    d = ckpt.iteration_dir(root, 0)
+    d.mkdir(parents=True)
+    logical = ckpt.logical_models(layout)
+    for name in sorted(logical):
+        sd = {}
+        for mod in logical[name]:
+            sd.update({f"{mod}.model.{k}": v for k, v in ckpt.model_sharded_state_dict(states[mod], layout, spec).items()})
+        (d / name).mkdir()
+        dist_checkpointing.save(sd, str(d / name))
+    for name, cfg in configs.items():
+        (d / HF_DIR / name).mkdir(parents=True)
+        (d / HF_DIR / name / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    text = dump_layout(layout)
+    (d / ckpt.LAYOUT_FILE).write_text(text)
+    models = {name: {"layout_modules": mods, "frozen": {}, "optimizer": None, "common_steps": {}, "scheduler": None,
+                     "scheduler_config": None} for name, mods in logical.items()}
+    state = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "iteration": 0, "origin": ORIGIN,
+             "converted_from": origin, "consumed_samples": 0, "data": {"kind": None, "next_sample": 0, "iteration": 0},
+             "global_batch_size": None, "world_size": dist.get_world_size(), "layout": text,
+             "layout_dict": layout.to_dict(), "model": ckpt.spec_record(spec), "modules": models,
+             "files": ckpt.manifest(d)}
+    ckpt._atomic_write(d / ckpt.STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
+    ckpt._atomic_write(root / ckpt.TRACKER, "0\n")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------------
+# checkpoint -> hf
+# ---------------------------------------------------------------------------------------------------
+
+def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
+    """Write the latest checkpoint under `root` as Hugging Face folders; returns {module: folder}."""
+    from safetensors.torch import save_file
+
+    from megatron_hetero.models import hf_names
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.training import checkpoint as ckpt
+
+    d, state = ckpt.read_train_state(root)
+    ckpt.verify_manifest(d, state)
+    spec = LlavaSpec.from_record(state.get("model") or {})
+    hf_config.check_hf_expressible(spec)
+    encoders = [n for n, e in spec.encoders.items() if e.kind == "clip"]
+    if len(encoders) != 1 or len(spec.encoders) != 1:
+        raise ValueError(f"checkpoint {d}: expected one CLIP encoder, the model has {dict((n, e.kind) for n, e in spec.encoders.items())}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out}: exists and is not empty")
+    enc_name = encoders[0]
+    layout = world_of_one_layout(encoders)
+    with world_of_one(layout) as topo:
+        states = build_whole(layout, spec, topo)
+        ckpt.load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
+        sd = {n: {k: v for k, v in st.module.state_dict().items() if not k.endswith("_extra_state")}
+              for n, st in states.items()}
+    enc = spec.encoders[enc_name]
+    tensors = {VISION: hf_names.vision_to_hf(sd[enc_name], enc), LANGUAGE: hf_names.language_to_hf(sd[LANGUAGE], spec),
+               "projector": hf_names.projector_to_hf(sd[enc_name])}
+    configs = {VISION: _saved_config(d, enc_name) or hf_config.vision_config_json(enc),
+               LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(spec)}
+    written = {}
+    for name, t in tensors.items():
+        folder = out / name
+        folder.mkdir(parents=True)
+        save_file(hf_names.contiguous(t), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if name in configs:
+            (folder / "config.json").write_text(json.dumps(configs[name], indent=2, sort_keys=True))
+        written[name] = folder
+    return written
+
+
+def _saved_config(d: Path, name: str) -> Optional[dict]:
+    p = d / HF_DIR / name / "config.json"
+    if not p.is_file():  # a checkpoint saved by `train` after the conversion: the first one's copy is gone
+        return None
+    return json.loads(p.read_text())
