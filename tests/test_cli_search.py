@@ -38,7 +38,7 @@ def _search_args(*argv: str):
 def test_every_registered_subcommand_follows_the_convention() -> None:
     mods = cli.subcommand_modules()
     assert list(mods) == ["plan", "train", "schedule", "profile", "search", "bench", "slurm", "data", "checkpoint",
-                          "timeline", "megatron-lm"]
+                          "convert", "timeline", "megatron-lm"]
     for name, mod in mods.items():
         assert mod.NAME == name and callable(mod.add_parser) and callable(mod.run), name
     sub = cli.build_parser()._subparsers._group_actions[0]

@@ -26,7 +26,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
 
 # Module names under megatron_hetero.cli, in `--help` order. Adding a subcommand is one entry here.
 SUBCOMMANDS: tuple[str, ...] = ("plan", "train", "schedule", "profile", "search", "bench", "slurm", "data", "checkpoint",
-                               "timeline", "megatron_lm")
+                               "convert", "timeline", "megatron_lm")
 
 
 class CommandFailed(Exception):

@@ -87,6 +87,9 @@ def job_from_args(args: Any, layout: HeteroLayout):
     moe = {k: getattr(args, k, None) for k in ("num_experts", "moe_router_topk", "moe_aux_loss_coeff",
                                                "moe_ffn_hidden_size")}
     spec = llava_spec(model, layout, seed=args.seed, moe=moe)
+    from megatron_hetero.training.pretrained import recorded_spec
+
+    spec = recorded_spec(args, spec)  # --load without model flags: the model the checkpoint records
     from megatron_hetero.models.caption_runner import caption_job_data
 
     spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path

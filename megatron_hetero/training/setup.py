@@ -130,8 +130,9 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             raise ValueError(f"--save {job.save}: exists and is not a directory")
     if job.load:
         from megatron_hetero.training.checkpoint import check_loadable
+        from megatron_hetero.training.pretrained import check_converted, is_converted
 
-        check_loadable(job.load, layout, job)
+        (check_converted if is_converted(job.load) else check_loadable)(job.load, layout, job)
 
 
 def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch.nn.Module:
