@@ -41,7 +41,10 @@ def deterministic_init(
 
     Norm weights -> 1, biases and norm biases -> 0, everything else ~ N(0, std) drawn for the full
     (unsharded) shape and then cut to this rank's TP shard along `partition_dim` (Megatron's
-    `tensor_model_parallel` / `partition_dim` attributes; stride 1).
+    `tensor_model_parallel` / `partition_dim` attributes). With `partition_stride` s (the fused
+    [gate; up] of a gated MLP: s = 2) the full tensor is s blocks and each rank holds its TP shard
+    of every block, in order (Megatron's strided split), so every TP size starts from the same
+    full tensor.
     """
     for name, p in named_params:
         gname = global_name(name, layer_offset)
@@ -56,11 +59,11 @@ def deterministic_init(
         shape = list(p.shape)
         if split:
             dim = p.partition_dim
-            if getattr(p, "partition_stride", 1) != 1:
-                raise ValueError(f"{module}.{name}: partition stride {p.partition_stride} is not supported")
             shape[dim] *= tp_size
         g = torch.Generator().manual_seed(_seed_of(str(seed), module, gname))
         full = torch.randn(shape, generator=g, dtype=torch.float32) * std
         if split:
-            full = full.chunk(tp_size, dim=p.partition_dim)[tp_rank]
+            stride = getattr(p, "partition_stride", 1)
+            full = torch.cat([block.chunk(tp_size, dim=p.partition_dim)[tp_rank]
+                              for block in full.chunk(stride, dim=p.partition_dim)], dim=p.partition_dim)
         p.copy_(full.to(dtype=p.dtype, device=p.device))

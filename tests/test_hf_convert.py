@@ -1,0 +1,267 @@
+"""Start from pretrained weights (`megatron-hetero convert`, `training/convert.py`, `models/hf_*.py`).
+
+Tiny randomly initialised Hugging Face models (a CLIPVisionModel, a Llama with grouped-query
+attention and untied embeddings, a Qwen2 with QKV bias and tied embeddings) are created here and
+saved as safetensors; after `convert hf-to-checkpoint` our modules, loaded from the checkpoint under
+a layout on 2 forked ranks, compute the Hugging Face forward: CLIP `last_hidden_state` (all 17
+tokens, class token first: what the LLaVA projector reads, minus the class token) and
+`pooler_output`, and the LM's logits, fp32, within 1e-5 relative (max |ours - hf| / max |hf|)
+under TP2 / PP2 / CP2 (language) and TP2 (vision). `checkpoint-to-hf` returns bit-identical tensors.
+A model the family cannot express is refused before any weight is read. `transformers` is a test
+extra (skipped without it).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+from megatron_hetero.cli import main  # noqa: E402
+from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
+
+TOL = 1e-5
+B, S, IMG, PATCH = 2, 32, 16, 4
+TABLE: list[tuple[str, str, str, float]] = []  # (model, layout, output, max relative difference)
+
+
+def _tiny_models(root: Path) -> dict[str, Path]:
+    from transformers import (CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
+
+    torch.manual_seed(0)
+    out = {"clip": root / "clip", "llama": root / "llama", "qwen2": root / "qwen2"}
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     image_size=IMG, patch_size=PATCH, hidden_act="quick_gelu")).save_pretrained(out["clip"])
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+                                 rope_theta=500000.0)).save_pretrained(out["llama"])
+    Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
+                                 tie_word_embeddings=True)).save_pretrained(out["qwen2"])
+    return out
+
+
+def _convert(argv: list[str]) -> int:
+    return main(argv)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """HF folders, their reference outputs, and two converted checkpoints (CLIP+Llama, CLIP+Qwen2)."""
+    root = tmp_path_factory.mktemp("hf")
+    hf = _tiny_models(root)
+    ckpts = {}
+    for lm in ("llama", "qwen2"):
+        out = root / f"ckpt_{lm}"
+        # a world of one in a forked child: the test process keeps no process group
+        rc = run_ranks(1, _convert, ["convert", "hf-to-checkpoint", "--vision", str(hf["clip"]), "--language",
+                                     str(hf[lm]), "--seq-length", str(S), "--out", str(out)],
+                       init_distributed=False, timeout=300)[0]
+        assert rc == 0
+        ckpts[lm] = out
+    g = torch.Generator().manual_seed(1)
+    pixels = torch.randn(B, 3, IMG, IMG, generator=g)
+    tokens = torch.randint(0, 64, (B, S), generator=g)
+    from transformers import AutoModelForCausalLM, CLIPVisionModel
+
+    ref = {}
+    with torch.no_grad():
+        v = CLIPVisionModel.from_pretrained(hf["clip"]).eval()(pixel_values=pixels)
+        ref["clip"] = (v.last_hidden_state, v.pooler_output)
+        for lm in ("llama", "qwen2"):
+            ref[lm] = AutoModelForCausalLM.from_pretrained(hf[lm], attn_implementation="eager").eval()(tokens).logits
+    return SimpleNamespace(root=root, hf=hf, ckpts=ckpts, pixels=pixels, tokens=tokens, ref=ref)
+
+
+def _patches(pixels: torch.Tensor) -> torch.Tensor:
+    """[b, 3, H, W] -> the data's encoder features [b, (H/p)*(W/p), 3*p*p] (models.energon_data.patchify)."""
+    b, c, g = pixels.shape[0], pixels.shape[1], IMG // PATCH
+    return pixels.reshape(b, c, g, PATCH, g, PATCH).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * PATCH * PATCH)
+
+
+def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Tensor) -> dict:
+    """One rank: build the layout's modules, load the checkpoint, run the vision tower and the LM
+    (pipeline stages by point-to-point, TP/CP pieces gathered); the full outputs where they are whole."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hetero.compat import cp_chunk_positions, ensure_global_memory_buffer
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.training.checkpoint import load_checkpoint, read_train_state
+    from megatron_hetero.training.setup import build_module
+
+    ensure_global_memory_buffer()
+    model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0)
+    spec = LlavaSpec.from_record(read_train_state(root)[1]["model"])
+    layout = layout_from_dict(doc, world_size=dist.get_world_size())
+    topo = Topology.build(layout)
+    states = {}
+    for m in layout.modules:
+        if topo.serves(m.name):
+            pgs = topo.pg_collection(m.name)
+            states[m.name] = SimpleNamespace(name=m.name, module=build_module(m.name, layout, spec, pgs).eval(),
+                                             pgs=pgs, optimizer=None)
+    load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
+    out: dict = {}
+    with torch.no_grad():
+        if "vision" in states:
+            mod = states["vision"].module
+            feats = mod.features(features)
+            out["clip_hidden"], out["clip_pooled"] = feats, mod.ln_post(feats[:, 0])
+        st = states["language"]
+        mod, pgs = st.module, st.pgs
+        pp_rank, pp = pgs.pp.rank(), pgs.pp.size()
+        if pp_rank == 0:
+            pos = torch.arange(S).unsqueeze(0).expand(B, -1)
+            emb = mod.gpt.embedding(input_ids=tokens, position_ids=pos)  # [s, b, h]: text only
+            hidden = emb.index_select(0, mod.cp_positions())
+        else:
+            hidden = torch.empty(S // pgs.cp.size(), B, spec.hidden_size)
+            dist.recv(hidden, src=dist.get_global_rank(pgs.pp, pp_rank - 1))
+            mod.set_input_tensor(hidden)
+            hidden = None
+        res = mod(hidden)
+        if pp_rank < pp - 1:
+            dist.send(res.contiguous(), dst=dist.get_global_rank(pgs.pp, pp_rank + 1))
+        else:
+            logits = res  # [b, s_local, v_local]
+            if pgs.tp.size() > 1:
+                parts = [torch.empty_like(logits) for _ in range(pgs.tp.size())]
+                dist.all_gather(parts, logits.contiguous(), group=pgs.tp)
+                logits = torch.cat(parts, dim=-1)
+            if pgs.cp.size() > 1:
+                parts = [torch.empty_like(logits) for _ in range(pgs.cp.size())]
+                dist.all_gather(parts, logits.contiguous(), group=pgs.cp)
+                full = torch.empty(B, S, logits.shape[-1])
+                for r, part in enumerate(parts):
+                    full[:, cp_chunk_positions(S, r, pgs.cp.size())] = part
+                logits = full
+            out["logits"] = logits
+    topo.destroy()
+    return out
+
+
+def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def _layout(vision: dict, language: dict) -> dict:
+    return {"placement": "colocated", "modules": {"vision": vision, "language": language},
+            "edges": ["vision -> language"]}
+
+
+CASES = [  # (language model, layout name, vision layout, language layout)
+    ("llama", "TP2", {"tp": 2}, {"tp": 2}),
+    ("llama", "PP2", {"dp": 2}, {"pp": 2}),
+    ("llama", "CP2", {"dp": 2}, {"cp": 2}),
+    ("qwen2", "TP2", {"tp": 2}, {"tp": 2}),
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("lm,name,vision,language", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_converted_modules_compute_the_hf_forward(converted, lm, name, vision, language):
+    doc = _layout(vision, language)
+    per_rank = run_ranks(2, _forward_rank, doc, str(converted.ckpts[lm]), _patches(converted.pixels),
+                         converted.tokens, timeout=240)
+    logits = [r["logits"] for r in per_rank if "logits" in r]
+    assert logits, "no rank produced the logits"
+    for got in logits:
+        rel = _rel(got, converted.ref[lm])
+        assert rel < TOL, (lm, name, rel)
+    TABLE.append((f"{lm} LM logits", f"language {name}", _rel(logits[0], converted.ref[lm])))
+    hidden, pooled = converted.ref["clip"]
+    for r in per_rank:
+        assert _rel(r["clip_hidden"], hidden) < TOL and _rel(r["clip_pooled"], pooled) < TOL
+    vname = "TP2" if vision.get("tp") == 2 else "DP2"
+    TABLE.append(("CLIP last_hidden_state", f"vision {vname}", _rel(per_rank[0]["clip_hidden"], hidden)))
+    TABLE.append(("CLIP pooler_output", f"vision {vname}", _rel(per_rank[0]["clip_pooled"], pooled)))
+    print(f"\nequivalence {lm} {name}: " + "; ".join(f"{m} {lay} {d:.2e}" for m, lay, d in TABLE[-3:]))
+
+
+@pytest.mark.timeout(300)
+def test_round_trip_is_bit_identical(converted, tmp_path):
+    from safetensors.torch import load_file
+
+    for lm in ("llama", "qwen2"):
+        out = tmp_path / lm
+        assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(converted.ckpts[lm]), "--out", str(out)],
+                         init_distributed=False, timeout=300)[0] == 0
+        for src, dst in (("clip", "vision"), (lm, "language")):
+            a, b = load_file(converted.hf[src] / "model.safetensors"), load_file(out / dst / "model.safetensors")
+            assert sorted(a) == sorted(b), (src, set(a) ^ set(b))
+            for k in a:
+                assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (src, k)
+            assert json.loads((out / dst / "config.json").read_text()) == json.loads(
+                (converted.hf[src] / "config.json").read_text())
+        assert sorted(load_file(out / "projector" / "model.safetensors")) == [
+            f"multi_modal_projector.linear_{i}.{k}" for i in (1, 2) for k in ("bias", "weight")]
+
+
+def test_unsupported_model_is_refused_before_any_weight_is_read(converted, tmp_path, capsys):
+    bad = tmp_path / "bad_llama"
+    bad.mkdir()
+    cfg = json.loads((converted.hf["llama"] / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")  # reading it would fail differently
+    rc = main(["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language", str(bad),
+               "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "hidden_act 'gelu' is not supported" in err and "SwiGLU" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_mis_shaped_missing_and_unexpected_tensors_are_named(converted, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "llama"
+    bad.mkdir()
+    (bad / "config.json").write_text((converted.hf["llama"] / "config.json").read_text())
+    t = load_file(converted.hf["llama"] / "model.safetensors")
+    t["model.layers.0.mlp.up_proj.weight"] = torch.zeros(60, 32)
+    del t["model.layers.1.self_attn.k_proj.weight"]
+    t["model.layers.0.extra.weight"] = torch.zeros(2)
+    save_file(t, str(bad / "model.safetensors"))
+    rc = main(["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language", str(bad),
+               "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "missing tensor model.layers.1.self_attn.k_proj.weight (expected shape [16, 32])" in err
+    assert "unexpected tensor model.layers.0.extra.weight (shape [2])" in err
+    assert "tensor model.layers.0.mlp.up_proj.weight has shape [60, 32], the model expects [64, 32]" in err
+
+
+def test_train_load_builds_the_recorded_model_and_trains(converted, tmp_path):
+    """`train --load DIR` without model flags: the job's model is the checkpoint's (CLIP + Llama),
+    it loads under a TP2 layout, and two steps of LLaVA stage 1 (vision and language frozen) run
+    with a finite, falling loss; the frozen LM's weights are still the converted ones."""
+    from megatron_hetero.cli import build_parser
+    from megatron_hetero.layout.args import layout_from_args
+    from megatron_hetero.training.job import job_from_args
+
+    from parity import run_job
+
+    root = str(converted.ckpts["llama"])
+    layout_file = tmp_path / "layout.yaml"
+    layout_file.write_text("placement: colocated\nmodules:\n  vision: {tp: 2, frozen: true}\n"
+                           "  language: {tp: 2, frozen: true}\nedges: [vision -> language]\n")
+    args = build_parser().parse_args(["train", "--hetero-layout", str(layout_file), "--load", root,
+                                      "--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-2"])
+    layout = layout_from_args(args)
+    job = job_from_args(args, layout)
+    spec = job.spec
+    assert spec.encoders["vision"].kind == "clip" and spec.normalization == "RMSNorm" and spec.num_query_groups == 2
+    assert spec.rotary_base == 500000.0 and spec.seq_length == S
+    doc = {"placement": "colocated", "modules": {"vision": {"tp": 2, "frozen": True},
+                                                 "language": {"tp": 2, "frozen": True}},
+           "edges": ["vision -> language"]}
+    per_rank = run_job(doc, 2, job)
+    loss = [r["loss"] for r in per_rank[0]["records"]]
+    assert len(loss) == 2 and all(x == x and x < 10 for x in loss), loss
