@@ -29,6 +29,9 @@ setup(
         "einops",
         "numpy",
         "PyYAML>=6",
+        # `megatron-hetero convert` reads and writes Hugging Face weights as safetensors (never pickle);
+        # small, no dependencies. `train` itself never imports it.
+        "safetensors>=0.4",
     ],
     extras_require={
         "test": [
@@ -39,6 +42,11 @@ setup(
             "matplotlib",  # tests/test_draw.py and test_trace.py check the pictures
             # tests/test_megatron_lm.py runs Megatron-LM's own scripts, which import these
             *MEGATRON_LM,
+            # tests/test_hf_convert.py builds tiny Hugging Face models (CLIPVisionModel, Llama, Qwen2)
+            # and compares their forward with the converted modules; a test extra only: neither
+            # `train` nor `convert` imports transformers (4.57.1: works with torch 2.13; it pins
+            # tokenizers < 0.23, which the caption tokenizer also runs on)
+            "transformers==4.57.1",
         ],
         "data": DATA,
         "megatron-lm": MEGATRON_LM,

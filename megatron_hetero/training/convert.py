@@ -34,8 +34,8 @@ from types import SimpleNamespace
 from typing import Iterator, Optional
 
 from megatron_hetero.models import hf_config
+from megatron_hetero.training.pretrained import ORIGIN
 
-ORIGIN = "convert"
 HF_DIR = "hf"
 VISION, LANGUAGE = "vision", "language"
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+ORIGIN = "convert"  # train_state.json's "origin" of a conversion's checkpoint
 SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "encoder_num_layers", "encoder_hidden_size", "encoder_num_attention_heads", "encoder_tokens",
               "encoder_feature_dim", "num_experts")
@@ -24,7 +25,6 @@ SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
 def is_converted(root: str | Path) -> bool:
     """True if the latest checkpoint under `root` is a conversion's (ValueError if unreadable)."""
     from megatron_hetero.training.checkpoint import read_train_state
-    from megatron_hetero.training.convert import ORIGIN
 
     return read_train_state(root)[1].get("origin") == ORIGIN
 
