@@ -265,3 +265,30 @@ def test_train_load_builds_the_recorded_model_and_trains(converted, tmp_path):
     per_rank = run_job(doc, 2, job)
     loss = [r["loss"] for r in per_rank[0]["records"]]
     assert len(loss) == 2 and all(x == x and x < 10 for x in loss), loss
+
+
+def test_megatron_architecture_flags_build_the_same_family():
+    """Megatron-LM's flags give the architecture a config.json gives; contradictions and layouts the
+    family cannot run are ValueErrors (tied embeddings need the LM on one pipeline stage)."""
+    from megatron_hetero.cli import build_parser
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.training.setup import validate_job
+
+    doc = _layout({"dp": 2}, {"pp": 2})
+    argv = ["train", "--hetero-module", "vision:dp=2", "--hetero-module", "language:pp=2", "--hetero-edge",
+            "vision->language", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+            "--rotary-base", "1e6", "--group-query-attention", "--num-query-groups", "2", "--add-qkv-bias",
+            "--disable-bias-linear", "--vision-model-type", "clip", "--patch-dim", "4", "--encoder-tokens", "16"]
+    args = build_parser().parse_args(argv)
+    layout = layout_from_dict(doc, world_size=2)
+    spec = job_from_args(args, layout).spec
+    assert (spec.normalization, spec.swiglu, spec.position_embedding_type, spec.rotary_base, spec.num_query_groups,
+            spec.add_qkv_bias, spec.add_bias_linear) == ("RMSNorm", True, "rope", 1e6, 2, True, False)
+    enc = spec.encoders["vision"]
+    assert (enc.kind, enc.patch_size, enc.feature_dim, enc.tokens) == ("clip", 4, 48, 16)
+    tied = job_from_args(build_parser().parse_args(argv + ["--share-embeddings-and-output-weights"]), layout)
+    with pytest.raises(ValueError, match=r"tied input and output embeddings need the whole language model on one"):
+        validate_job(layout, tied)
+    with pytest.raises(ValueError, match="needs --patch-dim"):
+        job_from_args(build_parser().parse_args(argv[:-4]), layout)

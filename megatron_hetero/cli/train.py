@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
     p = sub.add_parser(NAME, help="train the tiny LLaVA-style model on a heterogeneous layout")
     add_model_flags(p)
+    from megatron_hetero.cli.arch_flags import add_arch_flags
+
+    add_arch_flags(p)
     from megatron_hetero.cli.data import add_train_data_flags
 
     add_train_data_flags(p)

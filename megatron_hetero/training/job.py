@@ -87,8 +87,10 @@ def job_from_args(args: Any, layout: HeteroLayout):
     moe = {k: getattr(args, k, None) for k in ("num_experts", "moe_router_topk", "moe_aux_loss_coeff",
                                                "moe_ffn_hidden_size")}
     spec = llava_spec(model, layout, seed=args.seed, moe=moe)
+    from megatron_hetero.training.arch_args import apply_arch_args
     from megatron_hetero.training.pretrained import recorded_spec
 
+    spec = apply_arch_args(args, spec)  # Megatron-LM's architecture flags (RMSNorm, swiglu, rope, CLIP, ...)
     spec = recorded_spec(args, spec)  # --load without model flags: the model the checkpoint records
     from megatron_hetero.models.caption_runner import caption_job_data
 

@@ -55,7 +55,9 @@ def recorded_spec(args: Any, spec):
     import dataclasses
 
     load = getattr(args, "load", None)
-    if not load or any(getattr(args, n, None) is not None for n in SIZE_FLAGS):
+    from megatron_hetero.training.arch_args import arch_flags_given
+
+    if not load or any(getattr(args, n, None) is not None for n in SIZE_FLAGS) or arch_flags_given(args):
         return spec
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.training.checkpoint import read_train_state
