@@ -292,3 +292,30 @@ def test_megatron_architecture_flags_build_the_same_family():
         validate_job(layout, tied)
     with pytest.raises(ValueError, match="needs --patch-dim"):
         job_from_args(build_parser().parse_args(argv[:-4]), layout)
+
+
+@pytest.mark.timeout(300)
+def test_vision_feature_layer_keeps_the_tower_up_to_it(converted, tmp_path):
+    """--vision-feature-layer -2 (LLaVA-1.5): the encoder is the first L-1 layers and computes Hugging
+    Face's hidden_states[-2]; the later layers are left out (and not written back)."""
+    from safetensors.torch import load_file
+    from transformers import CLIPVisionModel
+
+    out = tmp_path / "ckpt"
+    argv = ["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language",
+            str(converted.hf["llama"]), "--seq-length", str(S), "--vision-feature-layer", "-2", "--out", str(out)]
+    assert run_ranks(1, _convert, argv, init_distributed=False, timeout=300)[0] == 0
+    per_rank = run_ranks(1, _forward_rank, _layout({}, {}), str(out), _patches(converted.pixels), converted.tokens,
+                         timeout=240)
+    with torch.no_grad():
+        ref = CLIPVisionModel.from_pretrained(converted.hf["clip"]).eval()(
+            pixel_values=converted.pixels, output_hidden_states=True).hidden_states[-2]
+    rel = _rel(per_rank[0]["clip_hidden"], ref)
+    assert rel < TOL, rel
+    TABLE.append(("CLIP hidden_states[-2]", "vision TP1 (feature layer -2)", rel))
+    back = tmp_path / "back"
+    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(out), "--out", str(back)],
+                     init_distributed=False, timeout=300)[0] == 0
+    names = load_file(back / "vision" / "model.safetensors")
+    assert not any(".layers.1." in k for k in names) and any(".layers.0." in k for k in names)
+    assert json.loads((back / "vision" / "config.json").read_text())["num_hidden_layers"] == 1

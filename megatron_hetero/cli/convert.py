@@ -1,7 +1,7 @@
 """`megatron-hetero convert`: start from pretrained Hugging Face weights, and write them back.
 
     megatron-hetero convert hf-to-checkpoint --vision HF_DIR --language HF_DIR [--projector FILE.safetensors]
-                                             [--seq-length N] --out DIR
+                                             [--seq-length N] [--vision-feature-layer K] --out DIR
     megatron-hetero convert checkpoint-to-hf DIR --out OUT
 
 hf-to-checkpoint: a CLIP vision tower (`CLIPVisionModel`, or a full `CLIPModel` whose vision tower
@@ -10,7 +10,9 @@ a checkpoint `train --load DIR` starts from under any layout, without repeating 
 checkpoint records the model). --projector: LLaVA's `multi_modal_projector` weights (else the
 projector starts from the family's initialisation, as LLaVA stage 1 trains it). --seq-length: the
 training sequence length recorded with the model (default: the LM's max_position_embeddings, at
-most 2048, at least the image tokens + 64). A model the family cannot express is refused with the
+most 2048, at least the image tokens + 64). --vision-feature-layer: LLaVA's vision_feature_layer
+(-1: the last layer's output; LLaVA-1.5 takes -2): the tower is cut after that layer (the layers
+after it are not converted, so they do not come back from checkpoint-to-hf). A model the family cannot express is refused with the
 reason before any weight is read; a missing, unexpected or mis-shaped tensor is named with both
 shapes; both exit 2. Pickle files (*.bin, *.pt) are never read.
 
@@ -36,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     a.add_argument("--language", required=True, metavar="HF_DIR", help="LlamaForCausalLM or Qwen2ForCausalLM folder")
     a.add_argument("--projector", default=None, metavar="FILE", help="LLaVA multi_modal_projector safetensors (optional)")
     a.add_argument("--seq-length", type=int, default=None, help="training sequence length recorded with the model")
+    a.add_argument("--vision-feature-layer", type=int, default=-1,
+                   help="LLaVA's vision_feature_layer: -1 the last layer's output (default), -2 the one before "
+                        "(LLaVA-1.5); the tower keeps the layers up to it")
     a.add_argument("--out", required=True, metavar="DIR", help="the checkpoint directory (new or empty)")
     b = actions.add_parser("checkpoint-to-hf", help="a checkpoint -> Hugging Face folders OUT/vision, OUT/language")
     b.add_argument("dir", help="a checkpoint directory (--save or convert --out)")
@@ -53,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         if args.seq_length is not None and args.seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
         summary = convert.hf_to_checkpoint(args.vision, args.language, args.out, projector=args.projector,
-                                           seq_length=args.seq_length)
+                                           seq_length=args.seq_length, feature_layer=args.vision_feature_layer)
         spec = summary["model"]
         enc = spec.encoders[convert.VISION]
         print(f"checkpoint {summary['directory']} (iteration 0, weights only)")

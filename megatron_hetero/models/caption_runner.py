@@ -158,9 +158,14 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
         return spec, None
     if getattr(args, "mock_data", False):
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
+    # a CLIP encoder fixes the image format: RGB, its image size (images are resized), its patch size
+    clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
+    side = round(clip.tokens ** 0.5) * clip.patch_size if clip else None
     cfg = resolve_config(CaptionDataConfig(
         path=str(path), tokenizer_model=getattr(args, "tokenizer_model", None),
-        seed=int(getattr(args, "seed", 1234)), patch_size=int(getattr(args, "patch_size", None) or 4),
+        seed=int(getattr(args, "seed", 1234)),
+        patch_size=clip.patch_size if clip else int(getattr(args, "patch_size", None) or 4),
+        image_size=(side, side) if clip else None, channels=3 if clip else None,
         prompt=getattr(args, "data_prompt", None) or ""))
     for flag, given, derived in (("--encoder-tokens", getattr(args, "encoder_tokens", None), cfg.image_tokens),
                                  ("--encoder-feature-dim", getattr(args, "encoder_feature_dim", None), cfg.feature_dim)):

@@ -18,6 +18,7 @@ raises one ValueError naming every missing, unexpected or mis-shaped tensor with
 """
 from __future__ import annotations
 
+import re
 from typing import Callable, Optional
 
 import torch
@@ -86,9 +87,13 @@ def ignorable_language(name: str, spec) -> bool:
                                                     and not spec.untie_embeddings_and_output_weights)
 
 
-def ignorable_vision(name: str) -> bool:
-    """A full CLIPModel's text tower and heads, and the position_ids buffer of old files."""
-    return not name.startswith(VISION_PREFIX) or name.endswith("embeddings.position_ids")
+def ignorable_vision(name: str, kept_layers: Optional[int] = None) -> bool:
+    """A full CLIPModel's text tower and heads, the position_ids buffer of old files, and the layers
+    after the LLaVA feature layer (index >= kept_layers) when the tower is cut there."""
+    if not name.startswith(VISION_PREFIX) or name.endswith("embeddings.position_ids"):
+        return True
+    m = re.match(re.escape(VISION_PREFIX) + r"encoder\.layers\.(\d+)\.", name)
+    return kept_layers is not None and m is not None and int(m.group(1)) >= kept_layers
 
 
 def check_tensors(found: Shapes, expected: Shapes, where: str,

@@ -152,13 +152,24 @@ def _load_whole(module, tensors: dict, where: str) -> None:
 # hf -> checkpoint
 # ---------------------------------------------------------------------------------------------------
 
-def spec_from_hf(vision: str | Path, language: str | Path, seq_length: Optional[int] = None, seed: int = 1234):
+def spec_from_hf(vision: str | Path, language: str | Path, seq_length: Optional[int] = None, seed: int = 1234,
+                 feature_layer: int = -1):
     """(LlavaSpec, vision config, language config) from the two config.json files; refuses what the
-    family cannot express (ValueError / hf_config.UnsupportedModel). No weight is read."""
+    family cannot express (ValueError / hf_config.UnsupportedModel). No weight is read.
+    feature_layer: LLaVA's `vision_feature_layer` (Hugging Face's hidden_states index: -1 the last
+    layer's output, -2 the one before (LLaVA-1.5), k >= 1 the output of layer k): the encoder keeps
+    the layers up to it."""
+    import dataclasses
+
     from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 
     vcfg, lcfg = hf_config.read_config(vision), hf_config.read_config(language)
     enc = EncoderSpec(offset=1, **hf_config.encoder_fields(vcfg, f"--vision {vision}"))
+    keep = feature_layer if feature_layer >= 0 else enc.num_layers + 1 + feature_layer
+    if not 1 <= keep <= enc.num_layers:
+        raise ValueError(f"--vision-feature-layer {feature_layer}: the tower has {enc.num_layers} layers "
+                         f"(valid: 1..{enc.num_layers} or -{enc.num_layers}..-1)")
+    enc = dataclasses.replace(enc, num_layers=keep)
     lm = hf_config.language_fields(lcfg, f"--language {language}")
     if seq_length is None:
         seq_length = max(enc.tokens + 64, min(int(lcfg.get("max_position_embeddings", 2048)), 2048))
@@ -169,15 +180,17 @@ def spec_from_hf(vision: str | Path, language: str | Path, seq_length: Optional[
 
 
 def hf_to_checkpoint(vision: str | Path, language: str | Path, out: str | Path, projector: Optional[str] = None,
-                     seq_length: Optional[int] = None) -> dict:
+                     seq_length: Optional[int] = None, feature_layer: int = -1) -> dict:
     """Convert (module docstring); returns a summary {model, tensors per module, directory}."""
     from megatron_hetero.models import hf_names
 
-    spec, vcfg, lcfg = spec_from_hf(vision, language, seq_length)  # refusal happens here, before any weight
+    # refusal happens here, before any weight is read
+    spec, vcfg, lcfg = spec_from_hf(vision, language, seq_length, feature_layer=feature_layer)
     enc = spec.encoders[VISION]
     vshapes, vwhere = tensor_index(vision)
     lshapes, lwhere = tensor_index(language)
-    hf_names.check_tensors(vshapes, hf_names.expected_vision(enc), f"--vision {vision}", hf_names.ignorable_vision)
+    hf_names.check_tensors(vshapes, hf_names.expected_vision(enc), f"--vision {vision}",
+                           lambda n: hf_names.ignorable_vision(n, enc.num_layers))
     hf_names.check_tensors(lshapes, hf_names.expected_language(spec), f"--language {language}",
                            lambda n: hf_names.ignorable_language(n, spec))
     pwhere = None
@@ -281,7 +294,7 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     enc = spec.encoders[enc_name]
     tensors = {VISION: hf_names.vision_to_hf(sd[enc_name], enc), LANGUAGE: hf_names.language_to_hf(sd[LANGUAGE], spec),
                "projector": hf_names.projector_to_hf(sd[enc_name])}
-    configs = {VISION: _saved_config(d, enc_name) or hf_config.vision_config_json(enc),
+    configs = {VISION: _layers_as_kept(_saved_config(d, enc_name), enc.num_layers) or hf_config.vision_config_json(enc),
                LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(spec)}
     written = {}
     for name, t in tensors.items():
@@ -292,6 +305,17 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
             (folder / "config.json").write_text(json.dumps(configs[name], indent=2, sort_keys=True))
         written[name] = folder
     return written
+
+
+def _layers_as_kept(cfg: Optional[dict], layers: int) -> Optional[dict]:
+    """The original vision config with num_hidden_layers = the layers the tower kept (a tower cut at
+    --vision-feature-layer writes back as the shorter tower it is)."""
+    if cfg is None:
+        return None
+    inner = cfg.get("vision_config") if cfg.get("model_type") == "clip" else cfg
+    if isinstance(inner, dict) and inner.get("num_hidden_layers") != layers:
+        inner["num_hidden_layers"] = layers
+    return cfg
 
 
 def _saved_config(d: Path, name: str) -> Optional[dict]:

@@ -91,7 +91,13 @@ def job_from_args(args: Any, layout: HeteroLayout):
     from megatron_hetero.training.pretrained import recorded_spec
 
     spec = apply_arch_args(args, spec)  # Megatron-LM's architecture flags (RMSNorm, swiglu, rope, CLIP, ...)
-    spec = recorded_spec(args, spec)  # --load without model flags: the model the checkpoint records
+    recorded = recorded_spec(args, spec)  # --load without model flags: the model the checkpoint records
+    if recorded is not spec:  # the data keeps the recorded vocabulary (a pretrained LM's)
+        import copy
+
+        args = copy.copy(args)
+        args.vocab_size = recorded.vocab_size
+    spec = recorded
     from megatron_hetero.models.caption_runner import caption_job_data
 
     spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
