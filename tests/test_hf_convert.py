@@ -262,9 +262,27 @@ def test_train_load_builds_the_recorded_model_and_trains(converted, tmp_path):
     doc = {"placement": "colocated", "modules": {"vision": {"tp": 2, "frozen": True},
                                                  "language": {"tp": 2, "frozen": True}},
            "edges": ["vision -> language"]}
-    per_rank = run_job(doc, 2, job)
+    import dataclasses
+
+    from safetensors.torch import load_file
+
+    saved = tmp_path / "stage1"
+    per_rank = run_job(doc, 2, dataclasses.replace(job, save=str(saved)))
     loss = [r["loss"] for r in per_rank[0]["records"]]
     assert len(loss) == 2 and all(x == x and x < 10 for x in loss), loss
+    # after training: back to Hugging Face; the frozen tower and LM are the converted weights, bit for
+    # bit, and the projector trained
+    back = tmp_path / "back"
+    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(saved), "--out", str(back)],
+                     init_distributed=False, timeout=300)[0] == 0
+    for src, dst in (("clip", "vision"), ("llama", "language")):
+        a, b = load_file(converted.hf[src] / "model.safetensors"), load_file(back / dst / "model.safetensors")
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), src
+    start = tmp_path / "start"
+    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", root, "--out", str(start)],
+                     init_distributed=False, timeout=300)[0] == 0
+    p0, p1 = load_file(start / "projector" / "model.safetensors"), load_file(back / "projector" / "model.safetensors")
+    assert not torch.equal(p0["multi_modal_projector.linear_2.weight"], p1["multi_modal_projector.linear_2.weight"])
 
 
 def test_megatron_architecture_flags_build_the_same_family():
@@ -313,6 +331,7 @@ def test_vision_feature_layer_keeps_the_tower_up_to_it(converted, tmp_path):
     rel = _rel(per_rank[0]["clip_hidden"], ref)
     assert rel < TOL, rel
     TABLE.append(("CLIP hidden_states[-2]", "vision TP1 (feature layer -2)", rel))
+    print(f"\nequivalence CLIP hidden_states[-2] vision TP1: {rel:.2e}")
     back = tmp_path / "back"
     assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(out), "--out", str(back)],
                      init_distributed=False, timeout=300)[0] == 0
