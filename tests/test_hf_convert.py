@@ -338,3 +338,19 @@ def test_vision_feature_layer_keeps_the_tower_up_to_it(converted, tmp_path):
     names = load_file(back / "vision" / "model.safetensors")
     assert not any(".layers.1." in k for k in names) and any(".layers.0." in k for k in names)
     assert json.loads((back / "vision" / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_load_with_other_model_flags_names_every_difference(converted):
+    """Model flags next to --load of converted weights build that model instead; the checkpoint then
+    refuses it, naming each field that differs (architecture fields included)."""
+    from megatron_hetero.cli import build_parser
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.training.setup import validate_job
+
+    layout = layout_from_dict(_layout({"dp": 2}, {"tp": 2}), world_size=2)
+    args = build_parser().parse_args(["train", "--load", str(converted.ckpts["llama"]), "--hidden-size", "32",
+                                      "--vocab-size", "64", "--seq-length", str(S)])
+    with pytest.raises(ValueError, match=r"converted weights.*the model differs \(.*normalization: 'RMSNorm' in the "
+                                         r"checkpoint, None now.*swiglu: True in the checkpoint, None now"):
+        validate_job(layout, job_from_args(args, layout))

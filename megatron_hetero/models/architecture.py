@@ -44,3 +44,25 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
             raise ValueError(f"encoder {name}: a CLIP encoder takes a square RGB image cut into patches: tokens "
                              f"{enc.tokens} must be a square and feature_dim {enc.feature_dim} = 3 * patch_size**2 "
                              f"(patch_size {enc.patch_size})")
+
+
+# The architecture fields added to `LlavaSpec` / `EncoderSpec` with their defaults (the tiny GPT and
+# linear-patch encoder). A checkpoint's model record leaves them out at these values, so checkpoints
+# saved before the fields existed still match; `LlavaSpec.from_record` fills them back in.
+LANGUAGE_DEFAULTS = {"normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False,
+                     "position_embedding_type": "learned_absolute", "rotary_base": 10000.0, "num_query_groups": None,
+                     "kv_channels": None, "add_bias_linear": True, "add_qkv_bias": False,
+                     "untie_embeddings_and_output_weights": True}
+ENCODER_DEFAULTS = {"kind": "linear", "patch_size": 0, "ffn_hidden_size": None, "norm_epsilon": 1e-5,
+                    "activation": "quick_gelu"}
+
+
+def drop_default_architecture(record: dict) -> None:
+    """Remove (in place) the architecture fields at their defaults from a `dataclasses.asdict(LlavaSpec)`."""
+    for k, v in LANGUAGE_DEFAULTS.items():
+        if k in record and record[k] == v:
+            del record[k]
+    for enc in record.get("encoders", {}).values():
+        for k, v in ENCODER_DEFAULTS.items():
+            if k in enc and enc[k] == v:
+                del enc[k]

@@ -170,6 +170,9 @@ def spec_record(spec) -> dict:
     """The model sizes a checkpoint must agree on (not the seed: it only drives the synthetic data)."""
     d = dataclasses.asdict(spec)
     d.pop("seed", None)
+    from megatron_hetero.models.architecture import drop_default_architecture
+
+    drop_default_architecture(d)  # the tiny GPT's record stays what checkpoints before these options hold
     return json.loads(json.dumps(d))
 
 
@@ -182,8 +185,9 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     problems = []
     saved_spec, spec = state.get("model"), spec_record(job.spec)
     if saved_spec != spec:
-        diffs = [f"{k}: {saved_spec.get(k)!r} in the checkpoint, {v!r} now" for k, v in spec.items()
-                 if not isinstance(saved_spec, dict) or saved_spec.get(k) != v]
+        saved_d = saved_spec if isinstance(saved_spec, dict) else {}
+        diffs = [f"{k}: {saved_d.get(k)!r} in the checkpoint, {spec.get(k)!r} now"
+                 for k in sorted(set(spec) | set(saved_d)) if saved_d.get(k) != spec.get(k)]
         problems.append("the model differs (" + "; ".join(diffs) + ")")
     saved_models = state.get("modules", {})
     now = logical_models(layout)

@@ -38,7 +38,8 @@ def check_converted(root: str | Path, layout, job) -> int:
     ckpt.verify_manifest(d, state)
     problems = []
     saved, now = state.get("model") or {}, ckpt.spec_record(job.spec)
-    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {v!r} now" for k, v in now.items() if saved.get(k) != v]
+    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in sorted(set(now) | set(saved))
+             if saved.get(k) != now.get(k)]
     if diffs:
         problems.append("the model differs (" + "; ".join(diffs) + "); give no model flags to build the recorded one")
     models, have = set(state.get("modules", {})), set(ckpt.logical_models(layout))
