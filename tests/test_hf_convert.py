@@ -354,3 +354,25 @@ def test_load_with_other_model_flags_names_every_difference(converted):
     with pytest.raises(ValueError, match=r"converted weights.*the model differs \(.*normalization: 'RMSNorm' in the "
                                          r"checkpoint, None now.*swiglu: True in the checkpoint, None now"):
         validate_job(layout, job_from_args(args, layout))
+
+
+@pytest.mark.timeout(300)
+def test_projector_weights_convert_and_come_back(converted, tmp_path):
+    """--projector: LLaVA's multi_modal_projector.linear_1/2 (here saved without the prefix) become the
+    encoder module's projector and come back bit-identical under LLaVA's names."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(3)
+    proj = {"linear_1.weight": torch.randn(32, 32, generator=g), "linear_1.bias": torch.randn(32, generator=g),
+            "linear_2.weight": torch.randn(32, 32, generator=g), "linear_2.bias": torch.randn(32, generator=g)}
+    save_file(proj, str(tmp_path / "mm_projector.safetensors"))
+    out, back = tmp_path / "ckpt", tmp_path / "back"
+    argv = ["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language",
+            str(converted.hf["qwen2"]), "--projector", str(tmp_path / "mm_projector.safetensors"), "--seq-length",
+            str(S), "--out", str(out)]
+    assert run_ranks(1, _convert, argv, init_distributed=False, timeout=300)[0] == 0
+    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(out), "--out", str(back)],
+                     init_distributed=False, timeout=300)[0] == 0
+    got = load_file(back / "projector" / "model.safetensors")
+    assert sorted(got) == sorted(f"multi_modal_projector.{k}" for k in proj)
+    assert all(torch.equal(got[f"multi_modal_projector.{k}"], v) for k, v in proj.items())

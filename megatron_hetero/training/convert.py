@@ -194,24 +194,20 @@ def hf_to_checkpoint(vision: str | Path, language: str | Path, out: str | Path, 
     hf_names.check_tensors(lshapes, hf_names.expected_language(spec), f"--language {language}",
                            lambda n: hf_names.ignorable_language(n, spec))
     pwhere = None
-    if projector:
-        pshapes, pwhere = tensor_index(projector)
-        pshapes = {(n if n.startswith(hf_names.PROJECTOR_PREFIX) else hf_names.PROJECTOR_PREFIX + n): s
-                   for n, s in pshapes.items()}
-        pwhere = {(n if n.startswith(hf_names.PROJECTOR_PREFIX) else hf_names.PROJECTOR_PREFIX + n):
-                  (n, f) for n, f in pwhere.items()}
-        hf_names.check_tensors(pshapes, hf_names.expected_projector(enc.hidden_size, spec.hidden_size),
-                               f"--projector {projector}")
+    if projector:  # LLaVA's names, with or without the `multi_modal_projector.` prefix
+        pshapes, pfiles = tensor_index(projector)
+        full = {n: n if n.startswith(hf_names.PROJECTOR_PREFIX) else hf_names.PROJECTOR_PREFIX + n for n in pshapes}
+        hf_names.check_tensors({full[n]: s for n, s in pshapes.items()},
+                               hf_names.expected_projector(enc.hidden_size, spec.hidden_size), f"--projector {projector}")
+        pwhere = {full[n]: n for n in pshapes}  # LLaVA name -> the file's name
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
     vision_t = hf_names.vision_to_ours(_Reader(vwhere), enc)
     language_t = hf_names.language_to_ours(_Reader(lwhere), spec)
     if pwhere is not None:
-        inner = {k: f for k, (n, f) in pwhere.items()}
-        plain = {k: n for k, (n, f) in pwhere.items()}
-        read = _Reader({plain[k]: inner[k] for k in inner})
-        vision_t.update(hf_names.projector_to_ours(lambda k: read(plain[k])))
+        read = _Reader(pfiles)
+        vision_t.update(hf_names.projector_to_ours(lambda k: read(pwhere[k])))
     layout = world_of_one_layout([VISION])
     with world_of_one(layout) as topo:
         states = build_whole(layout, spec, topo)
