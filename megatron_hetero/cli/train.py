@@ -16,7 +16,10 @@ when stdout is a terminal. --lr-warmup-iters / --lr-decay-style / --lr-decay-ite
 Megatron's learning-rate schedule; --save DIR --save-interval N and --load DIR checkpoint and resume
 (`training.checkpoint`: any layout of the same model can resume any other's checkpoint).
 
-Megatron-style flags for sizes (`cli.model_flags`), batch and optimizer; the layout from
+Megatron-style flags for sizes (`cli.model_flags`), architecture (`cli.arch_flags`: RMSNorm, swiglu,
+rope, grouped-query attention, QKV bias, tied embeddings, a CLIP encoder), batch and optimizer;
+`--load DIR` without size/architecture flags builds the model the checkpoint records (e.g. weights
+converted by `megatron-hetero convert hf-to-checkpoint`, which start training at iteration 0); the layout from
 `--hetero-layout FILE` or `--hetero-module ...`. The job is built by `training.job.job_from_args`
 and validated (`training.setup.validate_job`) before any rank starts (exit 2 with the message).
 
@@ -77,7 +80,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--save", type=str, default=None, metavar="DIR", help="save checkpoints here (and after the last iteration)")
     c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")
     c.add_argument("--load", type=str, default=None, metavar="DIR",
-                   help="resume from the latest checkpoint under DIR (any layout of the same model)")
+                   help="resume from the latest checkpoint under DIR (any layout of the same model), or start "
+                        "from converted weights (convert hf-to-checkpoint); without model flags: the recorded model")
     e = p.add_argument_group("mixture of experts (language model; ep/expt_tp come from the layout)")
     e.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
     e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (default 2)")
