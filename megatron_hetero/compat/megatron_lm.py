@@ -24,7 +24,8 @@ from typing import Any, List
 import torch
 
 from ._patching import MARK, Patch, rebind_function, wrap_call
-from .cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity, apply_cpu_compat
+from .cpu import apply_cpu_compat
+from .torch_on_cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity
 
 __all__ = ["apply_megatron_lm_cpu_compat", "apply_megatron_lm_no_te_fixes", "MEGATRON_LM_PATCHES",
            "NO_TE_PATCHES"]
