@@ -75,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")
     c.add_argument("--load", type=str, default=None, metavar="DIR",
                    help="resume from the latest checkpoint under DIR (any layout of the same model)")
+    c.add_argument("--load-fallback", action="store_true",
+                   help="if the newest save under --load is incomplete or damaged, resume from the newest complete "
+                        "checkpoint before it (and say so) instead of exiting 2")
     e = p.add_argument_group("mixture of experts (language model; ep/expt_tp come from the layout)")
     e.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
     e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (default 2)")
