@@ -85,6 +85,9 @@ def global_key(logical: str, key: str, layer_offset: int) -> str:
     return f"{logical}.{key}"
 
 
+_NOTES_SHOWN: set[str] = set()
+
+
 def _reached(point: str) -> None:
     """A point of a save (fault injection: tests replace this to kill the process there)."""
 
@@ -116,7 +119,8 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     d, state, note = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     read_torch_files(d, state)
-    if note and os.environ.get("RANK", "0") == "0":
+    if note and note not in _NOTES_SHOWN and os.environ.get("RANK", "0") == "0":
+        _NOTES_SHOWN.add(note)  # validation runs twice in the CLI; say it once
         print(note, file=sys.stderr, flush=True)
     problems = []
     saved_spec, spec = state.get("model"), spec_record(job.spec)

@@ -50,12 +50,13 @@ def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-_HASHED: dict[tuple[str, int, int], str] = {}  # (path, bytes, mtime_ns) -> sha256: validation runs more than once
+# (path, inode, bytes, mtime_ns, ctime_ns) -> sha256: the launcher and forked ranks verify the same files
+_HASHED: dict[tuple, str] = {}
 
 
 def sha256_file(path: Path) -> str:
     st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _HASHED:
         h = hashlib.sha256()
         with path.open("rb") as f:

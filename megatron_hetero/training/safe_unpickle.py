@@ -29,6 +29,7 @@ import contextlib
 import io
 import json
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +148,10 @@ def safe_torch_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        why = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported" in ln or "global" in ln.lower()),
-                   str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        text = str(exc)
+        m = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        why = (f"it names {m.group(1)}, which torch.load(weights_only=True) does not allow" if m else
+               next((ln.strip() for ln in text.splitlines() if "WeightsUnpickler error" in ln), text[:300]))
         raise ValueError(f"checkpoint file {path} is refused: {why[:300]} (a crafted file: nothing of it was run)") from None
     except FileNotFoundError:
         raise ValueError(f"checkpoint file {path} is missing") from None
