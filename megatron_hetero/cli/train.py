@@ -122,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
     if env is not None:
         check_world_size(env, layout.world_size)
     validate_job(layout, job)  # before anything is printed or started
+    if job.load and (env is None or env.rank == 0):
+        from megatron_hetero.training.checkpoint import load_note
+
+        note = load_note(job.load, job.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
+        if note:
+            print(note, file=sys.stderr, flush=True)
     trace_before = _request_trace(args.trace)
     if env is None or env.rank == 0:
         print(f"megatron-hetero train: {layout.world_size} ranks ({default_backend()}"

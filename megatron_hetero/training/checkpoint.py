@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +83,14 @@ def global_key(logical: str, key: str, layer_offset: int) -> str:
     return f"{logical}.{key}"
 
 
-_NOTES_SHOWN: set[str] = set()
-
-
 def _reached(point: str) -> None:
     """A point of a save (fault injection: tests replace this to kill the process there)."""
+
+
+def load_note(root: str | Path, fallback: bool) -> str | None:
+    """What `--load root` resumes from when it is not simply the marker's checkpoint (after
+    `check_loadable` passed), for the CLI to print."""
+    return select_checkpoint(root, fallback)[2]
 
 
 def read_torch_files(d: Path, state: dict) -> None:
@@ -115,13 +116,10 @@ def spec_record(spec) -> dict:
 def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     """Everything about `--load` that can be checked before a rank starts; returns the iteration to
     resume from. ValueError naming the file or the mismatch. With `job.load_fallback`, a checkpoint
-    before an incomplete or damaged newest one (and a note on stderr saying so)."""
+    before an incomplete or damaged newest one (`load_note` says which and why)."""
     d, state, note = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     read_torch_files(d, state)
-    if note and note not in _NOTES_SHOWN and os.environ.get("RANK", "0") == "0":
-        _NOTES_SHOWN.add(note)  # validation runs twice in the CLI; say it once
-        print(note, file=sys.stderr, flush=True)
     problems = []
     saved_spec, spec = state.get("model"), spec_record(job.spec)
     if saved_spec != spec:
