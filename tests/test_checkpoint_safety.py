@@ -205,6 +205,7 @@ def test_other_hidden_size_names_the_tensor_and_both_shapes(base, tmp_path):
 
     m = re.search(r"tensor (language\.\S+) is (\d+)x64 in the checkpoint, (\d+)x32 in this model", str(info.value))
     assert m and m.group(2) == m.group(3), str(info.value)[-2000:]
+    print(m.group(0))
 
 
 KILL_POINTS = ["saved language", "files written", "state written", "renamed"]
