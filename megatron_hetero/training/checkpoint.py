@@ -2,11 +2,14 @@
 
 Directory (`--save DIR`, `--load DIR`; Megatron's names for the iteration folders and the marker):
 
-    DIR/latest_checkpointed_iteration.txt      "10": the last COMPLETE checkpoint (written last, atomically)
+    DIR/latest_checkpointed_iteration.txt      "10" and the sha256 of its train_state.json: the last
+                                               COMPLETE checkpoint (written last, atomically)
+    DIR/iter_0000012.saving/                   a save in progress (or killed): renamed when complete
     DIR/iter_0000010/train_state.json          iteration, consumed samples, data position, the layout
                                                it was saved under (YAML text), model sizes, per logical
                                                model: layout modules, optimizer kind and step counter,
-                                               LR-scheduler state; a manifest (bytes + sha256 of every file)
+                                               LR-scheduler state; a manifest (bytes + sha256 of every file),
+                                               its own checksum
     DIR/iter_0000010/layout.yaml               the same layout, for people
     DIR/iter_0000010/<logical model>/          one dist_checkpointing (torch_dist) checkpoint per logical
                                                model (`vision`, `language`, ...): model + optimizer state

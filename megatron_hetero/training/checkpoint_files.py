@@ -284,7 +284,10 @@ def write_marker(root: Path, iteration: int, state_sha: str) -> None:
 def publish(root: Path, iteration: int, stage: Path, state_sha: str, reached=lambda point: None) -> Path:
     """Make the complete `stage` the checkpoint of `iteration`: rename it to iter_N (an older iter_N
     is renamed aside first and removed at the end), then replace the marker; remove staging folders
-    of saves that were killed. `reached(point)` is called after each step (fault injection)."""
+    of saves that were killed. `reached(point)` is called after each step (fault injection). The one
+    window: re-saving the very iteration the marker names (only a job loading from elsewhere does)
+    and killed between the two renames leaves the marker on a folder that is aside as
+    iter_N.replaced; `--load-fallback` then takes the newest complete one before it."""
     final = iteration_dir(root, iteration)
     fsync_tree(stage)
     old = None
