@@ -186,6 +186,20 @@ def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
     print(f"{len(files)} files, each with one flipped byte: an error naming it")
 
 
+def test_damaged_marked_checkpoint_falls_back_only_when_asked(base, tmp_path):
+    from megatron_hetero.training.checkpoint_files import select_checkpoint
+
+    root = _copy(base, tmp_path)
+    bad = root / "iter_0000002" / "language" / "__0_0.distcp"
+    _flip(bad)
+    with pytest.raises(ValueError, match=r"__0_0\.distcp is corrupt.*pass --load-fallback to resume from .*"
+                                         r"\(iter_0000001\)"):
+        select_checkpoint(root)
+    d, state, note = select_checkpoint(root, fallback=True)
+    assert d == root / "iter_0000001" and state["iteration"] == 1
+    assert f"{bad} is corrupt" in note and "--load-fallback: resuming from iteration 1" in note
+
+
 @pytest.mark.timeout(300)
 def test_other_hidden_size_names_the_tensor_and_both_shapes(base, tmp_path):
     """The train state claims this job's sizes (forged), the tensors are of hidden size 64: the ranks

@@ -209,6 +209,7 @@ def select_checkpoint(root: str | Path, fallback: bool = False) -> tuple[Path, d
             verify_manifest(d, state)
         except ValueError as exc:
             problem = str(exc)
+            complete = [n for n in complete if n != marked]  # the marker's own checkpoint is the damaged one
         else:
             newer = [n for n in complete if n > marked]
             note = (f"--load {root}: {iteration_dir(root, newer[0]).name} is a complete checkpoint newer than the "
