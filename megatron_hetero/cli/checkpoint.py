@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
           f"data position {json.dumps(state.get('data'))}, saved by {state.get('world_size')} ranks")
     print(f"files: {len(state.get('files', {}))}, all match the manifest (bytes, sha256)")
     for p in incomplete:
-        print(f"incomplete save (killed while saving; --load exits 2 unless --load-fallback if newer): {p}")
+        print(f"incomplete save (killed while saving it): {p}")
     print("layout it was saved under:")
     for line in str(state.get("layout", "")).rstrip().splitlines():
         print(f"  {line}")
