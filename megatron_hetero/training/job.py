@@ -77,7 +77,7 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234, moe: Op
 def job_from_args(args: Any, layout: HeteroLayout):
     """The `JobConfig` of `train`'s flags (Megatron names: the model sizes of `ModelArgs`, and
     --train-iters --seed --optimizer --lr --weight-decay --clip-grad --adam-beta1/2 --adam-eps
-    --lr-warmup-iters --lr-decay-style --lr-decay-iters --min-lr --save --save-interval --load
+    --lr-warmup-iters --lr-decay-style --lr-decay-iters --min-lr --save --save-interval --load --load-fallback
     --override-opt-param-scheduler --log-interval --eval-interval --eval-iters --hetero-offload-encoder --hetero-comm-timeout; and
     `progress`, set by the CLI when stdout is a terminal) on `layout`. ValueError for invalid sizes."""
     from megatron_hetero.runtime.module_state import OptimConfig
@@ -107,7 +107,7 @@ def job_from_args(args: Any, layout: HeteroLayout):
                      train_iters=args.train_iters, optim=optim, offload_encoder=args.hetero_offload_encoder,
                      comm_timeout_s=args.hetero_comm_timeout, schedule=schedule,
                      save=getattr(args, "save", None), save_interval=getattr(args, "save_interval", None) or 0,
-                     load=getattr(args, "load", None),
+                     load=getattr(args, "load", None), load_fallback=bool(getattr(args, "load_fallback", False)),
                      override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
                      log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False),
                      data=data, eval_interval=getattr(args, "eval_interval", None) or 0,
