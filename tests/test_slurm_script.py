@@ -329,6 +329,7 @@ on_term() {
   exit 1
 }
 trap on_term TERM
+echo $$ > "$STUB_LOG/fake_srun_pid"
 touch "$STUB_LOG/fake_srun_started"
 for _ in $(seq 600); do sleep 0.1; done
 exit 5
@@ -348,6 +349,9 @@ def _signal_job(tmp_path: Path, mark: bool, checkpoint: bool) -> tuple[subproces
                            save_dir=str(save))
     bin_dir, log_dir = make_stubs(tmp_path)
     (bin_dir / "srun").write_text(FAKE_SRUN)
+    # scancel --signal=TERM JOB: slurmctld signals the step's tasks (here: the fake srun)
+    (bin_dir / "scancel").write_text(STUB.format(name="scancel", tail='kill -TERM "$(cat "$STUB_LOG/fake_srun_pid")"'))
+    (bin_dir / "scancel").chmod(0o755)
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log_dir), "HOME": str(tmp_path),
@@ -369,6 +373,7 @@ def test_sigterm_reaches_srun_and_a_marked_stop_requeues(tmp_path):
     assert "got SIGTERM: passing it to the ranks" in proc.stderr
     assert "stopped on SIGTERM after iteration 7 with a checkpoint in" in proc.stderr and "requeueing" in proc.stderr
     assert calls(log_dir, "scontrol")[-1] == ["requeue", "4242"]
+    assert calls(log_dir, "scancel") == [["--signal=TERM", "4242"]]
     env = dict(line.split("=", 1) for line in (log_dir / "fake_srun_env").read_text().splitlines() if "=" in line)
     assert env["MH_EXIT_SIGNAL_MARKER"] == f"{save}/.exit-signal.4242"
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"

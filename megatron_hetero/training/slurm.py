@@ -135,8 +135,9 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
     `-m ENTRY_MODULE train`, with `--hetero-layout` and the train arguments; on CPU nodes it runs
     through `-m megatron_hetero.megatron_lm.run SCRIPT` (the CPU redirections Megatron-LM needs).
     `signal_seconds` > 0 (needs `save_dir`, the train arguments' --save): SLURM sends SIGTERM to the batch
-    shell that many seconds before the time limit; the shell passes it to srun (hence torchrun, hence the
-    ranks, which run with --exit-signal-handler), waits, and when global rank 0 wrote the stop marker
+    shell that many seconds before the time limit; the shell passes it to the job step's tasks with
+    `scancel --signal=TERM JOB` (torchrun, which passes it to the ranks, which run with
+    --exit-signal-handler), waits for srun, and when global rank 0 wrote the stop marker
     (MH_EXIT_SIGNAL_MARKER: the checkpoint is complete) requeues the job, which resumes with
     `--load SAVE_DIR` (added whenever SAVE_DIR holds a checkpoint)."""
     _positive("--nodes", nodes)
@@ -290,12 +291,14 @@ def _resume_lines(save_dir: str, signal_seconds: int) -> list[str]:
 
 
 def _signal_lines() -> list[str]:
-    """Shell lines instead of `exec`: run srun in the background, pass SIGTERM on to it, wait for it, requeue
+    """Shell lines instead of `exec`: run srun in the background, pass SIGTERM on to its tasks, wait, requeue
     when the ranks stopped on the signal with a checkpoint (the marker), else exit with srun's status."""
     return [
         "got_signal=0 child=",
+        # to the job step's tasks (torchrun on every node, which passes it to its ranks) through slurmctld:
+        # srun itself would take SIGTERM as "terminate the step" and SIGKILL the tasks after KillWait
         'trap \'got_signal=1; echo "megatron-hetero: job $SLURM_JOB_ID got SIGTERM: passing it to the ranks" >&2;'
-        ' kill -TERM "$child" 2>/dev/null || true\' TERM',
+        ' scancel --signal=TERM "$SLURM_JOB_ID" || kill -TERM "$child" 2>/dev/null || true\' TERM',
         '"${cmd[@]}" &',
         "child=$!",
         'rc=0; wait "$child" || rc=$?',
