@@ -103,3 +103,46 @@ def test_sigterm_to_the_train_command_saves_and_exits_0(tmp_path):
     assert 2 <= stopped < 1000
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
     assert f"checkpoints in {save} (latest: iteration {stopped})" in out
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_torchrun_reaches_its_ranks_which_save_and_mark(tmp_path):
+    """torchrun (what the sbatch script runs on each node) passes SIGTERM on to its workers: both ranks stop
+    after the same step with a checkpoint, rank 0 writes the stop marker; torchrun itself then exits non-zero
+    (it re-raises the signal), which is why the batch script reads the marker instead of the exit status."""
+    import socket
+
+    save, marker, layout = tmp_path / "ckpt", tmp_path / "marker", tmp_path / "layout.yaml"
+    layout.write_text("placement: colocated\nmodules:\n  vision: {dp: 2}\n  language: {tp: 2}\n"
+                      "edges:\n  - vision -> language\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                        "MASTER_PORT", "TORCHELASTIC_RUN_ID") and not k.startswith("SLURM_")}
+    env.update(PYTHONPATH=str(ROOT), MH_EXIT_SIGNAL_MARKER=str(marker))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "megatron_hetero", "train",
+         "--hetero-layout", str(layout), "--train-iters", "1000", "--save", str(save), "--exit-signal-handler"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+2/", line):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.stdout.read()
+        rc = proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    m = re.search(r"received SIGTERM: stopped after iteration (\d+); checkpoint of iteration \1 saved", out)
+    assert m, out[-4000:]
+    stopped = int(m.group(1))
+    assert 2 <= stopped < 1000 and rc != 0
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert marker.read_text() == f"{stopped} {save}\n"

@@ -379,7 +379,8 @@ def test_sigterm_reaches_srun_and_a_marked_stop_requeues(tmp_path):
     assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"
     assert not (save / ".exit-signal.4242").exists()  # consumed
     (srun,) = calls(log_dir, "srun")
-    assert srun[-5:] == ["--save", str(save), "--train-iters", "100", "--exit-signal-handler"]  # no checkpoint: no --load
+    # no checkpoint yet: no --load
+    assert srun[-5:] == ["--save", str(save), "--train-iters", "100", "--exit-signal-handler"]
 
 
 def test_unmarked_stop_fails_without_requeue_and_a_checkpoint_is_resumed(tmp_path):

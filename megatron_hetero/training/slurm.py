@@ -201,9 +201,9 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
     if signal_seconds:
         lines += [
             "#   MH_REQUEUE          0: do not requeue after stopping on SIGTERM (default: 1)",
-            f"# On SIGTERM ({signal_seconds} s before the time limit, or `scancel --batch --signal=TERM JOB`) the ranks",
-            "# finish the current step, save to the save directory and exit; the job then requeues itself and",
-            "# resumes from that checkpoint (--load is added whenever the save directory holds one).",
+            f"# On SIGTERM ({signal_seconds} s before the time limit, or `scancel --batch --signal=TERM JOB`) the",
+            "# ranks finish the current step, save to the save directory and exit; the job then requeues itself",
+            "# and resumes from that checkpoint (--load is added whenever the save directory holds one).",
         ]
     lines += [f"#SBATCH {s}" for s in sbatch]
     lines += [

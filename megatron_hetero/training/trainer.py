@@ -189,7 +189,8 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             if job.save and job.save_interval and (it + 1) % job.save_interval == 0:
                 save_checkpoint(job.save, it + 1, layout, job, topo, states, schedulers)
                 last_saved = it + 1
-            if stop.agreed(topo.rank):  # --exit-signal-handler: some rank got SIGTERM; every rank stops here
+            # --exit-signal-handler: some rank got SIGTERM, every rank stops here (after the last step: just ends)
+            if it + 1 < job.train_iters and stop.agreed(topo.rank):
                 stopped = it + 1
                 if job.save and last_saved != stopped:
                     save_checkpoint(job.save, stopped, layout, job, topo, states, schedulers)
