@@ -18,6 +18,17 @@ def test_sample_steps():
         soak.sample_steps(60, 60)
 
 
+def test_verdict_fails_on_growth_or_a_changed_count():
+    base = {"rss_bytes": 100 * 2**20, "process_groups": 9, "threads": 40, "python_threads": 2, "open_fds": 90}
+    ok = soak.rank_summary(0, {20: base, 40: base, 60: {**base, "rss_bytes": int(101.9 * 2**20)}}, 20, 60)
+    assert ok["passed"] and ok["rss_growth"] == pytest.approx(0.019)
+    grown = soak.rank_summary(0, {20: base, 60: {**base, "rss_bytes": 102 * 2**20}}, 20, 60)
+    assert not grown["passed"] and grown["counts_constant"]
+    # a descriptor opened in between and closed again by the end still fails (every sample counts)
+    blip = soak.rank_summary(0, {1: {**base, "threads": 3}, 20: base, 40: {**base, "open_fds": 91}, 60: base}, 20, 60)
+    assert not blip["passed"] and not blip["counts_constant"] and blip["rss_growth"] == 0
+
+
 @pytest.mark.timeout(600)
 def test_soak_60_steps_world_8(tmp_path):
     doc = soak.run(tmp_path, steps=60, warmup=20)

@@ -7,7 +7,7 @@ live process groups (torch.distributed's registry of this process: the world gro
 Megatron-core and the topology created), threads (/proc/self/task) and open file descriptors
 (/proc/self/fd). Pass: on every rank, RSS after the last step is less than 2% above RSS after step
 `warmup` (default 50: allocator pools, optimizer state and gloo buffers are in place by then), and the
-three counts after the last step equal those after step `warmup`. `run` writes OUT/soak.json and
+counts at every sample from step `warmup` on equal those after step `warmup`. `run` writes OUT/soak.json and
 returns the document; `passed(doc)` says whether every layout passed (the CLI exits 1 when not).
 """
 from __future__ import annotations
@@ -92,20 +92,23 @@ def run_layout(doc: dict, steps: int, warmup: int, world: int = WORLD, timeout: 
     t0 = time.perf_counter()
     per_rank = run_ranks(world, train_rank, layout, job, timeout=timeout, step_hook=_Prober(at))
     wall = time.perf_counter() - t0
-    ranks = []
-    for rank, res in enumerate(per_rank):
-        samples = {r["iteration"]: r["probe"] for r in res["records"] if r.get("probe")}
-        warm, end = samples[warmup], samples[steps]
-        growth = (end["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"]
-        ranks.append({"rank": rank, "samples": {str(k): v for k, v in sorted(samples.items())},
-                      "rss_growth": growth,
-                      "counts_constant": all(warm[k] == end[k] for k in ("process_groups", "threads",
-                                                                         "python_threads", "open_fds"))})
+    ranks = [rank_summary(rank, {r["iteration"]: r["probe"] for r in res["records"] if r.get("probe")}, warmup, steps)
+             for rank, res in enumerate(per_rank)]
     losses = [r["loss"] for r in per_rank[0]["records"]]
     return {"steps": steps, "warmup": warmup, "world": world, "sampled_steps": at, "wall_s": wall,
             "first_loss": losses[0], "last_loss": losses[-1], "ranks": ranks,
-            "max_rss_growth": max(r["rss_growth"] for r in ranks),
-            "passed": all(r["rss_growth"] < MAX_RSS_GROWTH and r["counts_constant"] for r in ranks)}
+            "max_rss_growth": max(r["rss_growth"] for r in ranks), "passed": all(r["passed"] for r in ranks)}
+
+
+def rank_summary(rank: int, samples: dict[int, dict], warmup: int, steps: int) -> dict[str, Any]:
+    """One rank's verdict: RSS growth from step `warmup` to step `steps` below MAX_RSS_GROWTH, and every
+    count the same at every sample from `warmup` on."""
+    warm, end = samples[warmup], samples[steps]
+    growth = (end["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"]
+    constant = all(s[k] == warm[k] for it, s in samples.items() if it >= warmup
+                   for k in ("process_groups", "threads", "python_threads", "open_fds"))
+    return {"rank": rank, "samples": {str(k): v for k, v in sorted(samples.items())}, "rss_growth": growth,
+            "counts_constant": constant, "passed": growth < MAX_RSS_GROWTH and constant}
 
 
 def run(out: Path, steps: int = 300, warmup: int = 50, world: int = WORLD,
