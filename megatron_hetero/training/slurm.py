@@ -18,6 +18,11 @@ nodes x ranks per node (else exit 2 with the arithmetic); the train arguments mu
 train parser is importable) and must not repeat what this command sets (`--hetero-layout`, the layout
 flags, `--nproc-per-node`).
 
+SIGTERM before the time limit (`--signal-seconds S`, default 120 when the train arguments have --save DIR):
+`#SBATCH --signal=B:TERM@S --requeue --open-mode=append`; the batch shell passes the signal to the step's
+tasks, and when global rank 0 confirms a checkpoint of the stop (training/signals.py's marker) requeues
+the job, which resumes with --load DIR.
+
 Safety: every user-supplied value is data inside the script, never shell code: values on shell lines
 are `shlex.quote`d into variables and arrays; values on `#SBATCH` lines (which sbatch parses itself,
 not the shell) must be free of whitespace, quotes, backslashes and control characters.
