@@ -1,7 +1,8 @@
 """`megatron-hetero slurm`: write (and optionally submit) an sbatch script that runs `train` on N nodes.
 
     megatron-hetero slurm --nodes 2 --gpus-per-node 8 --hetero-layout L.yaml [--partition P] [--time T]
-        [--account A] [--job-name J] [--output PATTERN] [--container-image I] [--dry-run | --submit]
+        [--account A] [--job-name J] [--output PATTERN] [--container-image I] [--signal-seconds S]
+        [--dry-run | --submit]
         -- <train arguments>
 
 The job: one `srun` task per node, each running `torchrun --nnodes N --nproc-per-node R --rdzv-backend c10d
