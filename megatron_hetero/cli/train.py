@@ -73,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     c = p.add_argument_group("checkpoints (Megatron-core dist_checkpointing; movable between layouts)")
     c.add_argument("--save", type=str, default=None, metavar="DIR", help="save checkpoints here (and after the last iteration)")
     c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (SLURM's warning before the time limit, scancel): every rank finishes the "
+                        "current step, saves a checkpoint (with --save) and exits 0 (Megatron-LM's flag)")
     c.add_argument("--load", type=str, default=None, metavar="DIR",
                    help="resume from the latest checkpoint under DIR (any layout of the same model)")
     c.add_argument("--load-fallback", action="store_true",
@@ -147,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             raise CommandFailed(f"failed: {exc}") from None
     # the iteration lines were printed by global rank 0 while it trained
     if job.save:
-        print(f"checkpoints in {job.save} (latest: iteration {job.train_iters})", flush=True)
+        latest = records[-1]["iteration"] if records else job.train_iters  # earlier: stopped on SIGTERM
+        print(f"checkpoints in {job.save} (latest: iteration {latest})", flush=True)
     if layout.placement == "colocated" and records:
         mem = records[-1]["memory_bytes"]["0"]
         print("rank 0 module state resident per phase (bytes): " + "; ".join(

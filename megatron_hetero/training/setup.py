@@ -50,6 +50,9 @@ class JobConfig:
     # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)
     eval_interval: int = 0
     eval_iters: Optional[int] = None
+    # --exit-signal-handler (Megatron-LM's flag): SIGTERM stops every rank after the same step, saves
+    # (with --save) and returns normally (training/signals.py)
+    exit_signal_handler: bool = False
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(comm_timeout_s=self.comm_timeout_s)
