@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from parity import losses, run_job
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.runtime.launcher import run_ranks
+from megatron_hetero.training.checkpoint_files import read_tracker
 from megatron_hetero.training.setup import JobConfig
 from megatron_hetero.training.trainer import train_rank
 
@@ -51,7 +51,7 @@ def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_
     # rank 1 alone got the signal in iteration 3; both ranks ended after iteration 3 with the same losses
     assert [[r["iteration"] for r in pr["records"]] for pr in per_rank] == [[1, 2, 3], [1, 2, 3]]
     assert [r["loss"] for r in per_rank[0]["records"]] == full[:3]
-    assert (save / ckpt.TRACKER).read_text().strip() == "3"  # saved at the stop, not at --train-iters
+    assert read_tracker(save) == 3  # saved at the stop, not at --train-iters
     assert not (save / "iter_0000006").exists()
     assert marker.read_text() == f"3 {save}\n"
     assert "received SIGTERM: stopped after iteration 3; checkpoint of iteration 3 saved in" in capfd.readouterr().out
@@ -101,7 +101,7 @@ def test_sigterm_to_the_train_command_saves_and_exits_0(tmp_path):
     assert m, out
     stopped = int(m.group(1))
     assert 2 <= stopped < 1000
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert read_tracker(save) == stopped
     assert f"checkpoints in {save} (latest: iteration {stopped})" in out
 
 
@@ -144,5 +144,5 @@ def test_sigterm_to_torchrun_reaches_its_ranks_which_save_and_mark(tmp_path):
     assert m, out[-4000:]
     stopped = int(m.group(1))
     assert 2 <= stopped < 1000 and rc != 0
-    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(stopped)
+    assert read_tracker(save) == stopped
     assert marker.read_text() == f"{stopped} {save}\n"

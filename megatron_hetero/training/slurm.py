@@ -290,7 +290,7 @@ def _resume_lines(save_dir: str, signal_seconds: int) -> list[str]:
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{signal_seconds}}}",
         'if [ -f "$save_dir/latest_checkpointed_iteration.txt" ]; then',
         '  echo "megatron-hetero: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): resuming from iteration' \
-        ' $(cat "$save_dir/latest_checkpointed_iteration.txt") in $save_dir" >&2',
+        ' $(head -n 1 "$save_dir/latest_checkpointed_iteration.txt") in $save_dir" >&2',
         '  train_args+=(--load "$save_dir")',
         "fi",
     ]
