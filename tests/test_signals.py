@@ -39,7 +39,6 @@ def _term_self_at(rank: int, iteration: int):
 @pytest.mark.timeout(400)
 def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_path, capfd):
     from megatron_hetero.compat import apply_compat
-    from megatron_hetero.training import checkpoint as ckpt
 
     apply_compat()
     full = losses(run_job(COLOC, 2, JOB))
