@@ -6,8 +6,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner")
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6}  # iterations per case; schedule: steps
+BENCHMARKS = ("boundary", "schedule", "planner", "soak")
+DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300}  # iterations per case; schedule, soak: steps
 
 
 def _module(name: str):
@@ -25,6 +25,8 @@ def run_benchmark(name: str, out: Path, iters: Optional[int] = None) -> dict[str
     iters = iters or DEFAULT_ITERS[name]
     if name == "schedule":
         return bench.run(Path(out), steps=max(iters, 2))
+    if name == "soak":  # growth measured from step 50 (from step iters // 3 in runs of 100 steps or fewer)
+        return bench.run(Path(out), steps=max(iters, 3), warmup=50 if iters > 100 else max(1, iters // 3))
     return bench.run(Path(out), iters=iters)
 
 

@@ -224,15 +224,17 @@ def hf_to_checkpoint(vision: str | Path, language: str | Path, out: str | Path, 
 
 
 def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, configs: dict) -> Path:
-    """Iteration 0 of a weights-only checkpoint under `root` (world of one)."""
-    import torch.distributed as dist
+    """Iteration 0 of a weights-only checkpoint under `root` (world of one), written the way
+    `train --save` writes: into a staging folder, sealed (`write_train_state`: manifest and its own
+    checksum), then renamed into place and the marker written (`publish`)."""
     from megatron.core import dist_checkpointing
 
     from megatron_hetero.layout.yaml_io import dump_layout
     from megatron_hetero.training import checkpoint as ckpt
+    from megatron_hetero.training.checkpoint_files import publish, stage_dir, write_train_state
 
     ckpt._writer_results_in_process()
-    d = ckpt.iteration_dir(root, 0)
+    d = stage_dir(root, 0)
     d.mkdir(parents=True)
     logical = ckpt.logical_models(layout)
     for name in sorted(logical):
@@ -248,14 +250,11 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
     (d / ckpt.LAYOUT_FILE).write_text(text)
     models = {name: {"layout_modules": mods, "frozen": {}, "optimizer": None, "common_steps": {}, "scheduler": None,
                      "scheduler_config": None} for name, mods in logical.items()}
-    state = {"format": ckpt.FORMAT, "version": ckpt.VERSION, "iteration": 0, "origin": ORIGIN,
-             "converted_from": origin, "consumed_samples": 0, "data": {"kind": None, "next_sample": 0, "iteration": 0},
-             "global_batch_size": None, "world_size": dist.get_world_size(), "layout": text,
-             "layout_dict": layout.to_dict(), "model": ckpt.spec_record(spec), "modules": models,
-             "files": ckpt.manifest(d)}
-    ckpt._atomic_write(d / ckpt.STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
-    ckpt._atomic_write(root / ckpt.TRACKER, "0\n")
-    return d
+    state = {"format": ckpt.FORMAT, "iteration": 0, "origin": ORIGIN, "converted_from": origin,
+             "consumed_samples": 0, "data": {"kind": None, "next_sample": 0, "iteration": 0},
+             "global_batch_size": None, "world_size": 1, "layout": text, "layout_dict": layout.to_dict(),
+             "model": ckpt.spec_record(spec), "modules": models}
+    return publish(root, 0, d, write_train_state(d, state))
 
 
 # ---------------------------------------------------------------------------------------------------

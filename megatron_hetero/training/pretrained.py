@@ -36,6 +36,7 @@ def check_converted(root: str | Path, layout, job) -> int:
 
     d, state = ckpt.read_train_state(root)
     ckpt.verify_manifest(d, state)
+    ckpt.read_torch_files(d, state)  # the ranks' restricted unpicklers, here first: a bad file stops the job now
     problems = []
     saved, now = state.get("model") or {}, ckpt.spec_record(job.spec)
     diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in sorted(set(now) | set(saved))
