@@ -48,16 +48,22 @@ def header(seq: int, hidden: int, dtype: torch.dtype, numel: int) -> torch.Tenso
     return torch.tensor([seq, hidden, DTYPE_CODES[dtype], numel], dtype=torch.int64)
 
 
+def where(edge: str) -> str:
+    """'edge vision->language' for an edge name; a description ('pipeline link ...') as it is."""
+    return edge if " " in edge.strip() else f"edge {edge}"
+
+
 def _wait(work, label: str, edge: str, rank: int, peer: int, timeout_s: float) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise BoundaryTimeout(
-            f"edge {edge}: rank {rank} waited for the {label} rank {peer} and gave up (timeout "
+            f"{where(edge)}: rank {rank} waited for the {label} rank {peer} and gave up (timeout "
             f"{timeout_s:g} s, --hetero-comm-timeout): {str(exc).splitlines()[0][:200]}"
         ) from None
     if ok is False:
-        raise BoundaryTimeout(f"edge {edge}: rank {rank} timed out after {timeout_s:g} s waiting for the {label} rank {peer}")
+        raise BoundaryTimeout(f"{where(edge)}: rank {rank} timed out after {timeout_s:g} s waiting for the {label} "
+                              f"rank {peer}")
 
 
 def p2p(
@@ -124,7 +130,7 @@ def broadcast(tensor: torch.Tensor, root: int, group: dist.ProcessGroup, *, what
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise BoundaryTimeout(
-            f"edge {edge}: rank {dist.get_rank()} waited for the {what} from rank {root} and gave up "
+            f"{where(edge)}: rank {dist.get_rank()} waited for the {what} from rank {root} and gave up "
             f"(timeout {timeout_s:g} s): {str(exc).splitlines()[0][:200]}"
         ) from None
 

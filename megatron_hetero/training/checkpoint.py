@@ -48,6 +48,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan import roles as plan_roles
+from megatron_hetero.runtime.faults import fault_point, named_collective
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "train_state.json"
@@ -365,6 +366,8 @@ def _guard(what: str, fn, *args, **kwargs):
 # save / load (collective: every rank of the job calls them together)
 # ---------------------------------------------------------------------------------------------------
 
+@named_collective(lambda root, iteration, *a, **k:
+                  f"checkpoint save of iteration {iteration} under {root} (barriers and writes over the world)")
 def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job, topo, states: dict,
                     schedulers: dict) -> Path:
     """Save iteration `iteration` under `root` (see the module docstring); returns its directory."""
@@ -405,6 +408,7 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
             sub.mkdir()
         dist.barrier()
         _guard(f"saving {sub}", dist_checkpointing.save, sd, str(sub))
+        fault_point("ckpt-save", rank, iteration)  # runtime/faults.py: off unless MEGATRON_HETERO_FAULT asks
     if rank == 0:
         (d / RNG_DIR).mkdir()
     dist.barrier()

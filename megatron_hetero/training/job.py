@@ -196,7 +196,7 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     lines = _LinesFromRanks() if job.log_interval or job.progress else None
     try:
         per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend(),
-                             log_write=lines.write if lines else None)
+                             pg_timeout=min(job.comm_timeout_s, timeout), log_write=lines.write if lines else None)
     finally:
         if lines is not None:
             lines.close()
