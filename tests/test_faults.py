@@ -166,3 +166,17 @@ def test_torchrun_two_nodes_cell(references, tmp_path):
     assert all(code != 0 for code in rec["exit_codes"]), detail
     assert {"0", "1"} <= set(rec["survivor_messages"]), detail  # the other node's ranks reported themselves
     assert all("vision->language" in rec["survivor_messages"][r] for r in ("0", "1")), detail
+
+
+def test_posting_on_a_dead_connection_names_edge_rank_and_peer():
+    """gloo raises when an isend/irecv is posted on the connection of a peer that already died (before
+    any wait): the wire names the edge, this rank and the peer then too."""
+    from megatron_hetero.runtime.wire import BoundaryTimeout, _post
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1\nmore")
+
+    with pytest.raises(BoundaryTimeout, match=r"^edge vision->language: rank 3 could not post the forward boundary "
+                                              r"payload to rank 1 \(its connection failed\): \[pair.cc:553\] "
+                                              r"Connection closed by peer"):
+        _post(dead, "forward boundary payload to", "vision->language", 3, 1)

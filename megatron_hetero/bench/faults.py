@@ -98,7 +98,11 @@ class Cell:
 
 
 def full_matrix() -> list[Cell]:
-    return [Cell(p, k, lay, la) for la in LAUNCHERS for lay in LAYOUTS for p in PHASES for k in KINDS]
+    """Every cell, launcher by launcher, in rounds of one cell per phase whose (kind, layout) rotates:
+    any prefix of a launcher's cells covers the phases evenly (a run cut short is still a spread)."""
+    combos = [(k, lay) for k in KINDS for lay in LAYOUTS]
+    return [Cell(p, *combos[(i + r) % len(combos)], la) for la in LAUNCHERS for r in range(len(combos))
+            for i, p in enumerate(PHASES)]
 
 
 #: A covering subset: every phase at least once under each launcher, each kind, layout and launcher
