@@ -343,7 +343,8 @@ def table(doc: dict[str, Any]) -> str:
         ex = "-" if r["exit_s"] is None else f"{r['exit_s']:.1f}"
         res = "-" if "resume_loss" not in r else ("same" if r["checks"]["resumed loss matches"] else
                                                    f"{r['resume_loss']:.6f} vs {r['reference_loss']:.6f}")
-        lines.append(f"| {c['phase']} | {c['kind']} | {c['layout']} | {c['launcher']} | {FAILING_RANK[(c['layout'], c['phase'])]} "
-                     f"| {ex} | {r['latest_checkpoint'] if r['latest_checkpoint'] is not None else 'none'} | {res} "
+        rank = FAILING_RANK[(c["layout"], c["phase"])]
+        ckpt = r["latest_checkpoint"] if r["latest_checkpoint"] is not None else "none"
+        lines.append(f"| {c['phase']} | {c['kind']} | {c['layout']} | {c['launcher']} | {rank} | {ex} | {ckpt} | {res} "
                      f"| {'pass' if not bad else 'FAIL: ' + ', '.join(bad)} |")
     return "\n".join(lines)
