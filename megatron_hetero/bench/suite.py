@@ -6,8 +6,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "soak")
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300}  # iterations per case; schedule, soak: steps
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults")
+DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "faults": 1}  # iterations per case; schedule, soak: steps
 
 
 def _module(name: str):
@@ -16,7 +16,7 @@ def _module(name: str):
     return importlib.import_module(f"megatron_hetero.bench.{name}")
 
 
-def run_benchmark(name: str, out: Path, iters: Optional[int] = None) -> dict[str, Any]:
+def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool = False) -> dict[str, Any]:
     """Run benchmark `name` with `iters` iterations per case (default DEFAULT_ITERS; the schedule
     benchmark runs at least 2 steps); writes its files under `out` and returns its document."""
     if iters is not None and iters < 1:
@@ -27,6 +27,8 @@ def run_benchmark(name: str, out: Path, iters: Optional[int] = None) -> dict[str
         return bench.run(Path(out), steps=max(iters, 2))
     if name == "soak":  # growth measured from step 50 (from step iters // 3 in runs of 100 steps or fewer)
         return bench.run(Path(out), steps=max(iters, 3), warmup=50 if iters > 100 else max(1, iters // 3))
+    if name == "faults":  # the fault matrix: cells, not iterations (`--quick`: a covering subset)
+        return bench.run(Path(out), quick=quick)
     return bench.run(Path(out), iters=iters)
 
 

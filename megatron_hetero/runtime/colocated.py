@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
@@ -35,10 +36,11 @@ from megatron_hetero.plan.colocated import (
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.boundary import Boundary
 from megatron_hetero.runtime.config import RuntimeConfig
+from megatron_hetero.runtime.faults import fault_point
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.offload import Offloader
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
-from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory
+from megatron_hetero.runtime.step import StepResult, global_loss_parts, optimizer_what, resident_memory, run_collective
 from megatron_hetero.runtime.trace import MEGATRON_P2P_METHODS, boundary_args
 from megatron_hetero.runtime.wire import p2p
 
@@ -77,6 +79,7 @@ class ColocatedSchedule:
         train=False (evaluation): the same tables, but no gradient reduction and no optimizer step;
         the gradients computed are discarded (the next step zeroes them)."""
         self._train = train
+        self._iteration = step + 1 if train else None  # 1-based, for fault injection (runtime/faults.py)
         first = step * self.plan.global_batch
         for s in self.states.values():
             s.zero_grad()
@@ -114,6 +117,7 @@ class ColocatedSchedule:
             else:
                 self._out_grad[a.module] = buf
         elif isinstance(a, EncoderForward):
+            fault_point("encoder-forward", self.plan.rank, self._iteration)
             inp = self._received.pop(a.module, None)
             samples = range(first + a.rows.start, first + a.rows.stop)
             with self.config.tracer.span("encoder-forward", a.__str__, lambda: {"module": a.module, "stage": a.stage,
@@ -132,6 +136,8 @@ class ColocatedSchedule:
             _, out = self._io[a.module]
             torch.autograd.backward(out, self._out_grad.pop(a.module))
         elif isinstance(a, BoundaryCall):
+            fault_point("boundary-send", self.plan.rank, self._iteration, when=a.src and a.direction == "forward")
+            fault_point("boundary-recv", self.plan.rank, self._iteration, when=a.dst and a.direction == "forward")
             with self.config.tracer.span("boundary", a.__str__, lambda: boundary_args(self.boundaries[a.edge], a)):
                 self._boundary(a)
         elif isinstance(a, StateMove):
@@ -147,13 +153,16 @@ class ColocatedSchedule:
             if not self._train and a.kind in ("grad-sync", "optimizer"):
                 return  # evaluation: gradients are discarded, weights stay
             if a.kind == "grad-sync":
+                fault_point("grad-reduce", self.plan.rank, self._iteration)
                 with self.config.tracer.span("grad-reduce", "gradient reduction (each module over its DP x CP)"):
                     for s in self.states.values():
-                        s.finalize_grads()
+                        run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks "
+                                       f"{dist.get_process_group_ranks(s.pgs.dp_cp)})", self.plan.rank, s.finalize_grads)
             elif a.kind == "optimizer":
+                fault_point("optimizer", self.plan.rank, self._iteration)
                 with self.config.tracer.span("optimizer", "optimizer step"):
                     for s in self.states.values():
-                        s.step()
+                        run_collective(optimizer_what(s), self.plan.rank, s.step)
             # 'loss-reduce' runs after the table (the step's result)
         else:  # pragma: no cover - the tables hold only these
             raise AssertionError(f"unknown action {a!r}")
@@ -236,6 +245,7 @@ class ColocatedSchedule:
             samples = megatron_micro_batch(first, plan.global_batch, lm.dp, lm.coord.dp, mbs, i)
             inputs = ({n: t[i * mbs:(i + 1) * mbs] for n, t in leaves.items() if n in encoders}
                       if lm.first_stage else {})
+            fault_point("llm-1f1b", plan.rank, self._iteration, when=not a.forward_only and i == a.micro_batches // 2)
             with torch.set_grad_enabled(not a.forward_only):
                 out = runner.forward(name, samples, inputs, None)
             if not isinstance(out, LossSum):
@@ -253,7 +263,9 @@ class ColocatedSchedule:
 
             return out.loss_sum, loss_func
 
-        self.forward_backward(
+        pp_ranks = dist.get_process_group_ranks(self.lang.pgs.pp)
+        run_collective(f"module {name}: {'1F1B pipeline' if lm.pp > 1 else 'forward-backward'} of {a.micro_batches} "
+                       f"micro-batches over its PP group (ranks {pp_ranks})", plan.rank, lambda: self.forward_backward(
             forward_step_func=self.config.tracer.wrap_forward_step(forward_step, "llm", name),
             data_iterator=iter(range(a.micro_batches)),
             model=[runner.model(name)],
@@ -262,5 +274,5 @@ class ColocatedSchedule:
             micro_batch_size=mbs,
             forward_only=a.forward_only,
             **self.schedule_kwargs,
-        )
+        ))
         config.grad_scale_func = None

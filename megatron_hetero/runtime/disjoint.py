@@ -55,9 +55,10 @@ from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable
 from megatron_hetero.runtime.boundary import Boundary, Phase
 from megatron_hetero.runtime.config import RuntimeConfig
+from megatron_hetero.runtime.faults import fault_point
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
-from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory, run_collective
+from megatron_hetero.runtime.step import StepResult, global_loss_parts, optimizer_what, resident_memory, run_collective
 from megatron_hetero.runtime.trace import kind_of, wire_args
 from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
 
@@ -128,6 +129,7 @@ class DisjointSchedule:
         train=False (evaluation): the same tables, but no gradient reduction and no optimizer step;
         the gradients computed are discarded (the next step zeroes them)."""
         self._step = step
+        self._iteration = step + 1 if train else None  # 1-based, for fault injection (runtime/faults.py)
         for s in self.states.values():
             s.zero_grad()
         self._inputs: dict[int, dict[Link, torch.Tensor]] = {}
@@ -157,14 +159,16 @@ class DisjointSchedule:
                     raise AssertionError(f"unknown action {item!r}")
             assert not self._outputs and not self._inputs, "a micro-batch was not finished"
         memory["step"] = resident_memory(self.states)
+        fault_point("grad-reduce", self.rank, self._iteration, when=train)
         for s in (self.states.values() if train else ()):
             ranks = dist.get_process_group_ranks(s.pgs.dp_cp)
             with self.config.tracer.span("grad-reduce", f"gradient reduction {s.name}", {"module": s.name}):
                 run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})",
                                self.rank, s.finalize_grads)
+        fault_point("optimizer", self.rank, self._iteration, when=train)
         for s in (self.states.values() if train else ()):
             with self.config.tracer.span("optimizer", f"optimizer step {s.name}", {"module": s.name}):
-                s.step()
+                run_collective(optimizer_what(s), self.rank, s.step)
         counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0
         extras = self.runner.aux_losses(step) if hasattr(self.runner, "aux_losses") else {}
         loss, parts, aux = global_loss_parts(tuple(self.runner.loss_modules()),
@@ -213,6 +217,7 @@ class DisjointSchedule:
             if b is None:
                 return _Comm(a, where, Phase({self.next_rank: out}, {}, none, PIPELINE_TAG), lambda ph: None)
             assert out.shape[0] == self.dp_share, (out.shape, lk)
+            fault_point("boundary-send", self.rank, self._iteration)
             ph, self._seqs[(lk, mb)] = b.planned_forward_phase(out)
             return _Comm(a, where, ph, lambda ph: ph.finish())
         if isinstance(a, SendAct):  # gradients of this stage's input leaves go back
@@ -229,6 +234,7 @@ class DisjointSchedule:
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
                 ph = Phase({}, {self.prev_rank: buf}, lambda: buf, PIPELINE_TAG)
             else:
+                fault_point("boundary-recv", self.rank, self._iteration)
                 ph, self._seqs[(lk, mb)] = b.planned_forward_phase(None)
 
             def store_input(ph: Phase) -> None:
@@ -254,6 +260,9 @@ class DisjointSchedule:
         inputs = self._inputs.get(mb, {})
         edge_in = {lk.src.module: t for lk, t in inputs.items() if lk in self.boundaries}
         stage_in = next((t for lk, t in inputs.items() if lk not in self.boundaries), None)
+        fault_point("encoder-forward", self.rank, self._iteration, when=self.plan.roles.is_encoder(self.name))
+        fault_point("llm-1f1b", self.rank, self._iteration,
+                    when=self.name in self.plan.roles.language and mb == self.micro_batches // 2)
         out = self.runner.forward(self.name, samples, edge_in, stage_in)
         if isinstance(out, LossSum):
             self._loss_sums.append(out.loss_sum.detach())

@@ -216,18 +216,21 @@ def run_ranks(
     init_distributed: bool = True,
     env: dict[str, str] | None = None,
     forward_signals: tuple[int, ...] = (),
+    pg_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks forked from this process.
 
     The rank is available inside ``fn`` as ``torch.distributed.get_rank()`` (when
     ``init_distributed``) or ``int(os.environ["RANK"])``. ``timeout`` is the overall deadline in
-    seconds for all ranks (and the process-group timeout). ``env`` is added to each rank's
-    environment. ``forward_signals``: signals this process passes on to every rank while they run
-    (the ranks lead their own process groups, so a signal to this one's group misses them; set only
-    from the main thread, the previous handlers are restored). Keyword arguments named ``timeout``,
-    ``backend``, ``init_distributed``, ``env`` or ``forward_signals`` are taken by this function, not
-    passed to ``fn``.
+    seconds for all ranks; ``pg_timeout`` the world process group's timeout (default ``timeout``;
+    training passes its communication timeout, so a collective over the world that waits on a
+    stuck rank fails on its own, as under torchrun). ``env`` is added to each rank's environment.
+    ``forward_signals``: signals this process passes on to every rank while they run (the ranks lead
+    their own process groups, so a signal to this one's group misses them; set only from the main
+    thread, the previous handlers are restored). Keyword arguments named ``timeout``, ``backend``,
+    ``init_distributed``, ``env``, ``pg_timeout`` or ``forward_signals`` are taken by this function,
+    not passed to ``fn``.
 
     Returns the ranks' return values in rank order (they must be picklable).
 
@@ -241,6 +244,8 @@ def run_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    if pg_timeout is not None and pg_timeout <= 0:
+        raise ValueError(f"pg_timeout must be > 0 seconds, got {pg_timeout}")
 
     ctx = multiprocessing.get_context("fork")
     port = free_port()
@@ -258,7 +263,7 @@ def run_ranks(
                 target=_child_main,
                 name=f"rank{rank}",
                 args=(rank, world_size, port, writer, readers + [reader], fn, args, kwargs,
-                      timeout, backend, init_distributed, env),
+                      pg_timeout or timeout, backend, init_distributed, env),
                 daemon=False,  # a rank may start its own workers (e.g. DataLoader)
             )
             proc.start()

@@ -32,6 +32,15 @@ def run_collective(what: str, rank: int, fn: Callable[..., Any], *args: Any) -> 
         raise CollectiveError(f"{what}: rank {rank} failed: {type(exc).__name__}: {first}") from exc
 
 
+def optimizer_what(state) -> str:
+    """How a failed optimizer step of `state` (a ModuleState) is named: its gradient-norm all-reduce
+    runs over the module's model-parallel group, the distributed optimizer's gathers over DP x CP."""
+    pgs = state.pgs
+    return (f"module {state.name}: optimizer step (collectives over its DP x CP group, ranks "
+            f"{dist.get_process_group_ranks(pgs.dp_cp)}, and its model-parallel group, ranks "
+            f"{dist.get_process_group_ranks(pgs.mp)})")
+
+
 def global_loss(loss_sums: Iterable[torch.Tensor], counts: bool, loss_tokens: int, rank: int) -> float:
     """The step's per-token loss: the sum over ranks of this rank's `loss_sums` (only if `counts`:
     last-stage ranks with TP rank 0, since TP replicas hold the same per-token losses while DP and

@@ -24,6 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.plan.placement import AXES, Coord, coord_of, group_ranks
+from megatron_hetero.runtime.faults import fault_point
 
 # (ProcessGroupCollection field, grid dims) in creation order.
 DENSE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -63,9 +64,31 @@ class ModuleGrid:
         return self.layout.name
 
 
+class GroupCreationError(RuntimeError):
+    """Creating a process group failed (a peer died or did not come within the timeout); names the
+    group, its ranks and this rank."""
+
+
+def _named(desc: str, enumeration: list[list[int]], limit: timedelta, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, the creation of the groups `enumeration`; a failure is re-raised naming
+    the groups `desc`, this rank's group among them, and this rank (every rank creates every group, so
+    one dead rank stops the creation everywhere)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the store or a peer failed: say which group
+        rank = dist.get_rank()
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        mine = next((g for g in enumeration if rank in g), None)
+        which = f"its group {mine}" if mine is not None else "not a member"
+        raise GroupCreationError(
+            f"rank {rank}: creating process groups {desc} ({len(enumeration)} group(s), {which}) failed "
+            f"(timeout {limit.total_seconds():g} s, --hetero-comm-timeout): {type(exc).__name__}: {first}") from exc
+
+
 def _new_groups(enumeration: list[list[int]], backend: Optional[str], timeout: timedelta, desc: str):
     """Create every group of `enumeration` on every rank; return the one this rank is in (or None)."""
-    mine, _ = dist.new_subgroups_by_enumeration(enumeration, backend=backend, timeout=timeout, group_desc=desc)
+    mine, _ = _named(desc, enumeration, timeout, dist.new_subgroups_by_enumeration, enumeration, backend=backend,
+                     timeout=timeout, group_desc=desc)
     return mine
 
 
@@ -117,7 +140,9 @@ class Topology:
             mg.groups.append(pg)
 
         for name, dims in DENSE_GROUPS:
-            keep(name, grid.create_pg(list(dims), timeout=timeout, group_desc=f"{m.name}:{name}"))
+            keep(name, _named(f"{m.name}:{name}", grid.get_rank_enum(list(dims)), timeout, grid.create_pg, list(dims),
+                              timeout=timeout, group_desc=f"{m.name}:{name}"))
+        fault_point("pg-create", rank)
         # Embedding groups (Megatron semantics): first+last stage of each pipeline, and first stage.
         pp_groups = group_ranks(m, "pp")
         embd = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
@@ -130,7 +155,8 @@ class Topology:
                            backend=backend)
         mg.expert_grid = eg
         for name, dims in EXPERT_GROUPS:
-            keep(name, eg.create_pg(list(dims), timeout=timeout, group_desc=f"{m.name}:{name}"))
+            keep(name, _named(f"{m.name}:{name}", eg.get_rank_enum(list(dims)), timeout, eg.create_pg, list(dims),
+                              timeout=timeout, group_desc=f"{m.name}:{name}"))
         if member:
             pgs = ProcessGroupCollection(**found)
             # One distributed-optimizer instance: the partial DP group is the whole DP x CP group.

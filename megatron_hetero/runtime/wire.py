@@ -48,16 +48,34 @@ def header(seq: int, hidden: int, dtype: torch.dtype, numel: int) -> torch.Tenso
     return torch.tensor([seq, hidden, DTYPE_CODES[dtype], numel], dtype=torch.int64)
 
 
+def where(edge: str) -> str:
+    """'edge vision->language' for an edge name; a description ('pipeline link ...') as it is."""
+    return edge if " " in edge.strip() else f"edge {edge}"
+
+
 def _wait(work, label: str, edge: str, rank: int, peer: int, timeout_s: float) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise BoundaryTimeout(
-            f"edge {edge}: rank {rank} waited for the {label} rank {peer} and gave up (timeout "
+            f"{where(edge)}: rank {rank} waited for the {label} rank {peer} and gave up (timeout "
             f"{timeout_s:g} s, --hetero-comm-timeout): {str(exc).splitlines()[0][:200]}"
         ) from None
     if ok is False:
-        raise BoundaryTimeout(f"edge {edge}: rank {rank} timed out after {timeout_s:g} s waiting for the {label} rank {peer}")
+        raise BoundaryTimeout(f"{where(edge)}: rank {rank} timed out after {timeout_s:g} s waiting for the {label} "
+                              f"rank {peer}")
+
+
+def _post(fn, label: str, edge: str, rank: int, peer: int, *args, **kwargs):
+    """Post one operation (`fn(*args, **kwargs)`: an isend, an irecv, a broadcast); posting on a
+    connection to a peer that already died raises at once: re-raised naming edge, rank and peer."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        raise BoundaryTimeout(
+            f"{where(edge)}: rank {rank} could not post the {label} rank {peer} (its connection failed): "
+            f"{str(exc).splitlines()[0][:200]}"
+        ) from None
 
 
 def p2p(
@@ -78,9 +96,12 @@ def p2p(
     rank = dist.get_rank()
     pending = []
     for peer, buf in recvs.items():
-        pending.append((f"{what} from", peer, dist.irecv(buf, src=peer, group=group, tag=tag)))
+        label = f"{what} from"
+        pending.append((label, peer, _post(dist.irecv, label, edge, rank, peer, buf, src=peer, group=group, tag=tag)))
     for peer, tensor in sends.items():
-        pending.append((f"{what} to", peer, dist.isend(tensor, dst=peer, group=group, tag=tag)))
+        label = f"{what} to"
+        pending.append((label, peer, _post(dist.isend, label, edge, rank, peer, tensor, dst=peer, group=group,
+                                           tag=tag)))
     for label, peer, work in pending:
         _wait(work, label, edge, rank, peer, timeout_s)
 
@@ -107,7 +128,7 @@ def exchange_batch(ops: list[WireOp], *, timeout_s: float) -> None:
         return
     rank = dist.get_rank()
     p2p_ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, tag=op.tag) for op in ops]
-    works = dist.batch_isend_irecv(p2p_ops)
+    works = dist.batch_isend_irecv(p2p_ops)  # a failure to post: the caller names the batch's edges and peers
     if len(works) == len(ops):
         for op, work in zip(ops, works):
             _wait(work, f"{op.what} {'to' if op.send else 'from'}", op.edge, rank, op.peer, timeout_s)
@@ -119,12 +140,13 @@ def exchange_batch(ops: list[WireOp], *, timeout_s: float) -> None:
 
 def broadcast(tensor: torch.Tensor, root: int, group: dist.ProcessGroup, *, what: str, edge: str, timeout_s: float) -> None:
     """`dist.broadcast` from global rank `root` over `group`, with a timeout naming edge, rank and root."""
-    work = dist.broadcast(tensor, src=root, group=group, async_op=True)
+    work = _post(dist.broadcast, f"{what} from", edge, dist.get_rank(), root, tensor, src=root, group=group,
+                 async_op=True)
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
         raise BoundaryTimeout(
-            f"edge {edge}: rank {dist.get_rank()} waited for the {what} from rank {root} and gave up "
+            f"{where(edge)}: rank {dist.get_rank()} waited for the {what} from rank {root} and gave up "
             f"(timeout {timeout_s:g} s): {str(exc).splitlines()[0][:200]}"
         ) from None
 

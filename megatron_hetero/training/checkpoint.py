@@ -55,6 +55,7 @@ from megatron_hetero.training.checkpoint_files import (  # noqa: F401 - re-expor
     FORMAT, LAYOUT_FILE, RNG_DIR, STATE_FILE, TRACKER, VERSION, iteration_dir, manifest, publish, read_tracker,
     read_train_state, select_checkpoint, stage_dir, verify_manifest, write_train_state,
 )
+from megatron_hetero.runtime.faults import fault_point, named_collective
 
 LANGUAGE = "language"
 
@@ -317,6 +318,8 @@ def _guard(what: str, fn, *args, **kwargs):
 # save / load (collective: every rank of the job calls them together)
 # ---------------------------------------------------------------------------------------------------
 
+@named_collective(lambda root, iteration, *a, **k:
+                  f"checkpoint save of iteration {iteration} under {root} (barriers and writes over the world)")
 def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job, topo, states: dict,
                     schedulers: dict) -> Path:
     """Save iteration `iteration` under `root` (see the module docstring); returns its directory."""
@@ -359,6 +362,7 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
         dist.barrier()
         _guard(f"saving {sub}", dist_checkpointing.save, sd, str(sub))
         _reached(f"saved {name}")
+        fault_point("ckpt-save", rank, iteration)  # runtime/faults.py: off unless MEGATRON_HETERO_FAULT asks
     if rank == 0:
         (d / RNG_DIR).mkdir()
     dist.barrier()

@@ -213,7 +213,8 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
         # SIGTERM to this process reaches every rank (they lead their own process groups); with
         # --exit-signal-handler they stop after the same step and save, else they die of it
         per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend(),
-                             forward_signals=(signal.SIGTERM,), log_write=lines.write if lines else None)
+                             forward_signals=(signal.SIGTERM,), pg_timeout=min(job.comm_timeout_s, timeout),
+                             log_write=lines.write if lines else None)
     finally:
         if lines is not None:
             lines.close()

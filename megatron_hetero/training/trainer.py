@@ -13,6 +13,7 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.topology import Topology
+from megatron_hetero.runtime.step import run_collective
 from megatron_hetero.runtime.trace import gather_trace, tracer_from_env
 from megatron_hetero.training.setup import JobConfig, build_states
 from megatron_hetero.training.signals import ExitSignal, finish_on_signal
@@ -163,7 +164,7 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
         last_saved = start if job.load else None
         stopped = None
         for it in range(start, job.train_iters):
-            dist.barrier()
+            run_collective("start-of-iteration barrier over the world", topo.rank, dist.barrier)
             t0 = time.perf_counter()
             res = schedule.step(it)
             for sch in schedulers.values():
