@@ -148,8 +148,11 @@ def test_fork_cell(cell, references, tmp_path):
     resume = (cell.phase, cell.kind, cell.layout) in RESUMED
     rec = run_cell(cell, references[cell.layout], tmp_path / "w", COMM_TIMEOUT_S, resume=resume)
     detail = _check(rec, cell)
-    if resume:  # the half-written iteration 4 exists, but the marker and the resume use iteration 2
-        assert (tmp_path / "w" / "ckpt" / "iter_0000004").is_dir(), detail
+    if resume:  # the half-written iteration 4 is left as iter_0000004.saving; the marker and the resume use
+        # iteration 2: `--load` alone refuses (it names --load-fallback), `--load-fallback` resumes
+        assert (tmp_path / "w" / "ckpt" / "iter_0000004.saving").is_dir(), detail
+        assert not (tmp_path / "w" / "ckpt" / "iter_0000004").exists(), detail
+        assert rec["checks"]["half-written save refused without --load-fallback"], detail
         assert rec["checks"]["resumed loss matches"] and rec["resume_loss"] == rec["reference_loss"], detail
 
 

@@ -123,14 +123,15 @@ QUICK: tuple[Cell, ...] = (
 
 
 def job_for(layout: str, save: Optional[str], comm_timeout_s: float, train_iters: int = TRAIN_ITERS,
-            load: Optional[str] = None):
+            load: Optional[str] = None, load_fallback: bool = False):
     """The layout and `JobConfig` of a cell (the same job `train`'s flags of `cli_flags` build)."""
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.training.setup import JobConfig
 
     lay = layout_from_dict(LAYOUTS[layout], world_size=4)
     job = JobConfig(train_iters=train_iters, micro_batch_size=MICRO_BATCH[layout], comm_timeout_s=comm_timeout_s,
-                    save=save, save_interval=SAVE_INTERVAL if save else 0, load=load)
+                    save=save, save_interval=SAVE_INTERVAL if save else 0, load=load,
+                    load_fallback=load_fallback)
     return lay, job
 
 
@@ -259,6 +260,19 @@ def _latest(root: Path) -> Optional[int]:
         return None
 
 
+def _refuses_without_fallback(root: Path) -> Optional[bool]:
+    """None when no save under `root` was cut short; else whether `--load` alone refuses to resume."""
+    from megatron_hetero.training.checkpoint_files import select_checkpoint
+
+    if not any(p.name.endswith(".saving") for p in root.iterdir()):
+        return None
+    try:
+        select_checkpoint(root)
+    except ValueError as exc:
+        return "--load-fallback" in str(exc)
+    return False
+
+
 def run_cell(cell: Cell, reference: list[float], work: Path, comm_timeout_s: float = COMM_TIMEOUT_S,
              resume: bool = True) -> dict[str, Any]:
     """Run one cell in `work` (an empty folder); returns its record with `passed` and the `checks`."""
@@ -285,7 +299,13 @@ def run_cell(cell: Cell, reference: list[float], work: Path, comm_timeout_s: flo
     if "exit_codes" in facts:
         rec["exit_codes"] = facts["exit_codes"]
     if resume and latest is not None:
-        lay, job = job_for(cell.layout, None, comm_timeout_s, train_iters=latest + 1, load=str(work / "ckpt"))
+        # a save cut short leaves iter_N.saving: `--load` alone refuses it (exit 2), `--load-fallback` resumes
+        # from the marker's checkpoint, as a user would after reading that message
+        half_written = _refuses_without_fallback(work / "ckpt")
+        if half_written is not None:
+            checks["half-written save refused without --load-fallback"] = half_written
+        lay, job = job_for(cell.layout, None, comm_timeout_s, train_iters=latest + 1, load=str(work / "ckpt"),
+                           load_fallback=True)
         loss = run_local(lay, job, timeout=600)[0]["loss"]
         want = reference[latest]
         rec["resume_loss"], rec["reference_loss"] = loss, want
