@@ -6,8 +6,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner")
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6}  # iterations per case; schedule: steps
+BENCHMARKS = ("boundary", "schedule", "planner", "e2e")
+DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "e2e": 6}  # iterations per case; schedule: steps
 
 
 def _module(name: str):
@@ -16,15 +16,17 @@ def _module(name: str):
     return importlib.import_module(f"megatron_hetero.bench.{name}")
 
 
-def run_benchmark(name: str, out: Path, iters: Optional[int] = None) -> dict[str, Any]:
+def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool = False) -> dict[str, Any]:
     """Run benchmark `name` with `iters` iterations per case (default DEFAULT_ITERS; the schedule
-    benchmark runs at least 2 steps); writes its files under `out` and returns its document."""
+    benchmark runs at least 2 steps; `quick`: e2e only); writes its files under `out` and returns its document."""
     if iters is not None and iters < 1:
         raise ValueError(f"--iters must be >= 1, got {iters}")
     bench = _module(name)
-    iters = iters or DEFAULT_ITERS[name]
+    iters = iters or (2 if quick else DEFAULT_ITERS[name])
     if name == "schedule":
         return bench.run(Path(out), steps=max(iters, 2))
+    if name == "e2e":  # --quick: smaller models, a small profile, one round (the smoke test's)
+        return bench.run(Path(out), iters=iters, quick=quick)
     return bench.run(Path(out), iters=iters)
 
 
