@@ -2,6 +2,7 @@
 direct mode moves exactly the minimum, the leader path more. Times are not asserted."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -55,3 +56,41 @@ def test_bench_command_checks_its_input_before_running(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["bench", "nope"])
     assert info.value.code == 2
+
+
+@pytest.mark.timeout(600)
+def test_bench_e2e_quick(tmp_path, capsys):
+    """`bench e2e --quick`: for both workloads the homogeneous layout and the search's colocated and
+    disjoint picks train on the same samples, so their losses agree step by step; the plugin-overhead
+    pair (ours vs Megatron-core's forward-backward function) too. Structure only, no timing asserts."""
+    import math
+
+    from megatron_hetero import cli
+    from megatron_hetero.bench import e2e
+
+    assert cli.main(["bench", "e2e", "--quick", "--iters", "1", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert "speed-up vs homogeneous" in capsys.readouterr().out
+    assert doc["benchmark"] == "e2e" and doc["quick"] and doc["world_size"] == e2e.WORLD
+    assert set(doc["workloads"]) == {w.name for w in e2e.WORKLOADS}
+    for w in e2e.WORKLOADS:
+        rows = {c["kind"]: c for c in doc["cases"] if c["workload"] == w.name}
+        assert set(rows) == {"homogeneous", "colocated", "disjoint"}, rows.keys()
+        base = rows["homogeneous"]
+        assert base["speedup_vs_homogeneous"] == 1.0 and base["loss_max_rel_diff"] == 0.0
+        assert rows["disjoint"]["placement"] == "disjoint" and rows["colocated"]["placement"] == "colocated"
+        for c in rows.values():
+            assert len(c["losses"]) == 2 and all(math.isfinite(x) for x in c["losses"])
+            assert c["loss_max_rel_diff"] < 1e-5, (w.name, c["kind"], c["losses"], base["losses"])
+            assert c["speedup_vs_homogeneous"] == pytest.approx(base["step_time_s"] / c["step_time_s"])
+            assert c["tokens_per_s"] == pytest.approx(
+                doc["workloads"][w.name]["model"]["global_batch_size"] * doc["workloads"][w.name]["model"]["seq_length"]
+                / c["step_time_s"])
+            assert c["peak_memory_bytes"] > 0 and c["estimate_s"] > 0
+        # the layout the search's disjoint pick describes is the one trained
+        assert rows["disjoint"]["layout_doc"]["placement"] == "disjoint"
+    o = doc["overhead"]
+    assert doc["overhead_vs_megatron"] == pytest.approx(o["step_time_s"]["ours"] / o["step_time_s"]["megatron"])
+    assert o["loss_max_rel_diff"] < 1e-5
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

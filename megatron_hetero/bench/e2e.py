@@ -168,6 +168,8 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
     apply_compat()
     t_start = time.perf_counter()
     workloads = quick_workloads() if quick else WORKLOADS
+    if quick:
+        overhead_steps = min(overhead_steps, 2)
     prof_doc = None
     if profile is None:
         raw = T.measure(WORLD, quick_grid() if quick else e2e_grid(), rounds=1, quiet_wait_s=0.0, tries=1)
