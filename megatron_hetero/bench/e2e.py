@@ -11,10 +11,11 @@ Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`):
       homogeneous layout gives the encoder the language model's 2-way model-parallel group as TP.
 For each: a profile of this machine is taken in the same run (`training.profile.measure`, fitted by
 `plan.profile_fit`), `plan.search` (restricted to the workload's constraint, runtime layouts only)
-picks the best colocated and the best disjoint layout, and the three layouts are trained side by side:
-`rounds` rounds, each training every case for `warmup + iters` steps on forked ranks
-(`training.trainer.train_rank`), cases interleaved so all see the machine in the same periods. A case's
-step time is the median over its kept steps of the slowest rank's step. Loss equality: every case
+picks the best colocated and the best disjoint layout, and the three layouts are trained side by side
+(`side_by_side`): one set of forked ranks builds all three (topologies, models, schedules) and runs
+step k of each in turn (order rotated every step), `warmup + iters` steps; `rounds` such runs per
+workload, the workloads alternating. A case's step time is the median over its kept steps (all rounds)
+of the slowest rank's step; `speedup_per_round` gives the ratio of each round's medians. Loss equality: every case
 trains on the same samples from the same initial weights, so its per-step losses must match the
 homogeneous layout's (`loss_max_rel_diff`).
 
@@ -64,11 +65,11 @@ class E2EWorkload:
 WORKLOADS = (
     E2EWorkload(
         "inherited-tp",
-        BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=80, vocab_size=128,
+        BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=160, vocab_size=128,
                    encoder_num_layers=4, encoder_hidden_size=64, encoder_num_attention_heads=4,
-                   encoder_tokens=64, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
+                   encoder_tokens=128, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
         llm_tp=2, llm_cp=1, homogeneous=_colo({"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}),
-        why="language model fixed at TP2 (its memory); the encoder (64 image tokens, 4 layers) inherits TP2"),
+        why="language model fixed at TP2 (its memory); the encoder (128 image tokens, 4 layers) inherits TP2"),
     E2EWorkload(
         "long-context",
         BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=256, vocab_size=128,
@@ -85,6 +86,8 @@ def quick_workloads() -> tuple:
     out = []
     for w in WORKLOADS:
         m = dataclasses.replace(w.model, global_batch_size=8, encoder_num_layers=2, num_layers=2)
+        if w.name == "inherited-tp":
+            m = dataclasses.replace(m, encoder_tokens=64, seq_length=80)
         out.append(dataclasses.replace(w, model=m))
     return tuple(out)
 
@@ -101,33 +104,68 @@ def e2e_grid():
     """The profile grid: shapes around the workloads' (hidden 64, up to 512 tokens per micro-batch)."""
     from megatron_hetero.plan.profile_fit import ProfileGrid
 
-    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 80, 2), (64, 4, 128, 2), (64, 4, 256, 2)),
-                                     "encoder": ((64, 4, 16, 1), (64, 4, 16, 8), (64, 4, 64, 2), (64, 4, 64, 8))},
-                       module_shapes={"llm": ((64, 4, 80, 2, 128), (64, 4, 256, 2, 128)),
-                                      "encoder": ((64, 4, 16, 4, 64), (64, 4, 64, 4, 64))},
+    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 160, 2), (64, 4, 256, 1), (64, 4, 256, 2)),
+                                     "encoder": ((64, 4, 16, 1), (64, 4, 64, 2), (64, 4, 64, 8), (64, 4, 128, 4))},
+                       module_shapes={"llm": ((64, 4, 160, 2, 128), (64, 4, 256, 2, 128)),
+                                      "encoder": ((64, 4, 64, 4, 64), (64, 4, 128, 4, 64))},
                        tp=(1, 2, 4), cp=(1, 2))
 
 
 # ---------------------------------------------------------------------------------------------
-def train_case(layout, model: BenchModel, steps: int, micro_batch_size: int, timeout: float = 900.0) -> dict:
-    """Train `layout` for `steps` steps on forked ranks: per step the slowest rank's time, the loss,
-    and the largest resident state of any rank."""
+def _rank_side_by_side(cases: list, steps: int) -> dict[str, Any]:
+    """One rank of `side_by_side`: every case's topology, model and schedule built on this rank, then
+    `steps` steps of each case, step by step in a rotated order."""
+    import torch.distributed as dist
+
+    from megatron_hetero.plan.rank_plan import rank_plan
+    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.training.setup import build_states
+    from megatron_hetero.training.trainer import make_schedule, prepare_rank
+
+    prepare_rank(cases[0][1])
+    topos, scheds = [], []
+    try:
+        for lay, job in cases:  # every rank builds every case's groups in the same order
+            topo = Topology.build(lay, timeout_s=job.comm_timeout_s)
+            topos.append(topo)
+            plan = rank_plan(lay, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+            scheds.append(make_schedule(plan, job, topo, build_states(lay, job, topo)))
+        n = len(cases)
+        out = {"times": [[] for _ in cases], "losses": [[] for _ in cases], "peak": [0] * n}
+        for it in range(steps):
+            for i in [(it + j) % n for j in range(n)]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                res = scheds[i].step(it)
+                out["times"][i].append(time.perf_counter() - t0)
+                out["losses"][i].append(res.loss)
+                for phase in (res.memory or {}).values():
+                    out["peak"][i] = max(out["peak"][i], sum(phase.values()))
+        dist.barrier()
+        return out
+    finally:
+        for t in reversed(topos):
+            t.destroy()
+
+
+def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]:
+    """Train the (layout, job) `cases` (same world size) in one set of forked ranks, alternating step
+    by step (step k of every case, in an order rotated each step), so that every case sees the
+    machine in the same periods. Per case: the slowest rank's time per step, the losses, and the
+    largest resident state of any rank."""
     from megatron_hetero.compat import default_backend
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
-    from megatron_hetero.training.trainer import train_rank
 
-    job = dataclasses.replace(model.job(steps), micro_batch_size=micro_batch_size)
-    validate_job(layout, job)
-    per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
-    times = [max(r["records"][i]["step_time_s"] for r in per_rank) for i in range(steps)]
-    losses = [per_rank[0]["records"][i]["loss"] for i in range(steps)]
-    peak = 0
-    for r in per_rank:
-        for rec in r["records"]:
-            for phase in (rec.get("memory") or {}).values():
-                peak = max(peak, sum(phase.values()))
-    return {"steps_s": times, "losses": losses, "peak_memory_bytes": int(peak)}
+    worlds = {lay.world_size for lay, _ in cases}
+    if len(worlds) != 1:
+        raise ValueError(f"side-by-side cases must share one world size, got {sorted(worlds)}")
+    for lay, job in cases:
+        validate_job(lay, job)
+    per_rank = run_ranks(worlds.pop(), _rank_side_by_side, cases, steps, timeout=timeout, backend=default_backend())
+    return [{"steps_s": [max(r["times"][i][k] for r in per_rank) for k in range(steps)],
+             "losses": per_rank[0]["losses"][i], "peak_memory_bytes": int(max(r["peak"][i] for r in per_rank))}
+            for i in range(len(cases))]
 
 
 def _picks(w: E2EWorkload, prof) -> dict[str, Any]:
@@ -191,11 +229,15 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
             est = C.evaluate(candidate_for(lay, spec), wl, profile).total
             cases.append({"workload": w.name, "kind": kind, "layout_obj": lay, "mbs": mbs, "search": desc,
                           "estimate_s": est, "model": w.model, "rounds": []})
-    # interleaved rounds: every case once per round, in a rotated order
+    # side by side: per workload, its cases in one process tree, alternating step by step; `rounds`
+    # such process trees per workload, the workloads interleaved
     for k in range(1 if quick else rounds):
-        order = cases[k % len(cases):] + cases[:k % len(cases)]
-        for c in order:
-            c["rounds"].append(train_case(c["layout_obj"], c["model"], warmup + iters, c["mbs"]))
+        for w in workloads:
+            mine = [c for c in cases if c["workload"] == w.name]
+            jobs = [(c["layout_obj"], dataclasses.replace(c["model"].job(warmup + iters), micro_batch_size=c["mbs"]))
+                    for c in mine]
+            for c, r in zip(mine, side_by_side(jobs, warmup + iters)):
+                c["rounds"].append(r)
     home = next(w for w in workloads if w.name == "inherited-tp")
     overhead = PM.measure(resolve(home.homogeneous, WORLD), home.model.job(1), steps=overhead_steps)
     doc_cases = []
