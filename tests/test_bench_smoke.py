@@ -94,3 +94,32 @@ def test_bench_e2e_quick(tmp_path, capsys):
     assert o["loss_max_rel_diff"] < 1e-5
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cost_check_measured_terms_from_a_trace():
+    """Exclusive span time per term: nested spans are subtracted from their parent, steps are cut at
+    each rank's optimizer spans, terms are the mean over ranks, `other` is the untraced rest."""
+    from megatron_hetero.bench.cost_check import exclusive, measured_terms
+
+    def x(pid, cat, ts, dur):
+        return {"ph": "X", "pid": pid, "cat": cat, "name": cat, "ts": ts, "dur": dur}
+
+    assert exclusive([x(0, "boundary", 0, 100), x(0, "encoder-backward", 10, 50), x(0, "wait", 100, 5)]) == [
+        (0, 50.0, "boundary"), (10, 50.0, "encoder-backward"), (100, 5.0, "wait")]
+    us = 1000.0  # 1 ms in trace units
+    events = []
+    for pid, slow in ((0, 1.0), (1, 1.4)):
+        for step in range(2):
+            t = step * 100 * us
+            events += [x(pid, "schedule", t, 40 * us), x(pid, "llm-forward", t + 5 * us, 10 * slow * us),
+                       x(pid, "llm-backward", t + 20 * us, 10 * us), x(pid, "wait", t + 30 * us, 4 * us),
+                       x(pid, "boundary", t + 40 * us, 6 * us), x(pid, "encoder-backward", t + 41 * us, 2 * us),
+                       x(pid, "grad-reduce", t + 50 * us, 8 * us), x(pid, "optimizer", t + 60 * us, 5 * us)]
+    got = measured_terms({"traceEvents": events}, [0.1, 0.09], warmup=1)
+    assert got["compute"] == pytest.approx((10 + 14) / 2 / 1e3 + 10e-3 + 2e-3)
+    assert got["boundary"] == pytest.approx(4e-3) and got["pipeline"] == pytest.approx(4e-3)
+    assert got["dp"] == pytest.approx(8e-3) and got["optimizer"] == pytest.approx(5e-3)
+    schedule_rest = (40 - (10 + 14) / 2 - 10 - 4) / 1e3  # the language phase's untraced time, mean of ranks
+    traced = got["compute"] + 4e-3 + 4e-3 + 8e-3 + 5e-3
+    assert got["other"] == pytest.approx(0.09 - traced)
+    assert schedule_rest > 0 and got["step"] == 0.09
