@@ -91,6 +91,8 @@ def test_bench_e2e_quick(tmp_path, capsys):
         assert rows["disjoint"]["layout_doc"]["placement"] == "disjoint"
     o = doc["overhead"]
     assert doc["overhead_vs_megatron"] == pytest.approx(o["step_time_s"]["ours"] / o["step_time_s"]["megatron"])
+    assert doc["overhead_vs_megatron_batched"] == pytest.approx(
+        o["step_time_s"]["ours"] / o["step_time_s"]["megatron_batched"])
     assert o["loss_max_rel_diff"] < 1e-5
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,16 +1,19 @@
 """The plugin's overhead: a homogeneous layout through our colocated schedule against the same model
 run by Megatron-core's own `get_forward_backward_func`, step by step in the same processes.
 
-Every rank builds the model twice from the same seed (two `ModuleState` sets: Megatron DDP wrappers
+Every rank builds the model three times from the same seed (`ModuleState` sets: Megatron DDP wrappers
 and optimizers; identical initial weights), one trained by our `ColocatedSchedule`, the other by
 `plain_step`: per micro-batch, one `forward_step` that runs the encoder on the micro-batch's features
 and the language model on its tokens with the encoder's tokens spliced in (the model code of
 `models/`, as any Megatron user's forward_step calls its model), Megatron-core's forward-backward
 function over the micro-batches, then Megatron's `DistributedDataParallel.finish_grad_sync` and
 `MegatronOptimizer.step` per module, and one all-reduce of the loss. No plugin runtime code (plans,
-schedule tables, boundaries, traces, memory snapshots) runs in that step. The two alternate step by
-step (ours, plain, plain, ours, ...: each pair's order swapped), so both see the machine in the same
-periods; the first step of each is dropped. Both train on the same samples, so their losses must
+schedule tables, boundaries, traces, memory snapshots) runs in that step. Two plain variants: the
+encoder per micro-batch inside forward_step (`megatron`, as Megatron-LM's LLaVA runs it), and the
+encoder once per step over the rank's share before the forward-backward function and its backward
+once after (`megatron_batched`: the batching of our colocated schedule, so only the plugin's own code
+differs). The three alternate step by step (the order rotated every step), so all see the machine in
+the same periods; the first step of each is dropped. Both train on the same samples, so their losses must
 agree step for step (the encoder runs per micro-batch here and once per step in ours: the same
 arithmetic, different batching).
 
@@ -30,6 +33,11 @@ import torch
 import torch.distributed as dist
 
 
+#: ours; Megatron-core with the encoder per micro-batch (as Megatron-LM's LLaVA runs it); Megatron-core
+#: with the encoder once per step over the rank's share (the same batching as ours: plugin code only differs)
+MODES = ("ours", "megatron", "megatron_batched")
+
+
 def check_layout(layout) -> None:
     """ValueError unless `layout` is colocated, pp = 1 and every module on the same degrees."""
     degrees = {(m.tp, m.cp, m.pp, m.dp) for m in layout.modules}
@@ -38,9 +46,11 @@ def check_layout(layout) -> None:
                          + ", ".join(f"{m.name} {m.short()}" for m in layout.modules))
 
 
-def plain_step(step: int, spec, layout, job, states, runner, forward_backward) -> float:
+def plain_step(step: int, spec, layout, job, states, runner, forward_backward, batched: bool = False) -> float:
     """One training step of the homogeneous model with Megatron-core's schedule (module docstring);
-    returns the global per-token loss (the same on every rank)."""
+    returns the global per-token loss (the same on every rank). batched: the encoder runs once over
+    the rank's whole share before the forward-backward function (its output a leaf whose gradient
+    the micro-batches accumulate) and backward once after it, as our colocated schedule batches it."""
     from megatron_hetero.plan.batch import micro_batching
 
     (enc_name,) = tuple(spec.encoders)
@@ -59,11 +69,18 @@ def plain_step(step: int, spec, layout, job, states, runner, forward_backward) -
     config = lang.module.config
     config.grad_scale_func = lambda t: t / loss_tokens  # per-token loss over the global token count
     sums: list[torch.Tensor] = []
+    enc_out = leaf = None
+    if batched:
+        enc_out = runner.forward(enc_name, range(first, first + share), {}, None)
+        leaf = enc_out.detach().requires_grad_(True)
 
     def forward_step(data_iterator, model):
         i = next(data_iterator)
         samples = range(first + i * mbs, first + (i + 1) * mbs)
-        tokens = runner.forward(enc_name, samples, {}, None)  # [rows, n, hidden] (projector output)
+        if leaf is not None:
+            tokens = leaf[i * mbs:(i + 1) * mbs]
+        else:
+            tokens = runner.forward(enc_name, samples, {}, None)  # [rows, n, hidden] (projector output)
         out = runner.forward(lang_name, samples, {enc_name: tokens}, None)
 
         def loss_func(loss_sum):
@@ -76,6 +93,8 @@ def plain_step(step: int, spec, layout, job, states, runner, forward_backward) -
                      num_microbatches=count, seq_length=spec.seq_length, micro_batch_size=mbs,
                      forward_only=False, pg_collection=lang.pgs)
     config.grad_scale_func = None
+    if leaf is not None:
+        torch.autograd.backward(enc_out, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
     for s in states.values():
         s.ddp.finish_grad_sync()
     for s in states.values():
@@ -103,25 +122,26 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        ours_states = build_states(layout, job, topo)
-        plain_states = build_states(layout, job, topo)
-        ours = make_schedule(plan, job, topo, ours_states)
-        plain_runner = LlavaStageRunner(job.spec, plan, plain_states)
+        ours = make_schedule(plan, job, topo, build_states(layout, job, topo))
+        plain = {}
+        for mode in MODES[1:]:
+            st = build_states(layout, job, topo)
+            plain[mode] = (st, LlavaStageRunner(job.spec, plan, st))
         fb = get_forward_backward_func(pp_size=1, vp_size=None)
-        times: dict[str, list[float]] = {"ours": [], "megatron": []}
-        losses: dict[str, list[float]] = {"ours": [], "megatron": []}
-        k = {"ours": 0, "megatron": 0}
-        for it in range(2 * steps):
-            mode = (("ours", "megatron") if (it // 2) % 2 == 0 else ("megatron", "ours"))[it % 2]
-            dist.barrier()
-            t0 = time.perf_counter()
-            if mode == "ours":
-                loss = ours.step(k[mode]).loss
-            else:
-                loss = plain_step(k[mode], job.spec, layout, job, plain_states, plain_runner, fb)
-            times[mode].append(time.perf_counter() - t0)
-            losses[mode].append(loss)
-            k[mode] += 1
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        losses: dict[str, list[float]] = {m: [] for m in MODES}
+        for k in range(steps):
+            for j in range(len(MODES)):
+                mode = MODES[(k + j) % len(MODES)]  # the order rotates every step
+                dist.barrier()
+                t0 = time.perf_counter()
+                if mode == "ours":
+                    loss = ours.step(k).loss
+                else:
+                    st, runner = plain[mode]
+                    loss = plain_step(k, job.spec, layout, job, st, runner, fb, batched=mode == "megatron_batched")
+                times[mode].append(time.perf_counter() - t0)
+                losses[mode].append(loss)
         dist.barrier()
         return {"times": times, "losses": losses}
     finally:
@@ -129,8 +149,9 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
 
 
 def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, Any]:
-    """`steps` steps of each (after one dropped warm-up step each), alternated; the step time of a
-    step is the slowest rank's. Returns both medians, their ratio and the losses of both."""
+    """`steps` steps of each mode (after one dropped warm-up step each), alternated; the step time of
+    a step is the slowest rank's. Returns the medians, ours over each plain variant (ratio of the
+    medians, and the median of the per-step ratios) and the losses."""
     from megatron_hetero.compat import apply_compat, default_backend
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
@@ -141,9 +162,12 @@ def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, A
     validate_job(layout, job)
     apply_compat()
     per_rank = run_ranks(layout.world_size, _rank, layout, job, steps + 1, timeout=timeout, backend=default_backend())
-    step = {m: [max(r["times"][m][i] for r in per_rank) for i in range(steps + 1)][1:] for m in ("ours", "megatron")}
+    step = {m: [max(r["times"][m][i] for r in per_rank) for i in range(steps + 1)][1:] for m in MODES}
     med = {m: float(statistics.median(v)) for m, v in step.items()}
     losses = per_rank[0]["losses"]
-    diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses["ours"], losses["megatron"]))
+    diff = max(abs(a - b) / max(abs(b), 1e-30) for m in MODES[1:] for a, b in zip(losses["ours"], losses[m]))
     return {"steps": steps, "step_time_s": med, "steps_s": step, "overhead_vs_megatron": med["ours"] / med["megatron"],
+            "overhead_vs_megatron_batched": med["ours"] / med["megatron_batched"],
+            "step_ratio_medians": {m: float(statistics.median(o / p for o, p in zip(step["ours"], step[m])))
+                                   for m in MODES[1:]},
             "losses": losses, "loss_max_rel_diff": diff}
