@@ -83,6 +83,7 @@ def test_bench_e2e_quick(tmp_path, capsys):
             assert len(c["losses"]) == 2 and all(math.isfinite(x) for x in c["losses"])
             assert c["loss_max_rel_diff"] < 1e-5, (w.name, c["kind"], c["losses"], base["losses"])
             assert c["speedup_vs_homogeneous"] == pytest.approx(base["step_time_s"] / c["step_time_s"])
+            assert c["speedup_paired_median"] > 0
             assert c["tokens_per_s"] == pytest.approx(
                 doc["workloads"][w.name]["model"]["global_batch_size"] * doc["workloads"][w.name]["model"]["seq_length"]
                 / c["step_time_s"])
