@@ -70,17 +70,17 @@ WORKLOADS = (
     E2EWorkload(
         "inherited-tp",
         BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=160, vocab_size=128,
-                   encoder_num_layers=4, encoder_hidden_size=64, encoder_num_attention_heads=4,
+                   encoder_num_layers=8, encoder_hidden_size=64, encoder_num_attention_heads=4,
                    encoder_tokens=128, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
         llm_tp=2, llm_cp=1, homogeneous=_colo({"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}),
-        why="language model fixed at TP2 (its memory); the encoder (128 image tokens, 4 layers) inherits TP2"),
+        why="language model fixed at TP2 (its memory); the encoder (128 image tokens, 8 layers) inherits TP2"),
     E2EWorkload(
         "long-context",
         BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=256, vocab_size=128,
-                   encoder_num_layers=4, encoder_hidden_size=64, encoder_num_attention_heads=4,
+                   encoder_num_layers=8, encoder_hidden_size=64, encoder_num_attention_heads=4,
                    encoder_tokens=64, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
         llm_tp=1, llm_cp=2, homogeneous=_colo({"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}),
-        why="language model needs CP2 (sequence 256); the encoder's 64 tokens take no CP, so the homogeneous "
+        why="language model needs CP2 (sequence 256); the encoder's 64 tokens (8 layers) take no CP, so the homogeneous "
             "layout gives it the language model's 2-way group as TP"),
 )
 
