@@ -79,6 +79,7 @@ def test_bench_e2e_quick(tmp_path, capsys):
         base = rows["homogeneous"]
         assert base["speedup_vs_homogeneous"] == 1.0 and base["loss_max_rel_diff"] == 0.0
         assert rows["disjoint"]["placement"] == "disjoint" and rows["colocated"]["placement"] == "colocated"
+        assert rows["colocated"]["layout"] != base["layout"] == doc["workloads"][w.name]["homogeneous"]
         for c in rows.values():
             assert len(c["losses"]) == 2 and all(math.isfinite(x) for x in c["losses"])
             assert c["loss_max_rel_diff"] < 1e-5, (w.name, c["kind"], c["losses"], base["losses"])

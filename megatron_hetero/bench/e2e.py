@@ -11,7 +11,8 @@ Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`):
       homogeneous layout gives the encoder the language model's 2-way model-parallel group as TP.
 For each: a profile of this machine is taken in the same run (`training.profile.measure`, fitted by
 `plan.profile_fit`), `plan.search` (restricted to the workload's constraint, runtime layouts only)
-picks the best colocated and the best disjoint layout, and the three layouts are trained side by side
+picks the best colocated layout other than the homogeneous one and the best disjoint layout (and its
+overall pick is reported: `search_best`), and the three layouts are trained side by side
 (`side_by_side`): one set of forked ranks builds all three (topologies, models, schedules) and runs
 step k of each in turn (order rotated every step), `warmup + iters` steps; `rounds` such runs per
 workload, the workloads alternating. A case's step time is the median over its kept steps (all rounds)
@@ -173,24 +174,34 @@ def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]
 
 
 def _picks(w: E2EWorkload, prof) -> dict[str, Any]:
-    """The search's best colocated and best disjoint layout for workload `w` under profile `prof`."""
+    """The search's best colocated layout other than the homogeneous one (the search ranks that as a
+    colocated candidate with equal layouts) and its best disjoint layout for workload `w` under
+    profile `prof`; `search_best`: the search's overall pick (it may be the homogeneous layout)."""
+    import json
+
     from megatron_hetero.training.model_args import workload_for
 
     m = w.model
     wl = workload_for(m.spec(), m.global_batch_size, m.micro_batch_size)
-    res = S.search(wl, prof, WORLD, memory_limit=float("inf"), space=w.space(), top=5)
-    out = {}
+    res = S.search(wl, prof, WORLD, memory_limit=float("inf"), space=w.space(), top=200)
+    homo = json.dumps(resolve(w.homogeneous, WORLD).to_dict(), sort_keys=True)
+    out: dict[str, Any] = {"search_best": res.best.candidate.describe(),
+                           "search_best_is_homogeneous": json.dumps(res.best.candidate.to_layout().to_dict(),
+                                                                    sort_keys=True) == homo}
     for kind in ("colocated", "disjoint"):
-        r = res.by_placement.get(kind)
-        if r is None:
-            continue
-        out[kind] = {"layout": r.candidate.to_layout(), "mbs": S.train_micro_batch_size(r.candidate, wl),
-                     "estimate_s": r.breakdown.total, "describe": r.candidate.describe()}
+        for r in res.ranked:
+            lay = r.candidate.to_layout()
+            if r.candidate.placement != kind or json.dumps(lay.to_dict(), sort_keys=True) == homo:
+                continue
+            out[kind] = {"layout": lay, "mbs": S.train_micro_batch_size(r.candidate, wl),
+                         "estimate_s": r.breakdown.total, "describe": r.candidate.describe()}
+            break
     return out
 
 
 def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhead_steps: int = 12,
-        quick: bool = False, profile=None, plot: bool = True) -> dict[str, Any]:
+        quick: bool = False, profile=None, plot: bool = True, profile_source: str = "measured in this run"
+        ) -> dict[str, Any]:
     """Profile, search, train every case side by side, measure the plugin overhead; write e2e.json
     (+ e2e.png). quick: smaller models, a small profile grid, one round; `profile`: use this fitted
     profile instead of measuring one (tests)."""
@@ -218,9 +229,11 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
         profile = F.fit_profile(raw)
         prof_doc = F.profile_document(raw, profile)
     cases: list[dict[str, Any]] = []
+    search_best: dict[str, Any] = {}
     for w in workloads:
         spec = w.model.spec()
         picks = _picks(w, profile)
+        search_best[w.name] = {k: picks.pop(k) for k in ("search_best", "search_best_is_homogeneous")}
         homo = resolve(w.homogeneous, WORLD)
         rows = [("homogeneous", homo, w.model.micro_batch_size, None)]
         for kind in ("colocated", "disjoint"):
@@ -273,12 +286,13 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
     doc = {"benchmark": "e2e", "backend": default_backend(), "world_size": WORLD, "quick": quick, "iters": iters,
            "warmup": warmup, "rounds": 1 if quick else rounds,
            "workloads": {w.name: {"why": w.why, "model": dataclasses.asdict(w.model),
-                                  "homogeneous": describe(resolve(w.homogeneous, WORLD))} for w in workloads},
+                                  "homogeneous": describe(resolve(w.homogeneous, WORLD)), **search_best[w.name]}
+                         for w in workloads},
            "cases": doc_cases, "overhead_vs_megatron": overhead["overhead_vs_megatron"],
            "overhead_vs_megatron_batched": overhead["overhead_vs_megatron_batched"],
            "overhead": {k: v for k, v in overhead.items() if k != "losses"} | {"layout": describe(
                resolve(home.homogeneous, WORLD)), "workload": home.name},
-           "profile": prof_doc, "seconds": time.perf_counter() - t_start}
+           "profile_source": profile_source, "profile": prof_doc, "seconds": time.perf_counter() - t_start}
     write_json(Path(out_dir) / "e2e.json", doc)
     if plot:
         _plot(Path(out_dir) / "e2e.png", doc)
