@@ -225,7 +225,9 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
         overhead_steps = min(overhead_steps, 2)
     prof_doc = None
     if profile is None:
-        raw = T.measure(WORLD, quick_grid() if quick else e2e_grid(), rounds=1, quiet_wait_s=0.0, tries=1)
+        # the full run waits for a quiet machine and retries a disturbed profile (up to 3 tries)
+        raw = T.measure(WORLD, quick_grid() if quick else e2e_grid(), rounds=1, quiet_wait_s=0.0 if quick else 10.0,
+                        tries=1 if quick else 3)
         profile = F.fit_profile(raw)
         prof_doc = F.profile_document(raw, profile)
     cases: list[dict[str, Any]] = []
