@@ -352,4 +352,5 @@ def table(doc: dict[str, Any]) -> str:
             f"{t['ours'] * 1e3:.1f} ms; Megatron-core, encoder per micro-batch {t['megatron'] * 1e3:.1f} ms "
             f"(ours / it = {doc['overhead_vs_megatron']:.3f}); Megatron-core, encoder once per step "
             f"{t['megatron_batched'] * 1e3:.1f} ms (ours / it = {doc['overhead_vs_megatron_batched']:.3f}; median of "
-            f"per-step ratios {o['step_ratio_medians']['megatron_batched']:.3f}); loss rel. diff {o['loss_max_rel_diff']:.1e}")
+            f"per-step ratios {o['step_ratio_medians']['megatron_batched']:.3f}; CPU time summed over ranks "
+            f"{o['cpu_overhead_vs_megatron_batched']:.3f}); loss rel. diff {o['loss_max_rel_diff']:.1e}")

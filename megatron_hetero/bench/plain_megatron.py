@@ -13,7 +13,8 @@ encoder per micro-batch inside forward_step (`megatron`, as Megatron-LM's LLaVA 
 encoder once per step over the rank's share before the forward-backward function and its backward
 once after (`megatron_batched`: the batching of our colocated schedule, so only the plugin's own code
 differs). The three alternate step by step (the order rotated every step), so all see the machine in
-the same periods; the first step of each is dropped. Both train on the same samples, so their losses must
+the same periods; the first step of each is dropped. Also reported: the CPU time of a step summed
+over the ranks (the work each does; less disturbed than wall time by other processes on the cores). Both train on the same samples, so their losses must
 agree step for step (the encoder runs per micro-batch here and once per step in ours: the same
 arithmetic, different batching).
 
@@ -129,21 +130,23 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
             plain[mode] = (st, LlavaStageRunner(job.spec, plan, st))
         fb = get_forward_backward_func(pp_size=1, vp_size=None)
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in MODES}
         losses: dict[str, list[float]] = {m: [] for m in MODES}
         for k in range(steps):
             for j in range(len(MODES)):
                 mode = MODES[(k + j) % len(MODES)]  # the order rotates every step
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 if mode == "ours":
                     loss = ours.step(k).loss
                 else:
                     st, runner = plain[mode]
                     loss = plain_step(k, job.spec, layout, job, st, runner, fb, batched=mode == "megatron_batched")
                 times[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
                 losses[mode].append(loss)
         dist.barrier()
-        return {"times": times, "losses": losses}
+        return {"times": times, "cpu": cpu, "losses": losses}
     finally:
         topo.destroy()
 
@@ -164,10 +167,14 @@ def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, A
     per_rank = run_ranks(layout.world_size, _rank, layout, job, steps + 1, timeout=timeout, backend=default_backend())
     step = {m: [max(r["times"][m][i] for r in per_rank) for i in range(steps + 1)][1:] for m in MODES}
     med = {m: float(statistics.median(v)) for m, v in step.items()}
+    # CPU time summed over the ranks: the work each mode does, less disturbed by other processes
+    cpu = {m: [sum(r["cpu"][m][i] for r in per_rank) for i in range(steps + 1)][1:] for m in MODES}
+    cpu_med = {m: float(statistics.median(v)) for m, v in cpu.items()}
     losses = per_rank[0]["losses"]
     diff = max(abs(a - b) / max(abs(b), 1e-30) for m in MODES[1:] for a, b in zip(losses["ours"], losses[m]))
     return {"steps": steps, "step_time_s": med, "steps_s": step, "overhead_vs_megatron": med["ours"] / med["megatron"],
             "overhead_vs_megatron_batched": med["ours"] / med["megatron_batched"],
+            "cpu_time_s": cpu_med, "cpu_overhead_vs_megatron_batched": cpu_med["ours"] / cpu_med["megatron_batched"],
             "step_ratio_medians": {m: float(statistics.median(o / p for o, p in zip(step["ours"], step[m])))
                                    for m in MODES[1:]},
             "losses": losses, "loss_max_rel_diff": diff}
