@@ -118,7 +118,8 @@ SlurmctldPort=$ctld_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket
+# cred_expire: also how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=30
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none

@@ -3,13 +3,15 @@
 Needs a Megatron-LM tree: `MEGATRON_LM=/path/to/Megatron-LM` (the parts its scripts import are
 enough, e.g. the vendored `shared/vendor/megatron-lm-core_v0.16.1`); skipped with the reason
 otherwise. The tree is copied to a temporary folder and patched there (the patches must apply and
-reverse cleanly); every run is a real `torchrun` on CPU/gloo, 2 ranks, 3 iterations of a tiny LLaVA
-(fp32, no dropout, constant learning rate, --clip-grad 0), each script through
-`python -m megatron_hetero.megatron_lm.run` (the CPU redirections for Megatron-LM).
+reverse cleanly); every run is a real `torchrun` on CPU/gloo, 2 ranks (4 where the layout needs
+them), 3 iterations of a tiny LLaVA or GPT (fp32, no dropout, constant learning rate, --clip-grad 0),
+each script through `python -m megatron_hetero.megatron_lm.run` (the CPU redirections for Megatron-LM).
 
 Compared: the "lm loss" of Megatron's own log lines (6 significant digits; Megatron averages the
 second line over iterations 1-2 because its first line does not reset the accumulators, and the
-plugin's lines do the same). Reference: the unpatched pretrain_vlm.py at TP1·DP2.
+plugin's lines do the same) and of its validation lines (`--eval-iters 1 --eval-interval 2`: at
+iteration 2, then after training on the validation and the test set). References: the unpatched
+pretrain_vlm.py / pretrain_gpt.py at TP1·DP2.
 """
 from __future__ import annotations
 
@@ -43,14 +45,29 @@ COMMON = (
     "--make-vocab-size-divisible-by 32 --transformer-impl local --no-gradient-accumulation-fusion "
     "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-persist-layer-norm "
     "--distributed-backend gloo --lr 1e-3 --lr-decay-style constant --lr-decay-iters 10 --log-interval 1 "
-    "--eval-iters 0 --eval-interval 1000 --hidden-dropout 0 --attention-dropout 0 --clip-grad 0"
+    "--eval-iters 1 --eval-interval 2 --hidden-dropout 0 --attention-dropout 0 --clip-grad 0"
 ).split()
+
+
+def _with(args: list[str], **values: str) -> list[str]:
+    """`args` with the values of some flags replaced (`micro_batch_size="2"` -> --micro-batch-size 2)."""
+    out = list(args)
+    for k, v in values.items():
+        out[out.index("--" + k.replace("_", "-")) + 1] = v
+    return out
+
+
 VLM = COMMON + ("--encoder-num-layers 1 --decoder-num-layers 2 --img-h 32 --img-w 32 --patch-dim 16 "
                 "--ckpt-format torch").split()
-GPT = COMMON + "--num-layers 2".split()
+
+# GPT: 4 layers (two segments of 2), untied embeddings (a layout with several stages needs them),
+# 8 samples per step in micro-batches of 2.
+GPT = _with(COMMON, micro_batch_size="2", global_batch_size="8") + (
+    "--num-layers 4 --untie-embeddings-and-output-weights").split()
 ITERS = ["--train-iters", "3"]
 EDGE = ["--hetero-edge", "vision->language"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.Ee+-]+) \|")
+VALID = re.compile(r"validation loss at (iteration \d+(?: on \w+ set)?) \| lm loss value: ([0-9.Ee+-]+) \|")
 RTOL = 1e-5
 
 
@@ -64,6 +81,7 @@ class Run:
     def __init__(self, proc: subprocess.CompletedProcess) -> None:
         self.rc, self.out = proc.returncode, proc.stdout + proc.stderr
         self.losses = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(self.out)}
+        self.valid = {m.group(1): float(m.group(2)) for m in VALID.finditer(self.out)}
 
     def tail(self) -> str:
         return self.out[-4000:]
@@ -74,10 +92,14 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 400) 
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it with TP > 1 (its examples set it)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), "-m", "megatron_hetero.megatron_lm.run",
-           str(script), *args]
-    return Run(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout))
+    for _ in range(3):  # another process may take the free port before torchrun binds it: a new port
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(_free_port()), "-m", "megatron_hetero.megatron_lm.run",
+               str(script), *args]
+        run = Run(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout))
+        if run.rc == 0 or "EADDRINUSE" not in run.out:
+            break
+    return run
 
 
 def _sha(p: Path) -> str:
@@ -113,22 +135,42 @@ def _close(a: float, b: float, rtol: float = RTOL) -> bool:
     return abs(a - b) <= rtol * abs(b)
 
 
-def assert_losses(run: Run, ref: dict[int, float], rtol: float, what: str) -> float:
+def assert_losses(run: Run, ref: dict[int, float], rtol: float, what: str,
+                  ref_valid: Optional[dict[str, float]] = None) -> float:
+    """Training losses (and with `ref_valid` Megatron's validation lines) within `rtol` of the reference."""
     assert run.rc == 0, f"{what} failed (rc {run.rc}):\n{run.tail()}"
     assert sorted(run.losses) == sorted(ref), f"{what}: iterations {sorted(run.losses)} vs {sorted(ref)}\n{run.tail()}"
     worst = max(abs(run.losses[i] - ref[i]) / abs(ref[i]) for i in ref)
     assert worst <= rtol, f"{what}: losses {run.losses} vs reference {ref} (largest rel. diff {worst:.2e})"
-    print(f"{what}: largest relative loss difference {worst:.2e} over iterations {sorted(ref)}")
+    if ref_valid is not None:
+        assert sorted(run.valid) == sorted(ref_valid), f"{what}: validation {run.valid} vs {ref_valid}\n{run.tail()}"
+        worst_v = max(abs(run.valid[k] - ref_valid[k]) / abs(ref_valid[k]) for k in ref_valid)
+        assert worst_v <= rtol, f"{what}: validation {run.valid} vs reference {ref_valid} ({worst_v:.2e})"
+        worst = max(worst, worst_v)
+    print(f"{what}: largest relative loss difference {worst:.2e} over iterations {sorted(ref)}"
+          + (f" and {len(ref_valid)} validation lines" if ref_valid else ""))
     return worst
 
 
-@pytest.fixture(scope="module")
-def reference(trees) -> dict[int, float]:
-    """Per-iteration losses of the unpatched pretrain_vlm.py, TP1·DP2."""
-    run = torchrun(trees["pristine"] / "pretrain_vlm.py", VLM + ITERS)
+def _unpatched(trees, script: str, args: list[str]) -> Run:
+    """A reference run of the unpatched `script`: 3 iterations, validation at 2 and after training."""
+    run = torchrun(trees["pristine"] / script, args + ITERS)
     assert run.rc == 0, run.tail()
     assert sorted(run.losses) == [1, 2, 3], run.tail()
-    return run.losses
+    assert sorted(run.valid) == ["iteration 2", "iteration 3 on test set", "iteration 3 on validation set"], run.tail()
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(trees) -> Run:
+    """The unpatched pretrain_vlm.py, TP1·DP2."""
+    return _unpatched(trees, "pretrain_vlm.py", VLM)
+
+
+@pytest.fixture(scope="module")
+def gpt_reference(trees) -> Run:
+    """The unpatched pretrain_gpt.py, TP1·DP2."""
+    return _unpatched(trees, "pretrain_gpt.py", GPT)
 
 
 # -- patches and the check command (no torchrun) --------------------------------------------------
@@ -172,26 +214,46 @@ def test_check_command_reports_and_applies(tmp_path):
 # -- end to end: torchrun on CPU ---------------------------------------------------------------------
 def test_patched_scripts_without_hetero_flags_are_upstream(trees, reference):
     run = torchrun(trees["patched"] / "pretrain_vlm.py", VLM + ITERS)
-    assert run.rc == 0 and run.losses == reference, f"patched VLM {run.losses} vs {reference}\n{run.tail()}"
-    gpt = {k: torchrun(trees[k] / "pretrain_gpt.py", GPT + ITERS + ["--tensor-model-parallel-size", "2"])
-           for k in ("pristine", "patched")}
-    for k, r in gpt.items():
-        assert r.rc == 0 and sorted(r.losses) == [1, 2, 3], f"{k} pretrain_gpt.py:\n{r.tail()}"
-    assert gpt["patched"].losses == gpt["pristine"].losses
+    assert run.rc == 0 and (run.losses, run.valid) == (reference.losses, reference.valid), \
+        f"patched VLM {run.losses} vs {reference.losses}\n{run.tail()}"
+
+
+def test_patched_gpt_without_hetero_flags_is_upstream(trees, gpt_reference):
+    gpt = torchrun(trees["patched"] / "pretrain_gpt.py", GPT + ITERS)
+    assert gpt.rc == 0 and sorted(gpt.losses) == [1, 2, 3], f"patched pretrain_gpt.py:\n{gpt.tail()}"
+    assert (gpt.losses, gpt.valid) == (gpt_reference.losses, gpt_reference.valid)
+
+
+def test_gpt_homogeneous_layout_as_flags_matches_unpatched(trees, gpt_reference):
+    run = torchrun(trees["patched"] / "pretrain_gpt.py", GPT + ITERS + ["--hetero-module", "language:dp=2"])
+    assert "training with colocated layout language tp1·pp1·dp2@0-1" in run.out, run.tail()
+    assert_losses(run, gpt_reference.losses, 1e-6, "GPT: homogeneous layout as --hetero-* flags", gpt_reference.valid)
+
+
+def test_gpt_segments_with_their_own_tp_dp_match(trees, gpt_reference):
+    """One GPT cut into two segments on disjoint islands: layers 0-1 TP2 on ranks 0-1, layers 2-3 DP2
+    on ranks 2-3 (4 micro-batches of 2 samples, split over language_b's DP ranks), against the
+    unpatched TP1·DP2 run: training and validation losses."""
+    run = torchrun(trees["patched"] / "pretrain_gpt.py",
+                   GPT + ITERS + ["--hetero-placement", "disjoint", "--hetero-module", "language_a:tp=2,layers=0-1",
+                                  "--hetero-module", "language_b:dp=2,layers=2-3",
+                                  "--hetero-edge", "language_a->language_b"], nproc=4)
+    assert "language_a tp2·pp1·dp1@0-1, language_b tp1·pp1·dp2@2-3" in run.out, run.tail()
+    assert_losses(run, gpt_reference.losses, RTOL, "GPT: segments TP2 @0-1 -> DP2 @2-3", gpt_reference.valid)
 
 
 def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
     run = torchrun(trees["patched"] / "pretrain_vlm.py",
                    VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:dp=2"] + EDGE)
     assert "training with colocated layout" in run.out, run.tail()
-    assert_losses(run, reference, 1e-6, "homogeneous layout as --hetero-* flags")
+    assert_losses(run, reference.losses, 1e-6, "homogeneous layout as --hetero-* flags", reference.valid)
 
 
 @pytest.mark.parametrize("language", ["tp=2", "pp=2"])
 def test_colocated_heterogeneous_layout_matches(trees, reference, language):
     run = torchrun(trees["patched"] / "pretrain_vlm.py",
                    VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", f"language:{language}"] + EDGE)
-    assert_losses(run, reference, RTOL, f"colocated vision DP2 + language {language.upper()}")
+    assert_losses(run, reference.losses, RTOL, f"colocated vision DP2 + language {language.upper()}", reference.valid)
 
 
 def test_disjoint_layout_matches(trees, reference, tmp_path):
@@ -200,23 +262,20 @@ def test_disjoint_layout_matches(trees, reference, tmp_path):
                       "  language: {tp: 1, ranks: '1-1'}\nedges:\n  - vision -> language\n")
     run = torchrun(trees["patched"] / "pretrain_vlm.py", VLM + ITERS + ["--hetero-layout", str(layout)])
     assert "training with disjoint layout" in run.out, run.tail()
-    assert_losses(run, reference, RTOL, "disjoint vision @0 -> language @1")
+    assert_losses(run, reference.losses, RTOL, "disjoint vision @0 -> language @1", reference.valid)
 
 
 def test_disjoint_fan_in_at_world_4_matches(trees):
     """vision DP2 on ranks 0-1 -> language TP2 on ranks 2-3 (global batch 8, micro-batch size 2: 4
     micro-batches of 2 samples, one per vision DP rank, joined on the language side), against the
     unpatched TP1·DP2 run of the same batch."""
-    args = [a for a in VLM]
-    args[args.index("--micro-batch-size") + 1] = "2"
-    args[args.index("--global-batch-size") + 1] = "8"
-    ref = torchrun(trees["pristine"] / "pretrain_vlm.py", args + ITERS)
-    assert ref.rc == 0 and sorted(ref.losses) == [1, 2, 3], ref.tail()
+    args = _with(VLM, micro_batch_size="2", global_batch_size="8")
+    ref = _unpatched(trees, "pretrain_vlm.py", args)
     run = torchrun(trees["patched"] / "pretrain_vlm.py",
                    args + ITERS + ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2",
                                    "--hetero-module", "language:tp=2"] + EDGE, nproc=4)
     assert "vision tp1·pp1·dp2@0-1, language tp2·pp1·dp1@2-3" in run.out, run.tail()
-    assert_losses(run, ref.losses, RTOL, "disjoint vision DP2 @0-1 -> language TP2 @2-3")
+    assert_losses(run, ref.losses, RTOL, "disjoint vision DP2 @0-1 -> language TP2 @2-3", ref.valid)
 
 
 def test_broken_layout_exits_2_before_any_model(trees):
@@ -228,8 +287,13 @@ def test_broken_layout_exits_2_before_any_model(trees):
     refused = torchrun(trees["patched"] / "pretrain_vlm.py",
                        VLM + ITERS + ["--hetero-module", "vision:pp=2", "--hetero-module", "language:dp=2"] + EDGE)
     assert refused.rc != 0 and "module vision: pp=2" in refused.out, refused.tail()
-    gpt = torchrun(trees["patched"] / "pretrain_gpt.py", GPT + ITERS + ["--hetero-module", "language:dp=2"])
-    assert gpt.rc != 0 and "pretrain_gpt.py trains one model on one layout" in gpt.out, gpt.tail()
+    gpt = torchrun(trees["patched"] / "pretrain_gpt.py",
+                   GPT + ITERS + ["--hetero-placement", "disjoint", "--hetero-module", "language_a:layers=0-1",
+                                  "--hetero-module", "language_b:layers=3-3", "--hetero-edge", "language_a->language_b"])
+    assert gpt.rc != 0
+    assert ("megatron-hetero megatron-lm: invalid input: language segments must cover their layers in order from 0; "
+            "language_b starts at layer 3, expected 2") in gpt.out, gpt.tail()
+    assert "building GPT model" not in gpt.out and "iteration " not in gpt.out
 
 
 def test_checkpoint_of_unpatched_run_resumes_in_a_layout(trees, tmp_path):
@@ -250,7 +314,7 @@ def test_checkpoint_of_unpatched_run_resumes_in_a_layout(trees, tmp_path):
                       resume + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:dp=2"] + EDGE)
     assert "from iteration 1" in hetero.out, hetero.tail()
     assert _close(hetero.losses.get(2, float("nan")), upstream.losses[2]), (hetero.losses, upstream.losses)
-    assert_losses(hetero, upstream.losses, RTOL, "resumed in vision DP2 + language DP2")
+    assert_losses(hetero, upstream.losses, RTOL, "resumed in vision DP2 + language DP2", upstream.valid)
 
     # And back: a layout's run saves a TP2 torch checkpoint (Megatron's own save_checkpoint on the
     # reference layout) that the unpatched script resumes from with the same losses.

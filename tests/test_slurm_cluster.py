@@ -297,3 +297,45 @@ def test_c_world_size_mismatch_job_fails_with_our_message(cluster):
     # check_world_size's message (the CLI may prefix it and wrap lines)
     flat = " ".join(log.split())
     assert "WORLD_SIZE=4 ranks = 2 nodes x 2 ranks per node" in flat and "uses 8 ranks (8 != 4)" in flat, log[-4000:]
+
+
+@pytest.mark.timeout(1200)
+def test_d_sigterm_saves_requeues_and_resumes(cluster):
+    """SIGTERM to the batch shell (`scancel --batch --signal=TERM`: what `#SBATCH --signal=B:TERM@S` does S
+    seconds before the time limit) mid-run: every rank stops after the same step and saves, the job requeues
+    itself, and the requeued job (the same job id, Restarts=1) resumes from that checkpoint to the end with
+    the loss an uninterrupted run has at the next step."""
+    name = "d_signal"
+    layout, save, jsonl = cluster.work / f"{name}.yaml", cluster.work / "d_ckpt", cluster.work / "d.jsonl"
+    layout.write_text(LAYOUT_4)
+    script = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout=str(layout), job_name=name,
+                           train_args=["--save", str(save), "--train-iters", "30", "--log-jsonl", str(jsonl)],
+                           output=str(cluster.work / f"{name}.out"), signal_seconds=60, save_dir=str(save))
+    assert "#SBATCH --signal=B:TERM@60" in script and "#SBATCH --requeue" in script
+    job = cluster.submit(name, script)
+    deadline = time.monotonic() + 300
+    while "iteration    2/30" not in cluster.output(name):
+        assert time.monotonic() < deadline, f"no iteration 2 within 300 s:\n{cluster.output(name)[-4000:]}"
+        time.sleep(0.5)
+    subprocess.run(["scancel", "--batch", "--signal=TERM", str(job)], env=cluster.env, check=True, timeout=30)
+    fields = cluster.wait(job, 900)
+    log = cluster.output(name)
+    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), (fields, log[-6000:])
+    m = re.search(r"received SIGTERM: stopped after iteration (\d+); checkpoint of iteration \1 saved in (\S+)", log)
+    assert m and m.group(2) == str(save), log[-6000:]
+    stopped = int(m.group(1))
+    assert 2 <= stopped < 30
+    assert f"stopped on SIGTERM after iteration {stopped} with a checkpoint in {save}" in log and "requeueing" in log
+    assert f"(restart 1): resuming from iteration {stopped} in {save}" in log
+    assert (save / "latest_checkpointed_iteration.txt").read_text().splitlines()[0] == "30"
+    resumed = _records(jsonl)  # written by the requeued run
+    assert [r["iteration"] for r in resumed] == list(range(stopped + 1, 31))
+    # the uninterrupted run to the first resumed step, forked here
+    fork = cluster.work / "d_fork.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout", str(layout),
+                           "--nproc-per-node", "4", "--train-iters", str(stopped + 1), "--log-jsonl", str(fork)],
+                          cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    want = _records(fork)[-1]
+    assert want["iteration"] == stopped + 1
+    assert abs(resumed[0]["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (resumed[0]["loss"], want["loss"])

@@ -292,3 +292,101 @@ def test_megatron_lm_script_flag_skips_train_parsing(capsys):
     assert run(args) == 0
     out = capsys.readouterr().out
     assert "generated_script=pretrain_vlm.py" in out and "--encoder-num-layers" in out
+
+
+# --- SIGTERM before the time limit: stop with a checkpoint, requeue, resume -------------------------------
+
+def test_signal_lines_default_with_save_and_checks(capsys):
+    rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--", "--save", "ck"))
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert sbatch_lines(out)[-3:] == ["#SBATCH --signal=B:TERM@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    assert "train_args=(\n  --save\n  ck\n  --exit-signal-handler\n)" in out and "save_dir=ck" in out
+    assert "exec " not in out and 'scontrol requeue "$SLURM_JOB_ID"' in out
+    rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--signal-seconds", "300",
+                   "--", "--save=a", "--exit-signal-handler", "--save", "b c"))
+    out = capsys.readouterr().out
+    assert rc == 0 and "#SBATCH --signal=B:TERM@300" in out and "save_dir='b c'" in out
+    assert out.count("--exit-signal-handler\n") == 1  # not added twice
+    # off: without --save, or with --signal-seconds 0
+    for argv in (["--"], ["--signal-seconds", "0", "--", "--save", "ck"]):
+        rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, *argv))
+        out = capsys.readouterr().out
+        assert rc == 0 and "--signal" not in out and "--requeue" not in out and 'exec "${cmd[@]}"' in out
+    for argv, message in ((["--signal-seconds", "60"], "no --save DIR"),
+                          (["--signal-seconds", "-1", "--", "--save", "x"], "--signal-seconds must be >= 0")):
+        rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, *argv))
+        assert rc == 2 and message in capsys.readouterr().err
+
+
+# srun stand-in: announces itself, then on SIGTERM writes the marker as global rank 0 does after the
+# checkpoint (when FAKE_MARK=1) and exits 1 as torchrun does after passing a signal on
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\0' "$@" > "$STUB_LOG/srun.0"
+env > "$STUB_LOG/fake_srun_env"
+on_term() {
+  [ "${FAKE_MARK:-1}" = 1 ] && echo "7 $FAKE_SAVE" > "$MH_EXIT_SIGNAL_MARKER"
+  exit 1
+}
+trap on_term TERM
+echo $$ > "$STUB_LOG/fake_srun_pid"
+touch "$STUB_LOG/fake_srun_started"
+for _ in $(seq 600); do sleep 0.1; done
+exit 5
+"""
+
+
+def _signal_job(tmp_path: Path, mark: bool, checkpoint: bool) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    import signal
+    import time
+
+    save = tmp_path / "ck"
+    save.mkdir()
+    if checkpoint:
+        (save / "latest_checkpointed_iteration.txt").write_text("4\n")
+    script = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout="l.yaml",
+                           train_args=["--save", str(save), "--train-iters", "100"], signal_seconds=90,
+                           save_dir=str(save))
+    bin_dir, log_dir = make_stubs(tmp_path)
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    # scancel --signal=TERM JOB: slurmctld signals the step's tasks (here: the fake srun)
+    (bin_dir / "scancel").write_text(STUB.format(name="scancel", tail='kill -TERM "$(cat "$STUB_LOG/fake_srun_pid")"'))
+    (bin_dir / "scancel").chmod(0o755)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log_dir), "HOME": str(tmp_path),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]", "FAKE_SAVE": str(save),
+           "FAKE_MARK": "1" if mark else "0"}
+    proc = subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (log_dir / "fake_srun_started").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # what SLURM does with --signal=B:TERM@90, or scancel --batch --signal=TERM
+    out, err = proc.communicate(timeout=30)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), log_dir, save
+
+
+def test_sigterm_reaches_srun_and_a_marked_stop_requeues(tmp_path):
+    proc, log_dir, save = _signal_job(tmp_path, mark=True, checkpoint=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "got SIGTERM: passing it to the ranks" in proc.stderr
+    assert "stopped on SIGTERM after iteration 7 with a checkpoint in" in proc.stderr and "requeueing" in proc.stderr
+    assert calls(log_dir, "scontrol")[-1] == ["requeue", "4242"]
+    assert calls(log_dir, "scancel") == [["--signal=TERM", "4242"]]
+    env = dict(line.split("=", 1) for line in (log_dir / "fake_srun_env").read_text().splitlines() if "=" in line)
+    assert env["MH_EXIT_SIGNAL_MARKER"] == f"{save}/.exit-signal.4242"
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "90"
+    assert not (save / ".exit-signal.4242").exists()  # consumed
+    (srun,) = calls(log_dir, "srun")
+    # no checkpoint yet: no --load
+    assert srun[-5:] == ["--save", str(save), "--train-iters", "100", "--exit-signal-handler"]
+
+
+def test_unmarked_stop_fails_without_requeue_and_a_checkpoint_is_resumed(tmp_path):
+    proc, log_dir, save = _signal_job(tmp_path, mark=False, checkpoint=True)
+    assert proc.returncode == 1, proc.stderr  # srun's status: the ranks did not confirm a checkpoint
+    assert not [c for c in calls(log_dir, "scontrol") if c[:1] == ["requeue"]]
+    assert f"resuming from iteration 4 in {save}" in proc.stderr
+    (srun,) = calls(log_dir, "srun")
+    assert srun[-7:] == ["--save", str(save), "--train-iters", "100", "--exit-signal-handler", "--load", str(save)]

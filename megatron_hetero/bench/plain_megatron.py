@@ -14,9 +14,9 @@ encoder once per step over the rank's share before the forward-backward function
 once after (`megatron_batched`: the batching of our colocated schedule, so only the plugin's own code
 differs). The three alternate step by step (the order rotated every step), so all see the machine in
 the same periods; the first step of each is dropped. Also reported: the CPU time of a step summed
-over the ranks (the work each does; less disturbed than wall time by other processes on the cores). Both train on the same samples, so their losses must
-agree step for step (the encoder runs per micro-batch here and once per step in ours: the same
-arithmetic, different batching).
+over the ranks (the work each does; less disturbed than wall time by other processes on the cores).
+All three train on the same samples, so their losses must agree step for step (the encoder per
+micro-batch or once per step: the same arithmetic, different batching).
 
 Only layouts without pipeline parallelism (pp = 1) and with every module on the same degrees: the
 encoder would otherwise need a place in Megatron's pipeline, which is what the plugin adds.

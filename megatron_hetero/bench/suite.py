@@ -6,8 +6,9 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "e2e")
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "e2e": 6}  # iterations per case; schedule: steps
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "e2e")
+#: iterations per case; schedule, soak, e2e: steps
+DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "e2e": 6}
 
 
 def _module(name: str):
@@ -25,6 +26,8 @@ def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool
     iters = iters or (2 if quick else DEFAULT_ITERS[name])
     if name == "schedule":
         return bench.run(Path(out), steps=max(iters, 2))
+    if name == "soak":  # growth measured from step 50 (from step iters // 3 in runs of 100 steps or fewer)
+        return bench.run(Path(out), steps=max(iters, 3), warmup=50 if iters > 100 else max(1, iters // 3))
     if name == "e2e":  # --quick: smaller models, a small profile, one round (the smoke test's)
         return bench.run(Path(out), iters=iters, quick=quick)
     return bench.run(Path(out), iters=iters)

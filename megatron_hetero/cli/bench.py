@@ -17,7 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-results", help="folder for NAME.json and NAME.png")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--iters", type=int, default=None,
-                   help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps, e2e 6 steps)")
+                   help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps, "
+                        "soak 300 steps, e2e 6 steps)")
     p.add_argument("--quick", action="store_true", help="e2e: smaller models, a small profile grid, one round")
     return p
 
@@ -30,4 +31,6 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(doc, indent=1) if args.json else table(args.name, doc))
     if not args.json:
         print(f"\nwrote {out / (args.name + '.json')}")
+    if doc.get("passed") is False:  # a benchmark with a verdict (soak: RSS growth >= 2% or counts changed)
+        return 1
     return 0

@@ -5,10 +5,11 @@
 DIR is a `--save` directory (its latest complete checkpoint, or --iteration N) or one `iter_NNNNNNN`
 folder. Prints the iteration, consumed samples, the data position, the layout the checkpoint was
 saved under, whether every file matches the manifest, and each logical model's tensors with their
-global shapes and dtypes (model and optimizer state). Runs no training and starts no process group;
-the shapes come from `dist_checkpointing.load_tensors_metadata` (which, like every torch_dist read,
-unpickles the `.metadata` file: inspect checkpoints you trust). Exit 2 for a missing or corrupt
-checkpoint, naming the file.
+global shapes and dtypes (model and optimizer state), and saves that did not complete. Runs no
+training and starts no process group. Reads like `train --load`: the manifest (sha256 of every file)
+first, then each `.metadata` with the restricted unpickler and `common.pt` with
+`torch.load(weights_only=True)` (`training.safe_unpickle`: a crafted file is refused, nothing of it
+runs). Exit 2 for a missing, corrupt or refused checkpoint, naming the file.
 """
 from __future__ import annotations
 
@@ -45,8 +46,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.training import checkpoint as ckpt
 
     root, iteration = _locate(args.dir, args.iteration)
+    from megatron_hetero.training.checkpoint_files import saves
+
     d, state = ckpt.read_train_state(root, iteration)
     ckpt.verify_manifest(d, state)
+    ckpt.read_torch_files(d, state)
+    incomplete = [str(p) for _, p in saves(root)[1]]
     models = {}
     for name in sorted(state.get("modules", {})):
         models[name] = ckpt.tensor_shapes(d / name)
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"dir": str(d), "iteration": state["iteration"],
                           "consumed_samples": state.get("consumed_samples"), "data": state.get("data"),
                           "world_size": state.get("world_size"), "layout": state.get("layout_dict"),
+                          "incomplete_saves": incomplete,
                           "modules": {n: {"layout_modules": state["modules"][n].get("layout_modules"),
                                           "optimizer": state["modules"][n].get("optimizer"),
                                           "tensors": {k: {"shape": list(s), "dtype": t} for k, (s, t) in ts.items()}}
@@ -63,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"iteration {state['iteration']}, consumed samples {state.get('consumed_samples')}, "
           f"data position {json.dumps(state.get('data'))}, saved by {state.get('world_size')} ranks")
     print(f"files: {len(state.get('files', {}))}, all match the manifest (bytes, sha256)")
+    for p in incomplete:
+        print(f"incomplete save (killed while saving it): {p}")
     print("layout it was saved under:")
     for line in str(state.get("layout", "")).rstrip().splitlines():
         print(f"  {line}")

@@ -19,7 +19,7 @@ NAME = "megatron-lm"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="Megatron-LM's pretrain_vlm.py with per-module layouts (check/apply patches, run)")
+    p = sub.add_parser(NAME, help="Megatron-LM's pretrain_vlm.py / pretrain_gpt.py with per-module layouts (check/apply patches, run)")
     actions = p.add_subparsers(dest="megatron_lm_action", required=True, metavar="ACTION")
     c = actions.add_parser("check", help="is DIR a supported Megatron-LM tree, are the patches applied")
     c.add_argument("dir", help="the Megatron-LM checkout")

@@ -1,7 +1,8 @@
 """`megatron-hetero slurm`: write (and optionally submit) an sbatch script that runs `train` on N nodes.
 
     megatron-hetero slurm --nodes N --gpus-per-node G --hetero-layout FILE [--partition P] [--time T]
-        [--account A] [--job-name J] [--output PATTERN] [--container-image I] [--dry-run | --submit]
+        [--account A] [--job-name J] [--output PATTERN] [--container-image I] [--signal-seconds S]
+        [--dry-run | --submit]
         -- <train arguments>
 
 The script and its checks are `training/slurm.py`; the train arguments are parsed with `train`'s own

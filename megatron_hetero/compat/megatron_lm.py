@@ -24,7 +24,8 @@ from typing import Any, List
 import torch
 
 from ._patching import MARK, Patch, rebind_function, wrap_call
-from .cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity, apply_cpu_compat
+from .cpu import apply_cpu_compat
+from .torch_on_cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity
 
 __all__ = ["apply_megatron_lm_cpu_compat", "apply_megatron_lm_no_te_fixes", "MEGATRON_LM_PATCHES",
            "NO_TE_PATCHES"]
@@ -111,6 +112,14 @@ def _triton_stub() -> None:
         return
     except ImportError:
         pass
+    # Libraries that probe for triton with `importlib.util.find_spec` at import time (transformers,
+    # which Megatron's tokenizers import when it is installed) must see the truth first: with the stub
+    # in sys.modules find_spec raises "triton.__spec__ is None".
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        with contextlib.suppress(Exception):
+            importlib.import_module("transformers.utils.import_utils")
 
     class _Anything(types.ModuleType):
         def __getattr__(self, name: str) -> Any:
@@ -221,6 +230,9 @@ MEGATRON_LM_PATCHES: List[Patch] = [
     Patch("megatron.training.training: get_model (model_module.cuda(...))",
           "tensor.cuda() is the identity during the call",
           _cuda_identity_in("megatron.training.training", "get_model")),
+    Patch("megatron.training.training: evaluate (total_loss_dict tensors .cuda(); --eval-iters > 0)",
+          "tensor.cuda() is the identity during the call",
+          _cuda_identity_in("megatron.training.training", "evaluate")),
     Patch("megatron.training.utils: get_batch_on_this_tp_rank (tensor.cuda())",
           "tensor.cuda() is the identity during the call",
           _cuda_identity_in("megatron.training.utils", "get_batch_on_this_tp_rank")),

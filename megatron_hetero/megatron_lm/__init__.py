@@ -1,7 +1,8 @@
 """Megatron-LM's own training scripts with per-module layouts (issue 12).
 
 The patches in ``patches/megatron-lm/core_v0.16.1/`` make ``pretrain_vlm.py`` hand over to
-:func:`pretrain_vlm` when a ``--hetero-*`` flag is given; everything else stays upstream's.
+:func:`pretrain_vlm` and ``pretrain_gpt.py`` to :func:`pretrain_gpt` when a ``--hetero-*`` flag is
+given; everything else stays upstream's. ``driver.py`` holds what both share.
 Floor: training (imports models/runtime/plan/layout/compat; only the CLI imports it).
 """
 from __future__ import annotations
@@ -23,15 +24,11 @@ def pretrain_vlm(*args, **kwargs):
     return _impl(*args, **kwargs)
 
 
-__all__ = ["pretrain_vlm", "refuse_single_module", "requested"]
+def pretrain_gpt(*args, **kwargs):
+    """See :func:`megatron_hetero.megatron_lm.gpt.pretrain_gpt`."""
+    from megatron_hetero.megatron_lm.gpt import pretrain_gpt as _impl
+
+    return _impl(*args, **kwargs)
 
 
-def refuse_single_module(script: str) -> int:
-    """What patched single-model scripts (pretrain_gpt.py) do with a `--hetero-*` flag: exit 2."""
-    import os
-
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"megatron-hetero megatron-lm: invalid input: {script} trains one model on one layout; per-module "
-              f"layouts (--hetero-*) apply to pretrain_vlm.py (modules 'vision' and 'language')",
-              file=sys.stderr, flush=True)
-    return 2
+__all__ = ["pretrain_gpt", "pretrain_vlm", "requested"]

@@ -46,17 +46,24 @@ def vlm_sizes(args: Any) -> None:
     args.max_position_embeddings = max(args.max_position_embeddings, args.decoder_seq_length)
 
 
-def _configs(args: Any, m: ModuleLayout):
-    """(language, vision, projector) configs as `model_provider` derives them, on module `m`'s degrees."""
+def module_config(args: Any, m: ModuleLayout, num_layers: int):
+    """Megatron's `core_transformer_config_from_args(args)` on module `m`'s degrees with `num_layers`
+    layers (the module's, or its segment's, share of the model)."""
     from megatron.training.arguments import core_transformer_config_from_args
 
-    lang = core_transformer_config_from_args(args)
-    lang.tensor_model_parallel_size = m.tp
-    lang.pipeline_model_parallel_size = m.pp
-    lang.context_parallel_size = m.cp
-    lang.num_layers = args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers
+    cfg = core_transformer_config_from_args(args)
+    cfg.tensor_model_parallel_size = m.tp
+    cfg.pipeline_model_parallel_size = m.pp
+    cfg.context_parallel_size = m.cp
+    cfg.num_layers = num_layers
     # The schedules normalise the loss per token over the global batch and sum gradients over DP.
-    lang.calculate_per_token_loss = True
+    cfg.calculate_per_token_loss = True
+    return cfg
+
+
+def _configs(args: Any, m: ModuleLayout):
+    """(language, vision, projector) configs as `model_provider` derives them, on module `m`'s degrees."""
+    lang = module_config(args, m, args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers)
     vision = deepcopy(lang)
     vision.num_layers = args.encoder_num_layers
     vision.first_pipeline_num_layers = None

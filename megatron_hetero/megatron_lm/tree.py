@@ -21,7 +21,7 @@ SUPPORTED: dict[str, dict[str, tuple[str, str]]] = {
         "pretrain_vlm.py": ("0eb84b159e94ccb6b5c38803debcec27c05323ed2bef50b3b4d04a06cb3e644d",
                             "8b529555c511a2732045fdf4fe627bb2f4327d70c68291a36f22f9d91c6437f9"),
         "pretrain_gpt.py": ("5a5b8fe909610892146e4d2ef5b303bd9b73bb31dfc96d73f2d0afb8937d4b22",
-                            "1dff6c3f0978b4498a7d5c397eb22ad0f44c79e8339374fa5e1cc793b39f7ee6"),
+                            "800463ff6090835fcab947cccb08465ffa4bf692b26bb8636324fe998da5b55a"),
     },
 }
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-_LAYER = re.compile(r"^(language_model\.decoder\.layers\.)(\d+)(\..*)$")
+_LAYER = re.compile(r"^((?:language_model\.)?decoder\.layers\.)(\d+)(\..*)$")
 
 
 def _partition(p: torch.Tensor) -> Optional[int]:
@@ -101,11 +101,14 @@ def _global_name(name: str, layer_offset: int) -> str:
     return f"{m.group(1)}{int(m.group(2)) + layer_offset}{m.group(3)}"
 
 
-def _layer_offset(model: torch.nn.Module) -> int:
-    lm = getattr(model, "language_model", None)
-    if lm is None or not len(lm.decoder.layers):
-        return 0
-    return lm.decoder.layers[0].layer_number - 1
+def _layer_offset(model: torch.nn.Module, first_layer: int = 0) -> int:
+    """The whole model's index of this stage's first decoder layer: `first_layer` (where the module's
+    segment starts) plus the stage's offset inside the module (Megatron's `layer_number` - 1)."""
+    lm = getattr(model, "language_model", model)
+    decoder = getattr(lm, "decoder", None)
+    if decoder is None or not len(decoder.layers):
+        return first_layer
+    return first_layer + decoder.layers[0].layer_number - 1
 
 
 def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str) -> torch.Tensor:
@@ -118,23 +121,25 @@ def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str
 
 
 @torch.no_grad()
-def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs) -> None:
-    """Overwrite every parameter of `model` (one module on this rank) with its shard from `source`."""
+def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs, first_layer: int = 0) -> None:
+    """Overwrite every parameter of `model` (one module on this rank) with its shard from `source`;
+    `first_layer`: the whole model's index of the module's first decoder layer (a segment's start)."""
     tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
-    offset = _layer_offset(model)
+    offset = _layer_offset(model, first_layer)
     for name, p in model.named_parameters():
         full = source.tensor(_global_name(name, offset))
         p.copy_(_shard(full, p, tp, tp_rank, f"parameter {name}").to(p.dtype))
 
 
 @torch.no_grad()
-def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs) -> int:
+def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs,
+                         first_layer: int = 0) -> int:
     """Give `optimizer` (the module's Megatron optimizer) the reference optimizer's state of each
     parameter, sharded as the parameter is; returns how many parameters got state."""
     if not source.state:
         return 0
     tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
-    offset = _layer_offset(model)
+    offset = _layer_offset(model, first_layer)
     by_id = {id(p): (n, p) for n, p in model.named_parameters()}
     done = 0
     for inner in _inner_optimizers(optimizer):

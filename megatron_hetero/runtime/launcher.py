@@ -174,6 +174,25 @@ def _child_main(
         os._exit(code)
 
 
+def _forward(signals: tuple[int, ...], procs: list) -> dict[int, Any]:
+    """Install handlers that send each of `signals` on to the ranks still running; returns the previous
+    handlers (none from a thread other than the main one, where Python cannot set handlers)."""
+    import threading
+
+    if not signals or threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum: int, frame: Any) -> None:
+        for proc in procs:
+            if proc.pid is not None and proc.exitcode is None:
+                try:
+                    os.kill(proc.pid, signum)
+                except OSError:
+                    pass
+
+    return {signum: signal.signal(signum, handler) for signum in signals}
+
+
 def _kill(proc: multiprocessing.process.BaseProcess) -> None:
     """SIGKILL a child's process group (it leads one) and the child itself."""
     if proc.pid is None:
@@ -196,6 +215,7 @@ def run_ranks(
     backend: str = "gloo",
     init_distributed: bool = True,
     env: dict[str, str] | None = None,
+    forward_signals: tuple[int, ...] = (),
     **kwargs: Any,
 ) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks forked from this process.
@@ -203,8 +223,11 @@ def run_ranks(
     The rank is available inside ``fn`` as ``torch.distributed.get_rank()`` (when
     ``init_distributed``) or ``int(os.environ["RANK"])``. ``timeout`` is the overall deadline in
     seconds for all ranks (and the process-group timeout). ``env`` is added to each rank's
-    environment. Keyword arguments named ``timeout``, ``backend``, ``init_distributed`` or ``env``
-    are taken by this function, not passed to ``fn``.
+    environment. ``forward_signals``: signals this process passes on to every rank while they run
+    (the ranks lead their own process groups, so a signal to this one's group misses them; set only
+    from the main thread, the previous handlers are restored). Keyword arguments named ``timeout``,
+    ``backend``, ``init_distributed``, ``env`` or ``forward_signals`` are taken by this function, not
+    passed to ``fn``.
 
     Returns the ranks' return values in rank order (they must be picklable).
 
@@ -227,6 +250,7 @@ def run_ranks(
     deadline = start + timeout
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
+    previous: dict[int, Any] = {}
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
@@ -241,6 +265,7 @@ def run_ranks(
             writer.close()  # only the child holds the write end: EOF when it dies
             procs.append(proc)
             readers.append(reader)
+        previous = _forward(forward_signals, procs)
 
         pending = set(range(world_size))
         while pending:
@@ -275,6 +300,8 @@ def run_ranks(
             proc.join(max(0.0, exit_deadline - time.monotonic()))
         return [results[rank] for rank in range(world_size)]
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         for proc in procs:
             if proc.is_alive():
                 _kill(proc)

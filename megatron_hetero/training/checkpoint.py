@@ -2,11 +2,14 @@
 
 Directory (`--save DIR`, `--load DIR`; Megatron's names for the iteration folders and the marker):
 
-    DIR/latest_checkpointed_iteration.txt      "10": the last COMPLETE checkpoint (written last, atomically)
+    DIR/latest_checkpointed_iteration.txt      "10" and the sha256 of its train_state.json: the last
+                                               COMPLETE checkpoint (written last, atomically)
+    DIR/iter_0000012.saving/                   a save in progress (or killed): renamed when complete
     DIR/iter_0000010/train_state.json          iteration, consumed samples, data position, the layout
                                                it was saved under (YAML text), model sizes, per logical
                                                model: layout modules, optimizer kind and step counter,
-                                               LR-scheduler state; a manifest (bytes + sha256 of every file)
+                                               LR-scheduler state; a manifest (bytes + sha256 of every file),
+                                               its own checksum
     DIR/iter_0000010/layout.yaml               the same layout, for people
     DIR/iter_0000010/<logical model>/          one dist_checkpointing (torch_dist) checkpoint per logical
                                                model (`vision`, `language`, ...): model + optimizer state
@@ -24,37 +27,35 @@ saved under any TP/PP/DP/CP and placement (colocated or disjoint, segmented or n
 other layout of the same model.
 
 Only ShardedTensors go through `dist_checkpointing` (its common.pt stays empty); the non-tensor state
-(Adam's step counter, the scheduler, the data position) is in `train_state.json`, which rank 0 writes
-after every rank finished its save (a barrier), followed by the marker (temp file + `os.replace`):
-a save that is killed midway never replaces the last good checkpoint. `_extra_state` objects (empty
-for the local-spec modules) are not saved, so loading unpickles no ShardedObject; torch's reader
-still unpickles each `.metadata` file (see notes/): load checkpoints you trust.
+(Adam's step counter, the scheduler, the data position) is in `train_state.json`, plain JSON. A save
+writes into `iter_N.saving/`; rank 0 writes the train state (with the manifest) after every rank
+finished its files (a barrier), renames the folder to `iter_N`, then replaces the marker (temp file +
+`os.replace`): a save killed at any point leaves the previous checkpoint as the one that loads
+(`checkpoint_files`: names, marker, manifest, which checkpoint `--load` takes, `--load-fallback`).
 
-`check_loadable` (in the launching process, before any rank starts) reads the marker and
-`train_state.json`, checks the model sizes, the optimizer, the batch and the schedule against this
-job, and verifies every file against the manifest (size and sha256; there are no checksums in the
-torch_dist format itself): any problem is a ValueError naming the file (exit 2).
+`check_loadable` (in the launching process, before any rank starts) picks the checkpoint, verifies
+every file against the manifest (size and sha256; there are no checksums in the torch_dist format
+itself), reads each `.metadata` and `common.pt` with the restricted unpicklers of `safe_unpickle`
+(a crafted file is refused, nothing of it runs), and checks the model sizes, the optimizer, the batch
+and the schedule against this job: any problem is a ValueError naming the file (exit 2). The ranks
+load through the same restricted reads, after checking every tensor's shape against the metadata.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan import roles as plan_roles
+from megatron_hetero.training.checkpoint_files import (  # noqa: F401 - re-exported names
+    FORMAT, LAYOUT_FILE, RNG_DIR, STATE_FILE, TRACKER, VERSION, iteration_dir, manifest, publish, read_tracker,
+    read_train_state, select_checkpoint, stage_dir, verify_manifest, write_train_state,
+)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-STATE_FILE = "train_state.json"
-LAYOUT_FILE = "layout.yaml"
-RNG_DIR = "rng"
-FORMAT = "megatron-hetero-checkpoint"
-VERSION = 1
 LANGUAGE = "language"
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -63,10 +64,6 @@ _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 # ---------------------------------------------------------------------------------------------------
 # names (pure)
 # ---------------------------------------------------------------------------------------------------
-
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
 
 def logical_models(layout: HeteroLayout) -> dict[str, list[str]]:
     """logical model -> its layout modules: each encoder is its own; every language module (one, or
@@ -89,81 +86,27 @@ def global_key(logical: str, key: str, layer_offset: int) -> str:
     return f"{logical}.{key}"
 
 
-def read_tracker(root: str | Path) -> int:
-    """The iteration of the last complete checkpoint under `root`; ValueError naming the file."""
-    path = Path(root) / TRACKER
-    if not Path(root).is_dir():
-        raise ValueError(f"--load {root}: no such directory")
-    if not path.is_file():
-        raise ValueError(f"--load {root}: no checkpoint ({path} does not exist)")
-    text = path.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"checkpoint marker {path} is corrupt: expected an iteration number, got {text[:40]!r}")
-    return int(text)
+def _reached(point: str) -> None:
+    """A point of a save (fault injection: tests replace this to kill the process there)."""
 
 
-def read_train_state(root: str | Path, iteration: Optional[int] = None) -> tuple[Path, dict]:
-    """(iteration directory, its train_state.json) of the latest (or the given) checkpoint."""
-    it = read_tracker(root) if iteration is None else iteration
-    d = iteration_dir(root, it)
-    path = d / STATE_FILE
-    if not path.is_file():
-        raise ValueError(f"checkpoint {d}: {path} does not exist")
-    try:
-        state = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"checkpoint file {path} is corrupt: {exc}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"checkpoint file {path} is not a {FORMAT} train state")
-    if state.get("version") != VERSION:
-        raise ValueError(f"checkpoint file {path}: format version {state.get('version')!r}, this build reads {VERSION}")
-    if state.get("iteration") != it:
-        raise ValueError(f"checkpoint file {path} says iteration {state.get('iteration')!r}, its directory {it}")
-    return d, state
+def load_note(root: str | Path, fallback: bool) -> str | None:
+    """What `--load root` resumes from when it is not simply the marker's checkpoint (after
+    `check_loadable` passed), for the CLI to print."""
+    return select_checkpoint(root, fallback)[2]
 
 
-_HASHED: dict[tuple[str, int, int], str] = {}  # (path, bytes, mtime_ns) -> sha256: validation runs more than once
+def read_torch_files(d: Path, state: dict) -> None:
+    """Read every `.metadata` and `common.pt` of checkpoint `d` the way the ranks will (restricted
+    unpicklers, `safe_unpickle`), so a crafted or damaged one stops the job before a rank starts."""
+    from megatron_hetero.training import safe_unpickle
 
-
-def _sha256(path: Path) -> str:
-    st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns)
-    if key not in _HASHED:
-        _HASHED[key] = _sha256_of(path)
-    return _HASHED[key]
-
-
-def _sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def manifest(d: Path) -> dict[str, dict]:
-    """relative path -> {bytes, sha256} of every file under `d` except the train state itself."""
-    out = {}
-    for p in sorted(d.rglob("*")):
-        if p.is_file() and p.name != STATE_FILE:
-            out[str(p.relative_to(d))] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-    return out
-
-
-def verify_manifest(d: Path, state: dict) -> None:
-    """ValueError naming the first file that is missing, truncated or altered."""
-    files = state.get("files")
-    if not isinstance(files, dict) or not files:
-        raise ValueError(f"checkpoint file {d / STATE_FILE} has no file manifest")
-    for rel, want in files.items():
+    for rel in sorted(state.get("files", {})):
         p = d / rel
-        if not p.is_file():
-            raise ValueError(f"checkpoint file {p} is missing")
-        size = p.stat().st_size
-        if size != want["bytes"]:
-            raise ValueError(f"checkpoint file {p} is corrupt: {size} bytes, {want['bytes']} when saved (truncated?)")
-        if _sha256(p) != want["sha256"]:
-            raise ValueError(f"checkpoint file {p} is corrupt: its sha256 differs from the one recorded when saved")
+        if p.name == safe_unpickle.METADATA_FILE:
+            safe_unpickle.read_dcp_metadata(p.parent)
+        elif p.name == "common.pt":
+            safe_unpickle.safe_torch_load(p)
 
 
 def spec_record(spec) -> dict:
@@ -175,10 +118,11 @@ def spec_record(spec) -> dict:
 
 def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     """Everything about `--load` that can be checked before a rank starts; returns the iteration to
-    resume from. ValueError naming the file or the mismatch."""
-    d, state = read_train_state(root)
+    resume from. ValueError naming the file or the mismatch. With `job.load_fallback`, a checkpoint
+    before an incomplete or damaged newest one (`load_note` says which and why)."""
+    d, state, note = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
-    verify_manifest(d, state)
+    read_torch_files(d, state)
     problems = []
     saved_spec, spec = state.get("model"), spec_record(job.spec)
     if saved_spec != spec:
@@ -356,6 +300,10 @@ def _guard(what: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (KeyboardInterrupt, SystemExit):
         raise
+    except ValueError as exc:
+        if str(exc).startswith("checkpoint"):  # ours (safe_unpickle), naming the file already
+            raise
+        raise ValueError(f"{what}: ValueError: {str(exc)[:500]}") from exc
     except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:500]
         raise ValueError(f"{what}: {type(exc).__name__}: {first}") from exc
@@ -376,12 +324,13 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
     _writer_results_in_process()
     rank, world = dist.get_rank(), dist.get_world_size()
     root = Path(root)
-    d = iteration_dir(root, iteration)
+    d = stage_dir(root, iteration)  # renamed to iter_N once complete
     if rank == 0:
-        if d.exists():  # an earlier save of this iteration that did not complete (or an old one)
+        if d.exists():  # an earlier save of this iteration that was killed
             shutil.rmtree(d)
         d.mkdir(parents=True)
     dist.barrier()
+    _reached("staged")
     logical = logical_models(layout)
     per_module: dict[str, dict] = {}
     for name in sorted(logical):
@@ -405,10 +354,12 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
             sub.mkdir()
         dist.barrier()
         _guard(f"saving {sub}", dist_checkpointing.save, sd, str(sub))
+        _reached(f"saved {name}")
     if rank == 0:
         (d / RNG_DIR).mkdir()
     dist.barrier()
     _guard(f"saving {d / RNG_DIR}", dist_checkpointing.save, _rng_sharded_state_dict(rank, world), str(d / RNG_DIR))
+    _reached("files written")
     gathered: list = [None] * world
     dist.all_gather_object(gathered, per_module)
     dist.barrier()  # every rank's files are written
@@ -438,12 +389,12 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
             "data": data_position(job, iteration),
             "global_batch_size": job.global_batch_size, "world_size": world,
             "layout": layout_text, "layout_dict": layout.to_dict(), "model": spec_record(job.spec), "modules": models,
-            "files": manifest(d),
         }
-        _atomic_write(d / STATE_FILE, json.dumps(state, indent=1, sort_keys=True))
-        _atomic_write(root / TRACKER, f"{iteration}\n")
+        state_sha = write_train_state(d, state)  # adds the manifest and its own checksum
+        _reached("state written")
+        publish(root, iteration, d, state_sha, reached=_reached)
     dist.barrier()
-    return d
+    return iteration_dir(root, iteration)
 
 
 def data_position(job, iteration: int) -> dict:
@@ -460,26 +411,18 @@ def data_position(job, iteration: int) -> dict:
     return pos
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: dict, schedulers: dict) -> int:
     """Load the latest checkpoint under `root` into this rank's modules, optimizers, schedulers (and
     RNG, if saved under this very layout); returns its iteration. ValueError naming the directory."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
+    from megatron_hetero.training import safe_unpickle
     from megatron_hetero.training.lr_schedule import restore_scheduler
 
-    d, state = read_train_state(root)
+    # the launcher's choice again (same files, same answer; the hashes are cached or quick)
+    d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     logical = logical_models(layout)
     for name in sorted(logical):
@@ -505,7 +448,7 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 flat.update({f"{mod_name}.model.{k}": v for k, v in sd[f"{mod_name}.model"].items()})
             if f"{mod_name}.optimizer" in sd:
                 flat[f"{mod_name}.optimizer"] = sd[f"{mod_name}.optimizer"]
-        loaded = _guard(f"checkpoint {d / name} cannot be loaded", dist_checkpointing.load, flat, str(d / name))
+        loaded = _guard(f"checkpoint {d / name} cannot be loaded", safe_unpickle.load, flat, d / name)
         for mod_name in logical[name]:
             st = states.get(mod_name)
             if st is None:
@@ -529,7 +472,7 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     if same_layout and (d / RNG_DIR).is_dir():
         rank, world = dist.get_rank(), dist.get_world_size()
         rng_sd = _rng_sharded_state_dict(rank, world)
-        loaded = _guard(f"checkpoint {d / RNG_DIR} cannot be loaded", dist_checkpointing.load, rng_sd, str(d / RNG_DIR))
+        loaded = _guard(f"checkpoint {d / RNG_DIR} cannot be loaded", safe_unpickle.load, rng_sd, d / RNG_DIR)
         _set_rng(loaded)
     dist.barrier()
     return it
@@ -537,11 +480,10 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
 
 def tensor_shapes(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """key -> (global shape, dtype) of every tensor in one logical model's torch_dist checkpoint,
-    sorted by key; ValueError naming the directory if its metadata cannot be read."""
-    from megatron.core import dist_checkpointing
+    sorted by key, read with the restricted unpickler; ValueError naming the file if it cannot be."""
+    from megatron_hetero.training.safe_unpickle import tensors_metadata
 
-    md = _guard(f"checkpoint {model_dir}: metadata cannot be read", dist_checkpointing.load_tensors_metadata,
-                str(model_dir))
+    md = _guard(f"checkpoint {model_dir}: metadata cannot be read", tensors_metadata, model_dir)
     out = {}
     for key in sorted(md):
         t = md[key]

@@ -77,8 +77,9 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234, moe: Op
 def job_from_args(args: Any, layout: HeteroLayout):
     """The `JobConfig` of `train`'s flags (Megatron names: the model sizes of `ModelArgs`, and
     --train-iters --seed --optimizer --lr --weight-decay --clip-grad --adam-beta1/2 --adam-eps
-    --lr-warmup-iters --lr-decay-style --lr-decay-iters --min-lr --save --save-interval --load
-    --override-opt-param-scheduler --log-interval --eval-interval --eval-iters --hetero-offload-encoder --hetero-comm-timeout; and
+    --lr-warmup-iters --lr-decay-style --lr-decay-iters --min-lr --save --save-interval --load --load-fallback
+    --override-opt-param-scheduler --log-interval --eval-interval --eval-iters --hetero-offload-encoder --hetero-comm-timeout
+    --exit-signal-handler; and
     `progress`, set by the CLI when stdout is a terminal) on `layout`. ValueError for invalid sizes."""
     from megatron_hetero.runtime.module_state import OptimConfig
     from megatron_hetero.training.setup import JobConfig
@@ -107,11 +108,12 @@ def job_from_args(args: Any, layout: HeteroLayout):
                      train_iters=args.train_iters, optim=optim, offload_encoder=args.hetero_offload_encoder,
                      comm_timeout_s=args.hetero_comm_timeout, schedule=schedule,
                      save=getattr(args, "save", None), save_interval=getattr(args, "save_interval", None) or 0,
-                     load=getattr(args, "load", None),
+                     load=getattr(args, "load", None), load_fallback=bool(getattr(args, "load_fallback", False)),
                      override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
                      log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False),
                      data=data, eval_interval=getattr(args, "eval_interval", None) or 0,
-                     eval_iters=getattr(args, "eval_iters", None))
+                     eval_iters=getattr(args, "eval_iters", None),
+                     exit_signal_handler=bool(getattr(args, "exit_signal_handler", False)))
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,6 +188,8 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     """Validate `job` on `layout`, fork one rank per layout rank on this machine (gloo on CPU, NCCL on
     GPU), train, and return the merged per-iteration records. ValueError before any rank starts;
     `runtime.launcher.RankFailure` / `RankTimeout` when a rank fails or hangs."""
+    import signal
+
     from megatron_hetero.compat import apply_compat, default_backend
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
@@ -195,8 +199,10 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     apply_compat()
     lines = _LinesFromRanks() if job.log_interval or job.progress else None
     try:
+        # SIGTERM to this process reaches every rank (they lead their own process groups); with
+        # --exit-signal-handler they stop after the same step and save, else they die of it
         per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend(),
-                             log_write=lines.write if lines else None)
+                             forward_signals=(signal.SIGTERM,), log_write=lines.write if lines else None)
     finally:
         if lines is not None:
             lines.close()

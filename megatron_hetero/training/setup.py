@@ -38,6 +38,7 @@ class JobConfig:
     save: Optional[str] = None
     save_interval: int = 0
     load: Optional[str] = None
+    load_fallback: bool = False  # an incomplete/damaged newest save: resume from the one before (else exit 2)
     override_opt_param_scheduler: bool = False
     # iteration lines: every log_interval iterations on global rank 0 (0: none; the CLI sets 1),
     # and a carriage-return progress line in between when `progress` (stdout is a terminal)
@@ -49,6 +50,9 @@ class JobConfig:
     # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)
     eval_interval: int = 0
     eval_iters: Optional[int] = None
+    # --exit-signal-handler (Megatron-LM's flag): SIGTERM stops every rank after the same step, saves
+    # (with --save) and returns normally (training/signals.py)
+    exit_signal_handler: bool = False
 
     def runtime_config(self) -> RuntimeConfig:
         return RuntimeConfig(comm_timeout_s=self.comm_timeout_s)
@@ -128,6 +132,8 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         p = Path(job.save)
         if p.exists() and not p.is_dir():
             raise ValueError(f"--save {job.save}: exists and is not a directory")
+    if job.load_fallback and not job.load:
+        raise ValueError("--load-fallback needs --load DIR")
     if job.load:
         from megatron_hetero.training.checkpoint import check_loadable
 

@@ -1,7 +1,8 @@
 """`megatron-hetero slurm`: write (and optionally submit) an sbatch script that runs `train` on N nodes.
 
     megatron-hetero slurm --nodes 2 --gpus-per-node 8 --hetero-layout L.yaml [--partition P] [--time T]
-        [--account A] [--job-name J] [--output PATTERN] [--container-image I] [--dry-run | --submit]
+        [--account A] [--job-name J] [--output PATTERN] [--container-image I] [--signal-seconds S]
+        [--dry-run | --submit]
         -- <train arguments>
 
 The job: one `srun` task per node, each running `torchrun --nnodes N --nproc-per-node R --rdzv-backend c10d
@@ -17,6 +18,11 @@ Validated before anything is written: the layout must load, and its world size m
 nodes x ranks per node (else exit 2 with the arithmetic); the train arguments must parse (when the
 train parser is importable) and must not repeat what this command sets (`--hetero-layout`, the layout
 flags, `--nproc-per-node`).
+
+SIGTERM before the time limit (`--signal-seconds S`, default 120 when the train arguments have --save DIR):
+`#SBATCH --signal=B:TERM@S --requeue --open-mode=append`; the batch shell passes the signal to the step's
+tasks, and when global rank 0 confirms a checkpoint of the stop (training/signals.py's marker) requeues
+the job, which resumes with --load DIR.
 
 Safety: every user-supplied value is data inside the script, never shell code: values on shell lines
 are `shlex.quote`d into variables and arrays; values on `#SBATCH` lines (which sbatch parses itself,
@@ -81,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser,
                         "without a GRES request)")
     g.add_argument("--sbatch-option", action="append", default=[], metavar="--KEY=VALUE",
                    help="extra `#SBATCH` line, repeatable (e.g. --sbatch-option=--exclusive)")
+    g.add_argument("--signal-seconds", type=int, default=None, metavar="S",
+                   help="SIGTERM the job S seconds before its time limit (#SBATCH --signal=B:TERM@S, --requeue): "
+                        "the ranks finish the current step, save a checkpoint to the train arguments' --save and "
+                        "exit; the job requeues itself and resumes from it with --load. Default: 120 when the "
+                        "train arguments have --save, else off; 0 = off")
     g.add_argument("--container-image", default=None, help="run each node's task in this image (pyxis srun flag)")
     g.add_argument("--entry-module", default=DEFAULT_ENTRY_MODULE,
                    help="python module torchrun runs with `train ...` (default: %(default)s)")
@@ -123,18 +134,31 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
                   output: Optional[str] = None, container_image: Optional[str] = None,
                   cpus_per_task: Optional[int] = None, request_gpus: bool = True,
                   sbatch_options: Sequence[str] = (), entry_module: str = DEFAULT_ENTRY_MODULE,
-                  script: Optional[str] = None) -> str:
+                  script: Optional[str] = None, signal_seconds: int = 0, save_dir: Optional[str] = None) -> str:
     """The sbatch script text (pure). Checks only what makes the text unsafe or meaningless (counts < 1,
     `#SBATCH` values that sbatch would split or misread); the layout's world size is `run`'s check.
     `script`: a training script (Megatron-LM's patched `pretrain_vlm.py`) that torchrun runs instead of
     `-m ENTRY_MODULE train`, with `--hetero-layout` and the train arguments; on CPU nodes it runs
-    through `-m megatron_hetero.megatron_lm.run SCRIPT` (the CPU redirections Megatron-LM needs)."""
+    through `-m megatron_hetero.megatron_lm.run SCRIPT` (the CPU redirections Megatron-LM needs).
+    `signal_seconds` > 0 (needs `save_dir`, the train arguments' --save): SLURM sends SIGTERM to the batch
+    shell that many seconds before the time limit; the shell passes it to the job step's tasks with
+    `scancel --signal=TERM JOB` (torchrun, which passes it to the ranks, which run with
+    --exit-signal-handler), waits for srun, and when global rank 0 wrote the stop marker
+    (MH_EXIT_SIGNAL_MARKER: the checkpoint is complete) requeues the job, which resumes with
+    `--load SAVE_DIR` (added whenever SAVE_DIR holds a checkpoint)."""
     _positive("--nodes", nodes)
     _positive("ranks per node", ranks_per_node)
     _positive("--gpus-per-node", gpus_per_node, 0)
     _positive("--cpus-per-task", cpus_per_task)
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", entry_module):
         raise ValueError(f"--entry-module {entry_module!r} is not a python module name")
+    if signal_seconds < 0:
+        raise ValueError(f"--signal-seconds must be >= 0, got {signal_seconds}")
+    if signal_seconds and not save_dir:
+        raise ValueError(f"--signal-seconds {signal_seconds}: the train arguments have no --save DIR, so there is "
+                         f"nothing to resume from; give --save DIR after `--` or --signal-seconds 0")
+    if signal_seconds and "--exit-signal-handler" not in train_args:
+        train_args = [*train_args, "--exit-signal-handler"]
     world = nodes * ranks_per_node
     mode = f"{gpus_per_node} GPUs per node, one rank each" if gpus_per_node else "CPU ranks (gloo)"
     sbatch = []
@@ -149,6 +173,8 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
                         ("--output", output)):
         if value is not None:
             sbatch.append(f"{flag}={_sbatch_value(flag, value)}")
+    if signal_seconds:
+        sbatch += [f"--signal=B:TERM@{signal_seconds}", "--requeue", "--open-mode=append"]
     for opt in sbatch_options:
         if not _SBATCH_OPTION.fullmatch(str(opt)):
             raise ValueError(f"--sbatch-option {opt!r}: expected --KEY or --KEY=VALUE without whitespace, quotes, "
@@ -178,6 +204,13 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         "#   MH_TRAIN_ARGS       extra train arguments appended last, whitespace-split (default: none)",
         "#   MH_DRY_RUN          set to 1 to print the srun command line instead of running it",
     ]
+    if signal_seconds:
+        lines += [
+            "#   MH_REQUEUE          0: do not requeue after stopping on SIGTERM (default: 1)",
+            f"# On SIGTERM ({signal_seconds} s before the time limit, or `scancel --batch --signal=TERM JOB`) the",
+            "# ranks finish the current step, save to the save directory and exit; the job then requeues itself",
+            "# and resumes from that checkpoint (--load is added whenever the save directory holds one).",
+        ]
     lines += [f"#SBATCH {s}" for s in sbatch]
     lines += [
         "",
@@ -218,6 +251,7 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         'read -r -a train_extra <<< "${MH_TRAIN_ARGS:-}"',
         "# the train arguments as given to `megatron-hetero slurm` (each one quoted: data, not code)",
         _bash_array("train_args", list(train_args)),
+        *(_resume_lines(save_dir, signal_seconds) if signal_seconds else []),
         'srun_args=(--nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1)',
         'if [ -n "$container_image" ]; then srun_args+=(--container-image="$container_image"); fi',
         "",
@@ -236,10 +270,55 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         "  printf '%q ' \"${cmd[@]}\"; echo",
         "  exit 0",
         "fi",
-        'exec "${cmd[@]}"',
+        *(_signal_lines() if signal_seconds else ['exec "${cmd[@]}"']),
         "",
     ]
     return "\n".join(lines)
+
+
+def _resume_lines(save_dir: str, signal_seconds: int) -> list[str]:
+    """Shell lines: resume from the save directory's checkpoint, and where rank 0 marks a stop on SIGTERM."""
+    from megatron_hetero.training.signals import MARKER_ENV
+
+    return [
+        f"save_dir={shlex.quote(save_dir)}",
+        "# global rank 0 writes this file once the checkpoint of the stop on SIGTERM is complete",
+        f'marker="$save_dir/.exit-signal.$SLURM_JOB_ID"',
+        'rm -f "$marker"',
+        f'export {MARKER_ENV}="$marker"',
+        "# torchrun forwards SIGTERM to its ranks and waits this long for them (the step and the save) before SIGKILL",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{signal_seconds}}}",
+        'if [ -f "$save_dir/latest_checkpointed_iteration.txt" ]; then',
+        '  echo "megatron-hetero: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): resuming from iteration' \
+        ' $(head -n 1 "$save_dir/latest_checkpointed_iteration.txt") in $save_dir" >&2',
+        '  train_args+=(--load "$save_dir")',
+        "fi",
+    ]
+
+
+def _signal_lines() -> list[str]:
+    """Shell lines instead of `exec`: run srun in the background, pass SIGTERM on to its tasks, wait, requeue
+    when the ranks stopped on the signal with a checkpoint (the marker), else exit with srun's status."""
+    return [
+        "got_signal=0 child=",
+        # to the job step's tasks (torchrun on every node, which passes it to its ranks) through slurmctld:
+        # srun itself would take SIGTERM as "terminate the step" and SIGKILL the tasks after KillWait
+        'trap \'got_signal=1; echo "megatron-hetero: job $SLURM_JOB_ID got SIGTERM: passing it to the ranks" >&2;'
+        ' scancel --signal=TERM "$SLURM_JOB_ID" || kill -TERM "$child" 2>/dev/null || true\' TERM',
+        '"${cmd[@]}" &',
+        "child=$!",
+        'rc=0; wait "$child" || rc=$?',
+        '# a trapped signal interrupts `wait`: wait again until srun itself has ended',
+        'while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done',
+        'if [ -f "$marker" ] && [ "${MH_REQUEUE:-1}" = 1 ]; then',
+        '  echo "megatron-hetero: job $SLURM_JOB_ID stopped on SIGTERM after iteration $(cut -d" " -f1 "$marker")' \
+        ' with a checkpoint in $save_dir (got_signal=$got_signal, srun exit $rc); requeueing" >&2',
+        '  rm -f "$marker"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'exit "$rc"',
+    ]
 
 
 def _check_train_args(train_args: Sequence[str], layout_file: str,
@@ -301,12 +380,31 @@ def script_from_args(args: argparse.Namespace) -> str:
             f"and ranks per node whose product is {layout.world_size}")
     script = getattr(args, "script", None)
     _check_train_args(train_args, args.hetero_layout, None if script else getattr(args, "add_train_parser", None))
+    save_dir = _last_value(train_args, "--save")
+    signal_seconds = getattr(args, "signal_seconds", None)
+    if script and signal_seconds:
+        raise ValueError(f"--signal-seconds {signal_seconds} with --script: the stop-and-requeue protocol is "
+                         f"`megatron-hetero train`'s; give --signal-seconds 0")
+    if signal_seconds is None:
+        signal_seconds = 120 if save_dir and not script else 0
     return sbatch_script(
         nodes=args.nodes, ranks_per_node=per_node, gpus_per_node=args.gpus_per_node, layout=args.hetero_layout,
         train_args=train_args, partition=args.partition, time=args.time, account=args.account,
         job_name=args.job_name, output=args.output, container_image=args.container_image,
         cpus_per_task=args.cpus_per_task, request_gpus=not args.no_gpu_request,
-        sbatch_options=args.sbatch_option, entry_module=args.entry_module, script=script)
+        sbatch_options=args.sbatch_option, entry_module=args.entry_module, script=script,
+        signal_seconds=signal_seconds, save_dir=save_dir)
+
+
+def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The value of the last `flag V` / `flag=V` in argv (argparse: the last one wins), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
 
 
 def submit(script: str, path: Path) -> tuple[int, str]:

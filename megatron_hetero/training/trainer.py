@@ -15,6 +15,7 @@ from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.trace import gather_trace, tracer_from_env
 from megatron_hetero.training.setup import JobConfig, build_states
+from megatron_hetero.training.signals import ExitSignal, finish_on_signal
 
 
 def prepare_rank(job: JobConfig) -> None:
@@ -123,17 +124,21 @@ def validation_line(iteration: int, ev: dict[str, Any]) -> str:
 
 
 def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False,
-               log_write: Optional[Callable[[str], None]] = None) -> dict[str, Any]:
+               log_write: Optional[Callable[[str], None]] = None,
+               step_hook: Optional[Callable[[int], Any]] = None) -> dict[str, Any]:
     """Run iterations [start, job.train_iters) on this rank (start: 0, or the iteration of the
     checkpoint under job.load); returns per-step records (loss is global, the same on every rank)
     and, if asked, this rank's parameters by module (for parity tests). Saves a checkpoint every
     job.save_interval iterations and after the last one when job.save is set. Global rank 0 writes
-    iteration lines through `log_write` (job.log_interval, job.progress)."""
+    iteration lines through `log_write` (job.log_interval, job.progress). `step_hook(iteration)` runs
+    after every step on every rank; its return value is the record's `probe`. With
+    job.exit_signal_handler, SIGTERM stops every rank after the same step (training/signals.py)."""
     from megatron_hetero.training.checkpoint import load_checkpoint, save_checkpoint
     from megatron_hetero.training.iteration_log import IterationLog
     from megatron_hetero.training.lr_schedule import build_scheduler
 
     prepare_rank(job)
+    stop = ExitSignal(getattr(job, "exit_signal_handler", False)).install()  # SIGTERM sets a flag (signals.py)
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
@@ -156,6 +161,7 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
         tokens = job.global_batch_size * job.spec.seq_length
         records = []
         last_saved = start if job.load else None
+        stopped = None
         for it in range(start, job.train_iters):
             dist.barrier()
             t0 = time.perf_counter()
@@ -172,6 +178,8 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             if job.eval_interval and ((it + 1) % job.eval_interval == 0 or it + 1 == job.train_iters):
                 ev = evaluate(schedule, eval_iters_of(job, schedule.runner), topo.rank)
                 rec.update(ev)
+            if step_hook is not None:  # e.g. bench soak's resource probe; its value travels in the record
+                rec["probe"] = step_hook(it + 1)
             records.append(rec)
             log.record(rec)
             if "eval_loss" in rec and log.write is not None:
@@ -181,7 +189,14 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             if job.save and job.save_interval and (it + 1) % job.save_interval == 0:
                 save_checkpoint(job.save, it + 1, layout, job, topo, states, schedulers)
                 last_saved = it + 1
-        if job.save and job.train_iters > start and last_saved != job.train_iters:
+            # --exit-signal-handler: some rank got SIGTERM, every rank stops here (after the last step: just ends)
+            if it + 1 < job.train_iters and stop.agreed(topo.rank):
+                stopped = it + 1
+                if job.save and last_saved != stopped:
+                    save_checkpoint(job.save, stopped, layout, job, topo, states, schedulers)
+                finish_on_signal(stop, stopped, job.save, topo.rank, log.write)
+                break
+        if job.save and job.train_iters > start and last_saved != job.train_iters and stopped is None:
             save_checkpoint(job.save, job.train_iters, layout, job, topo, states, schedulers)
         log.close()
         out: dict[str, Any] = {"records": records}
@@ -193,4 +208,5 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             out["coords"] = {n: topo.coord(n).as_dict() for n in states}
         return out
     finally:
+        stop.restore()
         topo.destroy()

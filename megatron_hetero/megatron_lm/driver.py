@@ -1,0 +1,288 @@
+"""The part of `pretrain_vlm.py --hetero-*` and `pretrain_gpt.py --hetero-*` they share.
+
+What a patched script hands over (its dataset provider, model provider, extra arguments, argument
+defaults, embedding-rank functions) and a `ScriptModel` (how that script's model is cut into the
+layout's modules) go through, in order:
+  1. parse Megatron's arguments (with the script's extra arguments and the `--hetero-*` flags),
+     resolve and validate the layout against the world size and the Megatron features used (exit 2
+     with the reason on every rank, before any process group or model exists);
+  2. `initialize_megatron` as `pretrain()` does (Megatron's global state: arguments, tokenizer,
+     timers, seeds; its global parallel state follows Megatron's own `--tensor-model-parallel-size`
+     etc., the *reference* layout), then `set_jit_fusion_options`;
+  3. weights: `--hetero-init reference` (default) builds Megatron's own model with the script's
+     model provider on the reference layout (exactly what the unpatched script would start from),
+     gathers each parameter over the reference TP group and keeps this rank's shard of each module
+     (`weights.py`); `--load DIR` (torch format) reads the per-rank files instead;
+     `--hetero-init module` keeps each module's own Megatron initialisation;
+  4. per module, the script's parts built from Megatron's arguments on the module's own
+     `ProcessGroupCollection` (`runtime.topology.Topology`), wrapped in Megatron DDP with its own
+     Megatron optimizer (`runtime.module_state.ModuleState`) and Megatron's learning-rate schedule
+     (`get_optimizer_param_scheduler`);
+  5. the project's schedule (colocated three-phase or disjoint 1F1B) drives the script's stage runner
+     over Megatron's own train dataset, and each iteration prints Megatron's log line
+     (`iteration N/ M | consumed samples | ... | lm loss: X |`); with `--eval-iters N` every
+     `--eval-interval` iterations (and after the last one) the same schedule runs N global batches of
+     Megatron's validation dataset with `train=False` and prints Megatron's validation lines.
+
+The loss is normalised per token over the global batch (Megatron's `--calculate-per-token-loss`);
+Megatron's default (a mean per micro-batch, averaged) is the same number when every micro-batch has
+the same count of loss tokens, as with mock data.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_hetero.layout.args import add_hetero_args, layout_from_args
+from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.megatron_lm import weights as weights_mod
+from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog, print_last
+from megatron_hetero.plan.rank_plan import rank_plan, rank_plans
+from megatron_hetero.runtime.config import RuntimeConfig
+from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
+
+PREFIX = "megatron-hetero megatron-lm"
+
+
+@dataclass(frozen=True)
+class ScriptModel:
+    """How one Megatron-LM script's model maps onto a layout.
+
+    `check(args, layout)`: the script's own checks (ValueError naming the flag or module);
+    `prepare(args)`: what the script's model provider sets on `args` before building (or None);
+    `build(args, layout, m, pgs, model_provider)`: module `m`'s part on this rank (compute device);
+    `first_layer(layout, m)`: the whole model's index of module `m`'s first decoder layer;
+    `runner(args, plan, states, datasets_provider)`: the `StageRunner` (with `set_split`)."""
+
+    script: str
+    check: Callable[[Any, HeteroLayout], None]
+    build: Callable[..., torch.nn.Module]
+    runner: Callable[..., Any]
+    prepare: Optional[Callable[[Any], None]] = None
+    first_layer: Callable[[HeteroLayout, ModuleLayout], int] = lambda layout, m: 0
+
+
+def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags for Megatron-LM scripts: `add_hetero_args` plus `--hetero-init`."""
+    add_hetero_args(parser)
+    group = parser.add_argument_group(title="megatron-hetero with Megatron-LM scripts")
+    group.add_argument("--hetero-init", choices=["reference", "module"], default="reference",
+                       help="reference (default): start from the weights Megatron's own model would have on the "
+                            "layout given by Megatron's parallel flags (builds that model once); module: each "
+                            "module's own Megatron initialisation on its own layout. --load overrides both.")
+    return parser
+
+
+def chain(*providers: Optional[Callable]) -> Callable:
+    def provider(parser):
+        for p in providers:
+            if p is not None:
+                parser = p(parser)
+        return parser
+
+    return provider
+
+
+# -- validation (pure on parsed arguments; before any group or model) ------------------------------
+#: Megatron flags no layout supports yet (attribute -> flag).
+REFUSED = {
+    "fp16": "--fp16", "bf16": "--bf16", "use_distributed_optimizer": "--use-distributed-optimizer",
+    "sequence_parallel": "--sequence-parallel", "swiglu": "--swiglu",
+    "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
+    "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap", "num_experts": "--num-experts",
+    "use_legacy_models": "--use-legacy-models", "mtp_num_layers": "--mtp-num-layers",
+    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
+    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
+    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
+    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+}
+
+
+def check_common(args: Any, layout: HeteroLayout) -> None:
+    """Megatron features every script's layout run supports; ValueError naming the flag otherwise."""
+    for m in layout.modules:
+        if m.cp != 1:
+            raise ValueError(f"module {m.name}: cp={m.cp}; context parallelism needs Transformer Engine attention "
+                             f"in Megatron-LM's models, not supported with a layout (use cp=1)")
+        if m.ep != 1:
+            raise ValueError(f"module {m.name}: ep={m.ep}; expert parallelism is not supported with Megatron-LM "
+                             f"scripts and a layout")
+        if args.num_attention_heads % m.tp:
+            raise ValueError(f"module {m.name}: --num-attention-heads {args.num_attention_heads} is not divisible "
+                             f"by tp({m.tp})")
+    for attr, flag in REFUSED.items():
+        if getattr(args, attr, None):
+            raise ValueError(f"{flag} is not supported with a layout (yet)")
+    if getattr(args, "clip_grad", 0.0):
+        raise ValueError(f"--clip-grad {args.clip_grad}: gradient clipping by the norm over all modules is not "
+                         f"implemented with a layout (each module's optimizer would clip by its own norm); "
+                         f"pass --clip-grad 0")
+    if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+        raise ValueError("with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
+                         "must stay 1 (they give the reference layout the weights start from; each module's "
+                         "own degrees come from the layout)")
+    if args.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"--optimizer {args.optimizer} is not supported with a layout (adam or sgd)")
+    if args.load and args.ckpt_format != "torch":
+        raise ValueError(f"--load with a layout reads --ckpt-format torch checkpoints (Megatron's own "
+                         f"load_checkpoint on the layout of Megatron's parallel flags); got {args.ckpt_format}")
+    if args.save:
+        if args.ckpt_format != "torch":
+            raise ValueError(f"--save with a layout writes --ckpt-format torch checkpoints; got {args.ckpt_format}")
+        if args.hetero_init != "reference":
+            raise ValueError("--save with a layout needs --hetero-init reference (the checkpoint is written "
+                             "through Megatron's own model on the reference layout)")
+    if args.eval_iters and args.eval_iters > 0 and getattr(args, "full_validation", False):
+        raise ValueError("--full-validation is not supported with a layout (use --eval-iters N)")
+    if getattr(args, "multiple_validation_sets", False):
+        raise ValueError("--multiple-validation-sets is not supported with a layout")
+    if args.train_iters is None:
+        raise ValueError("--train-iters is required with a layout (--train-samples is not supported)")
+    if args.rampup_batch_size:
+        raise ValueError("--rampup-batch-size is not supported with a layout")
+
+
+def parse_and_validate(model: ScriptModel, extra_args_provider: Optional[Callable], args_defaults: dict):
+    """Megatron's argument parsing with the plugin flags; (args, layout). ValueError for bad input."""
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(extra_args_provider=chain(extra_args_provider, add_megatron_lm_args))
+    for k, v in (args_defaults or {}).items():  # what initialize_megatron applies, for the checks
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = layout_from_args(args, world)
+    model.check(args, layout)
+    check_common(args, layout)
+    # Batch arithmetic and schedule tables of every rank (ValueError with the arithmetic).
+    rank_plans(layout, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
+    return args, layout
+
+
+# -- the entry point the patches reach -------------------------------------------------------------
+def pretrain_with_layout(model: ScriptModel, train_valid_test_datasets_provider: Callable,
+                         model_provider: Callable, extra_args_provider: Optional[Callable] = None,
+                         args_defaults: Optional[dict] = None, get_embedding_ranks: Optional[Callable] = None,
+                         get_position_embedding_ranks: Optional[Callable] = None) -> int:
+    """Train the script's model with the layout of the `--hetero-*` flags; returns the exit code
+    (2: invalid input, printed as one paragraph before any process group or model exists)."""
+    try:
+        parse_and_validate(model, extra_args_provider, args_defaults or {})
+    except ValueError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{PREFIX}: invalid input: {exc}", file=sys.stderr, flush=True)
+        return 2
+    from megatron.training import get_args
+    from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
+
+    initialize_megatron(extra_args_provider=chain(extra_args_provider, add_megatron_lm_args),
+                        args_defaults=args_defaults or {}, get_embedding_ranks=get_embedding_ranks,
+                        get_position_embedding_ranks=get_position_embedding_ranks)
+    set_jit_fusion_options()
+    args = get_args()
+    layout = layout_from_args(args, dist.get_world_size())
+    _train(model, args, layout, train_valid_test_datasets_provider, model_provider)
+    return 0
+
+
+def _train(model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Callable,
+           model_provider: Callable) -> None:
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    from megatron_hetero.compat import ensure_global_memory_buffer
+    from megatron_hetero.runtime.topology import Topology
+
+    ensure_global_memory_buffer()
+    source = None
+    if args.load or args.hetero_init == "reference":
+        source = weights_mod.ReferenceSource.build(model_provider, keep=bool(args.save))
+    if model.prepare is not None:
+        model.prepare(args)  # what the model provider sets on args, also without it
+    topo = Topology.build(layout, timeout_s=args.hetero_comm_timeout)
+    try:
+        plan = rank_plan(layout, topo.rank, args.global_batch_size, args.micro_batch_size,
+                         args.hetero_offload_encoder)
+        optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                            clip_grad=0.0)
+        states, schedulers = {}, {}
+        for m in layout.modules:
+            if not topo.serves(m.name):
+                continue
+            pgs = topo.pg_collection(m.name)
+            part = model.build(args, layout, m, pgs, model_provider)
+            first = model.first_layer(layout, m)
+            if source is not None:
+                weights_mod.copy_into(part, source, pgs, first_layer=first)
+            states[m.name] = ModuleState(m.name, part, pgs, optim)
+            if source is not None and args.load:
+                weights_mod.copy_optimizer_state(part, states[m.name].optimizer, source, pgs, first_layer=first)
+        if source is not None:
+            source.release()
+        for name, s in states.items():
+            if s.optimizer is not None:
+                schedulers[name] = get_optimizer_param_scheduler(s.optimizer)
+        start = source.iteration if source is not None else 0
+        if start and start >= args.train_iters:
+            print_last(f"{PREFIX}: checkpoint iteration {start} >= --train-iters {args.train_iters}: nothing to do")
+            return
+        for sched in schedulers.values():  # resume: the schedule where the saving run left it
+            if start:
+                sched.step(increment=start * args.global_batch_size)
+        runner = model.runner(args, plan, states, datasets_provider)
+        schedule = _schedule(plan, RuntimeConfig(comm_timeout_s=args.hetero_comm_timeout), topo, states, runner)
+        print_last(f"{PREFIX}: training with {layout.placement} layout "
+                   + ", ".join(f"{m.name} tp{m.tp}·pp{m.pp}·dp{m.dp}@{m.ranks}" for m in layout.modules)
+                   + f", from iteration {start}")
+        log, evaluator = IntervalLog(args), Evaluator(schedule, runner, states, args, start)
+        for it in range(start, args.train_iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            res = schedule.step(it)
+            for sched in schedulers.values():
+                sched.step(increment=args.global_batch_size)
+            log.add(it + 1, res.loss, (time.perf_counter() - t0) * 1000.0, _current_lr(states))
+            if source is not None and source.kept is not None:
+                source.kept[2].step(increment=args.global_batch_size)  # the reference scheduler follows
+                if (it + 1) % (args.save_interval or args.train_iters) == 0 or it + 1 == args.train_iters:
+                    weights_mod.save_reference_checkpoint(source, it + 1, states, layout, topo)
+            evaluator.after_iteration(it + 1)
+        evaluator.after_training(args.train_iters)
+        if hasattr(schedule, "close"):
+            schedule.close()
+        dist.barrier()
+    finally:
+        topo.destroy()
+
+
+def _schedule(plan, config, topo, states, runner):
+    if plan.layout.placement == "colocated":
+        from megatron_hetero.runtime.colocated import ColocatedSchedule
+
+        return ColocatedSchedule(plan, config, topo, states, runner)
+    from megatron_hetero.runtime.disjoint import DisjointSchedule
+
+    return DisjointSchedule(plan, config, topo, states, runner)
+
+
+def _current_lr(states) -> float:
+    """The learning rate the last step used (the first trained module's on this rank); the same on
+    every rank after an all-reduce of max (ranks without a trained module report 0)."""
+    lr = 0.0
+    for s in states.values():
+        if s.optimizer is not None:
+            lr = float(s.optimizer.param_groups[0]["lr"])
+            break
+    from megatron_hetero.compat.device import get_device
+
+    t = torch.tensor([lr], dtype=torch.float64).to(get_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

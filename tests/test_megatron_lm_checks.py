@@ -1,0 +1,81 @@
+"""What `pretrain_gpt.py` / `pretrain_vlm.py` refuse with a layout, before any process group or model
+(pure: parsed Megatron arguments as a namespace; no Megatron-LM tree needed). The end-to-end runs are
+in test_megatron_lm.py."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_hetero.layout.yaml_io import layout_from_dict
+from megatron_hetero.megatron_lm.driver import check_common
+from megatron_hetero.megatron_lm.gpt import check_gpt, segment_layers
+from megatron_hetero.megatron_lm.vlm import check_vlm
+
+SEGMENTS = {"language_a": {"tp": 2, "layers": "0-1", "ranks": "0-1"},
+            "language_b": {"dp": 2, "layers": "2-3", "ranks": "2-3"}}
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(num_layers=4, num_attention_heads=4, untie_embeddings_and_output_weights=True, save=None,
+                load=None, clip_grad=0.0, context_parallel_size=1, pipeline_model_parallel_size=1,
+                optimizer="adam", ckpt_format="torch", hetero_init="reference", eval_iters=1,
+                full_validation=False, multiple_validation_sets=False, train_iters=3, rampup_batch_size=None,
+                decoder_num_layers=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _layout(modules: dict, edges=("language_a -> language_b",), placement: str = "disjoint", world: int = 4):
+    return layout_from_dict({"placement": placement, "modules": modules, "edges": list(edges)}, world)
+
+
+def test_segments_are_accepted_and_count_their_layers():
+    layout = _layout(SEGMENTS)
+    check_gpt(_args(), layout)
+    check_common(_args(), layout)
+    assert [segment_layers(_args(), m) for m in layout.modules] == [2, 2]
+    one = _layout({"language": {"tp": 2, "dp": 2}}, edges=(), placement="colocated")
+    check_gpt(_args(untie_embeddings_and_output_weights=False), one)  # one stage: tied embeddings are local
+    assert segment_layers(_args(), one.module("language")) == 4
+
+
+@pytest.mark.parametrize("args, modules, edges, world, message", [
+    (_args(num_layers=6), SEGMENTS, ("language_a -> language_b",), 4, "the segments cover layers 0-3 (4 layers); --num-layers is 6"),
+    (_args(untie_embeddings_and_output_weights=False), SEGMENTS, ("language_a -> language_b",),
+     4, "pass --untie-embeddings-and-output-weights"),
+    (_args(), SEGMENTS, (), 4, "needs exactly the edges between consecutive segments ['language_a -> language_b']"),
+    (_args(), {**SEGMENTS, "vision": {"ranks": "4-4"}}, ("vision -> language_a", "language_a -> language_b"),
+     5, "takes language modules only"),
+    (_args(), {"language_a": {"tp": 2, "pp": 2, "layers": "0-2", "ranks": "0-3"}, "language_b": {"layers": "3-3", "ranks": "4-4"}},
+     ("language_a -> language_b",), 5, "module language_a: 3 layers do not split over pp(2)"),
+    (_args(save="/tmp/x"), SEGMENTS, ("language_a -> language_b",), 4, "--save/--load with pretrain_gpt.py"),
+    (_args(sft=True), SEGMENTS, ("language_a -> language_b",), 4, "--sft is not supported"),
+])
+def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
+    with pytest.raises(ValueError) as info:
+        check_gpt(args, _layout(modules, edges, world=world))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(bf16=True), "--bf16 is not supported with a layout"),
+    (dict(clip_grad=1.0), "--clip-grad 1.0"),
+    (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
+    (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
+    (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
+    (dict(train_iters=None), "--train-iters is required"),
+])
+def test_common_refusals_name_the_flag(kw, message):
+    with pytest.raises(ValueError) as info:
+        check_common(_args(**kw), _layout(SEGMENTS))
+    assert message in str(info.value)
+
+
+def test_vlm_refuses_segments_and_uneven_pipeline_splits():
+    with pytest.raises(ValueError, match="exactly the modules 'vision' and 'language'"):
+        check_vlm(_args(), _layout(SEGMENTS))
+    vlm = _layout({"vision": {"dp": 3}, "language": {"pp": 3}}, edges=("vision -> language",),
+                  placement="colocated", world=3)
+    with pytest.raises(ValueError, match=r"module language: 2 decoder layers do not split over pp\(3\)"):
+        check_vlm(_args(decoder_num_layers=2), vlm)
