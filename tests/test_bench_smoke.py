@@ -2,6 +2,7 @@
 direct mode moves exactly the minimum, the leader path more. Times are not asserted."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -55,3 +56,74 @@ def test_bench_command_checks_its_input_before_running(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["bench", "nope"])
     assert info.value.code == 2
+
+
+@pytest.mark.timeout(600)
+def test_bench_e2e_quick(tmp_path, capsys):
+    """`bench e2e --quick`: for both workloads the homogeneous layout and the search's colocated and
+    disjoint picks train on the same samples, so their losses agree step by step; the plugin-overhead
+    pair (ours vs Megatron-core's forward-backward function) too. Structure only, no timing asserts."""
+    import math
+
+    from megatron_hetero import cli
+    from megatron_hetero.bench import e2e
+
+    assert cli.main(["bench", "e2e", "--quick", "--iters", "1", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert "speed-up vs homogeneous" in capsys.readouterr().out
+    assert doc["benchmark"] == "e2e" and doc["quick"] and doc["world_size"] == e2e.WORLD
+    assert set(doc["workloads"]) == {w.name for w in e2e.WORKLOADS}
+    for w in e2e.WORKLOADS:
+        rows = {c["kind"]: c for c in doc["cases"] if c["workload"] == w.name}
+        assert set(rows) == {"homogeneous", "colocated", "disjoint"}, rows.keys()
+        base = rows["homogeneous"]
+        assert base["speedup_vs_homogeneous"] == 1.0 and base["loss_max_rel_diff"] == 0.0
+        assert rows["disjoint"]["placement"] == "disjoint" and rows["colocated"]["placement"] == "colocated"
+        assert rows["colocated"]["layout"] != base["layout"] == doc["workloads"][w.name]["homogeneous"]
+        for c in rows.values():
+            assert len(c["losses"]) == 2 and all(math.isfinite(x) for x in c["losses"])
+            assert c["loss_max_rel_diff"] < 1e-5, (w.name, c["kind"], c["losses"], base["losses"])
+            assert c["speedup_vs_homogeneous"] == pytest.approx(base["step_time_s"] / c["step_time_s"])
+            assert c["speedup_paired_median"] > 0
+            assert c["tokens_per_s"] == pytest.approx(
+                doc["workloads"][w.name]["model"]["global_batch_size"] * doc["workloads"][w.name]["model"]["seq_length"]
+                / c["step_time_s"])
+            assert c["peak_memory_bytes"] > 0 and c["estimate_s"] > 0
+        # the layout the search's disjoint pick describes is the one trained
+        assert rows["disjoint"]["layout_doc"]["placement"] == "disjoint"
+    o = doc["overhead"]
+    assert doc["overhead_vs_megatron"] == pytest.approx(o["step_time_s"]["ours"] / o["step_time_s"]["megatron"])
+    assert doc["overhead_vs_megatron_batched"] == pytest.approx(
+        o["step_time_s"]["ours"] / o["step_time_s"]["megatron_batched"])
+    assert o["loss_max_rel_diff"] < 1e-5
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cost_check_measured_terms_from_a_trace():
+    """Exclusive span time per term: nested spans are subtracted from their parent, steps are cut at
+    each rank's optimizer spans, terms are the mean over ranks, `other` is the untraced rest."""
+    from megatron_hetero.bench.cost_check import exclusive, measured_terms
+
+    def x(pid, cat, ts, dur):
+        return {"ph": "X", "pid": pid, "cat": cat, "name": cat, "ts": ts, "dur": dur}
+
+    assert exclusive([x(0, "boundary", 0, 100), x(0, "encoder-backward", 10, 50), x(0, "wait", 100, 5)]) == [
+        (0, 50.0, "boundary"), (10, 50.0, "encoder-backward"), (100, 5.0, "wait")]
+    us = 1000.0  # 1 ms in trace units
+    events = []
+    for pid, slow in ((0, 1.0), (1, 1.4)):
+        for step in range(2):
+            t = step * 100 * us
+            events += [x(pid, "schedule", t, 40 * us), x(pid, "llm-forward", t + 5 * us, 10 * slow * us),
+                       x(pid, "llm-backward", t + 20 * us, 10 * us), x(pid, "wait", t + 30 * us, 4 * us),
+                       x(pid, "boundary", t + 40 * us, 6 * us), x(pid, "encoder-backward", t + 41 * us, 2 * us),
+                       x(pid, "grad-reduce", t + 50 * us, 8 * us), x(pid, "optimizer", t + 60 * us, 5 * us)]
+    got = measured_terms({"traceEvents": events}, [0.1, 0.09], warmup=1)
+    assert got["compute"] == pytest.approx((10 + 14) / 2 / 1e3 + 10e-3 + 2e-3)
+    assert got["boundary"] == pytest.approx(4e-3) and got["pipeline"] == pytest.approx(4e-3)
+    assert got["dp"] == pytest.approx(8e-3) and got["optimizer"] == pytest.approx(5e-3)
+    schedule_rest = (40 - (10 + 14) / 2 - 10 - 4) / 1e3  # the language phase's untraced time, mean of ranks
+    traced = got["compute"] + 4e-3 + 4e-3 + 8e-3 + 5e-3
+    assert got["other"] == pytest.approx(0.09 - traced)
+    assert schedule_rest > 0 and got["step"] == 0.09

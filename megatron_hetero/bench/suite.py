@@ -6,8 +6,9 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults")
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "faults": 1}  # iterations per case; schedule, soak: steps
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e")
+#: iterations per case; schedule, soak, e2e: steps (faults: cells, not iterations)
+DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "faults": 1, "e2e": 6}
 
 
 def _module(name: str):
@@ -18,17 +19,19 @@ def _module(name: str):
 
 def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool = False) -> dict[str, Any]:
     """Run benchmark `name` with `iters` iterations per case (default DEFAULT_ITERS; the schedule
-    benchmark runs at least 2 steps); writes its files under `out` and returns its document."""
+    benchmark runs at least 2 steps; `quick`: e2e only); writes its files under `out` and returns its document."""
     if iters is not None and iters < 1:
         raise ValueError(f"--iters must be >= 1, got {iters}")
     bench = _module(name)
-    iters = iters or DEFAULT_ITERS[name]
+    iters = iters or (2 if quick else DEFAULT_ITERS[name])
     if name == "schedule":
         return bench.run(Path(out), steps=max(iters, 2))
     if name == "soak":  # growth measured from step 50 (from step iters // 3 in runs of 100 steps or fewer)
         return bench.run(Path(out), steps=max(iters, 3), warmup=50 if iters > 100 else max(1, iters // 3))
     if name == "faults":  # the fault matrix: cells, not iterations (`--quick`: a covering subset)
         return bench.run(Path(out), quick=quick)
+    if name == "e2e":  # --quick: smaller models, a small profile, one round (the smoke test's)
+        return bench.run(Path(out), iters=iters, quick=quick)
     return bench.run(Path(out), iters=iters)
 
 

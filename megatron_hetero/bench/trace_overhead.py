@@ -8,7 +8,7 @@ wall time when other processes share the cores). It also reports the recording c
 (best of several repetitions) times the spans per rank and step, as a bound that does not depend on
 the noise. The first step of each mode is dropped (warm-up).
 
-    python -m megatron_hetero.bench.trace_overhead LAYOUT.yaml [--steps 40] [--global-batch-size 8]
+    python -m megatron_hetero.bench.trace_overhead LAYOUT.yaml [--steps 40] [--global-batch-size 8] [--out F.json]
 """
 from __future__ import annotations
 
@@ -116,13 +116,20 @@ def main(argv=None) -> int:
     p.add_argument("layout")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--out", default=None, help="also write the JSON document to this file")
     args = p.parse_args(argv)
     quiet_upstream_warnings()
     layout = load_layout(args.layout, None)
     model = resolve_model(ModelArgs(global_batch_size=args.global_batch_size), layout)
     job = JobConfig(spec=llava_spec(model, layout), global_batch_size=model.global_batch_size,
                     micro_batch_size=model.micro_batch_size, comm_timeout_s=120.0)
-    print(json.dumps({"layout": args.layout, **measure(layout, job, args.steps)}, indent=1))
+    text = json.dumps({"layout": args.layout, **measure(layout, job, args.steps)}, indent=1)
+    print(text)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
     return 0
 
 

@@ -18,8 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
     p.add_argument("--iters", type=int, default=None,
                    help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps, "
-                        "soak 300 steps)")
-    p.add_argument("--quick", action="store_true", help="faults: a covering subset of the fault matrix")
+                        "soak 300 steps, e2e 6 steps)")
+    p.add_argument("--quick", action="store_true",
+                   help="faults: a covering subset of the fault matrix; e2e: smaller models, a small profile "
+                        "grid, one round")
     return p
 
 
@@ -27,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.bench.suite import run_benchmark, table
 
     out = Path(args.out)
-    doc = run_benchmark(args.name, out, args.iters, quick=getattr(args, "quick", False))
+    doc = run_benchmark(args.name, out, args.iters, quick=args.quick)
     print(json.dumps(doc, indent=1) if args.json else table(args.name, doc))
     if not args.json:
         print(f"\nwrote {out / (args.name + '.json')}")

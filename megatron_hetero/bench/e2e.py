@@ -1,0 +1,356 @@
+"""`megatron-hetero bench e2e`: is a step faster with a heterogeneous layout than with the homogeneous
+one, and what does the plugin itself cost? Everything measured in one run, in one process tree.
+
+Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`):
+  inherited-tp: the language model's layout is fixed at TP2 (the workload's constraint: on a real
+      cluster its parameters and optimizer state would not fit one device; here the constraint is
+      imposed on the search space) and the encoder is sizeable (many image tokens); in the
+      homogeneous layout the encoder inherits TP2.
+  long-context: the language model needs CP2 for its long sequence while the encoder's sequences are
+      short. The runtime's encoders take no CP (their sequence is bounded by the image), so the
+      homogeneous layout gives the encoder the language model's 2-way model-parallel group as TP.
+For each: a profile of this machine is taken in the same run (`training.profile.measure`, fitted by
+`plan.profile_fit`), `plan.search` (restricted to the workload's constraint, runtime layouts only)
+picks the best colocated layout other than the homogeneous one and the best disjoint layout (and its
+overall pick is reported: `search_best`), and the three layouts are trained side by side
+(`side_by_side`): one set of forked ranks builds all three (topologies, models, schedules) and runs
+step k of each in turn (order rotated every step), `warmup + iters` steps; `rounds` such runs per
+workload, the workloads alternating. A case's step time is the median over its kept steps (all rounds)
+of the slowest rank's step; `speedup_per_round` gives the ratio of each round's medians and
+`speedup_paired_median` the median over steps of (homogeneous step k / this case's step k), steps that
+ran next to each other. Loss equality: every case
+trains on the same samples from the same initial weights, so its per-step losses must match the
+homogeneous layout's (`loss_max_rel_diff`).
+
+Plugin overhead (`bench/plain_megatron.py`): the inherited-tp workload's homogeneous layout through our
+schedule against Megatron-core's own forward-backward function, alternated step by step; `overhead_vs_megatron`
+against Megatron-core with the encoder per micro-batch (Megatron-LM's LLaVA), `overhead_vs_megatron_batched`
+against Megatron-core with the encoder once per step (our batching: only the plugin's code differs).
+
+Writes DIR/e2e.json and DIR/e2e.png (step time per workload and layout, speed-up labels).
+`peak_memory_bytes`: the largest resident state (parameters, gradient buffers, optimizer state) of
+any rank in any phase, as the schedules report it (activations not included).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_hetero.bench.common import markdown_table, write_json
+from megatron_hetero.bench.planner import BenchModel, _colo, candidate_for, describe, resolve
+from megatron_hetero.plan import search as S
+
+WORLD = 4
+
+
+@dataclass(frozen=True)
+class E2EWorkload:
+    """A workload: the model, the language model's fixed degrees, its homogeneous layout."""
+
+    name: str
+    model: BenchModel
+    llm_tp: int
+    llm_cp: int
+    homogeneous: dict  # layout document
+    why: str
+    search_pp: tuple = (1, 2)
+
+    def space(self) -> S.SearchSpace:
+        m = self.model
+        enc_tp = tuple(t for t in (1, 2, 4) if t <= WORLD and m.encoder_num_attention_heads % t == 0)
+        return S.SearchSpace(placements=("colocated", "disjoint"), tp=(self.llm_tp,), cp=(self.llm_cp,),
+                             pp=self.search_pp, encoder_tp=enc_tp, encoder_cp=(1,), encoder_pp=(1, 2),
+                             offload=(False,), runtime=True)
+
+
+WORKLOADS = (
+    E2EWorkload(
+        "inherited-tp",
+        BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=160, vocab_size=128,
+                   encoder_num_layers=8, encoder_hidden_size=64, encoder_num_attention_heads=4,
+                   encoder_tokens=128, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
+        llm_tp=2, llm_cp=1, homogeneous=_colo({"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}),
+        why="language model fixed at TP2 (its memory); the encoder (128 image tokens, 8 layers) inherits TP2"),
+    E2EWorkload(
+        "long-context",
+        BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=256, vocab_size=128,
+                   encoder_num_layers=8, encoder_hidden_size=64, encoder_num_attention_heads=4,
+                   encoder_tokens=64, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
+        llm_tp=1, llm_cp=2, homogeneous=_colo({"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}),
+        why="language model needs CP2 (sequence 256); the encoder's 64 tokens (8 layers) take no CP, so the homogeneous "
+            "layout gives it the language model's 2-way group as TP"),
+)
+
+
+def quick_workloads() -> tuple:
+    """Smaller models for `--quick` (the smoke test): the same layouts and constraints."""
+    out = []
+    for w in WORKLOADS:
+        m = dataclasses.replace(w.model, global_batch_size=8, encoder_num_layers=2, num_layers=2)
+        if w.name == "inherited-tp":
+            m = dataclasses.replace(m, encoder_tokens=64, seq_length=80)
+        out.append(dataclasses.replace(w, model=m))
+    return tuple(out)
+
+
+def quick_grid():
+    from megatron_hetero.plan.profile_fit import ProfileGrid
+
+    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 64, 2)), "encoder": ((64, 4, 16, 1), (64, 4, 32, 2))},
+                       module_shapes={"llm": ((64, 4, 32, 2, 128),), "encoder": ((64, 4, 16, 2, 64),)},
+                       tp=(1, 2), cp=(1, 2), sizes=(1 << 10, 1 << 16), iters=1, warmup=1, reps=1)
+
+
+def e2e_grid():
+    """The profile grid: shapes around the workloads' (hidden 64, up to 512 tokens per micro-batch)."""
+    from megatron_hetero.plan.profile_fit import ProfileGrid
+
+    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 160, 2), (64, 4, 256, 1), (64, 4, 256, 2)),
+                                     "encoder": ((64, 4, 16, 1), (64, 4, 64, 2), (64, 4, 64, 8), (64, 4, 128, 4))},
+                       module_shapes={"llm": ((64, 4, 160, 2, 128), (64, 4, 256, 2, 128)),
+                                      "encoder": ((64, 4, 64, 4, 64), (64, 4, 128, 4, 64))},
+                       tp=(1, 2, 4), cp=(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+def _rank_side_by_side(cases: list, steps: int) -> dict[str, Any]:
+    """One rank of `side_by_side`: every case's topology, model and schedule built on this rank, then
+    `steps` steps of each case, step by step in a rotated order."""
+    import torch.distributed as dist
+
+    from megatron_hetero.plan.rank_plan import rank_plan
+    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.training.setup import build_states
+    from megatron_hetero.training.trainer import make_schedule, prepare_rank
+
+    prepare_rank(cases[0][1])
+    topos, scheds = [], []
+    try:
+        for lay, job in cases:  # every rank builds every case's groups in the same order
+            topo = Topology.build(lay, timeout_s=job.comm_timeout_s)
+            topos.append(topo)
+            plan = rank_plan(lay, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+            scheds.append(make_schedule(plan, job, topo, build_states(lay, job, topo)))
+        n = len(cases)
+        out = {"times": [[] for _ in cases], "losses": [[] for _ in cases], "peak": [0] * n}
+        for it in range(steps):
+            for i in [(it + j) % n for j in range(n)]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                res = scheds[i].step(it)
+                out["times"][i].append(time.perf_counter() - t0)
+                out["losses"][i].append(res.loss)
+                for phase in (res.memory or {}).values():
+                    out["peak"][i] = max(out["peak"][i], sum(phase.values()))
+        dist.barrier()
+        return out
+    finally:
+        for t in reversed(topos):
+            t.destroy()
+
+
+def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]:
+    """Train the (layout, job) `cases` (same world size) in one set of forked ranks, alternating step
+    by step (step k of every case, in an order rotated each step), so that every case sees the
+    machine in the same periods. Per case: the slowest rank's time per step, the losses, and the
+    largest resident state of any rank."""
+    from megatron_hetero.compat import default_backend
+    from megatron_hetero.runtime.launcher import run_ranks
+    from megatron_hetero.training.setup import validate_job
+
+    worlds = {lay.world_size for lay, _ in cases}
+    if len(worlds) != 1:
+        raise ValueError(f"side-by-side cases must share one world size, got {sorted(worlds)}")
+    for lay, job in cases:
+        validate_job(lay, job)
+    per_rank = run_ranks(worlds.pop(), _rank_side_by_side, cases, steps, timeout=timeout, backend=default_backend())
+    return [{"steps_s": [max(r["times"][i][k] for r in per_rank) for k in range(steps)],
+             "losses": per_rank[0]["losses"][i], "peak_memory_bytes": int(max(r["peak"][i] for r in per_rank))}
+            for i in range(len(cases))]
+
+
+def _picks(w: E2EWorkload, prof) -> dict[str, Any]:
+    """The search's best colocated layout other than the homogeneous one (the search ranks that as a
+    colocated candidate with equal layouts) and its best disjoint layout for workload `w` under
+    profile `prof`; `search_best`: the search's overall pick (it may be the homogeneous layout)."""
+    import json
+
+    from megatron_hetero.training.model_args import workload_for
+
+    m = w.model
+    wl = workload_for(m.spec(), m.global_batch_size, m.micro_batch_size)
+    res = S.search(wl, prof, WORLD, memory_limit=float("inf"), space=w.space(), top=200)
+    homo = json.dumps(resolve(w.homogeneous, WORLD).to_dict(), sort_keys=True)
+    out: dict[str, Any] = {"search_best": res.best.candidate.describe(),
+                           "search_best_is_homogeneous": json.dumps(res.best.candidate.to_layout().to_dict(),
+                                                                    sort_keys=True) == homo}
+    for kind in ("colocated", "disjoint"):
+        for r in res.ranked:
+            lay = r.candidate.to_layout()
+            if r.candidate.placement != kind or json.dumps(lay.to_dict(), sort_keys=True) == homo:
+                continue
+            out[kind] = {"layout": lay, "mbs": S.train_micro_batch_size(r.candidate, wl),
+                         "estimate_s": r.breakdown.total, "describe": r.candidate.describe()}
+            break
+    return out
+
+
+def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhead_steps: int = 12,
+        quick: bool = False, profile=None, plot: bool = True, profile_source: str = "measured in this run"
+        ) -> dict[str, Any]:
+    """Profile, search, train every case side by side, measure the plugin overhead; write e2e.json
+    (+ e2e.png). quick: smaller models, a small profile grid, one round; `profile`: use this fitted
+    profile instead of measuring one (tests)."""
+    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.plan import cost as C
+    from megatron_hetero.plan import profile_fit as F
+    from megatron_hetero.training import profile as T
+    from megatron_hetero.training.job import quiet_upstream_warnings
+    from megatron_hetero.training.model_args import workload_for
+
+    from megatron_hetero.bench import plain_megatron as PM
+
+    if iters < 1 or rounds < 1 or warmup < 0 or overhead_steps < 1:
+        raise ValueError(f"iters, rounds and overhead steps must be >= 1, warmup >= 0; got {iters}, {rounds}, "
+                         f"{overhead_steps}, {warmup}")
+    quiet_upstream_warnings()
+    apply_compat()
+    t_start = time.perf_counter()
+    workloads = quick_workloads() if quick else WORKLOADS
+    if quick:
+        overhead_steps = min(overhead_steps, 2)
+    prof_doc = None
+    if profile is None:
+        # the full run waits for a quiet machine and retries a disturbed profile (up to 3 tries)
+        raw = T.measure(WORLD, quick_grid() if quick else e2e_grid(), rounds=1, quiet_wait_s=0.0 if quick else 10.0,
+                        tries=1 if quick else 3)
+        profile = F.fit_profile(raw)
+        prof_doc = F.profile_document(raw, profile)
+    cases: list[dict[str, Any]] = []
+    search_best: dict[str, Any] = {}
+    for w in workloads:
+        spec = w.model.spec()
+        picks = _picks(w, profile)
+        search_best[w.name] = {k: picks.pop(k) for k in ("search_best", "search_best_is_homogeneous")}
+        homo = resolve(w.homogeneous, WORLD)
+        rows = [("homogeneous", homo, w.model.micro_batch_size, None)]
+        for kind in ("colocated", "disjoint"):
+            if kind in picks:
+                p = picks[kind]
+                rows.append((kind, p["layout"], p["mbs"], p["describe"]))
+        for kind, lay, mbs, desc in rows:
+            wl = workload_for(spec, w.model.global_batch_size, mbs if lay.placement != "disjoint" else
+                              _cost_mbs(lay, spec, mbs))
+            est = C.evaluate(candidate_for(lay, spec), wl, profile).total
+            cases.append({"workload": w.name, "kind": kind, "layout_obj": lay, "mbs": mbs, "search": desc,
+                          "estimate_s": est, "model": w.model, "rounds": []})
+    # side by side: per workload, its cases in one process tree, alternating step by step; `rounds`
+    # such process trees per workload, the workloads interleaved
+    for k in range(1 if quick else rounds):
+        for w in workloads:
+            mine = [c for c in cases if c["workload"] == w.name]
+            jobs = [(c["layout_obj"], dataclasses.replace(c["model"].job(warmup + iters), micro_batch_size=c["mbs"]))
+                    for c in mine]
+            for c, r in zip(mine, side_by_side(jobs, warmup + iters)):
+                c["rounds"].append(r)
+    home = next(w for w in workloads if w.name == "inherited-tp")
+    overhead = PM.measure(resolve(home.homogeneous, WORLD), home.model.job(1), steps=overhead_steps)
+    doc_cases = []
+    for c in cases:
+        kept = [t for r in c["rounds"] for t in r["steps_s"][warmup:]]
+        c["step_time_s"] = float(statistics.median(kept))
+        c["round_medians_s"] = [float(statistics.median(r["steps_s"][warmup:])) for r in c["rounds"]]
+    for c in cases:
+        base = next(b for b in cases if b["workload"] == c["workload"] and b["kind"] == "homogeneous")
+        m = c["model"]
+        losses, ref = c["rounds"][0]["losses"], base["rounds"][0]["losses"]
+        doc_cases.append({
+            "workload": c["workload"], "kind": c["kind"], "layout": describe(c["layout_obj"]),
+            "layout_doc": c["layout_obj"].to_dict(), "placement": c["layout_obj"].placement,
+            "search": c["search"], "micro_batch_size": c["mbs"],
+            "step_time_s": c["step_time_s"], "round_medians_s": c["round_medians_s"],
+            "steps_s": [r["steps_s"] for r in c["rounds"]],
+            "tokens_per_s": m.global_batch_size * m.seq_length / c["step_time_s"],
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in c["rounds"]),
+            "speedup_vs_homogeneous": base["step_time_s"] / c["step_time_s"],
+            "speedup_per_round": [b / t for b, t in zip(base["round_medians_s"], c["round_medians_s"])],
+            # step k of this case and of the homogeneous layout ran next to each other: the median of
+            # their ratios is the least disturbed by load that changes over time
+            "speedup_paired_median": float(statistics.median(
+                hb / tc for rb, rc in zip(base["rounds"], c["rounds"])
+                for hb, tc in zip(rb["steps_s"][warmup:], rc["steps_s"][warmup:]))),
+            "estimate_s": c["estimate_s"], "losses": losses,
+            "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref))})
+    doc = {"benchmark": "e2e", "backend": default_backend(), "world_size": WORLD, "quick": quick, "iters": iters,
+           "warmup": warmup, "rounds": 1 if quick else rounds,
+           "workloads": {w.name: {"why": w.why, "model": dataclasses.asdict(w.model),
+                                  "homogeneous": describe(resolve(w.homogeneous, WORLD)), **search_best[w.name]}
+                         for w in workloads},
+           "cases": doc_cases, "overhead_vs_megatron": overhead["overhead_vs_megatron"],
+           "overhead_vs_megatron_batched": overhead["overhead_vs_megatron_batched"],
+           "overhead": {k: v for k, v in overhead.items() if k != "losses"} | {"layout": describe(
+               resolve(home.homogeneous, WORLD)), "workload": home.name},
+           "profile_source": profile_source, "profile": prof_doc, "seconds": time.perf_counter() - t_start}
+    write_json(Path(out_dir) / "e2e.json", doc)
+    if plot:
+        _plot(Path(out_dir) / "e2e.png", doc)
+    return doc
+
+
+def _cost_mbs(layout, spec, mbs: int) -> int:
+    from megatron_hetero.bench.planner import cost_micro_batch
+
+    return cost_micro_batch(layout, spec, mbs)
+
+
+def _plot(path: Path, doc: dict[str, Any]) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = list(doc["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.6), squeeze=False)
+    colours = {"homogeneous": "#888888", "colocated": "#1f77b4", "disjoint": "#ff7f0e"}
+    for ax, name in zip(axes[0], names):
+        rows = [c for c in doc["cases"] if c["workload"] == name]
+        y = list(range(len(rows)))
+        ax.barh(y, [c["step_time_s"] * 1e3 for c in rows], color=[colours[c["kind"]] for c in rows])
+        ax.set_yticks(y)
+        ax.set_yticklabels([f"{c['kind']}\n{c['layout']}" for c in rows], fontsize=7)
+        ax.invert_yaxis()
+        for i, c in enumerate(rows):
+            ax.text(c["step_time_s"] * 1e3, i, f" {c['speedup_vs_homogeneous']:.2f}x", va="center", fontsize=8)
+        ax.set_xlabel("step time (ms, median)")
+        ax.set_title(f"{name} (world {doc['world_size']})", fontsize=10)
+        ax.set_xlim(0, max(c["step_time_s"] for c in rows) * 1e3 * 1.25)
+    fig.suptitle(f"bench e2e: speed-up vs homogeneous; plugin step / Megatron-core step {doc['overhead_vs_megatron']:.3f} "
+                 f"(encoder per micro-batch), {doc['overhead_vs_megatron_batched']:.3f} (encoder once per step)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def table(doc: dict[str, Any]) -> str:
+    rows = [[c["workload"], c["kind"], c["layout"], f"{c['step_time_s'] * 1e3:.1f} ms",
+             f"{c['estimate_s'] * 1e3:.1f} ms", f"{c['tokens_per_s']:.0f}", f"{c['peak_memory_bytes'] / 2**20:.1f} MiB",
+             f"{c['speedup_vs_homogeneous']:.2f}x", f"{c['speedup_paired_median']:.2f}x",
+             f"{c['loss_max_rel_diff']:.1e}"] for c in doc["cases"]]
+    text = markdown_table(["workload", "kind", "layout", "step (median)", "estimate", "tokens/s", "peak state",
+                           "speed-up vs homogeneous", "paired", "loss rel. diff"], rows)
+    o = doc["overhead"]
+    t = o["step_time_s"]
+    return (text + f"\n\nplugin overhead ({o['layout']}, median of {o['steps']} alternated steps each): ours "
+            f"{t['ours'] * 1e3:.1f} ms; Megatron-core, encoder per micro-batch {t['megatron'] * 1e3:.1f} ms "
+            f"(ours / it = {doc['overhead_vs_megatron']:.3f}); Megatron-core, encoder once per step "
+            f"{t['megatron_batched'] * 1e3:.1f} ms (ours / it = {doc['overhead_vs_megatron_batched']:.3f}; median of "
+            f"per-step ratios {o['step_ratio_medians']['megatron_batched']:.3f}; CPU time summed over ranks "
+            f"{o['cpu_overhead_vs_megatron_batched']:.3f}); loss rel. diff {o['loss_max_rel_diff']:.1e}")
