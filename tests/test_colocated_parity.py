@@ -21,6 +21,9 @@ SGD = OptimConfig(optimizer="sgd", lr=0.5)
 JOB = JobConfig(spec=LlavaSpec(), global_batch_size=8, micro_batch_size=1, train_iters=STEPS, optim=SGD)
 TWO = LlavaSpec(encoders={"vision": EncoderSpec(offset=1), "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=10)})
 JOB2 = JobConfig(spec=TWO, global_batch_size=8, micro_batch_size=1, train_iters=STEPS, optim=SGD)
+# 64 tokens over CP2 = 4 chunks of 16: the 8 image placeholders (1-8) lie in chunk 0 only, so CP rank 1
+# (chunks 1 and 2) holds none of them and receives an empty boundary payload
+LONG = JobConfig(spec=LlavaSpec(seq_length=64), global_batch_size=8, micro_batch_size=1, train_iters=STEPS, optim=SGD)
 
 
 def _doc(enc: dict, lang: dict, **more) -> dict:
@@ -54,6 +57,7 @@ CASES = [
     ("enc TP1·DP8, LLM TP2·PP2·DP2", _doc({"dp": 8}, {"tp": 2, "pp": 2, "dp": 2}), 8, JOB),
     ("enc TP1·DP4, LLM TP4", _doc({"dp": 4}, {"tp": 4}), 4, JOB),
     ("enc TP2·DP2, LLM TP1·CP2·DP2", _doc({"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}), 4, JOB),
+    ("enc DP2, LLM CP2 (a CP rank without placeholders)", _doc({"dp": 2}, {"cp": 2}), 2, LONG),
     ("fan-out enc TP2·DP2, LLM DP4", _doc({"tp": 2, "dp": 2}, {"dp": 4}), 4, JOB),
     ("two encoders vision DP8, audio TP2·DP4, LLM TP4·DP2",
      _doc({"dp": 8}, {"tp": 4, "dp": 2}, audio={"tp": 2, "dp": 4}), 8, JOB2),

@@ -390,8 +390,10 @@ class LanguageModule(torch.nn.Module):
         for name, enc in self.spec.encoders.items():
             where = torch.nonzero((idx >= enc.offset) & (idx < enc.offset + enc.tokens)).flatten()
             got = encoder_tokens[name]
-            if got.shape[1] != where.numel():
-                raise ValueError(f"module {self.name}: encoder {name} delivered {got.shape[1]} tokens to CP rank "
+            if where.numel() == 0 and got.numel() == 0:  # this CP rank's chunks hold none of its placeholders
+                continue
+            if got.dim() != 3 or got.shape[1] != where.numel():
+                raise ValueError(f"module {self.name}: encoder {name} delivered {tuple(got.shape)} to CP rank "
                                  f"{self.cp_rank}, its chunks hold {where.numel()} placeholders")
             local = local.index_copy(0, where, got.transpose(0, 1).to(local.dtype))
         return local
