@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
-from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -41,7 +40,7 @@ class ClipEncoderModule(torch.nn.Module):
     def __init__(self, name: str, enc, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection,
                  seed: int) -> None:
         super().__init__()
-        from megatron_hetero.models.llava import transformer_config
+        from megatron_hetero.models.llava import build_projector, freeze_trunk, transformer_config
 
         if m.cp != 1 or m.pp != 1:
             raise ValueError(f"module {name}: a CLIP encoder runs with pp 1 and cp 1, got {m.arithmetic()}")
@@ -60,18 +59,13 @@ class ClipEncoderModule(torch.nn.Module):
                                 img_h=side, img_w=side, model_subtype="clip", pg_collection=pgs,
                                 **clip_vit_norm_kwargs())
         self.ln_post = torch.nn.LayerNorm(enc.hidden_size, eps=enc.norm_epsilon)
-        proj_config = transformer_config(num_layers=1, hidden=llm_hidden, heads=enc.num_attention_heads,
-                                         ffn=llm_hidden, m=m)
-        mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
-        self.projector = MultimodalProjector(proj_config, mlp, "mlp", input_size=enc.hidden_size, tp_group=pgs.tp)
+        self.projector = build_projector(enc, llm_hidden, m, pgs)
         deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
                            tp_size=pgs.tp.size())
         for p in self.ln_post.parameters():
             p.requires_grad_(False)
         if self.frozen:
-            for n, p in self.named_parameters():
-                if not n.startswith("projector."):
-                    p.requires_grad_(False)
+            freeze_trunk(self)
 
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())

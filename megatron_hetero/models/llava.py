@@ -255,6 +255,22 @@ def global_expert_name(name: str, first_expert: int) -> str:
                        count=1)
 
 
+def build_projector(enc: "EncoderSpec", llm_hidden: int, m: ModuleLayout,
+                    pgs: ProcessGroupCollection) -> MultimodalProjector:
+    """An encoder's projector: Megatron's MLP projector [.., enc.hidden_size] -> [.., llm_hidden] on the
+    encoder module's TP group (column- then row-parallel)."""
+    config = transformer_config(num_layers=1, hidden=llm_hidden, heads=enc.num_attention_heads, ffn=llm_hidden, m=m)
+    mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+    return MultimodalProjector(config, mlp, "mlp", input_size=enc.hidden_size, tp_group=pgs.tp)
+
+
+def freeze_trunk(module: torch.nn.Module) -> None:
+    """A frozen encoder: every parameter but its projector's stops taking gradients."""
+    for n, p in module.named_parameters():
+        if not n.startswith("projector."):
+            p.requires_grad_(False)
+
+
 class EncoderModule(torch.nn.Module):
     """One encoder stage: [b, n, feature] -> (trunk) -> [b, n, llm_hidden] on the last stage."""
 
@@ -280,18 +296,12 @@ class EncoderModule(torch.nn.Module):
         self.trunk = TransformerBlock(config, layer_spec, post_layer_norm=self.last, pre_process=self.first,
                                       post_process=self.last, pg_collection=pgs)
         if self.last:
-            proj_config = transformer_config(num_layers=1, hidden=llm_hidden, heads=enc.num_attention_heads,
-                                             ffn=llm_hidden, m=m)
-            mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
-            self.projector = MultimodalProjector(proj_config, mlp, "mlp", input_size=enc.hidden_size,
-                                                 tp_group=pgs.tp)
+            self.projector = build_projector(enc, llm_hidden, m, pgs)
         offset = self.trunk.layers[0].layer_number - 1 if len(self.trunk.layers) else 0
         deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
                            tp_size=pgs.tp.size(), layer_offset=offset)
         if self.frozen:
-            for n, p in self.named_parameters():
-                if not n.startswith("projector."):
-                    p.requires_grad_(False)
+            freeze_trunk(self)
 
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
