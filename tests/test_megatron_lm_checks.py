@@ -79,3 +79,7 @@ def test_vlm_refuses_segments_and_uneven_pipeline_splits():
                   placement="colocated", world=3)
     with pytest.raises(ValueError, match=r"module language: 2 decoder layers do not split over pp\(3\)"):
         check_vlm(_args(decoder_num_layers=2), vlm)
+    pipelined_encoder = _layout({"vision": {"pp": 2}, "language": {"dp": 2}}, edges=("vision -> language",),
+                                placement="colocated", world=2)
+    with pytest.raises(ValueError, match=r"module vision: pp=2"):
+        check_vlm(_args(), pipelined_encoder)
