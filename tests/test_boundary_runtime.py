@@ -22,12 +22,13 @@ def _gather(blocks, t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[b.b0:b.b1, b.s0:b.s1] for b in blocks], dim=1)
 
 
-def _run_edge(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_offset=0, steps: int = 2) -> dict:
+def _run_edge(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_offset=0, steps: int = 2,
+              headers: bool = True) -> dict:
     rank = dist.get_rank()
     layout = layout_from_dict(doc, world_size=dist.get_world_size())
     edge = layout.edges[0]
-    bnd = Boundary(layout, edge, batch=batch, hidden=hidden, seq=seq if dst_seq else None,
-                   dst_seq=dst_seq, dst_offset=dst_offset, timeout_s=30)
+    bnd = Boundary(layout, edge, batch=batch, hidden=hidden, seq=seq if (dst_seq or not headers) else None,
+                   dst_seq=dst_seq, dst_offset=dst_offset, timeout_s=30, headers=headers)
     out = {"sent_fwd": [], "sent_bwd": []}
     for step in range(steps):  # a second step checks the cached plan and the stats per call
         g = torch.Generator().manual_seed(1234 + step)
@@ -57,6 +58,7 @@ def _run_edge(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_of
         out["planned_fwd"] = plan.bytes_sent_per_rank("forward").get(rank, 0)
         out["planned_bwd"] = plan.bytes_sent_per_rank("backward").get(rank, 0)
         out["min_fwd"], out["min_bwd"] = plan.min_bytes_forward, plan.min_bytes_backward
+    out["header_bytes"] = bnd.stats["forward"].header_bytes
     return out
 
 
@@ -104,6 +106,31 @@ def test_boundary_matches_reference(case):
     assert sum(r["sent_bwd"][0] for r in results) == results[0]["min_bwd"]
     if doc["placement"] == "colocated" and case[0].startswith("col-equal-identity"):
         assert results[0]["min_fwd"] == 0 and all(r["sent_fwd"] == [0, 0] for r in results)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("headers", [True, False], ids=["headers", "no-headers"])
+def test_colocated_fan_in_without_header_round(headers):
+    """The colocated schedule's boundaries skip the header round (fixed seq, `headers=False`): the same
+    values and gradients as the reference (checked in `_run_edge`), the same payload, no header bytes."""
+    doc = _lay("colocated", {"dp": 8}, {"tp": 2, "pp": 2, "dp": 2})
+    results = run_ranks(8, _run_edge, doc, 8, 4, 3, None, 0, 2, headers, timeout=90)
+    assert sum(r["sent_fwd"][0] for r in results) == results[0]["min_fwd"] > 0
+    header_bytes = sum(r["header_bytes"] for r in results)
+    assert (header_bytes > 0) if headers else (header_bytes == 0), header_bytes
+
+
+def _no_header_needs_seq() -> str:
+    layout = layout_from_dict(_lay("colocated", {"dp": 2}, {"dp": 2}), world_size=2)
+    try:
+        Boundary(layout, "vision->language", batch=2, hidden=2, headers=False)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_no_header_round_needs_a_fixed_seq():
+    assert all("needs a fixed edge seq" in r for r in run_ranks(2, _no_header_needs_seq, timeout=60))
 
 
 @pytest.mark.timeout(120)

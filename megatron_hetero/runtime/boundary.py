@@ -85,6 +85,7 @@ class Boundary:
         timeout_s: float = DEFAULT_COMM_TIMEOUT_S,
         device: Optional[torch.device] = None,
         topology: Optional["Topology"] = None,
+        headers: bool = True,
     ) -> None:
         edge = Edge.parse(edge) if isinstance(edge, str) else edge
         if edge not in layout.edges:
@@ -108,10 +109,13 @@ class Boundary:
             )
         if dst_seq is not None and seq is None:
             raise ValueError(f"edge {edge}: a destination sequence (dst_seq) needs a fixed edge seq")
+        if not headers and seq is None:
+            raise ValueError(f"edge {edge}: a forward without headers (headers=False) needs a fixed edge seq")
         self.layout, self.edge, self.mode = layout, edge, mode
         self.src, self.dst = layout.module(edge.src), layout.module(edge.dst)
         self.batch, self.hidden, self.seq, self.dtype = batch, hidden, seq, dtype
         self.dst_seq, self.dst_offset = dst_seq, dst_offset
+        self.headers = headers  # False: the direct forward skips its header round (fixed seq; see forward_exchange)
         self.timeout_s = float(timeout_s)
         self.device = device or torch.device("cpu")
         self.rank = dist.get_rank()
@@ -307,10 +311,17 @@ class Boundary:
         return self._phase(plan, "backward", grad_y, plan.needs.get(self.rank, ()), plan.holds.get(self.rank, ()))
 
     def forward_exchange(self, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
-        """Forward transform (header phase, then payload phase); returns (output or None, global seq)."""
+        """Forward transform (header phase, then payload phase); returns (output or None, global seq).
+        With `headers=False` (a fixed seq) the header round is skipped: both sides size the payload from
+        the same plan (`planned_forward_phase`), one round of messages instead of two."""
         if self.route is not None:
             y = self._run_route(self.plan_for(self.seq), "forward", x.detach() if x is not None else None)
             return y, self.seq
+        if not self.headers:
+            ph, seq = self.planned_forward_phase(x)
+            p2p(ph.sends, ph.recvs, what="forward boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
+                tag=self.tag)
+            return ph.finish(), seq
         hdr = self.header_phase(x)
         p2p(hdr.sends, hdr.recvs, what="forward boundary header", edge=str(self.edge), timeout_s=self.timeout_s,
             tag=self.tag)
@@ -339,6 +350,8 @@ class _BoundaryFunction(torch.autograd.Function):
          `wire.DTYPE_CODES[dtype]`, the element count of the payload that follows); every
          destination rank receives one from each source peer of the plan, checks dtype, hidden and
          numel (a mismatch raises ValueError naming the edge) and that all peers agree on seq;
+         skipped when the Boundary was built with `headers=False` (fixed seq: the colocated schedule),
+         where each source checks its tensor against the plan before sending;
       2. payload phase: one flat message per (source, destination) pair: the pieces of
          `plan.forward` from that source to that destination, each piece's [b, s, h] elements
          row-major, concatenated in plan order (`wire.pack`); pieces a rank already holds

@@ -63,8 +63,12 @@ class ColocatedSchedule:
             t = runner.edge_tensor(edge)
             self.boundaries[str(edge)] = Boundary(plan.layout, edge, batch=g, hidden=t.hidden, seq=t.seq,
                                                   dst_seq=t.dst_seq, dst_offset=t.dst_offset, dtype=t.dtype,
-                                                  timeout_s=config.comm_timeout_s, device=get_device(), topology=topo)
+                                                  timeout_s=config.comm_timeout_s, device=get_device(), topology=topo,
+                                                  headers=t.seq is None)
         self.offloaders = {n: Offloader(states[n].state_tensors) for n in plan.roles.encoders}
+        # Resident state changes between the phases only when the table moves state (offload); else it
+        # is read once per step (at phase 1, as before) and reported for all three phases.
+        self._moves_state = any(isinstance(a, StateMove) for _, actions in plan.colocated.phases for a in actions)
         lm = plan.modules[self.lang_name]
         self.forward_backward = get_forward_backward_func(pp_size=lm.pp, vp_size=None)
         self.schedule_kwargs = {"pg_collection": self.lang.pgs}
@@ -92,13 +96,17 @@ class ColocatedSchedule:
         self._lang_out: list[torch.Tensor] = []  # phase 2a: the last stage's output per micro-batch
         self._lang_leaf: Optional[torch.Tensor] = None  # their concatenation, the output boundaries' input
         memory: dict[str, dict[str, int]] = {}
+
+        def read(key: str) -> None:
+            memory[key] = resident_memory(self.states) if self._moves_state or not memory else dict(next(iter(memory.values())))
+
         for phase, actions in self.plan.colocated.phases:
             for a in actions:
                 if isinstance(a, LanguagePhase):
-                    memory["phase2"] = resident_memory(self.states)
+                    read("phase2")
                 self._run(a, first)
             if phase in ("phase 1", "phase 3"):
-                memory[phase.replace(" ", "")] = resident_memory(self.states)
+                read(phase.replace(" ", ""))
         counted = {m for m in self.runner.loss_modules()
                    if m in self.plan.modules and self.plan.modules[m].last_stage and self.plan.modules[m].coord.tp == 0}
         extras = self.runner.aux_losses(step) if hasattr(self.runner, "aux_losses") else {}
