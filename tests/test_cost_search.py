@@ -204,7 +204,8 @@ def _measured_style(shared: bool) -> HW.Profile:
                                  "data": HW.LayerModel(3e-4, 1e-6), "snapshot": HW.LayerModel(4e-4, 0.0),
                                  "grad_sync": HW.LayerModel(5e-4, 1.4)},
                       cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
-                      layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}})
+                      layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}},
+                      cpu_cores=2.0 if shared else 0.0)
 
 
 @pytest.mark.parametrize("which", ["simulated", "measured", "shared"])

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -55,7 +56,8 @@ def _synthetic(shared: bool) -> HW.Profile:
                                 "data": HW.LayerModel(3e-4, 1e-6), "snapshot": HW.LayerModel(4e-4, 0.0),
                                 "grad_sync": HW.LayerModel(5e-4, 1.4)},
                      cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
-                     layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}})
+                     layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}},
+                     cpu_cores=2.0 if shared else 0.0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -109,7 +111,8 @@ def test_profile_json_with_extra_terms_round_trips(tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown overheads"):
         HW.Profile.from_dict(doc)
     # an older profile without the new keys still loads, as a non-shared profile without overheads
-    old = {k: v for k, v in prof.to_dict().items() if k not in ("overheads", "cores", "concurrency", "layer_collectives")}
+    old = {k: v for k, v in prof.to_dict().items()
+           if k not in ("overheads", "cores", "concurrency", "layer_collectives", "cpu_cores")}
     back = HW.Profile.from_dict(old)
     assert not back.shared and back.overheads == {} and back.uncontended == 1.0
 
@@ -129,6 +132,37 @@ def test_shared_profile_step_is_work_or_uncontended_critical_path() -> None:
         assert a.total >= b.total * shared.uncontended * (1 - 1e-12)  # never below the uncontended critical path
         assert a.total <= b.total * (1 + 1e-12)  # never above the critical path at full sharing
         assert b.optimizer > 0 and b.dp_comm > 0
+
+
+def test_cores_at_runs_from_runnable_ranks_to_the_measured_cores() -> None:
+    """Up to the machine's units every runnable rank has one; beyond, the throughput falls to the
+    measured `cores` at the profile's concurrency; without `cpu_cores` it is flat."""
+    p = dataclasses.replace(_synthetic(True), cores=1.5, concurrency=8, cpu_cores=2.0)
+    got = p.cores_at(np.array([0.5, 1.0, 2.0, 5.0, 8.0]))
+    g = (2.0 / 1.5 - 1.0) / 6.0
+    assert got == pytest.approx([0.5, 1.0, 2.0, 2.0 / (1 + 3 * g), 1.5], rel=1e-12)
+    assert np.all(np.diff(p.cores_at(np.linspace(2, 8, 13))) < 0)
+    assert dataclasses.replace(p, cpu_cores=0.0).cores_at(np.array([1.0, 3.0])) == pytest.approx([1.5, 1.5])
+    assert dataclasses.replace(p, cores=2.0).cores_at(np.array([1.0, 3.0, 8.0])) == pytest.approx([1.0, 2.0, 2.0])
+
+
+def test_shared_step_from_the_runnable_ranks() -> None:
+    """step = max(D / cores_at(k), P), D = work * cores, P = critical * cores / W, k = min(W, D / P),
+    worked by hand on a profile with W = 8 ranks measured at 1.5 cores on a 2-core machine."""
+    p = dataclasses.replace(_synthetic(True), cores=1.5, concurrency=8, cpu_cores=2.0)
+    g = (2.0 / 1.5 - 1.0) / 6.0
+    # islands idle a third of the time: k = 0.1 * 8 / 0.3 = 8/3 runnable ranks, more than 2 units
+    k = 0.1 * 8 / 0.3
+    assert float(C.shared_step(p, 0.1, 0.3)) == pytest.approx(0.1 * 1.5 / (2.0 / (1 + g * (k - 2))), rel=1e-12)
+    assert float(C.shared_step(p, 0.1, 0.3)) < 0.1  # below the work at full sharing: the units did more
+    # every rank always runnable: the work at the profile's sharing
+    assert float(C.shared_step(p, 0.1, 0.1)) == pytest.approx(0.1, rel=1e-12)
+    # one rank runnable on average: the critical path with a unit to itself
+    assert float(C.shared_step(p, 0.1, 0.8)) == pytest.approx(0.8 * 1.5 / 8, rel=1e-12)
+    # without cpu_cores: the earlier rule max(work, critical * uncontended)
+    old = dataclasses.replace(p, cpu_cores=0.0)
+    assert float(C.shared_step(old, 0.1, 0.3)) == pytest.approx(0.1, rel=1e-12)
+    assert float(C.shared_step(old, 0.1, 0.8)) == pytest.approx(0.15, rel=1e-12)
 
 
 def test_overheads_land_where_the_runtime_does_the_work() -> None:

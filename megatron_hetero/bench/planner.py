@@ -238,7 +238,7 @@ def search_pick(world: int, model: BenchModel, prof: Profile, top: int = 5) -> S
 
 
 def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: Optional[list] = None,
-        rounds: int = 2, warmup: int = 1, grid=None, profile_rounds: int = 2, model: BenchModel = BenchModel(),
+        rounds: int = 3, warmup: int = 2, grid=None, profile_rounds: int = 3, model: BenchModel = BenchModel(),
         plot: bool = True, quiet_wait_s: float = 10.0, retries: int = 3) -> dict[str, Any]:
     """Profile, search, measure every configuration, compare; write planner.json (+ planner.png).
 
@@ -289,8 +289,9 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
         if k < profile_rounds:
             for w in worlds:
                 raws[w].append(T.measure(w, grid, rounds=1, quiet_wait_s=quiet_wait_s, tries=retries + 1))
-        if k < rounds:
-            for r in rows:
+        if k < rounds:  # each round starts elsewhere in the list: a slow spell of the machine spreads
+            off = k * len(rows) // rounds
+            for r in rows[off:] + rows[:off]:
                 measure_row(r)
     profiles, profile_docs = {}, {}
     for w in worlds:

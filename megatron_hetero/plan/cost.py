@@ -77,11 +77,16 @@ Measured overheads (a `Profile` from `megatron-hetero profile`; absent from simu
   (t = a + b * the formula's time: ranks arrive as their own work ends) when measured. The step's
   once-per-step tail is that of the stage with the longest dp + optimizer time.
 Shared execution units (`Profile.cores` > 0, e.g. ranks forked on one CPU machine; the profile's times
-were measured with `Profile.concurrency` ranks busy at once): the step is
-    max(work, critical * min(1, cores / concurrency))
+were measured with `Profile.concurrency` = W ranks busy at once, the units then delivering `cores`):
   work: the mean rank's busy time, sum over stages of ranks x (runs x stage cost + dp + optimizer),
   over the world, plus the whole-step terms (colocated boundary, offload); critical: the formulas
-  above (the critical path at the profile's sharing, scaled to a rank with the units to itself).
+  above (the critical path at the profile's sharing). In uncontended units the step's work is
+  D = work * cores and the critical path P = critical * min(1, cores / W); ranks that wait (pipeline
+  fill and drain, a disjoint island idle while the other works) leave the units to the others, so
+  on average k = min(W, D / P) ranks are runnable and the units deliver `Profile.cores_at(k)`
+  (k up to the machine's `cpu_cores`, less per rank beyond: oversubscription costs switching):
+    step = max(D / cores_at(k), P)                         (`shared_step`)
+  With every rank always runnable (k = W) this is max(work, P).
   The breakdown then gives the mean rank's busy time per part and the rest of the step as bubble.
 Not modelled (deliberately simple): overlap of TP/DP/p2p communication with compute, embedding and
 output-layer FLOPs in simulated profiles (their parameters count for memory), grouped-query
@@ -115,6 +120,7 @@ from megatron_hetero.plan.cost_terms import (  # noqa: F401 (the terms are part 
     colocated_traffic,
     colocated_boundary,
     shared_step,
+    sharing_scale,
 )
 
 #: resident-state snapshots per module per step (the runtimes report memory per phase / per step)
@@ -285,7 +291,8 @@ def finish(prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: 
     """The breakdown arrays (`CostBreakdown` fields) of a critical path: the pipeline time `pipe`
     (bottleneck components `parts`, the rest is bubble), the slowest once-per-step tail, the loss
     all-reduce and the whole-step terms; on a profile whose ranks share execution units, the step
-    is `shared_step` of it and the parts are the mean rank's busy time (`busy` / world)."""
+    is `shared_step` of it and the parts are the mean rank's busy time (`busy` / world) at the
+    step's sharing (`sharing_scale`)."""
     loss = loss_reduce(prof, world)
     dp = tail_dp + loss
     crit = pipe + dp + tail_opt + step_boundary + offload
@@ -297,7 +304,12 @@ def finish(prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: 
         return out
     mean = {k: busy[k] / world for k in busy}
     work = sum(mean[k] for k in _PARTS) + mean["dp"] + loss + mean["opt"] + step_boundary + offload
-    total = shared_step(prof, work, crit)
+    scale = sharing_scale(prof, work, crit)  # busy times at the step's sharing (fewer ranks runnable: less)
+    mean = {k: v * scale for k, v in mean.items()}
+    loss, step_boundary, offload = loss * scale, step_boundary * scale, offload * scale
+    work = work * scale
+    total = np.maximum(work, crit * prof.uncontended)  # = shared_step(prof, work before scaling, crit)
+    out["offload"] = np.broadcast_to(offload, np.shape(total))
     out.update(compute=mean["compute"], tp_comm=mean["tp"], cp_comm=mean["cp"], pp_comm=mean["pp"],
                dp_comm=mean["dp"] + loss, boundary=mean["boundary"] + step_boundary, optimizer=mean["opt"],
                bubble=total - work, total=total)

@@ -197,9 +197,22 @@ def colocated_boundary(prof: Profile, wl: Workload, enc_tp, enc_cp, enc_pp, enc_
 def shared_step(prof: Profile, work, critical):
     """Step time when ranks share execution units (`Profile.cores` > 0).
 
-    The profile's times are per-rank times with `concurrency` ranks busy at once. A step can be no
-    shorter than the work of the mean rank at that sharing (`work`: every rank's busy time, summed
-    and divided by the ranks: the units are kept busy by the ranks that have work), nor than the
-    critical path with the units to itself (`critical` x `uncontended`). The estimate is the larger
-    of the two."""
-    return np.maximum(work, np.asarray(critical) * prof.uncontended)
+    The profile's times are per-rank times with `concurrency` (W) ranks busy at once, when the
+    units deliver `cores` ranks' worth of uncontended work per second. `work`: the mean rank's busy
+    time at that sharing (every rank's busy time summed over the world / W), so the step's
+    uncontended work is D = work * cores; `critical`: the formulas' critical path at that sharing,
+    P = critical * uncontended with the units to itself. Ranks that wait on others (pipeline fill
+    and drain, islands idle while the other works) leave the units to the rest: on average
+    k = min(W, D / P) ranks are runnable, and the units then deliver `cores_at(k)` (more than at W
+    when oversubscription costs, `Profile.cores_at`). The step is the larger of D / cores_at(k)
+    and P; with every rank always runnable (k = W) it is max(work, P), as without `cpu_cores`."""
+    work = np.asarray(work, dtype=float)
+    return np.maximum(work * sharing_scale(prof, work, critical), np.asarray(critical, dtype=float) * prof.uncontended)
+
+
+def sharing_scale(prof: Profile, work, critical):
+    """cores / cores_at(k), k = min(W, work * W / critical) runnable ranks on average (`shared_step`):
+    the factor from busy times at the profile's sharing to busy times at the step's (<= 1)."""
+    W = float(max(prof.concurrency, 1))
+    k = np.minimum(W, np.asarray(work, dtype=float) * W / np.maximum(np.asarray(critical, dtype=float), 1e-300))
+    return prof.cores / prof.cores_at(k)

@@ -170,6 +170,9 @@ class Profile:
     cores, concurrency (measured profiles; 0: every rank has its own device): the ranks share `cores`
     execution units (a CPU machine), and every time in this profile was measured with
     `concurrency` ranks busy at once (see `shared_step`).
+    cpu_cores (measured profiles; 0: unknown): the machine's physical execution units. With it, the
+    units' throughput with k ranks runnable (`cores_at`) runs from k (k <= cpu_cores) down to the
+    measured `cores` at k = concurrency (oversubscribed ranks lose time to switching and caches).
     """
 
     layers: dict
@@ -183,6 +186,7 @@ class Profile:
     cores: float = 0.0
     concurrency: int = 0
     layer_collectives: dict = field(default_factory=dict)
+    cpu_cores: float = 0.0
 
     @property
     def shared(self) -> bool:
@@ -196,6 +200,20 @@ class Profile:
         if not self.shared or self.concurrency <= 0:
             return 1.0
         return min(1.0, self.cores / self.concurrency)
+
+    def cores_at(self, k):
+        """Throughput of the shared units (in ranks' worth of uncontended work per second) with k
+        ranks runnable: k up to `cpu_cores`; beyond, C / (1 + g * (k - C)), g fitted so that the
+        throughput at k = `concurrency` is the measured `cores` (g >= 0). Without `cpu_cores`: the
+        measured `cores` at every k (the rule of profiles taken before it was recorded)."""
+        k = np.asarray(k, dtype=float)
+        C, W = self.cpu_cores, float(self.concurrency)
+        if C <= 0 or W <= C:
+            return np.full_like(k, self.cores)
+        if self.cores >= C:  # no measurable loss to oversubscription
+            return np.clip(k, 1e-12, self.cores)
+        g = max(C / self.cores - 1.0, 0.0) / (W - C)
+        return np.where(k <= C, np.maximum(k, 1e-12), C / (1.0 + g * (k - C)))
 
     def overhead_time(self, name: str, x):
         """Time of overhead `name` (0 when the profile does not model it)."""
@@ -267,6 +285,7 @@ class Profile:
             "layer_collectives": _tables_to_dict(self.layer_collectives),
             "cores": self.cores,
             "concurrency": self.concurrency,
+            "cpu_cores": self.cpu_cores,
         }
 
     @classmethod
@@ -287,7 +306,7 @@ class Profile:
                        host_bandwidth=float(doc.get("host_bandwidth", 50e9)), collectives=coll,
                        source=str(doc.get("source", "")), overheads=overheads,
                        cores=float(doc.get("cores", 0.0)), concurrency=int(doc.get("concurrency", 0)),
-                       layer_collectives=layer_coll)
+                       layer_collectives=layer_coll, cpu_cores=float(doc.get("cpu_cores", 0.0)))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"profile is missing or has a malformed field: {exc!r}") from None
         missing = [k for k in LINKS if k not in prof.links]

@@ -200,7 +200,8 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> Pr
                      memory_bytes=float(memory_bytes if memory_bytes is not None else raw["memory_bytes"]),
                      host_bandwidth=float(raw["host_bandwidth"]), collectives=coll,
                      source=f"measured on {raw['backend']}, {world} concurrent ranks (megatron-hetero profile)",
-                     cores=cores, concurrency=concurrency)
+                     cores=cores, concurrency=concurrency,
+                     cpu_cores=float(raw.get("cpu_cores", 0.0)) if cores else 0.0)
     prof = dataclasses.replace(prof, layer_collectives=_fit_layer_collectives(prof, raw))
     overheads = {}
     for kind in KINDS:

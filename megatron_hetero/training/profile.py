@@ -215,6 +215,14 @@ def measure(world_size: int, grid: ProfileGrid = ProfileGrid(), timeout: float =
     return combine_rounds(docs)
 
 
+def cpu_cores() -> int:
+    """Execution units this process (and the ranks it forks) may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait_s: float) -> dict[str, Any]:
     from megatron_hetero.compat import apply_compat, default_backend
     from megatron_hetero.runtime.launcher import run_ranks
@@ -250,7 +258,8 @@ def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait
     memory = min(r["memory_bytes"] for r in per_rank)
     solo = dict(lcases[solo_layer_case(lcases)], seconds=float(statistics.median(per_rank[0]["solo"])))
     return {"world_size": world_size, "backend": backend, "grid": grid.to_dict(), "layers": layers, "solo_layer": solo, "modules": modules,
-            "collectives": colls, "host_bandwidth": host, "memory_bytes": memory, "seconds": time.perf_counter() - t0, "external_load": load}
+            "collectives": colls, "host_bandwidth": host, "memory_bytes": memory, "seconds": time.perf_counter() - t0, "external_load": load,
+            "cpu_cores": cpu_cores()}
 
 
 def run_profile(world_size: int, grid: ProfileGrid = ProfileGrid(), out=None,
