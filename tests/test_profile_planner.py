@@ -366,3 +366,12 @@ def test_planner_benchmark_smoke(tmp_path) -> None:
     assert doc["profiles"]["4"]["world_size"] == 4
     text = B.table(doc)
     assert "| world | kind | configuration | measured | estimate | error |" in text and "MAPE" in text
+    assert doc["round_mape"] is None and doc["profiles"]["4"]["cpu_cores"] >= 1  # one round; the machine's units
+
+
+def test_round_noise_is_how_far_rounds_move_from_the_kept_one() -> None:
+    rows = [{"rounds_s": [1.0, 1.2, 1.1]}, {"rounds_s": [2.0, 3.0]}, {"rounds_s": [5.0]}]
+    got = B.round_noise(rows)
+    assert got["round_mape"] == pytest.approx((0 + 0.2 + 0.1 + 0 + 0.5) / 5)
+    assert got["round_spread"] == pytest.approx((0.2 + 0.5) / 2)  # median of two
+    assert B.round_noise([{"rounds_s": [1.0]}]) == {"round_mape": None, "round_spread": None}

@@ -342,12 +342,25 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     doc = {"benchmark": "planner", "backend": default_backend(), "worlds": list(worlds), "model": dataclasses_asdict(model),
            "iters": iters, "warmup": warmup, "rounds": rounds, "profile_rounds": profile_rounds,
            "configurations": out_rows, "mape": sum(errs) / len(errs), "max_abs_error": max(errs),
+           **round_noise(out_rows),
            "picks": summary_pick, "profiles": {str(w): profile_docs[w] for w in worlds},
            "seconds": time.perf_counter() - t_start}
     write_json(Path(out_dir) / "planner.json", doc)
     if plot:
         _plot(Path(out_dir) / "planner.png", doc)
     return doc
+
+
+def round_noise(rows: list[dict[str, Any]]) -> dict[str, Optional[float]]:
+    """How far the measurements themselves move: `round_mape`, the mean over configurations and
+    rounds of |round / kept - 1| (what an exact model would score against one round), and
+    `round_spread`, the median over configurations of slowest round / fastest round - 1 (None with
+    one round)."""
+    rounds = [r["rounds_s"] for r in rows if len(r["rounds_s"]) > 1]
+    if not rounds:
+        return {"round_mape": None, "round_spread": None}
+    dev = [abs(x / min(rs) - 1.0) for rs in rounds for x in rs]
+    return {"round_mape": sum(dev) / len(dev), "round_spread": statistics.median(max(rs) / min(rs) - 1.0 for rs in rounds)}
 
 
 def dataclasses_asdict(x) -> dict:
@@ -400,6 +413,9 @@ def table(doc: dict[str, Any]) -> str:
     text = markdown_table(["world", "kind", "configuration", "measured", "estimate", "error"], rows)
     lines = [text, "", f"MAPE over {len(doc['configurations'])} configurations: {doc['mape']:.1%} "
              f"(largest |error| {doc['max_abs_error']:.1%})"]
+    if doc.get("round_mape") is not None:
+        lines.append(f"measurement noise: a round against the kept (fastest) round {doc['round_mape']:.1%} on average; "
+                     f"slowest / fastest round - 1, median over configurations {doc['round_spread']:.1%}")
     for w, p in doc["picks"].items():
         lines.append(f"world {w}: MAPE {p['mape']:.1%}; search pick {p['describe']} measured "
                      f"{p['measured_s'] * 1e3:.1f} ms; fastest measured {p['fastest_layout']} {p['fastest_s'] * 1e3:.1f} ms; "
