@@ -212,7 +212,8 @@ def shared_step(prof: Profile, work, critical):
 
 def sharing_scale(prof: Profile, work, critical):
     """cores / cores_at(k), k = min(W, work * W / critical) runnable ranks on average (`shared_step`):
-    the factor from busy times at the profile's sharing to busy times at the step's (<= 1)."""
+    the factor from busy times at the profile's sharing to busy times at the step's (<= 1 while at
+    least `cores` ranks are runnable; with fewer, the scaled work is D / k = P, the critical path)."""
     W = float(max(prof.concurrency, 1))
     k = np.minimum(W, np.asarray(work, dtype=float) * W / np.maximum(np.asarray(critical, dtype=float), 1e-300))
     return prof.cores / prof.cores_at(k)
