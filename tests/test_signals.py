@@ -36,6 +36,24 @@ def _term_self_at(rank: int, iteration: int):
     return hook
 
 
+def _sigterm_after_iteration_2(proc: subprocess.Popen) -> tuple[str, int]:
+    """Send SIGTERM once `proc` logs iteration 2; its whole output and exit code (killed if it hangs)."""
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+2/", line):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(lines) + proc.stdout.read()
+        rc = proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out, rc
+
+
 @pytest.mark.timeout(400)
 def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_path, capfd):
     from megatron_hetero.compat import apply_compat
@@ -82,19 +100,7 @@ def test_sigterm_to_the_train_command_saves_and_exits_0(tmp_path):
          "--train-iters", "1000", "--save", str(save), "--exit-signal-handler", "--log-interval", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+2/", line):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out = "".join(lines) + proc.stdout.read()
-        rc = proc.wait(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, rc = _sigterm_after_iteration_2(proc)
     assert rc == 0, out
     m = re.search(r"received SIGTERM: stopped after iteration (\d+); checkpoint of iteration \1 saved", out)
     assert m, out
@@ -126,19 +132,7 @@ def test_sigterm_to_torchrun_reaches_its_ranks_which_save_and_mark(tmp_path):
          "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "megatron_hetero", "train",
          "--hetero-layout", str(layout), "--train-iters", "1000", "--save", str(save), "--exit-signal-handler"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+2/", line):
-                proc.send_signal(signal.SIGTERM)
-                break
-        out = "".join(lines) + proc.stdout.read()
-        rc = proc.wait(timeout=200)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, rc = _sigterm_after_iteration_2(proc)
     m = re.search(r"received SIGTERM: stopped after iteration (\d+); checkpoint of iteration \1 saved", out)
     assert m, out[-4000:]
     stopped = int(m.group(1))

@@ -35,6 +35,13 @@ def bar_plot(path: Path, labels: list[str], series: dict[str, list[float]], ylab
     ax.set_xlabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out `fig`, write it to `path` (PNG, 110 dpi; parent folders made) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -36,11 +36,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_hetero.bench.common import markdown_table, write_json
+from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.bench.planner import BenchModel, _colo, candidate_for, describe, resolve
 from megatron_hetero.plan import search as S
 
@@ -332,11 +332,7 @@ def _plot(path: Path, doc: dict[str, Any]) -> Optional[Path]:
         ax.set_xlim(0, max(c["step_time_s"] for c in rows) * 1e3 * 1.25)
     fig.suptitle(f"bench e2e: speed-up vs homogeneous; plugin step / Megatron-core step {doc['overhead_vs_megatron']:.3f} "
                  f"(encoder per micro-batch), {doc['overhead_vs_megatron_batched']:.3f} (encoder once per step)", fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def table(doc: dict[str, Any]) -> str:

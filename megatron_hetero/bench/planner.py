@@ -31,12 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_hetero.bench.common import markdown_table, write_json
+from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan import cost as C
 from megatron_hetero.plan import search as S
 from megatron_hetero.plan.hardware import Profile
-from megatron_hetero.plan.workload import Candidate, ModelSpec, Segment, Workload
+from megatron_hetero.plan.workload import Candidate, Segment
 from megatron_hetero.training.model_args import workload_for
 
 WORLDS = (4, 8)
@@ -399,11 +399,7 @@ def _plot(path: Path, doc: dict[str, Any]) -> Optional[Path]:
     bx.set_xlabel("measured (ms)")
     bx.set_ylabel("estimated (ms)")
     bx.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def table(doc: dict[str, Any]) -> str:
