@@ -27,6 +27,11 @@ def test_verdict_fails_on_growth_or_a_changed_count():
     # a descriptor opened in between and closed again by the end still fails (every sample counts)
     blip = soak.rank_summary(0, {1: {**base, "threads": 3}, 20: base, 40: {**base, "open_fds": 91}, 60: base}, 20, 60)
     assert not blip["passed"] and not blip["counts_constant"] and blip["rss_growth"] == 0
+    thread = soak.rank_summary(0, {20: base, 40: {**base, "threads": 39}, 60: base}, 20, 60)
+    assert not thread["passed"] and not thread["counts_constant"]
+    # a descriptor closed (fewer than at the warm-up step) is not a leak; the count is still reported as changed
+    closed = soak.rank_summary(0, {20: base, 40: base, 60: {**base, "open_fds": 89}}, 20, 60)
+    assert closed["passed"] and not closed["counts_constant"]
 
 
 @pytest.mark.timeout(600)
@@ -42,9 +47,12 @@ def test_soak_60_steps_world_8(tmp_path):
             warm, end = r["samples"]["20"], r["samples"]["60"]
             assert 0 <= r["rss_growth"] < soak.MAX_RSS_GROWTH, (name, r["rank"], r["rss_growth"])
             assert r["rss_growth"] == pytest.approx((end["rss_bytes"] - warm["rss_bytes"]) / warm["rss_bytes"])
-            for key in ("process_groups", "threads", "python_threads", "open_fds"):
+            for key in ("process_groups", "threads", "python_threads"):
                 assert [s[key] for s in r["samples"].values()][1:] == [warm[key]] * 6, (name, r["rank"], key)
-            assert warm["fds_by_kind"] == end["fds_by_kind"]
+            # no descriptor kind grows (one closed, as seen once on a loaded CI machine, is not a leak)
+            for s in list(r["samples"].values())[1:]:
+                assert s["open_fds"] <= warm["open_fds"], (name, r["rank"], s["fds_by_kind"], warm["fds_by_kind"])
+                assert all(n <= warm["fds_by_kind"].get(k, 0) for k, n in s["fds_by_kind"].items()), (name, r["rank"])
             # a rank holds the world group and its own groups; gloo talks over sockets; torch's pools run threads
             assert warm["process_groups"] >= 8 and warm["fds_by_kind"].get("socket", 0) >= 7
             assert warm["threads"] > warm["python_threads"] >= 1
