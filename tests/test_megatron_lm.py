@@ -278,6 +278,30 @@ def test_broken_layout_exits_2_before_any_model(trees):
     assert "building GPT model" not in gpt.out and "iteration " not in gpt.out
 
 
+def test_gpt_data_whose_index_cache_unpickles_exits_2(trees, tmp_path):
+    """`--data-path PREFIX` whose index cache holds a pickle (Megatron reads it with
+    numpy.load(allow_pickle=True)): refused with a layout (exit 2, naming the file and
+    --trust-dataset-code) before any rank reads data; the pickle never runs."""
+    import pickle
+
+    marker = tmp_path / "marker"
+
+    class RunsCode:
+        def __reduce__(self):
+            return eval, (f"__import__('pathlib').Path({str(marker)!r}).write_text('ran')",)
+
+    cache = tmp_path / "corpus_text_document" / "cache" / "GPTDataset_indices"
+    cache.mkdir(parents=True)
+    (cache / "0123-GPTDataset-train-document_index.npy").write_bytes(pickle.dumps(RunsCode()))
+    args = [a for a in GPT if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus_text_document"),
+                                                    "--split", "100,0,0"]
+    run = torchrun(trees["patched"] / "pretrain_gpt.py", args + ITERS + ["--hetero-module", "language:dp=2"])
+    assert run.rc != 0
+    assert "megatron-hetero megatron-lm: invalid input: the data flags --data-path" in run.out, run.tail()
+    assert "document_index.npy" in run.out and "--trust-dataset-code" in run.out, run.tail()
+    assert "building GPT model" not in run.out and not marker.exists()
+
+
 def test_checkpoint_of_unpatched_run_resumes_in_a_layout(trees, tmp_path):
     """A TP2 torch-format checkpoint of the unpatched script (2 files: mp_rank_00, mp_rank_01) resumes
     with vision DP2 + language TP1·DP2 (every tensor resharded, Adam state included) with the losses

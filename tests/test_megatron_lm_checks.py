@@ -83,3 +83,36 @@ def test_vlm_refuses_segments_and_uneven_pipeline_splits():
                                 placement="colocated", world=2)
     with pytest.raises(ValueError, match=r"module vision: pp=2"):
         check_vlm(_args(), pipelined_encoder)
+
+
+def test_script_data_that_runs_code_is_refused_unless_trusted(tmp_path, capsys):
+    """The data flags' index cache (`PREFIX/cache/...npy`, `--data-cache-path`) and energon datasets
+    are read as data before any rank starts (`megatron_lm.data_check`)."""
+    import pickle
+
+    import numpy as np
+
+    from megatron_hetero.megatron_lm.data_check import check_script_data, data_findings
+    from megatron_hetero.models.dataset_trust import UntrustedDataset
+
+    prefix = tmp_path / "corpus_text_document"
+    (prefix / "cache" / "GPTDataset_indices").mkdir(parents=True)
+    np.save(prefix / "cache" / "GPTDataset_indices" / "x-document_index.npy", np.arange(3))
+    ns = dict(data_path=["0.5", str(prefix), "0.5", str(tmp_path / "other")], train_data_path=None,
+              valid_data_path=None, test_data_path=None, data_cache_path=None, trust_dataset_code=False)
+    assert data_findings(argparse.Namespace(**ns)) == []
+    (prefix / "cache" / "GPTDataset_indices" / "x-sample_index.npy").write_bytes(pickle.dumps([1, 2]))
+    extra = tmp_path / "own-cache"
+    extra.mkdir()
+    np.save(extra / "blend.npy", np.array([object()], dtype=object), allow_pickle=True)
+    ns["data_cache_path"] = str(extra)
+    found = data_findings(argparse.Namespace(**ns))
+    assert sorted(f.value for f in found) == ["blend.npy", "x-sample_index.npy"]
+    with pytest.raises(UntrustedDataset, match="--trust-dataset-code") as info:
+        check_script_data(argparse.Namespace(**ns), rank=0)
+    assert "x-sample_index.npy" in str(info.value) and "--data-path 0.5" in str(info.value)
+    ns["trust_dataset_code"] = True
+    check_script_data(argparse.Namespace(**ns), rank=1)
+    assert capsys.readouterr().out == ""  # only rank 0 says it
+    check_script_data(argparse.Namespace(**ns), rank=0)
+    assert "--trust-dataset-code: running the code" in capsys.readouterr().out

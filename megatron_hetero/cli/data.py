@@ -1,12 +1,16 @@
 """`megatron-hetero data`: build training data.
 
     megatron-hetero data digits --out DIR [--held-out 200] [--seed 0] [--train-shards 4] [--force]
+    megatron-hetero data check PATH [--trust-dataset-code] [--json]
 
 `digits` writes scikit-learn's bundled handwritten digits (1,797 8x8 grey images, nothing downloaded)
 as an energon-prepared WebDataset of captioning samples ("a handwritten seven"): a `train` split and
 a stratified held-out split (`val`, also registered as `test`), deterministic in --seed; `energon
 info DIR` and `energon lint DIR` accept it. Train on it with `megatron-hetero train --data-path DIR`.
 Needs the `data` extra (megatron-energon, scikit-learn, pillow, tokenizers).
+
+`check` reads an energon dataset (or metadataset) as data and lists what in it would run code
+(`models.dataset_trust`); exit 2 when it names any and --trust-dataset-code is not given.
 """
 from __future__ import annotations
 
@@ -29,7 +33,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     d.add_argument("--train-shards", type=int, default=4, help="tar shards of the train split (default 4)")
     d.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c = kinds.add_parser("check", help="what in a dataset would run code (exit 2 unless --trust-dataset-code)")
+    c.add_argument("path", help="an energon dataset folder or metadataset YAML")
+    c.add_argument("--json", action="store_true", help="print the findings as JSON")
+    add_trust_flag(c)
     return p
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """`data check PATH`: the findings of `dataset_trust.inspect_dataset`, read as data (no energon)."""
+    from megatron_hetero.models.dataset_trust import check_dataset, inspect_dataset, trusted_message
+
+    if args.json:
+        found = inspect_dataset(args.path)
+        print(json.dumps({"path": args.path, "findings": [vars(f) for f in found]}, indent=2))
+        return 2 if found and not args.trust_dataset_code else 0
+    found = check_dataset(args.path, trust=args.trust_dataset_code, flag="data check")  # refused: exit 2
+    print(trusted_message(args.path, [f.line() for f in found]))
+    return 0
 
 
 def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,10 +68,22 @@ def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                                                                  "one encoder token per patch")
     g.add_argument("--data-prompt", default=None, help="text between the image and the caption (not in the loss; "
                                                        "default none)")
+    add_trust_flag(g)
     return parser
 
 
+def add_trust_flag(parser) -> None:
+    """`--trust-dataset-code` (`models.dataset_trust`), for every command that opens a dataset."""
+    parser.add_argument("--trust-dataset-code", action="store_true",
+                        help="let the dataset run the code it names (energon sample_loader/part_filter Python "
+                             "files, __module__/__function__ outside megatron.energon, pickle/torch.load-decoded "
+                             "members); without it such a dataset is refused (exit 2) and members are decoded in "
+                             "webdataset's secure mode")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.data_command == "check":
+        return run_check(args)
     import importlib.util
 
     from megatron_hetero.models.digits import write_digits_dataset

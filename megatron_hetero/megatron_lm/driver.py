@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.megatron_lm import weights as weights_mod
+from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog, print_last
 from megatron_hetero.plan.rank_plan import rank_plan, rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
@@ -77,6 +78,9 @@ def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="reference (default): start from the weights Megatron's own model would have on the "
                             "layout given by Megatron's parallel flags (builds that model once); module: each "
                             "module's own Megatron initialisation on its own layout. --load overrides both.")
+    group.add_argument("--trust-dataset-code", action="store_true",
+                       help="let the data run the code it names (energon Python files and imports, pickled "
+                            "members, a pickled index cache); without it such data is refused (exit 2)")
     return parser
 
 
@@ -162,6 +166,7 @@ def parse_and_validate(model: ScriptModel, extra_args_provider: Optional[Callabl
     layout = layout_from_args(args, world)
     model.check(args, layout)
     check_common(args, layout)
+    check_script_data(args, int(os.environ.get("RANK", "0")))  # before any rank reads data
     # Batch arithmetic and schedule tables of every rank (ValueError with the arithmetic).
     rank_plans(layout, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
     return args, layout

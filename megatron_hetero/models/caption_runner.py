@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_hetero.models.caption_eval import digit_hits
+from megatron_hetero.models.dataset_trust import check_dataset, trusted_message
 from megatron_hetero.models.energon_data import (
     CaptionBatches, CaptionDataConfig, caption_spec, heldout_batch, resolve_config,
 )
@@ -135,6 +136,8 @@ def caption_runner_factory(data: CaptionDataConfig, spec: LlavaSpec, global_batc
     (encoder,) = spec.encoders
 
     def make(plan: RankPlan, states: dict[str, ModuleState]) -> CaptionStageRunner:
+        if data.trust_code and plan.rank == 0:  # said once per run, by rank 0
+            print(trusted_message(data.path, data.trusted), flush=True)
         tok = load_tokenizer(data.tokenizer_model)
         held = read_heldout(data, tok, encoder, spec.seq_length) if heldout else None
         batches = CaptionBatches(data, tok, encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch)
@@ -150,7 +153,9 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
     encoder's tokens/feature_dim from the data and the vocabulary from the tokenizer
     (`energon_data.caption_spec`). Flags read (absent ones count as not given): data_path,
     tokenizer_model, mock_data, patch_size, data_prompt, seed, vocab_size, encoder_tokens,
-    encoder_feature_dim. ValueError for conflicting or impossible values."""
+    encoder_feature_dim, trust_dataset_code. ValueError for conflicting or impossible values, and
+    `dataset_trust.UntrustedDataset` (a ValueError) for a dataset that names code without
+    --trust-dataset-code."""
     path = getattr(args, "data_path", None)
     if not path:
         if getattr(args, "tokenizer_model", None):
@@ -158,11 +163,14 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
         return spec, None
     if getattr(args, "mock_data", False):
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
+    # before energon opens it: a dataset that names code is refused unless --trust-dataset-code
+    trust = bool(getattr(args, "trust_dataset_code", False))
+    trusted = tuple(f.line() for f in check_dataset(path, trust=trust))
     # a CLIP encoder fixes the image format: RGB, its image size (images are resized), its patch size
     clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
     side = round(clip.tokens ** 0.5) * clip.patch_size if clip else None
     cfg = resolve_config(CaptionDataConfig(
-        path=str(path), tokenizer_model=getattr(args, "tokenizer_model", None),
+        path=str(path), tokenizer_model=getattr(args, "tokenizer_model", None), trust_code=trust, trusted=trusted,
         seed=int(getattr(args, "seed", 1234)),
         patch_size=clip.patch_size if clip else int(getattr(args, "patch_size", None) or 4),
         image_size=(side, side) if clip else None, channels=3 if clip else None,

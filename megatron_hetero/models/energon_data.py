@@ -41,6 +41,11 @@ and pre-positions the reader by deterministic replay within the epoch: a new epo
 reading C % N samples (at most one epoch; ~1,800 samples/s for the digits on one core). Energon's
 own savable loader state would skip the replay but is a pickle (see the notes); replay restores
 exactly.
+
+Trust. A dataset is data: every `open_split` first reads it as data (`models.dataset_trust`) and
+refuses one that names code (energon Python files and imports, pickle/torch.load-decoded members)
+unless the config says `trust_code` (`--trust-dataset-code`), and decodes with webdataset's secure
+mode on unless trusted.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_hetero.models.data import PLACEHOLDER_ID
+from megatron_hetero.models.dataset_trust import UntrustedDataset, check_dataset, secure_decoding
 from megatron_hetero.models.tokenizer import CaptionTokenizer
 
 VOCAB_MULTIPLE = 128  # the model's vocabulary is the tokenizer's padded up to a multiple of this (Megatron's default)
@@ -75,6 +81,10 @@ class CaptionDataConfig:
     shuffle: bool = True
     shuffle_buffer_size: int = 100
     max_samples_per_sequence: int = 100
+    # --trust-dataset-code: let the dataset run the code it names (`models.dataset_trust`); `trusted`:
+    # what it names (`Finding.line()`s), printed once on rank 0
+    trust_code: bool = False
+    trusted: tuple[str, ...] = ()
 
     def resolved(self) -> bool:
         return self.image_size is not None and self.channels is not None
@@ -120,11 +130,16 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 def open_split(path: str, split: str, *, seed: int = 0, epoch: int = 0, shuffle: bool = False,
-               shuffle_buffer_size: int = 100, max_samples_per_sequence: int = 100):
+               shuffle_buffer_size: int = 100, max_samples_per_sequence: int = 100, trust_code: bool = False):
     """(number of samples, iterator of single CaptioningSamples) over one epoch of `split`, read as
-    rank 0 of 1 (no process group). shuffle False: the split's stored order."""
+    rank 0 of 1 (no process group). shuffle False: the split's stored order. Every open checks the
+    dataset first (`dataset_trust.check_dataset`: `UntrustedDataset` when it names code and not
+    `trust_code`) and sets webdataset's secure decoding unless `trust_code`."""
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
     from megatron.energon.errors import reraise_exception
+
+    check_dataset(path, trust=trust_code)
+    secure_decoding(trust_code)
 
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0, seed_offset=epoch_seed(seed, epoch),
                       global_error_handler=reraise_exception)  # a bad sample stops the run, never shifts indices
@@ -150,7 +165,9 @@ def resolve_config(cfg: CaptionDataConfig, probe: int = 32) -> CaptionDataConfig
     if cfg.resolved():
         return cfg
     try:
-        n, it = open_split(cfg.path, cfg.split)
+        n, it = open_split(cfg.path, cfg.split, trust_code=cfg.trust_code)
+    except UntrustedDataset:
+        raise
     except Exception as exc:
         raise ValueError(f"--data-path {cfg.path}: cannot open split '{cfg.split}' as an energon dataset "
                          f"({type(exc).__name__}: {exc})") from None
@@ -246,7 +263,7 @@ class CaptionStream:
         c = self.cfg
         n, self._it = open_split(c.path, c.split, seed=c.seed, epoch=epoch, shuffle=c.shuffle,
                                  shuffle_buffer_size=c.shuffle_buffer_size,
-                                 max_samples_per_sequence=c.max_samples_per_sequence)
+                                 max_samples_per_sequence=c.max_samples_per_sequence, trust_code=c.trust_code)
         self._epoch, self._next = epoch, 0
         return n
 
@@ -347,7 +364,7 @@ def heldout_batch(cfg: CaptionDataConfig, tok: CaptionTokenizer, *, encoder: str
     """Every sample of `split` in stored order (no shuffle), stacked as `CaptionBatches.step_batch`
     (for evaluation, e.g. `caption_eval.greedy_digit_accuracy`)."""
     c = replace(cfg, split=split, shuffle=False)
-    n, it = open_split(c.path, split)
+    n, it = open_split(c.path, split, trust_code=c.trust_code)
     n = n if limit is None else min(n, limit)
     samples = [_next(it) for _ in range(n)]
     texts = [text_sample(caption_text(s.caption), tok, seq_length=seq_length, image_tokens=c.image_tokens,
