@@ -84,7 +84,7 @@ class ToyStage(torch.nn.Module):
         return x
 
 
-class ToyRunner:
+class ToyRunner(StageRunner):
     """A StageRunner for the toy model: [rows, TOK, HID] on the edge, [TOK, rows, HID] between stages."""
 
     def __init__(self, plan, states) -> None:

@@ -123,7 +123,12 @@ def test_disjoint_trace_has_every_micro_batch_and_labelled_batches(tmp_path):
 
 def test_null_tracer_is_free_and_shared():
     from megatron_hetero.runtime.config import RuntimeConfig
-    from megatron_hetero.runtime.trace import NULL_TRACER, tracer_from_env
+    import dataclasses
+
+    from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
+    from megatron_hetero.training.setup import JobConfig
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.runtime.module_state import OptimConfig
 
     assert RuntimeConfig().tracer is NULL_TRACER
     calls = []
@@ -133,8 +138,10 @@ def test_null_tracer_is_free_and_shared():
     with a:
         pass
     assert calls == []  # lazily given names and args are never evaluated
-    assert tracer_from_env(0, {}) is NULL_TRACER
-    assert tracer_from_env(3, {"MEGATRON_HETERO_TRACE": "t.json"}).path == "t.json"
+    job = JobConfig(spec=LlavaSpec(), global_batch_size=8, micro_batch_size=1, train_iters=1, optim=OptimConfig())
+    assert job.runtime_config(0).tracer is NULL_TRACER  # --trace not given
+    traced = dataclasses.replace(job, trace="t.json").runtime_config(3).tracer
+    assert isinstance(traced, Tracer) and traced.path == "t.json" and traced.rank == 3
 
 
 def test_tracer_records_spans_hooks_and_merges_ranks():

@@ -1,7 +1,7 @@
 """The cost model against traces, term by term (`python -m megatron_hetero.bench.cost_check`).
 
 For each configuration of the planner benchmark (`bench/planner.py` CONFIGS) at one world size, the
-tiny model is trained with tracing on (`runtime/trace.py`, `MEGATRON_HETERO_TRACE`) for `warmup + iters`
+tiny model is trained with tracing on (`runtime/trace.py`, the job's `trace` file) for `warmup + iters`
 steps; each rank's spans are cut into steps at its optimizer spans and reduced to *exclusive* time
 per kind (a span's time minus the spans nested in it: the colocated boundary's backward holds the
 encoder's backward, the language phase holds the micro-batches). Measured terms, mean over ranks,
@@ -97,14 +97,12 @@ def traced_run(layout, model, steps: int, micro_batch_size: int, timeout: float 
 
     from megatron_hetero.compat import default_backend
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.runtime.trace import TRACE_ENV
     from megatron_hetero.training.trainer import train_rank
 
-    job = dataclasses.replace(model.job(steps), micro_batch_size=micro_batch_size)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
-        per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend(),
-                             env={TRACE_ENV: path})
+        job = dataclasses.replace(model.job(steps), micro_batch_size=micro_batch_size, trace=path)
+        per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
         trace = json.loads(Path(path).read_text())
     return trace, [max(r["records"][i]["step_time_s"] for r in per_rank) for i in range(steps)]
 

@@ -26,8 +26,7 @@ and validated (`training.setup.validate_job`) before any rank starts (exit 2 wit
 `--trace FILE.json` records every rank's spans (`runtime.trace`: encoder and LLM forward/backward per
 micro-batch, boundary calls with bytes, communication batches and waits, gradient reduction,
 optimizer) and global rank 0 writes them as one Chrome/Perfetto trace (ui.perfetto.dev, or
-`megatron-hetero timeline FILE.json --out FILE.png`). It sets MEGATRON_HETERO_TRACE=FILE for the
-ranks, which the trainer reads; setting that variable yourself traces a run the same way.
+`megatron-hetero timeline FILE.json --out FILE.png`); it is the job's `trace` field.
 """
 from __future__ import annotations
 
@@ -138,7 +137,6 @@ def run(args: argparse.Namespace) -> int:
         note = load_note(job.load, job.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
         if note:
             print(note, file=sys.stderr, flush=True)
-    trace_before = _request_trace(args.trace)
     if env is None or env.rank == 0:
         print(f"megatron-hetero train: {layout.world_size} ranks ({default_backend()}"
               f"{', ' + env.launcher if env else ', forked here'}), placement {layout.placement}: "
@@ -170,27 +168,6 @@ def run(args: argparse.Namespace) -> int:
             for r in records:
                 f.write(json.dumps(r) + "\n")
     if args.trace:
-        _request_trace(trace_before, restore=True)
         print(f"trace of {layout.world_size} ranks in {args.trace} (megatron-hetero timeline {args.trace} "
               f"--out TIMELINE.png)", flush=True)
     return 0
-
-
-def _request_trace(path, restore: bool = False):
-    """`--trace FILE`: MEGATRON_HETERO_TRACE=FILE (absolute) for the ranks this process forks or is
-    (`runtime.trace`: every rank records spans, global rank 0 writes the merged file); returns the
-    previous value, which `restore=True` puts back."""
-    import os
-
-    from megatron_hetero.runtime.trace import TRACE_ENV
-
-    before = os.environ.get(TRACE_ENV)
-    if restore:
-        if path is None:
-            os.environ.pop(TRACE_ENV, None)
-        else:
-            os.environ[TRACE_ENV] = path
-    elif path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        os.environ[TRACE_ENV] = str(Path(path).resolve())
-    return before

@@ -47,6 +47,7 @@ from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog, print_last
 from megatron_hetero.plan.rank_plan import rank_plan, rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
+from megatron_hetero.runtime.schedules import schedule_for
 from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
 
 PREFIX = "megatron-hetero megatron-lm"
@@ -243,7 +244,7 @@ def _train(model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Ca
             if start:
                 sched.step(increment=start * args.global_batch_size)
         runner = model.runner(args, plan, states, datasets_provider)
-        schedule = _schedule(plan, RuntimeConfig(comm_timeout_s=args.hetero_comm_timeout), topo, states, runner)
+        schedule = schedule_for(plan, RuntimeConfig(comm_timeout_s=args.hetero_comm_timeout), topo, states, runner)
         print_last(f"{PREFIX}: training with {layout.placement} layout "
                    + ", ".join(f"{m.name} tp{m.tp}·pp{m.pp}·dp{m.dp}@{m.ranks}" for m in layout.modules)
                    + f", from iteration {start}")
@@ -266,16 +267,6 @@ def _train(model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Ca
         dist.barrier()
     finally:
         topo.destroy()
-
-
-def _schedule(plan, config, topo, states, runner):
-    if plan.layout.placement == "colocated":
-        from megatron_hetero.runtime.colocated import ColocatedSchedule
-
-        return ColocatedSchedule(plan, config, topo, states, runner)
-    from megatron_hetero.runtime.disjoint import DisjointSchedule
-
-    return DisjointSchedule(plan, config, topo, states, runner)
 
 
 def _current_lr(states) -> float:

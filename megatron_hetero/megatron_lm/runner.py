@@ -22,7 +22,7 @@ from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
+from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
 
 
 SPLITS = ("train", "valid", "test")
@@ -45,7 +45,7 @@ def build_datasets(datasets_provider: Callable) -> dict[str, Any]:
     return out
 
 
-class MegatronDataRunner:
+class MegatronDataRunner(StageRunner):
     """What the stage runners of Megatron-LM's scripts share: the script's datasets (global sample k
     of step s is `dataset[s * global_batch + k]` of the current split), batches typed as the script's
     `get_batch` types them, the per-token loss normaliser, and `pretrain_gpt.loss_func`'s loss sum."""

@@ -26,13 +26,13 @@ from megatron_hetero.models import data as data_mod
 from megatron_hetero.models.llava import LlavaSpec, OutputSpec
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
+from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
 
 #: evaluation on the synthetic data reads global samples EVAL_OFFSET + i, which no training step reaches
 EVAL_OFFSET = 1 << 40
 
 
-class LlavaStageRunner:
+class LlavaStageRunner(StageRunner):
     """Stage runner of `models/llava.py` on one rank (see the module docstring)."""
 
     def __init__(self, spec: LlavaSpec, plan: RankPlan, states: dict[str, ModuleState]) -> None:
@@ -42,12 +42,10 @@ class LlavaStageRunner:
         self.device = get_device()
         self._aux = torch.zeros((), dtype=torch.float64)
         self._langs = set(plan.roles.language)
+        # evaluation mode (`set_eval`, `train --eval-interval`): `batch` reads held-out samples (a
+        # step's global sample i is held-out sample i) and the loss stage also hands its logits to
+        # `eval_logits`
         self.evaluating = False
-
-    def set_eval(self, on: bool) -> None:
-        """Evaluation mode (`train --eval-interval`): `batch` reads held-out samples (a step's global
-        sample i is held-out sample i) and the loss stage also hands its logits to `eval_logits`."""
-        self.evaluating = bool(on)
 
     def batch(self, samples: range) -> dict:
         """The global samples `samples` (`models.data.batch`'s keys): the one place stages read data."""

@@ -109,7 +109,7 @@ class ColocatedSchedule:
                 read(phase.replace(" ", ""))
         counted = {m for m in self.runner.loss_modules()
                    if m in self.plan.modules and self.plan.modules[m].last_stage and self.plan.modules[m].coord.tp == 0}
-        extras = self.runner.aux_losses(step) if hasattr(self.runner, "aux_losses") else {}
+        extras = self.runner.aux_losses(step)
         loss, parts, aux = global_loss_parts(tuple(self.runner.loss_modules()), self._loss_sums, counted, extras,
                                              self.runner.loss_tokens(step), self.plan.rank)
         return StepResult(loss=loss, memory=memory, loss_parts=parts, aux_loss=aux)

@@ -170,7 +170,7 @@ class DisjointSchedule:
             with self.config.tracer.span("optimizer", f"optimizer step {s.name}", {"module": s.name}):
                 run_collective(optimizer_what(s), self.rank, s.step)
         counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0
-        extras = self.runner.aux_losses(step) if hasattr(self.runner, "aux_losses") else {}
+        extras = self.runner.aux_losses(step)
         loss, parts, aux = global_loss_parts(tuple(self.runner.loss_modules()),
                                              {self.name: self._loss_sums} if self.table is not None else {},
                                              {self.name} if counts else set(), extras, self._loss_tokens, self.rank)

@@ -1,8 +1,8 @@
-"""The seam between the schedules and a model: the `StageRunner` protocol.
+"""The seam between the schedules and a model: the `StageRunner` base class.
 
 The schedules (`colocated.py`, `disjoint.py`) know plans, process groups, boundaries and optimizers,
 and no model. A model side (the tiny LLaVA model in `models/llava_runner.py`, a test's toy model)
-implements this protocol for the modules this rank serves.
+subclasses it for the modules this rank serves.
 
 Tensor conventions the schedules rely on:
   * a tensor crossing a module edge is `[batch rows, seq, hidden]` (what `edge_tensor` describes);
@@ -14,7 +14,7 @@ Tensor conventions the schedules rely on:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional, Protocol, Union, runtime_checkable
+from typing import Mapping, NamedTuple, Optional, Union
 
 import torch
 
@@ -46,34 +46,35 @@ class LossSum(NamedTuple):
     output: Optional[torch.Tensor] = None
 
 
-@runtime_checkable
-class StageRunner(Protocol):
-    """The model side of a training step, for the modules this rank serves."""
+class StageRunner:
+    """The model side of a training step, for the modules this rank serves. Subclasses implement the
+    six required methods (they raise NotImplementedError here); the evaluation and auxiliary-loss
+    hooks have defaults that do nothing, so every method a caller uses is declared here."""
 
+    #: True between `set_eval(True)` and `set_eval(False)`
+    evaluating: bool = False
+
+    # -- required --------------------------------------------------------------------------------
     def loss_modules(self) -> tuple[str, ...]:
         """Modules whose last pipeline stage returns a `LossSum`."""
-        ...
+        raise NotImplementedError
 
     def loss_tokens(self, step: int) -> int:
         """Loss tokens of the whole global batch of `step` (the per-token loss normaliser)."""
-        ...
+        raise NotImplementedError
 
     def edge_tensor(self, edge: Edge) -> EdgeTensor:
         """Per-sample shape of the tensor crossing `edge`."""
-        ...
+        raise NotImplementedError
 
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of the tensor between two pipeline stages of `module` for `rows` samples."""
-        ...
+        raise NotImplementedError
 
     def model(self, module: str) -> torch.nn.Module:
         """The (DDP-wrapped when it trains) model chunk of `module` on this rank, as Megatron's
         pipeline schedules take it."""
-        ...
-
-    # Optional: `aux_losses(step) -> dict[str, torch.Tensor]`: this rank's share of auxiliary terms that
-    # entered the gradient but not the reported loss (the MoE load-balancing loss), summed over the world
-    # by the schedule and reported in `StepResult.aux_loss`.
+        raise NotImplementedError
 
     def forward(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
                 stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
@@ -83,4 +84,25 @@ class StageRunner(Protocol):
         producer module (`[rows, seq, hidden]`, this rank's DP/CP share). `stage_input`: on a later
         stage, the tensor received from the previous stage (None when Megatron's schedule has set
         it with `set_input_tensor`)."""
-        ...
+        raise NotImplementedError
+
+    # -- optional, with defaults -----------------------------------------------------------------
+    def aux_losses(self, step: int) -> dict[str, torch.Tensor]:
+        """This rank's share of auxiliary terms that entered the gradient but not the reported loss
+        (the MoE load-balancing loss), summed over the world by the schedule and reported in
+        `StepResult.aux_loss`; resets them. Default: none."""
+        return {}
+
+    def set_eval(self, on: bool) -> None:
+        """Evaluation mode on or off: the runner reads held-out samples while it is on."""
+        self.evaluating = bool(on)
+
+    def heldout_size(self) -> Optional[int]:
+        """Samples of the held-out split (one evaluation pass covers them once), or None when the
+        runner has no finite held-out split (synthetic data)."""
+        return None
+
+    def take_eval_counts(self) -> Optional[tuple[int, int]]:
+        """(hits, samples) this rank counted since the last call, reset; None when the runner counts
+        no accuracy."""
+        return None

@@ -25,13 +25,12 @@ File format (`write` / `gather_trace`): {"traceEvents": [...], "displayTimeUnit"
 timestamps in microseconds since the earliest event of the run. Each span's `args` carry what it
 did (module, stage, micro-batch `mb`, edge, direction, bytes, the actions of a communication batch).
 
-`MEGATRON_HETERO_TRACE=FILE` (what `megatron-hetero train --trace FILE` sets) turns tracing on for
-every rank that `training.trainer` starts; `tracer_from_env` reads it.
+`megatron-hetero train --trace FILE` turns tracing on: the job's `trace` field gives every rank a
+recording `Tracer` (`training.setup.JobConfig.runtime_config`).
 """
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from contextlib import nullcontext
@@ -41,8 +40,6 @@ from typing import Any, Callable, Iterable, Optional, Union
 #: Span kinds, in legend order: compute, then data movement, then the step's closing work and waits.
 KINDS = ("encoder-forward", "encoder-backward", "llm-forward", "llm-backward", "boundary", "comm", "wait",
          "grad-reduce", "optimizer", "loss-reduce", "offload", "schedule")
-#: The environment variable that turns tracing on (its value: the trace file).
-TRACE_ENV = "MEGATRON_HETERO_TRACE"
 #: The blocking methods of Megatron-core's `P2PCommunicator` that its pipeline schedules call (each
 #: posts and waits for its sends/receives): the language model's pipeline waits in the colocated phase 2.
 MEGATRON_P2P_METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
@@ -182,12 +179,6 @@ def boundary_args(boundary, call) -> dict[str, Any]:
     stats = boundary.stats[call.direction]
     sent = stats.per_call[-1] if (call.src or call.dst) and stats.per_call else 0
     return {"edge": call.edge, "direction": call.direction, "bytes_sent": sent, "src": call.src, "dst": call.dst}
-
-
-def tracer_from_env(rank: int, environ=None) -> AnyTracer:
-    """A recording Tracer when `MEGATRON_HETERO_TRACE` names a file, else NULL_TRACER."""
-    path = (os.environ if environ is None else environ).get(TRACE_ENV)
-    return Tracer(rank, path) if path else NULL_TRACER
 
 
 def chrome_trace(payloads: list[dict[str, Any]], offsets_ns: Optional[dict[int, int]] = None,

@@ -124,7 +124,19 @@ def job_from_args(args: Any, layout: HeteroLayout):
                      log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False),
                      data=data, eval_interval=getattr(args, "eval_interval", None) or 0,
                      eval_iters=getattr(args, "eval_iters", None),
-                     exit_signal_handler=bool(getattr(args, "exit_signal_handler", False)))
+                     exit_signal_handler=bool(getattr(args, "exit_signal_handler", False)),
+                     trace=_trace_path(getattr(args, "trace", None)))
+
+
+def _trace_path(path: Optional[str]) -> Optional[str]:
+    """`--trace FILE`: the absolute path (every rank writes into the same file's folder), its folder made."""
+    if not path:
+        return None
+    from pathlib import Path
+
+    p = Path(path).resolve()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return str(p)
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -53,9 +53,15 @@ class JobConfig:
     # --exit-signal-handler (Megatron-LM's flag): SIGTERM stops every rank after the same step, saves
     # (with --save) and returns normally (training/signals.py)
     exit_signal_handler: bool = False
+    # --trace FILE: every rank records its spans, global rank 0 writes the merged trace there
+    trace: Optional[str] = None
 
-    def runtime_config(self) -> RuntimeConfig:
-        return RuntimeConfig(comm_timeout_s=self.comm_timeout_s)
+    def runtime_config(self, rank: int = 0) -> RuntimeConfig:
+        """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
+        from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
+
+        return RuntimeConfig(comm_timeout_s=self.comm_timeout_s,
+                             tracer=Tracer(rank, self.trace) if self.trace else NULL_TRACER)
 
 
 def validate_job(layout: HeteroLayout, job: JobConfig) -> None:

@@ -14,7 +14,8 @@ from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.step import run_collective
-from megatron_hetero.runtime.trace import gather_trace, tracer_from_env
+from megatron_hetero.runtime.schedules import schedule_for
+from megatron_hetero.runtime.trace import gather_trace
 from megatron_hetero.training.setup import JobConfig, build_states
 from megatron_hetero.training.signals import ExitSignal, finish_on_signal
 
@@ -30,19 +31,10 @@ def prepare_rank(job: JobConfig) -> None:
 
 
 def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
-    """The schedule of the plan's placement, driving `runner` (the LLaVA runner by default)."""
-    from dataclasses import replace
-
+    """The schedule of the plan's placement (`runtime.schedules.schedule_for`), driving `runner` (the
+    LLaVA runner by default), with this rank's tracer when `job.trace` names a file."""
     runner = runner if runner is not None else LlavaStageRunner(job.spec, plan, states)
-    # this rank's tracer: recording when MEGATRON_HETERO_TRACE names a file (`train --trace FILE`)
-    config = replace(job.runtime_config(), tracer=tracer_from_env(plan.rank))
-    if plan.layout.placement == "colocated":
-        from megatron_hetero.runtime.colocated import ColocatedSchedule
-
-        return ColocatedSchedule(plan, config, topo, states, runner)
-    from megatron_hetero.runtime.disjoint import DisjointSchedule
-
-    return DisjointSchedule(plan, config, topo, states, runner)
+    return schedule_for(plan, job.runtime_config(plan.rank), topo, states, runner)
 
 
 def module_stats(layout: HeteroLayout, states: dict, rank: int) -> tuple[Optional[float], dict[str, float], Optional[float]]:
@@ -94,7 +86,7 @@ def evaluate(schedule, iters: int, rank: int) -> dict[str, Any]:
             n = runner.loss_tokens(k)
             loss_sum += res.loss * n
             tokens += n
-        counts = runner.take_eval_counts() if hasattr(runner, "take_eval_counts") else None
+        counts = runner.take_eval_counts()
     finally:
         runner.set_eval(False)
     out: dict[str, Any] = {"eval_loss": loss_sum / tokens if tokens else float("nan"), "eval_accuracy": None}
@@ -112,9 +104,8 @@ def eval_iters_of(job: JobConfig, runner) -> int:
     steps, at least 1), or 1 (synthetic data)."""
     if job.eval_iters:
         return job.eval_iters
-    if hasattr(runner, "heldout_size"):
-        return max(1, runner.heldout_size() // job.global_batch_size)
-    return 1
+    held = runner.heldout_size()
+    return 1 if held is None else max(1, held // job.global_batch_size)
 
 
 def validation_line(iteration: int, ev: dict[str, Any]) -> str:
