@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
-    from megatron_hetero.plan import profile_fit as F
+    from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.training import profile as T
 
     world = args.world_size

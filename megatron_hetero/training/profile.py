@@ -1,6 +1,6 @@
 """`megatron-hetero profile` on this machine: the kernels that build the model's own layers and
 modules (`_rank_layers`, `_rank_modules`), the measurement run on forked ranks (`measure`) and
-`run_profile` (measure, fit with `plan/profile_fit.py`, write the JSON). The model-free kernels
+`run_profile` (measure, fit with `planner/profile_fit.py`, write the JSON). The model-free kernels
 and the load detection are `runtime/profile.py`.
 
 Layers (`_rank_layers`): for each module kind of the LLaVA model (`llm`: the language model's causal
@@ -30,8 +30,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.plan.hardware import Profile
-from megatron_hetero.plan.profile_fit import (ProfileGrid, collective_cases, combine_rounds, fit_profile,
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.profile_fit import (ProfileGrid, collective_cases, combine_rounds, fit_profile,
                                               layer_cases, module_cases, profile_document, slowest_median,
                                               solo_layer_case)
 from megatron_hetero.runtime.profile import (rank_collectives, rank_host_bandwidth, rank_memory, timed, undisturbed,
