@@ -110,13 +110,13 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings, run_as_rank, run_local
-    from megatron_hetero.training.rank_env import rank_env
+    from megatron_hetero.launch.rank_env import rank_env
 
     quiet_upstream_warnings()
     from megatron_hetero.compat import default_backend
     from megatron_hetero.layout.args import layout_from_args
     from megatron_hetero.runtime.launcher import RankFailure, RankTimeout
-    from megatron_hetero.training.rank_env import check_world_size
+    from megatron_hetero.launch.rank_env import check_world_size
     from megatron_hetero.training.setup import validate_job
 
     env = rank_env(os.environ)

@@ -247,7 +247,7 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
 
 
 def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[list[dict[str, Any]]]:
-    """Run `job` as the one rank `env` (a `training.rank_env.RankEnv`: torchrun, srun) describes:
+    """Run `job` as the one rank `env` (a `launch.rank_env.RankEnv`: torchrun, srun) describes:
     join the job's process group through env:// (the launcher's rendezvous address, never a local
     default), train, and gather every rank's records. Returns the merged records on global rank 0,
     None elsewhere. ValueError (every rank says the same) before any group exists."""
@@ -258,7 +258,7 @@ def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[li
     import torch.distributed as dist
 
     from megatron_hetero.compat import apply_compat, default_backend
-    from megatron_hetero.training.rank_env import apply_rank_env, check_world_size
+    from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
     from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
