@@ -1,4 +1,4 @@
-"""Start from pretrained weights (`megatron-hetero convert`, `training/convert.py`, `models/hf_*.py`).
+"""Start from pretrained weights (`megatron-hetero convert`, `convert/hf_weights.py`, `models/hf_*.py`).
 
 Tiny randomly initialised Hugging Face models (a CLIPVisionModel, a Llama with grouped-query
 attention and untied embeddings, a Qwen2 with QKV bias and tied embeddings) are created here and

@@ -1,6 +1,6 @@
 """`train --load DIR` of a converted (weights-only) checkpoint.
 
-A checkpoint written by `megatron-hetero convert hf-to-checkpoint` (`training.convert`, marked
+A checkpoint written by `megatron-hetero convert hf-to-checkpoint` (`convert.hf_weights`, marked
 `"origin": "convert"`) is a starting point, not a run to resume: it has no optimizer, scheduler,
 data position or RNG, so `check_loadable`'s resume checks (batch size, data position, schedule)
 do not apply. `check_converted` checks what does: the manifest (every file's bytes and sha256),
