@@ -1,5 +1,5 @@
 """`megatron-hetero profile`, the planner benchmark and search -> train (planner/profile_fit.py,
-runtime/profile.py, training/profile.py, bench/planner.py, the runtime space of planner/search.py).
+profiling/kernels.py, profiling/run.py, bench/planner.py, the runtime space of planner/search.py).
 
 Timings are not asserted (they depend on the machine and on whatever else runs on it): the profile
 must fit and round-trip, the planner benchmark must produce its document, and every layout the
@@ -24,7 +24,7 @@ from megatron_hetero.planner import hardware as HW
 from megatron_hetero.planner import profile_fit as F
 from megatron_hetero.planner import search as S
 from megatron_hetero.planner import workload as W
-from megatron_hetero.training import profile as T
+from megatron_hetero.profiling import run as T
 
 REPO = Path(__file__).resolve().parents[1]
 HW_FILE = REPO / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"

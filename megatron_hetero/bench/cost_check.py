@@ -115,7 +115,7 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
     from megatron_hetero.compat import apply_compat
     from megatron_hetero.planner import cost as C
     from megatron_hetero.planner import profile_fit as F
-    from megatron_hetero.training import profile as T
+    from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
     from megatron_hetero.training.model_args import workload_for
 

@@ -9,7 +9,7 @@ Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`):
   long-context: the language model needs CP2 for its long sequence while the encoder's sequences are
       short. The runtime's encoders take no CP (their sequence is bounded by the image), so the
       homogeneous layout gives the encoder the language model's 2-way model-parallel group as TP.
-For each: a profile of this machine is taken in the same run (`training.profile.measure`, fitted by
+For each: a profile of this machine is taken in the same run (`profiling.run.measure`, fitted by
 `planner.profile_fit`), `planner.search` (restricted to the workload's constraint, runtime layouts only)
 picks the best colocated layout other than the homogeneous one and the best disjoint layout (and its
 overall pick is reported: `search_best`), and the three layouts are trained side by side
@@ -208,7 +208,7 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
     from megatron_hetero.compat import apply_compat, default_backend
     from megatron_hetero.planner import cost as C
     from megatron_hetero.planner import profile_fit as F
-    from megatron_hetero.training import profile as T
+    from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
     from megatron_hetero.training.model_args import workload_for
 

@@ -1,7 +1,7 @@
 """`megatron-hetero bench planner`: the cost model against measured step times on this machine.
 
 One run, one process tree:
-  1. a profile is taken (`training.profile`) at each world size of the benchmark (4 and 8), with
+  1. a profile is taken (`profiling.run`) at each world size of the benchmark (4 and 8), with
      that many ranks working at once (ranks share this machine's cores as they do in training);
   2. each configuration (tiny LLaVA model: colocated heterogeneous, disjoint, and homogeneous, i.e.
      colocated with every module on the language model's layout) is trained for `warmup + iters`
@@ -19,7 +19,7 @@ Writes planner.json and planner.png (measured vs estimated per configuration).
 
 The machine may be shared with other jobs (another process only ever adds time): every measurement
 (profile round, configuration round) is checked for CPU time used outside this process tree and
-repeated when disturbed (`runtime.profile.undisturbed`); with `rounds` > 1 each configuration keeps
+repeated when disturbed (`profiling.kernels.undisturbed`); with `rounds` > 1 each configuration keeps
 its fastest round, as the profile keeps each case's fastest of `profile_rounds`.
 """
 from __future__ import annotations
@@ -248,8 +248,8 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     another process disturbed; grid: the profile grid (default `bench_grid()`)."""
     from megatron_hetero.compat import apply_compat, default_backend
     from megatron_hetero.planner import profile_fit as F
-    from megatron_hetero.runtime import profile as P
-    from megatron_hetero.training import profile as T
+    from megatron_hetero.profiling import kernels as P
+    from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     if iters < 1 or rounds < 1 or profile_rounds < 1 or warmup < 0 or retries < 0:

@@ -1,7 +1,7 @@
 """The profile's pure half: what `megatron-hetero profile` measures (`ProfileGrid` and its cases) and
 how the measurements become a cost-model `Profile` (`fit_profile`), with the JSON document and its
-text summary. No torch. The timing kernels are `runtime/profile.py` (collectives, host copies,
-load detection) and `training/profile.py` (layers and whole modules of the model; `run_profile`).
+text summary. No torch. The timing kernels are `profiling/kernels.py` (collectives, host copies,
+load detection) and `profiling/run.py` (layers and whole modules of the model; `run_profile`).
 
 Fit (`fit_profile`), all from the measurements of one run (least squares, a, b >= 0):
   * per module kind, `LayerModel` t = a + b * flops_per_rank on the TP1·CP1 layers (the layer
