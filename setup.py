@@ -19,7 +19,7 @@ setup(
     packages=find_packages(include=["megatron_hetero", "megatron_hetero.*"]),
     # hardware presets (`megatron-hetero search --hardware NAME`) and the caption tokenizer
     # (models/digits_tokenizer.json, `train --data-path` without --tokenizer-model) ship inside the package
-    package_data={"megatron_hetero": ["py.typed"], "megatron_hetero.plan.hardware_presets": ["*.json"],
+    package_data={"megatron_hetero": ["py.typed"], "megatron_hetero.planner.hardware_presets": ["*.json"],
                   "megatron_hetero.models": ["*.json"]},
     install_requires=[
         # CPU machines: install torch==2.13.0 first (a local CPU wheel); an unpinned torch pulls

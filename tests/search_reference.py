@@ -11,11 +11,11 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron_hetero.layout.degrees import Degrees
-from megatron_hetero.plan.cost import evaluate
-from megatron_hetero.plan.hardware import Profile
-from megatron_hetero.plan.heteropipe import PipelinePlan, StageCost, StagePlan, enumerate_pipelines
-from megatron_hetero.plan.search import SearchSpace, _chains, _layouts
-from megatron_hetero.plan.workload import Candidate, Segment, Workload
+from megatron_hetero.planner.cost import evaluate
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.heteropipe import PipelinePlan, StageCost, StagePlan, enumerate_pipelines
+from megatron_hetero.planner.search import SearchSpace, _chains, _layouts
+from megatron_hetero.planner.workload import Candidate, Segment, Workload
 
 
 def heteropipe_brute_force(num_layers: int, num_devices: int, num_stages: int, strategies: Sequence[Degrees],

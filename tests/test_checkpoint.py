@@ -1,4 +1,4 @@
-"""Checkpoints (`training/checkpoint.py`): exact resume under the same layout, resume under other
+"""Checkpoints (`checkpoint/save_load.py`): exact resume under the same layout, resume under other
 layouts (colocated <-> disjoint, TP -> DP, PP 1 -> 2, encoder to its own island, one language
 module -> pipeline segments) with Adam, damaged checkpoints rejected before training, and
 `checkpoint inspect`. fp32, tiny model, world <= 3. Killed saves, crafted and flipped files:
@@ -51,7 +51,7 @@ def saved(tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_layout_of_checkpoint_and_global_keys(saved):
     root, _ = saved
-    from megatron_hetero.training import checkpoint as ckpt
+    from megatron_hetero.checkpoint import save_load as ckpt
 
     marker = (root / ckpt.TRACKER).read_text().splitlines()
     assert marker[0] == "2" and marker[1] == "sha256 " + hashlib.sha256((root / "iter_0000002" / ckpt.STATE_FILE)
@@ -190,7 +190,7 @@ def test_in_rank_load_failure_names_the_directory(saved, tmp_path, monkeypatch):
     import shutil
 
     from megatron_hetero.runtime.launcher import RankFailure
-    from megatron_hetero.training import checkpoint_files
+    from megatron_hetero.checkpoint import files as checkpoint_files
 
     root = tmp_path / "copy"
     shutil.copytree(saved[0], root)
@@ -261,7 +261,7 @@ def test_frozen_modules_resume_and_unfreeze(tmp_path):
     root = tmp_path / "s1"
     full = losses(run_job(stage1, 2, JOB))
     run_job(stage1, 2, dataclasses.replace(JOB, train_iters=2, save=str(root), save_interval=2))
-    from megatron_hetero.training import checkpoint as ckpt
+    from megatron_hetero.checkpoint import save_load as ckpt
 
     _, state = ckpt.read_train_state(root)
     assert state["modules"]["language"]["optimizer"] is None and state["modules"]["vision"]["optimizer"] == "adam"

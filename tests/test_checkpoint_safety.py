@@ -55,7 +55,7 @@ def _copy(base: Path, tmp_path: Path) -> Path:
 
 def _reseal(root: Path, iteration: int = 2) -> None:
     """What a forger does after changing files: a new manifest, state checksum and marker."""
-    from megatron_hetero.training import checkpoint_files as cf
+    from megatron_hetero.checkpoint import files as cf
 
     d = cf.iteration_dir(root, iteration)
     state = json.loads((d / cf.STATE_FILE).read_text())
@@ -75,7 +75,7 @@ def _craft(root: Path, kind: str, marker: Path) -> Path:
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from megatron_hetero.training.safe_unpickle import read_dcp_metadata
+    from megatron_hetero.checkpoint.safe_unpickle import read_dcp_metadata
 
     d = root / "iter_0000002"
     if kind == "common.pt":
@@ -136,7 +136,7 @@ def test_ranks_read_through_the_restricted_unpickler(base, tmp_path, monkeypatch
     """Past the launcher's checks (skipped here), the ranks' own reads refuse a crafted `.metadata`;
     a sharded-object file added (and forged into the manifest) is never read."""
     from megatron_hetero.runtime.launcher import RankFailure
-    from megatron_hetero.training import checkpoint as ckpt
+    from megatron_hetero.checkpoint import save_load as ckpt
 
     root = _copy(base, tmp_path)
     marker = tmp_path / "PAYLOAD_RAN"
@@ -146,7 +146,7 @@ def test_ranks_read_through_the_restricted_unpickler(base, tmp_path, monkeypatch
 
     torch.save(Payload(marker), torch_save_payload)
     (d / "vision" / "vision.model.some._extra_state.pt").write_bytes(torch_save_payload.getvalue())
-    from megatron_hetero.training.safe_unpickle import read_dcp_metadata
+    from megatron_hetero.checkpoint.safe_unpickle import read_dcp_metadata
 
     md = read_dcp_metadata(d / "rng")
     md.storage_meta.modules = [Payload(marker)]
@@ -168,7 +168,7 @@ def _flip(path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.checkpoint import check_loadable
+    from megatron_hetero.checkpoint.save_load import check_loadable
 
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     files = sorted(p.relative_to(base) for p in base.rglob("*") if p.is_file() and "iter_0000001" not in p.parts)
@@ -187,7 +187,7 @@ def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
 
 
 def test_damaged_marked_checkpoint_falls_back_only_when_asked(base, tmp_path):
-    from megatron_hetero.training.checkpoint_files import select_checkpoint
+    from megatron_hetero.checkpoint.files import select_checkpoint
 
     root = _copy(base, tmp_path)
     bad = root / "iter_0000002" / "language" / "__0_0.distcp"
@@ -235,8 +235,8 @@ def test_killed_save_leaves_the_previous_checkpoint(base, tmp_path, monkeypatch,
     from megatron_hetero.cli import main
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.runtime.launcher import RankFailure
-    from megatron_hetero.training import checkpoint as ckpt
-    from megatron_hetero.training import checkpoint_files as cf
+    from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint import files as cf
 
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     roots = {}

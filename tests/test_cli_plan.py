@@ -193,7 +193,7 @@ def test_argparse_errors_exit_2(capsys) -> None:
 
 
 def test_unexpected_failure_exits_1(capsys, monkeypatch) -> None:
-    from megatron_hetero.plan import report
+    from megatron_hetero.report import plan as report
 
     def boom(*_a, **_k):
         raise RuntimeError("boom")

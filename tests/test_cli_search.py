@@ -16,7 +16,7 @@ import yaml
 from megatron_hetero import cli
 from megatron_hetero.cli import search as cli_search
 from megatron_hetero.cli.model_flags import MODEL_FLAGS
-from megatron_hetero.plan.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
+from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
 from megatron_hetero.training.model_args import ModelArgs, workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_every_registered_subcommand_follows_the_convention() -> None:
 def test_cli_modules_do_not_import_torch() -> None:
     code = ("import sys; import megatron_hetero.cli as c; c.build_parser(); "
             "import megatron_hetero.cli.search, megatron_hetero.training.model_args, "
-            "megatron_hetero.plan.hardware_presets; "
+            "megatron_hetero.planner.hardware_presets; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
@@ -160,7 +160,7 @@ def test_hardware_presets_are_package_data(tmp_path, capsys) -> None:
     hw = load_hardware(DEFAULT_HARDWARE)
     assert hw.memory_bytes == 80e9 and hw.devices_per_node == 8
     setup = (REPO / "setup.py").read_text()
-    assert '"megatron_hetero.plan.hardware_presets": ["*.json"]' in setup
+    assert '"megatron_hetero.planner.hardware_presets": ["*.json"]' in setup
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(hw.to_dict()))
     assert load_hardware(str(path)) == load_hardware(path) == hw
@@ -215,7 +215,7 @@ def test_search_out_without_model_flags_trains(tmp_path, capsys, extra) -> None:
 @pytest.mark.timeout(300)
 def test_search_out_with_model_flags_header_trains(tmp_path, capsys) -> None:
     """With model flags (and a measured-style profile), the header's train command carries them."""
-    from megatron_hetero.plan import hardware as C
+    from megatron_hetero.planner import hardware as C
 
     lm = C.LayerModel(2e-3, 3e-11)
     prof = C.Profile(layers={"llm": lm, "encoder": C.LayerModel(1.5e-3, 3e-11), "default": lm},

@@ -1,5 +1,5 @@
-"""Cost model and search (plan/hardware.py, plan/workload.py, plan/cost.py, plan/heteropipe.py,
-plan/search.py, plan/presets.py, cli/search.py). Pure: no torch.
+"""Cost model and search (planner/hardware.py, planner/workload.py, planner/cost.py, planner/heteropipe.py,
+planner/search.py, planner/presets.py, cli/search.py). Pure: no torch.
 
 The searches are checked against brute force (tests/search_reference.py): the heteropipe DP against
 every layer partition x strategy assignment (the seed's 189-configuration space and random cost
@@ -26,15 +26,15 @@ from megatron_hetero import cli
 from megatron_hetero.cli import search as cli_search
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.layout.degrees import Degrees
-from megatron_hetero.plan import cost as C
-from megatron_hetero.plan import hardware as HW
-from megatron_hetero.plan import heteropipe as H
-from megatron_hetero.plan import presets as PR
-from megatron_hetero.plan import search as S
-from megatron_hetero.plan import workload as W
+from megatron_hetero.planner import cost as C
+from megatron_hetero.planner import hardware as HW
+from megatron_hetero.planner import heteropipe as H
+from megatron_hetero.planner import presets as PR
+from megatron_hetero.planner import search as S
+from megatron_hetero.planner import workload as W
 
 REPO = Path(__file__).resolve().parents[1]
-HW_FILE = REPO / "megatron_hetero" / "plan" / "hardware_presets" / "h100_80gb.json"
+HW_FILE = REPO / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
 
 
 @pytest.fixture(scope="module")
@@ -582,7 +582,7 @@ def test_cli_regime_table_markdown(capsys) -> None:
 
 
 def test_plan_modules_do_not_import_torch() -> None:
-    code = ("import sys; import megatron_hetero.plan.cost, megatron_hetero.plan.search, megatron_hetero.plan.heteropipe, "
-            "megatron_hetero.plan.presets, megatron_hetero.plan.profile_fit, megatron_hetero.cli.search; "
+    code = ("import sys; import megatron_hetero.planner.cost, megatron_hetero.planner.search, megatron_hetero.planner.heteropipe, "
+            "megatron_hetero.planner.presets, megatron_hetero.planner.profile_fit, megatron_hetero.cli.search; "
             "assert 'torch' not in sys.modules and 'torch.distributed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -29,8 +29,8 @@ def _png_shape(path: Path, size: list[int]) -> None:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in LAYOUTS.glob("*.yaml")))
 def test_layout_picture_draws_every_rank(name, tmp_path):
-    from megatron_hetero.bench.draw import draw_layout
-    from megatron_hetero.plan.report import default_shape
+    from megatron_hetero.report.draw import draw_layout
+    from megatron_hetero.report.plan import default_shape
 
     layout = _layout(name)
     out = tmp_path / "layout.png"
@@ -44,7 +44,7 @@ def test_layout_picture_draws_every_rank(name, tmp_path):
 
 
 def test_layout_picture_transforms():
-    from megatron_hetero.bench.draw import draw_layout
+    from megatron_hetero.report.draw import draw_layout
 
     s = draw_layout(_layout("colocated_fan_in.yaml"), Path("/dev/null"))
     assert s["edges"] == [{"edge": "vision->language", "transform": "fan-in", "factor": 4}]
@@ -54,7 +54,7 @@ def test_layout_picture_transforms():
 @pytest.mark.parametrize("name", ["colocated_fan_in.yaml", "colocated_two_encoders.yaml", "disjoint_encoder_pp.yaml",
                                   "llm_segments.yaml", "disjoint_two_encoders.yaml"])
 def test_schedule_picture_draws_every_rank(name, tmp_path):
-    from megatron_hetero.bench.draw import draw_schedule
+    from megatron_hetero.report.draw import draw_schedule
 
     layout = _layout(name)
     out = tmp_path / "schedule.png"
@@ -66,7 +66,7 @@ def test_schedule_picture_draws_every_rank(name, tmp_path):
 
 
 def test_planned_timeline_covers_every_micro_batch():
-    from megatron_hetero.bench.draw import planned_timeline
+    from megatron_hetero.report.draw import planned_timeline
     from megatron_hetero.plan.placement import coord_of
 
     layout = _layout("disjoint_encoder_pp.yaml")
@@ -97,7 +97,7 @@ def test_planned_timeline_covers_every_micro_batch():
 
 
 def test_timeline_draws_the_trace_ranks(tmp_path):
-    from megatron_hetero.bench.draw import draw_timeline
+    from megatron_hetero.report.draw import draw_timeline
     from megatron_hetero.runtime.trace import chrome_trace
 
     payloads = [{"rank": r, "host": "h", "spans": [("llm-forward", f"F{i}", 1000 * i, 1000 * i + 700, {"mb": i})

@@ -1,4 +1,4 @@
-"""Start from pretrained weights (`megatron-hetero convert`, `training/convert.py`, `models/hf_*.py`).
+"""Start from pretrained weights (`megatron-hetero convert`, `convert/hf_weights.py`, `models/hf_*.py`).
 
 Tiny randomly initialised Hugging Face models (a CLIPVisionModel, a Llama with grouped-query
 attention and untied embeddings, a Qwen2 with QKV bias and tied embeddings) are created here and
@@ -94,7 +94,7 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.runtime.topology import Topology
-    from megatron_hetero.training.checkpoint import load_checkpoint, read_train_state
+    from megatron_hetero.checkpoint.save_load import load_checkpoint, read_train_state
     from megatron_hetero.training.setup import build_module
 
     ensure_global_memory_buffer()

@@ -1,19 +1,30 @@
 """The import graph of megatron_hetero: floors point down, and no file imports itself back.
 
-Floors, top to bottom (DESIGN.md, "Architecture"):
+Floors, top to bottom (DESIGN.md, "Architecture"), each folder naming one job:
 
-    cli       megatron_hetero/cli*.py, cli/, __main__.py: one file per subcommand; may import anything
-    bench     bench/ (and testing/): benchmarks and test helpers, built on training and below
-    training  training/: entry points, logging, checkpoints
-    models    models/: Megatron model assembly, data, stage runners
-    runtime   runtime/: process groups, boundaries, schedule interpreters (knows no model)
-    plan      plan/: pure boundary plans, schedule tables, cost model, search
-    layout    layout/: pure declarations, parsing, validation
+    cli          megatron_hetero/cli*.py, cli/, __main__.py: one file per subcommand; may import anything
+    bench        bench/: benchmarks, built on everything below
+    report       report/: pure: the human/JSON plan report and the rank-map, schedule, timeline drawings
+    megatron_lm  megatron_lm/: Megatron-LM's own scripts on our layouts (through patches/)
+    convert      convert/: Hugging Face weights to and from checkpoints (builds modules as training does)
+    training     training/: the training loop and the job (flags, setup, schedule, logging, signals)
+    checkpoint   checkpoint/: save/load under any layout, the file format, the restricted unpickler
+    launch       launch/: the environment a launcher gives a rank, SLURM scripts
+    profiling    profiling/: `megatron-hetero profile`: timing kernels, model-free and the model's own
+    models       models/: Megatron model assembly, data, stage runners
+    runtime      runtime/: process groups, boundaries, schedule interpreters (knows no model)
+    planner      planner/: pure cost model, hardware profiles, profile fit, search
+    plan         plan/: pure per-rank plans: boundary plans, placement, schedule tables
+    layout       layout/: pure declarations, parsing, validation
 
-    compat    compat/ stands beside them: the CPU/gloo layer for Megatron-core; it may import only
-              plan/ and layout/ (and third-party code); runtime and everything above may import it.
+    compat       compat/ stands beside them: the CPU/gloo layer for Megatron-core; it may import only
+                 plan/ and layout/ (and third-party code); runtime and everything above may import it.
 
-A file may import its own floor and any floor below it. Why: each floor can be understood, tested
+checkpoint, launch and profiling each stand on models (none imports another); training stands on
+checkpoint and launch (the loop saves and loads, a job runs as the rank its launcher describes);
+convert stands on training (it builds the modules as training does, and writes a checkpoint);
+megatron_lm stands on all five. A file may import its own floor and the floors it stands on, down
+to layout (BELOW, transitively). Why: each floor can be understood, tested
 and reused without the ones above it (a plan for a 1024-rank job is computed and tested on a laptop
 without torch; the runtime executes plans without knowing which model runs; the models are
 assembled without knowing which entry point trains them). So `layout/` and `plan/` import neither
@@ -42,15 +53,36 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megatron_hetero"
 
-# Ordered floors, lowest first; compat stands beside them.
-ORDER = ("layout", "plan", "runtime", "models", "training", "bench", "cli")
-ALLOWED: dict[str, set[str]] = {
-    floor: set(ORDER[: i + 1]) | ({"compat"} if i >= ORDER.index("runtime") else set())
-    for i, floor in enumerate(ORDER)
+# The floors each floor stands on directly; it may import those, and theirs, down to layout.
+BELOW: dict[str, set[str]] = {
+    "layout": set(),
+    "plan": {"layout"},
+    "planner": {"plan"},
+    "compat": {"plan"},  # beside the floors: runtime and everything above may import it
+    "runtime": {"planner", "compat"},
+    "models": {"runtime"},
+    "checkpoint": {"models"},
+    "launch": {"models"},
+    "profiling": {"models"},
+    "training": {"checkpoint", "launch"},
+    "convert": {"training"},
+    "megatron_lm": {"convert", "profiling"},
+    "report": {"megatron_lm"},
+    "bench": {"report"},
+    "cli": {"bench"},
 }
-ALLOWED["compat"] = {"compat", "plan", "layout"}
+
+
+def _closure(floor: str) -> set[str]:
+    out = {floor}
+    for below in BELOW[floor]:
+        out |= _closure(below)
+    return out
+
+
+ALLOWED: dict[str, set[str]] = {floor: _closure(floor) for floor in BELOW}
 ALLOWED["root"] = set()
-PURE = {"layout", "plan"}
+PURE = {"layout", "plan", "planner", "report"}
 FORBIDDEN_IN_PURE = {"torch", "megatron"}
 
 
@@ -65,10 +97,6 @@ def floor_of(rel: Path) -> Optional[str]:
         return None
     if top == "cli":
         return "cli"
-    if top == "megatron_lm":  # builds Megatron-LM's models and runs training: the training floor
-        return "training"
-    if top == "testing":
-        return "bench"
     return top if top in ALLOWED else None
 
 
@@ -267,15 +295,22 @@ CLEAN = {
     "pkg/layout/parse.py": "from pkg.layout.spec import Spec\ndef parse(): return Spec()\n",
     "pkg/plan/__init__.py": "",
     "pkg/plan/table.py": "from pkg.layout import Spec\nimport graphlib\n",
+    "pkg/planner/__init__.py": "",
+    "pkg/planner/cost.py": "from pkg.plan import table\n",
     "pkg/compat/__init__.py": "import torch\nfrom pkg.layout import spec\n",
     "pkg/runtime/__init__.py": "",
-    "pkg/runtime/run.py": "import torch\nfrom pkg.plan import table\nfrom pkg import compat\n"
+    "pkg/runtime/run.py": "import torch\nfrom pkg.plan import table\nfrom pkg import compat\nfrom pkg.planner import cost\n"
                           "def f():\n    from ..plan.table import graphlib\n",
     "pkg/models/m.py": "from pkg.runtime.run import f\nfrom pkg.compat import torch\n",
-    "pkg/training/t.py": "from pkg.models import m\n",
-    "pkg/bench/b.py": "from pkg.training.t import m\n",
-    "pkg/testing/h.py": "from pkg.training import t\n",
-    "pkg/cli/main.py": "from pkg.bench import b\nfrom pkg.testing import h\n",
+    "pkg/checkpoint/c.py": "from pkg.models import m\n",
+    "pkg/launch/l.py": "from pkg.layout import Spec\n",
+    "pkg/profiling/p.py": "from pkg.models.m import f\nfrom pkg.planner import cost\n",
+    "pkg/training/t.py": "from pkg.models import m\nfrom pkg.checkpoint import c\nfrom pkg.launch.l import Spec\n",
+    "pkg/convert/v.py": "from pkg.training.t import m\nfrom pkg.checkpoint import c\n",
+    "pkg/megatron_lm/g.py": "from pkg.convert import v\nfrom pkg.profiling import p\n",
+    "pkg/report/r.py": "from pkg.plan import table\n",
+    "pkg/bench/b.py": "from pkg.training.t import m\nfrom pkg.megatron_lm import g\nfrom pkg.report import r\n",
+    "pkg/cli/main.py": "from pkg.bench import b\nfrom pkg.report import r\n",
     "pkg/cli_extra.py": "from pkg.cli import main\n",
     "pkg/__main__.py": "from pkg.cli_extra import main\n",
 }
@@ -306,6 +341,27 @@ def test_checker_flags_a_reverse_import(tmp_path: Path, statement: str):
     assert statement.splitlines()[-1].strip() in problems[0]  # the import line, as written
 
 
+@pytest.mark.parametrize("src, statement, dst", [
+    ("pkg/checkpoint/x.py", "from pkg.training import t", "training"),  # the loop saves; a checkpoint runs no loop
+    ("pkg/launch/x.py", "from pkg.training.t import m", "training"),
+    ("pkg/checkpoint/x.py", "from pkg.launch import l", "launch"),  # peers on models import neither way
+    ("pkg/profiling/x.py", "from pkg.checkpoint import c", "checkpoint"),
+    ("pkg/training/x.py", "from pkg.convert import v", "convert"),
+    ("pkg/training/x.py", "from pkg.profiling import p", "profiling"),
+    ("pkg/plan/x.py", "from pkg.planner import cost", "planner"),
+    ("pkg/planner/x.py", "from pkg.runtime import run", "runtime"),
+    ("pkg/convert/x.py", "from pkg.megatron_lm import g", "megatron_lm"),
+    ("pkg/megatron_lm/x.py", "from pkg.report import r", "report"),
+    ("pkg/report/x.py", "from pkg.bench import b", "bench"),
+    ("pkg/bench/x.py", "from pkg.cli import main", "cli"),
+])
+def test_checker_flags_an_import_up_or_across(tmp_path: Path, src: str, statement: str, dst: str):
+    _write(tmp_path, {**CLEAN, src: statement + "\n"})
+    problems = floor_violations(tmp_path, "pkg")
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{src}:1 `{statement}`: {src.split('/')[1]} imports {dst} (pkg/{dst}/"), problems
+
+
 def test_checker_flags_torch_in_a_pure_floor_and_compat_importing_up(tmp_path: Path):
     _write(tmp_path, {**CLEAN,
                       "pkg/plan/table.py": "def f():\n    import torch.distributed as dist\n",
@@ -313,7 +369,9 @@ def test_checker_flags_torch_in_a_pure_floor_and_compat_importing_up(tmp_path: P
                       "pkg/compat/patch.py": "from pkg.runtime import run\n",
                       "pkg/plan/uses_compat.py": "from pkg.compat import patch\n",
                       "pkg/stray.py": "",
-                      "pkg/layout/missing.py": "from pkg.layout.nothing import x\n"})
+                      "pkg/layout/missing.py": "from pkg.layout.nothing import x\n",
+                      "pkg/planner/fit.py": "import torch\n",
+                      "pkg/report/draw.py": "def f():\n    from megatron.core import tensor_parallel\n"})
     problems = "\n".join(floor_violations(tmp_path, "pkg"))
     assert "pkg/plan/table.py:2 `import torch.distributed as dist`: plan/ is pure and must not import torch" in problems
     assert "pkg/layout/spec.py:1 `from megatron.core import parallel_state`: layout/ is pure" in problems
@@ -321,7 +379,9 @@ def test_checker_flags_torch_in_a_pure_floor_and_compat_importing_up(tmp_path: P
     assert "pkg/plan/uses_compat.py:1 `from pkg.compat import patch`: plan imports compat" in problems
     assert "pkg/stray.py: on no floor" in problems
     assert "pkg/layout/missing.py:1 `from pkg.layout.nothing import x`: pkg.layout.nothing is not a module" in problems
-    assert len(problems.splitlines()) == 6, problems
+    assert "pkg/planner/fit.py:1 `import torch`: planner/ is pure and must not import torch" in problems
+    assert "pkg/report/draw.py:2 `from megatron.core import tensor_parallel`: report/ is pure" in problems
+    assert len(problems.splitlines()) == 8, problems
 
 
 def test_checker_flags_a_two_file_cycle(tmp_path: Path):

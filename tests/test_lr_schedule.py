@@ -8,9 +8,10 @@ import math
 import pytest
 
 from parity import losses, max_loss_rel_diff, run_job, world1_doc
+from megatron_hetero.checkpoint.scheduler_state import schedule_mismatch
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.training.iteration_log import IterationLog, format_line
-from megatron_hetero.training.lr_schedule import LRSchedule, schedule_mismatch
+from megatron_hetero.training.lr_schedule import LRSchedule
 from megatron_hetero.training.setup import JobConfig
 
 COLOC = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},

@@ -242,10 +242,10 @@ def test_train_rejects_invalid_expert_layouts_with_exit_2(capsys, monkeypatch, l
 def _cost_setup():
     from pathlib import Path
 
-    from megatron_hetero.plan import hardware as HW
-    from megatron_hetero.plan import workload as W
+    from megatron_hetero.planner import hardware as HW
+    from megatron_hetero.planner import workload as W
 
-    hw = HW.HardwareSpec.load(Path(__file__).resolve().parents[1] / "megatron_hetero" / "plan" / "hardware_presets"
+    hw = HW.HardwareSpec.load(Path(__file__).resolve().parents[1] / "megatron_hetero" / "planner" / "hardware_presets"
                               / "h100_80gb.json")
     prof = HW.Profile.from_hardware(hw)
     enc = W.ModelSpec("vision", 6, 1024, 4096, 16, 256, kind="encoder")
@@ -255,7 +255,7 @@ def _cost_setup():
 
 
 def test_cost_prices_expert_memory_and_dispatch():
-    from megatron_hetero.plan.cost import evaluate
+    from megatron_hetero.planner.cost import evaluate
 
     W, prof, enc, moe = _cost_setup()
     wl = W.Workload(encoder=enc, llm=moe, global_batch=64)
@@ -285,8 +285,8 @@ def test_cost_prices_expert_memory_and_dispatch():
 
 
 def test_search_picks_ep_when_experts_do_not_fit():
-    from megatron_hetero.plan import search as S
-    from megatron_hetero.plan.cost import evaluate
+    from megatron_hetero.planner import search as S
+    from megatron_hetero.planner.cost import evaluate
 
     W, prof, enc, moe = _cost_setup()
     big = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=64, moe_topk=2,

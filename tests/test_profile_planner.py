@@ -1,5 +1,5 @@
-"""`megatron-hetero profile`, the planner benchmark and search -> train (plan/profile_fit.py,
-runtime/profile.py, training/profile.py, bench/planner.py, the runtime space of plan/search.py).
+"""`megatron-hetero profile`, the planner benchmark and search -> train (planner/profile_fit.py,
+profiling/kernels.py, profiling/run.py, bench/planner.py, the runtime space of planner/search.py).
 
 Timings are not asserted (they depend on the machine and on whatever else runs on it): the profile
 must fit and round-trip, the planner benchmark must produce its document, and every layout the
@@ -19,15 +19,15 @@ import search_reference as R
 from megatron_hetero import cli
 from megatron_hetero.bench import planner as B
 from megatron_hetero.layout import dump_layout, layout_from_dict
-from megatron_hetero.plan import cost as C
-from megatron_hetero.plan import hardware as HW
-from megatron_hetero.plan import profile_fit as F
-from megatron_hetero.plan import search as S
-from megatron_hetero.plan import workload as W
-from megatron_hetero.training import profile as T
+from megatron_hetero.planner import cost as C
+from megatron_hetero.planner import hardware as HW
+from megatron_hetero.planner import profile_fit as F
+from megatron_hetero.planner import search as S
+from megatron_hetero.planner import workload as W
+from megatron_hetero.profiling import run as T
 
 REPO = Path(__file__).resolve().parents[1]
-HW_FILE = REPO / "megatron_hetero" / "plan" / "hardware_presets" / "h100_80gb.json"
+HW_FILE = REPO / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
 TINY = F.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
                      module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 32, 2, 256)),
                                     "encoder": ((32, 4, 8, 2, 64), (64, 4, 8, 2, 64))},

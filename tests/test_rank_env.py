@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hetero.training.rank_env import (
+from megatron_hetero.launch.rank_env import (
     RankEnv, apply_rank_env, check_world_size, first_host, port_from_job_id, rank_env,
 )
 

@@ -17,7 +17,7 @@ import pytest
 from parity import losses, run_job
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.runtime.launcher import run_ranks
-from megatron_hetero.training.checkpoint_files import read_tracker
+from megatron_hetero.checkpoint.files import read_tracker
 from megatron_hetero.training.setup import JobConfig
 from megatron_hetero.training.trainer import train_rank
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.training.slurm import add_arguments, run, sbatch_script
+from megatron_hetero.launch.slurm import add_arguments, run, sbatch_script
 
 pytestmark = pytest.mark.slurm
 
@@ -175,7 +175,7 @@ rank_env, joins the others through env:// and all-reduces its rank."""
 import json, os, sys
 import torch
 import torch.distributed as dist
-from megatron_hetero.training.rank_env import apply_rank_env, rank_env
+from megatron_hetero.launch.rank_env import apply_rank_env, rank_env
 
 env = rank_env(os.environ)
 apply_rank_env(env)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.training.slurm import add_arguments, run, sbatch_script
+from megatron_hetero.launch.slurm import add_arguments, run, sbatch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "examples" / "layouts"

@@ -77,7 +77,7 @@ def test_colocated_trace_has_every_micro_batch_of_every_module_on_every_rank(tmp
     assert sum(e["args"]["bytes_sent"] for e in spans if e["cat"] == "boundary") > 0
     # ... and `timeline` draws one row per traced rank
     pytest.importorskip("matplotlib")
-    from megatron_hetero.bench.draw import draw_timeline
+    from megatron_hetero.report.draw import draw_timeline
 
     drawn = draw_timeline(doc, tmp_path / "timeline.png")
     assert drawn["ranks"] == doc["otherData"]["ranks"] == [0, 1, 2, 3]

@@ -15,7 +15,7 @@ median over the kept steps:
     other     the step's time outside every span (Python, data, memory snapshots, Megatron's
               schedule bookkeeping)
 
-against the model's (`plan.cost.evaluate`; on a shared-core profile its parts are the mean rank's
+against the model's (`planner.cost.evaluate`; on a shared-core profile its parts are the mean rank's
 busy time): compute + tp_comm + cp_comm, boundary, pp_comm + bubble, dp_comm, optimizer, and 0 for
 other. Per term: error = (model - measured) / measured step time (its share of the total's error), and
 the mean absolute value over configurations. The profile is measured in the same run (or read from
@@ -111,9 +111,9 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
     """Measure the configurations of `world` with traces, compare term by term (module docstring)."""
     from megatron_hetero.bench import planner as PL
     from megatron_hetero.compat import apply_compat
-    from megatron_hetero.plan import cost as C
-    from megatron_hetero.plan import profile_fit as F
-    from megatron_hetero.training import profile as T
+    from megatron_hetero.planner import cost as C
+    from megatron_hetero.planner import profile_fit as F
+    from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
     from megatron_hetero.training.model_args import workload_for
 
@@ -155,7 +155,7 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_hetero.plan.hardware import Profile
+    from megatron_hetero.planner.hardware import Profile
 
     p = argparse.ArgumentParser(prog="python -m megatron_hetero.bench.cost_check")
     p.add_argument("--world", type=int, default=4)

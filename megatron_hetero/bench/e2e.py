@@ -9,8 +9,8 @@ Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`):
   long-context: the language model needs CP2 for its long sequence while the encoder's sequences are
       short. The runtime's encoders take no CP (their sequence is bounded by the image), so the
       homogeneous layout gives the encoder the language model's 2-way model-parallel group as TP.
-For each: a profile of this machine is taken in the same run (`training.profile.measure`, fitted by
-`plan.profile_fit`), `plan.search` (restricted to the workload's constraint, runtime layouts only)
+For each: a profile of this machine is taken in the same run (`profiling.run.measure`, fitted by
+`planner.profile_fit`), `planner.search` (restricted to the workload's constraint, runtime layouts only)
 picks the best colocated layout other than the homogeneous one and the best disjoint layout (and its
 overall pick is reported: `search_best`), and the three layouts are trained side by side
 (`side_by_side`): one set of forked ranks builds all three (topologies, models, schedules) and runs
@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.bench.planner import BenchModel, _colo, candidate_for, describe, resolve
-from megatron_hetero.plan import search as S
+from megatron_hetero.planner import search as S
 
 WORLD = 4
 
@@ -98,7 +98,7 @@ def quick_workloads() -> tuple:
 
 
 def quick_grid():
-    from megatron_hetero.plan.profile_fit import ProfileGrid
+    from megatron_hetero.planner.profile_fit import ProfileGrid
 
     return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 64, 2)), "encoder": ((64, 4, 16, 1), (64, 4, 32, 2))},
                        module_shapes={"llm": ((64, 4, 32, 2, 128),), "encoder": ((64, 4, 16, 2, 64),)},
@@ -107,7 +107,7 @@ def quick_grid():
 
 def e2e_grid():
     """The profile grid: shapes around the workloads' (hidden 64, up to 512 tokens per micro-batch)."""
-    from megatron_hetero.plan.profile_fit import ProfileGrid
+    from megatron_hetero.planner.profile_fit import ProfileGrid
 
     return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 160, 2), (64, 4, 256, 1), (64, 4, 256, 2)),
                                      "encoder": ((64, 4, 16, 1), (64, 4, 64, 2), (64, 4, 64, 8), (64, 4, 128, 4))},
@@ -206,9 +206,9 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
     (+ e2e.png). quick: smaller models, a small profile grid, one round; `profile`: use this fitted
     profile instead of measuring one (tests)."""
     from megatron_hetero.compat import apply_compat, default_backend
-    from megatron_hetero.plan import cost as C
-    from megatron_hetero.plan import profile_fit as F
-    from megatron_hetero.training import profile as T
+    from megatron_hetero.planner import cost as C
+    from megatron_hetero.planner import profile_fit as F
+    from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
     from megatron_hetero.training.model_args import workload_for
 

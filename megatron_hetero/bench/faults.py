@@ -252,7 +252,7 @@ def _run_torchrun(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, An
 
 
 def _latest(root: Path) -> Optional[int]:
-    from megatron_hetero.training.checkpoint import read_tracker
+    from megatron_hetero.checkpoint.save_load import read_tracker
 
     try:
         return read_tracker(root)
@@ -262,7 +262,7 @@ def _latest(root: Path) -> Optional[int]:
 
 def _refuses_without_fallback(root: Path) -> Optional[bool]:
     """None when no save under `root` was cut short; else whether `--load` alone refuses to resume."""
-    from megatron_hetero.training.checkpoint_files import select_checkpoint
+    from megatron_hetero.checkpoint.files import select_checkpoint
 
     if not any(p.name.endswith(".saving") for p in root.iterdir()):
         return None

@@ -1,16 +1,16 @@
 """`megatron-hetero bench planner`: the cost model against measured step times on this machine.
 
 One run, one process tree:
-  1. a profile is taken (`training.profile`) at each world size of the benchmark (4 and 8), with
+  1. a profile is taken (`profiling.run`) at each world size of the benchmark (4 and 8), with
      that many ranks working at once (ranks share this machine's cores as they do in training);
   2. each configuration (tiny LLaVA model: colocated heterogeneous, disjoint, and homogeneous, i.e.
      colocated with every module on the language model's layout) is trained for `warmup + iters`
      steps with `training.trainer.train_rank` on forked ranks; the measured step time is the median
      over the last `iters` steps of the slowest rank's step (the first `warmup` are discarded);
-  3. the estimate of the same configuration is `plan.cost.evaluate(candidate, workload, profile)`
+  3. the estimate of the same configuration is `planner.cost.evaluate(candidate, workload, profile)`
      with the profile of its world size (`candidate_for` / `workload_for` map the layout and the
      model onto the cost model's `Candidate` and `Workload`);
-  4. the search (`plan.search.search`) runs over the space of layouts the runtime accepts at each
+  4. the search (`planner.search.search`) runs over the space of layouts the runtime accepts at each
      world size; its pick is measured too (if it is not one of the configurations) and compared
      with the fastest measured configuration of that world size.
 Reported: per configuration measured / estimated / error, the mean absolute percentage error
@@ -19,7 +19,7 @@ Writes planner.json and planner.png (measured vs estimated per configuration).
 
 The machine may be shared with other jobs (another process only ever adds time): every measurement
 (profile round, configuration round) is checked for CPU time used outside this process tree and
-repeated when disturbed (`runtime.profile.undisturbed`); with `rounds` > 1 each configuration keeps
+repeated when disturbed (`profiling.kernels.undisturbed`); with `rounds` > 1 each configuration keeps
 its fastest round, as the profile keeps each case's fastest of `profile_rounds`.
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any, Optional, Sequence
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.plan import cost as C
-from megatron_hetero.plan import search as S
-from megatron_hetero.plan.hardware import Profile
-from megatron_hetero.plan.workload import Candidate, Segment
+from megatron_hetero.planner import cost as C
+from megatron_hetero.planner import search as S
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.workload import Candidate, Segment
 from megatron_hetero.training.model_args import workload_for
 
 WORLDS = (4, 8)
@@ -209,7 +209,7 @@ def measure_step(layout: HeteroLayout, model: BenchModel, iters: int, warmup: in
 def bench_grid():
     """The profile grid of the benchmark: the generic grid's shapes around the benchmark model's
     (hidden 32-128, up to 128 tokens per micro-batch), every TP/CP degree and collective."""
-    from megatron_hetero.plan.profile_fit import ProfileGrid
+    from megatron_hetero.planner.profile_fit import ProfileGrid
 
     return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2)),
                                      "encoder": ((32, 4, 8, 1), (32, 4, 8, 8), (64, 4, 16, 4))},
@@ -247,9 +247,9 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     round; profile_rounds: the same for the profile; retries: re-measurements of a round that
     another process disturbed; grid: the profile grid (default `bench_grid()`)."""
     from megatron_hetero.compat import apply_compat, default_backend
-    from megatron_hetero.plan import profile_fit as F
-    from megatron_hetero.runtime import profile as P
-    from megatron_hetero.training import profile as T
+    from megatron_hetero.planner import profile_fit as F
+    from megatron_hetero.profiling import kernels as P
+    from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     if iters < 1 or rounds < 1 or profile_rounds < 1 or warmup < 0 or retries < 0:

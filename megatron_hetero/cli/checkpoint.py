@@ -8,7 +8,7 @@ saved under, whether every file matches the manifest, and each logical model's t
 global shapes and dtypes (model and optimizer state), and saves that did not complete. Runs no
 training and starts no process group. Reads like `train --load`: the manifest (sha256 of every file)
 first, then each `.metadata` with the restricted unpickler and `common.pt` with
-`torch.load(weights_only=True)` (`training.safe_unpickle`: a crafted file is refused, nothing of it
+`torch.load(weights_only=True)` (`checkpoint.safe_unpickle`: a crafted file is refused, nothing of it
 runs). Exit 2 for a missing, corrupt or refused checkpoint, naming the file.
 """
 from __future__ import annotations
@@ -43,10 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
-    from megatron_hetero.training import checkpoint as ckpt
+    from megatron_hetero.checkpoint import save_load as ckpt
 
     root, iteration = _locate(args.dir, args.iteration)
-    from megatron_hetero.training.checkpoint_files import saves
+    from megatron_hetero.checkpoint.files import saves
 
     d, state = ckpt.read_train_state(root, iteration)
     ckpt.verify_manifest(d, state)

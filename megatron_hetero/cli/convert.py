@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
-    from megatron_hetero.training import convert
+    from megatron_hetero.convert import hf_weights as convert
 
     if args.action == "hf-to-checkpoint":
         if args.seq_length is not None and args.seq_length < 1:

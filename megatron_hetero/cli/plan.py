@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_hetero.layout.args import layout_from_args
-    from megatron_hetero.plan.report import default_shape, layout_json, layout_text
+    from megatron_hetero.report.plan import default_shape, layout_json, layout_text
 
     if args.layout and args.hetero_layout:
         raise ValueError("give the layout file once: positional LAYOUT or --hetero-layout, not both")
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 def _draw(layout, shape, out: str, quiet: bool) -> None:
     import sys
 
-    from megatron_hetero.bench.draw import draw_layout
+    from megatron_hetero.report.draw import draw_layout
     from megatron_hetero.cli import CommandFailed
 
     try:

@@ -4,7 +4,7 @@ it as JSON for `megatron-hetero search --profile PROFILE.json`.
     megatron-hetero profile --world-size 8 --out profile.json [--quick]
 
 Ranks are forked on this machine (gloo on CPU, NCCL on GPU) and measured all busy at once; see
-`runtime/profile.py` for what is measured and how it is fitted.
+`profiling/kernels.py` for what is measured and how it is fitted.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
-    from megatron_hetero.plan import profile_fit as F
-    from megatron_hetero.training import profile as T
+    from megatron_hetero.planner import profile_fit as F
+    from megatron_hetero.profiling import run as T
 
     world = args.world_size
     if world < 2:

@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _draw(layout, args: argparse.Namespace, **kwargs) -> None:
     import sys
 
-    from megatron_hetero.bench.draw import draw_schedule
+    from megatron_hetero.report.draw import draw_schedule
 
     try:
         summary = draw_schedule(layout, args.draw, **kwargs)

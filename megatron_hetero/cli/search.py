@@ -1,4 +1,4 @@
-"""`megatron-hetero search`: rank heterogeneous layouts with the cost model (plan/cost.py, plan/search.py).
+"""`megatron-hetero search`: rank heterogeneous layouts with the cost model (planner/cost.py, planner/search.py).
 
     megatron-hetero search --world-size 4 --profile profile.json --out best.yaml    (the model `train` runs)
     megatron-hetero train --hetero-layout best.yaml
@@ -31,8 +31,8 @@ _OLD_FLAGS = {"--llm-layers": "num_layers", "--llm-hidden": "hidden_size", "--ll
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from megatron_hetero.plan.hardware_presets import DEFAULT_HARDWARE, hardware_names
-    from megatron_hetero.plan.presets import ENCODER_PRESETS, LLM_PRESETS
+    from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names
+    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS
 
     p = sub.add_parser(NAME, help="rank per-module layouts and placements by predicted step time",
                        description="Search per-module layouts (homogeneous, colocated, disjoint) with the cost model.")
@@ -79,8 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _profile(args):
-    from megatron_hetero.plan.hardware import Profile
-    from megatron_hetero.plan.hardware_presets import DEFAULT_HARDWARE, load_hardware
+    from megatron_hetero.planner.hardware import Profile
+    from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
 
     if args.profile:
         return Profile.load(args.profile)
@@ -97,7 +97,7 @@ def uses_presets(args) -> bool:
 
 
 def _preset_spec(base, args, side: str, seq: int):
-    from megatron_hetero.plan.workload import ModelSpec
+    from megatron_hetero.planner.workload import ModelSpec
 
     names = {"encoder": ("encoder_num_layers", "encoder_hidden_size", "encoder_ffn_hidden_size",
                          "encoder_num_attention_heads"),
@@ -113,8 +113,8 @@ def _preset_spec(base, args, side: str, seq: int):
 def workload_from_args(args):
     """The cost model's workload: `train`'s model (training.model_args.workload) with the model
     flags given, or, with --encoder/--llm, a preset whose sizes the model flags override."""
-    from megatron_hetero.plan.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP
-    from megatron_hetero.plan.workload import Workload
+    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP
+    from megatron_hetero.planner.workload import Workload
     from megatron_hetero.training.model_args import ModelArgs, workload
 
     if not uses_presets(args):
@@ -219,7 +219,7 @@ def regime_markdown(rows: list) -> str:
 
 
 def _space(args):
-    from megatron_hetero.plan.search import SearchSpace
+    from megatron_hetero.planner.search import SearchSpace
 
     placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
     runtime = not (args.all_layouts or args.regime_table)  # the regime table studies the whole space
@@ -228,8 +228,8 @@ def _space(args):
 
 def run(args: argparse.Namespace) -> int:
     from megatron_hetero.layout.yaml_io import dump_layout
-    from megatron_hetero.plan.presets import regime_table
-    from megatron_hetero.plan.search import search, train_micro_batch_size
+    from megatron_hetero.planner.presets import regime_table
+    from megatron_hetero.planner.search import search, train_micro_batch_size
 
     prof = _profile(args)
     limit = None if args.memory_limit_gb is None else args.memory_limit_gb * 1e9

@@ -5,7 +5,7 @@
         [--dry-run | --submit]
         -- <train arguments>
 
-The script and its checks are `training/slurm.py`; the train arguments are parsed with `train`'s own
+The script and its checks are `launch/slurm.py`; the train arguments are parsed with `train`'s own
 parser before anything is written, so a typo fails here and not after the queue wait.
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ NAME = "slurm"
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from megatron_hetero.cli.train import add_parser as add_train_parser
-    from megatron_hetero.training.slurm import add_arguments
+    from megatron_hetero.launch.slurm import add_arguments
 
     p = sub.add_parser(NAME, help="write/submit an sbatch script that runs train on N nodes")
     return add_arguments(p, add_train_parser=add_train_parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.training.slurm import run as run_slurm
+    from megatron_hetero.launch.slurm import run as run_slurm
 
     return run_slurm(args)

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.bench.draw import draw_timeline
+    from megatron_hetero.report.draw import draw_timeline
 
     path = Path(args.trace)
     try:

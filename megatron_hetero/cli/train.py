@@ -14,7 +14,7 @@ Iteration lines (Megatron-style, every --log-interval iterations: lm loss, consu
 time, learning rate, grad norm, tokens/s) are printed while training; a progress line in between
 when stdout is a terminal. --lr-warmup-iters / --lr-decay-style / --lr-decay-iters / --min-lr set
 Megatron's learning-rate schedule; --save DIR --save-interval N and --load DIR checkpoint and resume
-(`training.checkpoint`: any layout of the same model can resume any other's checkpoint).
+(`checkpoint.save_load`: any layout of the same model can resume any other's checkpoint).
 
 Megatron-style flags for sizes (`cli.model_flags`), architecture (`cli.arch_flags`: RMSNorm, swiglu,
 rope, grouped-query attention, QKV bias, tied embeddings, a CLIP encoder), batch and optimizer;
@@ -109,13 +109,13 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings, run_as_rank, run_local
-    from megatron_hetero.training.rank_env import rank_env
+    from megatron_hetero.launch.rank_env import rank_env
 
     quiet_upstream_warnings()
     from megatron_hetero.compat import default_backend
     from megatron_hetero.layout.args import layout_from_args
     from megatron_hetero.runtime.launcher import RankFailure, RankTimeout
-    from megatron_hetero.training.rank_env import check_world_size
+    from megatron_hetero.launch.rank_env import check_world_size
     from megatron_hetero.training.setup import validate_job
 
     env = rank_env(os.environ)
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         check_world_size(env, layout.world_size)
     validate_job(layout, job)  # before anything is printed or started
     if job.load and (env is None or env.rank == 0):
-        from megatron_hetero.training.checkpoint import load_note
+        from megatron_hetero.checkpoint.save_load import load_note
 
         note = load_note(job.load, job.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
         if note:

@@ -140,7 +140,7 @@ class LlavaSpec:
 
     @classmethod
     def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
-        """The spec a checkpoint recorded (`training.checkpoint.spec_record`); ValueError naming an
+        """The spec a checkpoint recorded (`checkpoint.save_load.spec_record`); ValueError naming an
         unknown field (a checkpoint of a newer model family)."""
         import dataclasses as dc
 

@@ -1,4 +1,4 @@
-"""Pure planning: placement, boundary plans, reports. Never imports torch.distributed."""
+"""Pure planning: placement, boundary plans. Never imports torch.distributed."""
 from megatron_hetero.plan.boundary import Block, BoundaryPlan, BoundaryShape, Transfer, plan_all, plan_boundary
 from megatron_hetero.plan.placement import Coord, coord_of, group_ranks, rank_map, rank_of, stage_ranks
 

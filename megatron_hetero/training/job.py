@@ -6,6 +6,8 @@ encoders (every module except the language module(s): the sink of the module gra
 that declare `layers`, i.e. pipeline segments), each encoder with the `--encoder-*` sizes and its
 placeholder span in the text following the previous one from position 1. `run_local` launches
 `training.trainer.train_rank` on one forked rank per layout rank and merges their records.
+`recorded_spec`: `train --load DIR` without model-size flags builds the model the checkpoint
+records (its `spec_record`), so a converted Llama/Qwen2 + CLIP model needs no flags repeated.
 Importing this module does not import torch.
 """
 from __future__ import annotations
@@ -74,6 +76,30 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234, moe: Op
                      outputs=outputs, **moe)
 
 
+SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
+              "encoder_num_layers", "encoder_hidden_size", "encoder_num_attention_heads", "encoder_tokens",
+              "encoder_feature_dim", "num_experts")
+
+
+def recorded_spec(args: Any, spec):
+    """`spec`, or, when `args.load` names a checkpoint and no model-size flag was given, the model
+    that checkpoint records (with this job's seed and bf16 choice)."""
+    import dataclasses
+
+    load = getattr(args, "load", None)
+    from megatron_hetero.training.arch_args import arch_flags_given
+
+    if not load or any(getattr(args, n, None) is not None for n in SIZE_FLAGS) or arch_flags_given(args):
+        return spec
+    from megatron_hetero.checkpoint.save_load import read_train_state
+    from megatron_hetero.models.llava import LlavaSpec
+
+    record = read_train_state(load)[1].get("model")
+    if not isinstance(record, dict):
+        return spec
+    return dataclasses.replace(LlavaSpec.from_record(record, seed=spec.seed), bf16=spec.bf16)
+
+
 def job_from_args(args: Any, layout: HeteroLayout):
     """The `JobConfig` of `train`'s flags (Megatron names: the model sizes of `ModelArgs`, and
     --train-iters --seed --optimizer --lr --weight-decay --clip-grad --adam-beta1/2 --adam-eps
@@ -89,7 +115,6 @@ def job_from_args(args: Any, layout: HeteroLayout):
                                                "moe_ffn_hidden_size")}
     spec = llava_spec(model, layout, seed=args.seed, moe=moe)
     from megatron_hetero.training.arch_args import apply_arch_args
-    from megatron_hetero.training.pretrained import recorded_spec
 
     spec = apply_arch_args(args, spec)  # Megatron-LM's architecture flags (RMSNorm, swiglu, rope, CLIP, ...)
     recorded = recorded_spec(args, spec)  # --load without model flags: the model the checkpoint records
@@ -234,7 +259,7 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
 
 
 def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[list[dict[str, Any]]]:
-    """Run `job` as the one rank `env` (a `training.rank_env.RankEnv`: torchrun, srun) describes:
+    """Run `job` as the one rank `env` (a `launch.rank_env.RankEnv`: torchrun, srun) describes:
     join the job's process group through env:// (the launcher's rendezvous address, never a local
     default), train, and gather every rank's records. Returns the merged records on global rank 0,
     None elsewhere. ValueError (every rank says the same) before any group exists."""
@@ -245,7 +270,7 @@ def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[li
     import torch.distributed as dist
 
     from megatron_hetero.compat import apply_compat, default_backend
-    from megatron_hetero.training.rank_env import apply_rank_env, check_world_size
+    from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
     from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 

@@ -7,7 +7,8 @@ iterations: `steps = iters * global_batch`; the ratios, and so the rates, are th
   --lr-decay-style S    constant | linear | cosine after the warm-up, down to --min-lr
   --lr-decay-iters D    iterations over which the rate decays (default: --train-iters)
 Every module steps its own scheduler once per iteration after its optimizer step; all modules have
-the same schedule, so they all run at the same rate. The scheduler's state is part of a checkpoint.
+the same schedule, so they all run at the same rate. The scheduler's state is part of a checkpoint
+(`checkpoint/scheduler_state.py` checks and restores it).
 Importing this module does not import torch.
 """
 from __future__ import annotations
@@ -64,22 +65,3 @@ def build_scheduler(optimizer, schedule: LRSchedule, lr: float, weight_decay: fl
         start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=max(train_iters, 1), wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=override,
     )
-
-
-def schedule_mismatch(saved: dict, current: dict) -> list[str]:
-    """Human-readable differences between a checkpoint's schedule values and this job's."""
-    flag = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
-            "lr_decay_steps": "--lr-decay-iters", "lr_decay_style": "--lr-decay-style"}
-    keys = list(current)
-    if current.get("lr_decay_style") == "constant" == saved.get("lr_decay_style"):
-        keys = [k for k in keys if k not in ("lr_decay_steps", "min_lr")]  # no decay: they play no part
-    return [f"{flag[k]} {saved.get(k)!r} in the checkpoint, {current[k]!r} now" for k in keys
-            if saved.get(k) != current[k]]
-
-
-def restore_scheduler(scheduler, saved: dict) -> None:
-    """Continue `scheduler` at a checkpoint's step count. Its values are this job's: the launcher
-    checked they match the checkpoint's (`schedule_mismatch`) or --override-opt-param-scheduler
-    was given (Megatron's override semantics)."""
-    scheduler.num_steps = 0
-    scheduler.step(increment=int(saved["num_steps"]))

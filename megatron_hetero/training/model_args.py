@@ -70,7 +70,7 @@ def workload(model: ModelArgs, encoder: str = "vision", micro_batch: Optional[in
     bytes, no distributed optimizer), one encoder input of `encoder_tokens` tokens per sample.
     micro_batch: the cost model's micro-batch (samples per replica of the largest language DP;
     default `model.micro_batch_size` or 1)."""
-    from megatron_hetero.plan.workload import ModelSpec, Workload
+    from megatron_hetero.planner.workload import ModelSpec, Workload
 
     model.validate()
     h, eh = model.hidden_size, model.encoder_hidden_size

@@ -23,7 +23,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-MARKER_ENV = "MH_EXIT_SIGNAL_MARKER"
+from megatron_hetero.launch.rank_env import MARKER_ENV
+
 EXIT_SIGNAL = signal.SIGTERM
 
 

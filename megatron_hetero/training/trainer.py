@@ -125,7 +125,7 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
     iteration lines through `log_write` (job.log_interval, job.progress). `step_hook(iteration)` runs
     after every step on every rank; its return value is the record's `probe`. With
     job.exit_signal_handler, SIGTERM stops every rank after the same step (training/signals.py)."""
-    from megatron_hetero.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_hetero.checkpoint.save_load import load_checkpoint, save_checkpoint
     from megatron_hetero.training.iteration_log import IterationLog
     from megatron_hetero.training.lr_schedule import build_scheduler
 

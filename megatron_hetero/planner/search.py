@@ -4,7 +4,7 @@
 stage 0; the LLM layers of stage 0 chosen optimally), colocated heterogeneous (three-phase, with or
 without encoder offload) and disjoint islands (encoder island size, encoder layout, LLM as one
 segment or two segments with their own TP/DP and a layer split). Every candidate is scored by the
-cost model's evaluator (`plan/cost.py`) on numpy arrays, whatever the profile (simulated, or
+cost model's evaluator (`planner/cost.py`) on numpy arrays, whatever the profile (simulated, or
 measured with overheads and shared execution units); the reported candidates' breakdowns are the
 same evaluator with one row (`cost.evaluate`).
 Disjoint candidates pair an encoder configuration e with an LLM chain c; with
@@ -13,8 +13,8 @@ K(c) = C_sum + (B-1) C_max + C_tail + loss, the critical path is >= E_sum + K(c)
 value seen), only pairs with E_sum + K(c) <= tau / uncontended are evaluated: the returned top-K
 equals the top-K of exhaustive evaluation (`prune=False` evaluates every pair).
 `SearchSpace(runtime=True)` keeps only layouts `megatron-hetero train` runs (the `search --out` CLI
-default). The exact layer-partition search of one model is `plan/heteropipe.py`; presets and the
-regime table are `plan/presets.py`.
+default). The exact layer-partition search of one model is `planner/heteropipe.py`; presets and the
+regime table are `planner/presets.py`.
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megatron_hetero.plan import cost as C
-from megatron_hetero.plan.cost import evaluate, loss_reduce
-from megatron_hetero.plan.hardware import Profile
+from megatron_hetero.planner import cost as C
+from megatron_hetero.planner.cost import evaluate, loss_reduce
+from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.plan.schedule import MAX_MICRO_BATCHES  # the disjoint schedule's stage tables
-from megatron_hetero.plan.workload import PLACEMENT_KINDS, Candidate, CostBreakdown, ModelSpec, Segment, Workload
+from megatron_hetero.planner.workload import PLACEMENT_KINDS, Candidate, CostBreakdown, ModelSpec, Segment, Workload
 
 INF = float("inf")
 

@@ -1,30 +1,23 @@
-"""`train --load DIR` of a converted (weights-only) checkpoint, and the model a checkpoint records.
+"""`train --load DIR` of a converted (weights-only) checkpoint.
 
-A checkpoint written by `megatron-hetero convert hf-to-checkpoint` (`training.convert`, marked
+A checkpoint written by `megatron-hetero convert hf-to-checkpoint` (`convert.hf_weights`, marked
 `"origin": "convert"`) is a starting point, not a run to resume: it has no optimizer, scheduler,
 data position or RNG, so `check_loadable`'s resume checks (batch size, data position, schedule)
 do not apply. `check_converted` checks what does: the manifest (every file's bytes and sha256),
 the recorded model against this job's, and the logical models against the layout's. Loading
-then goes through `training.checkpoint.load_checkpoint` like any checkpoint (no optimizer state:
+then goes through `checkpoint.save_load.load_checkpoint` like any checkpoint (no optimizer state:
 the optimizers start fresh; iteration 0).
-
-`recorded_spec`: `train --load DIR` without model-size flags builds the model the checkpoint
-records (its `spec_record`), so a converted Llama/Qwen2 + CLIP model needs no flags repeated.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 ORIGIN = "convert"  # train_state.json's "origin" of a conversion's checkpoint
-SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
-              "encoder_num_layers", "encoder_hidden_size", "encoder_num_attention_heads", "encoder_tokens",
-              "encoder_feature_dim", "num_experts")
 
 
 def is_converted(root: str | Path) -> bool:
     """True if the latest checkpoint under `root` is a conversion's (ValueError if unreadable)."""
-    from megatron_hetero.training.checkpoint import read_train_state
+    from megatron_hetero.checkpoint.save_load import read_train_state
 
     return read_train_state(root)[1].get("origin") == ORIGIN
 
@@ -32,7 +25,7 @@ def is_converted(root: str | Path) -> bool:
 def check_converted(root: str | Path, layout, job) -> int:
     """The checks of a converted checkpoint (module docstring); returns 0. ValueError naming the
     file or the mismatch."""
-    from megatron_hetero.training import checkpoint as ckpt
+    from megatron_hetero.checkpoint import save_load as ckpt
 
     d, state = ckpt.read_train_state(root)
     ckpt.verify_manifest(d, state)
@@ -49,22 +42,3 @@ def check_converted(root: str | Path, layout, job) -> int:
     if problems:
         raise ValueError(f"--load {root} (converted weights, {d / ckpt.STATE_FILE}): " + "; ".join(problems))
     return 0
-
-
-def recorded_spec(args: Any, spec):
-    """`spec`, or, when `args.load` names a checkpoint and no model-size flag was given, the model
-    that checkpoint records (with this job's seed and bf16 choice)."""
-    import dataclasses
-
-    load = getattr(args, "load", None)
-    from megatron_hetero.training.arch_args import arch_flags_given
-
-    if not load or any(getattr(args, n, None) is not None for n in SIZE_FLAGS) or arch_flags_given(args):
-        return spec
-    from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.training.checkpoint import read_train_state
-
-    record = read_train_state(load)[1].get("model")
-    if not isinstance(record, dict):
-        return spec
-    return dataclasses.replace(LlavaSpec.from_record(record, seed=spec.seed), bf16=spec.bf16)

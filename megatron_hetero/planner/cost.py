@@ -1,11 +1,11 @@
 """Cost model: step time and per-rank memory of heterogeneous configurations. Pure (numpy only).
 
 One evaluator: every formula below works on numpy arrays, one row per candidate; the search
-(`plan/search.py`) scores whole candidate arrays with it and `evaluate(candidate, workload,
+(`planner/search.py`) scores whole candidate arrays with it and `evaluate(candidate, workload,
 profile)` is the same code with one row. A pipeline's stages are held as classes of equal stages
 (`Stages`: a module's evenly split stages are four classes), so a candidate costs O(classes), not
-O(stages). Profiles and hardware: `plan/hardware.py`; models, workloads, candidates:
-`plan/workload.py`.
+O(stages). Profiles and hardware: `planner/hardware.py`; models, workloads, candidates:
+`planner/workload.py`.
 
 Formulas (all times in seconds, per *micro-batch*, forward + backward, unless stated otherwise)
 -------------------------------------------------------------------------------------------------
@@ -25,7 +25,7 @@ overlapped with the attention-score compute (Megatron's ring attention); only th
     t_cp = max(0, 3 * allgather(2 * T * h/tp * dtype, n=cp) - b * 3 * 4*T*s*h / (tp * cp))
 Pipeline p2p per stage (activation forward + its gradient backward, one exchange each):
     t_pp = 2 * sendrecv(T/cp_eff * h * dtype)          (only when the module has > 1 stage)
-Collectives: alpha-beta per link, ring algorithms (`plan/hardware.py`). A group uses the inter-node
+Collectives: alpha-beta per link, ring algorithms (`planner/hardware.py`). A group uses the inter-node
 link when the ranks it spans (group size x stride) exceed a node.
 Data-parallel gradient reduction, once per step (fp32 main grads, group dp*cp), and the all-reduce
 of the step's loss over the world (breakdown: dp_comm):
@@ -100,9 +100,9 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_hetero.plan.hardware import Profile
-from megatron_hetero.plan.workload import Candidate, CostBreakdown, ModelSpec, Workload, check_candidate
-from megatron_hetero.plan.cost_terms import (  # noqa: F401 (the terms are part of this module's API)
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.workload import Candidate, CostBreakdown, ModelSpec, Workload, check_candidate
+from megatron_hetero.planner.cost_terms import (  # noqa: F401 (the terms are part of this module's API)
     _cp_eff,
     layer_parts,
     ep_dispatch_time,

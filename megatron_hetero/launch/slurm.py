@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_hetero.training.rank_env import PORT_BASE, PORT_SPAN
+from megatron_hetero.launch.rank_env import PORT_BASE, PORT_SPAN
 
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
 DEFAULT_ENTRY_MODULE = "megatron_hetero"
@@ -278,7 +278,7 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
 
 def _resume_lines(save_dir: str, signal_seconds: int) -> list[str]:
     """Shell lines: resume from the save directory's checkpoint, and where rank 0 marks a stop on SIGTERM."""
-    from megatron_hetero.training.signals import MARKER_ENV
+    from megatron_hetero.launch.rank_env import MARKER_ENV
 
     return [
         f"save_dir={shlex.quote(save_dir)}",

@@ -7,7 +7,7 @@ Collectives, alpha-beta per link (intra-node NVLink or inter-node network), ring
     broadcast       ceil(log2 n)*alpha + bytes * beta                    (pipelined)
     send/recv       alpha + bytes * beta
 Measured per-(kind, link, n) alpha-beta pairs in a `Profile` override the ring formula. How the
-cost model uses these: `plan/cost.py`.
+cost model uses these: `planner/cost.py`.
 """
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def fit_layer_model(samples: Iterable[Any]) -> LayerModel:
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """Published figures of one accelerator type and its cluster (JSON file; presets in plan/hardware_presets/).
+    """Published figures of one accelerator type and its cluster (JSON file; presets in planner/hardware_presets/).
 
     peak_flops: dense bf16 FLOP/s per device; efficiency: achieved fraction of it on transformer
     layers; bandwidths in bytes/s per device and direction; latencies in seconds;

@@ -51,7 +51,7 @@ from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan import roles as plan_roles
-from megatron_hetero.training.checkpoint_files import (  # noqa: F401 - re-exported names
+from megatron_hetero.checkpoint.files import (  # noqa: F401 - re-exported names
     FORMAT, LAYOUT_FILE, RNG_DIR, STATE_FILE, TRACKER, VERSION, iteration_dir, manifest, publish, read_tracker,
     read_train_state, select_checkpoint, stage_dir, verify_manifest, write_train_state,
 )
@@ -100,7 +100,7 @@ def load_note(root: str | Path, fallback: bool) -> str | None:
 def read_torch_files(d: Path, state: dict) -> None:
     """Read every `.metadata` and `common.pt` of checkpoint `d` the way the ranks will (restricted
     unpicklers, `safe_unpickle`), so a crafted or damaged one stops the job before a rank starts."""
-    from megatron_hetero.training import safe_unpickle
+    from megatron_hetero.checkpoint import safe_unpickle
 
     for rel in sorted(state.get("files", {})):
         p = d / rel
@@ -154,7 +154,7 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
         if rec.get("optimizer") not in (None, job.optim.optimizer):
             problems.append(f"model {name}: saved with --optimizer {rec.get('optimizer')}, now {job.optim.optimizer}")
     if not getattr(job, "override_opt_param_scheduler", False):
-        from megatron_hetero.training.lr_schedule import schedule_mismatch
+        from megatron_hetero.checkpoint.scheduler_state import schedule_mismatch
 
         current = job.schedule.scheduler_config(job.optim.lr, job.train_iters)
         for name, rec in saved_models.items():
@@ -426,8 +426,8 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
-    from megatron_hetero.training import safe_unpickle
-    from megatron_hetero.training.lr_schedule import restore_scheduler
+    from megatron_hetero.checkpoint import safe_unpickle
+    from megatron_hetero.checkpoint.scheduler_state import restore_scheduler
 
     # the launcher's choice again (same files, same answer; the hashes are cached or quick)
     d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
@@ -489,7 +489,7 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
 def tensor_shapes(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """key -> (global shape, dtype) of every tensor in one logical model's torch_dist checkpoint,
     sorted by key, read with the restricted unpickler; ValueError naming the file if it cannot be."""
-    from megatron_hetero.training.safe_unpickle import tensors_metadata
+    from megatron_hetero.checkpoint.safe_unpickle import tensors_metadata
 
     md = _guard(f"checkpoint {model_dir}: metadata cannot be read", tensors_metadata, model_dir)
     out = {}

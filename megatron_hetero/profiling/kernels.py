@@ -3,7 +3,7 @@ collectives (all-reduce, all-gather, broadcast, reduce-scatter over groups of n 
 send/recv between rank pairs, each message size), the host copy bandwidth and a rank's memory, all
 run inside `runtime.launcher.run_ranks`; and the detection of other jobs' load on a shared machine
 (`ExternalLoad`, `undisturbed`, `wait_quiet`). The layer and module kernels (they build the model)
-and `run_profile` are `training/profile.py`; the case grid and the fit, `plan/profile_fit.py`.
+and `run_profile` are `profiling/run.py`; the case grid and the fit, `planner/profile_fit.py`.
 
 Everything is measured on `world_size` forked ranks *all working at the same time*, as in a
 training step: on a machine where ranks share cores (CPU), a layer measured alone is several times

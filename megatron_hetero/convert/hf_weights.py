@@ -12,14 +12,14 @@ mis-shaped tensor named with both shapes); (3) only then are tensors read (safet
 mapped; pickle files are never opened), fused into Megatron-core's layouts and loaded into the
 modules, built in this process as a world of one (gloo, TP1/PP1: whole tensors); (4) each logical
 model (`vision` with its projector, `language`) is saved with `dist_checkpointing` under the same
-layout-independent global keys `train --save` uses (`training.checkpoint.model_sharded_state_dict`),
+layout-independent global keys `train --save` uses (`checkpoint.save_load.model_sharded_state_dict`),
 so `train --load DIR` reads it under ANY layout. The projector is LLaVA's
 `multi_modal_projector.linear_1/2` from `--projector FILE.safetensors`, or else the family's own
 deterministic initialisation (LLaVA stage 1 trains it from scratch).
 
 The checkpoint is iteration 0 and marked `"origin": "convert"` in its `train_state.json`: it holds
 model weights only (no optimizer, scheduler, data position or RNG), records the model
-(`spec_record`: `train --load DIR` builds that model without its flags, `training.pretrained`),
+(`spec_record`: `train --load DIR` builds that model without its flags, `training.job.recorded_spec`),
 and keeps the original `config.json`s under `hf/` (written back by `checkpoint_to_hf`). Its
 manifest (bytes + sha256 of every file) is checked on load like any checkpoint's.
 """
@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from typing import Iterator, Optional
 
 from megatron_hetero.models import hf_config
-from megatron_hetero.training.pretrained import ORIGIN
+from megatron_hetero.checkpoint.pretrained import ORIGIN
 
 HF_DIR = "hf"
 VISION, LANGUAGE = "vision", "language"
@@ -126,7 +126,7 @@ def world_of_one(layout) -> Iterator:
 
 
 def build_whole(layout, spec, topo) -> dict[str, SimpleNamespace]:
-    """Each module of `layout`, whole (TP1/PP1), as the `state` objects `training.checkpoint` takes."""
+    """Each module of `layout`, whole (TP1/PP1), as the `state` objects `checkpoint.save_load` takes."""
     from megatron_hetero.training.setup import build_module
 
     out = {}
@@ -230,8 +230,8 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
     from megatron.core import dist_checkpointing
 
     from megatron_hetero.layout.yaml_io import dump_layout
-    from megatron_hetero.training import checkpoint as ckpt
-    from megatron_hetero.training.checkpoint_files import publish, stage_dir, write_train_state
+    from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint.files import publish, stage_dir, write_train_state
 
     ckpt._writer_results_in_process()
     d = stage_dir(root, 0)
@@ -267,7 +267,7 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
 
     from megatron_hetero.models import hf_names
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.training import checkpoint as ckpt
+    from megatron_hetero.checkpoint import save_load as ckpt
 
     d, state = ckpt.read_train_state(root)
     ckpt.verify_manifest(d, state)

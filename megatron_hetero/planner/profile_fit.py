@@ -1,7 +1,7 @@
 """The profile's pure half: what `megatron-hetero profile` measures (`ProfileGrid` and its cases) and
 how the measurements become a cost-model `Profile` (`fit_profile`), with the JSON document and its
-text summary. No torch. The timing kernels are `runtime/profile.py` (collectives, host copies,
-load detection) and `training/profile.py` (layers and whole modules of the model; `run_profile`).
+text summary. No torch. The timing kernels are `profiling/kernels.py` (collectives, host copies,
+load detection) and `profiling/run.py` (layers and whole modules of the model; `run_profile`).
 
 Fit (`fit_profile`), all from the measurements of one run (least squares, a, b >= 0):
   * per module kind, `LayerModel` t = a + b * flops_per_rank on the TP1·CP1 layers (the layer
@@ -16,7 +16,7 @@ Fit (`fit_profile`), all from the measurements of one run (least squares, a, b >
     TP adds, in activation all-reduces over the TP group), `optimizer`, `snapshot` (against the
     parameters on the rank), `grad_sync` (DDP's gradient all-reduce against the all-reduce model);
   * gloo (ranks share the CPU): `cores` = world * t(one busy rank) / t(all ranks busy) of the solo
-    layer case, `concurrency` = world (see `plan.cost.shared_step`).
+    layer case, `concurrency` = world (see `planner.cost.shared_step`).
 The residuals of the layer model against every measured layer (TP/CP included) are reported in
 the JSON (`checks`). The profile JSON is `Profile.to_dict()` plus `world_size`, `backend`, `grid`
 and the raw `measurements`; `Profile.load` reads it.
@@ -29,9 +29,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from megatron_hetero.plan import cost as C
-from megatron_hetero.plan.hardware import COLLECTIVES, AlphaBeta, LayerModel, Profile, fit_alpha_beta, layer_flops
-from megatron_hetero.plan.workload import ModelSpec, Workload
+from megatron_hetero.planner import cost as C
+from megatron_hetero.planner.hardware import COLLECTIVES, AlphaBeta, LayerModel, Profile, fit_alpha_beta, layer_flops
+from megatron_hetero.planner.workload import ModelSpec, Workload
 
 KINDS = ("llm", "encoder")
 

@@ -1,7 +1,7 @@
 """`megatron-hetero profile` on this machine: the kernels that build the model's own layers and
 modules (`_rank_layers`, `_rank_modules`), the measurement run on forked ranks (`measure`) and
-`run_profile` (measure, fit with `plan/profile_fit.py`, write the JSON). The model-free kernels
-and the load detection are `runtime/profile.py`.
+`run_profile` (measure, fit with `planner/profile_fit.py`, write the JSON). The model-free kernels
+and the load detection are `profiling/kernels.py`.
 
 Layers (`_rank_layers`): for each module kind of the LLaVA model (`llm`: the language model's causal
 GPT layer with the context-parallel attention of `compat`; `encoder`: the encoder's bidirectional
@@ -18,7 +18,7 @@ data, embeds it and computes the loss), the optimizer step + zero_grad, one resi
 snapshot, and DDP's gradient all-reduce right after a backward pass.
 
 On a machine shared with other jobs, `measure` retries a round that another process disturbed
-(`runtime.profile.undisturbed`) and, with `rounds` > 1, keeps each case's fastest round.
+(`profiling.kernels.undisturbed`) and, with `rounds` > 1, keeps each case's fastest round.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_hetero.plan.hardware import Profile
-from megatron_hetero.plan.profile_fit import (ProfileGrid, collective_cases, combine_rounds, fit_profile,
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.profile_fit import (ProfileGrid, collective_cases, combine_rounds, fit_profile,
                                               layer_cases, module_cases, profile_document, slowest_median,
                                               solo_layer_case)
-from megatron_hetero.runtime.profile import (rank_collectives, rank_host_bandwidth, rank_memory, timed, undisturbed,
+from megatron_hetero.profiling.kernels import (rank_collectives, rank_host_bandwidth, rank_memory, timed, undisturbed,
                                              wait_quiet)
 
 #: Layers per timed block (the per-layer time is the block time / this).

@@ -26,7 +26,7 @@ def is_hardware_name(text: str) -> bool:
 def load_hardware(name_or_path: str | Path):
     """The `HardwareSpec` of a preset name (e.g. 'h100_80gb') or of a JSON file path.
     ValueError (exit 2) for an unknown name or an unreadable/invalid file."""
-    from megatron_hetero.plan.hardware import HardwareSpec
+    from megatron_hetero.planner.hardware import HardwareSpec
 
     text = str(name_or_path)
     if isinstance(name_or_path, Path) or not is_hardware_name(text) or Path(text).is_file():
@@ -34,7 +34,7 @@ def load_hardware(name_or_path: str | Path):
     names = hardware_names()
     if text not in names:
         raise ValueError(f"unknown hardware preset {text!r}: presets are {names}; or give a JSON file path (with "
-                         f"the keys of megatron_hetero/plan/hardware_presets/{DEFAULT_HARDWARE}.json)")
+                         f"the keys of megatron_hetero/planner/hardware_presets/{DEFAULT_HARDWARE}.json)")
     doc = resources.files(__name__).joinpath(f"{text}.json").read_text()
 
     return HardwareSpec.from_dict(json.loads(doc))

@@ -32,6 +32,8 @@ from typing import Mapping, MutableMapping, Optional
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 NODELIST_KEYS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 PORT_BASE, PORT_SPAN = 20000, 20000
+#: names the stop-marker file rank 0 writes on the exit signal (`training.signals`); the sbatch script sets it
+MARKER_ENV = "MH_EXIT_SIGNAL_MARKER"
 
 
 def port_from_job_id(job_id: int) -> int:

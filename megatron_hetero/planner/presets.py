@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from megatron_hetero.plan.hardware import Profile
-from megatron_hetero.plan.search import SearchSpace, search
-from megatron_hetero.plan.workload import ModelSpec, Workload
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.search import SearchSpace, search
+from megatron_hetero.planner.workload import ModelSpec, Workload
 
 # Encoders: ViT-style, 1024 patches per image (448 px / 14 px patches), non-gated MLP 4h.
 ENCODER_PRESETS = {

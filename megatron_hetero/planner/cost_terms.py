@@ -1,15 +1,15 @@
 """The cost model's terms, elementwise on numpy arrays of candidates: per-layer compute and
 collective times, pipeline point-to-point, data-parallel gradient reduction, state and activation
 bytes, boundary traffic (colocated: the point-to-point pieces each rank lacks; disjoint: the edge's
-bytes), I/O layers, data building and the shared-CPU step rule. `plan/cost.py` assembles them into
+bytes), I/O layers, data building and the shared-CPU step rule. `planner/cost.py` assembles them into
 pipeline stages and whole candidates (see its docstring for the formulas).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from megatron_hetero.plan.hardware import Profile, layer_flops
-from megatron_hetero.plan.workload import ModelSpec, Workload
+from megatron_hetero.planner.hardware import Profile, layer_flops
+from megatron_hetero.planner.workload import ModelSpec, Workload
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Weights conversion (`megatron-hetero convert`): Hugging Face weights to and from checkpoints."""

@@ -1,0 +1,1 @@
+"""Launching ranks: the environment a launcher (torchrun, srun) gives a rank, and SLURM scripts."""

@@ -1,0 +1,2 @@
+"""The planner: cost model, hardware profiles and presets, profile fitting, and the layout search.
+Pure: never imports torch."""
