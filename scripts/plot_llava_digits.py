@@ -1,7 +1,7 @@
 """Plot the main job (scripts/llava_digits.sh): training loss of both stages and the held-out
 caption accuracy, from the runs' --log-jsonl files; writes a PNG and a JSON summary.
 
-    python scripts/plot_llava_digits.py bench-results/llava-digits --out docs/bench/llava_digits
+    python scripts/plot_llava_digits.py bench-results/llava-digits --out docs/benchmarks/llava_digits
 Needs matplotlib (the `bench` extra).
 """
 from __future__ import annotations

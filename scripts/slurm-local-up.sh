@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start a real, throw-away SLURM cluster on this machine: munged, one controller (slurmctld) and two
+# Start a real, throw-away SLURM cluster on the local host: munged, one controller (slurmctld) and two
 # emulated compute nodes (`slurmd -N node1`, `slurmd -N node2`), with config, state, logs and PID files
 # in one folder. For the `slurm` tests (tests/test_slurm_cluster.py) and for trying
 # `megatron-hetero slurm --submit` by hand. Needs root (the daemons run as root, SlurmUser=root).
@@ -63,7 +63,7 @@ gpus=${MH_SLURM_GPUS:-4}
 timeout_s=${MH_SLURM_TIMEOUT:-60}
 host=$(hostname -s)
 
-# Free TCP ports for slurmctld and the two slurmd (other clusters or jobs may be on this machine).
+# Free TCP ports for slurmctld and the two slurmd (other clusters or jobs may share the host).
 used_ports=" "
 free_port() {
   local p
@@ -111,7 +111,7 @@ cat > "$dir/slurm.conf" <<EOF
 # Written by scripts/slurm-local-up.sh: a throw-away cluster for tests.
 ClusterName=mhlocal
 # a random first job id: jobs derive their rendezvous port from it (20000 + id % 20000), so two clusters
-# on this machine (concurrent test sessions) do not meet on the same port
+# on one host (concurrent test sessions) do not meet on the same port
 FirstJobId=$first_job_id
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
@@ -154,7 +154,7 @@ EOF
 printf 'SLURM_CONF=%s\n' "$dir/slurm.conf" > "$dir/env"
 export SLURM_CONF="$dir/slurm.conf"
 
-# Hosts file seen by the daemons and every job step: the emulated node names resolve to this machine.
+# Hosts file seen by the daemons and every job step: the emulated node names resolve to the local host.
 { cat /etc/hosts; echo "127.0.0.1 node1 node2"; } > "$dir/hosts"
 
 fail() {

@@ -1,4 +1,4 @@
-"""Checkpoint hardening (issue 15, items 2-3): crafted pickles in a checkpoint are refused and do not
+"""Checkpoint hardening (docs/checkpoints.md, Safety): crafted pickles in a checkpoint are refused and do not
 run (with the manifest forged to match, so the restricted unpickler is what stops them, and without);
 one flipped byte in any file is an error naming it; another hidden size names the tensor and both
 shapes; a save killed at several points leaves the previous checkpoint as the one that loads, and

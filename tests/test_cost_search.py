@@ -2,7 +2,7 @@
 planner/search.py, planner/presets.py, cli/search.py). Pure: no torch.
 
 The searches are checked against brute force (tests/search_reference.py): the heteropipe DP against
-every layer partition x strategy assignment (the seed's 189-configuration space and random cost
+every layer partition x strategy assignment (the 22-layer, 8-device 189-configuration space and random cost
 tables), the multimodal search against every candidate built one by one and scored by
 `cost.evaluate` (the evaluator with one row). The colocated boundary's pricing is checked against
 the routes of the boundary plan (`plan/boundary.py`) that the runtime executes.
@@ -350,7 +350,7 @@ def test_seed_189_dp_equals_brute_force(prof) -> None:
              for c in H.enumerate_pipelines(22, 8, 2, SEED_STRATEGIES)]
     assert len(every) == 189
     assert best.objective == pytest.approx(min(every), rel=1e-12) == ref.objective
-    # like the seed's measured result: with uniform blocks the homogeneous 11/11 TP1·DP4 split wins
+    # the space's known optimum: with uniform blocks the homogeneous 11/11 TP1·DP4 split wins
     assert [(s.start, s.end, H.strategy_label(s.strategy)) for s in best.stages] == [(0, 11, "TP1·DP4"), (11, 22, "TP1·DP4")]
 
 

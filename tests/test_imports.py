@@ -1,6 +1,6 @@
 """The import graph of megatron_hetero: floors point down, and no file imports itself back.
 
-Floors, top to bottom (DESIGN.md, "Architecture"), each folder naming one job:
+Floors, top to bottom (docs/architecture.md, "Floors"), each folder naming one job:
 
     cli          megatron_hetero/cli*.py, cli/, __main__.py: one file per subcommand; may import anything
     bench        bench/: benchmarks, built on everything below
@@ -255,7 +255,7 @@ def import_cycles(root: Path, package: str) -> list[str]:
 
 def test_every_file_is_on_a_floor_and_imports_point_down():
     problems = floor_violations(REPO, "megatron_hetero")
-    assert not problems, "imports against the floors (DESIGN.md):\n" + "\n".join(problems)
+    assert not problems, "imports against the floors (docs/architecture.md):\n" + "\n".join(problems)
 
 
 def test_no_import_cycles_between_files():

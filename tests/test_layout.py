@@ -1,7 +1,7 @@
 """Layout parsing (YAML documents, `--hetero-*` flags) and validation.
 
 Pure tests: no torch, no process groups. Every user error must be a ValueError whose message spells
-out what is wrong (DESIGN.md rule 6); the property tests feed garbage and accept only ValueError.
+out what is wrong (docs/architecture.md, rules); the property tests feed garbage and accept only ValueError.
 """
 from __future__ import annotations
 
@@ -333,7 +333,7 @@ def test_error_unassigned_ranks_disjoint() -> None:
 def test_error_unassigned_ranks_colocated_explicit_range_not_at_zero() -> None:
     """BUG: a colocated range that leaves ranks idle must be rejected like a disjoint one.
 
-    DESIGN.md: colocated modules 'all share [0, W)'. `_resolve_colocated` accepts explicit ranks
+    docs/architecture.md: colocated modules 'all share [0, W)'. `_resolve_colocated` accepts explicit ranks
     '2-5' and the resolved layout reports world size 6 with ranks 0-1 serving no module (the plan
     printout shows them as '-'); the disjoint path rejects the same gap.
     """

@@ -1,4 +1,4 @@
-"""Megatron-LM's own training scripts (tag core_v0.16.1) with the plugin's patches (issue 12).
+"""Megatron-LM's own training scripts (tag core_v0.16.1) with the plugin's patches (docs/megatron-lm.md).
 
 Needs a Megatron-LM tree: `MEGATRON_LM=/path/to/Megatron-LM` (the parts its scripts import are
 enough, e.g. the vendored `shared/vendor/megatron-lm-core_v0.16.1`); skipped with the reason

@@ -1,4 +1,4 @@
-"""Tier 4: a real SLURM cluster on this machine (scripts/slurm-local-up.sh: slurmctld + two emulated nodes
+"""Tier 4: a real SLURM cluster on the test host (scripts/slurm-local-up.sh: slurmctld + two emulated nodes
 node1/node2), real sbatch jobs. Marked `slurm`; the cluster is started once for the module and always
 stopped in teardown (scripts/slurm-local-down.sh), whatever the tests did.
 

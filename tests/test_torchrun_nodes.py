@@ -1,5 +1,5 @@
 """Ranks started by torchrun on two emulated nodes (two `torchrun --nnodes 2 --node-rank {0,1}`
-processes on this machine, rendezvous on 127.0.0.1) train a colocated and a disjoint layout and give
+processes on one host, rendezvous on 127.0.0.1) train a colocated and a disjoint layout and give
 the same per-step losses as the forked run of the same layout; only global rank 0 writes the log.
 A world size that differs from the layout's exits 2 on every rank with the arithmetic."""
 from __future__ import annotations

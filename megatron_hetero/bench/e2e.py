@@ -9,7 +9,7 @@ Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`):
   long-context: the language model needs CP2 for its long sequence while the encoder's sequences are
       short. The runtime's encoders take no CP (their sequence is bounded by the image), so the
       homogeneous layout gives the encoder the language model's 2-way model-parallel group as TP.
-For each: a profile of this machine is taken in the same run (`profiling.run.measure`, fitted by
+For each: a profile of the local host is taken in the same run (`profiling.run.measure`, fitted by
 `planner.profile_fit`), `planner.search` (restricted to the workload's constraint, runtime layouts only)
 picks the best colocated layout other than the homogeneous one and the best disjoint layout (and its
 overall pick is reported: `search_best`), and the three layouts are trained side by side

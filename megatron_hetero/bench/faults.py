@@ -1,7 +1,7 @@
 """`megatron-hetero bench faults`: the fault matrix. One rank raises, or is killed with SIGKILL, at each
 phase of `runtime.faults.PHASES`, for a colocated and a disjoint layout (world 4, the LLM in two
 pipeline stages, so the language model runs 1F1B), under the fork launcher (`training.job.run_local`)
-and under torchrun (two emulated nodes of 2 ranks each: `torchrun --nnodes 2` twice on this machine,
+and under torchrun (two emulated nodes of 2 ranks each: `torchrun --nnodes 2` twice on one host,
 so the ranks of the node without the failing rank must notice on their own, as on a cluster).
 
 Every cell trains 4 iterations of the tiny model with `--save DIR --save-interval 2` and a short

@@ -1,8 +1,8 @@
-"""`megatron-hetero bench planner`: the cost model against measured step times on this machine.
+"""`megatron-hetero bench planner`: the cost model against measured step times on the local host.
 
 One run, one process tree:
   1. a profile is taken (`profiling.run`) at each world size of the benchmark (4 and 8), with
-     that many ranks working at once (ranks share this machine's cores as they do in training);
+     that many ranks working at once (ranks share the host's cores as they do in training);
   2. each configuration (tiny LLaVA model: colocated heterogeneous, disjoint, and homogeneous, i.e.
      colocated with every module on the language model's layout) is trained for `warmup + iters`
      steps with `training.trainer.train_rank` on forked ranks; the measured step time is the median

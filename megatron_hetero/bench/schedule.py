@@ -5,7 +5,7 @@ Forward and Backward is timed on the rank at (tp0, cp0, dp0) of its stage, again
 clock shared by the forked ranks. Measured bubble = 1 - sum of stage busy time / (step makespan x
 stages). Predicted bubble = the checker's simulation of the same tables with each module's measured
 mean forward and backward time per stage (communication at zero cost), so the difference is what
-the model leaves out: waiting on the wire and, on this machine, ranks sharing 2 cores.
+the model leaves out: waiting on the wire and, on a CPU host, ranks sharing its cores.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Reading torch_dist checkpoint files without running code from them.
 
-Out of the box a torch_dist checkpoint can run code when it is loaded (notes/energon-and-dist-
-checkpointing-on-cpu.md): torch's `FileSystemReader.read_metadata` reads `.metadata` with a plain
+Out of the box a torch_dist checkpoint can run code when it is loaded (see docs/checkpoints.md,
+"Safety"): torch's `FileSystemReader.read_metadata` reads `.metadata` with a plain
 `pickle.load`, Megatron reads `common.pt` with `torch.load`'s default (which an environment variable
 turns into an unrestricted load), and a `BytesStorageMetadata` entry makes torch read its bytes with
 `torch.load(weights_only=False)`. Every read of our load path (train --load in the launcher and in

@@ -111,7 +111,7 @@ def read_torch_files(d: Path, state: dict) -> None:
 
 
 def spec_record(spec) -> dict:
-    """The model sizes a checkpoint must agree on (not the seed: it only drives the synthetic data)."""
+    """The model sizes a checkpoint must agree on (not the random seed: it only drives the synthetic data)."""
     d = dataclasses.asdict(spec)
     d.pop("seed", None)
     from megatron_hetero.models.architecture import drop_default_architecture

@@ -1,9 +1,9 @@
-"""`megatron-hetero profile`: measure this machine's cost profile (layer and collective times) and write
+"""`megatron-hetero profile`: measure the local host's cost profile (layer and collective times) and write
 it as JSON for `megatron-hetero search --profile PROFILE.json`.
 
     megatron-hetero profile --world-size 8 --out profile.json [--quick]
 
-Ranks are forked on this machine (gloo on CPU, NCCL on GPU) and measured all busy at once; see
+Ranks are forked on the local host (gloo on CPU, NCCL on GPU) and measured all busy at once; see
 `profiling/kernels.py` for what is measured and how it is fitted.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ NAME = "profile"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="measure layer and collective times on this machine; write a cost profile",
+    p = sub.add_parser(NAME, help="measure layer and collective times on the local host; write a cost profile",
                        description="Measure transformer-layer times (per module kind, tokens, hidden, TP, CP), "
                                    "whole-module overheads and collective times (per kind, group size, bytes) on "
                                    "forked ranks; fit the cost model's profile and write it as JSON.")

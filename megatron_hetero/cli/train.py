@@ -8,7 +8,7 @@ When the environment describes a rank (torchrun: RANK, WORLD_SIZE, LOCAL_RANK, M
 MASTER_PORT; srun: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and a master address), this process is
 that one rank: it checks WORLD_SIZE against the layout (exit 2 on every rank), binds its device from
 the local rank, and only global rank 0 prints iteration lines and writes --log-jsonl. Otherwise it
-forks the layout's ranks on this machine.
+forks the layout's ranks on the local host.
 
 Iteration lines (Megatron-style, every --log-interval iterations: lm loss, consumed samples, step
 time, learning rate, grad norm, tokens/s) are printed while training; a progress line in between
@@ -94,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     e.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert MLP hidden size (default --ffn-hidden-size)")
     r = p.add_argument_group("launch")
     r.add_argument("--nproc-per-node", type=int, default=None,
-                   help="ranks to spawn on this machine (default: what the layout uses)")
+                   help="ranks to spawn on the local host (default: what the layout uses)")
     r.add_argument("--log-jsonl", type=str, default=None, help="one JSON object per iteration")
     r.add_argument("--log-interval", type=int, default=1, help="iteration lines every N iterations")
     r.add_argument("--launch-timeout", type=float, default=3600.0, help="seconds before hung ranks are killed")

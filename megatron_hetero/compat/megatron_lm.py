@@ -6,8 +6,8 @@ Nothing here is applied on import. :func:`apply_megatron_lm_cpu_compat` is calle
 only when no GPU is present; with CUDA it does nothing. It never copies Megatron-LM code: each
 entry swaps the name ``torch`` inside one module for a CPU redirect, or wraps one function so that
 a CUDA-only call inside it has a CPU meaning while that function runs. :data:`MEGATRON_LM_PATCHES`
-lists every entry with its upstream spot (``notes/megatron-lm-scripts-on-cpu.md`` measured that
-each one is needed).
+lists every entry with its upstream spot (each was checked to be needed by running the scripts
+on CPU; docs/compat.md lists them).
 
 Requires the tree's ``megatron/training`` importable (the launcher appends the tree to the END of
 ``sys.path``, so the pip Megatron-core wins in the merged ``megatron`` namespace package).

@@ -1,4 +1,4 @@
-"""Megatron-LM's own training scripts with per-module layouts (issue 12).
+"""Megatron-LM's own training scripts with per-module layouts (docs/megatron-lm.md).
 
 The patches in ``patches/megatron-lm/core_v0.16.1/`` make ``pretrain_vlm.py`` hand over to
 :func:`pretrain_vlm` and ``pretrain_gpt.py`` to :func:`pretrain_gpt` when a ``--hetero-*`` flag is

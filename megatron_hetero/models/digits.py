@@ -16,8 +16,8 @@ indices, the first `held_out // 10` of them held out. Pixels 0..16 are scaled to
 The held-out split is registered twice, as `val` and as `test` (the same 200 samples), so energon's
 default `energon lint DIR` (which checks train, val and test) accepts the folder as it is.
 
-`energon prepare` runs as a subprocess of this interpreter with the flags measured in
-notes/energon-and-dist-checkpointing-on-cpu.md (non-interactive, one worker, no progress bar).
+`energon prepare` runs as a subprocess of this interpreter with the flags that
+run it unattended on a CPU-only host (non-interactive, one worker, no progress bar).
 Imports neither torch nor energon in this process.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ where C is the number of global samples of the steps read so far (t*G after step
 `load_state_dict` checks that seed, split, shuffle and N match (ValueError otherwise: other data)
 and pre-positions the reader by deterministic replay within the epoch: a new epoch-e loader
 reading C % N samples (at most one epoch; ~1,800 samples/s for the digits on one core). Energon's
-own savable loader state would skip the replay but is a pickle (see the notes); replay restores
+own savable loader state would skip the replay but is a pickle (never read: untrusted); replay restores
 exactly.
 
 Trust. A dataset is data: every `open_split` first reads it as data (`models.dataset_trust`) and

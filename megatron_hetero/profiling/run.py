@@ -1,4 +1,4 @@
-"""`megatron-hetero profile` on this machine: the kernels that build the model's own layers and
+"""`megatron-hetero profile` on the local host: the kernels that build the model's own layers and
 modules (`_rank_layers`, `_rank_modules`), the measurement run on forked ranks (`measure`) and
 `run_profile` (measure, fit with `planner/profile_fit.py`, write the JSON). The model-free kernels
 and the load detection are `profiling/kernels.py`.

@@ -233,7 +233,7 @@ def quiet_upstream_warnings() -> None:
 
 
 def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[str, Any]]:
-    """Validate `job` on `layout`, fork one rank per layout rank on this machine (gloo on CPU, NCCL on
+    """Validate `job` on `layout`, fork one rank per layout rank on the local host (gloo on CPU, NCCL on
     GPU), train, and return the merged per-iteration records. ValueError before any rank starts;
     `runtime.launcher.RankFailure` / `RankTimeout` when a rank fails or hangs."""
     import signal
