@@ -159,8 +159,8 @@ def test_hardware_presets_are_package_data(tmp_path, capsys) -> None:
     assert not (REPO / "examples" / "hardware").exists()
     hw = load_hardware(DEFAULT_HARDWARE)
     assert hw.memory_bytes == 80e9 and hw.devices_per_node == 8
-    setup = (REPO / "setup.py").read_text()
-    assert '"megatron_hetero.plan.hardware_presets": ["*.json"]' in setup
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"megatron_hetero.plan.hardware_presets" = ["*.json"]' in pyproject
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(hw.to_dict()))
     assert load_hardware(str(path)) == load_hardware(path) == hw
