@@ -4,7 +4,6 @@ without model flags writes a layout that `train` without model flags trains."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys

@@ -141,7 +141,7 @@ def combine_rounds(docs: list[dict[str, Any]]) -> dict[str, Any]:
             for d in docs]
     out = {**docs[0], **{k: list(docs[0][k]) for k in ("layers", "modules", "collectives")}}
     for key in ("layers", "modules", "collectives"):
-        for i, case in enumerate(out[key]):
+        for i, _case in enumerate(out[key]):
             best = min((d[key][i] for d in docs), key=lambda c: c["seconds"])
             out[key][i] = best
     out["solo_layer"] = min((d["solo_layer"] for d in docs), key=lambda c: c["seconds"])

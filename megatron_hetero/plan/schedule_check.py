@@ -173,13 +173,13 @@ def _check_matching(tables: dict[Stage, StageTable]) -> int:
                 if key in book:
                     _fail(st, f"{a} appears twice (actions #{book[key][1]} and #{i})")
                 book[key] = (st, i)
-    for key, (st, i) in recvs.items():
+    for key, (st, _i) in recvs.items():
         if key not in sends:
             link, mb, d = key
             peer = link.src if d == "fwd" else link.dst
             extra = "" if peer in tables else f" (no table for stage {peer})"
             _fail(st, f"Recv {d} {link} mb {mb} has no matching send{extra}")
-    for key, (st, i) in sends.items():
+    for key, (st, _i) in sends.items():
         if key not in recvs:
             link, mb, d = key
             peer = link.dst if d == "fwd" else link.src

@@ -290,7 +290,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
     the LLM's stage count and the first segment's dp): each side's aggregates (`cost.Side`) and
     memory; rows over the memory limit are dropped. Returns the number of valid (encoder, chain)
     pairs."""
-    enc, L, k, G, m = wl.encoder, wl.llm.num_layers, wl.images_per_sample, wl.global_batch, wl.micro_batch
+    enc, G, m = wl.encoder, wl.global_batch, wl.micro_batch
     loss = float(loss_reduce(prof, world))
     size = 0
     for we in space.islands(world):
@@ -318,7 +318,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
         eside_all, e_mem_all = C.encoder_island(prof, wl, etp[rows_e], ecp[rows_e], epp[rows_e], edp[rows_e],
                                                 uniq[rep, 0], uniq[rep, 1])
         starts = np.cumsum([0] + [len(x) for x in esels])
-        for gi, (Mg, Pg, dag) in enumerate(uniq):
+        for gi, (Mg, _Pg, _dag) in enumerate(uniq):
             sel, esel = np.nonzero(inv == gi)[0], esels[gi]
             if not len(esel):
                 continue
@@ -403,7 +403,7 @@ def search(wl: Workload, prof: Profile, world_size: int, memory_limit: Optional[
             # the K-th best value seen bounds the true K-th best; the best disjoint value seen
             # bounds the best disjoint candidate (reported per placement)
             tau = max(float(np.partition(allv, top - 1)[top - 1]), best_disjoint)
-    for gi, gr in enumerate(groups):
+    for _gi, gr in enumerate(groups):
         ei, ci, tot = _pairs(gr, prof, wl, world_size, tau, None)
         evaluated += len(tot)
         keep = tot <= tau if np.isfinite(tau) else np.isfinite(tot)
