@@ -32,7 +32,7 @@ equal stage costs, for cross-checking the simulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Union
+from typing import Iterable, Mapping, NoReturn, Optional, Union
 
 from megatron_hetero.plan.schedule import (
     Backward, Forward, Link, RecvAct, SendAct, Stage, StageGraph, StageTable, stage_graph,
@@ -87,7 +87,7 @@ def chain_makespan(num_stages: int, micro_batches: int, forward: float = 1.0, ba
     return (micro_batches + num_stages - 1) * (forward + backward)
 
 
-def _fail(stage: Stage, msg: str) -> None:
+def _fail(stage: Stage, msg: str) -> NoReturn:
     raise ScheduleError(f"stage {stage}: {msg}")
 
 
