@@ -28,7 +28,7 @@ from megatron_hetero.plan.schedule_check import (
     CheckReport, ScheduleError, chain_bubble, chain_makespan, check_tables, simulate_rendezvous, split_batches,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def S(module: str, pp: int) -> Stage:
