@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start a real, throw-away SLURM cluster on the local host: munged, one controller (slurmctld) and two
 # emulated compute nodes (`slurmd -N node1`, `slurmd -N node2`), with config, state, logs and PID files
-# in one folder. For the `slurm` tests (tests/test_slurm_cluster.py) and for trying
+# in one folder. For the `slurm` tests (tests/cluster/test_slurm_cluster.py) and for trying
 # `megatron-hetero slurm --submit` by hand. Needs root (the daemons run as root, SlurmUser=root).
 # Stop it with scripts/slurm-local-down.sh DIR.
 #

@@ -1,31 +1,84 @@
 """Session-wide test setup.
 
+Tiers are folders, and each test gets its folder's marker here (pyproject.toml registers them):
+
+* ``tests/pure``: no torch.distributed, no forked ranks: layouts, plans, schedule tables, cost model
+  and search, the sbatch script's text, the import walk. ``pytest -m pure`` is the quick loop.
+* ``tests/ranks``: multi-rank CPU/gloo cases under the fork launcher.
+* ``tests/e2e``: CLI end-to-end runs (train, bench, convert, data), torchrun, Megatron-LM's scripts.
+* ``tests/cluster``: the real local SLURM cluster (also marked ``slurm``).
+* ``tests/gpu``: CUDA/NCCL; a single GPU case elsewhere carries ``gpu`` itself.
+
+A file that mixes tiers lives in the highest one. The helpers beside this file (parity.py,
+search_reference.py) are importable from every tier (pyproject.toml: ``pythonpath = ["tests"]``).
+When ``-m`` names only tiers (``-m pure``, ``-m "pure or ranks"``) the other tier folders are not
+collected at all, so ``pytest -m pure`` never imports the multi-rank modules (nor torch through them).
+
 `megatron_compat` applies `megatron_hetero.compat.apply_compat()` once per test session, in the
 pytest process, before the first test runs: the fork launcher forks every rank from this process,
 so all ranks of every multi-rank test inherit the patched Megatron modules. No test module applies
 compat at import time any more (importing a test file has no side effect on Megatron).
 
-A session that collected only pure tests (layouts, plans, schedule tables, cost model: nothing
-imported torch while collecting) skips it, so the pure tier stays free of torch and Megatron.
-Tests that import torch only inside a test function and build Megatron models call `apply_compat()`
-themselves (it is idempotent).
+A session that collected only tests that import no torch skips it, so such a pure session stays free
+of torch and Megatron. Tests that import torch only inside a test function and build Megatron models
+call `apply_compat()` themselves (it is idempotent).
 
-`slow` (pytest.ini) marks the multi-rank end-to-end cases: every test of the modules in
+`slow` (pyproject.toml) marks the multi-rank end-to-end cases: every test of the modules in
 `END_TO_END` gets it here, and a module can also mark itself (`pytestmark = pytest.mark.slow`, as
-test_gpu.py does). `pytest -m "not slow"` is the quick loop; the default run includes them.
+gpu/test_gpu.py does). `pytest -m "not slow"` skips them; the default run includes them.
 """
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
+from typing import Optional
 
 import pytest
+
+#: Tier folders under tests/, lowest first; each is also the marker its tests get.
+TIERS = ("pure", "ranks", "e2e", "cluster", "gpu")
 
 #: Test modules that train a model end to end on forked ranks (loss/parameter parity).
 END_TO_END = frozenset({"test_colocated_parity.py", "test_disjoint_parity.py"})
 
+TESTS = Path(__file__).resolve().parent
+_TIER_NAMES_ONLY = re.compile(r"\s*\w+(\s+or\s+\w+)*\s*")
 
+
+def tier_of(path: Path) -> Optional[str]:
+    """The tier folder a test file lives in, or None for a path outside them."""
+    try:
+        parts = Path(path).resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def _only_tiers(config: pytest.Config) -> Optional[frozenset[str]]:
+    """The tiers a `-m` expression selects when it is a plain `A or B ...` of tier names; None
+    otherwise (any other expression can match tests in any folder). `gpu` selects single GPU cases
+    outside tests/gpu too, so it never prunes."""
+    expr = config.getoption("markexpr", "") or ""
+    if not _TIER_NAMES_ONLY.fullmatch(expr):
+        return None
+    names = frozenset(re.split(r"\s+or\s+", expr.strip()))
+    return names if names <= set(TIERS) and "gpu" not in names else None
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Optional[bool]:
+    tiers = _only_tiers(config)
+    if tiers is not None and collection_path.name in TIERS and collection_path.parent.resolve() == TESTS:
+        return collection_path.name not in tiers or None
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
         if item.path.name in END_TO_END:
             item.add_marker(pytest.mark.slow)
 

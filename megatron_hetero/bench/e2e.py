@@ -250,7 +250,7 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
                           "estimate_s": est, "model": w.model, "rounds": []})
     # side by side: per workload, its cases in one process tree, alternating step by step; `rounds`
     # such process trees per workload, the workloads interleaved
-    for k in range(1 if quick else rounds):
+    for _k in range(1 if quick else rounds):
         for w in workloads:
             mine = [c for c in cases if c["workload"] == w.name]
             jobs = [(c["layout_obj"], dataclasses.replace(c["model"].job(warmup + iters), micro_batch_size=c["mbs"]))

@@ -56,7 +56,7 @@ def plain_step(step: int, spec, layout, job, states, runner, forward_backward, b
 
     (enc_name,) = tuple(spec.encoders)
     lang_name = next(m.name for m in layout.modules if m.name not in spec.encoders)
-    enc, lang = states[enc_name], states[lang_name]
+    lang = states[lang_name]
     G, mbs = job.global_batch_size, job.micro_batch_size
     dp, dp_rank = lang.pgs.dp.size(), lang.pgs.dp.rank()
     share = G // dp

@@ -157,7 +157,7 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
         from megatron_hetero.checkpoint.scheduler_state import schedule_mismatch
 
         current = job.schedule.scheduler_config(job.optim.lr, job.train_iters)
-        for name, rec in saved_models.items():
+        for rec in saved_models.values():
             if rec.get("scheduler_config"):
                 diffs = schedule_mismatch(rec["scheduler_config"], current)
                 if diffs:

@@ -103,7 +103,10 @@ def _preset_spec(base, args, side: str, seq: int):
                          "encoder_num_attention_heads"),
              "llm": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")}[side]
     layers, hidden, ffn, heads = (getattr(args, n) for n in names)
-    pick = (lambda v, d: d if v is None else v)
+
+    def pick(v, d):
+        return d if v is None else v
+
     vocab = base.vocab if side == "encoder" or args.vocab_size is None else args.vocab_size
     return ModelSpec(base.name.split("-")[0] if side == "encoder" else "language", pick(layers, base.num_layers),
                      pick(hidden, base.hidden), pick(ffn, base.ffn_hidden), pick(heads, base.heads), seq,

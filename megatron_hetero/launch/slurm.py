@@ -283,7 +283,7 @@ def _resume_lines(save_dir: str, signal_seconds: int) -> list[str]:
     return [
         f"save_dir={shlex.quote(save_dir)}",
         "# global rank 0 writes this file once the checkpoint of the stop on SIGTERM is complete",
-        f'marker="$save_dir/.exit-signal.$SLURM_JOB_ID"',
+        'marker="$save_dir/.exit-signal.$SLURM_JOB_ID"',
         'rm -f "$marker"',
         f'export {MARKER_ENV}="$marker"',
         "# torchrun forwards SIGTERM to its ranks and waits this long for them (the step and the save) before SIGKILL",

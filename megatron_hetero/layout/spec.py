@@ -95,6 +95,12 @@ class ModuleLayout:
         return self.ranks.start
 
     @property
+    def rank_range(self) -> RankRange:
+        """`ranks` of a resolved module (validation sets it on every module of a layout)."""
+        assert self.ranks is not None, f"module {self.name}: ranks not resolved"
+        return self.ranks
+
+    @property
     def par(self) -> Degrees:
         """This module's degrees as the shared `Degrees` type."""
         return Degrees(**{k: getattr(self, k) for k in DEGREE_KEYS})
@@ -154,7 +160,7 @@ class HeteroLayout:
     @property
     def world_size(self) -> int:
         """Ranks used by the job (valid after resolution: the end of the highest range + 1)."""
-        return max(m.ranks.end for m in self.modules) + 1 if all(m.ranks for m in self.modules) else 0
+        return max(m.rank_range.end for m in self.modules) + 1 if all(m.ranks for m in self.modules) else 0
 
     def producers(self, name: str) -> list[str]:
         return [e.src for e in self.edges if e.dst == name]

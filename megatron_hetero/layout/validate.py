@@ -89,7 +89,7 @@ def _resolve_colocated(modules: tuple[ModuleLayout, ...], world_size: Optional[i
                     f"colocated modules must share one rank range: module {first.name} has ranks "
                     f"{first.ranks} but module {m.name} has ranks {m.ranks}"
                 )
-        rr = first.ranks
+        rr = first.rank_range
     else:
         size = world_size if world_size is not None else modules[0].size
         rr = RankRange(0, size - 1)
@@ -117,14 +117,14 @@ def _resolve_disjoint(modules: tuple[ModuleLayout, ...], world_size: Optional[in
         if m.size != rr.size:
             raise ValueError(f"module {m.name}: {m.arithmetic()} != ranks {rr} ({rr.size})")
         for other in out:
-            if rr.overlaps(other.ranks):
+            if rr.overlaps(other.rank_range):
                 raise ValueError(
                     f"disjoint modules overlap: module {m.name} ranks {rr} and module {other.name} "
                     f"ranks {other.ranks}"
                 )
         out.append(m.replace(ranks=rr))
         next_free = max(next_free, rr.end + 1)
-    total = max(m.ranks.end for m in out) + 1
+    total = max(m.rank_range.end for m in out) + 1
     if world_size is not None and total > world_size:
         raise ValueError(
             f"disjoint modules need ranks 0-{total - 1} ({total}) but world size is {world_size}: "
@@ -132,10 +132,10 @@ def _resolve_disjoint(modules: tuple[ModuleLayout, ...], world_size: Optional[in
         )
     span = world_size if world_size is not None else total
     idle, cursor = [], 0  # gaps between the (non-overlapping) islands, as ranges: no per-rank lists
-    for m in sorted(out, key=lambda m: m.ranks.start):
-        if m.ranks.start > cursor:
-            idle.append((cursor, m.ranks.start - 1))
-        cursor = m.ranks.end + 1
+    for m in sorted(out, key=lambda m: m.rank_range.start):
+        if m.rank_range.start > cursor:
+            idle.append((cursor, m.rank_range.start - 1))
+        cursor = m.rank_range.end + 1
     if cursor < span:
         idle.append((cursor, span - 1))
     if idle:

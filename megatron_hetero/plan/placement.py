@@ -67,7 +67,7 @@ def group_ranks(m: ModuleLayout, dims: list[str] | str) -> list[list[int]]:
         if d not in AXES:
             raise ValueError(f"unknown axis {d!r}; axes are {list(AXES)}")
     groups: dict[tuple, list[int]] = {}
-    for r in m.ranks.ranks():
+    for r in m.rank_range.ranks():
         c = coord_of(m, r)
         key = tuple(getattr(c, a) for a in AXES if a not in dims)
         groups.setdefault(key, []).append(r)
@@ -86,6 +86,6 @@ def rank_map(layout: HeteroLayout) -> list[RankEntry]:
     """For every global rank of a resolved layout, each module it serves and its coordinates."""
     out = []
     for r in range(layout.world_size):
-        mods = {m.name: coord_of(m, r) for m in layout.modules if r in m.ranks.ranks()}
+        mods = {m.name: coord_of(m, r) for m in layout.modules if r in m.rank_range.ranks()}
         out.append(RankEntry(rank=r, modules=mods))
     return out

@@ -86,7 +86,7 @@ def rank_plans(layout: HeteroLayout, global_batch: int, micro_batch_size: int,
     for rank in range(layout.world_size):
         mods = {}
         for m in layout.modules:
-            if rank in m.ranks.ranks():
+            if rank in m.rank_range.ranks():
                 mods[m.name] = ModuleRank(m.name, coord_of(m, rank), m.pp, m.dp, m.cp,
                                           stage_peer(layout, m.name, rank, -1), stage_peer(layout, m.name, rank, +1),
                                           m.frozen)

@@ -53,9 +53,10 @@ def language_modules(layout: HeteroLayout) -> list[ModuleLayout]:
     none, several, or segments whose `layers` leave a gap."""
     with_layers = [m for m in layout.modules if m.layers is not None]
     if with_layers:
-        mods = sorted(with_layers, key=lambda m: m.layers.start)
+        mods = sorted(with_layers, key=lambda m: m.layers.start)  # type: ignore[union-attr]  # all have layers
         expect = 0
         for m in mods:
+            assert m.layers is not None  # with_layers holds only these
             if m.layers.start != expect:
                 raise ValueError(f"language segments must cover their layers in order from 0; {m.name} starts at "
                                  f"layer {m.layers.start}, expected {expect}")

@@ -32,7 +32,7 @@ equal stage costs, for cross-checking the simulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Union
+from typing import Iterable, Mapping, NoReturn, Optional, Union
 
 from megatron_hetero.plan.schedule import (
     Backward, Forward, Link, RecvAct, SendAct, Stage, StageGraph, StageTable, stage_graph,
@@ -87,7 +87,7 @@ def chain_makespan(num_stages: int, micro_batches: int, forward: float = 1.0, ba
     return (micro_batches + num_stages - 1) * (forward + backward)
 
 
-def _fail(stage: Stage, msg: str) -> None:
+def _fail(stage: Stage, msg: str) -> NoReturn:
     raise ScheduleError(f"stage {stage}: {msg}")
 
 
@@ -173,13 +173,13 @@ def _check_matching(tables: dict[Stage, StageTable]) -> int:
                 if key in book:
                     _fail(st, f"{a} appears twice (actions #{book[key][1]} and #{i})")
                 book[key] = (st, i)
-    for key, (st, i) in recvs.items():
+    for key, (st, _i) in recvs.items():
         if key not in sends:
             link, mb, d = key
             peer = link.src if d == "fwd" else link.dst
             extra = "" if peer in tables else f" (no table for stage {peer})"
             _fail(st, f"Recv {d} {link} mb {mb} has no matching send{extra}")
-    for key, (st, i) in sends.items():
+    for key, (st, _i) in sends.items():
         if key not in recvs:
             link, mb, d = key
             peer = link.dst if d == "fwd" else link.src

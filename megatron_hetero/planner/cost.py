@@ -403,6 +403,7 @@ def llm_chain(prof: Profile, wl: Workload, segments: list, world) -> tuple[Side,
     b = wl.global_batch // M
     P = sum(s[2] for s in segs)
     island = sum(np.where(p, s[0] * s[1] * s[2] * s[3], 0) for s, p in zip(segs, present))
+    offset: np.ndarray | int
     parts, offset = [], 0
     for i, (tp, cp, pp, dp, layers, ep) in enumerate(segs):
         later = np.zeros_like(present[i])
@@ -455,5 +456,6 @@ def evaluate(c: Candidate, wl: Workload, prof: Profile) -> CostBreakdown:
         enc, enc_mem = encoder_island(prof, wl, e.tp, e.cp, e.pp, e.dp, mb, sum(x.pp for x in c.llm))
         out = disjoint(prof, wl, enc, llm, c.world_size, b)
         out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
-    return CostBreakdown(**{k: (int if k == "micro_batches" else float)(np.asarray(out[k]).reshape(-1)[0])
+    # each field gets its own type (int for micro_batches, float for the rest); mypy sees one union
+    return CostBreakdown(**{k: (int if k == "micro_batches" else float)(np.asarray(out[k]).reshape(-1)[0])  # type: ignore[arg-type]
                             for k in out})

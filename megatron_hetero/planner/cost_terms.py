@@ -184,7 +184,7 @@ def colocated_boundary(prof: Profile, wl: Workload, enc_tp, enc_cp, enc_pp, enc_
     world = np.asarray(tp) * cp * pp * dp
     span = np.where((np.asarray(pp) == 1) & (np.asarray(enc_pp) == 1), np.asarray(tp) * cp, world)
     inter = span > prof.devices_per_node
-    t = 0.0
+    t: np.ndarray | float = 0.0
     for d in colocated_traffic(wl, enc_pp, enc_dp, tp, cp, pp, dp).values():
         ends = []
         for nbytes, msgs in ((d["recv_bytes"], d["recv_msgs"]), (d["send_bytes"], d["send_msgs"])):

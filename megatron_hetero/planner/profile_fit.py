@@ -141,7 +141,7 @@ def combine_rounds(docs: list[dict[str, Any]]) -> dict[str, Any]:
             for d in docs]
     out = {**docs[0], **{k: list(docs[0][k]) for k in ("layers", "modules", "collectives")}}
     for key in ("layers", "modules", "collectives"):
-        for i, case in enumerate(out[key]):
+        for i, _case in enumerate(out[key]):
             best = min((d[key][i] for d in docs), key=lambda c: c["seconds"])
             out[key][i] = best
     out["solo_layer"] = min((d["solo_layer"] for d in docs), key=lambda c: c["seconds"])
@@ -205,23 +205,23 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> Pr
     prof = dataclasses.replace(prof, layer_collectives=_fit_layer_collectives(prof, raw))
     overheads = {}
     for kind in KINDS:
-        pts = []  # (tp, flops, one activation all-reduce over TP, io seconds)
+        io_pts = []  # (tp, flops, one activation all-reduce over TP, io seconds)
         for s in raw.get("modules", []):
             if s["kind"] != kind:
                 continue
             spec, wl = _specs(s)
             layer = float(sum(C.layer_parts(prof, wl, spec, s["batch"], s["tp"], 1)))
             data = s["data_seconds"] if kind == "llm" else 0.0  # the LLM module built its batch
-            pts.append((s["tp"], float(C.io_flops(wl, spec, s["batch"], s["tp"], 1)),
-                        float(C.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)), s["seconds"] - layer - data))
-        one = [p for p in pts if p[0] == 1]
+            io_pts.append((s["tp"], float(C.io_flops(wl, spec, s["batch"], s["tp"], 1)),
+                           float(C.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)), s["seconds"] - layer - data))
+        one = [p for p in io_pts if p[0] == 1]
         if not one:
             continue
         io = _fit_line([p[1] for p in one], [p[3] for p in one])
         overheads[f"{kind}_io"] = io
         # TP > 1: the extra time over the TP1 model, in activation all-reduces over the TP group
         # (embedding, output layer, vocab-parallel loss / projector), least squares through 0
-        tps = [(p[2], p[3] - float(io.time(p[1]))) for p in pts if p[0] > 1 and p[2] > 0]
+        tps = [(p[2], p[3] - float(io.time(p[1]))) for p in io_pts if p[0] > 1 and p[2] > 0]
         if tps:
             k = sum(x * y for x, y in tps) / sum(x * x for x, _ in tps)
             overheads[f"{kind}_io_tp"] = LayerModel(a=0.0, b=max(0.0, k))

@@ -232,7 +232,8 @@ def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limi
     if not combos:
         return 0
     la, ea = [c[0] for c in combos], [c[1] for c in combos]
-    out = C.colocated(prof, wl, *(_arr(la, k) for k in range(4)), *(_arr(ea, k) for k in range(4)),
+    # mypy cannot count the two starred generators (4 arguments each)
+    out = C.colocated(prof, wl, *(_arr(la, k) for k in range(4)), *(_arr(ea, k) for k in range(4)),  # type: ignore[call-arg]
                       np.array([c[2] for c in combos], dtype=bool), np.array([c[3] for c in combos], dtype=np.int64))
     total = np.where(out["memory_per_rank_peak"] <= limit, out["total"], INF)
     L, Le = wl.llm.num_layers, wl.encoder.num_layers
@@ -257,7 +258,7 @@ def _chains(wl: Workload, world_llm: int, space: SearchSpace) -> list[tuple]:
             # the runtime's segments: any two different TP/PP/DP (one DP dividing the other), every
             # stage of a segment holding the same number of layers, at most MAX_MICRO_BATCHES
             # micro-batches (the disjoint schedule's tables)
-            by_cp = {}
+            by_cp: dict[int, list[tuple[int, int, int]]] = {}
             for t, c, p, d in half:
                 by_cp.setdefault(c, []).append((t, p, d))
             for c, opts in by_cp.items():
@@ -269,11 +270,11 @@ def _chains(wl: Workload, world_llm: int, space: SearchSpace) -> list[tuple]:
                         if na % pa == 0 and (L - na) % pb == 0:
                             rows.append((ta, c, pa, da, na, tb, pb, db, L - na))
             return rows
-        by = {}
+        by: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for t, c, p, d in half:
             by.setdefault((c, p), []).append((t, d))
-        for (c, p), opts in by.items():
-            for (ta, da), (tb, db) in itertools.permutations(opts, 2):  # two different strategies
+        for (c, p), pairs in by.items():
+            for (ta, da), (tb, db) in itertools.permutations(pairs, 2):  # two different strategies
                 hi, lo = max(da, db), min(da, db)
                 if hi % lo or G % (m * hi):
                     continue
@@ -290,7 +291,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
     the LLM's stage count and the first segment's dp): each side's aggregates (`cost.Side`) and
     memory; rows over the memory limit are dropped. Returns the number of valid (encoder, chain)
     pairs."""
-    enc, L, k, G, m = wl.encoder, wl.llm.num_layers, wl.images_per_sample, wl.global_batch, wl.micro_batch
+    enc, G, m = wl.encoder, wl.global_batch, wl.micro_batch
     loss = float(loss_reduce(prof, world))
     size = 0
     for we in space.islands(world):
@@ -318,7 +319,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
         eside_all, e_mem_all = C.encoder_island(prof, wl, etp[rows_e], ecp[rows_e], epp[rows_e], edp[rows_e],
                                                 uniq[rep, 0], uniq[rep, 1])
         starts = np.cumsum([0] + [len(x) for x in esels])
-        for gi, (Mg, Pg, dag) in enumerate(uniq):
+        for gi, (Mg, _Pg, _dag) in enumerate(uniq):
             sel, esel = np.nonzero(inv == gi)[0], esels[gi]
             if not len(esel):
                 continue
@@ -403,7 +404,7 @@ def search(wl: Workload, prof: Profile, world_size: int, memory_limit: Optional[
             # the K-th best value seen bounds the true K-th best; the best disjoint value seen
             # bounds the best disjoint candidate (reported per placement)
             tau = max(float(np.partition(allv, top - 1)[top - 1]), best_disjoint)
-    for gi, gr in enumerate(groups):
+    for _gi, gr in enumerate(groups):
         ei, ci, tot = _pairs(gr, prof, wl, world_size, tau, None)
         evaluated += len(tot)
         keep = tot <= tau if np.isfinite(tau) else np.isfinite(tot)

@@ -86,7 +86,7 @@ def rank_collectives(cases: list[dict], iters: int, warmup: int, reps: int) -> l
                     synchronize(device)
             out[i] = timed(op, iters, warmup, reps)
     finally:
-        for mine, made in groups.values():
+        for _mine, made in groups.values():
             for g in made:
                 dist.destroy_process_group(g)
     return out

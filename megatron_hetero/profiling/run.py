@@ -86,7 +86,7 @@ def _rank_layers(cases: list[dict], iters: int, warmup: int, reps: int) -> tuple
 
                 def step() -> None:
                     xi = x.clone().requires_grad_(True)
-                    y = block(xi, attention_mask=None)
+                    y = block(xi, attention_mask=None)  # noqa: F821 (`del block` below)
                     y.backward(g)
                     synchronize(device)
 

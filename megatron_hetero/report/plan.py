@@ -66,9 +66,10 @@ def _module_json(m: ModuleLayout, experts: Optional[dict[str, int]]) -> dict[str
         d["role"] = m.role
     if is_moe(m, experts):
         d["expt_dp"] = m.stage_size // (m.expt_tp * m.ep)
-        if (experts or {}).get(m.name):
-            d["num_experts"] = experts[m.name]
-            d["experts_per_rank"] = experts[m.name] // m.ep
+        n = (experts or {}).get(m.name)
+        if n:
+            d["num_experts"] = n
+            d["experts_per_rank"] = n // m.ep
     return d
 
 
@@ -91,7 +92,7 @@ def layout_json(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[di
     }
 
 
-def _fmt_bytes(n: int) -> str:
+def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
@@ -125,8 +126,8 @@ def layout_text(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[di
                 row.append(text)
         rows.append(row)
     widths = [max(len(r[i]) for r in [heads] + rows) for i in range(len(heads))]
-    for r in [heads] + rows:
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+    for cells in [heads] + rows:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip())
     for p in plan_all(layout, shape):
         s = p.shape
         lines += [

@@ -208,7 +208,7 @@ def host_offsets(readings: list[tuple[int, str, int]]) -> dict[int, int]:
     host; elsewhere rank 0's reading minus the reading of that host's lowest rank."""
     readings = sorted(readings)
     first: dict[str, int] = {}
-    for r, host, t in readings:
+    for _r, host, t in readings:
         first.setdefault(host, t)
     ref_host, ref_t = readings[0][1], readings[0][2]
     return {r: 0 if host == ref_host else ref_t - first[host] for r, host, _ in readings}

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ROOT / "examples" / "layouts"
 
 

@@ -33,7 +33,7 @@ from megatron_hetero.planner import presets as PR
 from megatron_hetero.planner import search as S
 from megatron_hetero.planner import workload as W
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HW_FILE = REPO / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
 
 

@@ -27,7 +27,7 @@ from megatron_hetero.launch.slurm import add_arguments, run, sbatch_script
 
 pytestmark = pytest.mark.slurm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UP, DOWN = ROOT / "scripts" / "slurm-local-up.sh", ROOT / "scripts" / "slurm-local-down.sh"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE"}

@@ -21,7 +21,7 @@ from megatron_hetero.checkpoint.files import read_tracker
 from megatron_hetero.training.setup import JobConfig
 from megatron_hetero.training.trainer import train_rank
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # heterogeneous colocated: the encoder DP2, the language model TP2, on 2 ranks
 COLOC = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
          "edges": ["vision -> language"]}

@@ -15,7 +15,7 @@ from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.plan.rank_plan import rank_plan, rank_plans, step_micro_batching
 from megatron_hetero.plan.roles import roles
 
-LAYOUTS = Path(__file__).resolve().parent.parent / "examples" / "layouts"
+LAYOUTS = Path(__file__).resolve().parents[2] / "examples" / "layouts"
 
 
 def test_dp_rows_partition_the_batch_in_order():

@@ -26,7 +26,7 @@ from megatron_hetero.planner import search as S
 from megatron_hetero.planner import workload as W
 from megatron_hetero.profiling import run as T
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HW_FILE = REPO / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
 TINY = F.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
                      module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 32, 2, 256)),

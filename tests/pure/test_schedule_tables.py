@@ -8,7 +8,6 @@ a message naming stage, action and micro-batch.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import random
@@ -29,7 +28,7 @@ from megatron_hetero.plan.schedule_check import (
     CheckReport, ScheduleError, chain_bubble, chain_makespan, check_tables, simulate_rendezvous, split_batches,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def S(module: str, pp: int) -> Stage:
@@ -468,8 +467,8 @@ def test_cli_text(capsys, tmp_path) -> None:
     assert rc == 0 and err == ""
     lines = out.splitlines()
     assert lines[0] == "graph-aware 1F1B: 2 stages, 1 links, 4 micro-batches"
-    assert any(l.startswith("language/0  F0 | F1 B0 F2 B1 F3 B2 | B3") for l in lines)
-    assert any(l.startswith("language/1  - | F0 B0 F1 B1 F2 B2 F3 B3 | -") for l in lines)
+    assert any(ln.startswith("language/0  F0 | F1 B0 F2 B1 F3 B2 | B3") for ln in lines)
+    assert any(ln.startswith("language/1  - | F0 B0 F1 B1 F2 B2 F3 B3 | -") for ln in lines)
     assert "check: ok: 2 stages, 4 micro-batches, 8 messages matched, no deadlock; makespan 15, bubble 0.2000" in lines
     assert lines[-1] == "bubble fraction: 0.2000"
     rc, out, _ = _cli(capsys, "schedule", path, "--micro-batches", "4", "--full")

@@ -50,7 +50,7 @@ from typing import Optional
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_hetero"
 
 # The floors each floor stands on directly; it may import those, and theirs, down to layout.
@@ -162,7 +162,7 @@ def floor_violations(root: Path, package: str) -> list[str]:
     for path in sorted((root / package).rglob("*.py")):
         rel = path.relative_to(root)
         if floor_of(rel.relative_to(package)) is None:
-            problems.append(f"{rel}: on no floor (add it to floor_of in tests/test_imports.py)")
+            problems.append(f"{rel}: on no floor (add it to floor_of in tests/pure/test_imports.py)")
     for imp in collect_imports(root, package):
         src_floor = floor_of(imp.src.relative_to(package))
         if src_floor is None:

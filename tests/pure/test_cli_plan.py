@@ -12,7 +12,7 @@ import pytest
 
 from megatron_hetero import cli
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples" / "layouts").glob("*.yaml"))
 
 BROKEN = textwrap.dedent("""\

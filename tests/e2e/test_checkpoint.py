@@ -18,7 +18,7 @@ import pytest
 from parity import losses, max_loss_rel_diff, run_job
 from megatron_hetero.training.setup import JobConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 COLOC_TP2 = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
              "edges": ["vision -> language"]}

@@ -27,7 +27,7 @@ from typing import Optional
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TAG = "core_v0.16.1"
 PATCHES = sorted((REPO / "patches" / "megatron-lm" / TAG).glob("*.patch"))
 TREE_ENV = os.environ.get("MEGATRON_LM")

@@ -33,7 +33,7 @@ from megatron_hetero.layout import (
 )
 from megatron_hetero.layout.yaml_io import MODULE_KEYS, parse_module_flag
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples" / "layouts").glob("*.yaml"))
 
 

@@ -245,7 +245,7 @@ def _cost_setup():
     from megatron_hetero.planner import hardware as HW
     from megatron_hetero.planner import workload as W
 
-    hw = HW.HardwareSpec.load(Path(__file__).resolve().parents[1] / "megatron_hetero" / "planner" / "hardware_presets"
+    hw = HW.HardwareSpec.load(Path(__file__).resolve().parents[2] / "megatron_hetero" / "planner" / "hardware_presets"
                               / "h100_80gb.json")
     prof = HW.Profile.from_hardware(hw)
     enc = W.ModelSpec("vision", 6, 1024, 4096, 16, 256, kind="encoder")

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_hetero.launch.slurm import add_arguments, run, sbatch_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ROOT / "examples" / "layouts"
 FAN_IN = str(LAYOUTS / "colocated_fan_in.yaml")  # world 8
 

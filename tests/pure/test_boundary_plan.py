@@ -19,7 +19,7 @@ from megatron_hetero.layout import Edge, layout_from_dict, load_layout
 from megatron_hetero.plan import Block, BoundaryShape, Coord, Transfer, coord_of, group_ranks, plan_all, plan_boundary, rank_of
 from megatron_hetero.plan.boundary import seq_chunks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = REPO / "examples" / "layouts"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {
     "colocated": "placement: colocated\nmodules:\n  vision: {dp: 4}\n  language: {tp: 2, dp: 2}\n"
                  "edges: ['vision -> language']\n",

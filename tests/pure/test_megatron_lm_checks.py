@@ -1,6 +1,6 @@
 """What `pretrain_gpt.py` / `pretrain_vlm.py` refuse with a layout, before any process group or model
 (pure: parsed Megatron arguments as a namespace; no Megatron-LM tree needed). The end-to-end runs are
-in test_megatron_lm.py."""
+in tests/e2e/test_megatron_lm.py."""
 from __future__ import annotations
 
 import argparse
