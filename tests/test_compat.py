@@ -33,13 +33,13 @@ from megatron_hetero import compat
 from megatron_hetero.compat import (
     apply_compat,
     clip_vit_norm_kwargs,
-    cp_chunk_positions,
     default_backend,
     ensure_global_memory_buffer,
     get_device,
-    get_gpt_layer_local_spec_with_cp,
     set_local_device,
 )
+from megatron_hetero.models.cp_attention import cp_chunk_positions
+from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
 
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,

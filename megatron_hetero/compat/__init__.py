@@ -9,10 +9,10 @@ about CUDA.
   that read global ``parallel_state`` groups although the model got a ``pg_collection``.
 * ``apply_compat()``: both of the above; call it once in the launcher's parent process, before
   building Megatron models.
-* :mod:`.cp_attention`: ``ContextParallelDotProductAttention``, a CP core attention for the local
-  spec (K/V all-gather over the CP group).
-* :mod:`.specs`: ``get_gpt_layer_local_spec_with_cp``, ``with_cp_core_attention``,
-  ``clip_vit_norm_kwargs``, ``ensure_global_memory_buffer``.
+* :mod:`.specs`: ``clip_vit_norm_kwargs``, ``ensure_global_memory_buffer``, ``ensure_moe_without_te``.
+
+(The CP core attention and the CP layer spec are model code: ``megatron_hetero.models.cp_attention``
+and ``megatron_hetero.models.layer_specs``.)
 
 Names from the Megatron-importing submodules are loaded on first access, so importing this package
 (e.g. for ``get_device``) stays cheap.
@@ -30,10 +30,6 @@ _LAZY = {
     "PATCHES": "cpu",
     "apply_pg_collection_fixes": "pg_collection",
     "PG_COLLECTION_PATCHES": "pg_collection",
-    "ContextParallelDotProductAttention": "cp_attention",
-    "cp_chunk_positions": "cp_attention",
-    "get_gpt_layer_local_spec_with_cp": "specs",
-    "with_cp_core_attention": "specs",
     "clip_vit_norm_kwargs": "specs",
     "ensure_global_memory_buffer": "specs",
     "ensure_moe_without_te": "specs",

@@ -10,7 +10,7 @@ Megatron calls.
 
 The set is what a Megatron-core ``GPTModel`` (local spec, explicit ``pg_collection``) needs for
 forward/backward with TP, SP, PP (1F1B via ``get_forward_backward_func``) and CP (with
-:mod:`megatron_hetero.compat.cp_attention`), Megatron ``DistributedDataParallel`` and the
+:mod:`megatron_hetero.models.cp_attention`), Megatron ``DistributedDataParallel`` and the
 non-distributed fp32 Megatron optimizer, ``CLIPViTModel``, and ``dist_checkpointing.save`` (torch_dist
 format; loading needs nothing); see
 ``tests/test_compat.py``. The stand-ins themselves live in :mod:`.torch_on_cpu`. Every entry was checked to be needed by one of those cases. Not covered

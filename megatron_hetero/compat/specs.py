@@ -1,44 +1,21 @@
-"""Spec and construction helpers for building Megatron-core models without Transformer Engine.
+"""Construction helpers for building Megatron-core models without Transformer Engine.
 
 These are not CPU patches (they are needed on any machine without TE/apex), so they are plain
-functions that callers use explicitly.
+functions that callers use explicitly. (The CP layer spec is model code:
+``megatron_hetero.models.layer_specs``.)
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.transformer.spec_utils import ModuleSpec
-
-from .cp_attention import ContextParallelDotProductAttention
 
 __all__ = [
-    "get_gpt_layer_local_spec_with_cp",
-    "with_cp_core_attention",
     "clip_vit_norm_kwargs",
     "ensure_global_memory_buffer",
     "ensure_moe_without_te",
 ]
-
-
-def with_cp_core_attention(layer_spec: ModuleSpec) -> ModuleSpec:
-    """A copy of a local transformer-layer spec whose ``core_attention`` is
-    :class:`ContextParallelDotProductAttention` (works for any CP size, including 1)."""
-    spec = copy.deepcopy(layer_spec)
-    attention = spec.submodules.self_attention
-    if not hasattr(attention.submodules, "core_attention"):
-        raise ValueError(f"layer spec {layer_spec.module} has no self_attention.core_attention")
-    attention.submodules.core_attention = ContextParallelDotProductAttention
-    return spec
-
-
-def get_gpt_layer_local_spec_with_cp(**kwargs: Any) -> ModuleSpec:
-    """``get_gpt_layer_local_spec(**kwargs)`` with the context-parallel core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return with_cp_core_attention(get_gpt_layer_local_spec(**kwargs))
 
 
 def clip_vit_norm_kwargs() -> Dict[str, Any]:

@@ -47,10 +47,11 @@ def _rank_layers(cases: list[dict], iters: int, warmup: int, reps: int) -> tuple
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_hetero.compat import ensure_global_memory_buffer, get_gpt_layer_local_spec_with_cp
+    from megatron_hetero.compat import ensure_global_memory_buffer
     from megatron_hetero.compat.device import get_device, synchronize
     from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
     from megatron_hetero.layout.validate import resolve_layout
+    from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
     from megatron_hetero.models.llava import transformer_config
     from megatron_hetero.runtime.topology import Topology
 
