@@ -35,7 +35,7 @@ def test_verdict_fails_on_growth_or_a_changed_count():
 
 
 @pytest.mark.timeout(600)
-def test_soak_60_steps_world_8(tmp_path):
+def test_soak_60_steps_world_8(tmp_path, megatron_compat):
     doc = soak.run(tmp_path, steps=60, warmup=20)
     assert json.loads((tmp_path / "soak.json").read_text())["passed"] == doc["passed"]
     assert set(doc["layouts"]) == set(soak.LAYOUTS)

@@ -225,7 +225,7 @@ def cpu_cores() -> int:
 
 
 def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait_s: float) -> dict[str, Any]:
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
@@ -237,7 +237,7 @@ def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait
     mcases = module_cases(grid, world_size)
     if not any(c["tp"] == 1 and c["cp"] == 1 for c in lcases):
         raise ValueError("profile grid: the layer fit needs TP1·CP1 shapes")
-    apply_compat()
+    require_compat("training.profile._measure_once")
     backend = default_backend()
     load = wait_quiet(quiet_wait_s)
     t0 = time.perf_counter()
