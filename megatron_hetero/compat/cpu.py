@@ -1,10 +1,12 @@
 """Redirections that make Megatron-core 0.16.1 run on CPU with gloo (reason :data:`~.table.CPU`).
 
-:func:`apply_cpu_compat` is the only entry point. It does nothing when CUDA is available, and is
-idempotent. It never copies Megatron code: each patch either swaps the name ``torch`` inside one
+:func:`apply_cpu_compat` (called by :func:`megatron_hetero.compat.apply_compat`) is the only entry
+point. It does nothing when CUDA is available, refuses a Megatron-core that is not a target of every
+entry (:mod:`.table`), and is idempotent. It never copies Megatron code: each patch either swaps the name ``torch`` inside one
 Megatron module for a thin redirect (``_TorchOnCpu``), or wraps one Megatron function so that a
 CUDA-only call inside it has a CPU meaning while that function runs (plus one logging filter).
-:data:`PATCHES` lists every patch with the upstream spot it covers; nothing else is touched, and
+:data:`PATCHES` lists every patch as a table entry (upstream spots, target versions, removal
+condition); nothing else is touched, and
 ``torch`` itself is only modified (``Tensor.cuda``/``Tensor.type``) for the duration of the wrapped
 Megatron calls.
 
