@@ -14,14 +14,17 @@ search_reference.py) are importable from every tier (pyproject.toml: ``pythonpat
 When ``-m`` names only tiers (``-m pure``, ``-m "pure or ranks"``) the other tier folders are not
 collected at all, so ``pytest -m pure`` never imports the multi-rank modules (nor torch through them).
 
-`megatron_compat` applies `megatron_hetero.compat.apply_compat()` once per test session, in the
-pytest process, before the first test runs: the fork launcher forks every rank from this process,
-so all ranks of every multi-rank test inherit the patched Megatron modules. No test module applies
-compat at import time any more (importing a test file has no side effect on Megatron).
+This file is the tests' entry point for `megatron_hetero.compat` (the library assumes an entry point
+applied it): `megatron_compat` applies `apply_compat()` once per test session, in the pytest process,
+before the first test that needs it: the fork launcher forks every rank from this process, so all
+ranks of every multi-rank test inherit the patched Megatron modules. No test module applies compat
+itself (importing a test file has no side effect on Megatron).
 
-A session that collected only tests that import no torch skips it, so such a pure session stays free
-of torch and Megatron. Tests that import torch only inside a test function and build Megatron models
-call `apply_compat()` themselves (it is idempotent).
+It is used automatically when collecting imported torch; a session that collected only pure tests
+(layouts, plans, schedule tables, cost model: nothing imported torch while collecting) skips it, so
+the pure tier stays free of torch and Megatron. Tests in modules that import torch only inside a test
+and build Megatron models ask for it by name (`megatron_compat` as an argument, or
+`@pytest.mark.usefixtures("megatron_compat")`).
 
 `slow` (pyproject.toml) marks the multi-rank end-to-end cases: every test of the modules in
 `END_TO_END` gets it here, and a module can also mark itself (`pytestmark = pytest.mark.slow`, as
@@ -83,10 +86,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def megatron_compat() -> None:
-    if "torch" not in sys.modules:  # a pure session: no collected test module uses torch
-        return
+    """`megatron_hetero.compat.apply_compat()`, once per session (idempotent)."""
     from megatron_hetero.compat import apply_compat
 
     apply_compat()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megatron_compat_when_torch_was_collected(request: pytest.FixtureRequest) -> None:
+    if "torch" in sys.modules:  # else a pure session: no collected test module uses torch
+        request.getfixturevalue("megatron_compat")

@@ -110,7 +110,7 @@ def traced_run(layout, model, steps: int, micro_batch_size: int, timeout: float 
 def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Optional[list] = None) -> dict[str, Any]:
     """Measure the configurations of `world` with traces, compare term by term (module docstring)."""
     from megatron_hetero.bench import planner as PL
-    from megatron_hetero.compat import apply_compat
+    from megatron_hetero.compat import require_compat
     from megatron_hetero.planner import cost as C
     from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import run as T
@@ -118,7 +118,7 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
     from megatron_hetero.training.model_args import workload_for
 
     quiet_upstream_warnings()
-    apply_compat()
+    require_compat("bench.cost_check.run")
     model = PL.BenchModel()
     spec = model.spec()
     if profile is None:
@@ -163,6 +163,11 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default=None, help="a profile JSON (`megatron-hetero profile --out`)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    from megatron_hetero.compat import apply_compat
+    from megatron_hetero.training.job import quiet_upstream_warnings
+
+    quiet_upstream_warnings()
+    apply_compat()  # this module run as a script is an entry point
     prof = Profile.load(a.profile) if a.profile else None
     doc = run(a.world, a.iters, profile=prof)
     print(table(doc))

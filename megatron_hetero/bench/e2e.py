@@ -205,7 +205,7 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
     """Profile, search, train every case side by side, measure the plugin overhead; write e2e.json
     (+ e2e.png). quick: smaller models, a small profile grid, one round; `profile`: use this fitted
     profile instead of measuring one (tests)."""
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.planner import cost as C
     from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import run as T
@@ -218,7 +218,7 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
         raise ValueError(f"iters, rounds and overhead steps must be >= 1, warmup >= 0; got {iters}, {rounds}, "
                          f"{overhead_steps}, {warmup}")
     quiet_upstream_warnings()
-    apply_compat()
+    require_compat("bench.e2e.run")
     t_start = time.perf_counter()
     workloads = quick_workloads() if quick else WORKLOADS
     if quick:

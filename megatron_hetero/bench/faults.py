@@ -318,10 +318,10 @@ def run_cell(cell: Cell, reference: list[float], work: Path, comm_timeout_s: flo
 def run(out: Path, quick: bool = False, comm_timeout_s: float = COMM_TIMEOUT_S,
         cells: Optional[list[Cell]] = None) -> dict[str, Any]:
     """Run the matrix (or QUICK, or `cells`); write OUT/faults.json; return the document."""
-    from megatron_hetero.compat import apply_compat
+    from megatron_hetero.compat import require_compat
     from megatron_hetero.training.job import quiet_upstream_warnings
 
-    apply_compat()
+    require_compat("bench.faults.run")
     quiet_upstream_warnings()
     cells = list(cells if cells is not None else (QUICK if quick else full_matrix()))
     t0 = time.time()

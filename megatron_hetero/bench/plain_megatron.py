@@ -155,7 +155,7 @@ def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, A
     """`steps` steps of each mode (after one dropped warm-up step each), alternated; the step time of
     a step is the slowest rank's. Returns the medians, ours over each plain variant (ratio of the
     medians, and the median of the per-step ratios) and the losses."""
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
 
@@ -163,7 +163,7 @@ def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, A
         raise ValueError(f"steps must be >= 1, got {steps}")
     check_layout(layout)
     validate_job(layout, job)
-    apply_compat()
+    require_compat("bench.plain_megatron.measure")
     per_rank = run_ranks(layout.world_size, _rank, layout, job, steps + 1, timeout=timeout, backend=default_backend())
     step = {m: [max(r["times"][m][i] for r in per_rank) for i in range(steps + 1)][1:] for m in MODES}
     med = {m: float(statistics.median(v)) for m, v in step.items()}

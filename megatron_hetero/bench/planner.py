@@ -246,7 +246,7 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     configuration is measured `rounds` times (interleaved with the others) and keeps its fastest
     round; profile_rounds: the same for the profile; retries: re-measurements of a round that
     another process disturbed; grid: the profile grid (default `bench_grid()`)."""
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import kernels as P
     from megatron_hetero.profiling import run as T
@@ -256,7 +256,7 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
         raise ValueError(f"iters, rounds and profile_rounds must be >= 1, warmup and retries >= 0; got {iters}, "
                          f"{rounds}, {profile_rounds}, {warmup}, {retries}")
     quiet_upstream_warnings()
-    apply_compat()
+    require_compat("bench.planner.run")
     t_start = time.perf_counter()
     grid = grid or bench_grid()
     configs = list(CONFIGS if configs is None else configs)

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_hetero.bench.common import bar_plot, markdown_table, write_json
-from megatron_hetero.compat import apply_compat
+from megatron_hetero.compat import require_compat
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 from megatron_hetero.plan.schedule import build_tables
@@ -93,7 +93,7 @@ def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
 
 
 def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: int, steps: int) -> dict[str, Any]:
-    apply_compat()  # in the parent, before forking (idempotent)
+    require_compat("bench.schedule._measure")
     spec = LlavaSpec(num_layers=layers, encoders=encoders)
     job = JobConfig(spec=spec, global_batch_size=gbs, micro_batch_size=mbs, train_iters=steps,
                     optim=OptimConfig(optimizer="sgd", lr=0.1))

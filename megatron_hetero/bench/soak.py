@@ -118,9 +118,9 @@ def rank_summary(rank: int, samples: dict[int, dict], warmup: int, steps: int) -
 def run(out: Path, steps: int = 300, warmup: int = 50, world: int = WORLD,
         layouts: Optional[dict[str, dict]] = None) -> dict[str, Any]:
     """Every layout of `layouts` (default LAYOUTS) for `steps` steps; writes OUT/soak.json."""
-    from megatron_hetero.compat import apply_compat
+    from megatron_hetero.compat import require_compat
 
-    apply_compat()
+    require_compat("bench.soak.run")
     doc = {"benchmark": "soak", "max_rss_growth_allowed": MAX_RSS_GROWTH,
            "layouts": {name: run_layout(d, steps, warmup, world) for name, d in (layouts or LAYOUTS).items()}}
     doc["passed"] = all(v["passed"] for v in doc["layouts"].values())

@@ -81,12 +81,12 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
 
 def measure(layout, job, steps: int = 40, timeout: float = 900.0) -> dict[str, Any]:
     """Fork the layout's ranks, alternate traced and untraced steps, return the comparison."""
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
 
     validate_job(layout, job)
-    apply_compat()
+    require_compat("bench.trace_overhead.measure")
     per_rank = run_ranks(layout.world_size, _rank, layout, job, steps, timeout=timeout, backend=default_backend())
     n = len(per_rank[0]["wall"]["on"])
     wall = {m: [max(r["wall"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON document to this file")
     args = p.parse_args(argv)
     quiet_upstream_warnings()
+    from megatron_hetero.compat import apply_compat
+
+    apply_compat()  # this module run as a script is an entry point
     layout = load_layout(args.layout, None)
     model = resolve_model(ModelArgs(global_batch_size=args.global_batch_size), layout)
     job = JobConfig(spec=llava_spec(model, layout), global_batch_size=model.global_batch_size,

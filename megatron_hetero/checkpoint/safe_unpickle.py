@@ -21,7 +21,8 @@ the ranks, checkpoint inspect) goes through this module instead:
 
 `load` is `dist_checkpointing.load` with the two strategies below; during it the torch_dist strategy's
 reader factory returns `SafeFileSystemReader` (a scoped swap of that one module attribute, undone on
-exit). Problems are ValueErrors naming the file.
+exit; the compat table's entry `fix.checkpoint_reader`, which checks the Megatron-core version and whose
+spots tests/test_compat.py checks). Problems are ValueErrors naming the file.
 """
 from __future__ import annotations
 
@@ -129,16 +130,12 @@ def _reader_class():
 @contextlib.contextmanager
 def _safe_reader():
     """Megatron's torch_dist strategy makes its reader with the module function
-    `_get_filesystem_reader`; for the duration, that function returns `SafeFileSystemReader`."""
-    from megatron.core.dist_checkpointing.strategies import torch as mtorch
+    `_get_filesystem_reader`; for the duration, that function returns `SafeFileSystemReader` (the
+    swap is the compat table's entry `fix.checkpoint_reader`: target versions, spots, removal)."""
+    from megatron_hetero.compat.fixes import filesystem_reader_swapped
 
-    cls = _reader_class()
-    real = mtorch._get_filesystem_reader
-    mtorch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: cls(checkpoint_dir)
-    try:
+    with filesystem_reader_swapped(_reader_class()):
         yield
-    finally:
-        mtorch._get_filesystem_reader = real
 
 
 def safe_torch_load(path: Path) -> Any:

@@ -10,6 +10,10 @@ A subcommand is a module `megatron_hetero.cli.<module>` listed in `SUBCOMMANDS` 
     run(args) -> int                            parse-level checks, call the domain packages, print;
                                                 raise ValueError for invalid input, CommandFailed for
                                                 a failure with a one-line reason; return the exit code
+and, if it builds or runs Megatron models,
+    USES_MEGATRON = True                        `run_command` applies `megatron_hetero.compat` (once,
+                                                before `run`): the CLI is the entry point that does,
+                                                also for every rank under torchrun/srun
 Importing a subcommand module must not import torch (the parser of every subcommand is built on
 each call); import domain code inside `run`. Shared flags: `cli.model_flags`.
 """
@@ -61,8 +65,18 @@ def _silence_stdout() -> None:
 
 def run_command(name: str, args: argparse.Namespace) -> int:
     """Run subcommand `name` on parsed `args`, mapping exceptions to exit codes (see module docstring)."""
+    mod = subcommand_modules()[name]
     try:
-        return int(subcommand_modules()[name].run(args) or EXIT_OK)
+        if getattr(mod, "USES_MEGATRON", False):
+            from megatron_hetero.compat import UnsupportedMegatronVersion, apply_compat
+            from megatron_hetero.training.job import quiet_upstream_warnings
+
+            quiet_upstream_warnings()  # before Megatron is imported (its import-time warnings too)
+            try:
+                apply_compat()
+            except UnsupportedMegatronVersion as exc:
+                raise CommandFailed(str(exc)) from None
+        return int(mod.run(args) or EXIT_OK)
     except CommandFailed as exc:
         print(f"megatron-hetero {name}: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 NAME = "bench"
+USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 
 NAME = "convert"
+USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 NAME = "profile"
+USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -38,6 +38,7 @@ from megatron_hetero.cli import CommandFailed
 from megatron_hetero.cli.model_flags import add_model_flags
 
 NAME = "train"
+USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

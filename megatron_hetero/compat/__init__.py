@@ -1,18 +1,32 @@
-"""The one layer that makes Megatron-core 0.16.1 run on CPU/gloo, and the only code that asks torch
-about CUDA.
+"""The one layer that changes Megatron-core (0.16.1) where the project needs it, and the only code that
+asks torch about CUDA. Removable piece by piece: every patch is an entry of one table with the
+versions it targets, the upstream spots it relies on and its removal condition (:mod:`.table`).
 
-* :mod:`.device` (no Megatron import): ``get_device``, ``default_backend``, ``set_local_device``,
-  ``synchronize``.
-* :mod:`.cpu`: ``apply_cpu_compat()`` (no-op with CUDA, idempotent) and ``PATCHES``, the list of
-  upstream spots it redirects.
-* :mod:`.pg_collection`: ``apply_pg_collection_fixes()`` (every device, idempotent): upstream spots
-  that read global ``parallel_state`` groups although the model got a ``pg_collection``.
-* ``apply_compat()``: both of the above; call it once in the launcher's parent process, before
-  building Megatron models.
-* :mod:`.cp_attention`: ``ContextParallelDotProductAttention``, a CP core attention for the local
-  spec (K/V all-gather over the CP group).
-* :mod:`.specs`: ``get_gpt_layer_local_spec_with_cp``, ``with_cp_core_attention``,
-  ``clip_vit_norm_kwargs``, ``ensure_global_memory_buffer``.
+Split by reason:
+
+* :mod:`.cpu` (reason ``cpu``): ``PATCHES``, the redirections that make CUDA-only calls and
+  ``device="cuda"`` work on CPU/gloo; applied only where CUDA is absent (``apply_cpu_compat()``).
+  :mod:`.torch_on_cpu` holds the stand-ins they swap in.
+* :mod:`.megatron_lm` (reason ``cpu``): the same for Megatron-LM's ``megatron.training``, applied by
+  the Megatron-LM launcher only (``apply_megatron_lm_cpu_compat()``).
+* :mod:`.fixes` (reason ``fix``): ``FIXES``, upstream bugs and limitations worked around on every
+  machine, GPU included (explicit ``pg_collection`` groups, no Transformer Engine, the checkpoint
+  reader swap of ``training/safe_unpickle.py``), and the helpers ``ensure_global_memory_buffer``,
+  ``clip_vit_norm_kwargs``, ``ensure_moe_without_te``, ``param_groups_gathered_over``.
+* :mod:`.device` (no Megatron import, not a patch): ``get_device``, ``default_backend``,
+  ``set_local_device``, ``synchronize``.
+
+``apply_compat()`` checks the installed Megatron-core against the targets of every entry it is about
+to apply (``UnsupportedMegatronVersion``, and nothing patched, on an untargeted version), then applies
+the fixes and, without CUDA, the CPU set. It is called once, at the entry points only: the CLI
+(``megatron_hetero.cli.run_command``, for the subcommands that build Megatron models; under
+torchrun/srun too, since every rank runs the CLI), the Megatron-LM launcher
+(``megatron_hetero.megatron_lm.run``), ``tests/conftest.py``, and the ``main`` of the benchmark
+modules run as scripts. Library code assumes it ran (``require_compat()`` says so where it matters);
+the fork launcher's ranks inherit it from their parent. Idempotent.
+
+(The CP core attention and the CP layer spec are model code: ``megatron_hetero.models.cp_attention``
+and ``megatron_hetero.models.layer_specs``.)
 
 Names from the Megatron-importing submodules are loaded on first access, so importing this package
 (e.g. for ``get_device``) stays cheap.
@@ -28,19 +42,22 @@ _LAZY = {
     "apply_cpu_compat": "cpu",
     "cpu_compat_applied": "cpu",
     "PATCHES": "cpu",
-    "apply_pg_collection_fixes": "pg_collection",
-    "PG_COLLECTION_PATCHES": "pg_collection",
-    "ContextParallelDotProductAttention": "cp_attention",
-    "cp_chunk_positions": "cp_attention",
-    "get_gpt_layer_local_spec_with_cp": "specs",
-    "with_cp_core_attention": "specs",
-    "clip_vit_norm_kwargs": "specs",
-    "ensure_global_memory_buffer": "specs",
-    "ensure_moe_without_te": "specs",
+    "apply_fixes": "fixes",
+    "FIXES": "fixes",
+    "param_groups_gathered_over": "fixes",
+    "clip_vit_norm_kwargs": "fixes",
+    "ensure_global_memory_buffer": "fixes",
+    "ensure_moe_without_te": "fixes",
+    "UnsupportedMegatronVersion": "table",
+    "check_targets": "table",
+    "every_patch": "catalog",
+    "megatron_core_version": "table",
 }
 
 __all__ = [
     "apply_compat",
+    "compat_applied",
+    "require_compat",
     "get_device",
     "default_backend",
     "set_local_device",
@@ -48,15 +65,43 @@ __all__ = [
     *_LAZY,
 ]
 
+_APPLIED = False
+
 
 def apply_compat() -> None:
-    """``apply_pg_collection_fixes()`` on every machine, then ``apply_cpu_compat()`` (which does
-    nothing where CUDA is available). Idempotent."""
-    from .cpu import apply_cpu_compat
-    from .pg_collection import apply_pg_collection_fixes
+    """Check the targets of every entry this machine needs (the fixes; without CUDA also the CPU set)
+    against the installed Megatron-core, then ``apply_fixes()`` and ``apply_cpu_compat()`` (which
+    does nothing where CUDA is available). Raises ``UnsupportedMegatronVersion`` (a RuntimeError
+    naming the version found, the versions supported and the patch) before patching anything on an
+    untargeted version. Idempotent."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    import torch
 
-    apply_pg_collection_fixes()
+    from .cpu import PATCHES, apply_cpu_compat
+    from .fixes import FIXES, apply_fixes
+    from .table import check_targets
+
+    check_targets([*FIXES, *([] if torch.cuda.is_available() else PATCHES)])
+    apply_fixes()
     apply_cpu_compat()
+    _APPLIED = True
+
+
+def compat_applied() -> bool:
+    """Whether :func:`apply_compat` has run in this process (or in the parent it was forked from)."""
+    return _APPLIED
+
+
+def require_compat(what: str) -> None:
+    """RuntimeError unless :func:`apply_compat` has run: for library code that builds or runs Megatron
+    models (``what`` names it), which assumes the entry point applied compat."""
+    if not _APPLIED:
+        raise RuntimeError(
+            f"{what} needs megatron_hetero.compat.apply_compat() applied first: call it once at the program's "
+            f"entry point, before building Megatron models (the megatron-hetero CLI, the Megatron-LM launcher and "
+            f"tests/conftest.py do; library code does not apply it itself)")
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""Small, explicit monkey-patching helpers shared by the compat patches.
+"""Small, explicit monkey-patching helpers shared by the compat patches (the table of patches itself:
+:mod:`.table`).
 
 Every wrapper installed through these helpers carries :data:`MARK` (holding the original object), so
 applying a patch twice is harmless.
@@ -8,20 +9,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List
 
 #: Attribute set on every wrapper/redirect installed by compat; it holds the original object.
 MARK = "__megatron_hetero_compat__"
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One redirection: the upstream spot it covers, what it does, and how to apply it."""
-
-    spot: str
-    action: str
-    apply: Callable[[], None]
 
 
 @contextlib.contextmanager

@@ -107,10 +107,10 @@ def world_of_one(layout) -> Iterator:
     process already belongs to a group, that one is used."""
     import torch.distributed as dist
 
-    from megatron_hetero.compat import apply_compat
+    from megatron_hetero.compat import require_compat
     from megatron_hetero.runtime.topology import Topology
 
-    apply_compat()
+    require_compat("training.convert.world_of_one")
     tmp, own = None, not dist.is_initialized()
     if own:
         tmp = tempfile.mkdtemp(prefix="mh-convert-")

@@ -85,7 +85,7 @@ class CaptionStageRunner(LlavaStageRunner):
     def eval_logits(self, module: str, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        from megatron_hetero.compat import cp_chunk_positions
+        from megatron_hetero.models.cp_attention import cp_chunk_positions
 
         me, pgs = self.plan.modules[module], self.states[module].pgs
         tp = pgs.tp.size()

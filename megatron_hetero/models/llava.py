@@ -40,11 +40,13 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.compat import cp_chunk_positions, ensure_moe_without_te, get_gpt_layer_local_spec_with_cp
+from megatron_hetero.compat import ensure_moe_without_te
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.layout.validate import check_experts
 from megatron_hetero.models.architecture import check_architecture
+from megatron_hetero.models.cp_attention import cp_chunk_positions
 from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
 from megatron_hetero.models.data import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
 

@@ -47,10 +47,11 @@ def _rank_layers(cases: list[dict], iters: int, warmup: int, reps: int) -> tuple
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_hetero.compat import ensure_global_memory_buffer, get_gpt_layer_local_spec_with_cp
+    from megatron_hetero.compat import ensure_global_memory_buffer
     from megatron_hetero.compat.device import get_device, synchronize
     from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
     from megatron_hetero.layout.validate import resolve_layout
+    from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
     from megatron_hetero.models.llava import transformer_config
     from megatron_hetero.runtime.topology import Topology
 
@@ -224,7 +225,7 @@ def cpu_cores() -> int:
 
 
 def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait_s: float) -> dict[str, Any]:
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
@@ -236,7 +237,7 @@ def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait
     mcases = module_cases(grid, world_size)
     if not any(c["tp"] == 1 and c["cp"] == 1 for c in lcases):
         raise ValueError("profile grid: the layer fit needs TP1·CP1 shapes")
-    apply_compat()
+    require_compat("training.profile._measure_once")
     backend = default_backend()
     load = wait_quiet(quiet_wait_s)
     t0 = time.perf_counter()

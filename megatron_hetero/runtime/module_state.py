@@ -15,7 +15,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_hetero.compat.pg_collection import param_groups_gathered_over
+from megatron_hetero.compat.fixes import param_groups_gathered_over
 
 
 @dataclass(frozen=True)

@@ -238,13 +238,13 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     `runtime.launcher.RankFailure` / `RankTimeout` when a rank fails or hangs."""
     import signal
 
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
     validate_job(layout, job)
-    apply_compat()
+    require_compat("training.job.run_local")
     lines = _LinesFromRanks() if job.log_interval or job.progress else None
     try:
         # SIGTERM to this process reaches every rank (they lead their own process groups); with
@@ -269,7 +269,7 @@ def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[li
     import torch
     import torch.distributed as dist
 
-    from megatron_hetero.compat import apply_compat, default_backend
+    from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
     from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
@@ -277,7 +277,7 @@ def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[li
     check_world_size(env, layout.world_size)
     validate_job(layout, job)
     apply_rank_env(env)
-    apply_compat()
+    require_compat("training.job.run_as_rank")
     backend = default_backend()
     if backend == "gloo":
         torch.set_num_threads(1)  # as the fork launcher: ranks of one node share its cores

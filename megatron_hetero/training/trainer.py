@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from megatron_hetero.compat import ensure_global_memory_buffer, set_local_device
+from megatron_hetero.compat import ensure_global_memory_buffer, require_compat, set_local_device
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
@@ -22,9 +22,11 @@ from megatron_hetero.training.signals import ExitSignal, finish_on_signal
 
 def prepare_rank(job: JobConfig) -> None:
     """Per-process state Megatron-core needs before models are built: the device, the attention
-    score buffer and the RNG tracker (dropout is 0, so the tracker's streams are never drawn)."""
+    score buffer and the RNG tracker (dropout is 0, so the tracker's streams are never drawn).
+    Assumes the entry point applied `megatron_hetero.compat` (a forked rank inherits it)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    require_compat("training.trainer.prepare_rank")
     set_local_device(int(os.environ.get("LOCAL_RANK", "0")))  # GPU: one device per rank; CPU: no-op
     ensure_global_memory_buffer()
     model_parallel_cuda_manual_seed(job.spec.seed, tp_rank=0, ep_rank=0, etp_rank=0)

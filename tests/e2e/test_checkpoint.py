@@ -36,11 +36,8 @@ JOB = JobConfig(train_iters=4)  # Adam, lr 1e-3, global batch 8, micro-batch 1
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, megatron_compat):
     """The uninterrupted 4-step run under COLOC_TP2, and a 2-step run of it that saved at iteration 2."""
-    from megatron_hetero.compat import apply_compat
-
-    apply_compat()
     root = tmp_path_factory.mktemp("ckpt") / "run"
     full = losses(run_job(COLOC_TP2, 2, JOB))
     first = losses(run_job(COLOC_TP2, 2, dataclasses.replace(JOB, train_iters=2, save=str(root), save_interval=2)))

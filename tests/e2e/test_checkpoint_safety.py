@@ -37,11 +37,8 @@ class Payload:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, megatron_compat):
     """A checkpoint directory with iterations 1 and 2 (marker: 2)."""
-    from megatron_hetero.compat import apply_compat
-
-    apply_compat()
     root = tmp_path_factory.mktemp("safety") / "run"
     run_job(COLOC_TP2, 2, dataclasses.replace(JOB, train_iters=2, save=str(root), save_interval=1))
     return root

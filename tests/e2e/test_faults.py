@@ -108,7 +108,7 @@ COMM_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def references():
+def references(megatron_compat):
     from megatron_hetero.bench import faults as bench
 
     return {lay: bench.reference_losses(lay, COMM_TIMEOUT_S) for lay in bench.LAYOUTS}

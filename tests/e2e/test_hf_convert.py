@@ -90,7 +90,8 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
     import torch.distributed as dist
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hetero.compat import cp_chunk_positions, ensure_global_memory_buffer
+    from megatron_hetero.compat import ensure_global_memory_buffer
+    from megatron_hetero.models.cp_attention import cp_chunk_positions
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.runtime.topology import Topology

@@ -35,10 +35,7 @@ TINY = F.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "enc
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    from megatron_hetero.compat import apply_compat
-
-    apply_compat()
+def measured(tmp_path_factory, megatron_compat):
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     prof, doc = T.run_profile(2, TINY, out=out, quiet_wait_s=0.0, tries=1)
     return prof, doc, out
@@ -314,10 +311,7 @@ def test_search_equals_brute_force_on_measured_style_profiles(shared) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_search_out_yaml_trains_directly(tmp_path, capsys) -> None:
-    from megatron_hetero.compat import apply_compat
-
-    apply_compat()
+def test_search_out_yaml_trains_directly(tmp_path, capsys, megatron_compat) -> None:
     prof_path = tmp_path / "profile.json"
     _synthetic(True).save(prof_path)
     best = tmp_path / "best.yaml"

@@ -55,10 +55,7 @@ def _sigterm_after_iteration_2(proc: subprocess.Popen) -> tuple[str, int]:
 
 
 @pytest.mark.timeout(400)
-def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_path, capfd):
-    from megatron_hetero.compat import apply_compat
-
-    apply_compat()
+def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_path, capfd, megatron_compat):
     full = losses(run_job(COLOC, 2, JOB))
     save, marker = tmp_path / "ckpt", tmp_path / "marker"
     job = dataclasses.replace(JOB, save=str(save), exit_signal_handler=True)
@@ -77,11 +74,9 @@ def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_
 
 
 @pytest.mark.timeout(300)
-def test_without_the_flag_sigterm_is_not_caught(tmp_path):
-    from megatron_hetero.compat import apply_compat
+def test_without_the_flag_sigterm_is_not_caught(tmp_path, megatron_compat):
     from megatron_hetero.runtime.launcher import RankFailure
 
-    apply_compat()
     layout = layout_from_dict(COLOC, world_size=2)
     with pytest.raises(RankFailure, match="SIGTERM"):
         run_ranks(2, train_rank, layout, dataclasses.replace(JOB, save=str(tmp_path / "c")), timeout=200,

@@ -733,8 +733,8 @@ def test_property_leader_route(data) -> None:
 
 
 def test_cp_chunk_positions_are_the_plan_chunks() -> None:
-    """compat's index tensor is built from the plan's one chunking rule (and so matches it)."""
-    from megatron_hetero.compat.cp_attention import cp_chunk_positions
+    """The CP attention's index tensor is built from the plan's one chunking rule (and so matches it)."""
+    from megatron_hetero.models.cp_attention import cp_chunk_positions
 
     for cp in (1, 2, 3, 4):
         for c in range(cp):

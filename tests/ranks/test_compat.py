@@ -1,4 +1,6 @@
-"""megatron_hetero.compat: Megatron-core 0.16.1 on CPU/gloo, against homogeneous references.
+"""megatron_hetero.compat: Megatron-core 0.16.1 on CPU/gloo, against homogeneous references; and the
+compat table itself (every patched spot still exists upstream, the version gate refuses an untargeted
+Megatron-core, compat is applied at the entry points only).
 
 Every multi-rank case builds, in the same forked job, a reference model on a pure-DP grid (each rank
 holds the whole TP1·CP1·PP1 model and sees the same data) and the model under test on a
@@ -33,13 +35,13 @@ from megatron_hetero import compat
 from megatron_hetero.compat import (
     apply_compat,
     clip_vit_norm_kwargs,
-    cp_chunk_positions,
     default_backend,
     ensure_global_memory_buffer,
     get_device,
-    get_gpt_layer_local_spec_with_cp,
     set_local_device,
 )
+from megatron_hetero.models.cp_attention import cp_chunk_positions
+from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
 
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
@@ -349,7 +351,7 @@ def _rel(a: float, b: float) -> float:
 
 
 def _patched_objects() -> dict:
-    """Every object apply_cpu_compat/apply_pg_collection_fixes may replace, by identity."""
+    """Every object apply_cpu_compat/apply_fixes may replace, by identity."""
     import importlib
     import logging
 
@@ -404,11 +406,13 @@ def test_apply_cpu_compat_is_idempotent_and_leaves_torch_alone(monkeypatch):
 
 
 def test_apply_cpu_compat_is_a_noop_when_cuda_is_available(monkeypatch):
+    import dataclasses
+
     from megatron_hetero.compat import cpu
 
     calls = []
     monkeypatch.setattr(cpu, "_APPLIED", False)
-    monkeypatch.setattr(cpu, "PATCHES", [cpu.Patch("spot", "action", lambda: calls.append(1))])
+    monkeypatch.setattr(cpu, "PATCHES", [dataclasses.replace(cpu.PATCHES[0], apply=lambda: calls.append(1))])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cpu.apply_cpu_compat()
     assert calls == [] and not cpu.cpu_compat_applied()
@@ -564,3 +568,182 @@ def test_cp2_attention_matches_cp1_on_gpu():
             loss, norm = cases["cp"]
             assert _rel(loss, ref_loss) <= 1e-5, (kind, loss, ref_loss)
             assert _rel(norm, ref_norm) <= 1e-5, (kind, norm, ref_norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# The compat table: spots, targets, the version gate, the entry points
+# ----------------------------------------------------------------------------------------------
+
+MEGATRON_LM_TREE = os.environ.get("MEGATRON_LM")
+
+
+def test_table_entries_are_complete_and_split_by_reason():
+    from megatron_hetero.compat import cpu, fixes, megatron_lm, table
+    from megatron_hetero.compat.catalog import every_patch
+
+    entries = every_patch()
+    names = [p.name for p in entries]
+    assert len(names) == len(set(names)), "patch names must be unique"
+    assert {p.reason for p in cpu.PATCHES} == {table.CPU} and {p.reason for p in megatron_lm.MEGATRON_LM_PATCHES} == {table.CPU}
+    assert {p.reason for p in [*fixes.FIXES, *fixes.NO_TE_PATCHES]} == {table.FIX}
+    for p in entries:
+        assert p.removal.startswith("remove "), p.name
+        assert p.targets and p.spots and p.spot and p.action, p.name
+        assert table.targets_version(p, table.megatron_core_version()), f"{p.name} does not target the installed version"
+        assert (p.apply is None) == p.use.startswith(("scoped:", "helper:")), p.name
+    # CP attention and layer specs are model code, not compat
+    assert not any("cp_attention" in n or "layer_spec" in n for n in names)
+
+
+def test_every_patched_spot_exists():
+    """Each spot a patch wraps, replaces or relies on is still in the installed Megatron-core/torch with
+    the expected kind and parameters, and still holds the upstream text that makes the patch needed
+    (after an upgrade this names the patches that lost their target). The Megatron-LM set: below."""
+    from megatron_hetero.compat import table
+    from megatron_hetero.compat.catalog import every_patch
+
+    problems = [p for e in every_patch() if not e.name.startswith("megatron_lm.") for p in table.patch_problems(e)]
+    assert not problems, "\n".join(problems)
+
+
+def _megatron_lm_spot_problems(tree: str) -> list:
+    import sys
+
+    from megatron_hetero.compat import megatron_lm, table
+
+    sys.path.append(tree)  # as the Megatron-LM launcher does (this is a forked rank: nothing leaks back)
+    megatron_lm._triton_stub()
+    return [p for e in [*megatron_lm.MEGATRON_LM_PATCHES, *megatron_lm.NO_TE_PATCHES] for p in table.patch_problems(e)]
+
+
+@pytest.mark.skipif(not MEGATRON_LM_TREE, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.16.1 to check "
+                                                 "the Megatron-LM spots")
+def test_every_megatron_lm_patched_spot_exists():
+    (problems,) = run_ranks(1, _megatron_lm_spot_problems, MEGATRON_LM_TREE, init_distributed=False)
+    assert not problems, "\n".join(problems)
+
+
+def test_spot_check_names_what_is_lost():
+    from megatron_hetero.compat.table import Spot, spot_problems
+
+    assert spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "method",
+                              params=("self", "tensor_shape"), uses=("torch.cuda.current_device()",))) == []
+    assert "does not exist" in spot_problems(Spot("megatron.core.utils:no_such_function"))[0]
+    assert "is not defined on GlobalMemoryBuffer" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.gone",
+                                                                        "method"))[0]
+    assert "the patch relies on (self, shape" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor",
+                                                                    "method", params=("self", "shape")))[0]
+    assert "no longer holds" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "method",
+                                                   uses=("device=torch.device('cpu')",)))[0]
+    assert "not a staticmethod" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor",
+                                                      "staticmethod"))[0]
+    assert "not the torch module" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer", "torch"))[0]
+    assert "does not exist" in spot_problems(Spot("megatron.core.no_such_module", "source", uses=("x",)))[0]
+
+
+def _all_unapplied(monkeypatch) -> list:
+    """Mark every compat set unapplied (undone by monkeypatch) and make every `apply` record its call."""
+    import dataclasses
+
+    from megatron_hetero.compat import cpu, fixes, megatron_lm
+
+    calls: list = []
+    for module, flags in ((compat, ("_APPLIED",)), (cpu, ("_APPLIED",)), (megatron_lm, ("_APPLIED",)),
+                          (fixes, ("_APPLIED", "_NO_TE_APPLIED"))):
+        for flag in flags:
+            monkeypatch.setattr(module, flag, False)
+    for module, name in ((cpu, "PATCHES"), (fixes, "FIXES"), (fixes, "NO_TE_PATCHES"),
+                         (megatron_lm, "MEGATRON_LM_PATCHES")):
+        recorded = [dataclasses.replace(p, apply=(lambda n=p.name: calls.append(n)) if p.apply else None)
+                    for p in getattr(module, name)]
+        monkeypatch.setattr(module, name, recorded)
+    return calls
+
+
+def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
+    from megatron.core import package_info
+
+    from megatron_hetero.compat import cpu, fixes, megatron_lm, table
+
+    calls = _all_unapplied(monkeypatch)
+    monkeypatch.setattr(package_info, "__version__", "0.99.0")
+    with pytest.raises(compat.UnsupportedMegatronVersion) as info:
+        compat.apply_compat()
+    text = str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert "megatron-core 0.99.0 is installed" in text and "supports megatron-core 0.16.1" in text
+    assert "'fix.loss_tp_group'" in text and "Nothing was patched" in text
+    for refused in (megatron_lm.apply_megatron_lm_cpu_compat, compat.apply_cpu_compat, fixes.apply_fixes,
+                    fixes.apply_megatron_lm_no_te_fixes, compat.ensure_global_memory_buffer,
+                    compat.clip_vit_norm_kwargs, compat.ensure_moe_without_te):
+        if refused is compat.apply_cpu_compat and torch.cuda.is_available():
+            continue  # a no-op with CUDA
+        with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
+            refused()
+    for scoped in (fixes.filesystem_reader_swapped(lambda d: None), fixes.param_groups_gathered_over(None)):
+        with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
+            with scoped:
+                pass
+    assert calls == [] and not compat.compat_applied()
+    # the same with the version supported: everything is applied, once
+    monkeypatch.setattr(package_info, "__version__", "0.16.1")
+    compat.apply_compat()
+    compat.apply_compat()
+    assert compat.compat_applied()
+    applied = [p.name for p in fixes.FIXES if p.apply] + ([] if torch.cuda.is_available() else
+                                                          [p.name for p in cpu.PATCHES])
+    assert sorted(calls) == sorted(applied)
+
+
+def test_a_target_may_be_a_version_glob():
+    import dataclasses
+
+    from megatron_hetero.compat import fixes, table
+
+    entry = dataclasses.replace(fixes.LOSS_TP_GROUP, targets=("0.16.1", "0.19.*"))
+    assert table.check_targets([entry], "0.19.2") == "0.19.2" and table.check_targets([entry], "0.16.1") == "0.16.1"
+    with pytest.raises(table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.loss_tp_group"):
+        table.check_targets([entry], "0.17.0")
+    assert table.megatron_core_version() == __import__("importlib.metadata").metadata.version("megatron-core")
+
+
+def test_library_code_assumes_compat_was_applied(monkeypatch):
+    from megatron_hetero.training.setup import JobConfig
+    from megatron_hetero.training.trainer import prepare_rank
+
+    compat.require_compat("anything")  # the session applied it
+    monkeypatch.setattr(compat, "_APPLIED", False)
+    with pytest.raises(RuntimeError, match=r"training.trainer.prepare_rank needs megatron_hetero.compat.apply_compat\(\)"):
+        prepare_rank(JobConfig())
+
+
+def test_the_cli_applies_compat_and_reports_a_refusal(monkeypatch, capsys):
+    from megatron.core import package_info
+
+    from megatron_hetero import cli
+    from megatron_hetero.runtime import launcher
+
+    def no_ranks(*a, **k):  # pragma: no cover - reaching it is the failure
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launcher, "run_ranks", no_ranks)
+    _all_unapplied(monkeypatch)
+    monkeypatch.setattr(package_info, "__version__", "0.99.0")
+    layout = str(Path(__file__).resolve().parents[1] / "examples" / "layouts" / "colocated_equal_dp_cp.yaml")
+    assert cli.main(["train", "--hetero-layout", layout, "--train-iters", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-hetero train: megatron-core 0.99.0 is installed") and "Traceback" not in err
+
+
+def test_apply_compat_is_called_at_the_entry_points_only():
+    """The CLI, the Megatron-LM launcher, the benchmark scripts' main, tests/conftest.py; library code
+    asserts (require_compat) instead."""
+    repo = Path(__file__).resolve().parents[1]
+    calls = sorted(f"{p.relative_to(repo)}:{line.strip()}"
+                   for p in [*(repo / "megatron_hetero").rglob("*.py"), *(repo / "tests").rglob("*.py")]
+                   if "compat" not in p.relative_to(repo).parts[1:2] and p.name != "test_compat.py"
+                   for line in p.read_text().splitlines()
+                   if re.match(r"\s*apply_(megatron_lm_cpu_)?compat\(\)", line))
+    assert [c.split(":")[0] for c in calls] == [
+        "megatron_hetero/bench/cost_check.py", "megatron_hetero/bench/trace_overhead.py", "megatron_hetero/cli/__init__.py",
+        "megatron_hetero/megatron_lm/run.py", "tests/conftest.py"], "\n".join(calls)

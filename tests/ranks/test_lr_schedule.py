@@ -65,10 +65,7 @@ def test_iteration_line_and_progress():
 
 
 @pytest.mark.timeout(300)
-def test_warmup_cosine_rates_and_resume_with_schedule(tmp_path):
-    from megatron_hetero.compat import apply_compat
-
-    apply_compat()
+def test_warmup_cosine_rates_and_resume_with_schedule(tmp_path, megatron_compat):
     sched = LRSchedule(lr_warmup_iters=2, lr_decay_style="cosine", lr_decay_iters=5, min_lr=1e-4)
     job = JobConfig(train_iters=6, schedule=sched, optim=OptimConfig(lr=2e-3))
     per_rank = run_job(COLOC, 2, job)
@@ -98,12 +95,9 @@ def test_warmup_cosine_rates_and_resume_with_schedule(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_clip_grad_per_module_same_in_every_layout():
+def test_clip_grad_per_module_same_in_every_layout(megatron_compat):
     """--clip-grad clips each module by its own norm (over its own model-parallel group): the
     same training whatever the module's layout, and different from unclipped training."""
-    from megatron_hetero.compat import apply_compat
-
-    apply_compat()
     clipped = JobConfig(train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.05))
     het = run_job(COLOC, 2, clipped)
     ref = run_job(world1_doc(clipped), 1, clipped)

@@ -95,12 +95,10 @@ def moe_full_params(per_rank, num_experts: int, ep: int):
 
 
 def _moe_job(steps: int = 5, **over):
-    from megatron_hetero.compat import apply_compat
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.runtime.module_state import OptimConfig
     from megatron_hetero.training.setup import JobConfig
 
-    apply_compat()  # idempotent; the forked ranks inherit it (this module imports no torch when collected)
     spec = LlavaSpec(**{**MOE_KW, **over})
     return JobConfig(spec=spec, global_batch_size=8, micro_batch_size=1, train_iters=steps,
                      optim=OptimConfig(optimizer="sgd", lr=0.5))
@@ -142,6 +140,7 @@ def _id(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9@-]+", "_", label.replace("·", "."))
 
 
+@pytest.mark.usefixtures("megatron_compat")  # this module imports no torch when collected
 @pytest.mark.parametrize("case", CASES, ids=[_id(c[0]) for c in CASES])
 def test_moe_parity_with_world1(case):
     from parity import losses, max_loss_rel_diff, max_param_rel_diff, run_job
@@ -189,6 +188,7 @@ def _gradient_groups(layout, job):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("megatron_compat")
 def test_expert_gradients_reduce_over_expert_dp():
     """LLM DP8·EP4 on 8 ranks: dense buffers reduce over the 8 DP ranks, expert buffers over the
     expert-DP pairs {r, r+4} (ranks holding the same experts); `finalize_grads` (DDP's

@@ -99,12 +99,10 @@ STEPS = 5
 
 
 def _job():
-    from megatron_hetero.compat import apply_compat
     from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, OutputSpec
     from megatron_hetero.runtime.module_state import OptimConfig
     from megatron_hetero.training.setup import JobConfig
 
-    apply_compat()  # idempotent; inherited by the forked ranks
     spec = LlavaSpec(encoders={"vision": EncoderSpec(offset=1),
                                "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=10)},
                      outputs={"generator": OutputSpec(tokens=4, offset=24, hidden_size=32, out_dim=16)})
@@ -144,6 +142,7 @@ def _id(label: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.usefixtures("megatron_compat")  # this module imports no torch when collected
 @pytest.mark.parametrize("case", CASES, ids=[_id(c[0]) for c in CASES])
 def test_output_module_parity_with_world1(case):
     from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, run_job
@@ -172,6 +171,7 @@ def test_output_module_parity_with_world1(case):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("megatron_compat")
 def test_generator_gradient_reaches_the_language_model():
     """Without the generator the language model ends elsewhere: its head's gradient does move it."""
     import dataclasses
@@ -194,6 +194,7 @@ def test_generator_gradient_reaches_the_language_model():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+@pytest.mark.usefixtures("megatron_compat")
 def test_moe_language_model_with_a_generator(placement):
     """Both features together: an MoE language model (EP2) between the encoders and the generator.
     Per-step loss, its parts and the load-balancing loss match the world-1 run (5 steps)."""

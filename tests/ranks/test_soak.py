@@ -12,7 +12,7 @@ from megatron_hetero.bench import soak
 
 
 @pytest.mark.timeout(600)
-def test_soak_60_steps_world_8(tmp_path):
+def test_soak_60_steps_world_8(tmp_path, megatron_compat):
     doc = soak.run(tmp_path, steps=60, warmup=20)
     assert json.loads((tmp_path / "soak.json").read_text())["passed"] == doc["passed"]
     assert set(doc["layouts"]) == set(soak.LAYOUTS)

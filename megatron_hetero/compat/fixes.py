@@ -1,0 +1,399 @@
+"""Fixes for Megatron-core 0.16.1 that act on every machine, GPU included (reason :data:`~.table.FIX`).
+
+Not CPU-specific; each works around an upstream bug or limitation the project meets wherever it runs:
+
+* spots that read Megatron's *global* ``parallel_state`` groups although the model was built with
+  ``pg_collection=`` (without ``initialize_model_parallel`` they fail, with it they would silently
+  use the wrong group whenever two modules in one process have different layouts):
+  ``fix.loss_tp_group`` (applied once by :func:`apply_fixes`), ``fix.optimizer_param_groups_gather``
+  (:func:`param_groups_gathered_over`, scoped), ``fix.global_memory_buffer``
+  (:func:`ensure_global_memory_buffer`, a helper);
+* spots that fail without Transformer Engine: ``fix.clip_vit_norm`` (:func:`clip_vit_norm_kwargs`),
+  ``fix.moe_router_without_te`` (:func:`ensure_moe_without_te`), and for Megatron-LM's ``LLaVAModel``
+  ``fix.clip_vit_default_norm`` (:data:`NO_TE_PATCHES`, applied by the Megatron-LM launcher);
+* ``fix.checkpoint_reader``: the reader swap of ``training/safe_unpickle.py``
+  (:func:`filesystem_reader_swapped`, scoped), so that a torch_dist checkpoint load runs no code
+  from the checkpoint.
+
+:data:`FIXES` lists the entries :func:`megatron_hetero.compat.apply_compat` gates (and applies,
+where they have ``apply``); the scoped swaps and the helpers check their targets again when used.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Any, Callable, Dict, Iterator, List
+
+import torch
+
+from ._patching import wrap_method
+from .table import FIX, MCORE_0_16_1, Patch, Spot, check_targets
+
+__all__ = [
+    "FIXES",
+    "NO_TE_PATCHES",
+    "apply_fixes",
+    "apply_megatron_lm_no_te_fixes",
+    "clip_vit_norm_kwargs",
+    "ensure_global_memory_buffer",
+    "ensure_moe_without_te",
+    "filesystem_reader_swapped",
+    "fixes_applied",
+    "param_groups_gathered_over",
+]
+
+_APPLIED = False
+_NO_TE_APPLIED = False
+_NORM_MARK = "__megatron_hetero_clip_vit_norm__"  # in table.WRAPPER_MARKS
+
+_MC = "megatron.core"
+_LM = f"{_MC}.models.common.language_module.language_module"
+_XENT = f"{_MC}.tensor_parallel.cross_entropy"
+_CLIP = f"{_MC}.models.vision.clip_vit_model"
+_DCP_TORCH = f"{_MC}.dist_checkpointing.strategies.torch"
+
+
+# --------------------------------------------------------------------------------------------
+# fix.loss_tp_group (applied by apply_fixes)
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _cross_entropy_uses(tp_group):
+    """During the block, ``tensor_parallel.cross_entropy`` takes its TP group from ``tp_group``."""
+    module = importlib.import_module(_XENT)
+    names = (
+        "get_tensor_model_parallel_group",
+        "get_tensor_model_parallel_rank",
+        "get_tensor_model_parallel_world_size",
+    )
+    replacements = (
+        lambda *args, **kwargs: tp_group,
+        lambda *args, **kwargs: tp_group.rank(),
+        lambda *args, **kwargs: tp_group.size(),
+    )
+    saved = [getattr(module, name) for name in names]
+    for name, value in zip(names, replacements):
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in zip(names, saved):
+            setattr(module, name, value)
+
+
+def _loss_uses_model_tp_group() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    def make(original):
+        @functools.wraps(original)
+        def compute_language_model_loss(self, labels, logits):
+            tp_group = getattr(getattr(self, "pg_collection", None), "tp", None)
+            if tp_group is None:
+                return original(self, labels, logits)
+            # _VocabParallelCrossEntropy communicates only in forward; backward is local.
+            with _cross_entropy_uses(tp_group):
+                return original(self, labels, logits)
+
+        return compute_language_model_loss
+
+    wrap_method(LanguageModule, "compute_language_model_loss", make)
+
+
+LOSS_TP_GROUP = Patch(
+    name="fix.loss_tp_group", reason=FIX,
+    spot=f"{_LM}: LanguageModule.compute_language_model_loss -> tensor_parallel.vocab_parallel_cross_entropy "
+         "(tensor_parallel/cross_entropy.py: _VocabParallelCrossEntropy.forward reads "
+         "parallel_state.get_tensor_model_parallel_group/rank/world_size)",
+    action="during the call, those three names in tensor_parallel.cross_entropy return the model's "
+           "pg_collection.tp group",
+    targets=MCORE_0_16_1,
+    removal="remove when vocab_parallel_cross_entropy takes the TP group from the model's pg_collection",
+    spots=(Spot(f"{_LM}:LanguageModule.compute_language_model_loss", "method", params=("self", "labels", "logits")),
+           Spot(f"{_XENT}:_VocabParallelCrossEntropy.forward", "staticmethod",
+                uses=("group=get_tensor_model_parallel_group()", "get_tensor_model_parallel_rank()",
+                      "get_tensor_model_parallel_world_size()")),
+           Spot(f"{_XENT}:get_tensor_model_parallel_group"),
+           Spot(f"{_XENT}:get_tensor_model_parallel_rank"),
+           Spot(f"{_XENT}:get_tensor_model_parallel_world_size")),
+    apply=_loss_uses_model_tp_group,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# fix.optimizer_param_groups_gather (scoped)
+# --------------------------------------------------------------------------------------------
+
+PARAM_GROUPS_GATHER = Patch(
+    name="fix.optimizer_param_groups_gather", reason=FIX,
+    spot=f"{_MC}.optimizer: _get_param_groups aligns param-group keys with torch.distributed.all_gather_object "
+         "on the default (world) group (once for dense and once for expert parameters)",
+    action="inside param_groups_gathered_over(group), a gather on the default group runs over `group` "
+           "(this module's pipeline stage)",
+    targets=MCORE_0_16_1,
+    removal="remove when get_megatron_optimizer aligns param groups over a group from its pg_collection",
+    spots=(Spot(f"{_MC}.optimizer:_get_param_groups", params=("model_chunks", "config"),
+                uses=("torch.distributed.all_gather_object(gathered_params_key, params_key)",)),
+           Spot("torch.distributed:all_gather_object", params=("object_list", "obj", "group"))),
+    use="scoped: param_groups_gathered_over() around get_megatron_optimizer (runtime/module_state.py)",
+)
+
+
+@contextlib.contextmanager
+def param_groups_gathered_over(group):
+    """Megatron-core's `get_megatron_optimizer` aligns param-group keys with an `all_gather_object`
+    on the default (world) group (optimizer/__init__.py `_get_param_groups`, once for dense and once
+    for expert parameters). Only ranks that build this module's optimizer call it, so with disjoint
+    islands or frozen stages the world-wide gather never completes. Inside this context a gather on
+    the default group runs over `group` (this module's pipeline stage) instead
+    (``fix.optimizer_param_groups_gather``)."""
+    import torch.distributed as dist
+
+    check_targets([PARAM_GROUPS_GATHER])
+    orig = dist.all_gather_object
+
+    def gather(object_list, obj, group_=None, **kw):
+        group_ = kw.pop("group", group_)
+        if group_ is not None:
+            return orig(object_list, obj, group=group_, **kw)
+        out = [None] * dist.get_world_size(group)
+        orig(out, obj, group=group, **kw)
+        object_list[:] = out
+
+    dist.all_gather_object = gather
+    try:
+        yield
+    finally:
+        dist.all_gather_object = orig
+
+
+# --------------------------------------------------------------------------------------------
+# fix.checkpoint_reader (scoped; used by training/safe_unpickle.py)
+# --------------------------------------------------------------------------------------------
+
+_CACHED_READER = f"{_MC}.dist_checkpointing.strategies.cached_metadata_filesystem_reader"
+
+CHECKPOINT_READER = Patch(
+    name="fix.checkpoint_reader", reason=FIX,
+    spot=f"{_DCP_TORCH}: TorchDistLoadShardedStrategy makes its reader with the module function "
+         "_get_filesystem_reader; torch's FileSystemReader.read_metadata reads .metadata with a plain "
+         "pickle.load (a crafted checkpoint runs code when it is loaded)",
+    action="during each load of training/safe_unpickle.py, _get_filesystem_reader returns its "
+           "SafeFileSystemReader (a CachedMetadataFileSystemReader whose read_metadata uses a restricted "
+           "unpickler); undone on exit",
+    targets=MCORE_0_16_1,
+    removal="remove when Megatron-core's torch_dist load strategy takes a storage reader (or torch's "
+            "FileSystemReader reads .metadata with a restricted unpickler)",
+    spots=(Spot(f"{_DCP_TORCH}:_get_filesystem_reader", params=("checkpoint_dir", "cache_metadata")),
+           Spot(f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load", "method",
+                params=("self", "sharded_state_dict", "checkpoint_dir"), uses=("_get_filesystem_reader(",)),
+           Spot(f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load_tensors_metadata", "method",
+                params=("self", "checkpoint_dir", "metadata")),
+           Spot(f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load_sharded_metadata", "method",
+                params=("self", "checkpoint_dir")),
+           Spot(f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_common", "method",
+                params=("self", "checkpoint_dir")),
+           Spot(f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_sharded_objects",
+                "method", params=("self", "sharded_objects_state_dict", "checkpoint_dir")),
+           Spot(f"{_CACHED_READER}:CachedMetadataFileSystemReader.__init__", "method", params=("self", "path"),
+                uses=("self._cached_metadata = None",)),
+           Spot(f"{_CACHED_READER}:CachedMetadataFileSystemReader.read_metadata", "method", params=("self",)),
+           Spot("torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata", "method",
+                uses=("pickle.load(", "self.load_id"))),
+    use="scoped: filesystem_reader_swapped() during each load (training/safe_unpickle.py)",
+)
+
+
+@contextlib.contextmanager
+def filesystem_reader_swapped(make_reader: Callable[[Any], Any]) -> Iterator[None]:
+    """During the block, Megatron's torch_dist load strategy makes its checkpoint reader with
+    ``make_reader(checkpoint_dir)`` instead of ``strategies.torch._get_filesystem_reader`` (a swap of
+    that one module attribute, undone on exit; ``fix.checkpoint_reader``)."""
+    check_targets([CHECKPOINT_READER])
+    mtorch = importlib.import_module(_DCP_TORCH)
+    real = mtorch._get_filesystem_reader
+    mtorch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: make_reader(checkpoint_dir)
+    try:
+        yield
+    finally:
+        mtorch._get_filesystem_reader = real
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers the model code calls (fix.global_memory_buffer, fix.clip_vit_norm, fix.moe_router_without_te)
+# --------------------------------------------------------------------------------------------
+
+GLOBAL_MEMORY_BUFFER = Patch(
+    name="fix.global_memory_buffer", reason=FIX,
+    spot=f"{_MC}.transformer.dot_product_attention: DotProductAttention.forward takes its score buffer from "
+         "parallel_state.get_global_memory_buffer(), which only initialize_model_parallel creates",
+    action="ensure_global_memory_buffer() creates it (parallel_state._set_global_memory_buffer) once per "
+           "process for models built from explicit pg_collection groups",
+    targets=MCORE_0_16_1,
+    removal="remove when DotProductAttention allocates its buffer without Megatron's global parallel state",
+    spots=(Spot(f"{_MC}.parallel_state:_set_global_memory_buffer", params=()),
+           Spot(f"{_MC}.parallel_state:_GLOBAL_MEMORY_BUFFER", "value"),
+           Spot(f"{_MC}.transformer.dot_product_attention:DotProductAttention.forward", "method",
+                uses=("parallel_state.get_global_memory_buffer()",))),
+    use="helper: ensure_global_memory_buffer() before building models (training/trainer.py, ...)",
+)
+
+
+def ensure_global_memory_buffer() -> None:
+    """Create Megatron's global memory buffer if ``initialize_model_parallel`` did not.
+
+    ``DotProductAttention.forward`` (local spec) takes its score buffer from
+    ``parallel_state.get_global_memory_buffer()``, which only ``initialize_model_parallel`` creates;
+    a model built from explicit ``pg_collection`` groups needs this call once per process
+    (``fix.global_memory_buffer``).
+    """
+    from megatron.core import parallel_state
+
+    check_targets([GLOBAL_MEMORY_BUFFER])
+    if getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None) is None:
+        parallel_state._set_global_memory_buffer()
+
+
+CLIP_VIT_NORM = Patch(
+    name="fix.clip_vit_norm", reason=FIX,
+    spot=f"{_CLIP}: without TE the default ln_pre_impl/ln_post_impl is torch.nn.LayerNorm (NORM_IMPL), which "
+         "build_module calls with config= and fails (upstream bug)",
+    action="clip_vit_norm_kwargs() gives ln_pre_impl=ln_post_impl=WrappedTorchNorm when NORM_IMPL is "
+           "torch.nn.LayerNorm (nothing with TE)",
+    targets=MCORE_0_16_1,
+    removal="remove when CLIPViTModel's default norm without TE accepts config= (e.g. WrappedTorchNorm)",
+    spots=(Spot(f"{_CLIP}:NORM_IMPL", "value"),
+           Spot(f"{_CLIP}:CLIPViTModel.__init__", "method",
+                params=("self", "transformer_config", "transformer_layer_spec", "ln_pre_impl", "ln_post_impl"),
+                uses=("config=transformer_config",)),
+           Spot(f"{_MC}.transformer.torch_norm:WrappedTorchNorm", "class")),
+    use="helper: clip_vit_norm_kwargs() in CLIPViTModel(...) calls (models/clip_encoder.py)",
+)
+
+
+def clip_vit_norm_kwargs() -> Dict[str, Any]:
+    """Keyword arguments for ``CLIPViTModel(...)`` when Transformer Engine is absent.
+
+    Upstream bug (megatron/core/models/vision/clip_vit_model.py): without TE the default
+    ``ln_pre_impl``/``ln_post_impl`` is ``torch.nn.LayerNorm``, which ``build_module`` calls with
+    ``config=`` and fails. ``WrappedTorchNorm`` accepts that signature. With TE: no override
+    (``fix.clip_vit_norm``).
+    """
+    from megatron.core.models.vision import clip_vit_model
+
+    check_targets([CLIP_VIT_NORM])
+    if clip_vit_model.NORM_IMPL is not torch.nn.LayerNorm:
+        return {}
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return {"ln_pre_impl": WrappedTorchNorm, "ln_post_impl": WrappedTorchNorm}
+
+
+MOE_WITHOUT_TE = Patch(
+    name="fix.moe_router_without_te", reason=FIX,
+    spot=f"{_MC}.transformer.moe.moe_utils: te_general_gemm is bound only when TE imports, but "
+         "RouterGatingLinearFunction reads it unconditionally (NameError without TE; upstream bug)",
+    action="ensure_moe_without_te() binds moe_utils.te_general_gemm = None when it is missing (the torch.mm "
+           "path); nothing with TE",
+    targets=MCORE_0_16_1,
+    removal="remove when moe_utils binds te_general_gemm = None without TE",
+    spots=(Spot(f"{_MC}.transformer.moe.moe_utils:RouterGatingLinearFunction.forward", "staticmethod",
+                uses=("if te_general_gemm is not None",)),),
+    use="helper: ensure_moe_without_te() before building MoE layers (models/llava.py)",
+)
+
+
+def ensure_moe_without_te() -> None:
+    """Make Megatron's MoE router run without Transformer Engine.
+
+    Upstream bug (megatron/core/transformer/moe/moe_utils.py, 0.16.1): `te_general_gemm` is bound
+    only when TE imports, but `RouterGatingLinearFunction` reads it unconditionally (NameError
+    without TE). Without TE it must be None (the torch.mm path). With TE: no change
+    (``fix.moe_router_without_te``).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    check_targets([MOE_WITHOUT_TE])
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+#: The fixes :func:`megatron_hetero.compat.apply_compat` gates on every machine (and applies, where an
+#: entry has ``apply``; the others act where they are used).
+FIXES: List[Patch] = [LOSS_TP_GROUP, PARAM_GROUPS_GATHER, CHECKPOINT_READER, GLOBAL_MEMORY_BUFFER, CLIP_VIT_NORM,
+                      MOE_WITHOUT_TE]
+
+
+def apply_fixes() -> None:
+    """Check :data:`FIXES`' targets, then apply those with ``apply`` (any device; idempotent)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    check_targets(FIXES)
+    for patch in FIXES:
+        if patch.apply is not None:
+            patch.apply()
+    _APPLIED = True
+
+
+def fixes_applied() -> bool:
+    """Whether :func:`apply_fixes` has run in this process."""
+    return _APPLIED
+
+
+# --------------------------------------------------------------------------------------------
+# fix.clip_vit_default_norm (Megatron-LM's LLaVAModel; applied by the Megatron-LM launcher)
+# --------------------------------------------------------------------------------------------
+
+
+def _clip_vit_torch_norm() -> None:
+    """``CLIPViTModel`` built by ``LLaVAModel`` gets no ``ln_pre_impl``/``ln_post_impl``: without TE
+    the default ``torch.nn.LayerNorm`` is called with ``config=`` and fails. Default them to
+    ``WrappedTorchNorm`` (:func:`clip_vit_norm_kwargs`)."""
+    from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+
+    if not clip_vit_norm_kwargs():
+        return
+
+    init = vars(CLIPViTModel)["__init__"]
+    if getattr(init, _NORM_MARK, False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for k, v in clip_vit_norm_kwargs().items():
+            kwargs.setdefault(k, v)
+        return init(self, *args, **kwargs)
+
+    # Its own marker: the CPU set's own wrapper of this __init__ (tensor.cuda() identity) may be
+    # installed before or after this one, and both must stay.
+    setattr(__init__, _NORM_MARK, True)
+    CLIPViTModel.__init__ = __init__
+
+
+NO_TE_PATCHES: List[Patch] = [
+    Patch(
+        name="fix.clip_vit_default_norm", reason=FIX,
+        spot=f"{_CLIP}: CLIPViTModel.__init__ default ln_pre_impl/ln_post_impl = torch.nn.LayerNorm, called "
+             "with config= (fails without TE; Megatron-LM's LLaVAModel passes no norm)",
+        action="default both to WrappedTorchNorm (when TE is absent)",
+        targets=MCORE_0_16_1,
+        removal="remove with fix.clip_vit_norm (CLIPViTModel's default norm without TE accepts config=)",
+        spots=CLIP_VIT_NORM.spots,
+        apply=_clip_vit_torch_norm,
+        use="applied once by apply_megatron_lm_no_te_fixes() (the Megatron-LM launcher, every machine)",
+    ),
+]
+
+
+def apply_megatron_lm_no_te_fixes() -> None:
+    """The fixes every machine without Transformer Engine needs for Megatron-LM's VLM script
+    (:data:`NO_TE_PATCHES`; targets checked first; idempotent)."""
+    global _NO_TE_APPLIED
+    if _NO_TE_APPLIED:
+        return
+    check_targets(NO_TE_PATCHES)
+    for p in NO_TE_PATCHES:
+        p.apply()
+    _NO_TE_APPLIED = True
