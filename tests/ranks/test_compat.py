@@ -729,7 +729,7 @@ def test_the_cli_applies_compat_and_reports_a_refusal(monkeypatch, capsys):
     monkeypatch.setattr(launcher, "run_ranks", no_ranks)
     _all_unapplied(monkeypatch)
     monkeypatch.setattr(package_info, "__version__", "0.99.0")
-    layout = str(Path(__file__).resolve().parents[1] / "examples" / "layouts" / "colocated_equal_dp_cp.yaml")
+    layout = str(Path(__file__).resolve().parents[2] / "examples" / "layouts" / "colocated_equal_dp_cp.yaml")
     assert cli.main(["train", "--hetero-layout", layout, "--train-iters", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("megatron-hetero train: megatron-core 0.99.0 is installed") and "Traceback" not in err
@@ -738,7 +738,7 @@ def test_the_cli_applies_compat_and_reports_a_refusal(monkeypatch, capsys):
 def test_apply_compat_is_called_at_the_entry_points_only():
     """The CLI, the Megatron-LM launcher, the benchmark scripts' main, tests/conftest.py; library code
     asserts (require_compat) instead."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     calls = sorted(f"{p.relative_to(repo)}:{line.strip()}"
                    for p in [*(repo / "megatron_hetero").rglob("*.py"), *(repo / "tests").rglob("*.py")]
                    if "compat" not in p.relative_to(repo).parts[1:2] and p.name != "test_compat.py"
