@@ -1,4 +1,5 @@
 """`python -m megatron_hetero ...` (and `torchrun -m megatron_hetero ...`): the `megatron-hetero` command."""
+
 import sys
 
 from megatron_hetero.cli import main

@@ -4,20 +4,9 @@
 # mypy is missing there (scripts/install.sh dev: CPU torch pin first, as for the tests).
 # Runs every step and exits non-zero if any failed.
 #
-# Usage: scripts/lint.sh [--no-format]
-#   --no-format  skip `ruff format --check .`. The format is configured but not applied yet: the one
-#                `ruff format .` pass over the tree comes after the parallel branches merge, and until
-#                then the format check fails on most files; use this option in CI until that pass.
+# Usage: scripts/lint.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-format=1
-for arg in "$@"; do
-  case "$arg" in
-    --no-format) format=0 ;;
-    -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "scripts/lint.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
-  esac
-done
 if ! { [ -x .venv/bin/ruff ] && [ -x .venv/bin/mypy ]; }; then
   bash scripts/install.sh dev
 fi
@@ -27,8 +16,6 @@ step() {
   "$@" || { rc=1; echo "scripts/lint.sh: failed: $*" >&2; }
 }
 step .venv/bin/ruff check .
-if [ "$format" -eq 1 ]; then
-  step .venv/bin/ruff format --check .
-fi
+step .venv/bin/ruff format --check .
 step .venv/bin/mypy
 exit "$rc"

@@ -4,6 +4,7 @@ caption accuracy, from the runs' --log-jsonl files; writes a PNG and a JSON summ
     python scripts/plot_llava_digits.py bench-results/llava-digits --out docs/benchmarks/llava_digits
 Needs matplotlib (the `bench` extra).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,17 +23,25 @@ def main() -> None:
     a = ap.parse_args()
     s1, s2 = load(a.run / "stage1.jsonl"), load(a.run / "stage2.jsonl")
     wall = json.loads((a.run / "wall.json").read_text()) if (a.run / "wall.json").exists() else {}
-    evals = [{"stage": st, "iteration": r["iteration"], "eval_loss": r["eval_loss"],
-              "eval_accuracy": r["eval_accuracy"]} for st, recs in ((1, s1), (2, s2)) for r in recs if "eval_loss" in r]
+    evals = [
+        {"stage": st, "iteration": r["iteration"], "eval_loss": r["eval_loss"], "eval_accuracy": r["eval_accuracy"]}
+        for st, recs in ((1, s1), (2, s2))
+        for r in recs
+        if "eval_loss" in r
+    ]
     summary = {
         "job": "LLaVA-style two-stage run on the digits (scripts/llava_digits.sh): 4 CPU ranks, colocated, "
-               "vision DP4 (frozen trunk), language TP2·DP2; stage 1 projector only, stage 2 projector + LLM",
-        "stage1_iterations": len(s1), "stage2_iterations": len(s2),
+        "vision DP4 (frozen trunk), language TP2·DP2; stage 1 projector only, stage 2 projector + LLM",
+        "stage1_iterations": len(s1),
+        "stage2_iterations": len(s2),
         "loss": {"first": s1[0]["loss"], "end_of_stage1": s1[-1]["loss"], "last": s2[-1]["loss"]},
         "evaluations": evals,
-        "final_heldout_accuracy": evals[-1]["eval_accuracy"], "final_heldout_loss": evals[-1]["eval_loss"],
-        "mean_step_time_s": {"stage1": sum(r["step_time_s"] for r in s1) / len(s1),
-                             "stage2": sum(r["step_time_s"] for r in s2) / len(s2)},
+        "final_heldout_accuracy": evals[-1]["eval_accuracy"],
+        "final_heldout_loss": evals[-1]["eval_loss"],
+        "mean_step_time_s": {
+            "stage1": sum(r["step_time_s"] for r in s1) / len(s1),
+            "stage2": sum(r["step_time_s"] for r in s2) / len(s2),
+        },
         "wall_time_s": wall,
         "train_loss": [[r["iteration"], r["loss"]] for r in s1 + s2],
     }
@@ -47,19 +56,41 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.2))
-    ax.plot([r["iteration"] for r in s1], [r["loss"] for r in s1], color="tab:gray", lw=1,
-            label="train loss, stage 1 (projector only)")
-    ax.plot([r["iteration"] for r in s2], [r["loss"] for r in s2], color="tab:blue", lw=1,
-            label="train loss, stage 2 (projector + LLM)")
-    ax.plot([e["iteration"] for e in evals], [e["eval_loss"] for e in evals], "o--", color="tab:blue", ms=3,
-            label="held-out loss")
+    ax.plot(
+        [r["iteration"] for r in s1],
+        [r["loss"] for r in s1],
+        color="tab:gray",
+        lw=1,
+        label="train loss, stage 1 (projector only)",
+    )
+    ax.plot(
+        [r["iteration"] for r in s2],
+        [r["loss"] for r in s2],
+        color="tab:blue",
+        lw=1,
+        label="train loss, stage 2 (projector + LLM)",
+    )
+    ax.plot(
+        [e["iteration"] for e in evals],
+        [e["eval_loss"] for e in evals],
+        "o--",
+        color="tab:blue",
+        ms=3,
+        label="held-out loss",
+    )
     ax.set_yscale("log")
     ax.set_xlabel("iteration (global batch 40)")
     ax.set_ylabel("loss per caption token")
     ax.axvspan(0, len(s1), color="0.9")
     ax2 = ax.twinx()
-    ax2.plot([e["iteration"] for e in evals], [100 * e["eval_accuracy"] for e in evals], "s-", color="tab:red",
-             ms=4, label="held-out caption accuracy")
+    ax2.plot(
+        [e["iteration"] for e in evals],
+        [100 * e["eval_accuracy"] for e in evals],
+        "s-",
+        color="tab:red",
+        ms=4,
+        label="held-out caption accuracy",
+    )
     ax2.axhline(10, color="tab:red", lw=0.6, ls=":")
     ax2.set_ylim(0, 100)
     ax2.set_ylabel("held-out caption accuracy (%)", color="tab:red")
@@ -69,8 +100,10 @@ def main() -> None:
     ax.set_title("LLaVA-style run on the digits: vision DP4 + language TP2·DP2 (colocated, 4 CPU ranks)", fontsize=9)
     fig.tight_layout()
     fig.savefig(a.out.with_suffix(".png"), dpi=110)
-    print(f"wrote {a.out.with_suffix('.png')} and {a.out.with_suffix('.json')}: final held-out accuracy "
-          f"{summary['final_heldout_accuracy']:.3f}")
+    print(
+        f"wrote {a.out.with_suffix('.png')} and {a.out.with_suffix('.json')}: final held-out accuracy "
+        f"{summary['final_heldout_accuracy']:.3f}"
+    )
 
 
 if __name__ == "__main__":

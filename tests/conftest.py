@@ -30,6 +30,7 @@ and build Megatron models ask for it by name (`megatron_compat` as an argument, 
 `END_TO_END` gets it here, and a module can also mark itself (`pytestmark = pytest.mark.slow`, as
 gpu/test_gpu.py does). `pytest -m "not slow"` skips them; the default run includes them.
 """
+
 from __future__ import annotations
 
 import re

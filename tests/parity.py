@@ -1,5 +1,6 @@
 """Helpers for loss/parameter parity tests: run a job on forked ranks, gather full parameters from
 TP shards and pipeline stages, compare against a reference run."""
+
 from __future__ import annotations
 
 import re
@@ -41,7 +42,9 @@ def _layers_per_stage(per_rank: list[dict], module: str) -> int:
     return 0
 
 
-def full_params(per_rank: list[dict], segment_offsets: dict[str, int] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+def full_params(
+    per_rank: list[dict], segment_offsets: dict[str, int] | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
     """Full parameters by (module, global name): TP shards concatenated along the dimension where the
     shard is smaller than the full tensor, pipeline-stage layer indices made global. The language
     module's parameters are keyed under 'language' whatever the segment names (offsets by segment)."""
@@ -77,8 +80,14 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool((a - b).abs().max() <= 1e-6 * a.abs().max().clamp_min(1e-30))
 
 
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-           "word_embeddings.weight", "output_layer.weight")
+_COLUMN = (
+    "linear_qkv.weight",
+    "linear_qkv.bias",
+    "linear_fc1.weight",
+    "linear_fc1.bias",
+    "word_embeddings.weight",
+    "output_layer.weight",
+)
 _ROW = ("linear_proj.weight", "linear_fc2.weight")
 
 

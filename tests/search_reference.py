@@ -4,6 +4,7 @@
 `heteropipe.enumerate_pipelines`; `brute_force` builds every candidate of a `SearchSpace` as a
 `Candidate` and scores it with `cost.evaluate`.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -18,13 +19,22 @@ from megatron_hetero.planner.search import SearchSpace, _chains, _layouts
 from megatron_hetero.planner.workload import Candidate, Segment, Workload
 
 
-def heteropipe_brute_force(num_layers: int, num_devices: int, num_stages: int, strategies: Sequence[Degrees],
-                           stage_cost: StageCost, num_microbatches: int, use_all_devices: bool = True) -> PipelinePlan:
+def heteropipe_brute_force(
+    num_layers: int,
+    num_devices: int,
+    num_stages: int,
+    strategies: Sequence[Degrees],
+    stage_cost: StageCost,
+    num_microbatches: int,
+    use_all_devices: bool = True,
+) -> PipelinePlan:
     """Reference: evaluate every configuration of `enumerate_pipelines` (small problems only)."""
     best = None
     for conf in enumerate_pipelines(num_layers, num_devices, num_stages, strategies, use_all_devices):
-        plan = PipelinePlan(tuple(StagePlan(i, j, s, float(stage_cost(i, j, s, k))) for k, (i, j, s) in enumerate(conf)),
-                            num_microbatches)
+        plan = PipelinePlan(
+            tuple(StagePlan(i, j, s, float(stage_cost(i, j, s, k))) for k, (i, j, s) in enumerate(conf)),
+            num_microbatches,
+        )
         if np.isfinite(plan.objective) and (best is None or plan.objective < best.objective):
             best = plan
     if best is None:
@@ -32,8 +42,13 @@ def heteropipe_brute_force(num_layers: int, num_devices: int, num_stages: int, s
     return best
 
 
-def brute_force(wl: Workload, prof: Profile, world_size: int, memory_limit: Optional[float] = None,
-                space: SearchSpace = SearchSpace()) -> list[tuple[float, Candidate]]:
+def brute_force(
+    wl: Workload,
+    prof: Profile,
+    world_size: int,
+    memory_limit: Optional[float] = None,
+    space: SearchSpace = SearchSpace(),
+) -> list[tuple[float, Candidate]]:
     """Reference for tests: every candidate of `space` built one by one and scored with the scalar
     `cost.evaluate` (homogeneous: every stage-0 layer count). Sorted (total, candidate), feasible only."""
     limit = 0.9 * prof.memory_bytes if memory_limit is None else float(memory_limit)
@@ -44,8 +59,10 @@ def brute_force(wl: Workload, prof: Profile, world_size: int, memory_limit: Opti
         for t, c, p, d in _layouts(world_size, space.tp, space.cp, space.pp, llm, True):
             if enc.heads % t == 0 and Le >= p:
                 best = None
-                for l0 in ([0] if p == 1 else range(1, L - p + 2)):
-                    cand = Candidate("homogeneous", Segment.of(t, c, p, d, Le), (Segment.of(t, c, p, d, L),), first_stage_layers=l0)
+                for l0 in [0] if p == 1 else range(1, L - p + 2):
+                    cand = Candidate(
+                        "homogeneous", Segment.of(t, c, p, d, Le), (Segment.of(t, c, p, d, L),), first_stage_layers=l0
+                    )
                     r = _try(cand, wl, prof, limit)
                     if r is not None and (best is None or r < best[0]):
                         best = (r, cand)
@@ -53,7 +70,9 @@ def brute_force(wl: Workload, prof: Profile, world_size: int, memory_limit: Opti
                     cands.append(best[1])
     if "colocated" in space.placements:
         for a in _layouts(world_size, space.tp, space.cp, space.pp, llm, True, space.runtime):
-            for e in _layouts(world_size, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False, space.runtime):
+            for e in _layouts(
+                world_size, space.encoder_tp, space.encoder_cp, space.encoder_pp, enc, False, space.runtime
+            ):
                 if max(a[3], e[3]) % min(a[3], e[3]) == 0:
                     for o in space.offload:
                         cands.append(Candidate("colocated", Segment.of(*e, Le), (Segment.of(*a, L),), offload=o))
@@ -81,4 +100,3 @@ def _try(cand: Candidate, wl: Workload, prof: Profile, limit: float) -> Optional
     except ValueError:
         return None
     return bd.total if bd.memory_per_rank_peak <= limit else None
-

@@ -7,6 +7,7 @@ Both times are bracketed by the same two barriers; medians over `iters`. Colocat
 direct mode (point-to-point messages plus local copies); disjoint cases run both the direct mode and
 the hierarchical leader route (the steps of `plan.route`).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -96,12 +97,19 @@ def _rank_main(batch: int, seq: int, hidden: int, iters: int) -> list[dict[str, 
 
             plain()
             t_plain = _timed(plain, iters)
-            out.append({
-                "case": name, "placement": layout.placement, "mode": mode, "transform": plan.transform,
-                "factor": plan.factor, "bytes_moved": total,
-                "min_bytes": plan.min_bytes_forward + plan.min_bytes_backward,
-                "time_s": t_boundary, "plain_send_s": t_plain,
-            })
+            out.append(
+                {
+                    "case": name,
+                    "placement": layout.placement,
+                    "mode": mode,
+                    "transform": plan.transform,
+                    "factor": plan.factor,
+                    "bytes_moved": total,
+                    "min_bytes": plan.min_bytes_forward + plan.min_bytes_backward,
+                    "time_s": t_boundary,
+                    "plain_send_s": t_plain,
+                }
+            )
         finally:
             topo.destroy()
     return out
@@ -114,22 +122,48 @@ def run(out_dir: Path, batch: int = 8, seq: int = 512, hidden: int = 256, iters:
     for i, case in enumerate(per_rank[0]):
         t = max(r[i]["time_s"] for r in per_rank)
         tp = max(r[i]["plain_send_s"] for r in per_rank)
-        rows.append({**case, "time_s": t, "plain_send_s": tp,
-                     "bytes_ratio": (case["bytes_moved"] / case["min_bytes"]) if case["min_bytes"] else None,
-                     "time_ratio": t / tp})
-    doc = {"benchmark": "boundary", "world_size": WORLD, "backend": "gloo" if not torch.cuda.is_available() else "nccl",
-           "shape": {"batch": batch, "seq": seq, "hidden": hidden, "dtype": "float32"}, "iters": iters, "cases": rows}
+        rows.append(
+            {
+                **case,
+                "time_s": t,
+                "plain_send_s": tp,
+                "bytes_ratio": (case["bytes_moved"] / case["min_bytes"]) if case["min_bytes"] else None,
+                "time_ratio": t / tp,
+            }
+        )
+    doc = {
+        "benchmark": "boundary",
+        "world_size": WORLD,
+        "backend": "gloo" if not torch.cuda.is_available() else "nccl",
+        "shape": {"batch": batch, "seq": seq, "hidden": hidden, "dtype": "float32"},
+        "iters": iters,
+        "cases": rows,
+    }
     write_json(out_dir / "boundary.json", doc)
-    bar_plot(out_dir / "boundary.png", [f"{r['case']} [{r['mode']}]" for r in rows],
-             {"time / plain send of the same bytes": [r["time_ratio"] for r in rows],
-              "bytes / minimum": [r["bytes_ratio"] or 0.0 for r in rows]},
-             "ratio (same run)", f"boundary: batch {batch}, seq {seq}, hidden {hidden} fp32, world {WORLD}",
-             reference=1.0)
+    bar_plot(
+        out_dir / "boundary.png",
+        [f"{r['case']} [{r['mode']}]" for r in rows],
+        {
+            "time / plain send of the same bytes": [r["time_ratio"] for r in rows],
+            "bytes / minimum": [r["bytes_ratio"] or 0.0 for r in rows],
+        },
+        "ratio (same run)",
+        f"boundary: batch {batch}, seq {seq}, hidden {hidden} fp32, world {WORLD}",
+        reference=1.0,
+    )
     return doc
 
 
 def table(doc: dict[str, Any]) -> str:
-    rows = [[r["case"], r["mode"], f"{r['bytes_moved'] / 2**20:.2f} MiB",
-             "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.2f}",
-             f"{r['time_s'] * 1e3:.1f} ms", f"{r['time_ratio']:.2f}"] for r in doc["cases"]]
+    rows = [
+        [
+            r["case"],
+            r["mode"],
+            f"{r['bytes_moved'] / 2**20:.2f} MiB",
+            "-" if r["bytes_ratio"] is None else f"{r['bytes_ratio']:.2f}",
+            f"{r['time_s'] * 1e3:.1f} ms",
+            f"{r['time_ratio']:.2f}",
+        ]
+        for r in doc["cases"]
+    ]
     return markdown_table(["case", "mode", "moved (fwd+bwd)", "moved / minimum", "time", "time / plain send"], rows)

@@ -1,4 +1,5 @@
 """Shared helpers of the benchmarks: output folder, JSON, optional PNG bar plot, markdown tables."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,14 @@ def write_json(path: Path, doc: Any) -> Path:
     return path
 
 
-def bar_plot(path: Path, labels: list[str], series: dict[str, list[float]], ylabel: str, title: str,
-             reference: Optional[float] = None) -> Optional[Path]:
+def bar_plot(
+    path: Path,
+    labels: list[str],
+    series: dict[str, list[float]],
+    ylabel: str,
+    title: str,
+    reference: Optional[float] = None,
+) -> Optional[Path]:
     """Grouped horizontal bars; returns None (and plots nothing) when matplotlib is not installed."""
     try:
         import matplotlib

@@ -23,6 +23,7 @@ the mean absolute value over configurations. The profile is measured in the same
 
     python -m megatron_hetero.bench.cost_check --world 4 [--iters 3] [--profile P.json] [--out F.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 TERMS = ("compute", "boundary", "pipeline", "dp", "optimizer", "other")
-MEASURED = {"encoder-forward": "compute", "encoder-backward": "compute", "llm-forward": "compute",
-            "llm-backward": "compute", "boundary": "boundary", "wait": "pipeline", "comm": "pipeline",
-            "grad-reduce": "dp", "loss-reduce": "dp", "optimizer": "optimizer", "offload": "other",
-            "schedule": "other"}
+MEASURED = {
+    "encoder-forward": "compute",
+    "encoder-backward": "compute",
+    "llm-forward": "compute",
+    "llm-backward": "compute",
+    "boundary": "boundary",
+    "wait": "pipeline",
+    "comm": "pipeline",
+    "grad-reduce": "dp",
+    "loss-reduce": "dp",
+    "optimizer": "optimizer",
+    "offload": "other",
+    "schedule": "other",
+}
 
 
 def exclusive(events: list[dict]) -> list[tuple[float, float, str]]:
@@ -86,9 +97,15 @@ def measured_terms(trace: dict, step_times: list[float], warmup: int) -> dict[st
 
 def model_terms(bd) -> dict[str, float]:
     """The cost breakdown's terms grouped as the measured ones (`CostBreakdown`)."""
-    return {"compute": bd.compute + bd.tp_comm + bd.cp_comm, "boundary": bd.boundary,
-            "pipeline": bd.pp_comm + bd.bubble, "dp": bd.dp_comm, "optimizer": bd.optimizer + bd.offload,
-            "other": 0.0, "step": bd.total}
+    return {
+        "compute": bd.compute + bd.tp_comm + bd.cp_comm,
+        "boundary": bd.boundary,
+        "pipeline": bd.pp_comm + bd.bubble,
+        "dp": bd.dp_comm,
+        "optimizer": bd.optimizer + bd.offload,
+        "other": 0.0,
+        "step": bd.total,
+    }
 
 
 def traced_run(layout, model, steps: int, micro_batch_size: int, timeout: float = 900.0) -> tuple[dict, list[float]]:
@@ -124,7 +141,7 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
     if profile is None:
         profile = F.fit_profile(T.measure(world, PL.bench_grid(), rounds=1, quiet_wait_s=0.0, tries=1))
     rows = []
-    for w, doc in (configs if configs is not None else PL.CONFIGS):
+    for w, doc in configs if configs is not None else PL.CONFIGS:
         if w != world:
             continue
         lay = PL.resolve(doc, w)
@@ -132,9 +149,16 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
         meas = measured_terms(trace, times, warmup)
         wl = workload_for(spec, model.global_batch_size, PL.cost_micro_batch(lay, spec, model.micro_batch_size))
         mod = model_terms(C.evaluate(PL.candidate_for(lay, spec), wl, profile))
-        rows.append({"layout": PL.describe(lay), "kind": PL.kind_of(lay, spec), "measured": meas, "model": mod,
-                     "error": {t: (mod[t] - meas[t]) / meas["step"] for t in TERMS},
-                     "total_error": mod["step"] / meas["step"] - 1.0})
+        rows.append(
+            {
+                "layout": PL.describe(lay),
+                "kind": PL.kind_of(lay, spec),
+                "measured": meas,
+                "model": mod,
+                "error": {t: (mod[t] - meas[t]) / meas["step"] for t in TERMS},
+                "total_error": mod["step"] / meas["step"] - 1.0,
+            }
+        )
     mape = {t: sum(abs(r["error"][t]) for r in rows) / len(rows) for t in TERMS}
     mape["total"] = sum(abs(r["total_error"]) for r in rows) / len(rows)
     return {"world": world, "iters": iters, "warmup": warmup, "rows": rows, "mean_abs_error_share": mape}
@@ -147,11 +171,17 @@ def table(doc: dict[str, Any]) -> str:
     rows = []
     for r in doc["rows"]:
         m, e = r["measured"], r["model"]
-        rows.append([r["layout"], f"{m['step'] * 1e3:.0f}/{e['step'] * 1e3:.0f} ({r['total_error']:+.0%})"]
-                    + [f"{m[t] * 1e3:.0f}/{e[t] * 1e3:.0f}" for t in TERMS])
+        rows.append(
+            [r["layout"], f"{m['step'] * 1e3:.0f}/{e['step'] * 1e3:.0f} ({r['total_error']:+.0%})"]
+            + [f"{m[t] * 1e3:.0f}/{e[t] * 1e3:.0f}" for t in TERMS]
+        )
     mape = doc["mean_abs_error_share"]
-    return (markdown_table(head, rows) + "\n\nmean |model - measured| / step time per term: "
-            + ", ".join(f"{t} {mape[t]:.1%}" for t in TERMS) + f"; total MAPE {mape['total']:.1%}")
+    return (
+        markdown_table(head, rows)
+        + "\n\nmean |model - measured| / step time per term: "
+        + ", ".join(f"{t} {mape[t]:.1%}" for t in TERMS)
+        + f"; total MAPE {mape['total']:.1%}"
+    )
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,7 @@ Writes DIR/e2e.json and DIR/e2e.png (step time per workload and layout, speed-up
 `peak_memory_bytes`: the largest resident state (parameters, gradient buffers, optimizer state) of
 any rank in any phase, as the schedules report it (activations not included).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,27 +63,63 @@ class E2EWorkload:
     def space(self) -> S.SearchSpace:
         m = self.model
         enc_tp = tuple(t for t in (1, 2, 4) if t <= WORLD and m.encoder_num_attention_heads % t == 0)
-        return S.SearchSpace(placements=("colocated", "disjoint"), tp=(self.llm_tp,), cp=(self.llm_cp,),
-                             pp=self.search_pp, encoder_tp=enc_tp, encoder_cp=(1,), encoder_pp=(1, 2),
-                             offload=(False,), runtime=True)
+        return S.SearchSpace(
+            placements=("colocated", "disjoint"),
+            tp=(self.llm_tp,),
+            cp=(self.llm_cp,),
+            pp=self.search_pp,
+            encoder_tp=enc_tp,
+            encoder_cp=(1,),
+            encoder_pp=(1, 2),
+            offload=(False,),
+            runtime=True,
+        )
 
 
 WORKLOADS = (
     E2EWorkload(
         "inherited-tp",
-        BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=160, vocab_size=128,
-                   encoder_num_layers=8, encoder_hidden_size=64, encoder_num_attention_heads=4,
-                   encoder_tokens=128, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
-        llm_tp=2, llm_cp=1, homogeneous=_colo({"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}),
-        why="language model fixed at TP2 (its memory); the encoder (128 image tokens, 8 layers) inherits TP2"),
+        BenchModel(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            seq_length=160,
+            vocab_size=128,
+            encoder_num_layers=8,
+            encoder_hidden_size=64,
+            encoder_num_attention_heads=4,
+            encoder_tokens=128,
+            encoder_feature_dim=48,
+            global_batch_size=16,
+            micro_batch_size=2,
+        ),
+        llm_tp=2,
+        llm_cp=1,
+        homogeneous=_colo({"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}),
+        why="language model fixed at TP2 (its memory); the encoder (128 image tokens, 8 layers) inherits TP2",
+    ),
     E2EWorkload(
         "long-context",
-        BenchModel(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=256, vocab_size=128,
-                   encoder_num_layers=8, encoder_hidden_size=64, encoder_num_attention_heads=4,
-                   encoder_tokens=64, encoder_feature_dim=48, global_batch_size=16, micro_batch_size=2),
-        llm_tp=1, llm_cp=2, homogeneous=_colo({"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}),
+        BenchModel(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            seq_length=256,
+            vocab_size=128,
+            encoder_num_layers=8,
+            encoder_hidden_size=64,
+            encoder_num_attention_heads=4,
+            encoder_tokens=64,
+            encoder_feature_dim=48,
+            global_batch_size=16,
+            micro_batch_size=2,
+        ),
+        llm_tp=1,
+        llm_cp=2,
+        homogeneous=_colo({"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}),
         why="language model needs CP2 (sequence 256); the encoder's 64 tokens (8 layers) take no CP, so the homogeneous "
-            "layout gives it the language model's 2-way group as TP"),
+        "layout gives it the language model's 2-way group as TP",
+    ),
 )
 
 
@@ -100,20 +137,34 @@ def quick_workloads() -> tuple:
 def quick_grid():
     from megatron_hetero.planner.profile_fit import ProfileGrid
 
-    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 64, 2)), "encoder": ((64, 4, 16, 1), (64, 4, 32, 2))},
-                       module_shapes={"llm": ((64, 4, 32, 2, 128),), "encoder": ((64, 4, 16, 2, 64),)},
-                       tp=(1, 2), cp=(1, 2), sizes=(1 << 10, 1 << 16), iters=1, warmup=1, reps=1)
+    return ProfileGrid(
+        layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 64, 2)), "encoder": ((64, 4, 16, 1), (64, 4, 32, 2))},
+        module_shapes={"llm": ((64, 4, 32, 2, 128),), "encoder": ((64, 4, 16, 2, 64),)},
+        tp=(1, 2),
+        cp=(1, 2),
+        sizes=(1 << 10, 1 << 16),
+        iters=1,
+        warmup=1,
+        reps=1,
+    )
 
 
 def e2e_grid():
     """The profile grid: shapes around the workloads' (hidden 64, up to 512 tokens per micro-batch)."""
     from megatron_hetero.planner.profile_fit import ProfileGrid
 
-    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 160, 2), (64, 4, 256, 1), (64, 4, 256, 2)),
-                                     "encoder": ((64, 4, 16, 1), (64, 4, 64, 2), (64, 4, 64, 8), (64, 4, 128, 4))},
-                       module_shapes={"llm": ((64, 4, 160, 2, 128), (64, 4, 256, 2, 128)),
-                                      "encoder": ((64, 4, 64, 4, 64), (64, 4, 128, 4, 64))},
-                       tp=(1, 2, 4), cp=(1, 2))
+    return ProfileGrid(
+        layer_shapes={
+            "llm": ((64, 4, 32, 1), (64, 4, 160, 2), (64, 4, 256, 1), (64, 4, 256, 2)),
+            "encoder": ((64, 4, 16, 1), (64, 4, 64, 2), (64, 4, 64, 8), (64, 4, 128, 4)),
+        },
+        module_shapes={
+            "llm": ((64, 4, 160, 2, 128), (64, 4, 256, 2, 128)),
+            "encoder": ((64, 4, 64, 4, 64), (64, 4, 128, 4, 64)),
+        },
+        tp=(1, 2, 4),
+        cp=(1, 2),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,9 +219,14 @@ def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]
     for lay, job in cases:
         validate_job(lay, job)
     per_rank = run_ranks(worlds.pop(), _rank_side_by_side, cases, steps, timeout=timeout, backend=default_backend())
-    return [{"steps_s": [max(r["times"][i][k] for r in per_rank) for k in range(steps)],
-             "losses": per_rank[0]["losses"][i], "peak_memory_bytes": int(max(r["peak"][i] for r in per_rank))}
-            for i in range(len(cases))]
+    return [
+        {
+            "steps_s": [max(r["times"][i][k] for r in per_rank) for k in range(steps)],
+            "losses": per_rank[0]["losses"][i],
+            "peak_memory_bytes": int(max(r["peak"][i] for r in per_rank)),
+        }
+        for i in range(len(cases))
+    ]
 
 
 def _picks(w: E2EWorkload, prof) -> dict[str, Any]:
@@ -185,23 +241,36 @@ def _picks(w: E2EWorkload, prof) -> dict[str, Any]:
     wl = workload_for(m.spec(), m.global_batch_size, m.micro_batch_size)
     res = S.search(wl, prof, WORLD, memory_limit=float("inf"), space=w.space(), top=200)
     homo = json.dumps(resolve(w.homogeneous, WORLD).to_dict(), sort_keys=True)
-    out: dict[str, Any] = {"search_best": res.best.candidate.describe(),
-                           "search_best_is_homogeneous": json.dumps(res.best.candidate.to_layout().to_dict(),
-                                                                    sort_keys=True) == homo}
+    out: dict[str, Any] = {
+        "search_best": res.best.candidate.describe(),
+        "search_best_is_homogeneous": json.dumps(res.best.candidate.to_layout().to_dict(), sort_keys=True) == homo,
+    }
     for kind in ("colocated", "disjoint"):
         for r in res.ranked:
             lay = r.candidate.to_layout()
             if r.candidate.placement != kind or json.dumps(lay.to_dict(), sort_keys=True) == homo:
                 continue
-            out[kind] = {"layout": lay, "mbs": S.train_micro_batch_size(r.candidate, wl),
-                         "estimate_s": r.breakdown.total, "describe": r.candidate.describe()}
+            out[kind] = {
+                "layout": lay,
+                "mbs": S.train_micro_batch_size(r.candidate, wl),
+                "estimate_s": r.breakdown.total,
+                "describe": r.candidate.describe(),
+            }
             break
     return out
 
 
-def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhead_steps: int = 12,
-        quick: bool = False, profile=None, plot: bool = True, profile_source: str = "measured in this run"
-        ) -> dict[str, Any]:
+def run(
+    out_dir: Path,
+    iters: int = 6,
+    rounds: int = 3,
+    warmup: int = 1,
+    overhead_steps: int = 12,
+    quick: bool = False,
+    profile=None,
+    plot: bool = True,
+    profile_source: str = "measured in this run",
+) -> dict[str, Any]:
     """Profile, search, train every case side by side, measure the plugin overhead; write e2e.json
     (+ e2e.png). quick: smaller models, a small profile grid, one round; `profile`: use this fitted
     profile instead of measuring one (tests)."""
@@ -215,8 +284,10 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
     from megatron_hetero.bench import plain_megatron as PM
 
     if iters < 1 or rounds < 1 or warmup < 0 or overhead_steps < 1:
-        raise ValueError(f"iters, rounds and overhead steps must be >= 1, warmup >= 0; got {iters}, {rounds}, "
-                         f"{overhead_steps}, {warmup}")
+        raise ValueError(
+            f"iters, rounds and overhead steps must be >= 1, warmup >= 0; got {iters}, {rounds}, "
+            f"{overhead_steps}, {warmup}"
+        )
     quiet_upstream_warnings()
     require_compat("bench.e2e.run")
     t_start = time.perf_counter()
@@ -226,8 +297,13 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
     prof_doc = None
     if profile is None:
         # the full run waits for a quiet machine and retries a disturbed profile (up to 3 tries)
-        raw = T.measure(WORLD, quick_grid() if quick else e2e_grid(), rounds=1, quiet_wait_s=0.0 if quick else 10.0,
-                        tries=1 if quick else 3)
+        raw = T.measure(
+            WORLD,
+            quick_grid() if quick else e2e_grid(),
+            rounds=1,
+            quiet_wait_s=0.0 if quick else 10.0,
+            tries=1 if quick else 3,
+        )
         profile = F.fit_profile(raw)
         prof_doc = F.profile_document(raw, profile)
     cases: list[dict[str, Any]] = []
@@ -243,18 +319,31 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
                 p = picks[kind]
                 rows.append((kind, p["layout"], p["mbs"], p["describe"]))
         for kind, lay, mbs, desc in rows:
-            wl = workload_for(spec, w.model.global_batch_size, mbs if lay.placement != "disjoint" else
-                              _cost_mbs(lay, spec, mbs))
+            wl = workload_for(
+                spec, w.model.global_batch_size, mbs if lay.placement != "disjoint" else _cost_mbs(lay, spec, mbs)
+            )
             est = C.evaluate(candidate_for(lay, spec), wl, profile).total
-            cases.append({"workload": w.name, "kind": kind, "layout_obj": lay, "mbs": mbs, "search": desc,
-                          "estimate_s": est, "model": w.model, "rounds": []})
+            cases.append(
+                {
+                    "workload": w.name,
+                    "kind": kind,
+                    "layout_obj": lay,
+                    "mbs": mbs,
+                    "search": desc,
+                    "estimate_s": est,
+                    "model": w.model,
+                    "rounds": [],
+                }
+            )
     # side by side: per workload, its cases in one process tree, alternating step by step; `rounds`
     # such process trees per workload, the workloads interleaved
     for _k in range(1 if quick else rounds):
         for w in workloads:
             mine = [c for c in cases if c["workload"] == w.name]
-            jobs = [(c["layout_obj"], dataclasses.replace(c["model"].job(warmup + iters), micro_batch_size=c["mbs"]))
-                    for c in mine]
+            jobs = [
+                (c["layout_obj"], dataclasses.replace(c["model"].job(warmup + iters), micro_batch_size=c["mbs"]))
+                for c in mine
+            ]
             for c, r in zip(mine, side_by_side(jobs, warmup + iters)):
                 c["rounds"].append(r)
     home = next(w for w in workloads if w.name == "inherited-tp")
@@ -268,33 +357,62 @@ def run(out_dir: Path, iters: int = 6, rounds: int = 3, warmup: int = 1, overhea
         base = next(b for b in cases if b["workload"] == c["workload"] and b["kind"] == "homogeneous")
         m = c["model"]
         losses, ref = c["rounds"][0]["losses"], base["rounds"][0]["losses"]
-        doc_cases.append({
-            "workload": c["workload"], "kind": c["kind"], "layout": describe(c["layout_obj"]),
-            "layout_doc": c["layout_obj"].to_dict(), "placement": c["layout_obj"].placement,
-            "search": c["search"], "micro_batch_size": c["mbs"],
-            "step_time_s": c["step_time_s"], "round_medians_s": c["round_medians_s"],
-            "steps_s": [r["steps_s"] for r in c["rounds"]],
-            "tokens_per_s": m.global_batch_size * m.seq_length / c["step_time_s"],
-            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in c["rounds"]),
-            "speedup_vs_homogeneous": base["step_time_s"] / c["step_time_s"],
-            "speedup_per_round": [b / t for b, t in zip(base["round_medians_s"], c["round_medians_s"])],
-            # step k of this case and of the homogeneous layout ran next to each other: the median of
-            # their ratios is the least disturbed by load that changes over time
-            "speedup_paired_median": float(statistics.median(
-                hb / tc for rb, rc in zip(base["rounds"], c["rounds"])
-                for hb, tc in zip(rb["steps_s"][warmup:], rc["steps_s"][warmup:]))),
-            "estimate_s": c["estimate_s"], "losses": losses,
-            "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref))})
-    doc = {"benchmark": "e2e", "backend": default_backend(), "world_size": WORLD, "quick": quick, "iters": iters,
-           "warmup": warmup, "rounds": 1 if quick else rounds,
-           "workloads": {w.name: {"why": w.why, "model": dataclasses.asdict(w.model),
-                                  "homogeneous": describe(resolve(w.homogeneous, WORLD)), **search_best[w.name]}
-                         for w in workloads},
-           "cases": doc_cases, "overhead_vs_megatron": overhead["overhead_vs_megatron"],
-           "overhead_vs_megatron_batched": overhead["overhead_vs_megatron_batched"],
-           "overhead": {k: v for k, v in overhead.items() if k != "losses"} | {"layout": describe(
-               resolve(home.homogeneous, WORLD)), "workload": home.name},
-           "profile_source": profile_source, "profile": prof_doc, "seconds": time.perf_counter() - t_start}
+        doc_cases.append(
+            {
+                "workload": c["workload"],
+                "kind": c["kind"],
+                "layout": describe(c["layout_obj"]),
+                "layout_doc": c["layout_obj"].to_dict(),
+                "placement": c["layout_obj"].placement,
+                "search": c["search"],
+                "micro_batch_size": c["mbs"],
+                "step_time_s": c["step_time_s"],
+                "round_medians_s": c["round_medians_s"],
+                "steps_s": [r["steps_s"] for r in c["rounds"]],
+                "tokens_per_s": m.global_batch_size * m.seq_length / c["step_time_s"],
+                "peak_memory_bytes": max(r["peak_memory_bytes"] for r in c["rounds"]),
+                "speedup_vs_homogeneous": base["step_time_s"] / c["step_time_s"],
+                "speedup_per_round": [b / t for b, t in zip(base["round_medians_s"], c["round_medians_s"])],
+                # step k of this case and of the homogeneous layout ran next to each other: the median of
+                # their ratios is the least disturbed by load that changes over time
+                "speedup_paired_median": float(
+                    statistics.median(
+                        hb / tc
+                        for rb, rc in zip(base["rounds"], c["rounds"])
+                        for hb, tc in zip(rb["steps_s"][warmup:], rc["steps_s"][warmup:])
+                    )
+                ),
+                "estimate_s": c["estimate_s"],
+                "losses": losses,
+                "loss_max_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref)),
+            }
+        )
+    doc = {
+        "benchmark": "e2e",
+        "backend": default_backend(),
+        "world_size": WORLD,
+        "quick": quick,
+        "iters": iters,
+        "warmup": warmup,
+        "rounds": 1 if quick else rounds,
+        "workloads": {
+            w.name: {
+                "why": w.why,
+                "model": dataclasses.asdict(w.model),
+                "homogeneous": describe(resolve(w.homogeneous, WORLD)),
+                **search_best[w.name],
+            }
+            for w in workloads
+        },
+        "cases": doc_cases,
+        "overhead_vs_megatron": overhead["overhead_vs_megatron"],
+        "overhead_vs_megatron_batched": overhead["overhead_vs_megatron_batched"],
+        "overhead": {k: v for k, v in overhead.items() if k != "losses"}
+        | {"layout": describe(resolve(home.homogeneous, WORLD)), "workload": home.name},
+        "profile_source": profile_source,
+        "profile": prof_doc,
+        "seconds": time.perf_counter() - t_start,
+    }
     write_json(Path(out_dir) / "e2e.json", doc)
     if plot:
         _plot(Path(out_dir) / "e2e.png", doc)
@@ -330,23 +448,52 @@ def _plot(path: Path, doc: dict[str, Any]) -> Optional[Path]:
         ax.set_xlabel("step time (ms, median)")
         ax.set_title(f"{name} (world {doc['world_size']})", fontsize=10)
         ax.set_xlim(0, max(c["step_time_s"] for c in rows) * 1e3 * 1.25)
-    fig.suptitle(f"bench e2e: speed-up vs homogeneous; plugin step / Megatron-core step {doc['overhead_vs_megatron']:.3f} "
-                 f"(encoder per micro-batch), {doc['overhead_vs_megatron_batched']:.3f} (encoder once per step)", fontsize=10)
+    fig.suptitle(
+        f"bench e2e: speed-up vs homogeneous; plugin step / Megatron-core step {doc['overhead_vs_megatron']:.3f} "
+        f"(encoder per micro-batch), {doc['overhead_vs_megatron_batched']:.3f} (encoder once per step)",
+        fontsize=10,
+    )
     return save_figure(fig, path)
 
 
 def table(doc: dict[str, Any]) -> str:
-    rows = [[c["workload"], c["kind"], c["layout"], f"{c['step_time_s'] * 1e3:.1f} ms",
-             f"{c['estimate_s'] * 1e3:.1f} ms", f"{c['tokens_per_s']:.0f}", f"{c['peak_memory_bytes'] / 2**20:.1f} MiB",
-             f"{c['speedup_vs_homogeneous']:.2f}x", f"{c['speedup_paired_median']:.2f}x",
-             f"{c['loss_max_rel_diff']:.1e}"] for c in doc["cases"]]
-    text = markdown_table(["workload", "kind", "layout", "step (median)", "estimate", "tokens/s", "peak state",
-                           "speed-up vs homogeneous", "paired", "loss rel. diff"], rows)
+    rows = [
+        [
+            c["workload"],
+            c["kind"],
+            c["layout"],
+            f"{c['step_time_s'] * 1e3:.1f} ms",
+            f"{c['estimate_s'] * 1e3:.1f} ms",
+            f"{c['tokens_per_s']:.0f}",
+            f"{c['peak_memory_bytes'] / 2**20:.1f} MiB",
+            f"{c['speedup_vs_homogeneous']:.2f}x",
+            f"{c['speedup_paired_median']:.2f}x",
+            f"{c['loss_max_rel_diff']:.1e}",
+        ]
+        for c in doc["cases"]
+    ]
+    text = markdown_table(
+        [
+            "workload",
+            "kind",
+            "layout",
+            "step (median)",
+            "estimate",
+            "tokens/s",
+            "peak state",
+            "speed-up vs homogeneous",
+            "paired",
+            "loss rel. diff",
+        ],
+        rows,
+    )
     o = doc["overhead"]
     t = o["step_time_s"]
-    return (text + f"\n\nplugin overhead ({o['layout']}, median of {o['steps']} alternated steps each): ours "
-            f"{t['ours'] * 1e3:.1f} ms; Megatron-core, encoder per micro-batch {t['megatron'] * 1e3:.1f} ms "
-            f"(ours / it = {doc['overhead_vs_megatron']:.3f}); Megatron-core, encoder once per step "
-            f"{t['megatron_batched'] * 1e3:.1f} ms (ours / it = {doc['overhead_vs_megatron_batched']:.3f}; median of "
-            f"per-step ratios {o['step_ratio_medians']['megatron_batched']:.3f}; CPU time summed over ranks "
-            f"{o['cpu_overhead_vs_megatron_batched']:.3f}); loss rel. diff {o['loss_max_rel_diff']:.1e}")
+    return (
+        text + f"\n\nplugin overhead ({o['layout']}, median of {o['steps']} alternated steps each): ours "
+        f"{t['ours'] * 1e3:.1f} ms; Megatron-core, encoder per micro-batch {t['megatron'] * 1e3:.1f} ms "
+        f"(ours / it = {doc['overhead_vs_megatron']:.3f}); Megatron-core, encoder once per step "
+        f"{t['megatron_batched'] * 1e3:.1f} ms (ours / it = {doc['overhead_vs_megatron_batched']:.3f}; median of "
+        f"per-step ratios {o['step_ratio_medians']['megatron_batched']:.3f}; CPU time summed over ranks "
+        f"{o['cpu_overhead_vs_megatron_batched']:.3f}); loss rel. diff {o['loss_max_rel_diff']:.1e}"
+    )

@@ -20,6 +20,7 @@ iteration 4 for `ckpt-save`; before iteration 1 for `pg-create`), and checks:
 
 `run(out, quick=False)` runs the matrix (`QUICK`: a covering subset) and writes OUT/faults.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,10 +40,16 @@ from typing import Any, Optional
 from megatron_hetero.runtime.faults import FAULT_ENV, FAULT_LOG_ENV, KINDS, PHASES
 
 LAYOUTS: dict[str, dict] = {
-    "colocated": {"placement": "colocated", "modules": {"vision": {"dp": 4}, "language": {"pp": 2, "dp": 2}},
-                  "edges": ["vision -> language"]},
-    "disjoint": {"placement": "disjoint", "modules": {"vision": {"dp": 2}, "language": {"pp": 2}},
-                 "edges": ["vision -> language"]},
+    "colocated": {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 4}, "language": {"pp": 2, "dp": 2}},
+        "edges": ["vision -> language"],
+    },
+    "disjoint": {
+        "placement": "disjoint",
+        "modules": {"vision": {"dp": 2}, "language": {"pp": 2}},
+        "edges": ["vision -> language"],
+    },
 }
 #: micro-batch size per layout: 4 micro-batches of the language model per step in both.
 MICRO_BATCH = {"colocated": 1, "disjoint": 2}
@@ -51,12 +58,22 @@ MICRO_BATCH = {"colocated": 1, "disjoint": 2}
 #: colocated: vision DP on 0-3, language PP stage 0 on 0-1 (receives the boundary), stage 1 on 2-3;
 #: disjoint: vision on 0-1 (sends the boundary), language stage 0 on 2 and stage 1 on 3.
 FAILING_RANK: dict[tuple[str, str], int] = {
-    ("colocated", "pg-create"): 1, ("colocated", "encoder-forward"): 1, ("colocated", "boundary-send"): 2,
-    ("colocated", "boundary-recv"): 1, ("colocated", "llm-1f1b"): 3, ("colocated", "grad-reduce"): 2,
-    ("colocated", "optimizer"): 1, ("colocated", "ckpt-save"): 1,
-    ("disjoint", "pg-create"): 2, ("disjoint", "encoder-forward"): 1, ("disjoint", "boundary-send"): 1,
-    ("disjoint", "boundary-recv"): 2, ("disjoint", "llm-1f1b"): 2, ("disjoint", "grad-reduce"): 3,
-    ("disjoint", "optimizer"): 0, ("disjoint", "ckpt-save"): 2,
+    ("colocated", "pg-create"): 1,
+    ("colocated", "encoder-forward"): 1,
+    ("colocated", "boundary-send"): 2,
+    ("colocated", "boundary-recv"): 1,
+    ("colocated", "llm-1f1b"): 3,
+    ("colocated", "grad-reduce"): 2,
+    ("colocated", "optimizer"): 1,
+    ("colocated", "ckpt-save"): 1,
+    ("disjoint", "pg-create"): 2,
+    ("disjoint", "encoder-forward"): 1,
+    ("disjoint", "boundary-send"): 1,
+    ("disjoint", "boundary-recv"): 2,
+    ("disjoint", "llm-1f1b"): 2,
+    ("disjoint", "grad-reduce"): 3,
+    ("disjoint", "optimizer"): 0,
+    ("disjoint", "ckpt-save"): 2,
 }
 LAUNCHERS = ("fork", "torchrun")
 TRAIN_ITERS, SAVE_INTERVAL, FAULT_ITERATION = 4, 2, 3
@@ -66,8 +83,10 @@ COMM_TIMEOUT_S = 15.0
 MARGIN_S = 30.0
 LOSS_RTOL = 1e-6
 #: what a surviving rank's message must contain: the edge, pipeline link or group it waited on.
-NAMED = re.compile(r"edge \S+->\S+|pipeline link|stage link|group \(ranks|group, ranks|process groups \S+"
-                   r"|over the world|groups? \[")
+NAMED = re.compile(
+    r"edge \S+->\S+|pipeline link|stage link|group \(ranks|group, ranks|process groups \S+"
+    r"|over the world|groups? \["
+)
 
 
 @dataclass(frozen=True)
@@ -101,8 +120,12 @@ def full_matrix() -> list[Cell]:
     """Every cell, launcher by launcher, in rounds of one cell per phase whose (kind, layout) rotates:
     any prefix of a launcher's cells covers the phases evenly (a run cut short is still a spread)."""
     combos = [(k, lay) for k in KINDS for lay in LAYOUTS]
-    return [Cell(p, *combos[(i + r) % len(combos)], la) for la in LAUNCHERS for r in range(len(combos))
-            for i, p in enumerate(PHASES)]
+    return [
+        Cell(p, *combos[(i + r) % len(combos)], la)
+        for la in LAUNCHERS
+        for r in range(len(combos))
+        for i, p in enumerate(PHASES)
+    ]
 
 
 #: A covering subset: every phase at least once under each launcher, each kind, layout and launcher
@@ -122,23 +145,46 @@ QUICK: tuple[Cell, ...] = (
 )
 
 
-def job_for(layout: str, save: Optional[str], comm_timeout_s: float, train_iters: int = TRAIN_ITERS,
-            load: Optional[str] = None, load_fallback: bool = False):
+def job_for(
+    layout: str,
+    save: Optional[str],
+    comm_timeout_s: float,
+    train_iters: int = TRAIN_ITERS,
+    load: Optional[str] = None,
+    load_fallback: bool = False,
+):
     """The layout and `JobConfig` of a cell (the same job `train`'s flags of `cli_flags` build)."""
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.training.setup import JobConfig
 
     lay = layout_from_dict(LAYOUTS[layout], world_size=4)
-    job = JobConfig(train_iters=train_iters, micro_batch_size=MICRO_BATCH[layout], comm_timeout_s=comm_timeout_s,
-                    save=save, save_interval=SAVE_INTERVAL if save else 0, load=load,
-                    load_fallback=load_fallback)
+    job = JobConfig(
+        train_iters=train_iters,
+        micro_batch_size=MICRO_BATCH[layout],
+        comm_timeout_s=comm_timeout_s,
+        save=save,
+        save_interval=SAVE_INTERVAL if save else 0,
+        load=load,
+        load_fallback=load_fallback,
+    )
     return lay, job
 
 
 def cli_flags(layout_file: Path, layout: str, save: Path, comm_timeout_s: float) -> list[str]:
-    return ["--hetero-layout", str(layout_file), "--train-iters", str(TRAIN_ITERS), "--micro-batch-size",
-            str(MICRO_BATCH[layout]), "--hetero-comm-timeout", f"{comm_timeout_s:g}", "--save", str(save),
-            "--save-interval", str(SAVE_INTERVAL)]
+    return [
+        "--hetero-layout",
+        str(layout_file),
+        "--train-iters",
+        str(TRAIN_ITERS),
+        "--micro-batch-size",
+        str(MICRO_BATCH[layout]),
+        "--hetero-comm-timeout",
+        f"{comm_timeout_s:g}",
+        "--save",
+        str(save),
+        "--save-interval",
+        str(SAVE_INTERVAL),
+    ]
 
 
 def reference_losses(layout: str, comm_timeout_s: float = COMM_TIMEOUT_S) -> list[float]:
@@ -185,10 +231,15 @@ def _run_fork(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, Any]:
             else:
                 os.environ[k] = v
     own = messages.get(cell.rank, "")
-    failing_named = ("injected fault" in own) if cell.kind == "raise" else (
-        f"rank {cell.rank} died" in own and "SIGKILL" in own)
-    return {"failed": failed, "end": end, "failing_named": failing_named,
-            "survivors": {r: m for r, m in messages.items() if r != cell.rank}}
+    failing_named = (
+        ("injected fault" in own) if cell.kind == "raise" else (f"rank {cell.rank} died" in own and "SIGKILL" in own)
+    )
+    return {
+        "failed": failed,
+        "end": end,
+        "failing_named": failing_named,
+        "survivors": {r: m for r, m in messages.items() if r != cell.rank},
+    }
 
 
 def _free_port() -> int:
@@ -198,8 +249,16 @@ def _free_port() -> int:
 
 
 def _torchrun_env(cell: Cell, work: Path) -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RUN_ID")
+    drop = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+    )
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     repo = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
@@ -220,9 +279,25 @@ def _run_torchrun(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, An
     port, env = _free_port(), _torchrun_env(cell, work)
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "megatron_hetero", "train", *flags]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "megatron_hetero",
+            "train",
+            *flags,
+        ]
         out = (work / f"node{node}.log").open("w")
         procs.append((subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT), out))
     deadline = time.time() + comm_timeout_s * 4 + 300
@@ -246,9 +321,13 @@ def _run_torchrun(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, An
     survivors = {r: m for r, m in ours.items() if r != cell.rank}
     for n in hung:
         survivors[-1 - n] = f"node {n}'s torchrun did not exit within the deadline"
-    return {"failed": all(p.returncode != 0 for p, _ in procs) and not hung, "end": end,
-            "failing_named": failing_named, "survivors": survivors,
-            "exit_codes": [p.returncode for p, _ in procs]}
+    return {
+        "failed": all(p.returncode != 0 for p, _ in procs) and not hung,
+        "end": end,
+        "failing_named": failing_named,
+        "survivors": survivors,
+        "exit_codes": [p.returncode for p, _ in procs],
+    }
 
 
 def _latest(root: Path) -> Optional[int]:
@@ -273,8 +352,9 @@ def _refuses_without_fallback(root: Path) -> Optional[bool]:
     return False
 
 
-def run_cell(cell: Cell, reference: list[float], work: Path, comm_timeout_s: float = COMM_TIMEOUT_S,
-             resume: bool = True) -> dict[str, Any]:
+def run_cell(
+    cell: Cell, reference: list[float], work: Path, comm_timeout_s: float = COMM_TIMEOUT_S, resume: bool = True
+) -> dict[str, Any]:
     """Run one cell in `work` (an empty folder); returns its record with `passed` and the `checks`."""
     from megatron_hetero.training.job import run_local
 
@@ -293,9 +373,14 @@ def run_cell(cell: Cell, reference: list[float], work: Path, comm_timeout_s: flo
         "survivors name edge/group": not unnamed,
         "last complete checkpoint": latest == cell.expected_checkpoint,
     }
-    rec: dict[str, Any] = {"cell": dataclasses.asdict(cell), "spec": cell.spec, "exit_s": exit_s,
-                           "survivor_messages": {str(r): m[:400] for r, m in sorted(facts["survivors"].items())},
-                           "unnamed": {str(r): m[:400] for r, m in unnamed.items()}, "latest_checkpoint": latest}
+    rec: dict[str, Any] = {
+        "cell": dataclasses.asdict(cell),
+        "spec": cell.spec,
+        "exit_s": exit_s,
+        "survivor_messages": {str(r): m[:400] for r, m in sorted(facts["survivors"].items())},
+        "unnamed": {str(r): m[:400] for r, m in unnamed.items()},
+        "latest_checkpoint": latest,
+    }
     if "exit_codes" in facts:
         rec["exit_codes"] = facts["exit_codes"]
     if resume and latest is not None:
@@ -304,8 +389,9 @@ def run_cell(cell: Cell, reference: list[float], work: Path, comm_timeout_s: flo
         half_written = _refuses_without_fallback(work / "ckpt")
         if half_written is not None:
             checks["half-written save refused without --load-fallback"] = half_written
-        lay, job = job_for(cell.layout, None, comm_timeout_s, train_iters=latest + 1, load=str(work / "ckpt"),
-                           load_fallback=True)
+        lay, job = job_for(
+            cell.layout, None, comm_timeout_s, train_iters=latest + 1, load=str(work / "ckpt"), load_fallback=True
+        )
         loss = run_local(lay, job, timeout=600)[0]["loss"]
         want = reference[latest]
         rec["resume_loss"], rec["reference_loss"] = loss, want
@@ -315,8 +401,9 @@ def run_cell(cell: Cell, reference: list[float], work: Path, comm_timeout_s: flo
     return rec
 
 
-def run(out: Path, quick: bool = False, comm_timeout_s: float = COMM_TIMEOUT_S,
-        cells: Optional[list[Cell]] = None) -> dict[str, Any]:
+def run(
+    out: Path, quick: bool = False, comm_timeout_s: float = COMM_TIMEOUT_S, cells: Optional[list[Cell]] = None
+) -> dict[str, Any]:
     """Run the matrix (or QUICK, or `cells`); write OUT/faults.json; return the document."""
     from megatron_hetero.compat import require_compat
     from megatron_hetero.training.job import quiet_upstream_warnings
@@ -331,11 +418,23 @@ def run(out: Path, quick: bool = False, comm_timeout_s: float = COMM_TIMEOUT_S,
     records: list[dict[str, Any]] = []
 
     def document() -> dict[str, Any]:
-        return {"comm_timeout_s": comm_timeout_s, "margin_s": MARGIN_S, "world": 4, "train_iters": TRAIN_ITERS,
-                "save_interval": SAVE_INTERVAL, "fault_iteration": FAULT_ITERATION, "layouts": LAYOUTS,
-                "failing_rank": {f"{lay} {ph}": r for (lay, ph), r in FAILING_RANK.items()},
-                "reference_losses": refs, "quick": quick, "passed": sum(r["passed"] for r in records),
-                "total": len(records), "planned": len(cells), "wall_s": time.time() - t0, "cells": records}
+        return {
+            "comm_timeout_s": comm_timeout_s,
+            "margin_s": MARGIN_S,
+            "world": 4,
+            "train_iters": TRAIN_ITERS,
+            "save_interval": SAVE_INTERVAL,
+            "fault_iteration": FAULT_ITERATION,
+            "layouts": LAYOUTS,
+            "failing_rank": {f"{lay} {ph}": r for (lay, ph), r in FAILING_RANK.items()},
+            "reference_losses": refs,
+            "quick": quick,
+            "passed": sum(r["passed"] for r in records),
+            "total": len(records),
+            "planned": len(cells),
+            "wall_s": time.time() - t0,
+            "cells": records,
+        }
 
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         for i, cell in enumerate(cells):
@@ -343,8 +442,11 @@ def run(out: Path, quick: bool = False, comm_timeout_s: float = COMM_TIMEOUT_S,
             records.append(rec)
             shutil.rmtree(Path(tmp) / f"cell{i}", ignore_errors=True)
             write_json(Path(out) / "faults.json", document())  # after every cell: a partial run is usable
-            print(f"  [{i + 1}/{len(cells)}] {cell}: {'pass' if rec['passed'] else 'FAIL'} "
-                  f"(exit {rec['exit_s'] if rec['exit_s'] is None else round(rec['exit_s'], 1)} s)", flush=True)
+            print(
+                f"  [{i + 1}/{len(cells)}] {cell}: {'pass' if rec['passed'] else 'FAIL'} "
+                f"(exit {rec['exit_s'] if rec['exit_s'] is None else round(rec['exit_s'], 1)} s)",
+                flush=True,
+            )
     doc = document()
     write_json(Path(out) / "faults.json", doc)
     return doc
@@ -352,19 +454,31 @@ def run(out: Path, quick: bool = False, comm_timeout_s: float = COMM_TIMEOUT_S,
 
 def table(doc: dict[str, Any]) -> str:
     """Cells passed / total, then one row per cell: time to exit and the checks that failed."""
-    lines = [f"fault matrix: {doc['passed']}/{doc['total']} cells passed (comm timeout {doc['comm_timeout_s']:g} s, "
-             f"bound {doc['comm_timeout_s'] + doc['margin_s']:g} s; world 4, fault at iteration "
-             f"{doc['fault_iteration']}, checkpoint every {doc['save_interval']})", "",
-             "| phase | kind | layout | launcher | rank | exit (s) | checkpoint | resumed loss | result |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"fault matrix: {doc['passed']}/{doc['total']} cells passed (comm timeout {doc['comm_timeout_s']:g} s, "
+        f"bound {doc['comm_timeout_s'] + doc['margin_s']:g} s; world 4, fault at iteration "
+        f"{doc['fault_iteration']}, checkpoint every {doc['save_interval']})",
+        "",
+        "| phase | kind | layout | launcher | rank | exit (s) | checkpoint | resumed loss | result |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in doc["cells"]:
         c = r["cell"]
         bad = [k for k, ok in r["checks"].items() if not ok]
         ex = "-" if r["exit_s"] is None else f"{r['exit_s']:.1f}"
-        res = "-" if "resume_loss" not in r else ("same" if r["checks"]["resumed loss matches"] else
-                                                   f"{r['resume_loss']:.6f} vs {r['reference_loss']:.6f}")
+        res = (
+            "-"
+            if "resume_loss" not in r
+            else (
+                "same"
+                if r["checks"]["resumed loss matches"]
+                else f"{r['resume_loss']:.6f} vs {r['reference_loss']:.6f}"
+            )
+        )
         rank = FAILING_RANK[(c["layout"], c["phase"])]
         ckpt = r["latest_checkpoint"] if r["latest_checkpoint"] is not None else "none"
-        lines.append(f"| {c['phase']} | {c['kind']} | {c['layout']} | {c['launcher']} | {rank} | {ex} | {ckpt} | {res} "
-                     f"| {'pass' if not bad else 'FAIL: ' + ', '.join(bad)} |")
+        lines.append(
+            f"| {c['phase']} | {c['kind']} | {c['layout']} | {c['launcher']} | {rank} | {ex} | {ckpt} | {res} "
+            f"| {'pass' if not bad else 'FAIL: ' + ', '.join(bad)} |"
+        )
     return "\n".join(lines)

@@ -24,6 +24,7 @@ encoder would otherwise need a place in Megatron's pipeline, which is what the p
 Wire: DDP's gradient all-reduce per module over its DP x CP group, Megatron's TP collectives inside the
 model, one float64 all-reduce of the loss over the world per step (as ours).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,8 +44,10 @@ def check_layout(layout) -> None:
     """ValueError unless `layout` is colocated, pp = 1 and every module on the same degrees."""
     degrees = {(m.tp, m.cp, m.pp, m.dp) for m in layout.modules}
     if layout.placement != "colocated" or len(degrees) != 1 or layout.modules[0].pp != 1:
-        raise ValueError("the plain Megatron-core baseline runs a homogeneous colocated layout with pp = 1; got "
-                         + ", ".join(f"{m.name} {m.short()}" for m in layout.modules))
+        raise ValueError(
+            "the plain Megatron-core baseline runs a homogeneous colocated layout with pp = 1; got "
+            + ", ".join(f"{m.name} {m.short()}" for m in layout.modules)
+        )
 
 
 def plain_step(step: int, spec, layout, job, states, runner, forward_backward, batched: bool = False) -> float:
@@ -79,7 +82,7 @@ def plain_step(step: int, spec, layout, job, states, runner, forward_backward, b
         i = next(data_iterator)
         samples = range(first + i * mbs, first + (i + 1) * mbs)
         if leaf is not None:
-            tokens = leaf[i * mbs:(i + 1) * mbs]
+            tokens = leaf[i * mbs : (i + 1) * mbs]
         else:
             tokens = runner.forward(enc_name, samples, {}, None)  # [rows, n, hidden] (projector output)
         out = runner.forward(lang_name, samples, {enc_name: tokens}, None)
@@ -90,9 +93,16 @@ def plain_step(step: int, spec, layout, job, states, runner, forward_backward, b
 
         return out.loss_sum, loss_func
 
-    forward_backward(forward_step_func=forward_step, data_iterator=iter(range(count)), model=[lang.model],
-                     num_microbatches=count, seq_length=spec.seq_length, micro_batch_size=mbs,
-                     forward_only=False, pg_collection=lang.pgs)
+    forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iter(range(count)),
+        model=[lang.model],
+        num_microbatches=count,
+        seq_length=spec.seq_length,
+        micro_batch_size=mbs,
+        forward_only=False,
+        pg_collection=lang.pgs,
+    )
     config.grad_scale_func = None
     if leaf is not None:
         torch.autograd.backward(enc_out, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
@@ -172,9 +182,17 @@ def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, A
     cpu_med = {m: float(statistics.median(v)) for m, v in cpu.items()}
     losses = per_rank[0]["losses"]
     diff = max(abs(a - b) / max(abs(b), 1e-30) for m in MODES[1:] for a, b in zip(losses["ours"], losses[m]))
-    return {"steps": steps, "step_time_s": med, "steps_s": step, "overhead_vs_megatron": med["ours"] / med["megatron"],
-            "overhead_vs_megatron_batched": med["ours"] / med["megatron_batched"],
-            "cpu_time_s": cpu_med, "cpu_overhead_vs_megatron_batched": cpu_med["ours"] / cpu_med["megatron_batched"],
-            "step_ratio_medians": {m: float(statistics.median(o / p for o, p in zip(step["ours"], step[m])))
-                                   for m in MODES[1:]},
-            "losses": losses, "loss_max_rel_diff": diff}
+    return {
+        "steps": steps,
+        "step_time_s": med,
+        "steps_s": step,
+        "overhead_vs_megatron": med["ours"] / med["megatron"],
+        "overhead_vs_megatron_batched": med["ours"] / med["megatron_batched"],
+        "cpu_time_s": cpu_med,
+        "cpu_overhead_vs_megatron_batched": cpu_med["ours"] / cpu_med["megatron_batched"],
+        "step_ratio_medians": {
+            m: float(statistics.median(o / p for o, p in zip(step["ours"], step[m]))) for m in MODES[1:]
+        },
+        "losses": losses,
+        "loss_max_rel_diff": diff,
+    }

@@ -22,6 +22,7 @@ The machine may be shared with other jobs (another process only ever adds time):
 repeated when disturbed (`profiling.kernels.undisturbed`); with `rounds` > 1 each configuration keeps
 its fastest round, as the profile keeps each case's fastest of `profile_rounds`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,18 +63,32 @@ class BenchModel:
     def spec(self):
         from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 
-        enc = EncoderSpec(num_layers=self.encoder_num_layers, hidden_size=self.encoder_hidden_size,
-                          num_attention_heads=self.encoder_num_attention_heads, tokens=self.encoder_tokens,
-                          feature_dim=self.encoder_feature_dim, offset=1)
-        return LlavaSpec(num_layers=self.num_layers, hidden_size=self.hidden_size,
-                         num_attention_heads=self.num_attention_heads, vocab_size=self.vocab_size,
-                         seq_length=self.seq_length, encoders={"vision": enc})
+        enc = EncoderSpec(
+            num_layers=self.encoder_num_layers,
+            hidden_size=self.encoder_hidden_size,
+            num_attention_heads=self.encoder_num_attention_heads,
+            tokens=self.encoder_tokens,
+            feature_dim=self.encoder_feature_dim,
+            offset=1,
+        )
+        return LlavaSpec(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            vocab_size=self.vocab_size,
+            seq_length=self.seq_length,
+            encoders={"vision": enc},
+        )
 
     def job(self, train_iters: int):
         from megatron_hetero.training.setup import JobConfig
 
-        return JobConfig(spec=self.spec(), global_batch_size=self.global_batch_size,
-                         micro_batch_size=self.micro_batch_size, train_iters=train_iters)
+        return JobConfig(
+            spec=self.spec(),
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            train_iters=train_iters,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +143,11 @@ def _colo(enc: dict, llm: dict) -> dict:
 
 def _dis(enc: dict, *llm: dict) -> dict:
     if len(llm) == 1:
-        return {"placement": "disjoint", "modules": {"vision": enc, "language": llm[0]}, "edges": ["vision -> language"]}
+        return {
+            "placement": "disjoint",
+            "modules": {"vision": enc, "language": llm[0]},
+            "edges": ["vision -> language"],
+        }
     mods = {"vision": enc, "language_a": llm[0], "language_b": llm[1]}
     return {"placement": "disjoint", "modules": mods, "edges": ["vision -> language_a", "language_a -> language_b"]}
 
@@ -186,8 +205,14 @@ def describe(layout: HeteroLayout) -> str:
 # ---------------------------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------------------------
-def measure_step(layout: HeteroLayout, model: BenchModel, iters: int, warmup: int = 1,
-                 timeout: float = 600.0, micro_batch_size: Optional[int] = None) -> dict[str, Any]:
+def measure_step(
+    layout: HeteroLayout,
+    model: BenchModel,
+    iters: int,
+    warmup: int = 1,
+    timeout: float = 600.0,
+    micro_batch_size: Optional[int] = None,
+) -> dict[str, Any]:
     """Median step time (slowest rank per step) over `iters` steps after `warmup` discarded ones."""
     from megatron_hetero.compat import default_backend
     from megatron_hetero.runtime.launcher import run_ranks
@@ -202,8 +227,12 @@ def measure_step(layout: HeteroLayout, model: BenchModel, iters: int, warmup: in
     per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
     steps = [max(r["records"][i]["step_time_s"] for r in per_rank) for i in range(job.train_iters)]
     kept = steps[warmup:]
-    return {"step_s": float(statistics.median(kept)), "steps_s": steps, "loss": per_rank[0]["records"][-1]["loss"],
-            "wall_s": time.perf_counter() - t0}
+    return {
+        "step_s": float(statistics.median(kept)),
+        "steps_s": steps,
+        "loss": per_rank[0]["records"][-1]["loss"],
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def bench_grid():
@@ -211,18 +240,32 @@ def bench_grid():
     (hidden 32-128, up to 128 tokens per micro-batch), every TP/CP degree and collective."""
     from megatron_hetero.planner.profile_fit import ProfileGrid
 
-    return ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2)),
-                                     "encoder": ((32, 4, 8, 1), (32, 4, 8, 8), (64, 4, 16, 4))},
-                       module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 64, 2, 512)),
-                                      "encoder": ((32, 4, 8, 2, 64), (64, 4, 16, 4, 128))})
+    return ProfileGrid(
+        layer_shapes={
+            "llm": ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2)),
+            "encoder": ((32, 4, 8, 1), (32, 4, 8, 8), (64, 4, 16, 4)),
+        },
+        module_shapes={
+            "llm": ((64, 4, 32, 2, 128), (128, 4, 64, 2, 512)),
+            "encoder": ((32, 4, 8, 2, 64), (64, 4, 16, 4, 128)),
+        },
+    )
 
 
 def runtime_space(world: int, model: BenchModel) -> S.SearchSpace:
     """The search space of the benchmark: the degrees the tiny model allows, layouts the runtime runs."""
     tps = tuple(t for t in (1, 2, 4, 8) if t <= world and model.num_attention_heads % t == 0)
-    return S.SearchSpace(placements=("colocated", "disjoint"), tp=tps, cp=(1, 2), pp=(1, 2, 4),
-                         encoder_tp=tuple(t for t in tps if model.encoder_num_attention_heads % t == 0),
-                         encoder_cp=(1,), encoder_pp=(1, 2), offload=(False,), runtime=True)
+    return S.SearchSpace(
+        placements=("colocated", "disjoint"),
+        tp=tps,
+        cp=(1, 2),
+        pp=(1, 2, 4),
+        encoder_tp=tuple(t for t in tps if model.encoder_num_attention_heads % t == 0),
+        encoder_cp=(1,),
+        encoder_pp=(1, 2),
+        offload=(False,),
+        runtime=True,
+    )
 
 
 def _key(layout: HeteroLayout) -> str:
@@ -237,9 +280,20 @@ def search_pick(world: int, model: BenchModel, prof: Profile, top: int = 5) -> S
     return S.search(wl, prof, world, memory_limit=float("inf"), space=runtime_space(world, model), top=top)
 
 
-def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: Optional[list] = None,
-        rounds: int = 3, warmup: int = 2, grid=None, profile_rounds: int = 3, model: BenchModel = BenchModel(),
-        plot: bool = True, quiet_wait_s: float = 10.0, retries: int = 3) -> dict[str, Any]:
+def run(
+    out_dir: Path,
+    iters: int = 6,
+    worlds: Sequence[int] = WORLDS,
+    configs: Optional[list] = None,
+    rounds: int = 3,
+    warmup: int = 2,
+    grid=None,
+    profile_rounds: int = 3,
+    model: BenchModel = BenchModel(),
+    plot: bool = True,
+    quiet_wait_s: float = 10.0,
+    retries: int = 3,
+) -> dict[str, Any]:
     """Profile, search, measure every configuration, compare; write planner.json (+ planner.png).
 
     iters: measured steps per configuration and round (after `warmup` discarded ones); rounds: each
@@ -253,8 +307,10 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     if iters < 1 or rounds < 1 or profile_rounds < 1 or warmup < 0 or retries < 0:
-        raise ValueError(f"iters, rounds and profile_rounds must be >= 1, warmup and retries >= 0; got {iters}, "
-                         f"{rounds}, {profile_rounds}, {warmup}, {retries}")
+        raise ValueError(
+            f"iters, rounds and profile_rounds must be >= 1, warmup and retries >= 0; got {iters}, "
+            f"{rounds}, {profile_rounds}, {warmup}, {retries}"
+        )
     quiet_upstream_warnings()
     require_compat("bench.planner.run")
     t_start = time.perf_counter()
@@ -270,14 +326,26 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
     for w, doc in configs:
         lay = resolve(doc, w)
         seen[_key(lay)] = len(rows)
-        rows.append({"world": w, "layout": lay, "source": "config", "mbs": model.micro_batch_size,
-                     "rounds_s": [], "steps_s": [], "external_load": [], "tries": []})
+        rows.append(
+            {
+                "world": w,
+                "layout": lay,
+                "source": "config",
+                "mbs": model.micro_batch_size,
+                "rounds_s": [],
+                "steps_s": [],
+                "external_load": [],
+                "tries": [],
+            }
+        )
 
     def measure_row(r: dict[str, Any]) -> None:
         P.wait_quiet(quiet_wait_s)
-        m, load, tries = P.undisturbed(lambda: measure_step(r["layout"], model, iters, warmup,
-                                                            micro_batch_size=r["mbs"]),
-                                       tries=retries + 1, quiet_wait_s=quiet_wait_s)
+        m, load, tries = P.undisturbed(
+            lambda: measure_step(r["layout"], model, iters, warmup, micro_batch_size=r["mbs"]),
+            tries=retries + 1,
+            quiet_wait_s=quiet_wait_s,
+        )
         r["external_load"].append(load)
         r["tries"].append(tries)
         r["rounds_s"].append(m["step_s"])
@@ -306,13 +374,26 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
         k = _key(lay)
         if k not in seen:
             seen[k] = len(rows)
-            rows.append({"world": w, "layout": lay, "source": "search pick",
-                         "mbs": S.train_micro_batch_size(res.best.candidate, wl),
-                         "rounds_s": [], "steps_s": [], "external_load": [], "tries": []})
+            rows.append(
+                {
+                    "world": w,
+                    "layout": lay,
+                    "source": "search pick",
+                    "mbs": S.train_micro_batch_size(res.best.candidate, wl),
+                    "rounds_s": [],
+                    "steps_s": [],
+                    "external_load": [],
+                    "tries": [],
+                }
+            )
             for _ in range(rounds):
                 measure_row(rows[-1])
-        picks[w] = {"index": seen[k], "describe": res.best.candidate.describe(), "estimate_s": res.best.breakdown.total,
-                    "space_size": res.space_size}
+        picks[w] = {
+            "index": seen[k],
+            "describe": res.best.candidate.describe(),
+            "estimate_s": res.best.breakdown.total,
+            "space_size": res.space_size,
+        }
     # 4. estimates
     out_rows = []
     for i, r in enumerate(rows):
@@ -321,30 +402,60 @@ def run(out_dir: Path, iters: int = 6, worlds: Sequence[int] = WORLDS, configs: 
         wl_r = workload_for(spec, model.global_batch_size, cost_micro_batch(lay, spec, r["mbs"]))
         bd = C.evaluate(cand, wl_r, profiles[r["world"]])
         measured = min(r["rounds_s"])
-        out_rows.append({"index": i, "world": r["world"], "kind": kind_of(lay, spec), "source": r["source"],
-                         "layout": describe(lay), "layout_doc": lay.to_dict(), "candidate": cand.to_dict(),
-                         "micro_batch_size": r["mbs"],
-                         "measured_s": measured, "rounds_s": r["rounds_s"], "steps_s": r["steps_s"],
-                         "external_load": r["external_load"], "tries": r["tries"],
-                         "estimate_s": bd.total, "error": bd.total / measured - 1.0, "breakdown": bd.to_dict(),
-                         "loss": r["loss"]})
+        out_rows.append(
+            {
+                "index": i,
+                "world": r["world"],
+                "kind": kind_of(lay, spec),
+                "source": r["source"],
+                "layout": describe(lay),
+                "layout_doc": lay.to_dict(),
+                "candidate": cand.to_dict(),
+                "micro_batch_size": r["mbs"],
+                "measured_s": measured,
+                "rounds_s": r["rounds_s"],
+                "steps_s": r["steps_s"],
+                "external_load": r["external_load"],
+                "tries": r["tries"],
+                "estimate_s": bd.total,
+                "error": bd.total / measured - 1.0,
+                "breakdown": bd.to_dict(),
+                "loss": r["loss"],
+            }
+        )
     errs = [abs(r["error"]) for r in out_rows]
     summary_pick = {}
     for w in worlds:
         mine = [r for r in out_rows if r["world"] == w]
         fastest = min(mine, key=lambda r: r["measured_s"])
         pick = out_rows[picks[w]["index"]]
-        summary_pick[str(w)] = {**picks[w], "measured_s": pick["measured_s"], "layout": pick["layout"],
-                                "fastest_index": fastest["index"], "fastest_layout": fastest["layout"],
-                                "fastest_s": fastest["measured_s"],
-                                "pick_over_fastest": pick["measured_s"] / fastest["measured_s"] - 1.0,
-                                "mape": sum(abs(r["error"]) for r in mine) / len(mine)}
-    doc = {"benchmark": "planner", "backend": default_backend(), "worlds": list(worlds), "model": dataclasses_asdict(model),
-           "iters": iters, "warmup": warmup, "rounds": rounds, "profile_rounds": profile_rounds,
-           "configurations": out_rows, "mape": sum(errs) / len(errs), "max_abs_error": max(errs),
-           **round_noise(out_rows),
-           "picks": summary_pick, "profiles": {str(w): profile_docs[w] for w in worlds},
-           "seconds": time.perf_counter() - t_start}
+        summary_pick[str(w)] = {
+            **picks[w],
+            "measured_s": pick["measured_s"],
+            "layout": pick["layout"],
+            "fastest_index": fastest["index"],
+            "fastest_layout": fastest["layout"],
+            "fastest_s": fastest["measured_s"],
+            "pick_over_fastest": pick["measured_s"] / fastest["measured_s"] - 1.0,
+            "mape": sum(abs(r["error"]) for r in mine) / len(mine),
+        }
+    doc = {
+        "benchmark": "planner",
+        "backend": default_backend(),
+        "worlds": list(worlds),
+        "model": dataclasses_asdict(model),
+        "iters": iters,
+        "warmup": warmup,
+        "rounds": rounds,
+        "profile_rounds": profile_rounds,
+        "configurations": out_rows,
+        "mape": sum(errs) / len(errs),
+        "max_abs_error": max(errs),
+        **round_noise(out_rows),
+        "picks": summary_pick,
+        "profiles": {str(w): profile_docs[w] for w in worlds},
+        "seconds": time.perf_counter() - t_start,
+    }
     write_json(Path(out_dir) / "planner.json", doc)
     if plot:
         _plot(Path(out_dir) / "planner.png", doc)
@@ -360,7 +471,10 @@ def round_noise(rows: list[dict[str, Any]]) -> dict[str, Optional[float]]:
     if not rounds:
         return {"round_mape": None, "round_spread": None}
     dev = [abs(x / min(rs) - 1.0) for rs in rounds for x in rs]
-    return {"round_mape": sum(dev) / len(dev), "round_spread": statistics.median(max(rs) / min(rs) - 1.0 for rs in rounds)}
+    return {
+        "round_mape": sum(dev) / len(dev),
+        "round_spread": statistics.median(max(rs) / min(rs) - 1.0 for rs in rounds),
+    }
 
 
 def dataclasses_asdict(x) -> dict:
@@ -403,17 +517,33 @@ def _plot(path: Path, doc: dict[str, Any]) -> Optional[Path]:
 
 
 def table(doc: dict[str, Any]) -> str:
-    rows = [[r["world"], r["kind"] + (" (search pick)" if r["source"] == "search pick" else ""), r["layout"],
-             f"{r['measured_s'] * 1e3:.1f} ms", f"{r['estimate_s'] * 1e3:.1f} ms", f"{r['error']:+.1%}"]
-            for r in doc["configurations"]]
+    rows = [
+        [
+            r["world"],
+            r["kind"] + (" (search pick)" if r["source"] == "search pick" else ""),
+            r["layout"],
+            f"{r['measured_s'] * 1e3:.1f} ms",
+            f"{r['estimate_s'] * 1e3:.1f} ms",
+            f"{r['error']:+.1%}",
+        ]
+        for r in doc["configurations"]
+    ]
     text = markdown_table(["world", "kind", "configuration", "measured", "estimate", "error"], rows)
-    lines = [text, "", f"MAPE over {len(doc['configurations'])} configurations: {doc['mape']:.1%} "
-             f"(largest |error| {doc['max_abs_error']:.1%})"]
+    lines = [
+        text,
+        "",
+        f"MAPE over {len(doc['configurations'])} configurations: {doc['mape']:.1%} "
+        f"(largest |error| {doc['max_abs_error']:.1%})",
+    ]
     if doc.get("round_mape") is not None:
-        lines.append(f"measurement noise: a round against the kept (fastest) round {doc['round_mape']:.1%} on average; "
-                     f"slowest / fastest round - 1, median over configurations {doc['round_spread']:.1%}")
+        lines.append(
+            f"measurement noise: a round against the kept (fastest) round {doc['round_mape']:.1%} on average; "
+            f"slowest / fastest round - 1, median over configurations {doc['round_spread']:.1%}"
+        )
     for w, p in doc["picks"].items():
-        lines.append(f"world {w}: MAPE {p['mape']:.1%}; search pick {p['describe']} measured "
-                     f"{p['measured_s'] * 1e3:.1f} ms; fastest measured {p['fastest_layout']} {p['fastest_s'] * 1e3:.1f} ms; "
-                     f"pick / fastest - 1 = {p['pick_over_fastest']:+.1%}")
+        lines.append(
+            f"world {w}: MAPE {p['mape']:.1%}; search pick {p['describe']} measured "
+            f"{p['measured_s'] * 1e3:.1f} ms; fastest measured {p['fastest_layout']} {p['fastest_s'] * 1e3:.1f} ms; "
+            f"pick / fastest - 1 = {p['pick_over_fastest']:+.1%}"
+        )
     return "\n".join(lines)

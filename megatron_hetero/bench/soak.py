@@ -10,6 +10,7 @@ Megatron-core and the topology created), threads (/proc/self/task) and open file
 counts at every sample from step `warmup` on equal those after step `warmup`. `run` writes OUT/soak.json and
 returns the document; `passed(doc)` says whether every layout passed (the CLI exits 1 when not).
 """
+
 from __future__ import annotations
 
 import gc
@@ -24,12 +25,16 @@ WORLD = 8
 MAX_RSS_GROWTH = 0.02
 # name -> layout document at world 8 (heterogeneous: each module its own TP/DP/PP)
 LAYOUTS: dict[str, dict] = {
-    "colocated: vision DP8, language TP2 DP4 (all 8 ranks)":
-        {"placement": "colocated", "modules": {"vision": {"dp": 8}, "language": {"tp": 2, "dp": 4}},
-         "edges": ["vision -> language"]},
-    "disjoint: vision DP4 @0-3 -> language TP2 PP2 @4-7":
-        {"placement": "disjoint", "modules": {"vision": {"dp": 4}, "language": {"tp": 2, "pp": 2}},
-         "edges": ["vision -> language"]},
+    "colocated: vision DP8, language TP2 DP4 (all 8 ranks)": {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 8}, "language": {"tp": 2, "dp": 4}},
+        "edges": ["vision -> language"],
+    },
+    "disjoint: vision DP4 @0-3 -> language TP2 PP2 @4-7": {
+        "placement": "disjoint",
+        "modules": {"vision": {"dp": 4}, "language": {"tp": 2, "pp": 2}},
+        "edges": ["vision -> language"],
+    },
 }
 
 
@@ -57,8 +62,14 @@ def probe() -> dict[str, int]:
             continue
         kind = target.split(":")[0] if ":" in target and not target.startswith("/") else target
         fds[kind] = fds.get(kind, 0) + 1
-    return {"rss_bytes": rss, "process_groups": groups, "threads": len(os.listdir("/proc/self/task")),
-            "python_threads": threading.active_count(), "open_fds": sum(fds.values()), "fds_by_kind": fds}
+    return {
+        "rss_bytes": rss,
+        "process_groups": groups,
+        "threads": len(os.listdir("/proc/self/task")),
+        "python_threads": threading.active_count(),
+        "open_fds": sum(fds.values()),
+        "fds_by_kind": fds,
+    }
 
 
 class _Prober:
@@ -92,12 +103,23 @@ def run_layout(doc: dict, steps: int, warmup: int, world: int = WORLD, timeout: 
     t0 = time.perf_counter()
     per_rank = run_ranks(world, train_rank, layout, job, timeout=timeout, step_hook=_Prober(at))
     wall = time.perf_counter() - t0
-    ranks = [rank_summary(rank, {r["iteration"]: r["probe"] for r in res["records"] if r.get("probe")}, warmup, steps)
-             for rank, res in enumerate(per_rank)]
+    ranks = [
+        rank_summary(rank, {r["iteration"]: r["probe"] for r in res["records"] if r.get("probe")}, warmup, steps)
+        for rank, res in enumerate(per_rank)
+    ]
     losses = [r["loss"] for r in per_rank[0]["records"]]
-    return {"steps": steps, "warmup": warmup, "world": world, "sampled_steps": at, "wall_s": wall,
-            "first_loss": losses[0], "last_loss": losses[-1], "ranks": ranks,
-            "max_rss_growth": max(r["rss_growth"] for r in ranks), "passed": all(r["passed"] for r in ranks)}
+    return {
+        "steps": steps,
+        "warmup": warmup,
+        "world": world,
+        "sampled_steps": at,
+        "wall_s": wall,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "ranks": ranks,
+        "max_rss_growth": max(r["rss_growth"] for r in ranks),
+        "passed": all(r["passed"] for r in ranks),
+    }
 
 
 def rank_summary(rank: int, samples: dict[int, dict], warmup: int, steps: int) -> dict[str, Any]:
@@ -111,18 +133,27 @@ def rank_summary(rank: int, samples: dict[int, dict], warmup: int, steps: int) -
     same = all(s[k] == warm[k] for s in later for k in ("process_groups", "threads", "python_threads"))
     fds_held = all(s["open_fds"] <= warm["open_fds"] for s in later)
     constant = same and all(s["open_fds"] == warm["open_fds"] for s in later)
-    return {"rank": rank, "samples": {str(k): v for k, v in sorted(samples.items())}, "rss_growth": growth,
-            "counts_constant": constant, "passed": growth < MAX_RSS_GROWTH and same and fds_held}
+    return {
+        "rank": rank,
+        "samples": {str(k): v for k, v in sorted(samples.items())},
+        "rss_growth": growth,
+        "counts_constant": constant,
+        "passed": growth < MAX_RSS_GROWTH and same and fds_held,
+    }
 
 
-def run(out: Path, steps: int = 300, warmup: int = 50, world: int = WORLD,
-        layouts: Optional[dict[str, dict]] = None) -> dict[str, Any]:
+def run(
+    out: Path, steps: int = 300, warmup: int = 50, world: int = WORLD, layouts: Optional[dict[str, dict]] = None
+) -> dict[str, Any]:
     """Every layout of `layouts` (default LAYOUTS) for `steps` steps; writes OUT/soak.json."""
     from megatron_hetero.compat import require_compat
 
     require_compat("bench.soak.run")
-    doc = {"benchmark": "soak", "max_rss_growth_allowed": MAX_RSS_GROWTH,
-           "layouts": {name: run_layout(d, steps, warmup, world) for name, d in (layouts or LAYOUTS).items()}}
+    doc = {
+        "benchmark": "soak",
+        "max_rss_growth_allowed": MAX_RSS_GROWTH,
+        "layouts": {name: run_layout(d, steps, warmup, world) for name, d in (layouts or LAYOUTS).items()},
+    }
     doc["passed"] = all(v["passed"] for v in doc["layouts"].values())
     write_json(Path(out) / "soak.json", doc)
     return doc
@@ -140,15 +171,27 @@ def table(doc: dict[str, Any]) -> str:
         rows = []
         for r in lay["ranks"]:
             a, b = r["samples"][w], r["samples"][e]
-            rows.append([r["rank"], f"{a['rss_bytes'] / 2**20:.1f}", f"{b['rss_bytes'] / 2**20:.1f}",
-                         f"{100 * r['rss_growth']:+.2f}%",
-                         f"{a['process_groups']} -> {b['process_groups']}", f"{a['threads']} -> {b['threads']}",
-                         f"{a['open_fds']} -> {b['open_fds']}", "ok" if r["counts_constant"] else "CHANGED"])
+            rows.append(
+                [
+                    r["rank"],
+                    f"{a['rss_bytes'] / 2**20:.1f}",
+                    f"{b['rss_bytes'] / 2**20:.1f}",
+                    f"{100 * r['rss_growth']:+.2f}%",
+                    f"{a['process_groups']} -> {b['process_groups']}",
+                    f"{a['threads']} -> {b['threads']}",
+                    f"{a['open_fds']} -> {b['open_fds']}",
+                    "ok" if r["counts_constant"] else "CHANGED",
+                ]
+            )
         verdict = "PASS" if lay["passed"] else "FAIL"
-        parts.append(f"{name}: {lay['steps']} steps at world {lay['world']} in {lay['wall_s']:.0f} s, loss "
-                     f"{lay['first_loss']:.3f} -> {lay['last_loss']:.3f}; max RSS growth after step {w}: "
-                     f"{100 * lay['max_rss_growth']:+.2f}% (limit {100 * doc['max_rss_growth_allowed']:.0f}%): "
-                     f"{verdict}\n" + markdown_table(
-                         ["rank", f"RSS MiB @{w}", f"RSS MiB @{e}", "growth", "process groups", "threads",
-                          "open fds", "counts"], rows))
+        parts.append(
+            f"{name}: {lay['steps']} steps at world {lay['world']} in {lay['wall_s']:.0f} s, loss "
+            f"{lay['first_loss']:.3f} -> {lay['last_loss']:.3f}; max RSS growth after step {w}: "
+            f"{100 * lay['max_rss_growth']:+.2f}% (limit {100 * doc['max_rss_growth_allowed']:.0f}%): "
+            f"{verdict}\n"
+            + markdown_table(
+                ["rank", f"RSS MiB @{w}", f"RSS MiB @{e}", "growth", "process groups", "threads", "open fds", "counts"],
+                rows,
+            )
+        )
     return "\n\n".join(parts)

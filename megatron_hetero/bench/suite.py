@@ -1,5 +1,6 @@
 """The benchmarks by name (`megatron-hetero bench NAME`): each runs its cases side by side in one
 process tree, writes OUT/NAME.json (and NAME.png with matplotlib) and returns its document."""
+
 from __future__ import annotations
 
 import importlib

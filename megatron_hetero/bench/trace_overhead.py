@@ -10,6 +10,7 @@ the noise. The first step of each mode is dropped (warm-up).
 
     python -m megatron_hetero.bench.trace_overhead LAYOUT.yaml [--steps 40] [--global-batch-size 8] [--out F.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,10 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
         else:
             from megatron_hetero.runtime.disjoint import DisjointSchedule as Schedule
         tracer = Tracer(topo.rank)
-        schedules = {"off": Schedule(plan, replace(job.runtime_config(), tracer=NULL_TRACER), topo, states, runner),
-                     "on": Schedule(plan, replace(job.runtime_config(), tracer=tracer), topo, states, runner)}
+        schedules = {
+            "off": Schedule(plan, replace(job.runtime_config(), tracer=NULL_TRACER), topo, states, runner),
+            "on": Schedule(plan, replace(job.runtime_config(), tracer=tracer), topo, states, runner),
+        }
         wall: dict[str, list[float]] = {"off": [], "on": []}
         cpu: dict[str, list[float]] = {"off": [], "on": []}
         spans: list[int] = []
@@ -124,8 +127,12 @@ def main(argv=None) -> int:
     apply_compat()  # this module run as a script is an entry point
     layout = load_layout(args.layout, None)
     model = resolve_model(ModelArgs(global_batch_size=args.global_batch_size), layout)
-    job = JobConfig(spec=llava_spec(model, layout), global_batch_size=model.global_batch_size,
-                    micro_batch_size=model.micro_batch_size, comm_timeout_s=120.0)
+    job = JobConfig(
+        spec=llava_spec(model, layout),
+        global_batch_size=model.global_batch_size,
+        micro_batch_size=model.micro_batch_size,
+        comm_timeout_s=120.0,
+    )
     text = json.dumps({"layout": args.layout, **measure(layout, job, args.steps)}, indent=1)
     print(text)
     if args.out:

@@ -15,6 +15,7 @@ other file of the checkpoint), and `state_sha256`, the sha256 of its own content
 (canonical JSON), so one flipped byte in any file of a checkpoint is an error naming the file.
 Every problem is a ValueError naming the file (the CLI exits 2).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,6 +77,7 @@ def state_digest(state: dict) -> str:
 # reading
 # ---------------------------------------------------------------------------------------------------
 
+
 def read_marker(root: str | Path) -> tuple[int, Optional[str]]:
     """(iteration, sha256 of its train_state.json or None for a one-line marker); ValueError naming
     the file."""
@@ -117,8 +119,10 @@ def read_train_state(root: str | Path, iteration: Optional[int] = None) -> tuple
         raise ValueError(f"checkpoint {d}: {path} does not exist")
     data = path.read_bytes()
     if want_sha is not None and _sha256_bytes(data) != want_sha:
-        raise ValueError(f"checkpoint file {path} is corrupt: its sha256 differs from the one the marker "
-                         f"{Path(root) / TRACKER} recorded (one of the two files is altered)")
+        raise ValueError(
+            f"checkpoint file {path} is corrupt: its sha256 differs from the one the marker "
+            f"{Path(root) / TRACKER} recorded (one of the two files is altered)"
+        )
     try:
         state = json.loads(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -126,7 +130,9 @@ def read_train_state(root: str | Path, iteration: Optional[int] = None) -> tuple
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"checkpoint file {path} is not a {FORMAT} train state")
     if state.get("version") not in (1, VERSION):
-        raise ValueError(f"checkpoint file {path}: format version {state.get('version')!r}, this build reads 1-{VERSION}")
+        raise ValueError(
+            f"checkpoint file {path}: format version {state.get('version')!r}, this build reads 1-{VERSION}"
+        )
     if state.get("version") >= 2 and state.get("state_sha256") != state_digest(state):
         raise ValueError(f"checkpoint file {path} is corrupt: its content differs from its state_sha256")
     if state.get("iteration") != iteration:
@@ -168,6 +174,7 @@ def verify_manifest(d: Path, state: dict) -> None:
 # which checkpoint --load takes
 # ---------------------------------------------------------------------------------------------------
 
+
 def saves(root: Path) -> tuple[list[int], list[tuple[int, Path]]]:
     """(iterations with a train_state.json, newest first; [(iteration, folder)] of saves that did not
     complete: staging folders and iteration folders without a train state)."""
@@ -201,8 +208,10 @@ def select_checkpoint(root: str | Path, fallback: bool = False) -> tuple[Path, d
         marked, problem = None, str(exc)
     newer_bad = [p for n, p in incomplete if marked is None or n > marked]
     if newer_bad:
-        problem = (f"the newest save, {newer_bad[-1]}, is incomplete (the job was killed while saving it, or its "
-                   f"train state is missing)")
+        problem = (
+            f"the newest save, {newer_bad[-1]}, is incomplete (the job was killed while saving it, or its "
+            f"train state is missing)"
+        )
     if problem is None:
         try:
             d, state = read_train_state(root)
@@ -212,13 +221,23 @@ def select_checkpoint(root: str | Path, fallback: bool = False) -> tuple[Path, d
             complete = [n for n in complete if n != marked]  # the marker's own checkpoint is the damaged one
         else:
             newer = [n for n in complete if n > marked]
-            note = (f"--load {root}: {iteration_dir(root, newer[0]).name} is a complete checkpoint newer than the "
-                    f"marker's iteration {marked}; resuming from {marked} (the marker decides)") if newer else None
+            note = (
+                (
+                    f"--load {root}: {iteration_dir(root, newer[0]).name} is a complete checkpoint newer than the "
+                    f"marker's iteration {marked}; resuming from {marked} (the marker decides)"
+                )
+                if newer
+                else None
+            )
             return d, state, note
     older = [n for n in complete if marked is None or n <= marked]
     if not fallback:
-        hint = (f"; pass --load-fallback to resume from the newest complete checkpoint before it "
-                f"({iteration_dir(root, older[0]).name})" if older else "; no complete checkpoint to fall back to")
+        hint = (
+            f"; pass --load-fallback to resume from the newest complete checkpoint before it "
+            f"({iteration_dir(root, older[0]).name})"
+            if older
+            else "; no complete checkpoint to fall back to"
+        )
         raise ValueError(f"--load {root}: {problem}{hint}")
     errors = []
     for n in older:
@@ -230,15 +249,24 @@ def select_checkpoint(root: str | Path, fallback: bool = False) -> tuple[Path, d
         except ValueError as exc:
             errors.append(str(exc))
             continue
-        return d, state, (f"--load {root}: {problem}; --load-fallback: resuming from iteration {n} "
-                          f"({d.name}), the newest complete checkpoint before it")
-    raise ValueError(f"--load {root}: {problem}; --load-fallback found no complete checkpoint to fall back to"
-                     + (" (" + "; ".join(errors) + ")" if errors else ""))
+        return (
+            d,
+            state,
+            (
+                f"--load {root}: {problem}; --load-fallback: resuming from iteration {n} "
+                f"({d.name}), the newest complete checkpoint before it"
+            ),
+        )
+    raise ValueError(
+        f"--load {root}: {problem}; --load-fallback found no complete checkpoint to fall back to"
+        + (" (" + "; ".join(errors) + ")" if errors else "")
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------------
+
 
 def fsync_dir(d: Path) -> None:
     fd = os.open(str(d), os.O_RDONLY)

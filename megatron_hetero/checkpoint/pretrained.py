@@ -8,6 +8,7 @@ the recorded model against this job's, and the logical models against the layout
 then goes through `checkpoint.save_load.load_checkpoint` like any checkpoint (no optimizer state:
 the optimizers start fresh; iteration 0).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,8 +33,11 @@ def check_converted(root: str | Path, layout, job) -> int:
     ckpt.read_torch_files(d, state)  # the ranks' restricted unpicklers, here first: a bad file stops the job now
     problems = []
     saved, now = state.get("model") or {}, ckpt.spec_record(job.spec)
-    diffs = [f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in sorted(set(now) | set(saved))
-             if saved.get(k) != now.get(k)]
+    diffs = [
+        f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+        for k in sorted(set(now) | set(saved))
+        if saved.get(k) != now.get(k)
+    ]
     if diffs:
         problems.append("the model differs (" + "; ".join(diffs) + "); give no model flags to build the recorded one")
     models, have = set(state.get("modules", {})), set(ckpt.logical_models(layout))

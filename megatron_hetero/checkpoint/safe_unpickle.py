@@ -24,6 +24,7 @@ reader factory returns `SafeFileSystemReader` (a scoped swap of that one module 
 exit; the compat table's entry `fix.checkpoint_reader`, which checks the Megatron-core version and whose
 spots tests/test_compat.py checks). Problems are ValueErrors naming the file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,11 +38,22 @@ from typing import Any
 METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint"
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {(f"{_DCP}.metadata", n) for n in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata",
-                                       "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    {
+        (f"{_DCP}.metadata", n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "ChunkStorageMetadata",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
     | {(f"{_DCP}.filesystem", "_StorageInfo")}
     | {(f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")}
-    | {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")})
+    | {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+)
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -84,21 +96,30 @@ def read_dcp_metadata(model_dir: str | Path):
     try:
         md = restricted_loads(path.read_bytes())
     except RefusedGlobal as exc:
-        raise ValueError(f"checkpoint file {path} is refused: it names {exc}, which checkpoint metadata never "
-                         f"holds (a crafted file: nothing of it was run)") from None
+        raise ValueError(
+            f"checkpoint file {path} is refused: it names {exc}, which checkpoint metadata never "
+            f"holds (a crafted file: nothing of it was run)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - truncated or garbled pickle data, wrong constructor arguments
         raise ValueError(f"checkpoint file {path} is corrupt: {type(exc).__name__}: {exc}") from None
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise ValueError(f"checkpoint file {path} is refused: not torch_dist metadata ({type(md).__name__})")
     for key, entry in md.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
-            raise ValueError(f"checkpoint file {path} is refused: entry {key!r} is a {type(entry).__name__}, not a "
-                             f"tensor (this build loads no pickled objects)")
+            raise ValueError(
+                f"checkpoint file {path} is refused: entry {key!r} is a {type(entry).__name__}, not a "
+                f"tensor (this build loads no pickled objects)"
+            )
     if not isinstance(md.storage_data, dict):
         raise ValueError(f"checkpoint file {path} is refused: no storage table")
     for info in md.storage_data.values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        if (
+            not isinstance(info, _StorageInfo)
+            or not isinstance(name, str)
+            or Path(name).name != name
+            or name in ("", ".", "..")
+        ):
             raise ValueError(f"checkpoint file {path} is refused: storage entry {name!r} is not a file of {d}")
     return md
 
@@ -147,9 +168,14 @@ def safe_torch_load(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         text = str(exc)
         m = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-        why = (f"it names {m.group(1)}, which torch.load(weights_only=True) does not allow" if m else
-               next((ln.strip() for ln in text.splitlines() if "WeightsUnpickler error" in ln), text[:300]))
-        raise ValueError(f"checkpoint file {path} is refused: {why[:300]} (a crafted file: nothing of it was run)") from None
+        why = (
+            f"it names {m.group(1)}, which torch.load(weights_only=True) does not allow"
+            if m
+            else next((ln.strip() for ln in text.splitlines() if "WeightsUnpickler error" in ln), text[:300])
+        )
+        raise ValueError(
+            f"checkpoint file {path} is refused: {why[:300]} (a crafted file: nothing of it was run)"
+        ) from None
     except FileNotFoundError:
         raise ValueError(f"checkpoint file {path} is missing") from None
     except Exception as exc:  # noqa: BLE001 - a damaged zip archive
@@ -213,8 +239,10 @@ def check_shapes(sharded_state_dict: dict, md, model_dir: Path) -> None:
         if entry is None:
             raise ValueError(f"checkpoint {model_dir}: tensor {sh.key} is not in it (another model?)")
         if tuple(entry.size) != tuple(sh.global_shape):
-            raise ValueError(f"checkpoint {model_dir}: tensor {sh.key} is {fmt(entry.size)} in the checkpoint, "
-                             f"{fmt(sh.global_shape)} in this model (another model shape)")
+            raise ValueError(
+                f"checkpoint {model_dir}: tensor {sh.key} is {fmt(entry.size)} in the checkpoint, "
+                f"{fmt(sh.global_shape)} in this model (another model shape)"
+            )
 
 
 def load(sharded_state_dict: dict, model_dir: str | Path) -> dict:

@@ -40,6 +40,7 @@ itself), reads each `.metadata` and `common.pt` with the restricted unpicklers o
 and the schedule against this job: any problem is a ValueError naming the file (exit 2). The ranks
 load through the same restricted reads, after checking every tensor's shape against the metadata.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,21 @@ from typing import Any
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan import roles as plan_roles
 from megatron_hetero.checkpoint.files import (  # noqa: F401 - re-exported names
-    FORMAT, LAYOUT_FILE, RNG_DIR, STATE_FILE, TRACKER, VERSION, iteration_dir, manifest, publish, read_tracker,
-    read_train_state, select_checkpoint, stage_dir, verify_manifest, write_train_state,
+    FORMAT,
+    LAYOUT_FILE,
+    RNG_DIR,
+    STATE_FILE,
+    TRACKER,
+    VERSION,
+    iteration_dir,
+    manifest,
+    publish,
+    read_tracker,
+    read_train_state,
+    select_checkpoint,
+    stage_dir,
+    verify_manifest,
+    write_train_state,
 )
 from megatron_hetero.runtime.faults import fault_point, named_collective
 
@@ -65,6 +79,7 @@ _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 # ---------------------------------------------------------------------------------------------------
 # names (pure)
 # ---------------------------------------------------------------------------------------------------
+
 
 def logical_models(layout: HeteroLayout) -> dict[str, list[str]]:
     """logical model -> its layout modules: each encoder is its own; every language module (one, or
@@ -131,17 +146,22 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     saved_spec, spec = state.get("model"), spec_record(job.spec)
     if saved_spec != spec:
         saved_d = saved_spec if isinstance(saved_spec, dict) else {}
-        diffs = [f"{k}: {saved_d.get(k)!r} in the checkpoint, {spec.get(k)!r} now"
-                 for k in sorted(set(spec) | set(saved_d)) if saved_d.get(k) != spec.get(k)]
+        diffs = [
+            f"{k}: {saved_d.get(k)!r} in the checkpoint, {spec.get(k)!r} now"
+            for k in sorted(set(spec) | set(saved_d))
+            if saved_d.get(k) != spec.get(k)
+        ]
         problems.append("the model differs (" + "; ".join(diffs) + ")")
     saved_models = state.get("modules", {})
     now = logical_models(layout)
     if set(saved_models) != set(now):
         problems.append(f"the checkpoint holds the models {sorted(saved_models)}, this layout has {sorted(now)}")
     if state.get("global_batch_size") != job.global_batch_size:
-        problems.append(f"--global-batch-size {job.global_batch_size}, the checkpoint's data position is in "
-                        f"batches of {state.get('global_batch_size')} (changing the batch size needs the data "
-                        f"loader's sample position)")
+        problems.append(
+            f"--global-batch-size {job.global_batch_size}, the checkpoint's data position is in "
+            f"batches of {state.get('global_batch_size')} (changing the batch size needs the data "
+            f"loader's sample position)"
+        )
     data = state.get("data", {})
     if data.get("next_sample") != it * state.get("global_batch_size", 0):
         problems.append(f"data position {data!r} is not iteration {it} x global batch")
@@ -161,8 +181,11 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
             if rec.get("scheduler_config"):
                 diffs = schedule_mismatch(rec["scheduler_config"], current)
                 if diffs:
-                    problems.append("the learning-rate schedule differs (" + "; ".join(diffs)
-                                    + "); pass --override-opt-param-scheduler to use this job's")
+                    problems.append(
+                        "the learning-rate schedule differs ("
+                        + "; ".join(diffs)
+                        + "); pass --override-opt-param-scheduler to use this job's"
+                    )
                     break
     if it >= job.train_iters:
         problems.append(f"the checkpoint is at iteration {it}, --train-iters is {job.train_iters}: nothing to train")
@@ -174,6 +197,7 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
 # ---------------------------------------------------------------------------------------------------
 # sharded state dicts (torch from here on)
 # ---------------------------------------------------------------------------------------------------
+
 
 def _layer_offset(layout: HeteroLayout, module: str, spec) -> int:
     from megatron_hetero.models.llava import segment_layers
@@ -270,9 +294,12 @@ def _rng_sharded_state_dict(rank: int, world: int) -> dict:
     states = {"torch": torch.get_rng_state(), "accelerator": mrandom._get_cuda_rng_state()}
     for name, st in mrandom.get_cuda_rng_tracker().get_states().items():
         states[f"tracker.{name}"] = st
-    return {k: ShardedTensor.from_rank_offsets(f"rng.{k}", v.detach().cpu().clone().unsqueeze(0), (0, rank, world),
-                                               replica_id=0)
-            for k, v in states.items()}
+    return {
+        k: ShardedTensor.from_rank_offsets(
+            f"rng.{k}", v.detach().cpu().clone().unsqueeze(0), (0, rank, world), replica_id=0
+        )
+        for k, v in states.items()
+    }
 
 
 def _set_rng(loaded: dict) -> None:
@@ -281,7 +308,7 @@ def _set_rng(loaded: dict) -> None:
 
     torch.set_rng_state(loaded["torch"][0])
     mrandom._set_cuda_rng_state(loaded["accelerator"][0])
-    tracker = {k[len("tracker."):]: v[0] for k, v in loaded.items() if k.startswith("tracker.")}
+    tracker = {k[len("tracker.") :]: v[0] for k, v in loaded.items() if k.startswith("tracker.")}
     if tracker:
         mrandom.get_cuda_rng_tracker().set_states(tracker)
 
@@ -318,10 +345,15 @@ def _guard(what: str, fn, *args, **kwargs):
 # save / load (collective: every rank of the job calls them together)
 # ---------------------------------------------------------------------------------------------------
 
-@named_collective(lambda root, iteration, *a, **k:
-                  f"checkpoint save of iteration {iteration} under {root} (barriers and writes over the world)")
-def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job, topo, states: dict,
-                    schedulers: dict) -> Path:
+
+@named_collective(
+    lambda root, iteration, *a, **k: (
+        f"checkpoint save of iteration {iteration} under {root} (barriers and writes over the world)"
+    )
+)
+def save_checkpoint(
+    root: str | Path, iteration: int, layout: HeteroLayout, job, topo, states: dict, schedulers: dict
+) -> Path:
     """Save iteration `iteration` under `root` (see the module docstring); returns its directory."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -392,11 +424,17 @@ def save_checkpoint(root: str | Path, iteration: int, layout: HeteroLayout, job,
         layout_text = dump_layout(layout)
         (d / LAYOUT_FILE).write_text(layout_text)
         state = {
-            "format": FORMAT, "version": VERSION, "iteration": iteration,
+            "format": FORMAT,
+            "version": VERSION,
+            "iteration": iteration,
             "consumed_samples": iteration * job.global_batch_size,
             "data": data_position(job, iteration),
-            "global_batch_size": job.global_batch_size, "world_size": world,
-            "layout": layout_text, "layout_dict": layout.to_dict(), "model": spec_record(job.spec), "modules": models,
+            "global_batch_size": job.global_batch_size,
+            "world_size": world,
+            "layout": layout_text,
+            "layout_dict": layout.to_dict(),
+            "model": spec_record(job.spec),
+            "modules": models,
         }
         state_sha = write_train_state(d, state)  # adds the manifest and its own checksum
         _reached("state written")
@@ -462,12 +500,13 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
             if st is None:
                 continue
             prefix = f"{mod_name}.model."
-            model = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
+            model = {k[len(prefix) :]: v for k, v in loaded.items() if k.startswith(prefix)}
             missing, unexpected = st.module.load_state_dict(model, strict=False)
             missing = [k for k in missing if not k.endswith("_extra_state")]
             if missing or unexpected:
-                raise ValueError(f"checkpoint {d / name}: module {mod_name} missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]}")
+                raise ValueError(
+                    f"checkpoint {d / name}: module {mod_name} missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
             if mod_name in rests:
                 rest = rests[mod_name]
                 dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, rest)

@@ -17,6 +17,7 @@ and, if it builds or runs Megatron models,
 Importing a subcommand module must not import torch (the parser of every subcommand is built on
 each call); import domain code inside `run`. Shared flags: `cli.model_flags`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,20 @@ from typing import Optional, Sequence
 EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
 
 # Module names under megatron_hetero.cli, in `--help` order. Adding a subcommand is one entry here.
-SUBCOMMANDS: tuple[str, ...] = ("plan", "train", "schedule", "profile", "search", "bench", "slurm", "data", "checkpoint",
-                               "convert", "timeline", "megatron_lm")
+SUBCOMMANDS: tuple[str, ...] = (
+    "plan",
+    "train",
+    "schedule",
+    "profile",
+    "search",
+    "bench",
+    "slurm",
+    "data",
+    "checkpoint",
+    "convert",
+    "timeline",
+    "megatron_lm",
+)
 
 
 class CommandFailed(Exception):
@@ -45,8 +58,7 @@ def subcommand_modules() -> dict[str, ModuleType]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="megatron-hetero",
-        description="Per-module parallel layouts for multimodal training on Megatron-core.",
+        prog="megatron-hetero", description="Per-module parallel layouts for multimodal training on Megatron-core."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in subcommand_modules().values():
@@ -99,5 +111,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_command(args.command, args)
 
 
-__all__ = ["CommandFailed", "EXIT_FAILURE", "EXIT_INVALID", "EXIT_OK", "SUBCOMMANDS", "build_parser", "main",
-           "run_command", "subcommand_modules"]
+__all__ = [
+    "CommandFailed",
+    "EXIT_FAILURE",
+    "EXIT_INVALID",
+    "EXIT_OK",
+    "SUBCOMMANDS",
+    "build_parser",
+    "main",
+    "run_command",
+    "subcommand_modules",
+]

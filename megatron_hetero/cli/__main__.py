@@ -1,4 +1,5 @@
 """`python -m megatron_hetero.cli ...`: the `megatron-hetero` command."""
+
 import sys
 
 from megatron_hetero.cli import main

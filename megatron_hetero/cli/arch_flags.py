@@ -12,13 +12,16 @@ GELU, learned positions, biases, untied embeddings: Megatron's `--untie-embeddin
 is accepted and is the default here; `--share-embeddings-and-output-weights` ties). Importing this
 module does not import torch.
 """
+
 from __future__ import annotations
 
 import argparse
 
+
 def add_arch_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("model architecture (Megatron-LM's flags; default: the tiny GPT and linear-patch "
-                                  "encoders)")
+    g = parser.add_argument_group(
+        "model architecture (Megatron-LM's flags; default: the tiny GPT and linear-patch encoders)"
+    )
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None)
     g.add_argument("--norm-epsilon", type=float, default=None)
     g.add_argument("--swiglu", action="store_const", const=True, default=None, help="gated SiLU MLP (Llama/Qwen2)")
@@ -29,11 +32,25 @@ def add_arch_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-channels", type=int, default=None, help="attention head dimension (default hidden/heads)")
     g.add_argument("--add-qkv-bias", action="store_const", const=True, default=None, help="QKV bias (Qwen2)")
     g.add_argument("--disable-bias-linear", action="store_const", const=True, default=None)
-    g.add_argument("--share-embeddings-and-output-weights", action="store_const", const=True, default=None,
-                   help="tie the output layer to the input embeddings")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_const", const=True, default=None,
-                   help="untied (the default here)")
-    g.add_argument("--vision-model-type", choices=["linear", "clip"], default=None,
-                   help="clip: Megatron's CLIPViTModel for every encoder (needs --patch-dim)")
+    g.add_argument(
+        "--share-embeddings-and-output-weights",
+        action="store_const",
+        const=True,
+        default=None,
+        help="tie the output layer to the input embeddings",
+    )
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_const",
+        const=True,
+        default=None,
+        help="untied (the default here)",
+    )
+    g.add_argument(
+        "--vision-model-type",
+        choices=["linear", "clip"],
+        default=None,
+        help="clip: Megatron's CLIPViTModel for every encoder (needs --patch-dim)",
+    )
     g.add_argument("--patch-dim", type=int, default=None, help="CLIP patch side (features per token: 3 * patch**2)")
     return parser

@@ -1,5 +1,6 @@
 """`megatron-hetero bench NAME [--json] [--out DIR] [--iters N]`: run a benchmark, print its table,
 write NAME.json (and NAME.png). The benchmarks: `bench/suite.py`."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--out", default="bench-results", help="folder for NAME.json and NAME.png")
     p.add_argument("--json", action="store_true", help="print the JSON document instead of the table")
-    p.add_argument("--iters", type=int, default=None,
-                   help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps, "
-                        "soak 300 steps, e2e 6 steps)")
-    p.add_argument("--quick", action="store_true",
-                   help="faults: a covering subset of the fault matrix; e2e: smaller models, a small profile "
-                        "grid, one round")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps, "
+        "soak 300 steps, e2e 6 steps)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="faults: a covering subset of the fault matrix; e2e: smaller models, a small profile grid, one round",
+    )
     return p
 
 

@@ -11,6 +11,7 @@ first, then each `.metadata` with the restricted unpickler and `common.pt` with
 `torch.load(weights_only=True)` (`checkpoint.safe_unpickle`: a crafted file is refused, nothing of it
 runs). Exit 2 for a missing, corrupt or refused checkpoint, naming the file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,18 +57,34 @@ def run(args: argparse.Namespace) -> int:
     for name in sorted(state.get("modules", {})):
         models[name] = ckpt.tensor_shapes(d / name)
     if args.json:
-        print(json.dumps({"dir": str(d), "iteration": state["iteration"],
-                          "consumed_samples": state.get("consumed_samples"), "data": state.get("data"),
-                          "world_size": state.get("world_size"), "layout": state.get("layout_dict"),
-                          "incomplete_saves": incomplete,
-                          "modules": {n: {"layout_modules": state["modules"][n].get("layout_modules"),
-                                          "optimizer": state["modules"][n].get("optimizer"),
-                                          "tensors": {k: {"shape": list(s), "dtype": t} for k, (s, t) in ts.items()}}
-                                      for n, ts in models.items()}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "dir": str(d),
+                    "iteration": state["iteration"],
+                    "consumed_samples": state.get("consumed_samples"),
+                    "data": state.get("data"),
+                    "world_size": state.get("world_size"),
+                    "layout": state.get("layout_dict"),
+                    "incomplete_saves": incomplete,
+                    "modules": {
+                        n: {
+                            "layout_modules": state["modules"][n].get("layout_modules"),
+                            "optimizer": state["modules"][n].get("optimizer"),
+                            "tensors": {k: {"shape": list(s), "dtype": t} for k, (s, t) in ts.items()},
+                        }
+                        for n, ts in models.items()
+                    },
+                },
+                indent=1,
+            )
+        )
         return 0
     print(f"checkpoint {d}")
-    print(f"iteration {state['iteration']}, consumed samples {state.get('consumed_samples')}, "
-          f"data position {json.dumps(state.get('data'))}, saved by {state.get('world_size')} ranks")
+    print(
+        f"iteration {state['iteration']}, consumed samples {state.get('consumed_samples')}, "
+        f"data position {json.dumps(state.get('data'))}, saved by {state.get('world_size')} ranks"
+    )
     print(f"files: {len(state.get('files', {}))}, all match the manifest (bytes, sha256)")
     for p in incomplete:
         print(f"incomplete save (killed while saving it): {p}")
@@ -77,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
     for name, ts in models.items():
         rec = state["modules"][name]
         n_params = sum(_numel(s) for k, (s, _) in ts.items() if not k.startswith("optimizer."))
-        print(f"model {name} (layout modules {', '.join(rec.get('layout_modules', []))}; optimizer "
-              f"{rec.get('optimizer') or 'none'}): {len(ts)} tensors, {n_params} parameters")
+        print(
+            f"model {name} (layout modules {', '.join(rec.get('layout_modules', []))}; optimizer "
+            f"{rec.get('optimizer') or 'none'}): {len(ts)} tensors, {n_params} parameters"
+        )
         width = max((len(k) for k in ts), default=0)
         for key, (shape, dtype) in ts.items():
             print(f"  {key:<{width}}  {'x'.join(map(str, shape)) or 'scalar'}  {dtype}")

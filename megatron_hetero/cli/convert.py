@@ -23,6 +23,7 @@ OUT/projector/model.safetensors (LLaVA's names).
 
 Runs in this process as a world of one (gloo, file store: no port), builds the modules whole.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,22 @@ USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(NAME, help="Hugging Face weights <-> checkpoints (start from a pretrained CLIP + LLM)")
     actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    a = actions.add_parser("hf-to-checkpoint", help="CLIP vision tower + Llama/Qwen2 LM -> a checkpoint for train --load")
+    a = actions.add_parser(
+        "hf-to-checkpoint", help="CLIP vision tower + Llama/Qwen2 LM -> a checkpoint for train --load"
+    )
     a.add_argument("--vision", required=True, metavar="HF_DIR", help="CLIPVisionModel or CLIPModel folder")
     a.add_argument("--language", required=True, metavar="HF_DIR", help="LlamaForCausalLM or Qwen2ForCausalLM folder")
-    a.add_argument("--projector", default=None, metavar="FILE", help="LLaVA multi_modal_projector safetensors (optional)")
+    a.add_argument(
+        "--projector", default=None, metavar="FILE", help="LLaVA multi_modal_projector safetensors (optional)"
+    )
     a.add_argument("--seq-length", type=int, default=None, help="training sequence length recorded with the model")
-    a.add_argument("--vision-feature-layer", type=int, default=-1,
-                   help="LLaVA's vision_feature_layer: -1 the last layer's output (default), -2 the one before "
-                        "(LLaVA-1.5); the tower keeps the layers up to it")
+    a.add_argument(
+        "--vision-feature-layer",
+        type=int,
+        default=-1,
+        help="LLaVA's vision_feature_layer: -1 the last layer's output (default), -2 the one before "
+        "(LLaVA-1.5); the tower keeps the layers up to it",
+    )
     a.add_argument("--out", required=True, metavar="DIR", help="the checkpoint directory (new or empty)")
     b = actions.add_parser("checkpoint-to-hf", help="a checkpoint -> Hugging Face folders OUT/vision, OUT/language")
     b.add_argument("dir", help="a checkpoint directory (--save or convert --out)")
@@ -58,21 +67,33 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "hf-to-checkpoint":
         if args.seq_length is not None and args.seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
-        summary = convert.hf_to_checkpoint(args.vision, args.language, args.out, projector=args.projector,
-                                           seq_length=args.seq_length, feature_layer=args.vision_feature_layer)
+        summary = convert.hf_to_checkpoint(
+            args.vision,
+            args.language,
+            args.out,
+            projector=args.projector,
+            seq_length=args.seq_length,
+            feature_layer=args.vision_feature_layer,
+        )
         spec = summary["model"]
         enc = spec.encoders[convert.VISION]
         print(f"checkpoint {summary['directory']} (iteration 0, weights only)")
-        print(f"vision: CLIP ViT {enc.num_layers} layers, hidden {enc.hidden_size}, {enc.num_attention_heads} heads, "
-              f"patch {enc.patch_size}, {enc.tokens} image tokens, {enc.activation}; "
-              f"{summary['tensors']['vision']} tensors (projector {summary['projector']})")
-        print(f"language: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads, "
-              f"{spec.num_query_groups or spec.num_attention_heads} query groups, vocab {spec.vocab_size}, rope base "
-              f"{spec.rotary_base:g}, qkv bias {'on' if spec.add_qkv_bias else 'off'}, embeddings "
-              f"{'untied' if spec.untie_embeddings_and_output_weights else 'tied'}; "
-              f"{summary['tensors']['language']} tensors; seq length {spec.seq_length}")
-        print(f"train from it: megatron-hetero train --hetero-layout LAYOUT.yaml --load {args.out} "
-              f"(no model flags: the checkpoint records the model)")
+        print(
+            f"vision: CLIP ViT {enc.num_layers} layers, hidden {enc.hidden_size}, {enc.num_attention_heads} heads, "
+            f"patch {enc.patch_size}, {enc.tokens} image tokens, {enc.activation}; "
+            f"{summary['tensors']['vision']} tensors (projector {summary['projector']})"
+        )
+        print(
+            f"language: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads, "
+            f"{spec.num_query_groups or spec.num_attention_heads} query groups, vocab {spec.vocab_size}, rope base "
+            f"{spec.rotary_base:g}, qkv bias {'on' if spec.add_qkv_bias else 'off'}, embeddings "
+            f"{'untied' if spec.untie_embeddings_and_output_weights else 'tied'}; "
+            f"{summary['tensors']['language']} tensors; seq length {spec.seq_length}"
+        )
+        print(
+            f"train from it: megatron-hetero train --hetero-layout LAYOUT.yaml --load {args.out} "
+            f"(no model flags: the checkpoint records the model)"
+        )
         return 0
     written = convert.checkpoint_to_hf(args.dir, args.out)
     for name, folder in written.items():

@@ -12,6 +12,7 @@ Needs the `data` extra (megatron-energon, scikit-learn, pillow, tokenizers).
 `check` reads an energon dataset (or metadataset) as data and lists what in it would run code
 (`models.dataset_trust`); exit 2 when it names any and --trust-dataset-code is not given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     kinds = p.add_subparsers(dest="data_command", required=True, metavar="DATASET")
     d = kinds.add_parser("digits", help="scikit-learn's handwritten digits as energon captioning shards")
     d.add_argument("--out", required=True, help="output folder (created; must be empty unless --force)")
-    d.add_argument("--held-out", type=int, default=200, help="held-out samples, the same count of each digit "
-                                                             "(a multiple of 10; default 200)")
+    d.add_argument(
+        "--held-out",
+        type=int,
+        default=200,
+        help="held-out samples, the same count of each digit (a multiple of 10; default 200)",
+    )
     d.add_argument("--seed", type=int, default=0, help="seed of the held-out choice (default 0)")
     d.add_argument("--train-shards", type=int, default=4, help="tar shards of the train split (default 4)")
     d.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
@@ -57,28 +62,42 @@ def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """`train`'s data flags (Megatron-LM's names where it has them); read by
     `models.caption_runner.caption_job_data`."""
     g = parser.add_argument_group("data")
-    g.add_argument("--data-path", default=None,
-                   help="an energon captioning dataset (image + caption), e.g. from `megatron-hetero data digits`; "
-                        "the encoder's tokens/features come from its images and --patch-size, the vocabulary from "
-                        "the tokenizer (default: synthetic data)")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="a Hugging Face tokenizer.json (default: the shipped byte-level BPE, no download)")
+    g.add_argument(
+        "--data-path",
+        default=None,
+        help="an energon captioning dataset (image + caption), e.g. from `megatron-hetero data digits`; "
+        "the encoder's tokens/features come from its images and --patch-size, the vocabulary from "
+        "the tokenizer (default: synthetic data)",
+    )
+    g.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="a Hugging Face tokenizer.json (default: the shipped byte-level BPE, no download)",
+    )
     g.add_argument("--mock-data", action="store_true", help="synthetic data (the default without --data-path)")
-    g.add_argument("--patch-size", type=int, default=None, help="image patch size in pixels (default 4): "
-                                                                 "one encoder token per patch")
-    g.add_argument("--data-prompt", default=None, help="text between the image and the caption (not in the loss; "
-                                                       "default none)")
+    g.add_argument(
+        "--patch-size",
+        type=int,
+        default=None,
+        help="image patch size in pixels (default 4): one encoder token per patch",
+    )
+    g.add_argument(
+        "--data-prompt", default=None, help="text between the image and the caption (not in the loss; default none)"
+    )
     add_trust_flag(g)
     return parser
 
 
 def add_trust_flag(parser) -> None:
     """`--trust-dataset-code` (`models.dataset_trust`), for every command that opens a dataset."""
-    parser.add_argument("--trust-dataset-code", action="store_true",
-                        help="let the dataset run the code it names (energon sample_loader/part_filter Python "
-                             "files, __module__/__function__ outside megatron.energon, pickle/torch.load-decoded "
-                             "members); without it such a dataset is refused (exit 2) and members are decoded in "
-                             "webdataset's secure mode")
+    parser.add_argument(
+        "--trust-dataset-code",
+        action="store_true",
+        help="let the dataset run the code it names (energon sample_loader/part_filter Python "
+        "files, __module__/__function__ outside megatron.energon, pickle/torch.load-decoded "
+        "members); without it such a dataset is refused (exit 2) and members are decoded in "
+        "webdataset's secure mode",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,15 +115,18 @@ def run(args: argparse.Namespace) -> int:
         if not found:
             raise CommandFailed(f"{mod} is not installed: pip install 'megatron-hetero[data]'")
     try:
-        summary = write_digits_dataset(args.out, held_out=args.held_out, seed=args.seed,
-                                       train_shards=args.train_shards, force=args.force)
+        summary = write_digits_dataset(
+            args.out, held_out=args.held_out, seed=args.seed, train_shards=args.train_shards, force=args.force
+        )
     except RuntimeError as exc:
         raise CommandFailed(str(exc)) from None
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
-    print(f"megatron-hetero data digits: wrote {summary['path']}: train {summary['train']} samples "
-          f"({len(summary['shards']) - 1} shards), held-out {summary['heldout']} (splits val and test), "
-          f"8x8 grey PNG + caption; energon-prepared (CaptioningSample)")
+    print(
+        f"megatron-hetero data digits: wrote {summary['path']}: train {summary['train']} samples "
+        f"({len(summary['shards']) - 1} shards), held-out {summary['heldout']} (splits val and test), "
+        f"8x8 grey PNG + caption; energon-prepared (CaptioningSample)"
+    )
     print(f"train on it: megatron-hetero train --data-path {summary['path']} --hetero-layout LAYOUT.yaml")
     return 0

@@ -4,6 +4,7 @@ Every flag defaults to None in the parser, so a subcommand can tell a given valu
 `ModelArgs.from_namespace(args)` (training/model_args.py) fills in `train`'s defaults. A subcommand
 that needs only some of them passes `names` (e.g. `plan`: the edge shape).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,15 +24,22 @@ MODEL_FLAGS: dict[str, tuple[str, str]] = {
     "vocab_size": ("language", f"vocabulary size (default {_DEFAULTS.vocab_size})"),
     "encoder_num_layers": ("encoder", f"layers of each encoder (default {_DEFAULTS.encoder_num_layers})"),
     "encoder_hidden_size": ("encoder", f"hidden size of each encoder (default {_DEFAULTS.encoder_hidden_size})"),
-    "encoder_num_attention_heads": ("encoder", f"attention heads of each encoder "
-                                               f"(default {_DEFAULTS.encoder_num_attention_heads})"),
-    "encoder_tokens": ("encoder", f"encoder tokens per sample, e.g. image patches "
-                                  f"(default {_DEFAULTS.encoder_tokens})"),
+    "encoder_num_attention_heads": (
+        "encoder",
+        f"attention heads of each encoder (default {_DEFAULTS.encoder_num_attention_heads})",
+    ),
+    "encoder_tokens": (
+        "encoder",
+        f"encoder tokens per sample, e.g. image patches (default {_DEFAULTS.encoder_tokens})",
+    ),
     "encoder_feature_dim": ("encoder", f"input features per encoder token (default {_DEFAULTS.encoder_feature_dim})"),
     "global_batch_size": ("batch", f"samples per step (default {_DEFAULTS.global_batch_size})"),
-    "micro_batch_size": ("batch", "samples per micro-batch on a rank of the (first) language module (default: 1, or "
-                                  "for disjoint layouts the smallest size whose micro-batches every module's DP "
-                                  "divides)"),
+    "micro_batch_size": (
+        "batch",
+        "samples per micro-batch on a rank of the (first) language module (default: 1, or "
+        "for disjoint layouts the smallest size whose micro-batches every module's DP "
+        "divides)",
+    ),
 }
 GROUPS = {"language": "model (language model)", "encoder": "model (each encoder)", "batch": "batch"}
 
@@ -41,8 +49,9 @@ def flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def add_model_flags(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None,
-                    help: Optional[dict[str, str]] = None) -> argparse.ArgumentParser:
+def add_model_flags(
+    parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None, help: Optional[dict[str, str]] = None
+) -> argparse.ArgumentParser:
     """Add the model flags `names` (default: all of MODEL_FLAGS) to `parser`, grouped; `help`
     overrides the help text of some. Every default is None."""
     names = list(MODEL_FLAGS) if names is None else list(names)
@@ -53,7 +62,5 @@ def add_model_flags(parser: argparse.ArgumentParser, names: Optional[Sequence[st
         kind, text = MODEL_FLAGS[dest]
         if kind not in groups:
             groups[kind] = parser.add_argument_group(GROUPS[kind])
-        groups[kind].add_argument(flag(dest), dest=dest, type=int, default=None,
-                                  help=(help or {}).get(dest, text))
+        groups[kind].add_argument(flag(dest), dest=dest, type=int, default=None, help=(help or {}).get(dest, text))
     return parser
-

@@ -7,6 +7,7 @@
 The model flags give the shape crossing each edge (default: the smallest one every transform takes).
 Pure: no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("layout", nargs="?", default=None, help="layout YAML (or use --hetero-layout / --hetero-module)")
     p.add_argument("--world-size", type=int, default=None, help="total ranks (default: what the layout uses)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
-    add_model_flags(p, ("global_batch_size", "seq_length", "hidden_size"), help={
-        "global_batch_size": "samples crossing each edge per step (default: lcm of the DP sizes)",
-        "seq_length": "tokens per sample on each edge (default: 8 * lcm of 2*cp)",
-        "hidden_size": "hidden size on each edge (default 64)",
-    })
+    add_model_flags(
+        p,
+        ("global_batch_size", "seq_length", "hidden_size"),
+        help={
+            "global_batch_size": "samples crossing each edge per step (default: lcm of the DP sizes)",
+            "seq_length": "tokens per sample on each edge (default: 8 * lcm of 2*cp)",
+            "hidden_size": "hidden size on each edge (default 64)",
+        },
+    )
     p.add_argument("--dtype-bytes", type=int, default=4, help="bytes per element (4 fp32, 2 bf16)")
-    p.add_argument("--draw", default=None, metavar="FILE.png",
-                   help="also draw the layout: ranks as cells coloured by module with their coordinates, "
-                        "edges with their transform (needs matplotlib)")
-    p.add_argument("--num-experts", type=int, default=None,
-                   help="experts per MoE layer of the language model: checks ep against it and prints them")
+    p.add_argument(
+        "--draw",
+        default=None,
+        metavar="FILE.png",
+        help="also draw the layout: ranks as cells coloured by module with their coordinates, "
+        "edges with their transform (needs matplotlib)",
+    )
+    p.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="experts per MoE layer of the language model: checks ep against it and prints them",
+    )
     add_hetero_args(p)
     return p
 
@@ -76,5 +89,7 @@ def _draw(layout, shape, out: str, quiet: bool) -> None:
         summary = draw_layout(layout, out, shape)
     except ImportError as exc:
         raise CommandFailed(str(exc)) from None
-    print(f"drew {summary['cells']} cells over {len(summary['ranks'])} ranks -> {out}",
-          file=sys.stderr if quiet else sys.stdout)
+    print(
+        f"drew {summary['cells']} cells over {len(summary['ranks'])} ranks -> {out}",
+        file=sys.stderr if quiet else sys.stdout,
+    )

@@ -6,6 +6,7 @@ it as JSON for `megatron-hetero search --profile PROFILE.json`.
 Ranks are forked on the local host (gloo on CPU, NCCL on GPU) and measured all busy at once; see
 `profiling/kernels.py` for what is measured and how it is fitted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,17 +18,28 @@ USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="measure layer and collective times on the local host; write a cost profile",
-                       description="Measure transformer-layer times (per module kind, tokens, hidden, TP, CP), "
-                                   "whole-module overheads and collective times (per kind, group size, bytes) on "
-                                   "forked ranks; fit the cost model's profile and write it as JSON.")
-    p.add_argument("--world-size", type=int, default=8,
-                   help="ranks to measure with, all busy at once (default 8; on GPU: the GPUs of the node); use "
-                        "the world size you will train with: where ranks share a CPU, times depend on it")
+    p = sub.add_parser(
+        NAME,
+        help="measure layer and collective times on the local host; write a cost profile",
+        description="Measure transformer-layer times (per module kind, tokens, hidden, TP, CP), "
+        "whole-module overheads and collective times (per kind, group size, bytes) on "
+        "forked ranks; fit the cost model's profile and write it as JSON.",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=8,
+        help="ranks to measure with, all busy at once (default 8; on GPU: the GPUs of the node); use "
+        "the world size you will train with: where ranks share a CPU, times depend on it",
+    )
     p.add_argument("--out", default="profile.json", help="profile JSON to write (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a small grid (seconds, for checks), not for planning")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="repeat the measurement and keep each case's least-disturbed round (default 1)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the measurement and keep each case's least-disturbed round (default 1)",
+    )
     p.add_argument("--json", action="store_true", help="print the whole profile document")
     return p
 
@@ -53,4 +65,3 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"\nwrote {out}")
     return 0
-

@@ -14,6 +14,7 @@ Colocated: prints every rank's three-phase table (`plan/colocated.py`) and the c
 Exit codes: 0 ok, 2 invalid input (message on stderr), 1 the checker rejected the generated tables.
 Pure (no torch): `plan/schedule.py`, `plan/colocated.py`, `plan/schedule_check.py`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,23 +30,46 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the `schedule` subcommand to an argparse subparsers object; returns its parser."""
     p = sub.add_parser(NAME, help="per-stage graph-aware 1F1B tables of a disjoint layout, checked")
     p.add_argument("layout", help="layout YAML")
-    p.add_argument("--micro-batches", type=int, default=None, metavar="M",
-                   help="disjoint: micro-batches per step (1..64), required")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="disjoint: micro-batches per step (1..64), required",
+    )
     p.add_argument("--global-batch-size", type=int, default=8, help="colocated: samples per step (default 8)")
-    p.add_argument("--micro-batch-size", type=int, default=1,
-                   help="colocated: the language model's per-rank micro-batch (default 1)")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="colocated: the language model's per-rank micro-batch (default 1)",
+    )
     p.add_argument("--hetero-offload-encoder", action="store_true", help="colocated: offload encoders in phase 2")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     p.add_argument("--full", action="store_true", help="print every action of every stage (text mode)")
     p.add_argument("--world-size", type=int, default=None, help="total ranks (default: what the layout uses)")
-    p.add_argument("--stage-cost", action="append", default=[], metavar="NAME=F,B",
-                   help="forward,backward cost of each stage of module NAME (default 1,2)")
-    p.add_argument("--module-cost", action="append", default=[], metavar="NAME=F,B",
-                   help="total forward,backward cost of module NAME, split evenly over its pp stages")
+    p.add_argument(
+        "--stage-cost",
+        action="append",
+        default=[],
+        metavar="NAME=F,B",
+        help="forward,backward cost of each stage of module NAME (default 1,2)",
+    )
+    p.add_argument(
+        "--module-cost",
+        action="append",
+        default=[],
+        metavar="NAME=F,B",
+        help="total forward,backward cost of module NAME, split evenly over its pp stages",
+    )
     p.add_argument("--latency", type=float, default=0.0, help="latency of every message (default 0)")
-    p.add_argument("--draw", default=None, metavar="FILE.png",
-                   help="also draw the planned per-rank timeline (disjoint: simulated stage spans; colocated: "
-                        "the phases with nominal costs; needs matplotlib)")
+    p.add_argument(
+        "--draw",
+        default=None,
+        metavar="FILE.png",
+        help="also draw the planned per-rank timeline (disjoint: simulated stage spans; colocated: "
+        "the phases with nominal costs; needs matplotlib)",
+    )
     return p
 
 
@@ -58,8 +82,10 @@ def _draw(layout, args: argparse.Namespace, **kwargs) -> None:
         summary = draw_schedule(layout, args.draw, **kwargs)
     except ImportError as exc:
         raise CommandFailed(str(exc)) from None
-    print(f"drew the planned timeline of {len(summary['ranks'])} ranks ({summary['bars']} spans) -> {args.draw}",
-          file=sys.stderr if args.json else sys.stdout)
+    print(
+        f"drew the planned timeline of {len(summary['ranks'])} ranks ({summary['bars']} spans) -> {args.draw}",
+        file=sys.stderr if args.json else sys.stdout,
+    )
 
 
 def _parse_costs(values: list[str], flag: str) -> dict[str, tuple[float, float]]:
@@ -89,10 +115,17 @@ def _document(layout, tables, graph, report, error, micro_batches: int) -> dict[
     stages = []
     for st, t in tables.items():
         entry: dict[str, Any] = {
-            "stage": str(st), "module": st.module, "pp": st.pp, "ranks": list(t.ranks),
-            "depth": graph.depth[st], "dist_to_sink": graph.dist_to_sink[st],
-            "warmup": t.warmup, "steady": t.steady, "cooldown": t.cooldown,
-            "forward_cost": t.forward_cost, "backward_cost": t.backward_cost,
+            "stage": str(st),
+            "module": st.module,
+            "pp": st.pp,
+            "ranks": list(t.ranks),
+            "depth": graph.depth[st],
+            "dist_to_sink": graph.dist_to_sink[st],
+            "warmup": t.warmup,
+            "steady": t.steady,
+            "cooldown": t.cooldown,
+            "forward_cost": t.forward_cost,
+            "backward_cost": t.backward_cost,
             "recv_from": [str(lk.src) for lk in graph.incoming[st]],
             "send_to": [str(lk.dst) for lk in graph.outgoing[st]],
             "compute": [a.short() for a in t.compute()],
@@ -103,13 +136,21 @@ def _document(layout, tables, graph, report, error, micro_batches: int) -> dict[
         stages.append(entry)
     check: dict[str, Any] = {"ok": report is not None}
     if report is not None:
-        check.update(message=report.summary(), makespan=report.makespan,
-                     bubble_fraction=report.bubble_fraction, messages=report.messages)
+        check.update(
+            message=report.summary(),
+            makespan=report.makespan,
+            bubble_fraction=report.bubble_fraction,
+            messages=report.messages,
+        )
     else:
         check.update(message=str(error))
     return {
-        "placement": layout.placement, "world_size": layout.world_size, "micro_batches": micro_batches,
-        "links": [str(lk) for lk in graph.links], "stages": stages, "check": check,
+        "placement": layout.placement,
+        "world_size": layout.world_size,
+        "micro_batches": micro_batches,
+        "links": [str(lk) for lk in graph.links],
+        "stages": stages,
+        "check": check,
     }
 
 
@@ -129,8 +170,10 @@ def _text(tables, graph, report, error, full: bool, micro_batches: int) -> str:
         dst = ",".join(str(lk.dst) for lk in graph.outgoing[st]) or "-"
         lines.append(f"{str(st):<{width}}  {t.compact()}   (recv from {src}; send to {dst})")
         if full:
-            lines.append(f"{'':<{width}}  " + " ".join(
-                "+".join(a.short() for a in b) if isinstance(b, tuple) else b.short() for b in t.batches()))
+            lines.append(
+                f"{'':<{width}}  "
+                + " ".join("+".join(a.short() for a in b) if isinstance(b, tuple) else b.short() for b in t.batches())
+            )
     lines.append("")
     if report is not None:
         lines.append(f"check: {report.summary()}")
@@ -174,8 +217,14 @@ def run(args: argparse.Namespace) -> int:
     if error is not None:
         raise CommandFailed(f"generated tables failed the check: {error}")
     if args.draw:
-        _draw(layout, args, micro_batches=args.micro_batches, stage_costs=stage_costs, module_costs=module_costs,
-              latency=args.latency)
+        _draw(
+            layout,
+            args,
+            micro_batches=args.micro_batches,
+            stage_costs=stage_costs,
+            module_costs=module_costs,
+            latency=args.latency,
+        )
     return 0
 
 
@@ -189,23 +238,38 @@ def _colocated(layout, args: argparse.Namespace) -> int:
         error = None
     except ValueError as exc:  # a generator bug, not a user error
         messages, error = 0, exc
-    verdict = (f"ok: {len(tables)} ranks, {messages} pipeline messages matched, collectives in one order, "
-               f"no deadlock" if error is None else f"FAILED: {error}")
+    verdict = (
+        f"ok: {len(tables)} ranks, {messages} pipeline messages matched, collectives in one order, no deadlock"
+        if error is None
+        else f"FAILED: {error}"
+    )
     if args.json:
-        doc = {"placement": "colocated", "world_size": layout.world_size,
-               "ranks": [{"rank": r, "phases": {name: [str(a) for a in acts] for name, acts in t.phases}}
-                         for r, t in tables.items()],
-               "check": {"ok": error is None, "message": verdict}}
+        doc = {
+            "placement": "colocated",
+            "world_size": layout.world_size,
+            "ranks": [
+                {"rank": r, "phases": {name: [str(a) for a in acts] for name, acts in t.phases}}
+                for r, t in tables.items()
+            ],
+            "check": {"ok": error is None, "message": verdict},
+        }
         print(json.dumps(doc, indent=1))
     else:
-        print(f"three-phase colocated schedule: {layout.world_size} ranks, global batch {args.global_batch_size}, "
-              f"micro-batch {args.micro_batch_size}")
+        print(
+            f"three-phase colocated schedule: {layout.world_size} ranks, global batch {args.global_batch_size}, "
+            f"micro-batch {args.micro_batch_size}"
+        )
         for t in tables.values():
             print(t.format())
         print(f"check: {verdict}")
     if error is not None:
         raise CommandFailed(f"generated tables failed the check: {error}")
     if args.draw:
-        _draw(layout, args, global_batch=args.global_batch_size, micro_batch_size=args.micro_batch_size,
-              offload=args.hetero_offload_encoder)
+        _draw(
+            layout,
+            args,
+            global_batch=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            offload=args.hetero_offload_encoder,
+        )
     return 0

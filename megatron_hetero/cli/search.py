@@ -12,6 +12,7 @@ flags trains, and `--out` trains directly. `--encoder`/`--llm` choose a large pr
 distributed optimizer: the cost model's defaults), whose sizes the model flags override.
 Pure: no torch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,58 +24,93 @@ from megatron_hetero.cli.model_flags import add_model_flags, flag
 NAME = "search"
 
 # Spellings of earlier versions (hidden from --help): the same values as the shared model flags.
-_OLD_FLAGS = {"--llm-layers": "num_layers", "--llm-hidden": "hidden_size", "--llm-ffn-hidden": "ffn_hidden_size",
-              "--llm-heads": "num_attention_heads", "--encoder-layers": "encoder_num_layers",
-              "--encoder-hidden": "encoder_hidden_size", "--encoder-heads": "encoder_num_attention_heads",
-              "--encoder-ffn-hidden": "encoder_ffn_hidden_size", "--image-tokens": "encoder_tokens",
-              "--simulate": "hardware"}
+_OLD_FLAGS = {
+    "--llm-layers": "num_layers",
+    "--llm-hidden": "hidden_size",
+    "--llm-ffn-hidden": "ffn_hidden_size",
+    "--llm-heads": "num_attention_heads",
+    "--encoder-layers": "encoder_num_layers",
+    "--encoder-hidden": "encoder_hidden_size",
+    "--encoder-heads": "encoder_num_attention_heads",
+    "--encoder-ffn-hidden": "encoder_ffn_hidden_size",
+    "--image-tokens": "encoder_tokens",
+    "--simulate": "hardware",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names
     from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS
 
-    p = sub.add_parser(NAME, help="rank per-module layouts and placements by predicted step time",
-                       description="Search per-module layouts (homogeneous, colocated, disjoint) with the cost model.")
+    p = sub.add_parser(
+        NAME,
+        help="rank per-module layouts and placements by predicted step time",
+        description="Search per-module layouts (homogeneous, colocated, disjoint) with the cost model.",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", metavar="PROFILE.json", help="fitted cost profile (JSON, `megatron-hetero profile`)")
-    src.add_argument("--hardware", metavar="NAME|HARDWARE.json",
-                     help=f"build the cost profile from a hardware description: a preset name "
-                          f"({', '.join(hardware_names())}) or a JSON file with the same keys")
+    src.add_argument(
+        "--hardware",
+        metavar="NAME|HARDWARE.json",
+        help=f"build the cost profile from a hardware description: a preset name "
+        f"({', '.join(hardware_names())}) or a JSON file with the same keys",
+    )
     p.add_argument("--world-size", type=int, default=None, help="total ranks")
-    add_model_flags(p, help={
-        "micro_batch_size": "samples per micro-batch per replica of the largest language DP, as the cost model "
-                            "counts it (default 1); the train line written into --out converts it to train's "
-                            "(per rank of the first language module)",
-        "global_batch_size": "samples per step (default: train's 8; with presets 4M tokens / --seq-length)",
-        "seq_length": "tokens per sample (default: train's 32; with presets 8192)",
-    })
-    m = p.add_argument_group("preset models (instead of train's model)",
-                             "With --encoder or --llm, the model flags not given take the preset's sizes.")
-    m.add_argument("--encoder", choices=list(ENCODER_PRESETS), default=None,
-                   help="encoder size preset (with --llm: default 1B)")
-    m.add_argument("--llm", choices=list(LLM_PRESETS), default=None,
-                   help="LLM size preset (with --encoder: default 14B)")
-    m.add_argument("--encoder-ffn-hidden-size", type=int, default=None,
-                   help="encoder MLP hidden size (presets only; train's encoders use 4 * --encoder-hidden-size)")
-    m.add_argument("--images-per-sample", type=int, default=None,
-                   help="encoder inputs of --encoder-tokens per sample (presets only; default 1)")
+    add_model_flags(
+        p,
+        help={
+            "micro_batch_size": "samples per micro-batch per replica of the largest language DP, as the cost model "
+            "counts it (default 1); the train line written into --out converts it to train's "
+            "(per rank of the first language module)",
+            "global_batch_size": "samples per step (default: train's 8; with presets 4M tokens / --seq-length)",
+            "seq_length": "tokens per sample (default: train's 32; with presets 8192)",
+        },
+    )
+    m = p.add_argument_group(
+        "preset models (instead of train's model)",
+        "With --encoder or --llm, the model flags not given take the preset's sizes.",
+    )
+    m.add_argument(
+        "--encoder", choices=list(ENCODER_PRESETS), default=None, help="encoder size preset (with --llm: default 1B)"
+    )
+    m.add_argument(
+        "--llm", choices=list(LLM_PRESETS), default=None, help="LLM size preset (with --encoder: default 14B)"
+    )
+    m.add_argument(
+        "--encoder-ffn-hidden-size",
+        type=int,
+        default=None,
+        help="encoder MLP hidden size (presets only; train's encoders use 4 * --encoder-hidden-size)",
+    )
+    m.add_argument(
+        "--images-per-sample",
+        type=int,
+        default=None,
+        help="encoder inputs of --encoder-tokens per sample (presets only; default 1)",
+    )
     for old, dest in _OLD_FLAGS.items():
-        (src if dest == "hardware" else p).add_argument(old, dest=dest, type=str if dest == "hardware" else int,
-                                                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        (src if dest == "hardware" else p).add_argument(
+            old, dest=dest, type=str if dest == "hardware" else int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     p.add_argument("--memory-limit-gb", type=float, default=None, help="per-rank limit (default 90%% of device memory)")
     p.add_argument("--placements", default="homogeneous,colocated,disjoint", help="comma-separated placements to try")
     p.add_argument("--max-segments", type=int, choices=[1, 2], default=2, help="LLM segments on a disjoint island")
-    p.add_argument("--all-layouts", action="store_true",
-                   help="search the cost model's whole space, also layouts `megatron-hetero train` does not run "
-                        "(uneven pipeline stages, the encoder inside LLM stage 0, encoders with CP); "
-                        "default: only runnable layouts, so --out runs directly with `train`")
+    p.add_argument(
+        "--all-layouts",
+        action="store_true",
+        help="search the cost model's whole space, also layouts `megatron-hetero train` does not run "
+        "(uneven pipeline stages, the encoder inside LLM stage 0, encoders with CP); "
+        "default: only runnable layouts, so --out runs directly with `train`",
+    )
     p.add_argument("--top", type=int, default=5, help="candidates to print (default 5)")
     p.add_argument("--out", metavar="best.yaml", default=None, help="write the best layout YAML here")
     p.add_argument("--json", action="store_true", help="print a JSON document")
-    p.add_argument("--regime-table", action="store_true",
-                   help=f"print the simulated regime table (encoder 1B-12B x LLM 14B-120B x 8K-128K) as markdown "
-                        f"(default hardware {DEFAULT_HARDWARE})")
+    p.add_argument(
+        "--regime-table",
+        action="store_true",
+        help=f"print the simulated regime table (encoder 1B-12B x LLM 14B-120B x 8K-128K) as markdown "
+        f"(default hardware {DEFAULT_HARDWARE})",
+    )
     return p
 
 
@@ -88,8 +124,10 @@ def _profile(args):
         return Profile.from_hardware(load_hardware(args.hardware))
     if args.regime_table:
         return Profile.from_hardware(load_hardware(DEFAULT_HARDWARE))
-    raise ValueError("give the cost source: --profile PROFILE.json (fitted, `megatron-hetero profile`) or "
-                     f"--hardware NAME|HARDWARE.json (simulated; presets: {DEFAULT_HARDWARE})")
+    raise ValueError(
+        "give the cost source: --profile PROFILE.json (fitted, `megatron-hetero profile`) or "
+        f"--hardware NAME|HARDWARE.json (simulated; presets: {DEFAULT_HARDWARE})"
+    )
 
 
 def uses_presets(args) -> bool:
@@ -99,18 +137,32 @@ def uses_presets(args) -> bool:
 def _preset_spec(base, args, side: str, seq: int):
     from megatron_hetero.planner.workload import ModelSpec
 
-    names = {"encoder": ("encoder_num_layers", "encoder_hidden_size", "encoder_ffn_hidden_size",
-                         "encoder_num_attention_heads"),
-             "llm": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")}[side]
+    names = {
+        "encoder": (
+            "encoder_num_layers",
+            "encoder_hidden_size",
+            "encoder_ffn_hidden_size",
+            "encoder_num_attention_heads",
+        ),
+        "llm": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"),
+    }[side]
     layers, hidden, ffn, heads = (getattr(args, n) for n in names)
 
     def pick(v, d):
         return d if v is None else v
 
     vocab = base.vocab if side == "encoder" or args.vocab_size is None else args.vocab_size
-    return ModelSpec(base.name.split("-")[0] if side == "encoder" else "language", pick(layers, base.num_layers),
-                     pick(hidden, base.hidden), pick(ffn, base.ffn_hidden), pick(heads, base.heads), seq,
-                     kind=base.kind, vocab=vocab, gated=base.gated)
+    return ModelSpec(
+        base.name.split("-")[0] if side == "encoder" else "language",
+        pick(layers, base.num_layers),
+        pick(hidden, base.hidden),
+        pick(ffn, base.ffn_hidden),
+        pick(heads, base.heads),
+        seq,
+        kind=base.kind,
+        vocab=vocab,
+        gated=base.gated,
+    )
 
 
 def workload_from_args(args):
@@ -125,10 +177,13 @@ def workload_from_args(args):
         # train's encoders: an MLP of 4 * hidden, one input of encoder_tokens per sample
         for name, value in (("encoder_ffn_hidden_size", 4 * model.encoder_hidden_size), ("images_per_sample", 1)):
             if getattr(args, name) not in (None, value):
-                raise ValueError(f"{flag(name)} {getattr(args, name)} applies to the --encoder/--llm presets; "
-                                 f"`train` runs encoders with an MLP of 4 * --encoder-hidden-size "
-                                 f"(= {4 * model.encoder_hidden_size}) and one input of --encoder-tokens per sample")
+                raise ValueError(
+                    f"{flag(name)} {getattr(args, name)} applies to the --encoder/--llm presets; "
+                    f"`train` runs encoders with an MLP of 4 * --encoder-hidden-size "
+                    f"(= {4 * model.encoder_hidden_size}) and one input of --encoder-tokens per sample"
+                )
         return workload(model)
+
     def given(value, default):
         return default if value is None else value
 
@@ -137,20 +192,36 @@ def workload_from_args(args):
     seq = given(args.seq_length, 8192)
     llm = _preset_spec(LLM_PRESETS[given(args.llm, "14B")], args, "llm", seq)
     gbs = given(args.global_batch_size, max(1, TOKENS_PER_STEP // max(seq, 1)))
-    return Workload(enc, llm, global_batch=gbs, micro_batch=given(args.micro_batch_size, 1),
-                    images_per_sample=given(args.images_per_sample, 1))
+    return Workload(
+        enc,
+        llm,
+        global_batch=gbs,
+        micro_batch=given(args.micro_batch_size, 1),
+        images_per_sample=given(args.images_per_sample, 1),
+    )
 
 
 def train_command(args, out: str, wl, micro_batch_size: int) -> str:
     """The `megatron-hetero train` line that runs the layout written to `out` with the searched model."""
     words = ["megatron-hetero train --hetero-layout", Path(out).name]
     if not uses_presets(args):  # the model flags given, so train builds the model that was searched
-        words += [f"{flag(d)} {getattr(args, d)}" for d in ("num_layers", "hidden_size", "num_attention_heads",
-                                                            "ffn_hidden_size", "seq_length", "vocab_size",
-                                                            "encoder_num_layers", "encoder_hidden_size",
-                                                            "encoder_num_attention_heads", "encoder_tokens",
-                                                            "encoder_feature_dim")
-                  if getattr(args, d) is not None]
+        words += [
+            f"{flag(d)} {getattr(args, d)}"
+            for d in (
+                "num_layers",
+                "hidden_size",
+                "num_attention_heads",
+                "ffn_hidden_size",
+                "seq_length",
+                "vocab_size",
+                "encoder_num_layers",
+                "encoder_hidden_size",
+                "encoder_num_attention_heads",
+                "encoder_tokens",
+                "encoder_feature_dim",
+            )
+            if getattr(args, d) is not None
+        ]
     words += [f"--global-batch-size {wl.global_batch} --micro-batch-size {micro_batch_size}"]
     return " ".join(words)
 
@@ -186,28 +257,50 @@ def result_text(res, wl, prof) -> str:
     for i, r in enumerate(res.ranked, 1):
         b = r.breakdown
         rel = f"{base / b.total - 1:+.1%}" if base else "n/a"
-        t = [x * scale for x in (b.total, b.compute, b.tp_comm, b.cp_comm, b.pp_comm, b.dp_comm, b.optimizer,
-                                 b.boundary, b.offload, b.bubble)]
-        lines.append(f"| {i} | {t[0]:.3f} | {rel} | {r.candidate.describe()} | {t[1]:.3f} | {t[2]:.3f} | "
-                     f"{t[3]:.3f} | {t[4]:.3f} | {t[5]:.3f} | {t[6]:.3f} | {t[7]:.3f} | {t[8]:.3f} | "
-                     f"{t[9]:.3f} | {_gb(b.memory_per_rank_peak)} |")
+        t = [
+            x * scale
+            for x in (
+                b.total,
+                b.compute,
+                b.tp_comm,
+                b.cp_comm,
+                b.pp_comm,
+                b.dp_comm,
+                b.optimizer,
+                b.boundary,
+                b.offload,
+                b.bubble,
+            )
+        ]
+        lines.append(
+            f"| {i} | {t[0]:.3f} | {rel} | {r.candidate.describe()} | {t[1]:.3f} | {t[2]:.3f} | "
+            f"{t[3]:.3f} | {t[4]:.3f} | {t[5]:.3f} | {t[6]:.3f} | {t[7]:.3f} | {t[8]:.3f} | "
+            f"{t[9]:.3f} | {_gb(b.memory_per_rank_peak)} |"
+        )
     lines.append("")
     lines.append("best per placement:")
     for kind in ("homogeneous", "colocated", "disjoint"):
         r = res.by_placement.get(kind)
         if kind == "homogeneous" and r is None:
             r = res.baseline  # runnable space: the colocated candidate whose modules share one layout
-        lines.append(f"  {kind:12s} " + (f"{r.breakdown.total * scale:.3f} {unit}  {r.candidate.describe()}"
-                                         if r else "none fits"))
+        lines.append(
+            f"  {kind:12s} "
+            + (f"{r.breakdown.total * scale:.3f} {unit}  {r.candidate.describe()}" if r else "none fits")
+        )
     gain = res.gain
-    lines.append(f"predicted gain over homogeneous: {gain:+.1%}" if gain is not None
-                 else "predicted gain over homogeneous: n/a (no homogeneous configuration fits)")
+    lines.append(
+        f"predicted gain over homogeneous: {gain:+.1%}"
+        if gain is not None
+        else "predicted gain over homogeneous: n/a (no homogeneous configuration fits)"
+    )
     return "\n".join(lines)
 
 
 def regime_markdown(rows: list) -> str:
-    head = ("| encoder | LLM | context | GPUs | global batch | picked | configuration | step (s) | homogeneous (s) | "
-            "colocated (s) | disjoint (s) | gain vs homogeneous |")
+    head = (
+        "| encoder | LLM | context | GPUs | global batch | picked | configuration | step (s) | homogeneous (s) | "
+        "colocated (s) | disjoint (s) | gain vs homogeneous |"
+    )
     out = [head, "|" + "---|" * 12]
 
     def f(x):
@@ -215,9 +308,11 @@ def regime_markdown(rows: list) -> str:
 
     for r in rows:
         gain = ("n/a" if r["step_s"] is None else "n/a (homogeneous OOM)") if r["gain"] is None else f"{r['gain']:+.1%}"
-        out.append(f"| {r['encoder']} | {r['llm']} | {r['context'] // 1024}K | {r['gpus']} | {r['global_batch']} | "
-                   f"{r['picked'] or 'none fits'} | {r['layout'] or ''} | {f(r['step_s'])} | {f(r['homogeneous_s'])} | "
-                   f"{f(r['colocated_s'])} | {f(r['disjoint_s'])} | {gain} |")
+        out.append(
+            f"| {r['encoder']} | {r['llm']} | {r['context'] // 1024}K | {r['gpus']} | {r['global_batch']} | "
+            f"{r['picked'] or 'none fits'} | {r['layout'] or ''} | {f(r['step_s'])} | {f(r['homogeneous_s'])} | "
+            f"{f(r['colocated_s'])} | {f(r['disjoint_s'])} | {gain} |"
+        )
     return "\n".join(out)
 
 
@@ -246,12 +341,16 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is None:
         raise ValueError("--world-size is required (or use --regime-table)")
     if args.out and args.all_layouts:
-        raise ValueError("--out writes a layout for `megatron-hetero train`, which runs only the default space; "
-                         "drop --all-layouts (or --out)")
+        raise ValueError(
+            "--out writes a layout for `megatron-hetero train`, which runs only the default space; "
+            "drop --all-layouts (or --out)"
+        )
     if space.runtime and space.placements == ("homogeneous",):
-        raise ValueError("--placements homogeneous: the runtime runs a homogeneous layout as colocated with equal "
-                         "module layouts (searched under 'colocated'); use --all-layouts for the cost model's "
-                         "Megatron-LLaVA homogeneous placement")
+        raise ValueError(
+            "--placements homogeneous: the runtime runs a homogeneous layout as colocated with equal "
+            "module layouts (searched under 'colocated'); use --all-layouts for the cost model's "
+            "Megatron-LLaVA homogeneous placement"
+        )
     wl = workload_from_args(args)
     res = search(wl, prof, args.world_size, limit, space, top=args.top)
     layout = res.best_layout()
@@ -259,10 +358,12 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         best = res.best.breakdown.total
         unit, scale = _unit(best)
-        header = (f"# megatron-hetero search: best of {res.space_size} candidates on {res.world_size} ranks\n"
-                  f"# {res.best.candidate.describe()}\n# predicted step {best * scale:.3f} {unit}"
-                  + (f", {res.gain:+.1%} over the best homogeneous\n" if res.gain is not None else "\n")
-                  + f"# {train_command(args, args.out, wl, train_micro_batch_size(res.best.candidate, wl))}\n")
+        header = (
+            f"# megatron-hetero search: best of {res.space_size} candidates on {res.world_size} ranks\n"
+            f"# {res.best.candidate.describe()}\n# predicted step {best * scale:.3f} {unit}"
+            + (f", {res.gain:+.1%} over the best homogeneous\n" if res.gain is not None else "\n")
+            + f"# {train_command(args, args.out, wl, train_micro_batch_size(res.best.candidate, wl))}\n"
+        )
         try:
             Path(args.out).write_text(header + text)
         except OSError as exc:
@@ -277,4 +378,3 @@ def run(args: argparse.Namespace) -> int:
         if args.out:
             print(f"(written to {args.out})")
     return 0
-

@@ -7,6 +7,7 @@ boundary, communication batch, wait, gradient reduction, optimizer, ...), nested
 top of their parents, and a legend. Needs matplotlib (`pip install -e '.[bench]'`). Exit codes:
 0 drawn, 2 the file is missing or not a trace, 1 matplotlib is missing.
 """
+
 from __future__ import annotations
 
 import argparse

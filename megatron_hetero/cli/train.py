@@ -28,6 +28,7 @@ micro-batch, boundary calls with bytes, communication batches and waits, gradien
 optimizer) and global rank 0 writes them as one Chrome/Perfetto trace (ui.perfetto.dev, or
 `megatron-hetero timeline FILE.json --out FILE.png`); it is the job's `trace` field.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--clip-grad", type=float, default=0.0)
-    t.add_argument("--bf16", action="store_true",
-                   help="bf16 parameters and compute, fp32 main weights in the optimizer (Megatron's mixed precision)")
+    t.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 parameters and compute, fp32 main weights in the optimizer (Megatron's mixed precision)",
+    )
     t.add_argument("--adam-beta1", type=float, default=0.9)
     t.add_argument("--adam-beta2", type=float, default=0.999)
     t.add_argument("--adam-eps", type=float, default=1e-8)
@@ -68,40 +72,76 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
     t.add_argument("--lr-decay-iters", type=int, default=None, help="iterations to decay over (default: --train-iters)")
     t.add_argument("--min-lr", type=float, default=0.0, help="the rate a decay ends at")
-    t.add_argument("--override-opt-param-scheduler", action="store_true",
-                   help="on --load, use this job's learning-rate schedule instead of requiring the checkpoint's")
+    t.add_argument(
+        "--override-opt-param-scheduler",
+        action="store_true",
+        help="on --load, use this job's learning-rate schedule instead of requiring the checkpoint's",
+    )
     v = p.add_argument_group("evaluation (held-out split: `val` of --data-path; synthetic data: unseen samples)")
-    v.add_argument("--eval-interval", type=int, default=0, metavar="N",
-                   help="evaluate every N iterations and after the last one (default 0: never)")
-    v.add_argument("--eval-iters", type=int, default=None, metavar="K",
-                   help="global batches per evaluation (default: the held-out split once, N // global batch; "
-                        "synthetic data: 1)")
+    v.add_argument(
+        "--eval-interval",
+        type=int,
+        default=0,
+        metavar="N",
+        help="evaluate every N iterations and after the last one (default 0: never)",
+    )
+    v.add_argument(
+        "--eval-iters",
+        type=int,
+        default=None,
+        metavar="K",
+        help="global batches per evaluation (default: the held-out split once, N // global batch; synthetic data: 1)",
+    )
     c = p.add_argument_group("checkpoints (Megatron-core dist_checkpointing; movable between layouts)")
-    c.add_argument("--save", type=str, default=None, metavar="DIR", help="save checkpoints here (and after the last iteration)")
+    c.add_argument(
+        "--save", type=str, default=None, metavar="DIR", help="save checkpoints here (and after the last iteration)"
+    )
     c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")
-    c.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM (SLURM's warning before the time limit, scancel): every rank finishes the "
-                        "current step, saves a checkpoint (with --save) and exits 0 (Megatron-LM's flag)")
-    c.add_argument("--load", type=str, default=None, metavar="DIR",
-                   help="resume from the latest checkpoint under DIR (any layout of the same model), or start "
-                        "from converted weights (convert hf-to-checkpoint); without model flags: the recorded model")
-    c.add_argument("--load-fallback", action="store_true",
-                   help="if the newest save under --load is incomplete or damaged, resume from the newest complete "
-                        "checkpoint before it (and say so) instead of exiting 2")
+    c.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="on SIGTERM (SLURM's warning before the time limit, scancel): every rank finishes the "
+        "current step, saves a checkpoint (with --save) and exits 0 (Megatron-LM's flag)",
+    )
+    c.add_argument(
+        "--load",
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="resume from the latest checkpoint under DIR (any layout of the same model), or start "
+        "from converted weights (convert hf-to-checkpoint); without model flags: the recorded model",
+    )
+    c.add_argument(
+        "--load-fallback",
+        action="store_true",
+        help="if the newest save under --load is incomplete or damaged, resume from the newest complete "
+        "checkpoint before it (and say so) instead of exiting 2",
+    )
     e = p.add_argument_group("mixture of experts (language model; ep/expt_tp come from the layout)")
     e.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
     e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (default 2)")
     e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss weight (default 0)")
-    e.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert MLP hidden size (default --ffn-hidden-size)")
+    e.add_argument(
+        "--moe-ffn-hidden-size", type=int, default=None, help="expert MLP hidden size (default --ffn-hidden-size)"
+    )
     r = p.add_argument_group("launch")
-    r.add_argument("--nproc-per-node", type=int, default=None,
-                   help="ranks to spawn on the local host (default: what the layout uses)")
+    r.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks to spawn on the local host (default: what the layout uses)",
+    )
     r.add_argument("--log-jsonl", type=str, default=None, help="one JSON object per iteration")
     r.add_argument("--log-interval", type=int, default=1, help="iteration lines every N iterations")
     r.add_argument("--launch-timeout", type=float, default=3600.0, help="seconds before hung ranks are killed")
-    p.add_argument("--trace", type=str, default=None, metavar="FILE.json",
-                   help="write a Chrome/Perfetto trace of every rank's spans (view: ui.perfetto.dev, or "
-                        "megatron-hetero timeline FILE.json --out FILE.png)")
+    p.add_argument(
+        "--trace",
+        type=str,
+        default=None,
+        metavar="FILE.json",
+        help="write a Chrome/Perfetto trace of every rank's spans (view: ui.perfetto.dev, or "
+        "megatron-hetero timeline FILE.json --out FILE.png)",
+    )
     add_hetero_args(p)
     return p
 
@@ -121,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
 
     env = rank_env(os.environ)
     if env is not None and args.nproc_per_node is not None:
-        raise ValueError(f"--nproc-per-node {args.nproc_per_node}: this process is {env.describe()}; the launcher "
-                         f"starts the ranks (give --nproc-per-node to torchrun, not to train)")
+        raise ValueError(
+            f"--nproc-per-node {args.nproc_per_node}: this process is {env.describe()}; the launcher "
+            f"starts the ranks (give --nproc-per-node to torchrun, not to train)"
+        )
     import dataclasses
     import sys
 
@@ -139,9 +181,12 @@ def run(args: argparse.Namespace) -> int:
         if note:
             print(note, file=sys.stderr, flush=True)
     if env is None or env.rank == 0:
-        print(f"megatron-hetero train: {layout.world_size} ranks ({default_backend()}"
-              f"{', ' + env.launcher if env else ', forked here'}), placement {layout.placement}: "
-              + ", ".join(f"{m.name} {m.short()} @{m.ranks}" for m in layout.modules), flush=True)
+        print(
+            f"megatron-hetero train: {layout.world_size} ranks ({default_backend()}"
+            f"{', ' + env.launcher if env else ', forked here'}), placement {layout.placement}: "
+            + ", ".join(f"{m.name} {m.short()} @{m.ranks}" for m in layout.modules),
+            flush=True,
+        )
     if env is not None:
         try:
             records = run_as_rank(layout, job, env, timeout_s=job.comm_timeout_s)
@@ -160,8 +205,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"checkpoints in {job.save} (latest: iteration {latest})", flush=True)
     if layout.placement == "colocated" and records:
         mem = records[-1]["memory_bytes"]["0"]
-        print("rank 0 module state resident per phase (bytes): " + "; ".join(
-            f"{phase}: " + ", ".join(f"{m} {b}" for m, b in mods.items()) for phase, mods in mem.items()), flush=True)
+        print(
+            "rank 0 module state resident per phase (bytes): "
+            + "; ".join(f"{phase}: " + ", ".join(f"{m} {b}" for m, b in mods.items()) for phase, mods in mem.items()),
+            flush=True,
+        )
     if args.log_jsonl:
         path = Path(args.log_jsonl)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -169,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
             for r in records:
                 f.write(json.dumps(r) + "\n")
     if args.trace:
-        print(f"trace of {layout.world_size} ranks in {args.trace} (megatron-hetero timeline {args.trace} "
-              f"--out TIMELINE.png)", flush=True)
+        print(
+            f"trace of {layout.world_size} ranks in {args.trace} (megatron-hetero timeline {args.trace} "
+            f"--out TIMELINE.png)",
+            flush=True,
+        )
     return 0

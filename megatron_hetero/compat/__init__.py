@@ -31,6 +31,7 @@ and ``megatron_hetero.models.layer_specs``.)
 Names from the Megatron-importing submodules are loaded on first access, so importing this package
 (e.g. for ``get_device``) stays cheap.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -101,7 +102,8 @@ def require_compat(what: str) -> None:
         raise RuntimeError(
             f"{what} needs megatron_hetero.compat.apply_compat() applied first: call it once at the program's "
             f"entry point, before building Megatron models (the megatron-hetero CLI, the Megatron-LM launcher and "
-            f"tests/conftest.py do; library code does not apply it itself)")
+            f"tests/conftest.py do; library code does not apply it itself)"
+        )
 
 
 def __getattr__(name: str) -> Any:

@@ -4,6 +4,7 @@
 Every wrapper installed through these helpers carries :data:`MARK` (holding the original object), so
 applying a patch twice is harmless.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,5 +64,3 @@ def wrap_method(cls: type, attr: str, make: Callable[[Callable], Callable]) -> N
     wrapper = make(current)
     setattr(wrapper, MARK, current)
     setattr(cls, attr, wrapper)
-
-

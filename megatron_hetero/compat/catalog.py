@@ -2,6 +2,7 @@
 and as markdown. Imported by nothing in the package (the tests and ``python -m
 megatron_hetero.compat.catalog`` read it), so no patch module imports it back.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
@@ -22,7 +23,10 @@ def every_patch() -> List[Patch]:
 
 def markdown_table(patches: Optional[Sequence[Patch]] = None) -> str:
     """The table as markdown: patch, reason, target versions, how it acts, upstream spot, removal condition."""
-    rows = ["| patch | reason | targets | acts | upstream spot | remove when |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| patch | reason | targets | acts | upstream spot | remove when |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for p in every_patch() if patches is None else patches:
         cells = (p.name, p.reason, ", ".join(p.targets), p.use, p.spot, p.removal)
         rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")

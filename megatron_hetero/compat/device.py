@@ -3,6 +3,7 @@
 Everything outside ``megatron_hetero.compat`` takes its device and its process-group backend from
 here and never calls ``torch.cuda.*`` itself (``is_available``/``device_count`` excepted).
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -18,6 +18,7 @@ Not CPU-specific; each works around an upstream bug or limitation the project me
 :data:`FIXES` lists the entries :func:`megatron_hetero.compat.apply_compat` gates (and applies,
 where they have ``apply``); the scoped swaps and the helpers check their targets again when used.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -102,21 +103,30 @@ def _loss_uses_model_tp_group() -> None:
 
 
 LOSS_TP_GROUP = Patch(
-    name="fix.loss_tp_group", reason=FIX,
+    name="fix.loss_tp_group",
+    reason=FIX,
     spot=f"{_LM}: LanguageModule.compute_language_model_loss -> tensor_parallel.vocab_parallel_cross_entropy "
-         "(tensor_parallel/cross_entropy.py: _VocabParallelCrossEntropy.forward reads "
-         "parallel_state.get_tensor_model_parallel_group/rank/world_size)",
+    "(tensor_parallel/cross_entropy.py: _VocabParallelCrossEntropy.forward reads "
+    "parallel_state.get_tensor_model_parallel_group/rank/world_size)",
     action="during the call, those three names in tensor_parallel.cross_entropy return the model's "
-           "pg_collection.tp group",
+    "pg_collection.tp group",
     targets=MCORE_0_16_1,
     removal="remove when vocab_parallel_cross_entropy takes the TP group from the model's pg_collection",
-    spots=(Spot(f"{_LM}:LanguageModule.compute_language_model_loss", "method", params=("self", "labels", "logits")),
-           Spot(f"{_XENT}:_VocabParallelCrossEntropy.forward", "staticmethod",
-                uses=("group=get_tensor_model_parallel_group()", "get_tensor_model_parallel_rank()",
-                      "get_tensor_model_parallel_world_size()")),
-           Spot(f"{_XENT}:get_tensor_model_parallel_group"),
-           Spot(f"{_XENT}:get_tensor_model_parallel_rank"),
-           Spot(f"{_XENT}:get_tensor_model_parallel_world_size")),
+    spots=(
+        Spot(f"{_LM}:LanguageModule.compute_language_model_loss", "method", params=("self", "labels", "logits")),
+        Spot(
+            f"{_XENT}:_VocabParallelCrossEntropy.forward",
+            "staticmethod",
+            uses=(
+                "group=get_tensor_model_parallel_group()",
+                "get_tensor_model_parallel_rank()",
+                "get_tensor_model_parallel_world_size()",
+            ),
+        ),
+        Spot(f"{_XENT}:get_tensor_model_parallel_group"),
+        Spot(f"{_XENT}:get_tensor_model_parallel_rank"),
+        Spot(f"{_XENT}:get_tensor_model_parallel_world_size"),
+    ),
     apply=_loss_uses_model_tp_group,
 )
 
@@ -126,16 +136,22 @@ LOSS_TP_GROUP = Patch(
 # --------------------------------------------------------------------------------------------
 
 PARAM_GROUPS_GATHER = Patch(
-    name="fix.optimizer_param_groups_gather", reason=FIX,
+    name="fix.optimizer_param_groups_gather",
+    reason=FIX,
     spot=f"{_MC}.optimizer: _get_param_groups aligns param-group keys with torch.distributed.all_gather_object "
-         "on the default (world) group (once for dense and once for expert parameters)",
+    "on the default (world) group (once for dense and once for expert parameters)",
     action="inside param_groups_gathered_over(group), a gather on the default group runs over `group` "
-           "(this module's pipeline stage)",
+    "(this module's pipeline stage)",
     targets=MCORE_0_16_1,
     removal="remove when get_megatron_optimizer aligns param groups over a group from its pg_collection",
-    spots=(Spot(f"{_MC}.optimizer:_get_param_groups", params=("model_chunks", "config"),
-                uses=("torch.distributed.all_gather_object(gathered_params_key, params_key)",)),
-           Spot("torch.distributed:all_gather_object", params=("object_list", "obj", "group"))),
+    spots=(
+        Spot(
+            f"{_MC}.optimizer:_get_param_groups",
+            params=("model_chunks", "config"),
+            uses=("torch.distributed.all_gather_object(gathered_params_key, params_key)",),
+        ),
+        Spot("torch.distributed:all_gather_object", params=("object_list", "obj", "group")),
+    ),
     use="scoped: param_groups_gathered_over() around get_megatron_optimizer (runtime/module_state.py)",
 )
 
@@ -175,32 +191,58 @@ def param_groups_gathered_over(group):
 _CACHED_READER = f"{_MC}.dist_checkpointing.strategies.cached_metadata_filesystem_reader"
 
 CHECKPOINT_READER = Patch(
-    name="fix.checkpoint_reader", reason=FIX,
+    name="fix.checkpoint_reader",
+    reason=FIX,
     spot=f"{_DCP_TORCH}: TorchDistLoadShardedStrategy makes its reader with the module function "
-         "_get_filesystem_reader; torch's FileSystemReader.read_metadata reads .metadata with a plain "
-         "pickle.load (a crafted checkpoint runs code when it is loaded)",
+    "_get_filesystem_reader; torch's FileSystemReader.read_metadata reads .metadata with a plain "
+    "pickle.load (a crafted checkpoint runs code when it is loaded)",
     action="during each load of training/safe_unpickle.py, _get_filesystem_reader returns its "
-           "SafeFileSystemReader (a CachedMetadataFileSystemReader whose read_metadata uses a restricted "
-           "unpickler); undone on exit",
+    "SafeFileSystemReader (a CachedMetadataFileSystemReader whose read_metadata uses a restricted "
+    "unpickler); undone on exit",
     targets=MCORE_0_16_1,
     removal="remove when Megatron-core's torch_dist load strategy takes a storage reader (or torch's "
-            "FileSystemReader reads .metadata with a restricted unpickler)",
-    spots=(Spot(f"{_DCP_TORCH}:_get_filesystem_reader", params=("checkpoint_dir", "cache_metadata")),
-           Spot(f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load", "method",
-                params=("self", "sharded_state_dict", "checkpoint_dir"), uses=("_get_filesystem_reader(",)),
-           Spot(f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load_tensors_metadata", "method",
-                params=("self", "checkpoint_dir", "metadata")),
-           Spot(f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load_sharded_metadata", "method",
-                params=("self", "checkpoint_dir")),
-           Spot(f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_common", "method",
-                params=("self", "checkpoint_dir")),
-           Spot(f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_sharded_objects",
-                "method", params=("self", "sharded_objects_state_dict", "checkpoint_dir")),
-           Spot(f"{_CACHED_READER}:CachedMetadataFileSystemReader.__init__", "method", params=("self", "path"),
-                uses=("self._cached_metadata = None",)),
-           Spot(f"{_CACHED_READER}:CachedMetadataFileSystemReader.read_metadata", "method", params=("self",)),
-           Spot("torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata", "method",
-                uses=("pickle.load(", "self.load_id"))),
+    "FileSystemReader reads .metadata with a restricted unpickler)",
+    spots=(
+        Spot(f"{_DCP_TORCH}:_get_filesystem_reader", params=("checkpoint_dir", "cache_metadata")),
+        Spot(
+            f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load",
+            "method",
+            params=("self", "sharded_state_dict", "checkpoint_dir"),
+            uses=("_get_filesystem_reader(",),
+        ),
+        Spot(
+            f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load_tensors_metadata",
+            "method",
+            params=("self", "checkpoint_dir", "metadata"),
+        ),
+        Spot(
+            f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load_sharded_metadata",
+            "method",
+            params=("self", "checkpoint_dir"),
+        ),
+        Spot(
+            f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_common",
+            "method",
+            params=("self", "checkpoint_dir"),
+        ),
+        Spot(
+            f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_sharded_objects",
+            "method",
+            params=("self", "sharded_objects_state_dict", "checkpoint_dir"),
+        ),
+        Spot(
+            f"{_CACHED_READER}:CachedMetadataFileSystemReader.__init__",
+            "method",
+            params=("self", "path"),
+            uses=("self._cached_metadata = None",),
+        ),
+        Spot(f"{_CACHED_READER}:CachedMetadataFileSystemReader.read_metadata", "method", params=("self",)),
+        Spot(
+            "torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata",
+            "method",
+            uses=("pickle.load(", "self.load_id"),
+        ),
+    ),
     use="scoped: filesystem_reader_swapped() during each load (training/safe_unpickle.py)",
 )
 
@@ -225,17 +267,23 @@ def filesystem_reader_swapped(make_reader: Callable[[Any], Any]) -> Iterator[Non
 # --------------------------------------------------------------------------------------------
 
 GLOBAL_MEMORY_BUFFER = Patch(
-    name="fix.global_memory_buffer", reason=FIX,
+    name="fix.global_memory_buffer",
+    reason=FIX,
     spot=f"{_MC}.transformer.dot_product_attention: DotProductAttention.forward takes its score buffer from "
-         "parallel_state.get_global_memory_buffer(), which only initialize_model_parallel creates",
+    "parallel_state.get_global_memory_buffer(), which only initialize_model_parallel creates",
     action="ensure_global_memory_buffer() creates it (parallel_state._set_global_memory_buffer) once per "
-           "process for models built from explicit pg_collection groups",
+    "process for models built from explicit pg_collection groups",
     targets=MCORE_0_16_1,
     removal="remove when DotProductAttention allocates its buffer without Megatron's global parallel state",
-    spots=(Spot(f"{_MC}.parallel_state:_set_global_memory_buffer", params=()),
-           Spot(f"{_MC}.parallel_state:_GLOBAL_MEMORY_BUFFER", "value"),
-           Spot(f"{_MC}.transformer.dot_product_attention:DotProductAttention.forward", "method",
-                uses=("parallel_state.get_global_memory_buffer()",))),
+    spots=(
+        Spot(f"{_MC}.parallel_state:_set_global_memory_buffer", params=()),
+        Spot(f"{_MC}.parallel_state:_GLOBAL_MEMORY_BUFFER", "value"),
+        Spot(
+            f"{_MC}.transformer.dot_product_attention:DotProductAttention.forward",
+            "method",
+            uses=("parallel_state.get_global_memory_buffer()",),
+        ),
+    ),
     use="helper: ensure_global_memory_buffer() before building models (training/trainer.py, ...)",
 )
 
@@ -256,18 +304,24 @@ def ensure_global_memory_buffer() -> None:
 
 
 CLIP_VIT_NORM = Patch(
-    name="fix.clip_vit_norm", reason=FIX,
+    name="fix.clip_vit_norm",
+    reason=FIX,
     spot=f"{_CLIP}: without TE the default ln_pre_impl/ln_post_impl is torch.nn.LayerNorm (NORM_IMPL), which "
-         "build_module calls with config= and fails (upstream bug)",
+    "build_module calls with config= and fails (upstream bug)",
     action="clip_vit_norm_kwargs() gives ln_pre_impl=ln_post_impl=WrappedTorchNorm when NORM_IMPL is "
-           "torch.nn.LayerNorm (nothing with TE)",
+    "torch.nn.LayerNorm (nothing with TE)",
     targets=MCORE_0_16_1,
     removal="remove when CLIPViTModel's default norm without TE accepts config= (e.g. WrappedTorchNorm)",
-    spots=(Spot(f"{_CLIP}:NORM_IMPL", "value"),
-           Spot(f"{_CLIP}:CLIPViTModel.__init__", "method",
-                params=("self", "transformer_config", "transformer_layer_spec", "ln_pre_impl", "ln_post_impl"),
-                uses=("config=transformer_config",)),
-           Spot(f"{_MC}.transformer.torch_norm:WrappedTorchNorm", "class")),
+    spots=(
+        Spot(f"{_CLIP}:NORM_IMPL", "value"),
+        Spot(
+            f"{_CLIP}:CLIPViTModel.__init__",
+            "method",
+            params=("self", "transformer_config", "transformer_layer_spec", "ln_pre_impl", "ln_post_impl"),
+            uses=("config=transformer_config",),
+        ),
+        Spot(f"{_MC}.transformer.torch_norm:WrappedTorchNorm", "class"),
+    ),
     use="helper: clip_vit_norm_kwargs() in CLIPViTModel(...) calls (models/clip_encoder.py)",
 )
 
@@ -291,15 +345,21 @@ def clip_vit_norm_kwargs() -> Dict[str, Any]:
 
 
 MOE_WITHOUT_TE = Patch(
-    name="fix.moe_router_without_te", reason=FIX,
+    name="fix.moe_router_without_te",
+    reason=FIX,
     spot=f"{_MC}.transformer.moe.moe_utils: te_general_gemm is bound only when TE imports, but "
-         "RouterGatingLinearFunction reads it unconditionally (NameError without TE; upstream bug)",
+    "RouterGatingLinearFunction reads it unconditionally (NameError without TE; upstream bug)",
     action="ensure_moe_without_te() binds moe_utils.te_general_gemm = None when it is missing (the torch.mm "
-           "path); nothing with TE",
+    "path); nothing with TE",
     targets=MCORE_0_16_1,
     removal="remove when moe_utils binds te_general_gemm = None without TE",
-    spots=(Spot(f"{_MC}.transformer.moe.moe_utils:RouterGatingLinearFunction.forward", "staticmethod",
-                uses=("if te_general_gemm is not None",)),),
+    spots=(
+        Spot(
+            f"{_MC}.transformer.moe.moe_utils:RouterGatingLinearFunction.forward",
+            "staticmethod",
+            uses=("if te_general_gemm is not None",),
+        ),
+    ),
     use="helper: ensure_moe_without_te() before building MoE layers (models/llava.py)",
 )
 
@@ -321,8 +381,14 @@ def ensure_moe_without_te() -> None:
 
 #: The fixes :func:`megatron_hetero.compat.apply_compat` gates on every machine (and applies, where an
 #: entry has ``apply``; the others act where they are used).
-FIXES: List[Patch] = [LOSS_TP_GROUP, PARAM_GROUPS_GATHER, CHECKPOINT_READER, GLOBAL_MEMORY_BUFFER, CLIP_VIT_NORM,
-                      MOE_WITHOUT_TE]
+FIXES: List[Patch] = [
+    LOSS_TP_GROUP,
+    PARAM_GROUPS_GATHER,
+    CHECKPOINT_READER,
+    GLOBAL_MEMORY_BUFFER,
+    CLIP_VIT_NORM,
+    MOE_WITHOUT_TE,
+]
 
 
 def apply_fixes() -> None:
@@ -374,16 +440,17 @@ def _clip_vit_torch_norm() -> None:
 
 NO_TE_PATCHES: List[Patch] = [
     Patch(
-        name="fix.clip_vit_default_norm", reason=FIX,
+        name="fix.clip_vit_default_norm",
+        reason=FIX,
         spot=f"{_CLIP}: CLIPViTModel.__init__ default ln_pre_impl/ln_post_impl = torch.nn.LayerNorm, called "
-             "with config= (fails without TE; Megatron-LM's LLaVAModel passes no norm)",
+        "with config= (fails without TE; Megatron-LM's LLaVAModel passes no norm)",
         action="default both to WrappedTorchNorm (when TE is absent)",
         targets=MCORE_0_16_1,
         removal="remove with fix.clip_vit_norm (CLIPViTModel's default norm without TE accepts config=)",
         spots=CLIP_VIT_NORM.spots,
         apply=_clip_vit_torch_norm,
         use="applied once by apply_megatron_lm_no_te_fixes() (the Megatron-LM launcher, every machine)",
-    ),
+    )
 ]
 
 

@@ -12,6 +12,7 @@ on CPU; docs/compat.md lists them).
 Requires the tree's ``megatron/training`` importable (the launcher appends the tree to the END of
 ``sys.path``, so the pip Megatron-core wins in the merged ``megatron`` namespace package).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,7 @@ from .fixes import NO_TE_PATCHES, apply_megatron_lm_no_te_fixes
 from .table import CPU, MCORE_0_16_1, Patch, Spot, check_targets
 from .torch_on_cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity
 
-__all__ = ["apply_megatron_lm_cpu_compat", "apply_megatron_lm_no_te_fixes", "MEGATRON_LM_PATCHES",
-           "NO_TE_PATCHES"]
+__all__ = ["apply_megatron_lm_cpu_compat", "apply_megatron_lm_no_te_fixes", "MEGATRON_LM_PATCHES", "NO_TE_PATCHES"]
 
 _APPLIED = False
 
@@ -108,6 +108,7 @@ def _triton_stub() -> None:
     ``megatron.training.initialize``); without triton a stub module stands in (never called on CPU)."""
     try:
         import triton  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -153,8 +154,9 @@ def _allow_no_cuda() -> None:
 
 
 def _device_arch_zero() -> None:
-    rebind_function(["megatron.training.utils", "megatron.training.arguments"], "get_device_arch_version",
-                    lambda fn: (lambda: 0))
+    rebind_function(
+        ["megatron.training.utils", "megatron.training.arguments"], "get_device_arch_version", lambda fn: lambda: 0
+    )
 
 
 def _compile_helpers_prebuilt() -> None:
@@ -163,6 +165,7 @@ def _compile_helpers_prebuilt() -> None:
         def compile_helpers():
             try:
                 from megatron.core.datasets import helpers_cpp  # noqa: F401  (pip ships it prebuilt)
+
                 return None
             except ImportError:
                 return fn()
@@ -173,7 +176,7 @@ def _compile_helpers_prebuilt() -> None:
 
 
 def _fused_kernels_noop() -> None:
-    rebind_function(["megatron.legacy.fused_kernels"], "load", lambda fn: (lambda *a, **k: None))
+    rebind_function(["megatron.legacy.fused_kernels"], "load", lambda fn: lambda *a, **k: None)
 
 
 def _cuda_identity_in(module_name: str, attr: str):
@@ -185,8 +188,9 @@ def _cuda_identity_in(module_name: str, attr: str):
 
 def _broadcast_data_on_cpu() -> None:
     _redirect_torch("megatron.core.tensor_parallel.data", _TorchOnCpu())()
-    rebind_function(["megatron.core.tensor_parallel.data"], "broadcast_data",
-                    lambda fn: wrap_call(fn, _tensor_cuda_is_identity))
+    rebind_function(
+        ["megatron.core.tensor_parallel.data"], "broadcast_data", lambda fn: wrap_call(fn, _tensor_cuda_is_identity)
+    )
     # `tensor_parallel.broadcast_data` is re-exported by the package: rebind that name too.
     tp = importlib.import_module("megatron.core.tensor_parallel")
     data = importlib.import_module("megatron.core.tensor_parallel.data")
@@ -198,9 +202,17 @@ _MC = "megatron.core"
 
 
 def _cpu(name: str, spot: str, action: str, removal: str, spots: Tuple[Spot, ...], apply) -> Patch:
-    return Patch(name=name, reason=CPU, spot=spot, action=action, targets=MCORE_0_16_1, removal=removal,
-                 spots=spots, apply=apply,
-                 use="applied once by apply_megatron_lm_cpu_compat() (the Megatron-LM launcher, without CUDA)")
+    return Patch(
+        name=name,
+        reason=CPU,
+        spot=spot,
+        action=action,
+        targets=MCORE_0_16_1,
+        removal=removal,
+        spots=spots,
+        apply=apply,
+        use="applied once by apply_megatron_lm_cpu_compat() (the Megatron-LM launcher, without CUDA)",
+    )
 
 
 #: Megatron-LM (tag core_v0.16.1, the tree matching megatron-core 0.16.1) spots redirected without
@@ -208,112 +220,153 @@ def _cpu(name: str, spot: str, action: str, removal: str, spots: Tuple[Spot, ...
 #: ``megatron.training`` against the pip Megatron-core, and the tree's tag is checked by
 #: ``megatron_hetero.megatron_lm.tree``.
 MEGATRON_LM_PATCHES: List[Patch] = [
-    _cpu("megatron_lm.triton_stub",
-         "sys.modules['triton'] (megatron.core.transformer.custom_layers.batch_invariant_kernels imports triton "
-         "at module level, reached from megatron.training.initialize)",
-         "a stub module when triton is not installed",
-         "remove when batch_invariant_kernels imports triton lazily (or only where triton is installed)",
-         (Spot(f"{_MC}.transformer.custom_layers.batch_invariant_kernels", "source", uses=("import triton",)),),
-         _triton_stub),
-    _cpu("megatron_lm.allow_no_cuda",
-         f"{_TR}.initialize: initialize_megatron asserts torch.cuda.is_available() unless allow_no_cuda=True "
-         "(pretrain() does not pass it)",
-         "allow_no_cuda=True (rebound in initialize and training)",
-         "remove when pretrain() initialises without CUDA (passes allow_no_cuda or drops the assert)",
-         (Spot(f"{_TR}.initialize:initialize_megatron", params=("extra_args_provider", "args_defaults",
-                                                               "ignore_unknown_args", "allow_no_cuda"),
-               uses=('assert torch.cuda.is_available(), "Megatron requires CUDA."',)),
-          Spot(f"{_TR}.training:initialize_megatron")),
-         _allow_no_cuda),
-    _cpu("megatron_lm.initialize",
-         f"{_TR}.initialize: _initialize_distributed / _set_random_seed "
-         "(torch.cuda.device_count() > 0 guards initialize_model_parallel and the tracker seeds; "
-         "set_device, ones(device=current_device()))",
-         "torch -> CPU redirect with one device",
-         "remove when _initialize_distributed / _set_random_seed initialise model parallelism without a GPU",
-         (Spot(f"{_TR}.initialize:torch", "torch", uses=("torch.cuda.device_count() > 0",)),),
-         _redirect_torch(f"{_TR}.initialize")),
-    _cpu("megatron_lm.training",
-         f"{_TR}.training: pretrain (cuda tensors), get_model (torch.cuda.Stream for DDP), "
-         "train (synchronize, memory statistics)",
-         "torch -> CPU redirect with one device",
-         "remove when megatron.training.training takes its device and streams from the accelerator it runs on",
-         (Spot(f"{_TR}.training:torch", "torch", uses=("torch.cuda.Stream()", 'device="cuda"')),),
-         _redirect_torch(f"{_TR}.training")),
-    _cpu("megatron_lm.utils",
-         f"{_TR}.utils: get_batch_on_this_tp_rank, report_memory, "
-         "reduce_max_stat_across_model_parallel_group (device=torch.cuda.current_device())",
-         "torch -> CPU redirect with one device",
-         "remove when megatron.training.utils allocates on the batch's device",
-         (Spot(f"{_TR}.utils:torch", "torch", uses=("torch.cuda.current_device()",)),),
-         _redirect_torch(f"{_TR}.utils")),
-    _cpu("megatron_lm.checkpointing",
-         f"{_TR}.checkpointing: read_metadata (device='cuda'), get_rng_state "
-         "(torch.cuda.get_rng_state), load_checkpoint (torch.cuda.set_rng_state) -- --save/--load",
-         "torch -> CPU redirect with one device (the CUDA RNG state is the CPU generator's)",
-         "remove when Megatron-LM's checkpointing saves the RNG state of the device it runs on",
-         (Spot(f"{_TR}.checkpointing:torch", "torch", uses=('device="cuda"', "torch.cuda.get_rng_state()")),),
-         _redirect_torch(f"{_TR}.checkpointing")),
-    _cpu("megatron_lm.timers",
-         f"{_MC}.timers: _get_elapsed_time_all_ranks, Timer.start/stop (cuda tensors, synchronize)",
-         "torch -> CPU redirect",
-         "remove when Megatron-core's timers synchronise and gather on the current device (CPU included)",
-         (Spot(f"{_MC}.timers:torch", "torch", uses=("torch.cuda.synchronize()", "torch.cuda.current_device()")),),
-         _redirect_torch(f"{_MC}.timers")),
-    _cpu("megatron_lm.rerun_state_machine",
-         f"{_MC}.rerun_state_machine: _save_state (torch.cuda.get_rng_state), validate_result (device='cuda')",
-         "torch -> CPU redirect",
-         "remove when the rerun state machine keeps the RNG state and flags of the device it runs on",
-         (Spot(f"{_MC}.rerun_state_machine:torch", "torch", uses=("torch.cuda.get_rng_state()", 'device="cuda"')),),
-         _redirect_torch(f"{_MC}.rerun_state_machine")),
-    _cpu("megatron_lm.device_arch",
-         f"{_TR}.utils: get_device_arch_version (torch.cuda.get_device_properties; called from "
-         "arguments.validate_args)",
-         "returns 0 (rebound in utils and arguments)",
-         "remove when validate_args asks the architecture only of a GPU",
-         (Spot(f"{_TR}.utils:get_device_arch_version", params=(), uses=("torch.cuda.get_device_properties",)),
-          Spot(f"{_TR}.arguments:get_device_arch_version")),
-         _device_arch_zero),
-    _cpu("megatron_lm.compile_helpers",
-         f"{_MC}.datasets.utils: compile_helpers runs make (pip ships helpers_cpp prebuilt, without a Makefile)",
-         "no-op when the prebuilt helpers_cpp imports",
-         "remove when compile_helpers skips make where helpers_cpp is prebuilt",
-         (Spot(f"{_MC}.datasets.utils:compile_helpers", params=(), uses=('command = ["make"',)),),
-         _compile_helpers_prebuilt),
-    _cpu("megatron_lm.fused_kernels",
-         "megatron.legacy.fused_kernels: load runs nvcc -V",
-         "no-op",
-         "remove when Megatron-LM stops loading the legacy fused kernels without CUDA",
-         (Spot("megatron.legacy.fused_kernels:load", params=("args",), uses=("cpp_extension.CUDA_HOME",)),),
-         _fused_kernels_noop),
-    _cpu("megatron_lm.get_model_cuda",
-         f"{_TR}.training: get_model (model_module.cuda(...))",
-         "tensor.cuda() is the identity during the call",
-         "remove when get_model moves the model to the current device only where it is a GPU",
-         (Spot(f"{_TR}.training:get_model", params=("model_provider_func", "model_type", "wrap_with_ddp"),
-               uses=("model_module.cuda(torch.cuda.current_device())",)),),
-         _cuda_identity_in(f"{_TR}.training", "get_model")),
-    _cpu("megatron_lm.evaluate_cuda",
-         f"{_TR}.training: evaluate (total_loss_dict tensors .cuda(); --eval-iters > 0)",
-         "tensor.cuda() is the identity during the call",
-         "remove when evaluate keeps its loss tensors on the device of the losses",
-         (Spot(f"{_TR}.training:evaluate", uses=(".cuda()",)),),
-         _cuda_identity_in(f"{_TR}.training", "evaluate")),
-    _cpu("megatron_lm.batch_cuda",
-         f"{_TR}.utils: get_batch_on_this_tp_rank (tensor.cuda())",
-         "tensor.cuda() is the identity during the call",
-         "remove when get_batch_on_this_tp_rank moves the batch to the current device (CPU included)",
-         (Spot(f"{_TR}.utils:get_batch_on_this_tp_rank", uses=('data["tokens"].cuda(non_blocking=True)',)),),
-         _cuda_identity_in(f"{_TR}.utils", "get_batch_on_this_tp_rank")),
-    _cpu("megatron_lm.broadcast_data",
-         f"{_MC}.tensor_parallel.data: broadcast_data (device='cuda', .cuda(); pretrain_vlm.get_batch)",
-         "torch -> CPU redirect and tensor.cuda() identity during the call",
-         "remove when broadcast_data allocates on the device of the TP group's backend",
-         (Spot(f"{_MC}.tensor_parallel.data:torch", "torch", uses=("torch.cuda.current_device()",)),
-          Spot(f"{_MC}.tensor_parallel.data:broadcast_data", params=("keys", "data", "datatype"),
-               uses=(".cuda()",)),
-          Spot(f"{_MC}.tensor_parallel:broadcast_data")),
-         _broadcast_data_on_cpu),
+    _cpu(
+        "megatron_lm.triton_stub",
+        "sys.modules['triton'] (megatron.core.transformer.custom_layers.batch_invariant_kernels imports triton "
+        "at module level, reached from megatron.training.initialize)",
+        "a stub module when triton is not installed",
+        "remove when batch_invariant_kernels imports triton lazily (or only where triton is installed)",
+        (Spot(f"{_MC}.transformer.custom_layers.batch_invariant_kernels", "source", uses=("import triton",)),),
+        _triton_stub,
+    ),
+    _cpu(
+        "megatron_lm.allow_no_cuda",
+        f"{_TR}.initialize: initialize_megatron asserts torch.cuda.is_available() unless allow_no_cuda=True "
+        "(pretrain() does not pass it)",
+        "allow_no_cuda=True (rebound in initialize and training)",
+        "remove when pretrain() initialises without CUDA (passes allow_no_cuda or drops the assert)",
+        (
+            Spot(
+                f"{_TR}.initialize:initialize_megatron",
+                params=("extra_args_provider", "args_defaults", "ignore_unknown_args", "allow_no_cuda"),
+                uses=('assert torch.cuda.is_available(), "Megatron requires CUDA."',),
+            ),
+            Spot(f"{_TR}.training:initialize_megatron"),
+        ),
+        _allow_no_cuda,
+    ),
+    _cpu(
+        "megatron_lm.initialize",
+        f"{_TR}.initialize: _initialize_distributed / _set_random_seed "
+        "(torch.cuda.device_count() > 0 guards initialize_model_parallel and the tracker seeds; "
+        "set_device, ones(device=current_device()))",
+        "torch -> CPU redirect with one device",
+        "remove when _initialize_distributed / _set_random_seed initialise model parallelism without a GPU",
+        (Spot(f"{_TR}.initialize:torch", "torch", uses=("torch.cuda.device_count() > 0",)),),
+        _redirect_torch(f"{_TR}.initialize"),
+    ),
+    _cpu(
+        "megatron_lm.training",
+        f"{_TR}.training: pretrain (cuda tensors), get_model (torch.cuda.Stream for DDP), "
+        "train (synchronize, memory statistics)",
+        "torch -> CPU redirect with one device",
+        "remove when megatron.training.training takes its device and streams from the accelerator it runs on",
+        (Spot(f"{_TR}.training:torch", "torch", uses=("torch.cuda.Stream()", 'device="cuda"')),),
+        _redirect_torch(f"{_TR}.training"),
+    ),
+    _cpu(
+        "megatron_lm.utils",
+        f"{_TR}.utils: get_batch_on_this_tp_rank, report_memory, "
+        "reduce_max_stat_across_model_parallel_group (device=torch.cuda.current_device())",
+        "torch -> CPU redirect with one device",
+        "remove when megatron.training.utils allocates on the batch's device",
+        (Spot(f"{_TR}.utils:torch", "torch", uses=("torch.cuda.current_device()",)),),
+        _redirect_torch(f"{_TR}.utils"),
+    ),
+    _cpu(
+        "megatron_lm.checkpointing",
+        f"{_TR}.checkpointing: read_metadata (device='cuda'), get_rng_state "
+        "(torch.cuda.get_rng_state), load_checkpoint (torch.cuda.set_rng_state) -- --save/--load",
+        "torch -> CPU redirect with one device (the CUDA RNG state is the CPU generator's)",
+        "remove when Megatron-LM's checkpointing saves the RNG state of the device it runs on",
+        (Spot(f"{_TR}.checkpointing:torch", "torch", uses=('device="cuda"', "torch.cuda.get_rng_state()")),),
+        _redirect_torch(f"{_TR}.checkpointing"),
+    ),
+    _cpu(
+        "megatron_lm.timers",
+        f"{_MC}.timers: _get_elapsed_time_all_ranks, Timer.start/stop (cuda tensors, synchronize)",
+        "torch -> CPU redirect",
+        "remove when Megatron-core's timers synchronise and gather on the current device (CPU included)",
+        (Spot(f"{_MC}.timers:torch", "torch", uses=("torch.cuda.synchronize()", "torch.cuda.current_device()")),),
+        _redirect_torch(f"{_MC}.timers"),
+    ),
+    _cpu(
+        "megatron_lm.rerun_state_machine",
+        f"{_MC}.rerun_state_machine: _save_state (torch.cuda.get_rng_state), validate_result (device='cuda')",
+        "torch -> CPU redirect",
+        "remove when the rerun state machine keeps the RNG state and flags of the device it runs on",
+        (Spot(f"{_MC}.rerun_state_machine:torch", "torch", uses=("torch.cuda.get_rng_state()", 'device="cuda"')),),
+        _redirect_torch(f"{_MC}.rerun_state_machine"),
+    ),
+    _cpu(
+        "megatron_lm.device_arch",
+        f"{_TR}.utils: get_device_arch_version (torch.cuda.get_device_properties; called from arguments.validate_args)",
+        "returns 0 (rebound in utils and arguments)",
+        "remove when validate_args asks the architecture only of a GPU",
+        (
+            Spot(f"{_TR}.utils:get_device_arch_version", params=(), uses=("torch.cuda.get_device_properties",)),
+            Spot(f"{_TR}.arguments:get_device_arch_version"),
+        ),
+        _device_arch_zero,
+    ),
+    _cpu(
+        "megatron_lm.compile_helpers",
+        f"{_MC}.datasets.utils: compile_helpers runs make (pip ships helpers_cpp prebuilt, without a Makefile)",
+        "no-op when the prebuilt helpers_cpp imports",
+        "remove when compile_helpers skips make where helpers_cpp is prebuilt",
+        (Spot(f"{_MC}.datasets.utils:compile_helpers", params=(), uses=('command = ["make"',)),),
+        _compile_helpers_prebuilt,
+    ),
+    _cpu(
+        "megatron_lm.fused_kernels",
+        "megatron.legacy.fused_kernels: load runs nvcc -V",
+        "no-op",
+        "remove when Megatron-LM stops loading the legacy fused kernels without CUDA",
+        (Spot("megatron.legacy.fused_kernels:load", params=("args",), uses=("cpp_extension.CUDA_HOME",)),),
+        _fused_kernels_noop,
+    ),
+    _cpu(
+        "megatron_lm.get_model_cuda",
+        f"{_TR}.training: get_model (model_module.cuda(...))",
+        "tensor.cuda() is the identity during the call",
+        "remove when get_model moves the model to the current device only where it is a GPU",
+        (
+            Spot(
+                f"{_TR}.training:get_model",
+                params=("model_provider_func", "model_type", "wrap_with_ddp"),
+                uses=("model_module.cuda(torch.cuda.current_device())",),
+            ),
+        ),
+        _cuda_identity_in(f"{_TR}.training", "get_model"),
+    ),
+    _cpu(
+        "megatron_lm.evaluate_cuda",
+        f"{_TR}.training: evaluate (total_loss_dict tensors .cuda(); --eval-iters > 0)",
+        "tensor.cuda() is the identity during the call",
+        "remove when evaluate keeps its loss tensors on the device of the losses",
+        (Spot(f"{_TR}.training:evaluate", uses=(".cuda()",)),),
+        _cuda_identity_in(f"{_TR}.training", "evaluate"),
+    ),
+    _cpu(
+        "megatron_lm.batch_cuda",
+        f"{_TR}.utils: get_batch_on_this_tp_rank (tensor.cuda())",
+        "tensor.cuda() is the identity during the call",
+        "remove when get_batch_on_this_tp_rank moves the batch to the current device (CPU included)",
+        (Spot(f"{_TR}.utils:get_batch_on_this_tp_rank", uses=('data["tokens"].cuda(non_blocking=True)',)),),
+        _cuda_identity_in(f"{_TR}.utils", "get_batch_on_this_tp_rank"),
+    ),
+    _cpu(
+        "megatron_lm.broadcast_data",
+        f"{_MC}.tensor_parallel.data: broadcast_data (device='cuda', .cuda(); pretrain_vlm.get_batch)",
+        "torch -> CPU redirect and tensor.cuda() identity during the call",
+        "remove when broadcast_data allocates on the device of the TP group's backend",
+        (
+            Spot(f"{_MC}.tensor_parallel.data:torch", "torch", uses=("torch.cuda.current_device()",)),
+            Spot(f"{_MC}.tensor_parallel.data:broadcast_data", params=("keys", "data", "datatype"), uses=(".cuda()",)),
+            Spot(f"{_MC}.tensor_parallel:broadcast_data"),
+        ),
+        _broadcast_data_on_cpu,
+    ),
 ]
 
 

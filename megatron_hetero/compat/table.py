@@ -21,6 +21,7 @@ No environment variable or argument skips the version check: an untargeted Megat
 with :class:`UnsupportedMegatronVersion`; adding a version means checking the spots (the test) and
 adding it to the entries' ``targets``.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -102,8 +103,9 @@ class Patch:
 
     def __post_init__(self) -> None:
         if not self.use:
-            object.__setattr__(self, "use", "applied once by apply_compat()"
-                               + (", without CUDA" if self.reason == CPU else ""))
+            object.__setattr__(
+                self, "use", "applied once by apply_compat()" + (", without CUDA" if self.reason == CPU else "")
+            )
         assert self.reason in (CPU, FIX), f"{self.name}: reason {self.reason!r}"
         assert self.targets and self.spots and self.removal, f"{self.name}: targets, spots and removal are required"
         assert all(s.kind in KINDS for s in self.spots), f"{self.name}: spot kinds {[s.kind for s in self.spots]}"
@@ -140,15 +142,19 @@ def check_targets(patches: Iterable[Patch], version: Optional[str] = None) -> st
     supported = sorted(set.intersection(*(set(p.targets) for p in patches)))
     first = untargeted[0]
     more = untargeted[1:]
-    rest = (f" (and {len(more)} more: {', '.join(p.name for p in more[:8])}{', ...' if len(more) > 8 else ''})"
-            if more else "")
+    rest = (
+        f" (and {len(more)} more: {', '.join(p.name for p in more[:8])}{', ...' if len(more) > 8 else ''})"
+        if more
+        else ""
+    )
     raise UnsupportedMegatronVersion(
         f"megatron-core {found} is installed, but megatron_hetero.compat supports megatron-core "
         f"{' and '.join(supported) or 'no single version'} here: patch {first.name!r} ({first.spot.split(':')[0]}) "
         f"was written for megatron-core {', '.join(first.targets)}{rest}. Nothing was patched. Install a "
         f"supported megatron-core, or port the compat table: check every patched spot against {found} "
         f"(tests/test_compat.py::test_every_patched_spot_exists) and add {found} to the targets of the "
-        f"patches that still apply (megatron_hetero/compat/)")
+        f"patches that still apply (megatron_hetero/compat/)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -185,10 +191,10 @@ def _resolve(spot: Spot) -> Tuple[Any, Any]:
         owner = obj
         if isinstance(obj, type):
             if part not in vars(obj):
-                raise LookupError(f"{spot.module}:{'.'.join(parts[:i + 1])} is not defined on {obj.__name__}")
+                raise LookupError(f"{spot.module}:{'.'.join(parts[: i + 1])} is not defined on {obj.__name__}")
             obj = vars(obj)[part]
         elif not hasattr(obj, part):
-            raise LookupError(f"{spot.module}:{'.'.join(parts[:i + 1])} does not exist")
+            raise LookupError(f"{spot.module}:{'.'.join(parts[: i + 1])} does not exist")
         else:
             obj = getattr(obj, part)
     return obj, owner
@@ -214,8 +220,11 @@ def spot_problems(spot: Spot) -> List[str]:
             return [f"module {spot.module} does not exist"]
         with open(found.origin, encoding="utf-8") as f:
             text = f.read().replace("'", '"')
-        return [f"{spot.target} no longer holds {t!r} (fixed upstream? then the patch may be removable)"
-                for t in spot.uses if t.replace("'", '"') not in text]
+        return [
+            f"{spot.target} no longer holds {t!r} (fixed upstream? then the patch may be removable)"
+            for t in spot.uses
+            if t.replace("'", '"') not in text
+        ]
     try:
         raw, _ = _resolve(spot)
     except LookupError as exc:

@@ -3,6 +3,7 @@ whose ``cuda`` namespace and tensor factories mean the CPU (:class:`_TorchOnCpu`
 managers that make ``tensor.cuda()`` the identity or ``tensor.type()`` report CUDA type names for
 the duration of one wrapped Megatron call. Nothing here patches anything by itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,6 @@ import torch
 from ._patching import MARK, swapped
 
 _CPU = torch.device("cpu")
-
-
 
 
 def _is_cuda_device(device: Any) -> bool:

@@ -23,6 +23,7 @@ model weights only (no optimizer, scheduler, data position or RNG), records the 
 and keeps the original `config.json`s under `hf/` (written back by `checkpoint_to_hf`). Its
 manifest (bytes + sha256 of every file) is checked on load like any checkpoint's.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,6 +45,7 @@ VISION, LANGUAGE = "vision", "language"
 # safetensors (no pickle)
 # ---------------------------------------------------------------------------------------------------
 
+
 def safetensors_files(folder: str | Path) -> list[Path]:
     """The *.safetensors files of a Hugging Face folder (or the file itself); ValueError if none."""
     p = Path(folder)
@@ -54,8 +56,14 @@ def safetensors_files(folder: str | Path) -> list[Path]:
     files = sorted(p.glob("*.safetensors"))
     if not files:
         found = sorted(x.name for x in p.glob("*.bin")) + sorted(x.name for x in p.glob("*.pt"))
-        raise ValueError(f"{p}: no *.safetensors file" + (f" (found {found}: pickle files are not read; "
-                                                          "save the model with safe_serialization=True)" if found else ""))
+        raise ValueError(
+            f"{p}: no *.safetensors file"
+            + (
+                f" (found {found}: pickle files are not read; save the model with safe_serialization=True)"
+                if found
+                else ""
+            )
+        )
     return files
 
 
@@ -93,11 +101,15 @@ class _Reader:
 # a world of one, for building the modules whole
 # ---------------------------------------------------------------------------------------------------
 
+
 def world_of_one_layout(encoders: list[str]):
     from megatron_hetero.layout import layout_from_dict
 
-    doc = {"placement": "colocated", "modules": {**{e: {} for e in encoders}, LANGUAGE: {}},
-           "edges": [f"{e} -> {LANGUAGE}" for e in encoders]}
+    doc = {
+        "placement": "colocated",
+        "modules": {**{e: {} for e in encoders}, LANGUAGE: {}},
+        "edges": [f"{e} -> {LANGUAGE}" for e in encoders],
+    }
     return layout_from_dict(doc, world_size=1)
 
 
@@ -132,8 +144,9 @@ def build_whole(layout, spec, topo) -> dict[str, SimpleNamespace]:
     out = {}
     for m in layout.modules:
         pgs = topo.pg_collection(m.name)
-        out[m.name] = SimpleNamespace(name=m.name, module=build_module(m.name, layout, spec, pgs).cpu(), pgs=pgs,
-                                      optimizer=None)
+        out[m.name] = SimpleNamespace(
+            name=m.name, module=build_module(m.name, layout, spec, pgs).cpu(), pgs=pgs, optimizer=None
+        )
     return out
 
 
@@ -143,8 +156,10 @@ def _load_whole(module, tensors: dict, where: str) -> None:
     unexpected = sorted(set(tensors) - set(own))
     shaped = [k for k in own if k in tensors and tuple(own[k].shape) != tuple(tensors[k].shape)]
     if missing or unexpected or shaped:  # the name mapping and the module disagree: a bug, said plainly
-        raise RuntimeError(f"{where}: mapping and module differ: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                           f"shapes {[(k, list(own[k].shape), list(tensors[k].shape)) for k in shaped[:5]]}")
+        raise RuntimeError(
+            f"{where}: mapping and module differ: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"shapes {[(k, list(own[k].shape), list(tensors[k].shape)) for k in shaped[:5]]}"
+        )
     module.load_state_dict({k: v.to(own[k].dtype) for k, v in tensors.items()}, strict=False)
 
 
@@ -152,8 +167,14 @@ def _load_whole(module, tensors: dict, where: str) -> None:
 # hf -> checkpoint
 # ---------------------------------------------------------------------------------------------------
 
-def spec_from_hf(vision: str | Path, language: str | Path, seq_length: Optional[int] = None, seed: int = 1234,
-                 feature_layer: int = -1):
+
+def spec_from_hf(
+    vision: str | Path,
+    language: str | Path,
+    seq_length: Optional[int] = None,
+    seed: int = 1234,
+    feature_layer: int = -1,
+):
     """(LlavaSpec, vision config, language config) from the two config.json files; refuses what the
     family cannot express (ValueError / hf_config.UnsupportedModel). No weight is read.
     feature_layer: LLaVA's `vision_feature_layer` (Hugging Face's hidden_states index: -1 the last
@@ -167,20 +188,29 @@ def spec_from_hf(vision: str | Path, language: str | Path, seq_length: Optional[
     enc = EncoderSpec(offset=1, **hf_config.encoder_fields(vcfg, f"--vision {vision}"))
     keep = feature_layer if feature_layer >= 0 else enc.num_layers + 1 + feature_layer
     if not 1 <= keep <= enc.num_layers:
-        raise ValueError(f"--vision-feature-layer {feature_layer}: the tower has {enc.num_layers} layers "
-                         f"(valid: 1..{enc.num_layers} or -{enc.num_layers}..-1)")
+        raise ValueError(
+            f"--vision-feature-layer {feature_layer}: the tower has {enc.num_layers} layers "
+            f"(valid: 1..{enc.num_layers} or -{enc.num_layers}..-1)"
+        )
     enc = dataclasses.replace(enc, num_layers=keep)
     lm = hf_config.language_fields(lcfg, f"--language {language}")
     if seq_length is None:
         seq_length = max(enc.tokens + 64, min(int(lcfg.get("max_position_embeddings", 2048)), 2048))
     if enc.offset + enc.tokens > seq_length:
-        raise ValueError(f"--seq-length {seq_length} cannot hold the image's {enc.tokens} tokens after position "
-                         f"{enc.offset}")
+        raise ValueError(
+            f"--seq-length {seq_length} cannot hold the image's {enc.tokens} tokens after position {enc.offset}"
+        )
     return LlavaSpec(**lm, seq_length=seq_length, encoders={VISION: enc}, seed=seed), vcfg, lcfg
 
 
-def hf_to_checkpoint(vision: str | Path, language: str | Path, out: str | Path, projector: Optional[str] = None,
-                     seq_length: Optional[int] = None, feature_layer: int = -1) -> dict:
+def hf_to_checkpoint(
+    vision: str | Path,
+    language: str | Path,
+    out: str | Path,
+    projector: Optional[str] = None,
+    seq_length: Optional[int] = None,
+    feature_layer: int = -1,
+) -> dict:
     """Convert (module docstring); returns a summary {model, tensors per module, directory}."""
     from megatron_hetero.models import hf_names
 
@@ -189,16 +219,27 @@ def hf_to_checkpoint(vision: str | Path, language: str | Path, out: str | Path, 
     enc = spec.encoders[VISION]
     vshapes, vwhere = tensor_index(vision)
     lshapes, lwhere = tensor_index(language)
-    hf_names.check_tensors(vshapes, hf_names.expected_vision(enc), f"--vision {vision}",
-                           lambda n: hf_names.ignorable_vision(n, enc.num_layers))
-    hf_names.check_tensors(lshapes, hf_names.expected_language(spec), f"--language {language}",
-                           lambda n: hf_names.ignorable_language(n, spec))
+    hf_names.check_tensors(
+        vshapes,
+        hf_names.expected_vision(enc),
+        f"--vision {vision}",
+        lambda n: hf_names.ignorable_vision(n, enc.num_layers),
+    )
+    hf_names.check_tensors(
+        lshapes,
+        hf_names.expected_language(spec),
+        f"--language {language}",
+        lambda n: hf_names.ignorable_language(n, spec),
+    )
     pwhere = None
     if projector:  # LLaVA's names, with or without the `multi_modal_projector.` prefix
         pshapes, pfiles = tensor_index(projector)
         full = {n: n if n.startswith(hf_names.PROJECTOR_PREFIX) else hf_names.PROJECTOR_PREFIX + n for n in pshapes}
-        hf_names.check_tensors({full[n]: s for n, s in pshapes.items()},
-                               hf_names.expected_projector(enc.hidden_size, spec.hidden_size), f"--projector {projector}")
+        hf_names.check_tensors(
+            {full[n]: s for n, s in pshapes.items()},
+            hf_names.expected_projector(enc.hidden_size, spec.hidden_size),
+            f"--projector {projector}",
+        )
         pwhere = {full[n]: n for n in pshapes}  # LLaVA name -> the file's name
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -212,15 +253,29 @@ def hf_to_checkpoint(vision: str | Path, language: str | Path, out: str | Path, 
     with world_of_one(layout) as topo:
         states = build_whole(layout, spec, topo)
         if pwhere is None:  # the family's own initialisation of the projector
-            vision_t.update({k: v for k, v in states[VISION].module.state_dict().items() if k.startswith("projector.")
-                             and not k.endswith("_extra_state")})
+            vision_t.update(
+                {
+                    k: v
+                    for k, v in states[VISION].module.state_dict().items()
+                    if k.startswith("projector.") and not k.endswith("_extra_state")
+                }
+            )
         _load_whole(states[VISION].module, vision_t, f"--vision {vision}")
         _load_whole(states[LANGUAGE].module, language_t, f"--language {language}")
-        d = write_checkpoint(out, layout, spec, states,
-                             origin={"vision": str(vision), "language": str(language), "projector": projector},
-                             configs={VISION: vcfg, LANGUAGE: lcfg})
-    return {"directory": str(d), "model": spec, "tensors": {VISION: len(vision_t), LANGUAGE: len(language_t)},
-            "projector": "converted" if projector else "initialised"}
+        d = write_checkpoint(
+            out,
+            layout,
+            spec,
+            states,
+            origin={"vision": str(vision), "language": str(language), "projector": projector},
+            configs={VISION: vcfg, LANGUAGE: lcfg},
+        )
+    return {
+        "directory": str(d),
+        "model": spec,
+        "tensors": {VISION: len(vision_t), LANGUAGE: len(language_t)},
+        "projector": "converted" if projector else "initialised",
+    }
 
 
 def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, configs: dict) -> Path:
@@ -240,7 +295,9 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
     for name in sorted(logical):
         sd = {}
         for mod in logical[name]:
-            sd.update({f"{mod}.model.{k}": v for k, v in ckpt.model_sharded_state_dict(states[mod], layout, spec).items()})
+            sd.update(
+                {f"{mod}.model.{k}": v for k, v in ckpt.model_sharded_state_dict(states[mod], layout, spec).items()}
+            )
         (d / name).mkdir()
         dist_checkpointing.save(sd, str(d / name))
     for name, cfg in configs.items():
@@ -248,18 +305,38 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
         (d / HF_DIR / name / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     text = dump_layout(layout)
     (d / ckpt.LAYOUT_FILE).write_text(text)
-    models = {name: {"layout_modules": mods, "frozen": {}, "optimizer": None, "common_steps": {}, "scheduler": None,
-                     "scheduler_config": None} for name, mods in logical.items()}
-    state = {"format": ckpt.FORMAT, "iteration": 0, "origin": ORIGIN, "converted_from": origin,
-             "consumed_samples": 0, "data": {"kind": None, "next_sample": 0, "iteration": 0},
-             "global_batch_size": None, "world_size": 1, "layout": text, "layout_dict": layout.to_dict(),
-             "model": ckpt.spec_record(spec), "modules": models}
+    models = {
+        name: {
+            "layout_modules": mods,
+            "frozen": {},
+            "optimizer": None,
+            "common_steps": {},
+            "scheduler": None,
+            "scheduler_config": None,
+        }
+        for name, mods in logical.items()
+    }
+    state = {
+        "format": ckpt.FORMAT,
+        "iteration": 0,
+        "origin": ORIGIN,
+        "converted_from": origin,
+        "consumed_samples": 0,
+        "data": {"kind": None, "next_sample": 0, "iteration": 0},
+        "global_batch_size": None,
+        "world_size": 1,
+        "layout": text,
+        "layout_dict": layout.to_dict(),
+        "model": ckpt.spec_record(spec),
+        "modules": models,
+    }
     return publish(root, 0, d, write_train_state(d, state))
 
 
 # ---------------------------------------------------------------------------------------------------
 # checkpoint -> hf
 # ---------------------------------------------------------------------------------------------------
+
 
 def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     """Write the latest checkpoint under `root` as Hugging Face folders; returns {module: folder}."""
@@ -275,7 +352,9 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     hf_config.check_hf_expressible(spec)
     encoders = [n for n, e in spec.encoders.items() if e.kind == "clip"]
     if len(encoders) != 1 or len(spec.encoders) != 1:
-        raise ValueError(f"checkpoint {d}: expected one CLIP encoder, the model has {dict((n, e.kind) for n, e in spec.encoders.items())}")
+        raise ValueError(
+            f"checkpoint {d}: expected one CLIP encoder, the model has {dict((n, e.kind) for n, e in spec.encoders.items())}"
+        )
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
@@ -284,13 +363,20 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     with world_of_one(layout) as topo:
         states = build_whole(layout, spec, topo)
         ckpt.load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
-        sd = {n: {k: v for k, v in st.module.state_dict().items() if not k.endswith("_extra_state")}
-              for n, st in states.items()}
+        sd = {
+            n: {k: v for k, v in st.module.state_dict().items() if not k.endswith("_extra_state")}
+            for n, st in states.items()
+        }
     enc = spec.encoders[enc_name]
-    tensors = {VISION: hf_names.vision_to_hf(sd[enc_name], enc), LANGUAGE: hf_names.language_to_hf(sd[LANGUAGE], spec),
-               "projector": hf_names.projector_to_hf(sd[enc_name])}
-    configs = {VISION: _layers_as_kept(_saved_config(d, enc_name), enc.num_layers) or hf_config.vision_config_json(enc),
-               LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(spec)}
+    tensors = {
+        VISION: hf_names.vision_to_hf(sd[enc_name], enc),
+        LANGUAGE: hf_names.language_to_hf(sd[LANGUAGE], spec),
+        "projector": hf_names.projector_to_hf(sd[enc_name]),
+    }
+    configs = {
+        VISION: _layers_as_kept(_saved_config(d, enc_name), enc.num_layers) or hf_config.vision_config_json(enc),
+        LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(spec),
+    }
     written = {}
     for name, t in tensors.items():
         folder = out / name

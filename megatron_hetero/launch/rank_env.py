@@ -22,6 +22,7 @@ such as ``srun --pty bash`` (one task of one: nothing to join).
 Pure: reads a mapping, never `os.environ` unless given it; nothing assumes one host (there is no
 127.0.0.1 default: a missing rendezvous address is an error).
 """
+
 from __future__ import annotations
 
 import os
@@ -127,15 +128,20 @@ def _check_ranges(env: RankEnv, source: str, rank_key: str, world_key: str, loca
     if env.world_size < 1:
         raise ValueError(f"{source}: {world_key}={env.world_size} must be >= 1")
     if env.rank >= env.world_size:
-        raise ValueError(f"{source}: {rank_key}={env.rank} is not a rank of {world_key}={env.world_size} "
-                         f"(ranks are 0..{env.world_size - 1})")
+        raise ValueError(
+            f"{source}: {rank_key}={env.rank} is not a rank of {world_key}={env.world_size} "
+            f"(ranks are 0..{env.world_size - 1})"
+        )
     if env.local_world_size is not None:
         if env.local_world_size > env.world_size:
-            raise ValueError(f"{source}: {env.local_world_size} ranks on this node but {world_key}="
-                             f"{env.world_size} in all")
+            raise ValueError(
+                f"{source}: {env.local_world_size} ranks on this node but {world_key}={env.world_size} in all"
+            )
         if env.local_rank >= env.local_world_size:
-            raise ValueError(f"{source}: {local_key}={env.local_rank} is not a local rank of the "
-                             f"{env.local_world_size} ranks on this node (0..{env.local_world_size - 1})")
+            raise ValueError(
+                f"{source}: {local_key}={env.local_rank} is not a local rank of the "
+                f"{env.local_world_size} ranks on this node (0..{env.local_world_size - 1})"
+            )
     elif env.local_rank >= env.world_size:
         raise ValueError(f"{source}: {local_key}={env.local_rank} >= {world_key}={env.world_size}")
     return env
@@ -147,15 +153,23 @@ def _from_torchrun(environ: Mapping[str, str]) -> RankEnv:
     present = [k for k in TORCHRUN_KEYS if k in environ]
     missing = [k for k in TORCHRUN_KEYS + ("MASTER_ADDR", "MASTER_PORT") if not str(environ.get(k, "")).strip()]
     if missing:
-        raise ValueError(f"{source}: {', '.join(present)} set but {', '.join(missing)} missing; a rank started "
-                         f"by a launcher needs all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT "
-                         f"(or unset them all to let `train` spawn its ranks itself)")
+        raise ValueError(
+            f"{source}: {', '.join(present)} set but {', '.join(missing)} missing; a rank started "
+            f"by a launcher needs all of RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT "
+            f"(or unset them all to let `train` spawn its ranks itself)"
+        )
     local_world = _int(environ, "LOCAL_WORLD_SIZE", source, 1) if "LOCAL_WORLD_SIZE" in environ else None
     node_rank = _int(environ, "GROUP_RANK", source) if "GROUP_RANK" in environ else None
-    env = RankEnv(rank=_int(environ, "RANK", source), world_size=_int(environ, "WORLD_SIZE", source, 1),
-                  local_rank=_int(environ, "LOCAL_RANK", source), local_world_size=local_world,
-                  node_rank=node_rank, master_addr=environ["MASTER_ADDR"].strip(),
-                  master_port=_port(environ["MASTER_PORT"], source), launcher=launcher)
+    env = RankEnv(
+        rank=_int(environ, "RANK", source),
+        world_size=_int(environ, "WORLD_SIZE", source, 1),
+        local_rank=_int(environ, "LOCAL_RANK", source),
+        local_world_size=local_world,
+        node_rank=node_rank,
+        master_addr=environ["MASTER_ADDR"].strip(),
+        master_port=_port(environ["MASTER_PORT"], source),
+        launcher=launcher,
+    )
     return _check_ranges(env, source, "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -166,8 +180,10 @@ def _from_srun(environ: Mapping[str, str]) -> Optional[RankEnv]:
     if world_key is None:
         missing.insert(1, "SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)")
     if missing:
-        raise ValueError(f"{source}: a job step task (SLURM_STEP_ID={environ.get('SLURM_STEP_ID')!r}) without "
-                         f"{', '.join(missing)}; cannot tell this rank's place")
+        raise ValueError(
+            f"{source}: a job step task (SLURM_STEP_ID={environ.get('SLURM_STEP_ID')!r}) without "
+            f"{', '.join(missing)}; cannot tell this rank's place"
+        )
     world = _int(environ, world_key, source, 1)
     if world == 1:
         return None  # one task of one (`srun --pty bash`, a 1-task step): `train` spawns its ranks itself
@@ -181,8 +197,10 @@ def _from_srun(environ: Mapping[str, str]) -> Optional[RankEnv]:
     if not addr:
         nodelist_key = next((k for k in NODELIST_KEYS if str(environ.get(k, "")).strip()), None)
         if nodelist_key is None:
-            raise ValueError(f"{source}: no rendezvous address: set MASTER_ADDR, or run inside a job whose "
-                             f"SLURM_JOB_NODELIST names its nodes (the first host is used)")
+            raise ValueError(
+                f"{source}: no rendezvous address: set MASTER_ADDR, or run inside a job whose "
+                f"SLURM_JOB_NODELIST names its nodes (the first host is used)"
+            )
         addr = first_host(environ[nodelist_key])
     port_text = str(environ.get("MASTER_PORT", "")).strip()
     if port_text:
@@ -190,11 +208,20 @@ def _from_srun(environ: Mapping[str, str]) -> Optional[RankEnv]:
     elif str(environ.get("SLURM_JOB_ID", "")).strip():
         port = port_from_job_id(_int(environ, "SLURM_JOB_ID", source))
     else:
-        raise ValueError(f"{source}: no rendezvous port: set MASTER_PORT, or run inside a job "
-                         f"(SLURM_JOB_ID gives {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN})")
-    env = RankEnv(rank=_int(environ, "SLURM_PROCID", source), world_size=world,
-                  local_rank=_int(environ, "SLURM_LOCALID", source), local_world_size=local_world,
-                  node_rank=node_rank, master_addr=addr, master_port=port, launcher="srun")
+        raise ValueError(
+            f"{source}: no rendezvous port: set MASTER_PORT, or run inside a job "
+            f"(SLURM_JOB_ID gives {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN})"
+        )
+    env = RankEnv(
+        rank=_int(environ, "SLURM_PROCID", source),
+        world_size=world,
+        local_rank=_int(environ, "SLURM_LOCALID", source),
+        local_world_size=local_world,
+        node_rank=node_rank,
+        master_addr=addr,
+        master_port=port,
+        launcher="srun",
+    )
     return _check_ranges(env, source, "SLURM_PROCID", world_key, "SLURM_LOCALID")
 
 
@@ -215,8 +242,13 @@ def apply_rank_env(env: RankEnv, environ: Optional[MutableMapping[str, str]] = N
     ``WORLD_SIZE``, ``LOCAL_RANK``, and ``LOCAL_WORLD_SIZE`` when known) in ENVIRON (default
     `os.environ`): needed for srun tasks, a no-op in effect under torchrun."""
     target = os.environ if environ is None else environ
-    target.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port), RANK=str(env.rank),
-                  WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank))
+    target.update(
+        MASTER_ADDR=env.master_addr,
+        MASTER_PORT=str(env.master_port),
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+    )
     if env.local_world_size is not None:
         target["LOCAL_WORLD_SIZE"] = str(env.local_world_size)
 
@@ -231,4 +263,5 @@ def check_world_size(env: RankEnv, layout_world: int) -> None:
     raise ValueError(
         f"the launcher ({env.launcher}) started WORLD_SIZE={env.world_size} ranks{shape}, but the layout "
         f"uses {layout_world} ranks ({layout_world} != {env.world_size}); start {layout_world} ranks "
-        f"(nodes x ranks per node = {layout_world}) or change the layout's degrees")
+        f"(nodes x ranks per node = {layout_world}) or change the layout's degrees"
+    )

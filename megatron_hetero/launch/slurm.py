@@ -30,6 +30,7 @@ not the shell) must be free of whitespace, quotes, backslashes and control chara
 No user-specific paths: the python is `${MH_PYTHON:-python3}`; every value has an `MH_*` override
 (listed at the top of the script), read from the environment sbatch passes to the job.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,15 +48,14 @@ EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
 DEFAULT_ENTRY_MODULE = "megatron_hetero"
 DEFAULT_JOB_NAME = "megatron-hetero"
 # train flags this command sets itself (the layout, and the local spawn count that torchrun replaces)
-OWNED_TRAIN_FLAGS = ("--hetero-layout", "--hetero-module", "--hetero-placement", "--hetero-edge",
-                     "--nproc-per-node")
+OWNED_TRAIN_FLAGS = ("--hetero-layout", "--hetero-module", "--hetero-placement", "--hetero-edge", "--nproc-per-node")
 _SBATCH_VALUE = re.compile(r"[^\s\"'\\#]+")
 _SBATCH_OPTION = re.compile(r"--?[A-Za-z][A-Za-z0-9-]*(=[^\s\"'\\]+)?")
 
 
-def add_arguments(parser: argparse.ArgumentParser,
-                  add_train_parser: Optional[Callable[[argparse._SubParsersAction], Any]] = None,
-                  ) -> argparse.ArgumentParser:
+def add_arguments(
+    parser: argparse.ArgumentParser, add_train_parser: Optional[Callable[[argparse._SubParsersAction], Any]] = None
+) -> argparse.ArgumentParser:
     """The `slurm` subcommand's flags; the train arguments come after `--`.
 
     ADD_TRAIN_PARSER registers the `train` subparser on a subparsers action (the CLI's own function); the
@@ -64,47 +64,89 @@ def add_arguments(parser: argparse.ArgumentParser,
     parser.description = (parser.description or "") + (
         "Write an sbatch script that runs `megatron-hetero train` on NODES nodes (one srun task per node, "
         "torchrun inside, rendezvous on the first node) and print it (--dry-run, the default) or submit it "
-        "(--submit). Train arguments go after `--`.")
+        "(--submit). Train arguments go after `--`."
+    )
     g = parser.add_argument_group("allocation")
     g.add_argument("--nodes", type=int, required=True, help="nodes to allocate")
-    g.add_argument("--gpus-per-node", type=int, required=True,
-                   help="GPUs per node, one rank each; 0 = CPU ranks (gloo), see --cpu-ranks-per-node")
-    g.add_argument("--cpu-ranks-per-node", type=int, default=None,
-                   help="ranks per node when --gpus-per-node is 0 (required then; not allowed otherwise)")
-    g.add_argument("--hetero-layout", required=True, metavar="FILE",
-                   help="layout YAML; its world size must be nodes x ranks per node. Passed to train as "
-                        "given: a relative path resolves against the job's working directory (sbatch's: "
-                        "the directory it is called from)")
+    g.add_argument(
+        "--gpus-per-node",
+        type=int,
+        required=True,
+        help="GPUs per node, one rank each; 0 = CPU ranks (gloo), see --cpu-ranks-per-node",
+    )
+    g.add_argument(
+        "--cpu-ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node when --gpus-per-node is 0 (required then; not allowed otherwise)",
+    )
+    g.add_argument(
+        "--hetero-layout",
+        required=True,
+        metavar="FILE",
+        help="layout YAML; its world size must be nodes x ranks per node. Passed to train as "
+        "given: a relative path resolves against the job's working directory (sbatch's: "
+        "the directory it is called from)",
+    )
     g.add_argument("--partition", default=None)
     g.add_argument("--time", default=None, help="time limit, sbatch syntax (e.g. 01:00:00)")
     g.add_argument("--account", default=None)
     g.add_argument("--job-name", default=DEFAULT_JOB_NAME)
     g.add_argument("--output", default=None, metavar="PATTERN", help="sbatch --output pattern (e.g. %%x-%%j.out)")
-    g.add_argument("--cpus-per-task", type=int, default=None,
-                   help="CPUs for each node's task (torchrun and all its ranks); default: sbatch's")
-    g.add_argument("--no-gpu-request", action="store_true",
-                   help="do not write `#SBATCH --gpus-per-node` (clusters whose nodes come with their GPUs "
-                        "without a GRES request)")
-    g.add_argument("--sbatch-option", action="append", default=[], metavar="--KEY=VALUE",
-                   help="extra `#SBATCH` line, repeatable (e.g. --sbatch-option=--exclusive)")
-    g.add_argument("--signal-seconds", type=int, default=None, metavar="S",
-                   help="SIGTERM the job S seconds before its time limit (#SBATCH --signal=B:TERM@S, --requeue): "
-                        "the ranks finish the current step, save a checkpoint to the train arguments' --save and "
-                        "exit; the job requeues itself and resumes from it with --load. Default: 120 when the "
-                        "train arguments have --save, else off; 0 = off")
+    g.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=None,
+        help="CPUs for each node's task (torchrun and all its ranks); default: sbatch's",
+    )
+    g.add_argument(
+        "--no-gpu-request",
+        action="store_true",
+        help="do not write `#SBATCH --gpus-per-node` (clusters whose nodes come with their GPUs "
+        "without a GRES request)",
+    )
+    g.add_argument(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        metavar="--KEY=VALUE",
+        help="extra `#SBATCH` line, repeatable (e.g. --sbatch-option=--exclusive)",
+    )
+    g.add_argument(
+        "--signal-seconds",
+        type=int,
+        default=None,
+        metavar="S",
+        help="SIGTERM the job S seconds before its time limit (#SBATCH --signal=B:TERM@S, --requeue): "
+        "the ranks finish the current step, save a checkpoint to the train arguments' --save and "
+        "exit; the job requeues itself and resumes from it with --load. Default: 120 when the "
+        "train arguments have --save, else off; 0 = off",
+    )
     g.add_argument("--container-image", default=None, help="run each node's task in this image (pyxis srun flag)")
-    g.add_argument("--entry-module", default=DEFAULT_ENTRY_MODULE,
-                   help="python module torchrun runs with `train ...` (default: %(default)s)")
-    g.add_argument("--script", default=None, metavar="PRETRAIN.py",
-                   help="run this training script instead of `megatron-hetero train` (Megatron-LM's patched "
-                        "pretrain_vlm.py; the arguments after `--` are its Megatron flags)")
+    g.add_argument(
+        "--entry-module",
+        default=DEFAULT_ENTRY_MODULE,
+        help="python module torchrun runs with `train ...` (default: %(default)s)",
+    )
+    g.add_argument(
+        "--script",
+        default=None,
+        metavar="PRETRAIN.py",
+        help="run this training script instead of `megatron-hetero train` (Megatron-LM's patched "
+        "pretrain_vlm.py; the arguments after `--` are its Megatron flags)",
+    )
     m = parser.add_mutually_exclusive_group()
     m.add_argument("--dry-run", action="store_true", help="print the script (the default)")
     m.add_argument("--submit", action="store_true", help="write the script to --script-file and run sbatch on it")
-    parser.add_argument("--script-file", default=None, metavar="PATH",
-                        help="where --submit writes the script (default: ./JOB_NAME.sbatch)")
-    parser.add_argument("train_args", nargs="*", metavar="-- TRAIN_ARGS",
-                        help="arguments for `megatron-hetero train` (after `--`)")
+    parser.add_argument(
+        "--script-file",
+        default=None,
+        metavar="PATH",
+        help="where --submit writes the script (default: ./JOB_NAME.sbatch)",
+    )
+    parser.add_argument(
+        "train_args", nargs="*", metavar="-- TRAIN_ARGS", help="arguments for `megatron-hetero train` (after `--`)"
+    )
     parser.set_defaults(func=run, add_train_parser=add_train_parser)
     return parser
 
@@ -112,8 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser,
 def _sbatch_value(flag: str, value: object) -> str:
     text = str(value)
     if not _SBATCH_VALUE.fullmatch(text):
-        raise ValueError(f"{flag} {text!r}: values written to `#SBATCH` lines may not contain whitespace, quotes, "
-                         f"backslashes, '#' or control characters (sbatch parses these lines itself)")
+        raise ValueError(
+            f"{flag} {text!r}: values written to `#SBATCH` lines may not contain whitespace, quotes, "
+            f"backslashes, '#' or control characters (sbatch parses these lines itself)"
+        )
     return text
 
 
@@ -128,13 +172,27 @@ def _bash_array(name: str, values: Sequence[str]) -> str:
     return f"{name}=(\n" + "".join(f"  {shlex.quote(v)}\n" for v in values) + ")"
 
 
-def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout: str,
-                  train_args: Sequence[str] = (), partition: Optional[str] = None, time: Optional[str] = None,
-                  account: Optional[str] = None, job_name: Optional[str] = DEFAULT_JOB_NAME,
-                  output: Optional[str] = None, container_image: Optional[str] = None,
-                  cpus_per_task: Optional[int] = None, request_gpus: bool = True,
-                  sbatch_options: Sequence[str] = (), entry_module: str = DEFAULT_ENTRY_MODULE,
-                  script: Optional[str] = None, signal_seconds: int = 0, save_dir: Optional[str] = None) -> str:
+def sbatch_script(
+    *,
+    nodes: int,
+    ranks_per_node: int,
+    gpus_per_node: int,
+    layout: str,
+    train_args: Sequence[str] = (),
+    partition: Optional[str] = None,
+    time: Optional[str] = None,
+    account: Optional[str] = None,
+    job_name: Optional[str] = DEFAULT_JOB_NAME,
+    output: Optional[str] = None,
+    container_image: Optional[str] = None,
+    cpus_per_task: Optional[int] = None,
+    request_gpus: bool = True,
+    sbatch_options: Sequence[str] = (),
+    entry_module: str = DEFAULT_ENTRY_MODULE,
+    script: Optional[str] = None,
+    signal_seconds: int = 0,
+    save_dir: Optional[str] = None,
+) -> str:
     """The sbatch script text (pure). Checks only what makes the text unsafe or meaningless (counts < 1,
     `#SBATCH` values that sbatch would split or misread); the layout's world size is `run`'s check.
     `script`: a training script (Megatron-LM's patched `pretrain_vlm.py`) that torchrun runs instead of
@@ -155,8 +213,10 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
     if signal_seconds < 0:
         raise ValueError(f"--signal-seconds must be >= 0, got {signal_seconds}")
     if signal_seconds and not save_dir:
-        raise ValueError(f"--signal-seconds {signal_seconds}: the train arguments have no --save DIR, so there is "
-                         f"nothing to resume from; give --save DIR after `--` or --signal-seconds 0")
+        raise ValueError(
+            f"--signal-seconds {signal_seconds}: the train arguments have no --save DIR, so there is "
+            f"nothing to resume from; give --save DIR after `--` or --signal-seconds 0"
+        )
     if signal_seconds and "--exit-signal-handler" not in train_args:
         train_args = [*train_args, "--exit-signal-handler"]
     world = nodes * ranks_per_node
@@ -169,16 +229,17 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         sbatch.append(f"--gpus-per-node={gpus_per_node}")
     if cpus_per_task:
         sbatch.append(f"--cpus-per-task={cpus_per_task}")
-    for flag, value in (("--partition", partition), ("--time", time), ("--account", account),
-                        ("--output", output)):
+    for flag, value in (("--partition", partition), ("--time", time), ("--account", account), ("--output", output)):
         if value is not None:
             sbatch.append(f"{flag}={_sbatch_value(flag, value)}")
     if signal_seconds:
         sbatch += [f"--signal=B:TERM@{signal_seconds}", "--requeue", "--open-mode=append"]
     for opt in sbatch_options:
         if not _SBATCH_OPTION.fullmatch(str(opt)):
-            raise ValueError(f"--sbatch-option {opt!r}: expected --KEY or --KEY=VALUE without whitespace, quotes, "
-                             f"backslashes or control characters")
+            raise ValueError(
+                f"--sbatch-option {opt!r}: expected --KEY or --KEY=VALUE without whitespace, quotes, "
+                f"backslashes or control characters"
+            )
         sbatch.append(str(opt))
 
     lines = [
@@ -234,14 +295,14 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         f"generated_container_image={shlex.quote(container_image or '')}",
         "container_image=${MH_CONTAINER_IMAGE-$generated_container_image}",
         'if [ -n "${MH_MASTER_ADDR:-}" ]; then',
-        '  head=$MH_MASTER_ADDR',
+        "  head=$MH_MASTER_ADDR",
         "else",
         '  : "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set; give the rendezvous host in MH_MASTER_ADDR}"',
         "  # no pipefail here: head exits after one line and scontrol may get SIGPIPE on a long host list",
         '  head=$(set +o pipefail; scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
         "fi",
         'if [ -z "$head" ]; then',
-        '  echo "megatron-hetero: no rendezvous host: scontrol printed no host for' \
+        '  echo "megatron-hetero: no rendezvous host: scontrol printed no host for'
         ' SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-}; set MH_MASTER_ADDR" >&2',
         "  exit 1",
         "fi",
@@ -257,7 +318,7 @@ def sbatch_script(*, nodes: int, ranks_per_node: int, gpus_per_node: int, layout
         "",
         'if [ -z "$script" ]; then entry=(-m "$entry_module" train)',
         # CPU nodes: Megatron-LM's scripts need the CPU redirections of megatron_hetero.megatron_lm.run
-        'else entry=(' + ('-m megatron_hetero.megatron_lm.run ' if gpus_per_node == 0 else '') + '"$script"); fi',
+        "else entry=(" + ("-m megatron_hetero.megatron_lm.run " if gpus_per_node == 0 else "") + '"$script"); fi',
         # ${a[@]+"${a[@]}"}: empty arrays expand to nothing under `set -u` on bash < 4.4 too
         'cmd=(srun "${srun_args[@]}" ${srun_extra[@]+"${srun_extra[@]}"}',
         '  "${torchrun[@]}" --nnodes="$nnodes" --nproc-per-node="$nproc_per_node"',
@@ -289,7 +350,7 @@ def _resume_lines(save_dir: str, signal_seconds: int) -> list[str]:
         "# torchrun forwards SIGTERM to its ranks and waits this long for them (the step and the save) before SIGKILL",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${{TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-{signal_seconds}}}",
         'if [ -f "$save_dir/latest_checkpointed_iteration.txt" ]; then',
-        '  echo "megatron-hetero: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): resuming from iteration' \
+        '  echo "megatron-hetero: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): resuming from iteration'
         ' $(head -n 1 "$save_dir/latest_checkpointed_iteration.txt") in $save_dir" >&2',
         '  train_args+=(--load "$save_dir")',
         "fi",
@@ -308,10 +369,10 @@ def _signal_lines() -> list[str]:
         '"${cmd[@]}" &',
         "child=$!",
         'rc=0; wait "$child" || rc=$?',
-        '# a trapped signal interrupts `wait`: wait again until srun itself has ended',
+        "# a trapped signal interrupts `wait`: wait again until srun itself has ended",
         'while kill -0 "$child" 2>/dev/null; do rc=0; wait "$child" || rc=$?; done',
         'if [ -f "$marker" ] && [ "${MH_REQUEUE:-1}" = 1 ]; then',
-        '  echo "megatron-hetero: job $SLURM_JOB_ID stopped on SIGTERM after iteration $(cut -d" " -f1 "$marker")' \
+        '  echo "megatron-hetero: job $SLURM_JOB_ID stopped on SIGTERM after iteration $(cut -d" " -f1 "$marker")'
         ' with a checkpoint in $save_dir (got_signal=$got_signal, srun exit $rc); requeueing" >&2',
         '  rm -f "$marker"',
         '  scontrol requeue "$SLURM_JOB_ID"',
@@ -321,16 +382,24 @@ def _signal_lines() -> list[str]:
     ]
 
 
-def _check_train_args(train_args: Sequence[str], layout_file: str,
-                      add_train_parser: Optional[Callable[[argparse._SubParsersAction], Any]] = None) -> None:
+def _check_train_args(
+    train_args: Sequence[str],
+    layout_file: str,
+    add_train_parser: Optional[Callable[[argparse._SubParsersAction], Any]] = None,
+) -> None:
     for arg in train_args:
         for flag in OWNED_TRAIN_FLAGS:
             if arg == flag or arg.startswith(flag + "="):
-                what = ("the job runs one torchrun worker per rank; ranks per node come from --gpus-per-node "
-                        "or --cpu-ranks-per-node" if flag == "--nproc-per-node"
-                        else "the layout is `megatron-hetero slurm --hetero-layout FILE`'s")
-                raise ValueError(f"train argument {arg!r}: {flag} is set by this command ({what}); remove it from "
-                                 f"the arguments after `--`")
+                what = (
+                    "the job runs one torchrun worker per rank; ranks per node come from --gpus-per-node "
+                    "or --cpu-ranks-per-node"
+                    if flag == "--nproc-per-node"
+                    else "the layout is `megatron-hetero slurm --hetero-layout FILE`'s"
+                )
+                raise ValueError(
+                    f"train argument {arg!r}: {flag} is set by this command ({what}); remove it from "
+                    f"the arguments after `--`"
+                )
     if add_train_parser is None:  # the CLI passes train's parser so typos fail here, not after the queue wait
         return
     probe = argparse.ArgumentParser(prog="megatron-hetero", add_help=False)
@@ -340,8 +409,10 @@ def _check_train_args(train_args: Sequence[str], layout_file: str,
     except SystemExit as exc:  # argparse printed `usage ... error: ...` on stderr
         raise ValueError(f"the train arguments {list(train_args)} do not parse (see the message above)") from exc
     if getattr(ns, "nproc_per_node", None) is not None:  # an abbreviation such as --nproc
-        raise ValueError("train arguments: --nproc-per-node is set by this command (ranks per node come from "
-                         "--gpus-per-node or --cpu-ranks-per-node); remove it from the arguments after `--`")
+        raise ValueError(
+            "train arguments: --nproc-per-node is set by this command (ranks per node come from "
+            "--gpus-per-node or --cpu-ranks-per-node); remove it from the arguments after `--`"
+        )
 
 
 def ranks_per_node(args: argparse.Namespace) -> int:
@@ -349,12 +420,15 @@ def ranks_per_node(args: argparse.Namespace) -> int:
         raise ValueError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
     if args.gpus_per_node > 0:
         if args.cpu_ranks_per_node is not None:
-            raise ValueError(f"--cpu-ranks-per-node {args.cpu_ranks_per_node} with --gpus-per-node "
-                             f"{args.gpus_per_node}: with GPUs each node runs one rank per GPU; give one of them")
+            raise ValueError(
+                f"--cpu-ranks-per-node {args.cpu_ranks_per_node} with --gpus-per-node "
+                f"{args.gpus_per_node}: with GPUs each node runs one rank per GPU; give one of them"
+            )
         return args.gpus_per_node
     if args.cpu_ranks_per_node is None:
-        raise ValueError("--gpus-per-node 0 runs CPU ranks (gloo): give --cpu-ranks-per-node R, the ranks each "
-                         "node runs")
+        raise ValueError(
+            "--gpus-per-node 0 runs CPU ranks (gloo): give --cpu-ranks-per-node R, the ranks each node runs"
+        )
     if args.cpu_ranks_per_node < 1:
         raise ValueError(f"--cpu-ranks-per-node must be >= 1, got {args.cpu_ranks_per_node}")
     return args.cpu_ranks_per_node
@@ -377,23 +451,39 @@ def script_from_args(args: argparse.Namespace) -> str:
         raise ValueError(
             f"layout {args.hetero_layout!r} uses {layout.world_size} ranks, but --nodes {args.nodes} x "
             f"{per_node} ranks per node ({source}) = {world} ranks ({layout.world_size} != {world}); choose nodes "
-            f"and ranks per node whose product is {layout.world_size}")
+            f"and ranks per node whose product is {layout.world_size}"
+        )
     script = getattr(args, "script", None)
     _check_train_args(train_args, args.hetero_layout, None if script else getattr(args, "add_train_parser", None))
     save_dir = _last_value(train_args, "--save")
     signal_seconds = getattr(args, "signal_seconds", None)
     if script and signal_seconds:
-        raise ValueError(f"--signal-seconds {signal_seconds} with --script: the stop-and-requeue protocol is "
-                         f"`megatron-hetero train`'s; give --signal-seconds 0")
+        raise ValueError(
+            f"--signal-seconds {signal_seconds} with --script: the stop-and-requeue protocol is "
+            f"`megatron-hetero train`'s; give --signal-seconds 0"
+        )
     if signal_seconds is None:
         signal_seconds = 120 if save_dir and not script else 0
     return sbatch_script(
-        nodes=args.nodes, ranks_per_node=per_node, gpus_per_node=args.gpus_per_node, layout=args.hetero_layout,
-        train_args=train_args, partition=args.partition, time=args.time, account=args.account,
-        job_name=args.job_name, output=args.output, container_image=args.container_image,
-        cpus_per_task=args.cpus_per_task, request_gpus=not args.no_gpu_request,
-        sbatch_options=args.sbatch_option, entry_module=args.entry_module, script=script,
-        signal_seconds=signal_seconds, save_dir=save_dir)
+        nodes=args.nodes,
+        ranks_per_node=per_node,
+        gpus_per_node=args.gpus_per_node,
+        layout=args.hetero_layout,
+        train_args=train_args,
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        job_name=args.job_name,
+        output=args.output,
+        container_image=args.container_image,
+        cpus_per_task=args.cpus_per_task,
+        request_gpus=not args.no_gpu_request,
+        sbatch_options=args.sbatch_option,
+        entry_module=args.entry_module,
+        script=script,
+        signal_seconds=signal_seconds,
+        save_dir=save_dir,
+    )
 
 
 def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:
@@ -403,7 +493,7 @@ def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:
         if arg == flag and i + 1 < len(argv):
             value = argv[i + 1]
         elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
+            value = arg[len(flag) + 1 :]
     return value
 
 
@@ -418,7 +508,7 @@ def submit(script: str, path: Path) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         return EXIT_FAILURE, "sbatch did not answer within 120 s"
     if proc.returncode != 0:
-        msg = (proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}")
+        msg = proc.stderr.strip() or proc.stdout.strip() or f"exit status {proc.returncode}"
         return EXIT_FAILURE, f"sbatch failed (exit {proc.returncode}): {msg}"
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():

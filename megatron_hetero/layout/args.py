@@ -5,6 +5,7 @@
 All flags use the `--hetero-` prefix (Megatron's own `--heterogeneous-layers-config-path` is a
 different feature).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,20 +20,50 @@ from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S  # noqa: F401 
 def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `--hetero-*` flags to `parser` and return it (Megatron's extra_args_provider contract)."""
     group = parser.add_argument_group(title="heterogeneous parallelism (megatron-hetero)")
-    group.add_argument("--hetero-layout", type=str, default=None, metavar="FILE",
-                       help="Layout YAML file (placement, modules, edges). Excludes --hetero-module.")
-    group.add_argument("--hetero-placement", type=str, default=None, choices=["colocated", "disjoint"],
-                       help="Placement of the modules given with --hetero-module (default colocated).")
-    group.add_argument("--hetero-module", type=str, action="append", default=None, metavar="SPEC",
-                       help="NAME:tp=..,cp=..,pp=..,dp=..,ep=..[,expt_tp=..][,ranks=A-B][,layers=A-B][,frozen]; "
-                            "repeat once per module.")
-    group.add_argument("--hetero-edge", type=str, action="append", default=None, metavar="'A->B'",
-                       help="A producer -> consumer edge; repeat once per edge.")
-    group.add_argument("--hetero-comm-timeout", type=float, default=DEFAULT_COMM_TIMEOUT_S, metavar="SECONDS",
-                       help="Timeout of every boundary wait; on expiry the edge, rank and peer are named.")
-    group.add_argument("--hetero-offload-encoder", action="store_true",
-                       help="Move encoder parameters, gradients and optimizer state to host memory "
-                            "during the language-model phase of the colocated schedule.")
+    group.add_argument(
+        "--hetero-layout",
+        type=str,
+        default=None,
+        metavar="FILE",
+        help="Layout YAML file (placement, modules, edges). Excludes --hetero-module.",
+    )
+    group.add_argument(
+        "--hetero-placement",
+        type=str,
+        default=None,
+        choices=["colocated", "disjoint"],
+        help="Placement of the modules given with --hetero-module (default colocated).",
+    )
+    group.add_argument(
+        "--hetero-module",
+        type=str,
+        action="append",
+        default=None,
+        metavar="SPEC",
+        help="NAME:tp=..,cp=..,pp=..,dp=..,ep=..[,expt_tp=..][,ranks=A-B][,layers=A-B][,frozen]; "
+        "repeat once per module.",
+    )
+    group.add_argument(
+        "--hetero-edge",
+        type=str,
+        action="append",
+        default=None,
+        metavar="'A->B'",
+        help="A producer -> consumer edge; repeat once per edge.",
+    )
+    group.add_argument(
+        "--hetero-comm-timeout",
+        type=float,
+        default=DEFAULT_COMM_TIMEOUT_S,
+        metavar="SECONDS",
+        help="Timeout of every boundary wait; on expiry the edge, rank and peer are named.",
+    )
+    group.add_argument(
+        "--hetero-offload-encoder",
+        action="store_true",
+        help="Move encoder parameters, gradients and optimizer state to host memory "
+        "during the language-model phase of the colocated schedule.",
+    )
     return parser
 
 
@@ -49,9 +80,7 @@ def layout_from_args(args: Any, world_size: Optional[int] = None) -> HeteroLayou
             raise ValueError("give either --hetero-layout FILE or --hetero-module/--hetero-edge flags, not both")
         layout = load_layout(path, world_size)
         if placement is not None and placement != layout.placement:
-            raise ValueError(
-                f"--hetero-placement {placement} contradicts placement {layout.placement} in {path}"
-            )
+            raise ValueError(f"--hetero-placement {placement} contradicts placement {layout.placement} in {path}")
         return layout
     if not flags:
         raise ValueError("no layout: give --hetero-layout FILE or one --hetero-module NAME:tp=..,dp=.. per module")

@@ -3,6 +3,7 @@
 Pure data, no torch. `ModuleLayout` (a named module with a rank range) exposes its degrees as a
 `Degrees` through `ModuleLayout.par`; the cost model and the search use `Degrees` directly.
 """
+
 from __future__ import annotations
 
 import dataclasses

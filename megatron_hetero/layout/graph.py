@@ -4,6 +4,7 @@ Pure, no torch. Built on `graphlib.TopologicalSorter` (iterative, so a chain of 
 modules is fine). Validation (`validate.py`) and the schedule tables use this, so a cycle is named
 the same way everywhere.
 """
+
 from __future__ import annotations
 
 import graphlib

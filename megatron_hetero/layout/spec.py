@@ -5,6 +5,7 @@ one). `resolve_layout` (validate.py) resolves every module's rank range and rais
 the arithmetic spelled out; `load_layout` (yaml_io.py) and `layout_from_args` (args.py) build a
 validated layout from a YAML file or from parsed `--hetero-*` flags.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,6 +3,7 @@
 Every user error raises `ValueError` with the arithmetic spelled out, before any process group
 exists. `resolve_layout` returns a new layout whose modules all carry their rank range.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -41,20 +42,28 @@ def check_experts(layout: HeteroLayout, num_experts: dict[str, Optional[int]], b
             raise ValueError(f"module {m.name}: --num-experts must be a positive integer, got {n!r}")
         expert, dense = m.expt_tp * m.ep, m.tp * m.cp * m.dp
         if dense % expert:
-            raise ValueError(f"module {m.name}: expert-tp({m.expt_tp})*ep({m.ep})={expert} does not divide "
-                             f"tp({m.tp})*cp({m.cp})*dp({m.dp})={dense}")
+            raise ValueError(
+                f"module {m.name}: expert-tp({m.expt_tp})*ep({m.ep})={expert} does not divide "
+                f"tp({m.tp})*cp({m.cp})*dp({m.dp})={dense}"
+            )
         if not n:
             if m.ep > 1 or m.expt_tp > 1:
-                raise ValueError(f"module {m.name}: ep({m.ep}) expt_tp({m.expt_tp}) > 1 but the module has no experts "
-                                 f"(give the language model --num-experts, or drop ep/expt_tp from {m.name})")
+                raise ValueError(
+                    f"module {m.name}: ep({m.ep}) expt_tp({m.expt_tp}) > 1 but the module has no experts "
+                    f"(give the language model --num-experts, or drop ep/expt_tp from {m.name})"
+                )
             continue
         if n % m.ep:
-            raise ValueError(f"module {m.name}: ep({m.ep}) does not divide --num-experts {n} "
-                             f"({n} % {m.ep} = {n % m.ep}); each EP rank holds num_experts/ep experts")
+            raise ValueError(
+                f"module {m.name}: ep({m.ep}) does not divide --num-experts {n} "
+                f"({n} % {m.ep} = {n % m.ep}); each EP rank holds num_experts/ep experts"
+            )
         if m.expt_tp > 1 and backend is not None and backend != "nccl":
-            raise ValueError(f"module {m.name}: expert tensor parallelism expt_tp({m.expt_tp}) > 1 needs NCCL "
-                             f"(backend here: {backend}; Megatron's expert-TP all-gather of uneven token counts "
-                             f"fails on gloo); use expt_tp 1")
+            raise ValueError(
+                f"module {m.name}: expert tensor parallelism expt_tp({m.expt_tp}) > 1 needs NCCL "
+                f"(backend here: {backend}; Megatron's expert-TP all-gather of uneven token counts "
+                f"fails on gloo); use expt_tp 1"
+            )
 
 
 def _check_edges(layout: HeteroLayout) -> None:
@@ -94,13 +103,17 @@ def _resolve_colocated(modules: tuple[ModuleLayout, ...], world_size: Optional[i
         size = world_size if world_size is not None else modules[0].size
         rr = RankRange(0, size - 1)
     if rr.start != 0:
-        raise ValueError(f"colocated modules span ranks {rr}, so ranks 0-{rr.start - 1} are not assigned to any "
-                         "module; colocated modules share ranks 0..W-1")
+        raise ValueError(
+            f"colocated modules span ranks {rr}, so ranks 0-{rr.start - 1} are not assigned to any "
+            "module; colocated modules share ranks 0..W-1"
+        )
     if world_size is not None and rr.end + 1 != world_size:
         if rr.end + 1 > world_size:
             raise ValueError(f"colocated ranks {rr} need world size {rr.end + 1}, but world size is {world_size}")
-        raise ValueError(f"ranks {rr.end + 1}-{world_size - 1} of world size {world_size} are not assigned to any "
-                         f"module: colocated modules span ranks {rr}")
+        raise ValueError(
+            f"ranks {rr.end + 1}-{world_size - 1} of world size {world_size} are not assigned to any "
+            f"module: colocated modules span ranks {rr}"
+        )
     out = []
     for m in modules:
         if m.size != rr.size:
@@ -119,8 +132,7 @@ def _resolve_disjoint(modules: tuple[ModuleLayout, ...], world_size: Optional[in
         for other in out:
             if rr.overlaps(other.rank_range):
                 raise ValueError(
-                    f"disjoint modules overlap: module {m.name} ranks {rr} and module {other.name} "
-                    f"ranks {other.ranks}"
+                    f"disjoint modules overlap: module {m.name} ranks {rr} and module {other.name} ranks {other.ranks}"
                 )
         out.append(m.replace(ranks=rr))
         next_free = max(next_free, rr.end + 1)

@@ -4,6 +4,7 @@ YAML keys: `placement: colocated|disjoint`, `modules: {NAME: {tp, cp, pp, dp, ep
 ranks: "A-B", frozen: bool, layers: "A-B",
 role: language}}`, `edges: ["vision -> language", ...]`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -5,6 +5,7 @@ The patches in ``patches/megatron-lm/core_v0.16.1/`` make ``pretrain_vlm.py`` ha
 given; everything else stays upstream's. ``driver.py`` holds what both share.
 Floor: training (imports models/runtime/plan/layout/compat; only the CLI imports it).
 """
+
 from __future__ import annotations
 
 import sys

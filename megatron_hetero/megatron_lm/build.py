@@ -13,6 +13,7 @@ projector CP 1, `vision_model_type` clip, ...); only the parallel degrees come f
 Parameter names are those of the whole model (`vision_model.*`, `vision_projection.*`,
 `language_model.*`), so checkpoints and reference weights map one to one.
 """
+
 from __future__ import annotations
 
 from copy import deepcopy
@@ -29,9 +30,16 @@ VISION_MODEL_TYPE = "clip"
 def num_image_embeddings(args: Any) -> int:
     from megatron.core.models.vision.clip_vit_model import get_num_image_embeddings
 
-    return get_num_image_embeddings(args.img_h, args.img_w, args.patch_dim, VISION_MODEL_TYPE,
-                                    args.disable_vision_class_token, class_token_len=1, pixel_shuffle=False,
-                                    use_tile_tags=False)
+    return get_num_image_embeddings(
+        args.img_h,
+        args.img_w,
+        args.patch_dim,
+        VISION_MODEL_TYPE,
+        args.disable_vision_class_token,
+        class_token_len=1,
+        pixel_shuffle=False,
+        use_tile_tags=False,
+    )
 
 
 def vlm_sizes(args: Any) -> None:
@@ -83,10 +91,12 @@ def _configs(args: Any, m: ModuleLayout):
 
 def _specs(args: Any):
     from megatron.core.models.multimodal.llava_spec import (
-        decoder_model_with_local_default_spec, decoder_model_with_transformer_engine_default_spec,
+        decoder_model_with_local_default_spec,
+        decoder_model_with_transformer_engine_default_spec,
     )
     from megatron.core.models.vision.vit_layer_specs import (
-        get_vit_layer_with_local_spec, get_vit_layer_with_transformer_engine_spec,
+        get_vit_layer_with_local_spec,
+        get_vit_layer_with_transformer_engine_spec,
     )
     from megatron.core.transformer.spec_utils import import_module
 
@@ -96,8 +106,11 @@ def _specs(args: Any):
         lang = decoder_model_with_transformer_engine_default_spec(args.num_experts, args.moe_grouped_gemm)
     else:
         lang = decoder_model_with_local_default_spec(args.num_experts, args.moe_grouped_gemm)
-    vit = (get_vit_layer_with_transformer_engine_spec() if args.transformer_impl == "transformer_engine"
-           else get_vit_layer_with_local_spec())
+    vit = (
+        get_vit_layer_with_transformer_engine_spec()
+        if args.transformer_impl == "transformer_engine"
+        else get_vit_layer_with_local_spec()
+    )
     return lang, vit
 
 
@@ -107,8 +120,10 @@ def build_vlm_module(args: Any, m: ModuleLayout, pgs) -> torch.nn.Module:
     from megatron.core.models.multimodal.llava_model import LLaVAModel
 
     if args.padded_vocab_size % m.tp:
-        raise ValueError(f"module {m.name}: padded vocabulary {args.padded_vocab_size} is not divisible by "
-                         f"tp({m.tp}); raise --make-vocab-size-divisible-by")
+        raise ValueError(
+            f"module {m.name}: padded vocabulary {args.padded_vocab_size} is not divisible by "
+            f"tp({m.tp}); raise --make-vocab-size-divisible-by"
+        )
     lang_cfg, vis_cfg, proj_cfg = _configs(args, m)
     lang_spec, vit_spec = _specs(args)
     is_vision = m.name == "vision"
@@ -137,8 +152,11 @@ def build_vlm_module(args: Any, m: ModuleLayout, pgs) -> torch.nn.Module:
         patch_dim=args.patch_dim,
         pg_collection=pgs,
     )
-    model.freeze(freeze_language_model=args.freeze_LM and not is_vision,
-                 freeze_vision_model=args.freeze_ViT and is_vision, freeze_vision_projection=False)
+    model.freeze(
+        freeze_language_model=args.freeze_LM and not is_vision,
+        freeze_vision_model=args.freeze_ViT and is_vision,
+        freeze_vision_projection=False,
+    )
     if m.frozen:
         for n, p in model.named_parameters():
             if not n.startswith("vision_projection."):

@@ -8,18 +8,29 @@ A path that is an energon dataset (a folder with `.nv-meta/`, or a metadataset Y
 inspection (`models.dataset_trust.inspect_dataset`). `pretrain_vlm.py` reads Megatron's mock
 multimodal data (no files).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 from megatron_hetero.models.dataset_trust import (
-    TRUST_FLAG, Finding, UntrustedDataset, inspect_dataset, npy_cache_findings, refusal, trusted_message,
+    TRUST_FLAG,
+    Finding,
+    UntrustedDataset,
+    inspect_dataset,
+    npy_cache_findings,
+    refusal,
+    trusted_message,
 )
 
 #: Megatron-LM's data path flags (argparse dest -> flag)
-DATA_FLAGS = {"data_path": "--data-path", "train_data_path": "--train-data-path",
-              "valid_data_path": "--valid-data-path", "test_data_path": "--test-data-path"}
+DATA_FLAGS = {
+    "data_path": "--data-path",
+    "train_data_path": "--train-data-path",
+    "valid_data_path": "--valid-data-path",
+    "test_data_path": "--test-data-path",
+}
 
 
 def _is_weight(value: str) -> bool:

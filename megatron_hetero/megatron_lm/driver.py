@@ -28,6 +28,7 @@ The loss is normalised per token over the global batch (Megatron's `--calculate-
 Megatron's default (a mean per micro-batch, averaged) is the same number when every micro-batch has
 the same count of loss tokens, as with mock data.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,13 +76,20 @@ def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     """The plugin's flags for Megatron-LM scripts: `add_hetero_args` plus `--hetero-init`."""
     add_hetero_args(parser)
     group = parser.add_argument_group(title="megatron-hetero with Megatron-LM scripts")
-    group.add_argument("--hetero-init", choices=["reference", "module"], default="reference",
-                       help="reference (default): start from the weights Megatron's own model would have on the "
-                            "layout given by Megatron's parallel flags (builds that model once); module: each "
-                            "module's own Megatron initialisation on its own layout. --load overrides both.")
-    group.add_argument("--trust-dataset-code", action="store_true",
-                       help="let the data run the code it names (energon Python files and imports, pickled "
-                            "members, a pickled index cache); without it such data is refused (exit 2)")
+    group.add_argument(
+        "--hetero-init",
+        choices=["reference", "module"],
+        default="reference",
+        help="reference (default): start from the weights Megatron's own model would have on the "
+        "layout given by Megatron's parallel flags (builds that model once); module: each "
+        "module's own Megatron initialisation on its own layout. --load overrides both.",
+    )
+    group.add_argument(
+        "--trust-dataset-code",
+        action="store_true",
+        help="let the data run the code it names (energon Python files and imports, pickled "
+        "members, a pickled index cache); without it such data is refused (exit 2)",
+    )
     return parser
 
 
@@ -98,11 +106,16 @@ def chain(*providers: Optional[Callable]) -> Callable:
 # -- validation (pure on parsed arguments; before any group or model) ------------------------------
 #: Megatron flags no layout supports yet (attribute -> flag).
 REFUSED = {
-    "fp16": "--fp16", "bf16": "--bf16", "use_distributed_optimizer": "--use-distributed-optimizer",
-    "sequence_parallel": "--sequence-parallel", "swiglu": "--swiglu",
+    "fp16": "--fp16",
+    "bf16": "--bf16",
+    "use_distributed_optimizer": "--use-distributed-optimizer",
+    "sequence_parallel": "--sequence-parallel",
+    "swiglu": "--swiglu",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
-    "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap", "num_experts": "--num-experts",
-    "use_legacy_models": "--use-legacy-models", "mtp_num_layers": "--mtp-num-layers",
+    "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
+    "num_experts": "--num-experts",
+    "use_legacy_models": "--use-legacy-models",
+    "mtp_num_layers": "--mtp-num-layers",
     "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
     "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
     "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
@@ -115,36 +128,48 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
     """Megatron features every script's layout run supports; ValueError naming the flag otherwise."""
     for m in layout.modules:
         if m.cp != 1:
-            raise ValueError(f"module {m.name}: cp={m.cp}; context parallelism needs Transformer Engine attention "
-                             f"in Megatron-LM's models, not supported with a layout (use cp=1)")
+            raise ValueError(
+                f"module {m.name}: cp={m.cp}; context parallelism needs Transformer Engine attention "
+                f"in Megatron-LM's models, not supported with a layout (use cp=1)"
+            )
         if m.ep != 1:
-            raise ValueError(f"module {m.name}: ep={m.ep}; expert parallelism is not supported with Megatron-LM "
-                             f"scripts and a layout")
+            raise ValueError(
+                f"module {m.name}: ep={m.ep}; expert parallelism is not supported with Megatron-LM scripts and a layout"
+            )
         if args.num_attention_heads % m.tp:
-            raise ValueError(f"module {m.name}: --num-attention-heads {args.num_attention_heads} is not divisible "
-                             f"by tp({m.tp})")
+            raise ValueError(
+                f"module {m.name}: --num-attention-heads {args.num_attention_heads} is not divisible by tp({m.tp})"
+            )
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
     if getattr(args, "clip_grad", 0.0):
-        raise ValueError(f"--clip-grad {args.clip_grad}: gradient clipping by the norm over all modules is not "
-                         f"implemented with a layout (each module's optimizer would clip by its own norm); "
-                         f"pass --clip-grad 0")
+        raise ValueError(
+            f"--clip-grad {args.clip_grad}: gradient clipping by the norm over all modules is not "
+            f"implemented with a layout (each module's optimizer would clip by its own norm); "
+            f"pass --clip-grad 0"
+        )
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
-        raise ValueError("with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
-                         "must stay 1 (they give the reference layout the weights start from; each module's "
-                         "own degrees come from the layout)")
+        raise ValueError(
+            "with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
+            "must stay 1 (they give the reference layout the weights start from; each module's "
+            "own degrees come from the layout)"
+        )
     if args.optimizer not in ("adam", "sgd"):
         raise ValueError(f"--optimizer {args.optimizer} is not supported with a layout (adam or sgd)")
     if args.load and args.ckpt_format != "torch":
-        raise ValueError(f"--load with a layout reads --ckpt-format torch checkpoints (Megatron's own "
-                         f"load_checkpoint on the layout of Megatron's parallel flags); got {args.ckpt_format}")
+        raise ValueError(
+            f"--load with a layout reads --ckpt-format torch checkpoints (Megatron's own "
+            f"load_checkpoint on the layout of Megatron's parallel flags); got {args.ckpt_format}"
+        )
     if args.save:
         if args.ckpt_format != "torch":
             raise ValueError(f"--save with a layout writes --ckpt-format torch checkpoints; got {args.ckpt_format}")
         if args.hetero_init != "reference":
-            raise ValueError("--save with a layout needs --hetero-init reference (the checkpoint is written "
-                             "through Megatron's own model on the reference layout)")
+            raise ValueError(
+                "--save with a layout needs --hetero-init reference (the checkpoint is written "
+                "through Megatron's own model on the reference layout)"
+            )
     if args.eval_iters and args.eval_iters > 0 and getattr(args, "full_validation", False):
         raise ValueError("--full-validation is not supported with a layout (use --eval-iters N)")
     if getattr(args, "multiple_validation_sets", False):
@@ -174,10 +199,15 @@ def parse_and_validate(model: ScriptModel, extra_args_provider: Optional[Callabl
 
 
 # -- the entry point the patches reach -------------------------------------------------------------
-def pretrain_with_layout(model: ScriptModel, train_valid_test_datasets_provider: Callable,
-                         model_provider: Callable, extra_args_provider: Optional[Callable] = None,
-                         args_defaults: Optional[dict] = None, get_embedding_ranks: Optional[Callable] = None,
-                         get_position_embedding_ranks: Optional[Callable] = None) -> int:
+def pretrain_with_layout(
+    model: ScriptModel,
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[dict] = None,
+    get_embedding_ranks: Optional[Callable] = None,
+    get_position_embedding_ranks: Optional[Callable] = None,
+) -> int:
     """Train the script's model with the layout of the `--hetero-*` flags; returns the exit code
     (2: invalid input, printed as one paragraph before any process group or model exists)."""
     try:
@@ -189,9 +219,12 @@ def pretrain_with_layout(model: ScriptModel, train_valid_test_datasets_provider:
     from megatron.training import get_args
     from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
 
-    initialize_megatron(extra_args_provider=chain(extra_args_provider, add_megatron_lm_args),
-                        args_defaults=args_defaults or {}, get_embedding_ranks=get_embedding_ranks,
-                        get_position_embedding_ranks=get_position_embedding_ranks)
+    initialize_megatron(
+        extra_args_provider=chain(extra_args_provider, add_megatron_lm_args),
+        args_defaults=args_defaults or {},
+        get_embedding_ranks=get_embedding_ranks,
+        get_position_embedding_ranks=get_position_embedding_ranks,
+    )
     set_jit_fusion_options()
     args = get_args()
     layout = layout_from_args(args, dist.get_world_size())
@@ -199,8 +232,9 @@ def pretrain_with_layout(model: ScriptModel, train_valid_test_datasets_provider:
     return 0
 
 
-def _train(model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Callable,
-           model_provider: Callable) -> None:
+def _train(
+    model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Callable, model_provider: Callable
+) -> None:
     from megatron.training.training import get_optimizer_param_scheduler
 
     from megatron_hetero.compat import ensure_global_memory_buffer
@@ -214,11 +248,16 @@ def _train(model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Ca
         model.prepare(args)  # what the model provider sets on args, also without it
     topo = Topology.build(layout, timeout_s=args.hetero_comm_timeout)
     try:
-        plan = rank_plan(layout, topo.rank, args.global_batch_size, args.micro_batch_size,
-                         args.hetero_offload_encoder)
-        optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                            clip_grad=0.0)
+        plan = rank_plan(layout, topo.rank, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
+        optim = OptimConfig(
+            optimizer=args.optimizer,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            clip_grad=0.0,
+        )
         states, schedulers = {}, {}
         for m in layout.modules:
             if not topo.serves(m.name):
@@ -245,9 +284,11 @@ def _train(model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Ca
                 sched.step(increment=start * args.global_batch_size)
         runner = model.runner(args, plan, states, datasets_provider)
         schedule = schedule_for(plan, RuntimeConfig(comm_timeout_s=args.hetero_comm_timeout), topo, states, runner)
-        print_last(f"{PREFIX}: training with {layout.placement} layout "
-                   + ", ".join(f"{m.name} tp{m.tp}·pp{m.pp}·dp{m.dp}@{m.ranks}" for m in layout.modules)
-                   + f", from iteration {start}")
+        print_last(
+            f"{PREFIX}: training with {layout.placement} layout "
+            + ", ".join(f"{m.name} tp{m.tp}·pp{m.pp}·dp{m.dp}@{m.ranks}" for m in layout.modules)
+            + f", from iteration {start}"
+        )
         log, evaluator = IntervalLog(args), Evaluator(schedule, runner, states, args, start)
         for it in range(start, args.train_iters):
             dist.barrier()

@@ -17,6 +17,7 @@ provider to :func:`pretrain_gpt`; the shared driver (`driver.py`) does the rest 
     states `[rows, seq, h]` cross the edge (the next segment's first stage takes them back as
     Megatron's `[seq, rows, h]` through `set_input_tensor`); the loss is `pretrain_gpt.loss_func`'s.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional, Union
@@ -32,8 +33,10 @@ from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
 
 #: Megatron GPT flags a layout refuses beyond `driver.REFUSED` (attribute -> flag)
 REFUSED_GPT = {
-    "sft": "--sft", "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
-    "experimental_attention_variant": "--experimental-attention-variant", "yaml_cfg": "--yaml-cfg",
+    "sft": "--sft",
+    "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
+    "experimental_attention_variant": "--experimental-attention-variant",
+    "yaml_cfg": "--yaml-cfg",
     "hybrid_context_parallel": "--hybrid-context-parallel",
 }
 
@@ -47,32 +50,38 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
     """What `pretrain_gpt.py` needs beyond `driver.check_common`; ValueError naming the module or flag."""
     r = roles(layout)
     if r.encoders or r.outputs:
-        raise ValueError(f"pretrain_gpt.py with a layout takes language modules only (one module, or segments "
-                         f"that declare `layers: A-B`); the layout also has {list(r.encoders + r.outputs)}")
+        raise ValueError(
+            f"pretrain_gpt.py with a layout takes language modules only (one module, or segments "
+            f"that declare `layers: A-B`); the layout also has {list(r.encoders + r.outputs)}"
+        )
     segs = language_modules(layout)
     if any(m.layers is not None for m in segs):
         end = segs[-1].layers.end + 1
         if end != args.num_layers:
-            raise ValueError(f"the segments cover layers 0-{end - 1} ({end} layers); --num-layers is "
-                             f"{args.num_layers}")
+            raise ValueError(f"the segments cover layers 0-{end - 1} ({end} layers); --num-layers is {args.num_layers}")
     want = [(a.name, b.name) for a, b in zip(segs, segs[1:])]
     if sorted((e.src, e.dst) for e in layout.edges) != sorted(want):
-        raise ValueError(f"pretrain_gpt.py needs exactly the edges between consecutive segments "
-                         f"{[f'{a} -> {b}' for a, b in want]}; the layout has {[str(e) for e in layout.edges]}")
+        raise ValueError(
+            f"pretrain_gpt.py needs exactly the edges between consecutive segments "
+            f"{[f'{a} -> {b}' for a, b in want]}; the layout has {[str(e) for e in layout.edges]}"
+        )
     for m in segs:
         if segment_layers(args, m) % m.pp:
             raise ValueError(f"module {m.name}: {segment_layers(args, m)} layers do not split over pp({m.pp})")
     stages = sum(m.pp for m in segs)
     if stages > 1 and not args.untie_embeddings_and_output_weights:
-        raise ValueError(f"the layout runs the model in {stages} pipeline stages; tied input and output "
-                         f"embeddings across stages are not supported with a layout: pass "
-                         f"--untie-embeddings-and-output-weights")
+        raise ValueError(
+            f"the layout runs the model in {stages} pipeline stages; tied input and output "
+            f"embeddings across stages are not supported with a layout: pass "
+            f"--untie-embeddings-and-output-weights"
+        )
     for attr, flag in REFUSED_GPT.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with pretrain_gpt.py and a layout (yet)")
     if args.save or args.load:
-        raise ValueError("--save/--load with pretrain_gpt.py and a layout are not supported yet "
-                         "(pretrain_vlm.py has them)")
+        raise ValueError(
+            "--save/--load with pretrain_gpt.py and a layout are not supported yet (pretrain_vlm.py has them)"
+        )
 
 
 def build_gpt_segment(args: Any, layout: HeteroLayout, m: ModuleLayout, pgs, model_provider: Callable):
@@ -80,13 +89,18 @@ def build_gpt_segment(args: Any, layout: HeteroLayout, m: ModuleLayout, pgs, mod
     from megatron_hetero.megatron_lm.build import module_config
 
     if args.padded_vocab_size % m.tp:
-        raise ValueError(f"module {m.name}: padded vocabulary {args.padded_vocab_size} is not divisible by "
-                         f"tp({m.tp}); raise --make-vocab-size-divisible-by")
+        raise ValueError(
+            f"module {m.name}: padded vocabulary {args.padded_vocab_size} is not divisible by "
+            f"tp({m.tp}); raise --make-vocab-size-divisible-by"
+        )
     segs = [s.name for s in language_modules(layout)]
     pp_rank = pgs.pp.rank()
-    model = model_provider(pre_process=m.name == segs[0] and pp_rank == 0,
-                           post_process=m.name == segs[-1] and pp_rank == m.pp - 1,
-                           config=module_config(args, m, segment_layers(args, m)), pg_collection=pgs)
+    model = model_provider(
+        pre_process=m.name == segs[0] and pp_rank == 0,
+        post_process=m.name == segs[-1] and pp_rank == m.pp - 1,
+        config=module_config(args, m, segment_layers(args, m)),
+        pg_collection=pgs,
+    )
     if m.frozen:
         for p in model.parameters():
             p.requires_grad_(False)
@@ -109,8 +123,9 @@ class MegatronGptRunner(MegatronDataRunner):
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
         return (self.args.seq_length, rows, self.hidden), torch.float32
 
-    def forward(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
-                stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
+    def forward(
+        self, module: str, samples: range, inputs: Mapping[str, torch.Tensor], stage_input: Optional[torch.Tensor]
+    ) -> Union[torch.Tensor, LossSum]:
         b = self.batch(samples)
         gpt, model, me = self.states[module].module, self.states[module].model, self.plan.modules[module]
         if not gpt.pre_process:
@@ -119,21 +134,36 @@ class MegatronGptRunner(MegatronDataRunner):
             elif inputs:  # the previous segment's hidden states, [rows, seq, h]
                 (x,) = inputs.values()
                 gpt.set_input_tensor(x.transpose(0, 1).contiguous())
-        out = model(b["tokens"], b["position_ids"], b.get("attention_mask"),
-                    labels=b["labels"] if gpt.post_process else None, loss_mask=b["loss_mask"])
+        out = model(
+            b["tokens"],
+            b["position_ids"],
+            b.get("attention_mask"),
+            labels=b["labels"] if gpt.post_process else None,
+            loss_mask=b["loss_mask"],
+        )
         if gpt.post_process:
             return self.loss_sum(out, b["loss_mask"])
         return out.transpose(0, 1).contiguous() if me.coord.pp == me.pp - 1 else out  # a segment's end crosses an edge
 
 
-GPT = ScriptModel(script="pretrain_gpt.py", check=check_gpt, build=build_gpt_segment, runner=MegatronGptRunner,
-                  first_layer=lambda layout, m: m.layers.start if m.layers is not None else 0)
+GPT = ScriptModel(
+    script="pretrain_gpt.py",
+    check=check_gpt,
+    build=build_gpt_segment,
+    runner=MegatronGptRunner,
+    first_layer=lambda layout, m: m.layers.start if m.layers is not None else 0,
+)
 
 
-def pretrain_gpt(train_valid_test_datasets_provider: Callable, model_provider: Callable,
-                 extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
-                 get_embedding_ranks: Optional[Callable] = None) -> int:
+def pretrain_gpt(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[dict] = None,
+    get_embedding_ranks: Optional[Callable] = None,
+) -> int:
     """Train Megatron-LM's GPT with the layout of the `--hetero-*` flags; returns the exit code
     (2: invalid input, printed as one paragraph before any process group or model exists)."""
-    return pretrain_with_layout(GPT, train_valid_test_datasets_provider, model_provider, extra_args_provider,
-                                args_defaults, get_embedding_ranks)
+    return pretrain_with_layout(
+        GPT, train_valid_test_datasets_provider, model_provider, extra_args_provider, args_defaults, get_embedding_ranks
+    )

@@ -9,6 +9,7 @@ per-token losses over all those batches divided by their loss-token count; each 
 the schedule with `train=False` (no gradient reduction, no optimizer step) with the models in eval
 mode (no dropout).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,9 @@ class IntervalLog:
         self.iters += 1
         self.ms += ms
         if iteration % self.args.log_interval == 0 or self.first:
-            print_last(log_line(iteration, self.args, self.ms / max(1, self.iters), lr,
-                                self.loss_sum / max(1, self.iters)))
+            print_last(
+                log_line(iteration, self.args, self.ms / max(1, self.iters), lr, self.loss_sum / max(1, self.iters))
+            )
             if not self.first:
                 self.loss_sum, self.iters, self.ms = 0.0, 0, 0.0
         self.first = False

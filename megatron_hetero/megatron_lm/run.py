@@ -8,6 +8,7 @@ Without a GPU the opt-in CPU redirections for Megatron-LM (``compat.megatron_lm`
 first; with one, only the fixes every machine without Transformer Engine needs. Then the script runs
 as ``__main__`` with its own arguments; nothing else changes.
 """
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ the language module's first stage takes them back as `[img_seq, rows, h]` (LLaVA
 `encoder_hidden_state`); between language stages Megatron's `[decoder_seq, rows, h]`. The loss is
 `pretrain_gpt.loss_func`'s sum of per-token losses under LLaVA's combined loss mask.
 """
+
 from __future__ import annotations
 
 import unittest.mock
@@ -90,8 +91,9 @@ class MegatronDataRunner(StageRunner):
         key = (self.split, step)
         if key not in self._tokens:
             g = self.plan.global_batch
-            self._tokens[key] = int(sum(float(self.dataset[k]["loss_mask"].sum())
-                                        for k in range(step * g, (step + 1) * g)))
+            self._tokens[key] = int(
+                sum(float(self.dataset[k]["loss_mask"].sum()) for k in range(step * g, (step + 1) * g))
+            )
         return self._tokens[key]
 
     def model(self, module: str) -> torch.nn.Module:
@@ -129,8 +131,9 @@ class MegatronVlmRunner(MegatronDataRunner):
             raise AssertionError("the vision module runs on one pipeline stage")
         return (self.args.decoder_seq_length, rows, self.hidden), torch.float32
 
-    def forward(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
-                stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
+    def forward(
+        self, module: str, samples: range, inputs: Mapping[str, torch.Tensor], stage_input: Optional[torch.Tensor]
+    ) -> Union[torch.Tensor, LossSum]:
         b = self.batch(samples)
         model = self.states[module].model
         if module == "vision":
@@ -143,8 +146,9 @@ class MegatronVlmRunner(MegatronDataRunner):
         elif stage_input is not None:
             llava.set_input_tensor(stage_input)
         tiles = torch.ones(len(samples), dtype=torch.int, device=self.device)
-        out, mask = model(None, b["tokens"], b["position_ids"], None, b["labels"], b["loss_mask"],
-                          num_image_tiles=tiles)
+        out, mask = model(
+            None, b["tokens"], b["position_ids"], None, b["labels"], b["loss_mask"], num_image_tiles=tiles
+        )
         if not llava.post_process:
             return out
         return self.loss_sum(out, mask)

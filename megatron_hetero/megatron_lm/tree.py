@@ -6,6 +6,7 @@ tag's pristine content or its patched content; anything else is an unsupported (
 modified) tree. Pure file inspection; applying runs `patch -p1` (or `git apply` where `patch` is
 missing) in the tree.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,11 +19,15 @@ from typing import Optional
 #: tag -> file -> (sha256 pristine, sha256 patched)
 SUPPORTED: dict[str, dict[str, tuple[str, str]]] = {
     "core_v0.16.1": {
-        "pretrain_vlm.py": ("0eb84b159e94ccb6b5c38803debcec27c05323ed2bef50b3b4d04a06cb3e644d",
-                            "8b529555c511a2732045fdf4fe627bb2f4327d70c68291a36f22f9d91c6437f9"),
-        "pretrain_gpt.py": ("5a5b8fe909610892146e4d2ef5b303bd9b73bb31dfc96d73f2d0afb8937d4b22",
-                            "800463ff6090835fcab947cccb08465ffa4bf692b26bb8636324fe998da5b55a"),
-    },
+        "pretrain_vlm.py": (
+            "0eb84b159e94ccb6b5c38803debcec27c05323ed2bef50b3b4d04a06cb3e644d",
+            "8b529555c511a2732045fdf4fe627bb2f4327d70c68291a36f22f9d91c6437f9",
+        ),
+        "pretrain_gpt.py": (
+            "5a5b8fe909610892146e4d2ef5b303bd9b73bb31dfc96d73f2d0afb8937d4b22",
+            "800463ff6090835fcab947cccb08465ffa4bf692b26bb8636324fe998da5b55a",
+        ),
+    }
 }
 
 
@@ -73,8 +78,9 @@ def check_tree(path: str | Path) -> TreeStatus:
     if not root.is_dir():
         st.reason = f"{root} is not a directory"
         return st
-    missing = [p for p in ("pretrain_vlm.py", "pretrain_gpt.py", "megatron/training/training.py")
-               if not (root / p).is_file()]
+    missing = [
+        p for p in ("pretrain_vlm.py", "pretrain_gpt.py", "megatron/training/training.py") if not (root / p).is_file()
+    ]
     if missing:
         st.reason = f"{root} is not a Megatron-LM tree (missing {', '.join(missing)})"
         return st
@@ -86,16 +92,22 @@ def check_tree(path: str | Path) -> TreeStatus:
         if all(v is not None for v in found.values()):
             st.tag, st.files = tag, found
             if len(set(found.values())) > 1:
-                st.reason = (f"the patches are applied to only some files ({found}); restore the tree "
-                             f"(git checkout {' '.join(files)}) and apply again")
+                st.reason = (
+                    f"the patches are applied to only some files ({found}); restore the tree "
+                    f"(git checkout {' '.join(files)}) and apply again"
+                )
             return st
         if any(v is not None for v in found.values()):
             bad = [n for n, v in found.items() if v is None]
-            st.reason = (f"{', '.join(bad)} match neither {tag} nor its patched version (locally modified?); "
-                         f"supported tags: {', '.join(SUPPORTED)}")
+            st.reason = (
+                f"{', '.join(bad)} match neither {tag} nor its patched version (locally modified?); "
+                f"supported tags: {', '.join(SUPPORTED)}"
+            )
             return st
-    st.reason = (f"{root}: pretrain_vlm.py/pretrain_gpt.py match no supported tag ({', '.join(SUPPORTED)}); "
-                 f"check out one of them")
+    st.reason = (
+        f"{root}: pretrain_vlm.py/pretrain_gpt.py match no supported tag ({', '.join(SUPPORTED)}); "
+        f"check out one of them"
+    )
     return st
 
 
@@ -127,9 +139,11 @@ def apply_patches(path: str | Path, reverse: bool = False) -> TreeStatus:
         return st
     patches = patch_files(st.tag)
     for dry in (True, False):
-        for p in (reversed(patches) if reverse else patches):
+        for p in reversed(patches) if reverse else patches:
             r = subprocess.run(_patch_cmd(p, reverse, dry), cwd=st.path, capture_output=True, text=True)
             if r.returncode:
-                raise ValueError(f"{p.name} does not {'reverse' if reverse else 'apply'} cleanly in {st.path}: "
-                                 f"{(r.stdout + r.stderr).strip()[:500]}")
+                raise ValueError(
+                    f"{p.name} does not {'reverse' if reverse else 'apply'} cleanly in {st.path}: "
+                    f"{(r.stdout + r.stderr).strip()[:500]}"
+                )
     return check_tree(path)

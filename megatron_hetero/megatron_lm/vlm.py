@@ -9,6 +9,7 @@ each module's own `ProcessGroupCollection` (`build.py`), driven by `MegatronVlmR
 Features a layout refuses are listed in `check_vlm` and `driver.check_common` (each with the flag
 named, exit 2 before any process group or model exists).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -24,27 +25,36 @@ def check_vlm(args: Any, layout: HeteroLayout) -> None:
     """What `pretrain_vlm.py` needs beyond `driver.check_common`; ValueError naming the flag otherwise."""
     names = set(layout.names)
     if names != {VISION, LANGUAGE}:
-        raise ValueError(f"pretrain_vlm.py with a layout needs exactly the modules 'vision' and 'language' "
-                         f"(CLIP ViT + projector, GPT language model); the layout has {sorted(names)}")
+        raise ValueError(
+            f"pretrain_vlm.py with a layout needs exactly the modules 'vision' and 'language' "
+            f"(CLIP ViT + projector, GPT language model); the layout has {sorted(names)}"
+        )
     if [(e.src, e.dst) for e in layout.edges] != [(VISION, LANGUAGE)]:
-        raise ValueError(f"pretrain_vlm.py needs exactly the edge 'vision -> language'; the layout has "
-                         f"{[str(e) for e in layout.edges]}")
+        raise ValueError(
+            f"pretrain_vlm.py needs exactly the edge 'vision -> language'; the layout has "
+            f"{[str(e) for e in layout.edges]}"
+        )
     vis, lang = layout.module(VISION), layout.module(LANGUAGE)
     for m in (vis, lang):
         if m.cp != 1:
-            raise ValueError(f"module {m.name}: cp={m.cp}; LLaVA's context parallelism needs Transformer Engine "
-                             f"attention and packed sequences, not supported with a layout (use cp=1)")
+            raise ValueError(
+                f"module {m.name}: cp={m.cp}; LLaVA's context parallelism needs Transformer Engine "
+                f"attention and packed sequences, not supported with a layout (use cp=1)"
+            )
         if m.ep != 1 or m.layers is not None:
             raise ValueError(f"module {m.name}: ep/layers are not supported with pretrain_vlm.py")
     if vis.pp != 1:
-        raise ValueError(f"module vision: pp={vis.pp}; Megatron's LLaVA vision encoder runs on one pipeline "
-                         f"stage (pp=1)")
+        raise ValueError(
+            f"module vision: pp={vis.pp}; Megatron's LLaVA vision encoder runs on one pipeline stage (pp=1)"
+        )
     for attr, flag in {"use_packed_sequence": "--use-packed-sequence", "pixel_shuffle": "--pixel-shuffle"}.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
     if args.save and any(m.pp != 1 for m in (vis, lang)):
-        raise ValueError("--save with a layout needs pp=1 in every module (the checkpoint is written on the "
-                         "reference layout, Megatron's parallel flags)")
+        raise ValueError(
+            "--save with a layout needs pp=1 in every module (the checkpoint is written on the "
+            "reference layout, Megatron's parallel flags)"
+        )
     dec_layers = args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers
     if dec_layers % lang.pp:
         raise ValueError(f"module language: {dec_layers} decoder layers do not split over pp({lang.pp})")
@@ -72,11 +82,22 @@ VLM = ScriptModel(script="pretrain_vlm.py", check=check_vlm, build=_build, runne
 
 
 # -- the entry point the patch calls ---------------------------------------------------------------
-def pretrain_vlm(train_valid_test_datasets_provider: Callable, model_provider: Callable,
-                 extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
-                 get_embedding_ranks: Optional[Callable] = None,
-                 get_position_embedding_ranks: Optional[Callable] = None) -> int:
+def pretrain_vlm(
+    train_valid_test_datasets_provider: Callable,
+    model_provider: Callable,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[dict] = None,
+    get_embedding_ranks: Optional[Callable] = None,
+    get_position_embedding_ranks: Optional[Callable] = None,
+) -> int:
     """Train Megatron-LM's VLM with the layout of the `--hetero-*` flags; returns the exit code
     (2: invalid input, printed as one paragraph)."""
-    return pretrain_with_layout(VLM, train_valid_test_datasets_provider, model_provider, extra_args_provider,
-                                args_defaults, get_embedding_ranks, get_position_embedding_ranks)
+    return pretrain_with_layout(
+        VLM,
+        train_valid_test_datasets_provider,
+        model_provider,
+        extra_args_provider,
+        args_defaults,
+        get_embedding_ranks,
+        get_position_embedding_ranks,
+    )

@@ -14,6 +14,7 @@ layer numbers shifted by the stage's offset when the module is pipelined); `copy
 does the same for the module's optimizer. Megatron's QKV and (non-GLU) MLP layouts are plain chunks
 along the partition dimension, which is what Megatron's own TP resharding assumes.
 """
+
 from __future__ import annotations
 
 import re
@@ -76,9 +77,12 @@ class ReferenceSource:
             full[name] = gather(p, dim)
             st = opt_state.get(id(p))
             if st:
-                state[name] = {k: gather(v, dim) if isinstance(v, torch.Tensor) and v.shape == p.shape
-                               else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                               for k, v in sorted(st.items())}
+                state[name] = {
+                    k: gather(v, dim)
+                    if isinstance(v, torch.Tensor) and v.shape == p.shape
+                    else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                    for k, v in sorted(st.items())
+                }
         iteration = int(get_args().iteration or 0)
         src = cls(full, state, iteration)
         if keep:
@@ -115,8 +119,10 @@ def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str
     dim = _partition(p)
     t = full.chunk(tp, dim=dim)[tp_rank] if dim is not None and tp > 1 else full
     if tuple(t.shape) != tuple(p.shape):
-        raise ValueError(f"{what}: reference shape {tuple(full.shape)} gives shard {tuple(t.shape)} at tp={tp}, "
-                         f"the module holds {tuple(p.shape)} (different model sizes or padded vocabulary?)")
+        raise ValueError(
+            f"{what}: reference shape {tuple(full.shape)} gives shard {tuple(t.shape)} at tp={tp}, "
+            f"the module holds {tuple(p.shape)} (different model sizes or padded vocabulary?)"
+        )
     return t
 
 
@@ -132,8 +138,7 @@ def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs, first_layer:
 
 
 @torch.no_grad()
-def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs,
-                         first_layer: int = 0) -> int:
+def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs, first_layer: int = 0) -> int:
     """Give `optimizer` (the module's Megatron optimizer) the reference optimizer's state of each
     parameter, sharded as the parameter is; returns how many parameters got state."""
     if not source.state:
@@ -149,10 +154,14 @@ def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSou
                 st = source.state.get(_global_name(name, offset))
                 if st is None:
                     continue
-                inner.state[p] = {k: (_shard(v, mp, tp, tp_rank, f"optimizer state {k} of {name}").to(p.device).clone()
-                                      if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0
-                                      else (v.to(p.device).clone() if isinstance(v, torch.Tensor) else v))
-                                  for k, v in st.items()}
+                inner.state[p] = {
+                    k: (
+                        _shard(v, mp, tp, tp_rank, f"optimizer state {k} of {name}").to(p.device).clone()
+                        if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0
+                        else (v.to(p.device).clone() if isinstance(v, torch.Tensor) else v)
+                    )
+                    for k, v in st.items()
+                }
                 done += 1
     return done
 
@@ -216,6 +225,7 @@ def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: d
                 if p in o.state:
                     return o.state[p][key]
             return torch.zeros_like(p)
+
         return get
 
     for name, rp in ref.named_parameters():

@@ -1,6 +1,7 @@
 """The architecture options of the model family (language model: Megatron's `TransformerConfig` /
 `GPTModel` options; encoders: the tiny linear-patch trunk or a CLIP ViT) checked against each other
 and the layout, before any process group exists. Pure: no torch."""
+
 from __future__ import annotations
 
 from megatron_hetero.layout.spec import HeteroLayout
@@ -19,7 +20,9 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
         raise ValueError(f"--position-embedding-type {spec.position_embedding_type!r}: one of {POSITION_EMBEDDINGS}")
     groups = spec.num_query_groups or spec.num_attention_heads
     if spec.num_attention_heads % groups:
-        raise ValueError(f"--num-query-groups {groups} does not divide --num-attention-heads {spec.num_attention_heads}")
+        raise ValueError(
+            f"--num-query-groups {groups} does not divide --num-attention-heads {spec.num_attention_heads}"
+        )
     for name in langs:
         m = layout.module(name)
         if m.tp > 1 and groups % m.tp:
@@ -27,8 +30,10 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
         if m.tp > 1 and spec.vocab_size % m.tp:
             raise ValueError(f"module {name}: --vocab-size {spec.vocab_size} is not divisible by tp({m.tp})")
         if not spec.untie_embeddings_and_output_weights and (m.pp > 1 or len(langs) > 1):
-            raise ValueError(f"module {name}: tied input and output embeddings need the whole language model on "
-                             f"one pipeline stage (pp 1, no segments); got {m.arithmetic()}")
+            raise ValueError(
+                f"module {name}: tied input and output embeddings need the whole language model on "
+                f"one pipeline stage (pp 1, no segments); got {m.arithmetic()}"
+            )
     for name, enc in spec.encoders.items():
         if enc.kind not in ENCODER_KINDS:
             raise ValueError(f"encoder {name}: kind {enc.kind!r}, one of {ENCODER_KINDS}")
@@ -39,22 +44,37 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
             raise ValueError(f"encoder {name}: Megatron's CLIPViTModel runs on one pipeline stage; got pp({m.pp})")
         if enc.activation not in CLIP_ACTIVATIONS:
             raise ValueError(f"encoder {name}: activation {enc.activation!r}, one of {CLIP_ACTIVATIONS}")
-        side = round(enc.tokens ** 0.5)
-        if enc.patch_size < 1 or side * side != enc.tokens or enc.feature_dim != 3 * enc.patch_size ** 2:
-            raise ValueError(f"encoder {name}: a CLIP encoder takes a square RGB image cut into patches: tokens "
-                             f"{enc.tokens} must be a square and feature_dim {enc.feature_dim} = 3 * patch_size**2 "
-                             f"(patch_size {enc.patch_size})")
+        side = round(enc.tokens**0.5)
+        if enc.patch_size < 1 or side * side != enc.tokens or enc.feature_dim != 3 * enc.patch_size**2:
+            raise ValueError(
+                f"encoder {name}: a CLIP encoder takes a square RGB image cut into patches: tokens "
+                f"{enc.tokens} must be a square and feature_dim {enc.feature_dim} = 3 * patch_size**2 "
+                f"(patch_size {enc.patch_size})"
+            )
 
 
 # The architecture fields added to `LlavaSpec` / `EncoderSpec` with their defaults (the tiny GPT and
 # linear-patch encoder). A checkpoint's model record leaves them out at these values, so checkpoints
 # saved before the fields existed still match; `LlavaSpec.from_record` fills them back in.
-LANGUAGE_DEFAULTS = {"normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False,
-                     "position_embedding_type": "learned_absolute", "rotary_base": 10000.0, "num_query_groups": None,
-                     "kv_channels": None, "add_bias_linear": True, "add_qkv_bias": False,
-                     "untie_embeddings_and_output_weights": True}
-ENCODER_DEFAULTS = {"kind": "linear", "patch_size": 0, "ffn_hidden_size": None, "norm_epsilon": 1e-5,
-                    "activation": "quick_gelu"}
+LANGUAGE_DEFAULTS = {
+    "normalization": "LayerNorm",
+    "norm_epsilon": 1e-5,
+    "swiglu": False,
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000.0,
+    "num_query_groups": None,
+    "kv_channels": None,
+    "add_bias_linear": True,
+    "add_qkv_bias": False,
+    "untie_embeddings_and_output_weights": True,
+}
+ENCODER_DEFAULTS = {
+    "kind": "linear",
+    "patch_size": 0,
+    "ffn_hidden_size": None,
+    "norm_epsilon": 1e-5,
+    "activation": "quick_gelu",
+}
 
 
 def drop_default_architecture(record: dict) -> None:

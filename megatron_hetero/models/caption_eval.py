@@ -10,6 +10,7 @@ the first wrong token, and the digit word is what is scored.
 `greedy_digit_accuracy(...)`: the fraction of samples whose greedy caption names exactly one digit
 and it is the right one (`digits.digit_of_caption`). Pure functions of tensors.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -29,7 +30,7 @@ def greedy_captions(logits: torch.Tensor, loss_mask: torch.Tensor, tok: CaptionT
     for row, mask in zip(ids.tolist(), loss_mask.bool().tolist()):
         picked = [t for t, m in zip(row, mask) if m]
         if tok.eos_id in picked:
-            picked = picked[:picked.index(tok.eos_id)]
+            picked = picked[: picked.index(tok.eos_id)]
         out.append(tok.decode(picked))
     return out
 
@@ -41,8 +42,9 @@ def digit_accuracy(captions: Sequence[str], digits: Sequence[int]) -> float:
     return sum(digit_of_caption(c) == int(d) for c, d in zip(captions, digits)) / len(captions)
 
 
-def greedy_digit_accuracy(logits: torch.Tensor, loss_mask: torch.Tensor, tok: CaptionTokenizer,
-                          digits: Sequence[int]) -> float:
+def greedy_digit_accuracy(
+    logits: torch.Tensor, loss_mask: torch.Tensor, tok: CaptionTokenizer, digits: Sequence[int]
+) -> float:
     """`digit_accuracy(greedy_captions(logits, loss_mask, tok), digits)`; the held-out digits come
     from the reference captions: `[digit_of_caption(c) for c in heldout_batch(...)["captions"]]`."""
     return digit_accuracy(greedy_captions(logits, loss_mask, tok), digits)

@@ -12,6 +12,7 @@ count because every rank reads the whole global batch, see energon_data's docstr
 and `caption_job_data(args, spec)` what `train --data-path DIR` does in the launching process: the
 resolved `CaptionDataConfig` and the model spec fitted to the data and the tokenizer.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
@@ -21,7 +22,11 @@ import torch
 from megatron_hetero.models.caption_eval import digit_hits
 from megatron_hetero.models.dataset_trust import check_dataset, trusted_message
 from megatron_hetero.models.energon_data import (
-    CaptionBatches, CaptionDataConfig, caption_spec, heldout_batch, resolve_config,
+    CaptionBatches,
+    CaptionDataConfig,
+    caption_spec,
+    heldout_batch,
+    resolve_config,
 )
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.models.llava_runner import LlavaStageRunner
@@ -43,8 +48,14 @@ class CaptionStageRunner(LlavaStageRunner):
     0 after a gather of the CP ranks' positions). `take_eval_counts()` returns and resets this
     rank's (hits, samples); the trainer sums them over the world."""
 
-    def __init__(self, spec: LlavaSpec, plan: RankPlan, states: dict[str, ModuleState], data: CaptionBatches,
-                 heldout: Optional[dict] = None) -> None:
+    def __init__(
+        self,
+        spec: LlavaSpec,
+        plan: RankPlan,
+        states: dict[str, ModuleState],
+        data: CaptionBatches,
+        heldout: Optional[dict] = None,
+    ) -> None:
         super().__init__(spec, plan, states)
         if data.global_batch != plan.global_batch:
             raise ValueError(f"caption data global batch {data.global_batch} != plan's {plan.global_batch}")
@@ -67,8 +78,12 @@ class CaptionStageRunner(LlavaStageRunner):
     def _heldout_rows(self, samples: range) -> dict:
         h = self.heldout()
         idx = torch.tensor([i % len(h["keys"]) for i in samples], dtype=torch.long)
-        return {"tokens": h["tokens"][idx], "labels": h["labels"][idx], "loss_mask": h["loss_mask"][idx],
-                "features": {n: f[idx] for n, f in h["features"].items()}}
+        return {
+            "tokens": h["tokens"][idx],
+            "labels": h["labels"][idx],
+            "loss_mask": h["loss_mask"][idx],
+            "features": {n: f[idx] for n, f in h["features"].items()},
+        }
 
     def batch(self, samples: range) -> dict:
         if self.evaluating:
@@ -125,8 +140,9 @@ def read_heldout(cfg: CaptionDataConfig, tok, encoder: str, seq_length: int) -> 
     return out
 
 
-def caption_runner_factory(data: CaptionDataConfig, spec: LlavaSpec, global_batch: int, heldout: bool = False
-                           ) -> Callable[[RankPlan, dict[str, ModuleState]], CaptionStageRunner]:
+def caption_runner_factory(
+    data: CaptionDataConfig, spec: LlavaSpec, global_batch: int, heldout: bool = False
+) -> Callable[[RankPlan, dict[str, ModuleState]], CaptionStageRunner]:
     """A function (plan, states) -> CaptionStageRunner for one rank. `data` must be resolved
     (`energon_data.resolve_config`) and `spec` made by `energon_data.caption_spec`, both in the
     launching process, so every rank shapes samples the same way. The loader opens on the rank.
@@ -168,19 +184,30 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
     trusted = tuple(f.line() for f in check_dataset(path, trust=trust))
     # a CLIP encoder fixes the image format: RGB, its image size (images are resized), its patch size
     clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
-    side = round(clip.tokens ** 0.5) * clip.patch_size if clip else None
-    cfg = resolve_config(CaptionDataConfig(
-        path=str(path), tokenizer_model=getattr(args, "tokenizer_model", None), trust_code=trust, trusted=trusted,
-        seed=int(getattr(args, "seed", 1234)),
-        patch_size=clip.patch_size if clip else int(getattr(args, "patch_size", None) or 4),
-        image_size=(side, side) if clip else None, channels=3 if clip else None,
-        prompt=getattr(args, "data_prompt", None) or ""))
-    for flag, given, derived in (("--encoder-tokens", getattr(args, "encoder_tokens", None), cfg.image_tokens),
-                                 ("--encoder-feature-dim", getattr(args, "encoder_feature_dim", None), cfg.feature_dim)):
+    side = round(clip.tokens**0.5) * clip.patch_size if clip else None
+    cfg = resolve_config(
+        CaptionDataConfig(
+            path=str(path),
+            tokenizer_model=getattr(args, "tokenizer_model", None),
+            trust_code=trust,
+            trusted=trusted,
+            seed=int(getattr(args, "seed", 1234)),
+            patch_size=clip.patch_size if clip else int(getattr(args, "patch_size", None) or 4),
+            image_size=(side, side) if clip else None,
+            channels=3 if clip else None,
+            prompt=getattr(args, "data_prompt", None) or "",
+        )
+    )
+    for flag, given, derived in (
+        ("--encoder-tokens", getattr(args, "encoder_tokens", None), cfg.image_tokens),
+        ("--encoder-feature-dim", getattr(args, "encoder_feature_dim", None), cfg.feature_dim),
+    ):
         if given is not None and given != derived:
             h, w = cfg.image_size
-            raise ValueError(f"{flag} {given}: --data-path {path} gives {derived} ({h}x{w} images, {cfg.channels} "
-                             f"channel(s), --patch-size {cfg.patch_size}: tokens = (H/p)*(W/p), features = C*p*p); "
-                             f"leave it out or change --patch-size")
+            raise ValueError(
+                f"{flag} {given}: --data-path {path} gives {derived} ({h}x{w} images, {cfg.channels} "
+                f"channel(s), --patch-size {cfg.patch_size}: tokens = (H/p)*(W/p), features = C*p*p); "
+                f"leave it out or change --patch-size"
+            )
     tok = load_tokenizer(cfg.tokenizer_model)
     return caption_spec(spec, cfg, tok, vocab_size=getattr(args, "vocab_size", None)), cfg

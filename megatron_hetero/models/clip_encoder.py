@@ -14,6 +14,7 @@ drop the class token) leaves `tokens` patch features, which the projector (Megat
 LLaVA does not use it, so it never trains (requires_grad False) but it is converted and saved so a
 checkpoint round trip returns every tensor of the original tower.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,9 @@ class ClipEncoderModule(torch.nn.Module):
     """[b, tokens, 3*p*p] patch features -> CLIP ViT -> drop the class token -> projector ->
     [b, tokens, llm_hidden]. One pipeline stage, cp 1; TP on the module's own TP group."""
 
-    def __init__(self, name: str, enc, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection,
-                 seed: int) -> None:
+    def __init__(
+        self, name: str, enc, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection, seed: int
+    ) -> None:
         super().__init__()
         from megatron_hetero.models.llava import build_projector, freeze_trunk, transformer_config
 
@@ -47,21 +49,38 @@ class ClipEncoderModule(torch.nn.Module):
         self.name, self.frozen = name, m.frozen
         self.first = self.last = True
         self.patch = enc.patch_size
-        self.grid = round(enc.tokens ** 0.5)
-        config = transformer_config(num_layers=enc.num_layers, hidden=enc.hidden_size,
-                                    heads=enc.num_attention_heads, ffn=enc.ffn_hidden_size, m=m,
-                                    layernorm_epsilon=enc.norm_epsilon, activation_func=activation(enc.activation),
-                                    bias_activation_fusion=False, add_bias_linear=True)
+        self.grid = round(enc.tokens**0.5)
+        config = transformer_config(
+            num_layers=enc.num_layers,
+            hidden=enc.hidden_size,
+            heads=enc.num_attention_heads,
+            ffn=enc.ffn_hidden_size,
+            m=m,
+            layernorm_epsilon=enc.norm_epsilon,
+            activation_func=activation(enc.activation),
+            bias_activation_fusion=False,
+            add_bias_linear=True,
+        )
         layer_spec = get_gpt_layer_local_spec()
         layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
         side = self.grid * self.patch
-        self.vit = CLIPViTModel(config, layer_spec, add_class_token=True, class_token_len=1, patch_dim=self.patch,
-                                img_h=side, img_w=side, model_subtype="clip", pg_collection=pgs,
-                                **clip_vit_norm_kwargs())
+        self.vit = CLIPViTModel(
+            config,
+            layer_spec,
+            add_class_token=True,
+            class_token_len=1,
+            patch_dim=self.patch,
+            img_h=side,
+            img_w=side,
+            model_subtype="clip",
+            pg_collection=pgs,
+            **clip_vit_norm_kwargs(),
+        )
         self.ln_post = torch.nn.LayerNorm(enc.hidden_size, eps=enc.norm_epsilon)
         self.projector = build_projector(enc, llm_hidden, m, pgs)
-        deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
-                           tp_size=pgs.tp.size())
+        deterministic_init(
+            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
+        )
         for p in self.ln_post.parameters():
             p.requires_grad_(False)
         if self.frozen:

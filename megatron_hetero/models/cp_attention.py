@@ -22,6 +22,7 @@ Exact against CP=1 up to the order of the K/V gradient sum. Device-agnostic (pur
 Megatron mappings): correct on GPU too, though TE's ring attention is the fast path there.
 With ``cp == 1`` it is exactly ``DotProductAttention``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -115,9 +116,7 @@ class ContextParallelDotProductAttention(DotProductAttention):
         packed_seq_params=None,
     ):
         if self.cp_size == 1:
-            return super().forward(
-                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
-            )
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
         assert packed_seq_params is None, "packed sequences are not supported with CP here"
         cp, rank = self.cp_size, self.cp_group.rank()
         s_local = query.size(0)
@@ -143,13 +142,9 @@ class ContextParallelDotProductAttention(DotProductAttention):
 
         q_pos = cp_chunk_positions(seq_len, rank, cp, device=query.device)
         attention_mask = self._local_mask(attention_mask, q_pos, seq_len, s_local)
-        return super().forward(
-            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
-        )
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params)
 
-    def _local_mask(
-        self, mask: Optional[Tensor], q_pos: Tensor, seq_len: int, s_local: int
-    ) -> Optional[Tensor]:
+    def _local_mask(self, mask: Optional[Tensor], q_pos: Tensor, seq_len: int, s_local: int) -> Optional[Tensor]:
         if mask is None:
             if self.attn_mask_type != AttnMaskType.causal:
                 return None

@@ -9,6 +9,7 @@ A sample: `tokens` [S] (text; each encoder's placeholder span holds `PLACEHOLDER
 (next token), `loss_mask` [S] (0 where the label is a placeholder or past the end), and for each
 encoder `features[name]` [tokens, feature_dim] (e.g. image patch features).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,8 +42,10 @@ class DataConfig:
             if e.tokens < 1 or e.feature_dim < 1 or e.offset < 0:
                 raise ValueError(f"encoder {n}: tokens, feature_dim must be >= 1 and offset >= 0, got {e}")
             if e.offset + e.tokens > self.seq_length:
-                raise ValueError(f"encoder {n}: placeholder span [{e.offset}, {e.offset + e.tokens}) does not fit "
-                                 f"in --seq-length {self.seq_length}")
+                raise ValueError(
+                    f"encoder {n}: placeholder span [{e.offset}, {e.offset + e.tokens}) does not fit "
+                    f"in --seq-length {self.seq_length}"
+                )
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
             if b0 < a1:
                 raise ValueError(f"encoders {an} [{a0}, {a1}) and {bn} [{b0}, {b1}) have overlapping placeholder spans")
@@ -62,7 +65,7 @@ def sample(cfg: DataConfig, index: int) -> dict:
     features = {}
     for name in sorted(cfg.encoders):
         e = cfg.encoders[name]
-        placeholder[e.offset:e.offset + e.tokens] = True
+        placeholder[e.offset : e.offset + e.tokens] = True
         features[name] = torch.randn(e.tokens, e.feature_dim, generator=g)
     tokens[placeholder] = PLACEHOLDER_ID
     loss_mask = (~placeholder[1:]).float()

@@ -24,6 +24,7 @@ findings, which the run prints once on rank 0. `secure_decoding(trust)` sets web
 mode, so a member that slips past the inspection (an index that lies about its members) is refused
 when it is decoded.
 """
+
 from __future__ import annotations
 
 import sqlite3
@@ -122,8 +123,12 @@ def _member_extensions(folder: Path) -> tuple[str, set[str]]:
 def _member_findings(folder: Path) -> Iterator[Finding]:
     where, parts = _member_extensions(folder)
     for ext in sorted({p.rsplit(".", 1)[-1].lower() for p in parts} & CODE_EXTENSIONS.keys()):
-        yield Finding(where, f"member *.{ext}", f"sample members named .{ext}",
-                      f"webdataset decodes them with {CODE_EXTENSIONS[ext]}")
+        yield Finding(
+            where,
+            f"member *.{ext}",
+            f"sample members named .{ext}",
+            f"webdataset decodes them with {CODE_EXTENSIONS[ext]}",
+        )
 
 
 def _inspect(path: Path, seen: set[Path]) -> Iterator[Finding]:
@@ -153,8 +158,10 @@ def inspect_dataset(path: Union[str, Path]) -> list[Finding]:
 
 def refusal(flag: str, path: Union[str, Path], findings: Iterable[Finding]) -> str:
     lines = "\n".join(f"  {f.line()}" for f in findings)
-    return (f"{flag} {path}: the dataset would run code on every rank that opens it:\n{lines}\n"
-            f"pass {TRUST_FLAG} to run it as energon intends (only for a dataset whose code you have read)")
+    return (
+        f"{flag} {path}: the dataset would run code on every rank that opens it:\n{lines}\n"
+        f"pass {TRUST_FLAG} to run it as energon intends (only for a dataset whose code you have read)"
+    )
 
 
 def check_dataset(path: Union[str, Path], *, trust: bool, flag: str = "--data-path") -> list[Finding]:
@@ -206,6 +213,12 @@ def npy_cache_findings(folders: Iterable[Union[str, Path]]) -> list[Finding]:
     for folder in folders:
         for f in sorted(Path(folder).rglob("*.npy")) if Path(folder).is_dir() else ():
             if not _npy_is_plain(f):
-                out.append(Finding(str(f), "index cache", f.name,
-                                   "not a plain numpy array: numpy.load(allow_pickle=True) unpickles it"))
+                out.append(
+                    Finding(
+                        str(f),
+                        "index cache",
+                        f.name,
+                        "not a plain numpy array: numpy.load(allow_pickle=True) unpickles it",
+                    )
+                )
     return out

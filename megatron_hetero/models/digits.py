@@ -20,6 +20,7 @@ default `energon lint DIR` (which checks train, val and test) accepts the folder
 run it unattended on a CPU-only host (non-interactive, one worker, no progress bar).
 Imports neither torch nor energon in this process.
 """
+
 from __future__ import annotations
 
 import io
@@ -85,7 +86,7 @@ def _write_shards(folder: Path, indices: Sequence[int], images, targets, shards:
     folder.mkdir(parents=True, exist_ok=True)
     names = []
     for s in range(shards):
-        part = indices[s * len(indices) // shards:(s + 1) * len(indices) // shards]
+        part = indices[s * len(indices) // shards : (s + 1) * len(indices) // shards]
         name = f"shard-{s:06d}.tar"
         with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tf:
             for i in part:
@@ -98,16 +99,27 @@ def _write_shards(folder: Path, indices: Sequence[int], images, targets, shards:
 def energon_prepare_command(out: Path) -> list[str]:
     """The `energon prepare` call of this dataset, run with this interpreter."""
     parts = [f"train:{TRAIN_DIR}/.*"] + [f"{s}:{HELDOUT_DIR}/.*" for s in HELDOUT_SPLITS]
-    cmd = [sys.executable, "-c", "import sys; from megatron.energon.cli.main import main; sys.exit(main())",
-           "prepare", str(out), "--non-interactive", "--sample-type", "CaptioningSample",
-           "--field-map", json.dumps({"image": "png", "caption": "txt"}), "--num-workers", "1", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from megatron.energon.cli.main import main; sys.exit(main())",
+        "prepare",
+        str(out),
+        "--non-interactive",
+        "--sample-type",
+        "CaptioningSample",
+        "--field-map",
+        json.dumps({"image": "png", "caption": "txt"}),
+        "--num-workers",
+        "1",
+        "--no-progress",
+    ]
     for p in parts:
         cmd += ["--split-parts", p]
     return cmd
 
 
-def write_digits_dataset(out, held_out: int = 200, seed: int = 0, train_shards: int = 4,
-                         force: bool = False) -> dict:
+def write_digits_dataset(out, held_out: int = 200, seed: int = 0, train_shards: int = 4, force: bool = False) -> dict:
     """Write the digits captioning dataset to `out` and prepare it for energon (see the module
     docstring). Returns a summary: path, samples per split, shards. ValueError if `out` holds files
     and not `force`; RuntimeError with energon's output if `energon prepare` fails."""
@@ -135,6 +147,12 @@ def write_digits_dataset(out, held_out: int = 200, seed: int = 0, train_shards: 
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"energon prepare {out} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return {"path": str(out), "train": len(train), "heldout": len(held), "splits": {
-        "train": len(train), **{s: len(held) for s in HELDOUT_SPLITS}},
-        "shards": train_tars + held_tars, "image": "8x8 grey PNG", "seed": seed}
+    return {
+        "path": str(out),
+        "train": len(train),
+        "heldout": len(held),
+        "splits": {"train": len(train), **{s: len(held) for s in HELDOUT_SPLITS}},
+        "shards": train_tars + held_tars,
+        "image": "8x8 grey PNG",
+        "seed": seed,
+    }

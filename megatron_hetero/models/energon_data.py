@@ -47,6 +47,7 @@ refuses one that names code (energon Python files and imports, pickle/torch.load
 unless the config says `trust_code` (`--trust-dataset-code`), and decodes with webdataset's secure
 mode on unless trusted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -97,7 +98,7 @@ class CaptionDataConfig:
     @property
     def feature_dim(self) -> int:
         self._size()
-        return self.channels * self.patch_size ** 2
+        return self.channels * self.patch_size**2
 
     def _size(self) -> tuple[int, int]:
         if not self.resolved():
@@ -112,8 +113,10 @@ class CaptionDataConfig:
         if self.image_size is not None:
             h, w = self.image_size
             if h % self.patch_size or w % self.patch_size:
-                raise ValueError(f"image size {h}x{w} is not divisible by --patch-size {self.patch_size} "
-                                 f"(remainders {h % self.patch_size}, {w % self.patch_size})")
+                raise ValueError(
+                    f"image size {h}x{w} is not divisible by --patch-size {self.patch_size} "
+                    f"(remainders {h % self.patch_size}, {w % self.patch_size})"
+                )
 
 
 @contextlib.contextmanager
@@ -129,8 +132,17 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 
 
-def open_split(path: str, split: str, *, seed: int = 0, epoch: int = 0, shuffle: bool = False,
-               shuffle_buffer_size: int = 100, max_samples_per_sequence: int = 100, trust_code: bool = False):
+def open_split(
+    path: str,
+    split: str,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = False,
+    shuffle_buffer_size: int = 100,
+    max_samples_per_sequence: int = 100,
+    trust_code: bool = False,
+):
     """(number of samples, iterator of single CaptioningSamples) over one epoch of `split`, read as
     rank 0 of 1 (no process group). shuffle False: the split's stored order. Every open checks the
     dataset first (`dataset_trust.check_dataset`: `UntrustedDataset` when it names code and not
@@ -141,13 +153,20 @@ def open_split(path: str, split: str, *, seed: int = 0, epoch: int = 0, shuffle:
     check_dataset(path, trust=trust_code)
     secure_decoding(trust_code)
 
-    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, seed_offset=epoch_seed(seed, epoch),
-                      global_error_handler=reraise_exception)  # a bad sample stops the run, never shifts indices
+    wc = WorkerConfig(
+        rank=0, world_size=1, num_workers=0, seed_offset=epoch_seed(seed, epoch), global_error_handler=reraise_exception
+    )  # a bad sample stops the run, never shifts indices
     with _quiet():
         if shuffle:
-            ds = get_train_dataset(path, split_part=split, worker_config=wc, batch_size=None, repeat=False,
-                                   shuffle_buffer_size=shuffle_buffer_size,
-                                   max_samples_per_sequence=max_samples_per_sequence)
+            ds = get_train_dataset(
+                path,
+                split_part=split,
+                worker_config=wc,
+                batch_size=None,
+                repeat=False,
+                shuffle_buffer_size=shuffle_buffer_size,
+                max_samples_per_sequence=max_samples_per_sequence,
+            )
         else:
             ds = get_val_dataset(path, split_part=split, worker_config=wc, batch_size=None)
         return len(ds), iter(get_loader(ds))
@@ -169,17 +188,23 @@ def resolve_config(cfg: CaptionDataConfig, probe: int = 32) -> CaptionDataConfig
     except UntrustedDataset:
         raise
     except Exception as exc:
-        raise ValueError(f"--data-path {cfg.path}: cannot open split '{cfg.split}' as an energon dataset "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"--data-path {cfg.path}: cannot open split '{cfg.split}' as an energon dataset "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
     if n == 0:
         raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' is empty")
     probes = [_next(it) for _ in range(min(n, probe))]
     first = probes[0]
     if not (isinstance(getattr(first, "image", None), torch.Tensor) and hasattr(first, "caption")):
-        raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' yields {type(first).__name__} samples, not "
-                         f"captioning samples (an image tensor and a caption; energon's CaptioningSample)")
-    grey = all(s.image.shape[0] == 1 or bool((s.image[0] == s.image[1]).all() and (s.image[1] == s.image[2]).all())
-               for s in probes)
+        raise ValueError(
+            f"--data-path {cfg.path}: split '{cfg.split}' yields {type(first).__name__} samples, not "
+            f"captioning samples (an image tensor and a caption; energon's CaptioningSample)"
+        )
+    grey = all(
+        s.image.shape[0] == 1 or bool((s.image[0] == s.image[1]).all() and (s.image[1] == s.image[2]).all())
+        for s in probes
+    )
     size = cfg.image_size or (int(first.image.shape[-2]), int(first.image.shape[-1]))
     out = replace(cfg, image_size=tuple(size), channels=cfg.channels or (1 if grey else 3))
     out.validate()
@@ -197,31 +222,36 @@ def patchify(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
     elif x.shape[0] == 1:
         x = x.expand(3, -1, -1)
     if tuple(x.shape[-2:]) != (h, w):
-        x = torch.nn.functional.interpolate(x.unsqueeze(0), size=(h, w), mode="bilinear", align_corners=False,
-                                            antialias=True).squeeze(0)
+        x = torch.nn.functional.interpolate(
+            x.unsqueeze(0), size=(h, w), mode="bilinear", align_corners=False, antialias=True
+        ).squeeze(0)
     x = (x - 0.5) / 0.5
     p, c = cfg.patch_size, x.shape[0]
-    return x.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape((h // p) * (w // p), c * p * p).contiguous()
+    return (
+        x.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape((h // p) * (w // p), c * p * p).contiguous()
+    )
 
 
 def caption_text(caption: Any) -> str:
     return caption if isinstance(caption, str) else str(caption[0])
 
 
-def text_sample(caption: str, tok: CaptionTokenizer, *, seq_length: int, image_tokens: int,
-                prompt: str = "") -> dict:
+def text_sample(caption: str, tok: CaptionTokenizer, *, seq_length: int, image_tokens: int, prompt: str = "") -> dict:
     """tokens, labels, loss_mask [seq_length] of one caption (layout: module docstring)."""
     cap = tok.encode(caption) + [tok.eos_id]
     head = [tok.bos_id] + [PLACEHOLDER_ID] * image_tokens + (tok.encode(prompt) if prompt else [])
-    full = (head + cap)[:seq_length + 1]
+    full = (head + cap)[: seq_length + 1]
     is_caption = [0] * len(head) + [1] * len(cap)
-    is_caption = is_caption[:seq_length + 1]
+    is_caption = is_caption[: seq_length + 1]
     pad = seq_length + 1 - len(full)
     full += [tok.pad_id] * pad
     is_caption += [0] * pad
     t = torch.tensor(full, dtype=torch.long)
-    return {"tokens": t[:-1].clone(), "labels": t[1:].clone(),
-            "loss_mask": torch.tensor(is_caption[1:], dtype=torch.float32)}
+    return {
+        "tokens": t[:-1].clone(),
+        "labels": t[1:].clone(),
+        "loss_mask": torch.tensor(is_caption[1:], dtype=torch.float32),
+    }
 
 
 def caption_spec(spec, cfg: CaptionDataConfig, tok: CaptionTokenizer, vocab_size: Optional[int] = None):
@@ -232,18 +262,21 @@ def caption_spec(spec, cfg: CaptionDataConfig, tok: CaptionTokenizer, vocab_size
     one caption token + EOS, or `vocab_size` is too small."""
     if len(spec.encoders) != 1:
         raise ValueError(f"caption data feeds one image encoder; the layout has encoders {sorted(spec.encoders)}")
-    (name, enc), = spec.encoders.items()
+    ((name, enc),) = spec.encoders.items()
     if enc.offset != 1:
         raise ValueError(f"encoder {name}: caption data puts the image right after BOS (offset 1), not at {enc.offset}")
     need = 1 + cfg.image_tokens + (len(tok.encode(cfg.prompt)) if cfg.prompt else 0) + 2
     if spec.seq_length + 1 < need:
-        raise ValueError(f"--seq-length {spec.seq_length}: a caption sample needs at least {need - 1} positions "
-                         f"(BOS 1 + image tokens {cfg.image_tokens} + prompt + one caption token + EOS)")
+        raise ValueError(
+            f"--seq-length {spec.seq_length}: a caption sample needs at least {need - 1} positions "
+            f"(BOS 1 + image tokens {cfg.image_tokens} + prompt + one caption token + EOS)"
+        )
     if vocab_size is None:
         vocab_size = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     elif vocab_size < tok.vocab_size:
-        raise ValueError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens "
-                         f"({tok.name})")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens ({tok.name})"
+        )
     enc = replace(enc, tokens=cfg.image_tokens, feature_dim=cfg.feature_dim)
     return replace(spec, vocab_size=vocab_size, encoders={name: enc})
 
@@ -261,9 +294,16 @@ class CaptionStream:
 
     def _open(self, epoch: int) -> int:
         c = self.cfg
-        n, self._it = open_split(c.path, c.split, seed=c.seed, epoch=epoch, shuffle=c.shuffle,
-                                 shuffle_buffer_size=c.shuffle_buffer_size,
-                                 max_samples_per_sequence=c.max_samples_per_sequence, trust_code=c.trust_code)
+        n, self._it = open_split(
+            c.path,
+            c.split,
+            seed=c.seed,
+            epoch=epoch,
+            shuffle=c.shuffle,
+            shuffle_buffer_size=c.shuffle_buffer_size,
+            max_samples_per_sequence=c.max_samples_per_sequence,
+            trust_code=c.trust_code,
+        )
         self._epoch, self._next = epoch, 0
         return n
 
@@ -289,8 +329,9 @@ class CaptionBatches:
     docstring): `batch(samples)` has the keys of `models.data.batch`; `loss_tokens(step)`;
     `state_dict`/`load_state_dict` (plain data)."""
 
-    def __init__(self, cfg: CaptionDataConfig, tok: CaptionTokenizer, *, encoder: str, seq_length: int,
-                 global_batch: int) -> None:
+    def __init__(
+        self, cfg: CaptionDataConfig, tok: CaptionTokenizer, *, encoder: str, seq_length: int, global_batch: int
+    ) -> None:
         if not cfg.resolved():
             raise ValueError("CaptionBatches needs a resolved config (resolve_config)")
         self.cfg, self.tok, self.encoder = cfg, tok, encoder
@@ -308,8 +349,13 @@ class CaptionBatches:
         g, items = self.global_batch, []
         for i in range(step * g, (step + 1) * g):
             key, image, caption = self.stream.read(i)
-            t = text_sample(caption, self.tok, seq_length=self.seq_length, image_tokens=self.cfg.image_tokens,
-                            prompt=self.cfg.prompt)
+            t = text_sample(
+                caption,
+                self.tok,
+                seq_length=self.seq_length,
+                image_tokens=self.cfg.image_tokens,
+                prompt=self.cfg.prompt,
+            )
             items.append((key, caption, patchify(image, self.cfg), t))
         win = {
             "tokens": torch.stack([t["tokens"] for *_, t in items]),
@@ -332,8 +378,12 @@ class CaptionBatches:
         if hi > self.global_batch:
             raise ValueError(f"samples {samples} cross the end of step {step} (global batch {self.global_batch})")
         win = self.step_batch(step)
-        return {"tokens": win["tokens"][lo:hi], "labels": win["labels"][lo:hi], "loss_mask": win["loss_mask"][lo:hi],
-                "features": {n: f[lo:hi] for n, f in win["features"].items()}}
+        return {
+            "tokens": win["tokens"][lo:hi],
+            "labels": win["labels"][lo:hi],
+            "loss_mask": win["loss_mask"][lo:hi],
+            "features": {n: f[lo:hi] for n, f in win["features"].items()},
+        }
 
     def loss_tokens(self, step: int) -> int:
         """Caption loss tokens of the whole global batch of `step`."""
@@ -341,8 +391,15 @@ class CaptionBatches:
 
     def state_dict(self) -> dict:
         n, c = self.stream.samples_per_epoch, self.consumed
-        return {"consumed": c, "epoch": c // n, "index_in_epoch": c % n, "samples_per_epoch": n,
-                "seed": self.cfg.seed, "split": self.cfg.split, "shuffle": self.cfg.shuffle}
+        return {
+            "consumed": c,
+            "epoch": c // n,
+            "index_in_epoch": c % n,
+            "samples_per_epoch": n,
+            "seed": self.cfg.seed,
+            "split": self.cfg.split,
+            "shuffle": self.cfg.shuffle,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position saved by `state_dict` (checks it is the same data; replays to it)."""
@@ -352,23 +409,33 @@ class CaptionBatches:
                 raise ValueError(f"data position was saved for {k}={state.get(k)!r}, this run has {mine[k]!r}")
         c = int(state["consumed"])
         if c % self.global_batch:
-            raise ValueError(f"data position: {c} consumed samples is not a whole number of global batches "
-                             f"of {self.global_batch}")
+            raise ValueError(
+                f"data position: {c} consumed samples is not a whole number of global batches of {self.global_batch}"
+            )
         self._windows.clear()
         self.consumed = c
         self.stream.seek(c)
 
 
-def heldout_batch(cfg: CaptionDataConfig, tok: CaptionTokenizer, *, encoder: str, seq_length: int,
-                  split: str = "val", limit: Optional[int] = None) -> dict:
+def heldout_batch(
+    cfg: CaptionDataConfig,
+    tok: CaptionTokenizer,
+    *,
+    encoder: str,
+    seq_length: int,
+    split: str = "val",
+    limit: Optional[int] = None,
+) -> dict:
     """Every sample of `split` in stored order (no shuffle), stacked as `CaptionBatches.step_batch`
     (for evaluation, e.g. `caption_eval.greedy_digit_accuracy`)."""
     c = replace(cfg, split=split, shuffle=False)
     n, it = open_split(c.path, split, trust_code=c.trust_code)
     n = n if limit is None else min(n, limit)
     samples = [_next(it) for _ in range(n)]
-    texts = [text_sample(caption_text(s.caption), tok, seq_length=seq_length, image_tokens=c.image_tokens,
-                         prompt=c.prompt) for s in samples]
+    texts = [
+        text_sample(caption_text(s.caption), tok, seq_length=seq_length, image_tokens=c.image_tokens, prompt=c.prompt)
+        for s in samples
+    ]
     return {
         "tokens": torch.stack([t["tokens"] for t in texts]),
         "labels": torch.stack([t["labels"] for t in texts]),

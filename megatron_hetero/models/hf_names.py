@@ -16,6 +16,7 @@ returns bit-identical tensors).
 `check_tensors` compares them with a file's (names and shapes only: safetensors headers), and
 raises one ValueError naming every missing, unexpected or mis-shaped tensor with both shapes.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,6 +33,7 @@ Shapes = dict[str, tuple[int, ...]]
 # expected Hugging Face names and shapes
 # ---------------------------------------------------------------------------------------------------
 
+
 def _head_dim(spec) -> int:
     return spec.kv_channels or spec.hidden_size // spec.num_attention_heads
 
@@ -45,46 +47,75 @@ def expected_language(spec) -> Shapes:
         out["lm_head.weight"] = (v, h)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        out.update({p + "self_attn.q_proj.weight": (nh * d, h), p + "self_attn.k_proj.weight": (ng * d, h),
-                    p + "self_attn.v_proj.weight": (ng * d, h), p + "self_attn.o_proj.weight": (h, nh * d),
-                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                    p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
-                    p + "post_attention_layernorm.weight": (h,)})
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (nh * d, h),
+                p + "self_attn.k_proj.weight": (ng * d, h),
+                p + "self_attn.v_proj.weight": (ng * d, h),
+                p + "self_attn.o_proj.weight": (h, nh * d),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
         if spec.add_qkv_bias:
-            out.update({p + "self_attn.q_proj.bias": (nh * d,), p + "self_attn.k_proj.bias": (ng * d,),
-                        p + "self_attn.v_proj.bias": (ng * d,)})
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": (nh * d,),
+                    p + "self_attn.k_proj.bias": (ng * d,),
+                    p + "self_attn.v_proj.bias": (ng * d,),
+                }
+            )
     return out
 
 
 def expected_vision(enc) -> Shapes:
     h, f, p = enc.hidden_size, enc.ffn_hidden_size or 4 * enc.hidden_size, enc.patch_size
     P = VISION_PREFIX
-    out: Shapes = {P + "embeddings.class_embedding": (h,), P + "embeddings.patch_embedding.weight": (h, 3, p, p),
-                   P + "embeddings.position_embedding.weight": (enc.tokens + 1, h),
-                   P + "pre_layrnorm.weight": (h,), P + "pre_layrnorm.bias": (h,),
-                   P + "post_layernorm.weight": (h,), P + "post_layernorm.bias": (h,)}
+    out: Shapes = {
+        P + "embeddings.class_embedding": (h,),
+        P + "embeddings.patch_embedding.weight": (h, 3, p, p),
+        P + "embeddings.position_embedding.weight": (enc.tokens + 1, h),
+        P + "pre_layrnorm.weight": (h,),
+        P + "pre_layrnorm.bias": (h,),
+        P + "post_layernorm.weight": (h,),
+        P + "post_layernorm.bias": (h,),
+    }
     for i in range(enc.num_layers):
         q = f"{P}encoder.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
             out[f"{q}self_attn.{proj}.weight"], out[f"{q}self_attn.{proj}.bias"] = (h, h), (h,)
         for ln in ("layer_norm1", "layer_norm2"):
             out[f"{q}{ln}.weight"], out[f"{q}{ln}.bias"] = (h,), (h,)
-        out.update({q + "mlp.fc1.weight": (f, h), q + "mlp.fc1.bias": (f,), q + "mlp.fc2.weight": (h, f),
-                    q + "mlp.fc2.bias": (h,)})
+        out.update(
+            {
+                q + "mlp.fc1.weight": (f, h),
+                q + "mlp.fc1.bias": (f,),
+                q + "mlp.fc2.weight": (h, f),
+                q + "mlp.fc2.bias": (h,),
+            }
+        )
     return out
 
 
 def expected_projector(vision_hidden: int, llm_hidden: int) -> Shapes:
     P = PROJECTOR_PREFIX
-    return {P + "linear_1.weight": (llm_hidden, vision_hidden), P + "linear_1.bias": (llm_hidden,),
-            P + "linear_2.weight": (llm_hidden, llm_hidden), P + "linear_2.bias": (llm_hidden,)}
+    return {
+        P + "linear_1.weight": (llm_hidden, vision_hidden),
+        P + "linear_1.bias": (llm_hidden,),
+        P + "linear_2.weight": (llm_hidden, llm_hidden),
+        P + "linear_2.bias": (llm_hidden,),
+    }
 
 
 def ignorable_language(name: str, spec) -> bool:
     """Tensors a Llama/Qwen2 file may hold that carry no weights of the model: rotary inverse
     frequencies (old files) and, with tied embeddings, the tied lm_head copy."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight"
-                                                    and not spec.untie_embeddings_and_output_weights)
+    return name.endswith("rotary_emb.inv_freq") or (
+        name == "lm_head.weight" and not spec.untie_embeddings_and_output_weights
+    )
 
 
 def ignorable_vision(name: str, kept_layers: Optional[int] = None) -> bool:
@@ -96,8 +127,9 @@ def ignorable_vision(name: str, kept_layers: Optional[int] = None) -> bool:
     return kept_layers is not None and m is not None and int(m.group(1)) >= kept_layers
 
 
-def check_tensors(found: Shapes, expected: Shapes, where: str,
-                  ignorable: Optional[Callable[[str], bool]] = None) -> None:
+def check_tensors(
+    found: Shapes, expected: Shapes, where: str, ignorable: Optional[Callable[[str], bool]] = None
+) -> None:
     """ValueError naming every missing, unexpected and mis-shaped tensor (with both shapes)."""
     ignorable = ignorable or (lambda name: False)
     missing = sorted(n for n in expected if n not in found)
@@ -115,6 +147,7 @@ def check_tensors(found: Shapes, expected: Shapes, where: str,
 # fusion
 # ---------------------------------------------------------------------------------------------------
 
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """[heads*d, ...], [groups*d, ...] x2 -> Megatron's [groups*(heads/groups+2)*d, ...]."""
     rest = q.shape[1:]
@@ -126,7 +159,7 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tupl
     rest = qkv.shape[1:]
     per = qkv.reshape(groups, (heads // groups + 2) * head_dim, *rest)
     nq = heads // groups * head_dim
-    q, k, v = per[:, :nq], per[:, nq:nq + head_dim], per[:, nq + head_dim:]
+    q, k, v = per[:, :nq], per[:, nq : nq + head_dim], per[:, nq + head_dim :]
     return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
 
 
@@ -134,21 +167,26 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> tupl
 # Hugging Face -> ours and back (whole tensors; `get(name)` reads one Hugging Face tensor)
 # ---------------------------------------------------------------------------------------------------
 
+
 def language_to_ours(get: Callable[[str], torch.Tensor], spec) -> dict[str, torch.Tensor]:
     """`LanguageModule` state-dict names (`gpt.`...) of a Llama/Qwen2 model."""
     ng = spec.num_query_groups or spec.num_attention_heads
-    out = {"gpt.embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
-           "gpt.decoder.final_layernorm.weight": get("model.norm.weight")}
+    out = {
+        "gpt.embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
+        "gpt.decoder.final_layernorm.weight": get("model.norm.weight"),
+    }
     if spec.untie_embeddings_and_output_weights:
         out["gpt.output_layer.weight"] = get("lm_head.weight")
     for i in range(spec.num_layers):
         p, o = f"model.layers.{i}.", f"gpt.decoder.layers.{i}."
         a = p + "self_attn."
-        out[o + "self_attention.linear_qkv.weight"] = fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
-                                                               get(a + "v_proj.weight"), ng)
+        out[o + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"), ng
+        )
         if spec.add_qkv_bias:
-            out[o + "self_attention.linear_qkv.bias"] = fuse_qkv(get(a + "q_proj.bias"), get(a + "k_proj.bias"),
-                                                                 get(a + "v_proj.bias"), ng)
+            out[o + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias"), ng
+            )
         out[o + "self_attention.linear_proj.weight"] = get(a + "o_proj.weight")
         out[o + "mlp.linear_fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         out[o + "mlp.linear_fc2.weight"] = get(p + "mlp.down_proj.weight")
@@ -159,8 +197,10 @@ def language_to_ours(get: Callable[[str], torch.Tensor], spec) -> dict[str, torc
 
 def language_to_hf(ours: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
     nh, ng, d = spec.num_attention_heads, spec.num_query_groups or spec.num_attention_heads, _head_dim(spec)
-    out = {"model.embed_tokens.weight": ours["gpt.embedding.word_embeddings.weight"],
-           "model.norm.weight": ours["gpt.decoder.final_layernorm.weight"]}
+    out = {
+        "model.embed_tokens.weight": ours["gpt.embedding.word_embeddings.weight"],
+        "model.norm.weight": ours["gpt.decoder.final_layernorm.weight"],
+    }
     if spec.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = ours["gpt.output_layer.weight"]
     for i in range(spec.num_layers):
@@ -180,13 +220,21 @@ def language_to_hf(ours: dict[str, torch.Tensor], spec) -> dict[str, torch.Tenso
     return out
 
 
-_VISION_RENAMES = (("embeddings.patch_embedding.weight", "vit.conv1.weight"),
-                   ("embeddings.position_embedding.weight", "vit.position_embeddings.weight"),
-                   ("pre_layrnorm.weight", "vit.ln_pre.weight"), ("pre_layrnorm.bias", "vit.ln_pre.bias"),
-                   ("post_layernorm.weight", "ln_post.weight"), ("post_layernorm.bias", "ln_post.bias"))
-_VISION_LAYER_RENAMES = (("self_attn.out_proj", "self_attention.linear_proj"), ("layer_norm1", "input_layernorm"),
-                         ("layer_norm2", "pre_mlp_layernorm"), ("mlp.fc1", "mlp.linear_fc1"),
-                         ("mlp.fc2", "mlp.linear_fc2"))
+_VISION_RENAMES = (
+    ("embeddings.patch_embedding.weight", "vit.conv1.weight"),
+    ("embeddings.position_embedding.weight", "vit.position_embeddings.weight"),
+    ("pre_layrnorm.weight", "vit.ln_pre.weight"),
+    ("pre_layrnorm.bias", "vit.ln_pre.bias"),
+    ("post_layernorm.weight", "ln_post.weight"),
+    ("post_layernorm.bias", "ln_post.bias"),
+)
+_VISION_LAYER_RENAMES = (
+    ("self_attn.out_proj", "self_attention.linear_proj"),
+    ("layer_norm1", "input_layernorm"),
+    ("layer_norm2", "pre_mlp_layernorm"),
+    ("mlp.fc1", "mlp.linear_fc1"),
+    ("mlp.fc2", "mlp.linear_fc2"),
+)
 
 
 def vision_to_ours(get: Callable[[str], torch.Tensor], enc) -> dict[str, torch.Tensor]:
@@ -198,8 +246,11 @@ def vision_to_ours(get: Callable[[str], torch.Tensor], enc) -> dict[str, torch.T
         q, o = f"{P}encoder.layers.{i}.", f"vit.decoder.layers.{i}."
         for kind in ("weight", "bias"):
             out[f"{o}self_attention.linear_qkv.{kind}"] = fuse_qkv(
-                get(f"{q}self_attn.q_proj.{kind}"), get(f"{q}self_attn.k_proj.{kind}"),
-                get(f"{q}self_attn.v_proj.{kind}"), n)
+                get(f"{q}self_attn.q_proj.{kind}"),
+                get(f"{q}self_attn.k_proj.{kind}"),
+                get(f"{q}self_attn.v_proj.{kind}"),
+                n,
+            )
             for hf, ours in _VISION_LAYER_RENAMES:
                 out[f"{o}{ours}.{kind}"] = get(f"{q}{hf}.{kind}")
     return out
@@ -213,8 +264,13 @@ def vision_to_hf(ours: dict[str, torch.Tensor], enc) -> dict[str, torch.Tensor]:
         q, o = f"{P}encoder.layers.{i}.", f"vit.decoder.layers.{i}."
         for kind in ("weight", "bias"):
             qq, kk, vv = split_qkv(ours[f"{o}self_attention.linear_qkv.{kind}"], n, n, h // n)
-            out.update({f"{q}self_attn.q_proj.{kind}": qq, f"{q}self_attn.k_proj.{kind}": kk,
-                        f"{q}self_attn.v_proj.{kind}": vv})
+            out.update(
+                {
+                    f"{q}self_attn.q_proj.{kind}": qq,
+                    f"{q}self_attn.k_proj.{kind}": kk,
+                    f"{q}self_attn.v_proj.{kind}": vv,
+                }
+            )
             for hf, ours_name in _VISION_LAYER_RENAMES:
                 out[f"{q}{hf}.{kind}"] = ours[f"{o}{ours_name}.{kind}"]
     return out
@@ -235,5 +291,3 @@ def projector_to_hf(ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every tensor as its own contiguous storage (safetensors refuses shared or strided views)."""
     return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
-
-

@@ -6,6 +6,7 @@ starts from different weights. Here every parameter's *full* tensor is drawn fro
 by (seed, module name, the parameter's global name) and this rank keeps its TP shard: every layout
 (TP, CP, PP, DP) starts from identical weights.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -64,6 +65,11 @@ def deterministic_init(
         full = torch.randn(shape, generator=g, dtype=torch.float32) * std
         if split:
             stride = getattr(p, "partition_stride", 1)
-            full = torch.cat([block.chunk(tp_size, dim=p.partition_dim)[tp_rank]
-                              for block in full.chunk(stride, dim=p.partition_dim)], dim=p.partition_dim)
+            full = torch.cat(
+                [
+                    block.chunk(tp_size, dim=p.partition_dim)[tp_rank]
+                    for block in full.chunk(stride, dim=p.partition_dim)
+                ],
+                dim=p.partition_dim,
+            )
         p.copy_(full.to(dtype=p.dtype, device=p.device))

@@ -4,6 +4,7 @@ layer spec with the context-parallel core attention of :mod:`megatron_hetero.mod
 Model code, not a compat patch: it changes no Megatron object, it builds a spec from Megatron's own
 ``get_gpt_layer_local_spec`` with one submodule replaced.
 """
+
 from __future__ import annotations
 
 import copy

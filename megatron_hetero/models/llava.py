@@ -25,6 +25,7 @@
 Tensors between modules are `[batch, tokens, hidden]` (the boundary layout); inside modules
 Megatron's `[seq, batch, hidden]`.
 """
+
 from __future__ import annotations
 
 import re
@@ -124,21 +125,35 @@ class LlavaSpec:
         """The TransformerConfig fields of the language model's MoE layers on layout `m` ({} if dense)."""
         if not self.num_experts:
             return {}
-        return dict(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
-                    moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-                    moe_router_load_balancing_type="aux_loss" if self.moe_aux_loss_coeff > 0 else "none",
-                    moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, add_bias_linear=False,
-                    expert_model_parallel_size=m.ep, expert_tensor_parallel_size=m.expt_tp)
+        return dict(
+            num_moe_experts=self.num_experts,
+            moe_router_topk=self.moe_router_topk,
+            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            moe_router_load_balancing_type="aux_loss" if self.moe_aux_loss_coeff > 0 else "none",
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            add_bias_linear=False,
+            expert_model_parallel_size=m.ep,
+            expert_tensor_parallel_size=m.expt_tp,
+        )
 
     def language_config_kwargs(self) -> dict:
         """The TransformerConfig fields of the language model's architecture."""
         import torch.nn.functional as F
 
-        return dict(normalization=self.normalization, layernorm_epsilon=self.norm_epsilon,
-                    gated_linear_unit=self.swiglu, activation_func=F.silu if self.swiglu else F.gelu,
-                    bias_activation_fusion=False, add_bias_linear=self.add_bias_linear,
-                    add_qkv_bias=self.add_qkv_bias, num_query_groups=self.num_query_groups,
-                    kv_channels=self.kv_channels, apply_rope_fusion=False)
+        return dict(
+            normalization=self.normalization,
+            layernorm_epsilon=self.norm_epsilon,
+            gated_linear_unit=self.swiglu,
+            activation_func=F.silu if self.swiglu else F.gelu,
+            bias_activation_fusion=False,
+            add_bias_linear=self.add_bias_linear,
+            add_qkv_bias=self.add_qkv_bias,
+            num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels,
+            apply_rope_fusion=False,
+        )
 
     @classmethod
     def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
@@ -157,8 +172,9 @@ class LlavaSpec:
             if set(e) - enc_known:
                 raise ValueError(f"the checkpoint's encoder {name} has unknown fields {sorted(set(e) - enc_known)}")
         d["encoders"] = {n: EncoderSpec(**e) for n, e in d.get("encoders", {}).items()}
-        d["outputs"] = {n: OutputSpec(**{k: v for k, v in o.items() if k in out_known})
-                        for n, o in d.get("outputs", {}).items()}
+        d["outputs"] = {
+            n: OutputSpec(**{k: v for k, v in o.items() if k in out_known}) for n, o in d.get("outputs", {}).items()
+        }
         return cls(**d, seed=seed)
 
     def data_config(self) -> DataConfig:
@@ -170,8 +186,16 @@ class LlavaSpec:
         )
 
 
-def transformer_config(*, num_layers: int, hidden: int, heads: int, ffn: Optional[int], m: ModuleLayout,
-                       dtype: torch.dtype = torch.float32, **extra) -> TransformerConfig:
+def transformer_config(
+    *,
+    num_layers: int,
+    hidden: int,
+    heads: int,
+    ffn: Optional[int],
+    m: ModuleLayout,
+    dtype: torch.dtype = torch.float32,
+    **extra,
+) -> TransformerConfig:
     """Megatron config of one module on its own layout (fp32, no dropout, per-token loss: gradients
     are summed, not averaged, over DP x CP because the loss is already normalised globally)."""
     return TransformerConfig(
@@ -197,7 +221,9 @@ def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout
     segments must cover exactly layers 0..num_layers-1."""
     mods = plan_roles.language_modules(layout)
     if mods[0].layers is not None and mods[-1].layers.end + 1 != spec.num_layers:
-        raise ValueError(f"language segments cover layers 0-{mods[-1].layers.end} but --num-layers is {spec.num_layers}")
+        raise ValueError(
+            f"language segments cover layers 0-{mods[-1].layers.end} but --num-layers is {spec.num_layers}"
+        )
     return mods
 
 
@@ -206,8 +232,9 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str]
     ValueError with the arithmetic, before any group exists."""
     who = plan_roles.roles(layout)
     langs = set(who.language)
-    if spec.num_experts is not None and (spec.num_experts < 1 or spec.moe_router_topk < 1
-                                         or spec.moe_router_topk > spec.num_experts):
+    if spec.num_experts is not None and (
+        spec.num_experts < 1 or spec.moe_router_topk < 1 or spec.moe_router_topk > spec.num_experts
+    ):
         raise ValueError(f"--moe-router-topk {spec.moe_router_topk} must be in 1..--num-experts {spec.num_experts}")
     if spec.moe_aux_loss_coeff < 0:
         raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {spec.moe_aux_loss_coeff}")
@@ -216,28 +243,38 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str]
     for name in langs:
         m = layout.module(name)
         if spec.num_experts and m.ep > 1 and m.tp > 1:
-            raise ValueError(f"module {name}: ep({m.ep}) with tp({m.tp}) > 1 needs sequence parallelism in Megatron's "
-                             "MoE layers, which this model does not use; use tp 1 with ep > 1 (or ep 1)")
+            raise ValueError(
+                f"module {name}: ep({m.ep}) with tp({m.tp}) > 1 needs sequence parallelism in Megatron's "
+                "MoE layers, which this model does not use; use tp 1 with ep > 1 (or ep 1)"
+            )
     for name in who.outputs:
         if name not in spec.outputs:
-            raise ValueError(f"module {name} comes after the language model but the model has no output head "
-                             f"named {name} (output heads: {sorted(spec.outputs)})")
+            raise ValueError(
+                f"module {name} comes after the language model but the model has no output head "
+                f"named {name} (output heads: {sorted(spec.outputs)})"
+            )
         m, o = layout.module(name), spec.outputs[name]
         if m.pp != 1 or m.cp != 1:
             raise ValueError(f"module {name}: an output head runs with pp 1 and cp 1, got {m.arithmetic()}")
         if m.tp > 1 and o.hidden_size % m.tp:
             raise ValueError(f"module {name}: its hidden size {o.hidden_size} is not divisible by tp({m.tp})")
         if o.offset < 0 or o.offset + o.tokens > spec.seq_length:
-            raise ValueError(f"module {name}: positions [{o.offset}, {o.offset + o.tokens}) do not fit in "
-                             f"--seq-length {spec.seq_length}")
+            raise ValueError(
+                f"module {name}: positions [{o.offset}, {o.offset + o.tokens}) do not fit in "
+                f"--seq-length {spec.seq_length}"
+            )
         producers = layout.producers(name)
         if producers != [who.last_language]:
-            raise ValueError(f"output module {name} must have exactly one edge, '{who.last_language} -> {name}'; "
-                             f"its producers are {producers}")
+            raise ValueError(
+                f"output module {name} must have exactly one edge, '{who.last_language} -> {name}'; "
+                f"its producers are {producers}"
+            )
         lm = layout.module(who.last_language)
         if lm.cp != 1:
-            raise ValueError(f"module {lm.name}: cp({lm.cp}) > 1 with output module {name}: the output positions "
-                             "would be spread over CP ranks; use cp 1 on the language model")
+            raise ValueError(
+                f"module {lm.name}: cp({lm.cp}) > 1 with output module {name}: the output positions "
+                "would be spread over CP ranks; use cp 1 on the language model"
+            )
 
 
 def segment_layers(m: ModuleLayout, spec: LlavaSpec) -> RankRange:
@@ -253,12 +290,14 @@ def _is_expert(name: str) -> bool:
 
 def global_expert_name(name: str, first_expert: int) -> str:
     """`...experts.local_experts.3.x` with this EP rank's first global expert index added."""
-    return _EXPERT.sub(lambda mt: f"{mt.group(1)}experts.local_experts.{int(mt.group(2)) + first_expert}.", name,
-                       count=1)
+    return _EXPERT.sub(
+        lambda mt: f"{mt.group(1)}experts.local_experts.{int(mt.group(2)) + first_expert}.", name, count=1
+    )
 
 
-def build_projector(enc: "EncoderSpec", llm_hidden: int, m: ModuleLayout,
-                    pgs: ProcessGroupCollection) -> MultimodalProjector:
+def build_projector(
+    enc: "EncoderSpec", llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection
+) -> MultimodalProjector:
     """An encoder's projector: Megatron's MLP projector [.., enc.hidden_size] -> [.., llm_hidden] on the
     encoder module's TP group (column- then row-parallel)."""
     config = transformer_config(num_layers=1, hidden=llm_hidden, heads=enc.num_attention_heads, ffn=llm_hidden, m=m)
@@ -276,32 +315,48 @@ def freeze_trunk(module: torch.nn.Module) -> None:
 class EncoderModule(torch.nn.Module):
     """One encoder stage: [b, n, feature] -> (trunk) -> [b, n, llm_hidden] on the last stage."""
 
-    def __init__(self, name: str, enc: EncoderSpec, llm_hidden: int, m: ModuleLayout,
-                 pgs: ProcessGroupCollection, seed: int) -> None:
+    def __init__(
+        self, name: str, enc: EncoderSpec, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection, seed: int
+    ) -> None:
         super().__init__()
         if m.cp != 1:
-            raise ValueError(f"module {name}: encoders run with cp=1 (their sequence is bounded by the "
-                             f"input resolution, not the context); got cp={m.cp}")
+            raise ValueError(
+                f"module {name}: encoders run with cp=1 (their sequence is bounded by the "
+                f"input resolution, not the context); got cp={m.cp}"
+            )
         if enc.num_layers % m.pp:
             raise ValueError(f"module {name}: {enc.num_layers} encoder layers do not split over pp({m.pp})")
         self.name = name
         self.frozen = m.frozen
         self.pp_rank, self.pp_size = pgs.pp.rank(), m.pp
         self.first, self.last = self.pp_rank == 0, self.pp_rank == m.pp - 1
-        config = transformer_config(num_layers=enc.num_layers, hidden=enc.hidden_size,
-                                    heads=enc.num_attention_heads, ffn=None, m=m)
+        config = transformer_config(
+            num_layers=enc.num_layers, hidden=enc.hidden_size, heads=enc.num_attention_heads, ffn=None, m=m
+        )
         layer_spec = get_gpt_layer_local_spec()
         layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
         if self.first:
             self.patch_embed = torch.nn.Linear(enc.feature_dim, enc.hidden_size)
             self.position = torch.nn.Parameter(torch.empty(enc.tokens, enc.hidden_size))
-        self.trunk = TransformerBlock(config, layer_spec, post_layer_norm=self.last, pre_process=self.first,
-                                      post_process=self.last, pg_collection=pgs)
+        self.trunk = TransformerBlock(
+            config,
+            layer_spec,
+            post_layer_norm=self.last,
+            pre_process=self.first,
+            post_process=self.last,
+            pg_collection=pgs,
+        )
         if self.last:
             self.projector = build_projector(enc, llm_hidden, m, pgs)
         offset = self.trunk.layers[0].layer_number - 1 if len(self.trunk.layers) else 0
-        deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
-                           tp_size=pgs.tp.size(), layer_offset=offset)
+        deterministic_init(
+            self.named_parameters(),
+            seed=seed,
+            module=name,
+            tp_rank=pgs.tp.rank(),
+            tp_size=pgs.tp.size(),
+            layer_offset=offset,
+        )
         if self.frozen:
             freeze_trunk(self)
 
@@ -327,8 +382,16 @@ class EncoderModule(torch.nn.Module):
 class LanguageModule(torch.nn.Module):
     """One language-model segment stage (a Megatron GPTModel over the segment's layers)."""
 
-    def __init__(self, name: str, spec: LlavaSpec, m: ModuleLayout, pgs: ProcessGroupCollection,
-                 first_segment: bool, last_segment: bool, last_segment_feeds_outputs: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: LlavaSpec,
+        m: ModuleLayout,
+        pgs: ProcessGroupCollection,
+        first_segment: bool,
+        last_segment: bool,
+        last_segment_feeds_outputs: bool = False,
+    ) -> None:
         super().__init__()
         layers = segment_layers(m, spec)
         n_layers = layers.size
@@ -343,14 +406,24 @@ class LanguageModule(torch.nn.Module):
         self.last_stage = last_segment and pp_rank == m.pp - 1
         arch = spec.language_config_kwargs()
         arch.update(spec.moe_kwargs(m))
-        config = transformer_config(num_layers=n_layers, hidden=spec.hidden_size, heads=spec.num_attention_heads,
-                                    ffn=spec.ffn_hidden_size, m=m, **arch)
+        config = transformer_config(
+            num_layers=n_layers,
+            hidden=spec.hidden_size,
+            heads=spec.num_attention_heads,
+            ffn=spec.ffn_hidden_size,
+            m=m,
+            **arch,
+        )
         self.config = config
         if spec.num_experts:
             ensure_moe_without_te()
-        layer_spec = (get_gpt_layer_local_spec_with_cp(num_experts=spec.num_experts, moe_grouped_gemm=False,
-                                                       normalization=spec.normalization)
-                      if spec.num_experts else get_gpt_layer_local_spec_with_cp(normalization=spec.normalization))
+        layer_spec = (
+            get_gpt_layer_local_spec_with_cp(
+                num_experts=spec.num_experts, moe_grouped_gemm=False, normalization=spec.normalization
+            )
+            if spec.num_experts
+            else get_gpt_layer_local_spec_with_cp(normalization=spec.normalization)
+        )
         self.gpt = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
@@ -366,14 +439,26 @@ class LanguageModule(torch.nn.Module):
         self.model_type = self.gpt.model_type  # what Megatron's schedules look up on the wrapped model
         local_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
         dense = [(n, p) for n, p in self.named_parameters() if not _is_expert(n)]
-        deterministic_init(dense, seed=spec.seed, module="language", tp_rank=pgs.tp.rank(),
-                           tp_size=pgs.tp.size(), layer_offset=layers.start + local_offset)
+        deterministic_init(
+            dense,
+            seed=spec.seed,
+            module="language",
+            tp_rank=pgs.tp.rank(),
+            tp_size=pgs.tp.size(),
+            layer_offset=layers.start + local_offset,
+        )
         experts = [(n, p) for n, p in self.named_parameters() if _is_expert(n)]
         if experts:  # global expert index: local index + ep_rank * experts per EP rank
             local = spec.num_experts // pgs.ep.size()
             experts = [(global_expert_name(n, pgs.ep.rank() * local), p) for n, p in experts]
-            deterministic_init(experts, seed=spec.seed, module="language", tp_rank=pgs.expt_tp.rank(),
-                               tp_size=pgs.expt_tp.size(), layer_offset=layers.start + local_offset)
+            deterministic_init(
+                experts,
+                seed=spec.seed,
+                module="language",
+                tp_rank=pgs.expt_tp.rank(),
+                tp_size=pgs.expt_tp.size(),
+                layer_offset=layers.start + local_offset,
+            )
         self.last_hidden: Optional[torch.Tensor] = None  # the decoder's output of the last forward
         if self.last_stage and last_segment_feeds_outputs:
             self.gpt.decoder.register_forward_hook(self._keep_hidden)
@@ -405,8 +490,10 @@ class LanguageModule(torch.nn.Module):
             if where.numel() == 0 and got.numel() == 0:  # this CP rank's chunks hold none of its placeholders
                 continue
             if got.dim() != 3 or got.shape[1] != where.numel():
-                raise ValueError(f"module {self.name}: encoder {name} delivered {tuple(got.shape)} to CP rank "
-                                 f"{self.cp_rank}, its chunks hold {where.numel()} placeholders")
+                raise ValueError(
+                    f"module {self.name}: encoder {name} delivered {tuple(got.shape)} to CP rank "
+                    f"{self.cp_rank}, its chunks hold {where.numel()} placeholders"
+                )
             local = local.index_copy(0, where, got.transpose(0, 1).to(local.dtype))
         return local
 
@@ -424,16 +511,20 @@ class OutputModule(torch.nn.Module):
     """An output head on its own layout: [b, tokens, llm_hidden] -> MLP (Megatron's column- then
     row-parallel linear on the module's TP group) -> [b, tokens, out_dim]."""
 
-    def __init__(self, name: str, out: OutputSpec, llm_hidden: int, m: ModuleLayout,
-                 pgs: ProcessGroupCollection, seed: int) -> None:
+    def __init__(
+        self, name: str, out: OutputSpec, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection, seed: int
+    ) -> None:
         super().__init__()
         self.name, self.spec, self.frozen = name, out, m.frozen
-        config = transformer_config(num_layers=1, hidden=out.out_dim, heads=m.tp, ffn=out.hidden_size, m=m)  # heads unused
+        config = transformer_config(
+            num_layers=1, hidden=out.out_dim, heads=m.tp, ffn=out.hidden_size, m=m
+        )  # heads unused
         self.config = config
         mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
         self.head = MultimodalProjector(config, mlp, "mlp", input_size=llm_hidden, tp_group=pgs.tp)
-        deterministic_init(self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(),
-                           tp_size=pgs.tp.size())
+        deterministic_init(
+            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
+        )
         if self.frozen:
             for p in self.parameters():
                 p.requires_grad_(False)

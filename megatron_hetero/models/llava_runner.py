@@ -14,6 +14,7 @@ by the same global count of language loss tokens. With experts, Megatron's load-
 enters the gradient with the weight of the micro-batch's tokens over that count (the scale Megatron
 uses with per-token loss: `MoEAuxLossAutoScaler` scale 1/loss_tokens), and `aux_losses` reports it.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional, Union
@@ -82,8 +83,13 @@ class LlavaStageRunner(StageRunner):
         spec = self.spec
         if edge.src in spec.encoders:
             enc = spec.encoders[edge.src]
-            return EdgeTensor(seq=enc.tokens, hidden=spec.hidden_size, dst_seq=spec.seq_length, dst_offset=enc.offset,
-                              dtype=spec.dtype)
+            return EdgeTensor(
+                seq=enc.tokens,
+                hidden=spec.hidden_size,
+                dst_seq=spec.seq_length,
+                dst_offset=enc.offset,
+                dtype=spec.dtype,
+            )
         if edge.dst in spec.outputs:
             start, end = self.output_span()
             return EdgeTensor(seq=end - start, hidden=spec.hidden_size, dtype=spec.dtype)
@@ -99,8 +105,9 @@ class LlavaStageRunner(StageRunner):
     def model(self, module: str) -> torch.nn.Module:
         return self.states[module].model
 
-    def forward(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
-                stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
+    def forward(
+        self, module: str, samples: range, inputs: Mapping[str, torch.Tensor], stage_input: Optional[torch.Tensor]
+    ) -> Union[torch.Tensor, LossSum]:
         if module in self.spec.encoders:
             return self._encoder(module, samples, stage_input)
         if module in self.spec.outputs:
@@ -111,7 +118,7 @@ class LlavaStageRunner(StageRunner):
         (x,) = inputs.values()  # [rows, span, hidden] from the language model
         o: OutputSpec = self.spec.outputs[module]
         start, _ = self.output_span()
-        x = x[:, o.offset - start:o.offset - start + o.tokens]
+        x = x[:, o.offset - start : o.offset - start + o.tokens]
         y = self.states[module].model(x)
         target = output_target(self.spec.seed, module, o, samples).to(device=y.device, dtype=y.dtype)
         loss_sum = (y - target).pow(2).mean(-1).sum()
@@ -123,8 +130,9 @@ class LlavaStageRunner(StageRunner):
             x = self.batch(samples)["features"][module].to(self.device, self.spec.dtype)
         return self.states[module].model(x)
 
-    def _language(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
-                  stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
+    def _language(
+        self, module: str, samples: range, inputs: Mapping[str, torch.Tensor], stage_input: Optional[torch.Tensor]
+    ) -> Union[torch.Tensor, LossSum]:
         lang, model, me = self.states[module].module, self.states[module].model, self.plan.modules[module]
         b = self.batch(samples)
         hidden = None

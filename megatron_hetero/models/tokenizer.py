@@ -14,6 +14,7 @@ EOS); the image placeholder id stays `PLACEHOLDER_ID`: the language model overwr
 at placeholder positions with the encoder's tokens and the loss never covers them, so its value only
 has to be a valid id.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,8 +79,13 @@ def load_tokenizer(path: Optional[str] = None) -> CaptionTokenizer:
         raise ValueError(f"--tokenizer-model {file}: no end-of-sequence token (looked for {', '.join(EOS_NAMES)})")
     bos = _find(tok, BOS_NAMES)
     pad = _find(tok, PAD_NAMES)
-    return CaptionTokenizer(tok, bos_id=eos if bos is None else bos, eos_id=eos, pad_id=eos if pad is None else pad,
-                            name="shipped" if path is None else str(file))
+    return CaptionTokenizer(
+        tok,
+        bos_id=eos if bos is None else bos,
+        eos_id=eos,
+        pad_id=eos if pad is None else pad,
+        name="shipped" if path is None else str(file),
+    )
 
 
 def train_caption_bpe(texts: Iterable[str], vocab_size: int = 320):
@@ -91,8 +97,12 @@ def train_caption_bpe(texts: Iterable[str], vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(list(texts), trainer=trainer)
     return tok
 

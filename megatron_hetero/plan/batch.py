@@ -3,6 +3,7 @@
 One rule everywhere (boundary plans, both schedules, the data): DP rank d of a module owns the
 contiguous rows [d*B/dp, (d+1)*B/dp) of any batch of B rows crossing or entering that module.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,31 +48,37 @@ class MicroBatching:
         return sample_range(self.first_sample(step, mb), self.samples, dp, dp_rank)
 
 
-def micro_batching(global_batch: int, dp: int, micro_batch_size: int, what: str = "the language model") -> MicroBatching:
+def micro_batching(
+    global_batch: int, dp: int, micro_batch_size: int, what: str = "the language model"
+) -> MicroBatching:
     """Megatron's arithmetic: M = G / dp / micro_batch_size micro-batches per step for the module
     (`what`) whose DP size and per-rank micro-batch size define it. ValueError with the arithmetic."""
     for name, v in (("--global-batch-size", global_batch), ("--micro-batch-size", micro_batch_size), ("dp", dp)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if global_batch % dp:
-        raise ValueError(f"{what}: --global-batch-size {global_batch} is not divisible by dp({dp}) "
-                         f"(remainder {global_batch % dp})")
+        raise ValueError(
+            f"{what}: --global-batch-size {global_batch} is not divisible by dp({dp}) (remainder {global_batch % dp})"
+        )
     share = global_batch // dp
     if share % micro_batch_size:
-        raise ValueError(f"{what}: its DP share {global_batch}/dp({dp}) = {share} samples is not divisible by "
-                         f"--micro-batch-size {micro_batch_size}")
+        raise ValueError(
+            f"{what}: its DP share {global_batch}/dp({dp}) = {share} samples is not divisible by "
+            f"--micro-batch-size {micro_batch_size}"
+        )
     return MicroBatching(global_batch=global_batch, count=share // micro_batch_size)
 
 
 def check_divides(mb: MicroBatching, dp: int, what: str) -> None:
     """ValueError unless every micro-batch of `mb` splits over `dp` DP ranks."""
     if mb.samples % dp:
-        raise ValueError(f"{what}: a micro-batch holds {mb.global_batch}/{mb.count} = {mb.samples} samples, "
-                         f"which is not divisible by dp({dp}) (remainder {mb.samples % dp})")
+        raise ValueError(
+            f"{what}: a micro-batch holds {mb.global_batch}/{mb.count} = {mb.samples} samples, "
+            f"which is not divisible by dp({dp}) (remainder {mb.samples % dp})"
+        )
 
 
-def megatron_micro_batch(first: int, global_batch: int, dp: int, dp_rank: int, micro_batch_size: int,
-                         mb: int) -> range:
+def megatron_micro_batch(first: int, global_batch: int, dp: int, dp_rank: int, micro_batch_size: int, mb: int) -> range:
     """Megatron's data-parallel order (the colocated language model): DP rank d takes the contiguous
     share [first + d*G/dp, first + (d+1)*G/dp) of the step and runs it as micro-batches of
     `micro_batch_size` in order; returns the global samples of its micro-batch `mb`."""

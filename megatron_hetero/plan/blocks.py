@@ -4,6 +4,7 @@ blocks between ranks, and Megatron's load-balanced context-parallel chunking.
 Pure data, no torch. Shared by the direct plan (`plan/boundary.py`), the leader route
 (`plan/route.py`) and `models.cp_attention.cp_chunk_positions` (the one definition of the CP chunks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -26,6 +26,7 @@ Two modes:
   position broadcasts down its DP x CP column; every rank then selects its interval. Its explicit
   steps are `BoundaryPlan.route` (`plan/route.py`), and its priced bytes are those steps' bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -38,8 +39,21 @@ from megatron_hetero.plan.placement import coord_of, stage_ranks
 from megatron_hetero.plan.route import LeaderRoute, leaders, plan_leader_route
 
 __all__ = [
-    "MODES", "TRANSFORMS", "Block", "BoundaryPlan", "BoundaryShape", "ModeCost", "Transfer", "check_shape",
-    "needed_blocks", "owned_blocks", "plan_all", "plan_boundary", "route", "seq_chunks", "transform_of",
+    "MODES",
+    "TRANSFORMS",
+    "Block",
+    "BoundaryPlan",
+    "BoundaryShape",
+    "ModeCost",
+    "Transfer",
+    "check_shape",
+    "needed_blocks",
+    "owned_blocks",
+    "plan_all",
+    "plan_boundary",
+    "route",
+    "seq_chunks",
+    "transform_of",
 ]
 
 TRANSFORMS = ("equal-dp", "fan-in", "fan-out")
@@ -179,8 +193,10 @@ def check_shape(edge: Edge, src: ModuleLayout, dst: ModuleLayout, shape: Boundar
         for name in ("dst_seq", "dst_offset"):
             v = getattr(shape, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "dst_seq" else 0):
-                raise ValueError(f"edge {edge}: {name} must be a {'positive' if name == 'dst_seq' else 'non-negative'} "
-                                 f"integer, got {v!r}")
+                raise ValueError(
+                    f"edge {edge}: {name} must be a {'positive' if name == 'dst_seq' else 'non-negative'} "
+                    f"integer, got {v!r}"
+                )
         if shape.dst_offset + shape.seq > shape.dst_seq:
             raise ValueError(
                 f"edge {edge}: placeholder span [{shape.dst_offset}, {shape.dst_offset}+{shape.seq}) does not fit "
@@ -206,9 +222,7 @@ def check_shape(edge: Edge, src: ModuleLayout, dst: ModuleLayout, shape: Boundar
 
 
 def route(
-    holders: dict[int, tuple[Block, ...]],
-    needers: dict[int, tuple[Block, ...]],
-    pick: dict[int, int],
+    holders: dict[int, tuple[Block, ...]], needers: dict[int, tuple[Block, ...]], pick: dict[int, int]
 ) -> list[Transfer]:
     """Direct routing: every needed element comes from exactly one holder.
 
@@ -235,7 +249,9 @@ def route(
     return out
 
 
-def _min_bytes(holders: dict[int, tuple[Block, ...]], needers: dict[int, tuple[Block, ...]], shape: BoundaryShape) -> int:
+def _min_bytes(
+    holders: dict[int, tuple[Block, ...]], needers: dict[int, tuple[Block, ...]], shape: BoundaryShape
+) -> int:
     """Elements each needer needs and does not already hold, summed over needers, in bytes."""
     total = 0
     for n, needs in needers.items():

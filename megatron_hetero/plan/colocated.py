@@ -37,6 +37,7 @@ executes the tables and never recomputes rank arithmetic. `check_colocated_table
 tables together: every pipeline send has its receive in the same order, every rank reaches the same
 collectives in the same order, and nothing waits forever.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -131,8 +132,10 @@ class LanguagePhase:
     def __str__(self) -> str:
         kind = "forward-only" if self.forward_only else "1F1B"
         warm = "" if self.forward_only else f", warm-up {self.warmup}"
-        return (f"{kind} {self.module}/{self.stage} of pp {self.pp}: {self.micro_batches} micro-batches of "
-                f"{self.micro_batch_size} (rows {self.rows.start}-{self.rows.stop - 1}){warm}")
+        return (
+            f"{kind} {self.module}/{self.stage} of pp {self.pp}: {self.micro_batches} micro-batches of "
+            f"{self.micro_batch_size} (rows {self.rows.start}-{self.rows.stop - 1}){warm}"
+        )
 
 
 @dataclass(frozen=True)
@@ -169,8 +172,9 @@ class Collective:
         return self.kind
 
 
-ColocatedAction = Union[PipeSend, PipeRecv, EncoderForward, EncoderBackward, BoundaryCall, LanguagePhase,
-                        OutputStep, StateMove, Collective]
+ColocatedAction = Union[
+    PipeSend, PipeRecv, EncoderForward, EncoderBackward, BoundaryCall, LanguagePhase, OutputStep, StateMove, Collective
+]
 
 
 @dataclass(frozen=True)
@@ -229,8 +233,13 @@ def _encoder_backward(layout: HeteroLayout, name: str, rank: int, global_batch: 
     return acts
 
 
-def colocated_tables(layout: HeteroLayout, global_batch: int, micro_batch_size: int,
-                     offload_encoders: bool = False, who: Optional[Roles] = None) -> dict[int, ColocatedTable]:
+def colocated_tables(
+    layout: HeteroLayout,
+    global_batch: int,
+    micro_batch_size: int,
+    offload_encoders: bool = False,
+    who: Optional[Roles] = None,
+) -> dict[int, ColocatedTable]:
     """{rank: its table} for a resolved colocated layout (see the module docstring). ValueError
     for layouts this schedule cannot run (not colocated, several language segments, batch arithmetic)."""
     if layout.placement != "colocated":
@@ -244,8 +253,10 @@ def colocated_tables(layout: HeteroLayout, global_batch: int, micro_batch_size: 
         dp_rows(global_batch, layout.module(name).dp, 0)  # ValueError when dp does not divide G
     for name in who.outputs:
         if layout.module(name).pp != 1:
-            raise ValueError(f"module {name}: an output module runs with pp 1 in colocated placement, "
-                             f"got pp({layout.module(name).pp})")
+            raise ValueError(
+                f"module {name}: an output module runs with pp 1 in colocated placement, "
+                f"got pp({layout.module(name).pp})"
+            )
     tables = {}
     for rank in range(layout.world_size):
         lc: Coord = coord_of(lang, rank)
@@ -253,30 +264,45 @@ def colocated_tables(layout: HeteroLayout, global_batch: int, micro_batch_size: 
         for name in who.encoders:
             m = layout.module(name)
             phase1 += _encoder_forward(layout, name, rank, global_batch)
-            phase1.append(BoundaryCall(f"{name}->{lang.name}", "forward", src=coord_of(m, rank).pp == m.pp - 1,
-                                       dst=lc.pp == 0))
+            phase1.append(
+                BoundaryCall(f"{name}->{lang.name}", "forward", src=coord_of(m, rank).pp == m.pp - 1, dst=lc.pp == 0)
+            )
         phase2: list = [StateMove("offload", who.encoders)] if offload_encoders and who.encoders else []
         lrows = dp_rows(global_batch, lang.dp, lc.dp)
         if who.outputs:
-            phase2.append(LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, 0, lrows,
-                                        forward_only=True))
+            phase2.append(
+                LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, 0, lrows, forward_only=True)
+            )
             for name in who.outputs:
                 om = layout.module(name)
                 edge = f"{lang.name}->{name}"
-                phase2 += [BoundaryCall(edge, "forward", src=lc.pp == lang.pp - 1, dst=True),
-                           OutputStep(name, dp_rows(global_batch, om.dp, coord_of(om, rank).dp)),
-                           BoundaryCall(edge, "backward", src=lc.pp == lang.pp - 1, dst=True)]
-        phase2 += [LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size,
-                                min(mbs.count, lang.pp - lc.pp - 1), lrows)]
+                phase2 += [
+                    BoundaryCall(edge, "forward", src=lc.pp == lang.pp - 1, dst=True),
+                    OutputStep(name, dp_rows(global_batch, om.dp, coord_of(om, rank).dp)),
+                    BoundaryCall(edge, "backward", src=lc.pp == lang.pp - 1, dst=True),
+                ]
+        phase2 += [
+            LanguagePhase(
+                lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, min(mbs.count, lang.pp - lc.pp - 1), lrows
+            )
+        ]
         phase3: list = [StateMove("restore", who.encoders)] if offload_encoders and who.encoders else []
         for name in reversed(who.encoders):
             m = layout.module(name)
-            phase3.append(BoundaryCall(f"{name}->{lang.name}", "backward", src=coord_of(m, rank).pp == m.pp - 1,
-                                       dst=lc.pp == 0))
+            phase3.append(
+                BoundaryCall(f"{name}->{lang.name}", "backward", src=coord_of(m, rank).pp == m.pp - 1, dst=lc.pp == 0)
+            )
             phase3 += _encoder_backward(layout, name, rank, global_batch)
         close = [Collective("grad-sync"), Collective("optimizer"), Collective("loss-reduce")]
-        tables[rank] = ColocatedTable(rank, (("phase 1", tuple(phase1)), ("phase 2", tuple(phase2)),
-                                             ("phase 3", tuple(phase3)), ("close", tuple(close))))
+        tables[rank] = ColocatedTable(
+            rank,
+            (
+                ("phase 1", tuple(phase1)),
+                ("phase 2", tuple(phase2)),
+                ("phase 3", tuple(phase3)),
+                ("close", tuple(close)),
+            ),
+        )
     return tables
 
 
@@ -317,19 +343,31 @@ def check_colocated_tables(tables: dict[int, ColocatedTable]) -> int:
         if not waiting:
             break
         if all(isinstance(a, _GLOBAL) for a in waiting.values()) and len(waiting) == len(tables):
-            kinds = {type(a).__name__ + ":" + (a.edge + a.direction if isinstance(a, BoundaryCall) else
-                                                 f"{a.module}{a.forward_only}" if isinstance(a, LanguagePhase)
-                                                 else a.kind)
-                     for a in waiting.values()}
+            kinds = {
+                type(a).__name__
+                + ":"
+                + (
+                    a.edge + a.direction
+                    if isinstance(a, BoundaryCall)
+                    else f"{a.module}{a.forward_only}"
+                    if isinstance(a, LanguagePhase)
+                    else a.kind
+                )
+                for a in waiting.values()
+            }
             if len(kinds) != 1:
-                raise ValueError("ranks reach different collectives: " +
-                                 ", ".join(f"rank {r}: {a}" for r, a in sorted(waiting.items())))
+                raise ValueError(
+                    "ranks reach different collectives: "
+                    + ", ".join(f"rank {r}: {a}" for r, a in sorted(waiting.items()))
+                )
             for r in tables:
                 pos[r] += 1
             continue
         if not progressed:
-            raise ValueError("the colocated tables deadlock: " +
-                             ", ".join(f"rank {r} waits in '{a}'" for r, a in sorted(waiting.items())))
+            raise ValueError(
+                "the colocated tables deadlock: "
+                + ", ".join(f"rank {r} waits in '{a}'" for r, a in sorted(waiting.items()))
+            )
     left = {k: v for k, v in wires.items() if v}
     if left:
         raise ValueError(f"pipeline messages never received: {left}")

@@ -5,6 +5,7 @@ then pp (`order="tp-cp-ep-dp-pp"` with the dense grid's ep=1). Expert coordinate
 MoE parallel folding: inside one pipeline stage the expert grid is expt_tp fastest, then ep, then
 expert-dp, over the same ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -12,6 +12,7 @@ downstream of the (last) language module are **output modules** (e.g. a `generat
 the language model's hidden states of some positions to an output with its own loss). A module that
 is neither is an error.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,22 +59,28 @@ def language_modules(layout: HeteroLayout) -> list[ModuleLayout]:
         for m in mods:
             assert m.layers is not None  # with_layers holds only these
             if m.layers.start != expect:
-                raise ValueError(f"language segments must cover their layers in order from 0; {m.name} starts at "
-                                 f"layer {m.layers.start}, expected {expect}")
+                raise ValueError(
+                    f"language segments must cover their layers in order from 0; {m.name} starts at "
+                    f"layer {m.layers.start}, expected {expect}"
+                )
             expect = m.layers.end + 1
         return mods
     declared = [m for m in layout.modules if getattr(m, "role", None) == "language"]
     if len(declared) > 1:
-        raise ValueError(f"{len(declared)} modules declare role: language ({[m.name for m in declared]}); one "
-                         "language model per layout (segments declare `layers: A-B` instead)")
+        raise ValueError(
+            f"{len(declared)} modules declare role: language ({[m.name for m in declared]}); one "
+            "language model per layout (segments declare `layers: A-B` instead)"
+        )
     if declared:
         return declared
     if "language" in layout.names:
         return [layout.module("language")]
     sinks = [m for m in layout.modules if not layout.consumers(m.name)]
     if len(sinks) != 1:
-        raise ValueError(f"no module is the language model: name it `language`, or give it `role: language` "
-                         f"(the graph has {len(sinks)} sinks {[m.name for m in sinks]}; segments declare `layers: A-B`)")
+        raise ValueError(
+            f"no module is the language model: name it `language`, or give it `role: language` "
+            f"(the graph has {len(sinks)} sinks {[m.name for m in sinks]}; segments declare `layers: A-B`)"
+        )
     return sinks
 
 
@@ -81,7 +88,7 @@ def _reach(layout: HeteroLayout, start: str, forward: bool) -> set[str]:
     seen, todo = set(), [start]
     while todo:
         n = todo.pop()
-        for nxt in (layout.consumers(n) if forward else layout.producers(n)):
+        for nxt in layout.consumers(n) if forward else layout.producers(n):
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)

@@ -32,6 +32,7 @@ Every step lists its transfers (a broadcast as one transfer of its region from t
 other member); the bytes of a direction are the bytes of its non-local transfers, which is what the
 plan prices as the hierarchical mode (`ModeCost`, forward).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -100,8 +101,10 @@ class RouteStep:
     def describe(self, shape: BoundaryShape) -> str:
         where = f" over {self.module}:{self.pg}" if self.kind == "broadcast" else ""
         msgs = len({(t.src, t.dst) for t in self.transfers if not t.local})  # pieces to one peer travel together
-        return (f"{self.kind:<9} {self.label}: root {self.root}, group {list(self.group)}{where}, "
-                f"{msgs} message{'s' if msgs != 1 else ''}, {self.bytes(shape)} B")
+        return (
+            f"{self.kind:<9} {self.label}: root {self.root}, group {list(self.group)}{where}, "
+            f"{msgs} message{'s' if msgs != 1 else ''}, {self.bytes(shape)} B"
+        )
 
 
 @dataclass(frozen=True)
@@ -147,8 +150,9 @@ def leaders(src: ModuleLayout, dst: ModuleLayout) -> tuple[tuple[int, ...], int]
     return tuple(rank_of(src, dp=d, pp=src.pp - 1) for d in range(src.dp)), rank_of(dst)
 
 
-def _p2p(direction: str, kind: str, label: str, root: int, transfers: list[Transfer],
-         regions: dict[int, Block]) -> RouteStep:
+def _p2p(
+    direction: str, kind: str, label: str, root: int, transfers: list[Transfer], regions: dict[int, Block]
+) -> RouteStep:
     group = sorted({t.src for t in transfers} | {t.dst for t in transfers} | {root})
     for r, region in regions.items():  # internal invariant: each assembled rectangle is tiled exactly
         into = [t.block for t in transfers if t.dst == r]
@@ -157,16 +161,31 @@ def _p2p(direction: str, kind: str, label: str, root: int, transfers: list[Trans
     return RouteStep(direction, kind, label, root, tuple(group), tuple(transfers), tuple(sorted(regions.items())))
 
 
-def _broadcast(direction: str, label: str, root: int, group: list[int], region: Block, module: str,
-               pg: str) -> RouteStep:
+def _broadcast(
+    direction: str, label: str, root: int, group: list[int], region: Block, module: str, pg: str
+) -> RouteStep:
     assert root in group, (label, root, group)
     transfers = tuple(Transfer(root, r, region) for r in sorted(group) if r != root)
-    return RouteStep(direction, "broadcast", label, root, tuple(sorted(group)), transfers,
-                     tuple((r, region) for r in sorted(group)), module=module, pg=pg)
+    return RouteStep(
+        direction,
+        "broadcast",
+        label,
+        root,
+        tuple(sorted(group)),
+        transfers,
+        tuple((r, region) for r in sorted(group)),
+        module=module,
+        pg=pg,
+    )
 
 
-def plan_leader_route(src: ModuleLayout, dst: ModuleLayout, shape: BoundaryShape,
-                      holds: dict[int, tuple[Block, ...]], needs: dict[int, tuple[Block, ...]]) -> LeaderRoute:
+def plan_leader_route(
+    src: ModuleLayout,
+    dst: ModuleLayout,
+    shape: BoundaryShape,
+    holds: dict[int, tuple[Block, ...]],
+    needs: dict[int, tuple[Block, ...]],
+) -> LeaderRoute:
     """The leader route of a disjoint src -> dst edge; `holds`/`needs` are the plan's ownership."""
     src_leaders, dst_leader = leaders(src, dst)
     last = src.pp - 1
@@ -181,35 +200,86 @@ def plan_leader_route(src: ModuleLayout, dst: ModuleLayout, shape: BoundaryShape
         for d, leader in enumerate(src_leaders):
             members = [rank_of(src, cp=k, dp=d, pp=last) for k in range(src.cp)]
             pieces = [Transfer(m, leader, b) for m in members for b in holds[m]]
-            fwd.append(_p2p("forward", "gather", f"source CP gather ({src.name} dp{d})", leader, pieces,
-                            {leader: shards[d]}))
-    fwd.append(_p2p("forward", "gather", "leader send", dst_leader,
-                    [Transfer(leader, dst_leader, shards[d]) for d, leader in enumerate(src_leaders)],
-                    {dst_leader: whole}))
+            fwd.append(
+                _p2p("forward", "gather", f"source CP gather ({src.name} dp{d})", leader, pieces, {leader: shards[d]})
+            )
+    fwd.append(
+        _p2p(
+            "forward",
+            "gather",
+            "leader send",
+            dst_leader,
+            [Transfer(leader, dst_leader, shards[d]) for d, leader in enumerate(src_leaders)],
+            {dst_leader: whole},
+        )
+    )
     if dst.tp > 1:
-        fwd.append(_broadcast("forward", f"TP-row broadcast ({dst.name})", dst_leader,
-                              [rank_of(dst, tp=t) for t in range(dst.tp)], whole, dst.name, "tp"))
+        fwd.append(
+            _broadcast(
+                "forward",
+                f"TP-row broadcast ({dst.name})",
+                dst_leader,
+                [rank_of(dst, tp=t) for t in range(dst.tp)],
+                whole,
+                dst.name,
+                "tp",
+            )
+        )
     if dst.dp * dst.cp > 1:
         for t in range(dst.tp):
             column = [rank_of(dst, tp=t, cp=c, dp=d) for d in range(dst.dp) for c in range(dst.cp)]
-            fwd.append(_broadcast("forward", f"DP x CP column broadcast ({dst.name} tp{t})", rank_of(dst, tp=t),
-                                  column, whole, dst.name, "dp_cp"))
+            fwd.append(
+                _broadcast(
+                    "forward",
+                    f"DP x CP column broadcast ({dst.name} tp{t})",
+                    rank_of(dst, tp=t),
+                    column,
+                    whole,
+                    dst.name,
+                    "dp_cp",
+                )
+            )
 
     bwd: list[RouteStep] = []
     suppliers = [r for r in sorted(needs) if coord_of(dst, r).tp == 0 and needs[r]]
-    bwd.append(_p2p("backward", "gather", f"gradient gather ({dst.name} tp0)", dst_leader,
-                    [Transfer(r, dst_leader, b) for r in suppliers for b in needs[r]], {dst_leader: whole}))
-    bwd.append(_p2p("backward", "scatter", "gradient leader send", dst_leader,
-                    [Transfer(dst_leader, leader, shards[d]) for d, leader in enumerate(src_leaders)],
-                    {leader: shards[d] for d, leader in enumerate(src_leaders)}))
+    bwd.append(
+        _p2p(
+            "backward",
+            "gather",
+            f"gradient gather ({dst.name} tp0)",
+            dst_leader,
+            [Transfer(r, dst_leader, b) for r in suppliers for b in needs[r]],
+            {dst_leader: whole},
+        )
+    )
+    bwd.append(
+        _p2p(
+            "backward",
+            "scatter",
+            "gradient leader send",
+            dst_leader,
+            [Transfer(dst_leader, leader, shards[d]) for d, leader in enumerate(src_leaders)],
+            {leader: shards[d] for d, leader in enumerate(src_leaders)},
+        )
+    )
     if src.tp * src.cp > 1:
         for d, leader in enumerate(src_leaders):
             group = [rank_of(src, tp=t, cp=c, dp=d, pp=last) for c in range(src.cp) for t in range(src.tp)]
-            bwd.append(_broadcast("backward", f"source TP x CP broadcast ({src.name} dp{d})", leader, group,
-                                  shards[d], src.name, "tp_cp"))
+            bwd.append(
+                _broadcast(
+                    "backward",
+                    f"source TP x CP broadcast ({src.name} dp{d})",
+                    leader,
+                    group,
+                    shards[d],
+                    src.name,
+                    "tp_cp",
+                )
+            )
 
     # Serial hops of the forward path: the CP gather, one message per source leader into the single
     # destination leader, then the two broadcast levels.
     hops = (1 if src.cp > 1 else 0) + src.dp + (1 if dst.tp > 1 else 0) + (1 if dst.dp * dst.cp > 1 else 0)
-    return LeaderRoute(shape=shape, src_leaders=src_leaders, dst_leader=dst_leader, forward=tuple(fwd),
-                       backward=tuple(bwd), hops=hops)
+    return LeaderRoute(
+        shape=shape, src_leaders=src_leaders, dst_leader=dst_leader, forward=tuple(fwd), backward=tuple(bwd), hops=hops
+    )

@@ -42,6 +42,7 @@ local 1F1B order puts F(k) before B(i) exactly when k <= d(S) + i; each of these
 from a smaller to a larger potential, so the waits-for relation has no cycle.
 `schedule_check.check_tables` verifies this (and more) by simulation for any given tables.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -218,7 +219,7 @@ class StageTable:
         """'F0 F1 | F2 B0 F3 B1 | B2 B3': compute order, warm-up | steady | cool-down ('-' if empty)."""
         ops = [a.short() for a in self.compute()]
         w, s = self.warmup, 2 * self.steady
-        parts = [" ".join(ops[:w]), " ".join(ops[w:w + s]), " ".join(ops[w + s:])]
+        parts = [" ".join(ops[:w]), " ".join(ops[w : w + s]), " ".join(ops[w + s :])]
         return " | ".join(p or "-" for p in parts)
 
 
@@ -396,8 +397,14 @@ def build_tables(
         actions += grads.get(len(order), [])
         f, b = costs[st.module]
         tables[st] = StageTable(
-            stage=st, actions=tuple(actions), warmup=w, steady=micro_batches - w, cooldown=w,
-            ranks=graph.ranks[st], forward_cost=f, backward_cost=b,
+            stage=st,
+            actions=tuple(actions),
+            warmup=w,
+            steady=micro_batches - w,
+            cooldown=w,
+            ranks=graph.ranks[st],
+            forward_cost=f,
+            backward_cost=b,
         )
     return tables
 

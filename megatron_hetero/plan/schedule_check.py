@@ -29,13 +29,22 @@ and reports the makespan, per-stage busy/idle time and the bubble fraction
 `chain_bubble(P, M)` is the analytic 1F1B bubble (P-1)/(M+P-1) of a linear chain of P stages with
 equal stage costs, for cross-checking the simulation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NoReturn, Optional, Union
 
 from megatron_hetero.plan.schedule import (
-    Backward, Forward, Link, RecvAct, SendAct, Stage, StageGraph, StageTable, stage_graph,
+    Backward,
+    Forward,
+    Link,
+    RecvAct,
+    SendAct,
+    Stage,
+    StageGraph,
+    StageTable,
+    stage_graph,
 )
 
 
@@ -336,7 +345,9 @@ def simulate_rendezvous(
                             ops[_key(a)] = -1.0
                         else:
                             peer, t_peer = other
-                            done = max(clock[st], t_peer) + _latency_of(latency, (a[1] if isinstance(a, tuple) else a).link)
+                            done = max(clock[st], t_peer) + _latency_of(
+                                latency, (a[1] if isinstance(a, tuple) else a).link
+                            )
                             ops[_key(a)] = done
                             pending[peer][_counterpart(a)] = done
                     pending[st] = ops
@@ -351,9 +362,10 @@ def simulate_rendezvous(
         lines = []
         for st in blocked:
             open_ops = [k for k, v in pending.get(st, {}).items() if v < 0]
-            lines.append(f"stage {st} blocked in batch #{pc[st]} with unmatched "
-                         + ", ".join(f"{k[0]} {k[3]} {k[1]} mb {k[2]}{' (' + k[4] + ')' if k[4] else ''}"
-                                     for k in open_ops))
+            lines.append(
+                f"stage {st} blocked in batch #{pc[st]} with unmatched "
+                + ", ".join(f"{k[0]} {k[3]} {k[1]} mb {k[2]}{' (' + k[4] + ')' if k[4] else ''}" for k in open_ops)
+            )
         raise ScheduleError("deadlock (rendezvous): " + "; ".join(lines))
     return clock, {st: tuple(v) for st, v in spans.items()}, busy
 

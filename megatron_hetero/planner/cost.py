@@ -93,6 +93,7 @@ output-layer FLOPs in simulated profiles (their parameters count for memory), gr
 attention, activation recomputation. Colocated memory adds the worst LLM stage and the worst encoder
 stage (a rank may host both).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -166,17 +167,38 @@ class Stages:
 
     @staticmethod
     def cat(*parts: "Stages") -> "Stages":
-        return Stages(**{k: np.concatenate([getattr(p, k) for p in parts], axis=1)
-                         for k in ("count", "first") + _FIELDS})
+        return Stages(
+            **{k: np.concatenate([getattr(p, k) for p in parts], axis=1) for k in ("count", "first") + _FIELDS}
+        )
 
 
 def _col(x, n: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(x), (n,))[:, None]
 
 
-def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, layers, samples, *, runs, p2p,
-                  inter, placement: str, offset=0, embed_first=False, embed_last=False, io_last=False,
-                  data: str = "none", head: Optional[dict] = None, ep=1) -> Stages:
+def module_stages(
+    prof: Profile,
+    wl: Workload,
+    spec: ModelSpec,
+    tp,
+    cp,
+    pp,
+    dp,
+    layers,
+    samples,
+    *,
+    runs,
+    p2p,
+    inter,
+    placement: str,
+    offset=0,
+    embed_first=False,
+    embed_last=False,
+    io_last=False,
+    data: str = "none",
+    head: Optional[dict] = None,
+    ep=1,
+) -> Stages:
     """The four stage classes of a module (or LLM segment) of `layers` layers evenly split over `pp`
     stages (pp = 0: absent), each stage running `samples` samples per replica and run.
 
@@ -188,8 +210,12 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
     inside a homogeneous stage 0: keys compute, tp, cp, params, act). Arguments broadcast over rows.
     ep: the module's expert parallelism (a model with experts: expert parameters are split over ep
     instead of tp, and their gradients reduce over expert-DP = tp*cp*dp/ep)."""
-    shape = np.broadcast(*(np.asarray(x) for x in (tp, cp, pp, dp, layers, samples, runs, p2p, inter, offset,
-                                                    embed_first, embed_last, io_last, ep))).shape
+    shape = np.broadcast(
+        *(
+            np.asarray(x)
+            for x in (tp, cp, pp, dp, layers, samples, runs, p2p, inter, offset, embed_first, embed_last, io_last, ep)
+        )
+    ).shape
     n = int(np.prod(shape)) if shape else 1
     tp, cp, pp, dp, layers, samples, runs, ep = (_col(x, n) for x in (tp, cp, pp, dp, layers, samples, runs, ep))
     p2p, inter, offset = _col(p2p, n), _col(inter, n), _col(offset, n)
@@ -199,8 +225,14 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
     fl = layers // p
     ce = fl + (r > 0)
     multi = pp > 1
-    count = np.hstack([(pp >= 1).astype(int), np.maximum(r - 1, 0),
-                       np.where(multi, np.maximum(p - 1 - np.maximum(r, 1), 0), 0), multi.astype(int)])
+    count = np.hstack(
+        [
+            (pp >= 1).astype(int),
+            np.maximum(r - 1, 0),
+            np.where(multi, np.maximum(p - 1 - np.maximum(r, 1), 0), 0),
+            multi.astype(int),
+        ]
+    )
     first = offset + np.hstack([np.zeros_like(p), np.ones_like(p), np.maximum(r, 1), p - 1])
     lam = np.hstack([ce, ce, fl, fl]).astype(float)
     is_first = np.array([True, False, False, False])[None, :]
@@ -215,7 +247,9 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
     ppc = np.broadcast_to(np.where(p2p, p2p_time(prof, wl, spec, samples, cp, inter), 0.0), lam.shape)
     emb = float(spec.embedding_params)
     experts = float(spec.expert_layer_params)  # 0 for a dense model
-    params = lam * (spec.layer_params - experts) + emb * ((embed_first & is_first).astype(float) + (embed_last & is_last))
+    params = lam * (spec.layer_params - experts) + emb * (
+        (embed_first & is_first).astype(float) + (embed_last & is_last)
+    )
     act = act_bytes(wl, spec, samples, tp, cp, lam)
     if head is not None:
         compute = compute + is_first * np.asarray(head["compute"])[..., None]
@@ -233,10 +267,21 @@ def module_stages(prof: Profile, wl: Workload, spec: ModelSpec, tp, cp, pp, dp, 
         params = params + eparams
     opt = prof.overhead_time("optimizer", params) + SNAPSHOTS[placement] * prof.overhead_time("snapshot", params)
     shape = lam.shape
-    return Stages(count=count, first=first, compute=compute, tp=np.broadcast_to(tpc, shape),
-                  cp=np.broadcast_to(cpc, shape), pp=ppc, boundary=np.zeros(shape),
-                  ranks=np.broadcast_to((tp * cp * dp).astype(float), shape), runs=np.broadcast_to(runs, shape),
-                  dp=dpt, opt=np.broadcast_to(opt, shape), state=state, act=act)
+    return Stages(
+        count=count,
+        first=first,
+        compute=compute,
+        tp=np.broadcast_to(tpc, shape),
+        cp=np.broadcast_to(cpc, shape),
+        pp=ppc,
+        boundary=np.zeros(shape),
+        ranks=np.broadcast_to((tp * cp * dp).astype(float), shape),
+        runs=np.broadcast_to(runs, shape),
+        dp=dpt,
+        opt=np.broadcast_to(opt, shape),
+        state=state,
+        act=act,
+    )
 
 
 @dataclass
@@ -265,15 +310,30 @@ class Side:
         w = st.count * st.ranks
         busy = {k: (w * st.runs * getattr(st, k)).sum(axis=1) for k in _PARTS}
         busy["dp"], busy["opt"] = (w * st.dp).sum(axis=1), (w * st.opt).sum(axis=1)
-        return cls(sum=(st.count * cost).sum(axis=1), max=cost[rows, top],
-                   parts={k: getattr(st, k)[rows, top] for k in _PARTS}, tail=tail[rows, tt],
-                   tail_dp=st.dp[rows, tt], tail_opt=st.opt[rows, tt], busy=busy, work=sum(busy.values()))
+        return cls(
+            sum=(st.count * cost).sum(axis=1),
+            max=cost[rows, top],
+            parts={k: getattr(st, k)[rows, top] for k in _PARTS},
+            tail=tail[rows, tt],
+            tail_dp=st.dp[rows, tt],
+            tail_opt=st.opt[rows, tt],
+            busy=busy,
+            work=sum(busy.values()),
+        )
 
     def rows(self, idx, full: bool = True) -> "Side":
         """Rows `idx`; without `full`, only what the step time needs (no breakdown parts)."""
         pick = (lambda d: {k: v[idx] for k, v in d.items()}) if full else (lambda d: {})
-        return Side(sum=self.sum[idx], max=self.max[idx], parts=pick(self.parts), tail=self.tail[idx],
-                    tail_dp=self.tail_dp[idx], tail_opt=self.tail_opt[idx], busy=pick(self.busy), work=self.work[idx])
+        return Side(
+            sum=self.sum[idx],
+            max=self.max[idx],
+            parts=pick(self.parts),
+            tail=self.tail[idx],
+            tail_dp=self.tail_dp[idx],
+            tail_opt=self.tail_opt[idx],
+            busy=pick(self.busy),
+            work=self.work[idx],
+        )
 
 
 def peak_memory(st: Stages, n, b) -> np.ndarray:
@@ -286,8 +346,9 @@ def _valid_max(st: Stages, x) -> np.ndarray:
     return np.where(st.count > 0, x, -np.inf).max(axis=1)
 
 
-def finish(prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: dict, step_boundary, offload,
-           memory) -> dict:
+def finish(
+    prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: dict, step_boundary, offload, memory
+) -> dict:
     """The breakdown arrays (`CostBreakdown` fields) of a critical path: the pipeline time `pipe`
     (bottleneck components `parts`, the rest is bubble), the slowest once-per-step tail, the loss
     all-reduce and the whole-step terms; on a profile whose ranks share execution units, the step
@@ -298,9 +359,17 @@ def finish(prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: 
     crit = pipe + dp + tail_opt + step_boundary + offload
     out = {"memory_per_rank_peak": memory, "micro_batches": b, "offload": np.broadcast_to(offload, np.shape(crit))}
     if not prof.shared:
-        out.update(compute=parts["compute"], tp_comm=parts["tp"], cp_comm=parts["cp"], pp_comm=parts["pp"],
-                   dp_comm=dp, boundary=parts["boundary"] + step_boundary, optimizer=tail_opt,
-                   bubble=pipe - sum(parts.values()), total=crit)
+        out.update(
+            compute=parts["compute"],
+            tp_comm=parts["tp"],
+            cp_comm=parts["cp"],
+            pp_comm=parts["pp"],
+            dp_comm=dp,
+            boundary=parts["boundary"] + step_boundary,
+            optimizer=tail_opt,
+            bubble=pipe - sum(parts.values()),
+            total=crit,
+        )
         return out
     mean = {k: busy[k] / world for k in busy}
     work = sum(mean[k] for k in _PARTS) + mean["dp"] + loss + mean["opt"] + step_boundary + offload
@@ -310,9 +379,17 @@ def finish(prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: 
     work = work * scale
     total = np.maximum(work, crit * prof.uncontended)  # = shared_step(prof, work before scaling, crit)
     out["offload"] = np.broadcast_to(offload, np.shape(total))
-    out.update(compute=mean["compute"], tp_comm=mean["tp"], cp_comm=mean["cp"], pp_comm=mean["pp"],
-               dp_comm=mean["dp"] + loss, boundary=mean["boundary"] + step_boundary, optimizer=mean["opt"],
-               bubble=total - work, total=total)
+    out.update(
+        compute=mean["compute"],
+        tp_comm=mean["tp"],
+        cp_comm=mean["cp"],
+        pp_comm=mean["pp"],
+        dp_comm=mean["dp"] + loss,
+        boundary=mean["boundary"] + step_boundary,
+        optimizer=mean["opt"],
+        bubble=total - work,
+        total=total,
+    )
     return out
 
 
@@ -326,26 +403,45 @@ def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers, ep=1)
     stage 0, which holds `first_layers` LLM layers (pp = 1: all of them); the other LLM layers
     split evenly over the other stages."""
     enc, llm, m, k = wl.encoder, wl.llm, wl.micro_batch, wl.images_per_sample
-    tp, cp, pp, dp, first_layers, ep = np.broadcast_arrays(*(np.asarray(x) for x in (tp, cp, pp, dp, first_layers,
-                                                                                       ep)))
+    tp, cp, pp, dp, first_layers, ep = np.broadcast_arrays(*(np.asarray(x) for x in (tp, cp, pp, dp, first_layers, ep)))
     L = llm.num_layers
     l0 = np.where(pp == 1, L, first_layers)
     b = wl.global_batch // (m * dp)
     world = tp * cp * pp * dp
     inter = world > prof.devices_per_node
     ec, et, eq = layer_parts(prof, wl, enc, m * k, tp, cp)
-    head = {"compute": enc.num_layers * ec + io_time(prof, wl, enc, m * k, tp, cp), "tp": enc.num_layers * et,
-            "cp": enc.num_layers * eq, "params": np.broadcast_to(float(enc.total_params), tp.shape),
-            "act": act_bytes(wl, enc, m * k, tp, cp, enc.num_layers)}
+    head = {
+        "compute": enc.num_layers * ec + io_time(prof, wl, enc, m * k, tp, cp),
+        "tp": enc.num_layers * et,
+        "cp": enc.num_layers * eq,
+        "params": np.broadcast_to(float(enc.total_params), tp.shape),
+        "act": act_bytes(wl, enc, m * k, tp, cp, enc.num_layers),
+    }
     common = dict(runs=b, p2p=pp > 1, inter=inter, placement="homogeneous", data="all", ep=ep)
     st = Stages.cat(
-        module_stages(prof, wl, llm, tp, cp, np.ones_like(pp), dp, l0, m, embed_first=True, embed_last=pp == 1,
-                      io_last=pp == 1, head=head, **common),
-        module_stages(prof, wl, llm, tp, cp, pp - 1, dp, L - l0, m, offset=1, embed_last=True, io_last=True, **common))
+        module_stages(
+            prof,
+            wl,
+            llm,
+            tp,
+            cp,
+            np.ones_like(pp),
+            dp,
+            l0,
+            m,
+            embed_first=True,
+            embed_last=pp == 1,
+            io_last=pp == 1,
+            head=head,
+            **common,
+        ),
+        module_stages(prof, wl, llm, tp, cp, pp - 1, dp, L - l0, m, offset=1, embed_last=True, io_last=True, **common),
+    )
     s = Side.of(st)
     pipe = s.sum + (b - 1) * s.max
-    return finish(prof, world, b, pipe, _scaled(s.parts, b), s.tail_dp, s.tail_opt, s.busy, 0.0, 0.0,
-                  peak_memory(st, pp, b))
+    return finish(
+        prof, world, b, pipe, _scaled(s.parts, b), s.tail_dp, s.tail_opt, s.busy, 0.0, 0.0, peak_memory(st, pp, b)
+    )
 
 
 # --- colocated --------------------------------------------------------------------------------
@@ -355,41 +451,91 @@ def colocated(prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, o
     during the LLM phase)."""
     enc, llm, G, k = wl.encoder, wl.llm, wl.global_batch, wl.images_per_sample
     tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep = np.broadcast_arrays(
-        *(np.asarray(x) for x in (tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep)))
+        *(np.asarray(x) for x in (tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep))
+    )
     b = G // (wl.micro_batch * dp)
     world = tp * cp * pp * dp
     inter = world > prof.devices_per_node
-    lst = module_stages(prof, wl, llm, tp, cp, pp, dp, llm.num_layers, wl.micro_batch, runs=b, p2p=pp > 1,
-                        inter=inter, placement="colocated", embed_first=True, embed_last=True, io_last=True,
-                        data="all", ep=ep)
+    lst = module_stages(
+        prof,
+        wl,
+        llm,
+        tp,
+        cp,
+        pp,
+        dp,
+        llm.num_layers,
+        wl.micro_batch,
+        runs=b,
+        p2p=pp > 1,
+        inter=inter,
+        placement="colocated",
+        embed_first=True,
+        embed_last=True,
+        io_last=True,
+        data="all",
+        ep=ep,
+    )
     be = G * k / edp  # images of the rank's encoder-DP share: one pass
-    est = module_stages(prof, wl, enc, etp, ecp, epp, edp, enc.num_layers, be, runs=1, p2p=epp > 1, inter=inter,
-                        placement="colocated", io_last=True, data="first")
+    est = module_stages(
+        prof,
+        wl,
+        enc,
+        etp,
+        ecp,
+        epp,
+        edp,
+        enc.num_layers,
+        be,
+        runs=1,
+        p2p=epp > 1,
+        inter=inter,
+        placement="colocated",
+        io_last=True,
+        data="first",
+    )
     ls, es = Side.of(lst), Side.of(est)
     pipe = (ls.sum + (b - 1) * ls.max) + es.sum
     parts = {n: b * ls.parts[n] + es.parts[n] for n in _PARTS}
     busy = {n: ls.busy[n] + es.busy[n] for n in ls.busy}
     enc_state, enc_acts = _valid_max(est, est.state), _valid_max(est, est.act)
-    mem = np.maximum(_valid_max(lst, lst.state) + enc_state + enc_acts,
-                     peak_memory(lst, pp, b) + enc_acts + np.where(offload, 0.0, enc_state))
+    mem = np.maximum(
+        _valid_max(lst, lst.state) + enc_state + enc_acts,
+        peak_memory(lst, pp, b) + enc_acts + np.where(offload, 0.0, enc_state),
+    )
     bnd = colocated_boundary(prof, wl, etp, ecp, epp, edp, tp, cp, pp, dp)
     off = np.where(offload, 2.0 * enc_state / prof.host_bandwidth, 0.0)
-    return finish(prof, world, b, pipe, parts, ls.tail_dp + es.tail_dp, ls.tail_opt + es.tail_opt, busy, bnd, off,
-                  mem)
+    return finish(prof, world, b, pipe, parts, ls.tail_dp + es.tail_dp, ls.tail_opt + es.tail_opt, busy, bnd, off, mem)
 
 
 # --- disjoint: an encoder island and an LLM chain, one 1F1B pipeline ---------------------------
-def encoder_island(prof: Profile, wl: Workload, etp, ecp, epp, edp, micro_samples,
-                   llm_stages) -> tuple[Side, np.ndarray]:
+def encoder_island(
+    prof: Profile, wl: Workload, etp, ecp, epp, edp, micro_samples, llm_stages
+) -> tuple[Side, np.ndarray]:
     """The encoder island's side of disjoint candidates whose pipeline micro-batch carries
     `micro_samples` samples and whose LLM chain has `llm_stages` stages: (Side, memory peak)."""
     enc, k = wl.encoder, wl.images_per_sample
-    etp, ecp, epp, edp, M, P = np.broadcast_arrays(*(np.asarray(x) for x in (etp, ecp, epp, edp, micro_samples,
-                                                                                llm_stages)))
+    etp, ecp, epp, edp, M, P = np.broadcast_arrays(
+        *(np.asarray(x) for x in (etp, ecp, epp, edp, micro_samples, llm_stages))
+    )
     b = wl.global_batch // M
-    st = module_stages(prof, wl, enc, etp, ecp, epp, edp, enc.num_layers, M * k / edp, runs=b, p2p=epp > 1,
-                       inter=etp * ecp * epp * edp > prof.devices_per_node, placement="disjoint", io_last=True,
-                       data="first")
+    st = module_stages(
+        prof,
+        wl,
+        enc,
+        etp,
+        ecp,
+        epp,
+        edp,
+        enc.num_layers,
+        M * k / edp,
+        runs=b,
+        p2p=epp > 1,
+        inter=etp * ecp * epp * edp > prof.devices_per_node,
+        placement="disjoint",
+        io_last=True,
+        data="first",
+    )
     return Side.of(st), peak_memory(st, epp + P, b)
 
 
@@ -407,13 +553,30 @@ def llm_chain(prof: Profile, wl: Workload, segments: list, world) -> tuple[Side,
     parts, offset = [], 0
     for i, (tp, cp, pp, dp, layers, ep) in enumerate(segs):
         later = np.zeros_like(present[i])
-        for p in present[i + 1:]:
+        for p in present[i + 1 :]:
             later = later | p
         dps = np.maximum(dp, 1)
-        st = module_stages(prof, wl, wl.llm, np.maximum(tp, 1), np.maximum(cp, 1), pp, dps, layers, M / dps, runs=b,
-                           p2p=P > 1, inter=island > prof.devices_per_node, placement="disjoint", offset=offset,
-                           embed_first=i == 0, embed_last=present[i] & ~later, io_last=present[i] & ~later,
-                           data="all", ep=ep)
+        st = module_stages(
+            prof,
+            wl,
+            wl.llm,
+            np.maximum(tp, 1),
+            np.maximum(cp, 1),
+            pp,
+            dps,
+            layers,
+            M / dps,
+            runs=b,
+            p2p=P > 1,
+            inter=island > prof.devices_per_node,
+            placement="disjoint",
+            offset=offset,
+            embed_first=i == 0,
+            embed_last=present[i] & ~later,
+            io_last=present[i] & ~later,
+            data="all",
+            ep=ep,
+        )
         if i == 0:
             st.boundary[:, :1] = disjoint_boundary(prof, wl, M / dps, cp, world)[..., None]
         parts.append(st)
@@ -457,5 +620,9 @@ def evaluate(c: Candidate, wl: Workload, prof: Profile) -> CostBreakdown:
         out = disjoint(prof, wl, enc, llm, c.world_size, b)
         out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
     # each field gets its own type (int for micro_batches, float for the rest); mypy sees one union
-    return CostBreakdown(**{k: (int if k == "micro_batches" else float)(np.asarray(out[k]).reshape(-1)[0])  # type: ignore[arg-type]
-                            for k in out})
+    return CostBreakdown(
+        **{
+            k: (int if k == "micro_batches" else float)(np.asarray(out[k]).reshape(-1)[0])  # type: ignore[arg-type]
+            for k in out
+        }
+    )

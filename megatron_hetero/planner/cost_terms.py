@@ -4,6 +4,7 @@ bytes, boundary traffic (colocated: the point-to-point pieces each rank lacks; d
 bytes), I/O layers, data building and the shared-CPU step rule. `planner/cost.py` assembles them into
 pipeline stages and whole candidates (see its docstring for the formulas).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -48,8 +49,9 @@ def ep_dispatch_time(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, 
     routed tokens (T/cp_eff * topk * h * dtype, of which (ep-1)/ep leave the rank). Priced as an
     all-gather of that size over ep ranks (the same per-rank volume, alpha-beta); 0 at ep = 1."""
     ep = np.asarray(ep)
-    nbytes = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp) * spec.moe_topk * spec.hidden \
-        * wl.dtype_bytes
+    nbytes = (
+        np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp) * spec.moe_topk * spec.hidden * wl.dtype_bytes
+    )
     t = 4.0 * prof.layer_collective_time("all_gather", nbytes, ep, np.asarray(tp) * ep > prof.devices_per_node)
     return np.where(ep > 1, t, 0.0)
 
@@ -86,8 +88,12 @@ def dp_time(prof: Profile, wl: Workload, params_rank, tp, cp, dp):
     """Once per step: all-reduce of the rank's fp32 grads over dp*cp ranks (through the profile's
     measured `grad_sync` overhead where it has one)."""
     n = np.asarray(dp) * cp
-    t = prof.collective_time("all_reduce", np.asarray(params_rank, dtype=float) * wl.grad_bytes, n,
-                             np.asarray(tp) * n > prof.devices_per_node)
+    t = prof.collective_time(
+        "all_reduce",
+        np.asarray(params_rank, dtype=float) * wl.grad_bytes,
+        n,
+        np.asarray(tp) * n > prof.devices_per_node,
+    )
     return prof.overhead_time("grad_sync", t) if "grad_sync" in prof.overheads else t  # also at n = 1
 
 
@@ -101,14 +107,17 @@ def disjoint_boundary(prof: Profile, wl: Workload, samples_dst, cp_dst, world_si
     """Encoder -> LLM per micro-batch on the LLM's first stage: 2 * sendrecv of what one LLM rank
     needs (its samples, its CP share of the image tokens, projected to the LLM's hidden size)."""
     nbytes = np.asarray(samples_dst, dtype=float) * wl.image_tokens / cp_dst * wl.llm.hidden * wl.dtype_bytes
-    return synced(prof, 2.0 * prof.collective_time("send_recv", nbytes, 2, np.asarray(world_size) > prof.devices_per_node))
+    return synced(
+        prof, 2.0 * prof.collective_time("send_recv", nbytes, 2, np.asarray(world_size) > prof.devices_per_node)
+    )
+
 
 def io_flops(wl: Workload, spec: ModelSpec, samples, tp, cp):
     """FLOPs per rank (fwd+bwd) of a module's work outside its layers, per run: the LLM's output
     layer (6 * T * h * vocab), an encoder's projector to the LLM's hidden size (6 * T * (h_e * h + h^2))."""
     tokens = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp)
     if spec.kind == "encoder":
-        per_token = spec.hidden * wl.llm.hidden + wl.llm.hidden ** 2
+        per_token = spec.hidden * wl.llm.hidden + wl.llm.hidden**2
     else:
         per_token = spec.hidden * spec.vocab
     return 6.0 * tokens * per_token / np.asarray(tp)
@@ -117,8 +126,9 @@ def io_flops(wl: Workload, spec: ModelSpec, samples, tp, cp):
 def io_allreduce(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
     """One all-reduce of a run's activation (T/cp_eff * h * dtype) over the TP group (0 at tp = 1)."""
     tokens = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp)
-    return prof.collective_time("all_reduce", tokens * wl.llm.hidden * wl.dtype_bytes, tp,
-                                np.asarray(tp) > prof.devices_per_node)
+    return prof.collective_time(
+        "all_reduce", tokens * wl.llm.hidden * wl.dtype_bytes, tp, np.asarray(tp) > prof.devices_per_node
+    )
 
 
 def io_time(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp):
@@ -165,12 +175,16 @@ def colocated_traffic(wl: Workload, enc_pp, enc_dp, tp, cp, pp, dp) -> dict:
     fwd_some, bwd_some = (enc_pp > 1) & (pp == 1) & thin, (enc_pp == 1) & (pp > 1) & thin
     out = {}
     for d, (recv, pieces, n_recv, n_send, every, some) in {
-            "forward": (need, np.maximum(enc_dp // dp, 1), sl, se, fwd_all, fwd_some),
-            "backward": (hold, np.maximum(dp // enc_dp, 1) * cp, se, sl, bwd_all, bwd_some)}.items():
+        "forward": (need, np.maximum(enc_dp // dp, 1), sl, se, fwd_all, fwd_some),
+        "backward": (hold, np.maximum(dp // enc_dp, 1) * cp, se, sl, bwd_all, bwd_some),
+    }.items():
         holders = np.where(every, n_recv, np.where(some, n_send, 0))
-        out[d] = {"recv_bytes": recv - np.where(every, loc, 0.0), "recv_msgs": pieces - every,
-                  "send_bytes": (n_recv * recv - holders * loc) / n_send,
-                  "send_msgs": (n_recv * pieces - holders) / n_send}
+        out[d] = {
+            "recv_bytes": recv - np.where(every, loc, 0.0),
+            "recv_msgs": pieces - every,
+            "send_bytes": (n_recv * recv - holders * loc) / n_send,
+            "send_msgs": (n_recv * pieces - holders) / n_send,
+        }
     return out
 
 

@@ -9,6 +9,7 @@ Collectives, alpha-beta per link (intra-node NVLink or inter-node network), ring
 Measured per-(kind, link, n) alpha-beta pairs in a `Profile` override the ring formula. How the
 cost model uses these: `planner/cost.py`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ import numpy as np
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv")
 LINKS = ("intra", "inter")
 OVERHEADS = ("llm_io", "encoder_io", "llm_io_tp", "encoder_io_tp", "optimizer", "snapshot", "grad_sync", "data")
+
 
 @dataclass(frozen=True)
 class AlphaBeta:
@@ -227,8 +229,10 @@ class Profile:
         """A simulated profile: b = 1 / (peak * efficiency), links from bandwidth and latency."""
         return cls(
             layers={"default": LayerModel(a=hw.layer_overhead_s, b=1.0 / (hw.peak_flops * hw.efficiency))},
-            links={"intra": AlphaBeta(hw.intra_latency, 1.0 / hw.intra_bandwidth),
-                   "inter": AlphaBeta(hw.inter_latency, 1.0 / hw.inter_bandwidth)},
+            links={
+                "intra": AlphaBeta(hw.intra_latency, 1.0 / hw.intra_bandwidth),
+                "inter": AlphaBeta(hw.inter_latency, 1.0 / hw.inter_bandwidth),
+            },
             devices_per_node=hw.devices_per_node,
             memory_bytes=hw.memory_bytes,
             host_bandwidth=hw.host_bandwidth,
@@ -301,12 +305,20 @@ class Profile:
             unknown = sorted(set(overheads) - set(OVERHEADS))
             if unknown:
                 raise ValueError(f"profile: unknown overheads {unknown}; names are {list(OVERHEADS)}")
-            prof = cls(layers=layers, links=links, devices_per_node=int(doc["devices_per_node"]),
-                       memory_bytes=float(doc["memory_bytes"]),
-                       host_bandwidth=float(doc.get("host_bandwidth", 50e9)), collectives=coll,
-                       source=str(doc.get("source", "")), overheads=overheads,
-                       cores=float(doc.get("cores", 0.0)), concurrency=int(doc.get("concurrency", 0)),
-                       layer_collectives=layer_coll, cpu_cores=float(doc.get("cpu_cores", 0.0)))
+            prof = cls(
+                layers=layers,
+                links=links,
+                devices_per_node=int(doc["devices_per_node"]),
+                memory_bytes=float(doc["memory_bytes"]),
+                host_bandwidth=float(doc.get("host_bandwidth", 50e9)),
+                collectives=coll,
+                source=str(doc.get("source", "")),
+                overheads=overheads,
+                cores=float(doc.get("cores", 0.0)),
+                concurrency=int(doc.get("concurrency", 0)),
+                layer_collectives=layer_coll,
+                cpu_cores=float(doc.get("cpu_cores", 0.0)),
+            )
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"profile is missing or has a malformed field: {exc!r}") from None
         missing = [k for k in LINKS if k not in prof.links]
@@ -323,8 +335,10 @@ class Profile:
 
 
 def _tables_to_dict(tables: dict) -> dict:
-    return {k: {link: {str(n): dataclasses.asdict(ab) for n, ab in t.items()} for link, t in v.items()}
-            for k, v in tables.items()}
+    return {
+        k: {link: {str(n): dataclasses.asdict(ab) for n, ab in t.items()} for link, t in v.items()}
+        for k, v in tables.items()
+    }
 
 
 def _tables_from_dict(doc: dict) -> dict:
@@ -332,8 +346,10 @@ def _tables_from_dict(doc: dict) -> dict:
     for kind, per_link in doc.items():
         if kind not in COLLECTIVES:
             raise ValueError(f"profile: unknown collective {kind!r}; kinds are {list(COLLECTIVES)}")
-        out[kind] = {link: {int(n): AlphaBeta(float(ab["alpha"]), float(ab["beta"])) for n, ab in t.items()}
-                     for link, t in per_link.items()}
+        out[kind] = {
+            link: {int(n): AlphaBeta(float(ab["alpha"]), float(ab["beta"])) for n, ab in t.items()}
+            for link, t in per_link.items()
+        }
     return out
 
 

@@ -9,6 +9,7 @@ The scan starts at the least feasible threshold (bisection: feasibility is monot
 all thresholds of a chunk at once in numpy, and stops once g(inf) + (B-1)*T reaches the best value
 found (a lower bound for every larger T). Pure (numpy only).
 """
+
 from __future__ import annotations
 
 import functools
@@ -71,7 +72,9 @@ class PipelinePlan:
 StageCost = Callable[[int, int, Degrees, int], float]
 
 
-def stage_cost_table(num_layers: int, num_stages: int, strategies: Sequence[Degrees], stage_cost: StageCost) -> np.ndarray:
+def stage_cost_table(
+    num_layers: int, num_stages: int, strategies: Sequence[Degrees], stage_cost: StageCost
+) -> np.ndarray:
     """C[k, i, j, s] = stage_cost(i, j, strategies[s], k) for layers [i, j), inf where j <= i."""
     L = num_layers
     table = np.full((num_stages, L + 1, L + 1, len(strategies)), INF)
@@ -85,8 +88,12 @@ def stage_cost_table(num_layers: int, num_stages: int, strategies: Sequence[Degr
 
 
 def _check_pipeline_args(num_layers, num_devices, num_stages, strategies, num_microbatches):
-    for name, v in (("num_layers", num_layers), ("num_devices", num_devices), ("num_stages", num_stages),
-                    ("num_microbatches", num_microbatches)):
+    for name, v in (
+        ("num_layers", num_layers),
+        ("num_devices", num_devices),
+        ("num_stages", num_stages),
+        ("num_microbatches", num_microbatches),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if num_stages > num_layers:
@@ -115,7 +122,7 @@ def _dp_values(table, dev, D, thresholds, use_all):
                 continue
             ck = table[k, :, :, s][None]
             cm = np.where(ck <= T, ck, INF)  # (nT, i, j)
-            cand = np.min(f[:, :, None, :D + 1 - ds] + cm[:, :, :, None], axis=1)  # (nT, j, d)
+            cand = np.min(f[:, :, None, : D + 1 - ds] + cm[:, :, :, None], axis=1)  # (nT, j, d)
             np.minimum(g[:, :, ds:], cand, out=g[:, :, ds:])
         f = g
     return f[:, L1 - 1, D] if use_all else f[:, L1 - 1, :].min(axis=1)
@@ -135,7 +142,7 @@ def _plan_at(table, dev, D, threshold, use_all, strategies, b) -> Optional[Pipel
                 continue
             ck = table[k, :, :, s]
             cm = np.where(ck <= threshold, ck, INF)
-            tot = f[k][:, None, :D + 1 - ds] + cm[:, :, None]  # (i, j, d)
+            tot = f[k][:, None, : D + 1 - ds] + cm[:, :, None]  # (i, j, d)
             bi = np.argmin(tot, axis=0)
             val = np.take_along_axis(tot, bi[None], axis=0)[0]
             cur = f[k + 1][:, ds:]
@@ -154,9 +161,16 @@ def _plan_at(table, dev, D, threshold, use_all, strategies, b) -> Optional[Pipel
     return PipelinePlan(stages=tuple(reversed(stages)), num_microbatches=b)
 
 
-def heteropipe_search(num_layers: int, num_devices: int, num_stages: int, strategies: Sequence[Degrees],
-                      stage_cost: StageCost, num_microbatches: int, use_all_devices: bool = True,
-                      table: Optional[np.ndarray] = None) -> PipelinePlan:
+def heteropipe_search(
+    num_layers: int,
+    num_devices: int,
+    num_stages: int,
+    strategies: Sequence[Degrees],
+    stage_cost: StageCost,
+    num_microbatches: int,
+    use_all_devices: bool = True,
+    table: Optional[np.ndarray] = None,
+) -> PipelinePlan:
     """Exact minimum of sum + (B-1)*max over layer partitions and per-stage strategies.
 
     stage_cost(start, end, strategy, stage_index) -> seconds per micro-batch (inf: infeasible, e.g.
@@ -171,19 +185,23 @@ def heteropipe_search(num_layers: int, num_devices: int, num_stages: int, strate
     b = num_microbatches
     finite = table[np.isfinite(table)]
     if (use_all_devices and num_devices % g) or finite.size == 0:
-        raise ValueError(f"no feasible pipeline: {num_stages} stages of {[strategy_label(s) for s in strategies]} "
-                         f"cannot cover {num_layers} layers on {num_devices} devices")
+        raise ValueError(
+            f"no feasible pipeline: {num_stages} stages of {[strategy_label(s) for s in strategies]} "
+            f"cannot cover {num_layers} layers on {num_devices} devices"
+        )
     thresholds = np.unique(finite)
     g_inf = _dp_values(table, dev, D, [INF], use_all_devices)[0]
     if not np.isfinite(g_inf):
-        raise ValueError(f"no feasible pipeline: {num_stages} stages of {[strategy_label(s) for s in strategies]} "
-                         f"cannot cover {num_layers} layers using {'exactly' if use_all_devices else 'at most'} "
-                         f"{num_devices} devices")
+        raise ValueError(
+            f"no feasible pipeline: {num_stages} stages of {[strategy_label(s) for s in strategies]} "
+            f"cannot cover {num_layers} layers using {'exactly' if use_all_devices else 'at most'} "
+            f"{num_devices} devices"
+        )
     # feasibility is monotone in T: bisect for the least feasible threshold (the min-max bottleneck)
     lo, hi = 0, len(thresholds) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if np.isfinite(_dp_values(table, dev, D, thresholds[mid:mid + 1], use_all_devices)[0]):
+        if np.isfinite(_dp_values(table, dev, D, thresholds[mid : mid + 1], use_all_devices)[0]):
             hi = mid
         else:
             lo = mid + 1
@@ -192,7 +210,7 @@ def heteropipe_search(num_layers: int, num_devices: int, num_stages: int, strate
     chunk = max(1, int(4e6 // (L1 * L1 * (D + 1))))
     best_val, best_t = INF, None
     for lo in range(0, len(thresholds), chunk):
-        ts = thresholds[lo:lo + chunk]
+        ts = thresholds[lo : lo + chunk]
         if g_inf + (b - 1) * ts[0] >= best_val:
             break
         vals = _dp_values(table, dev, D, ts, use_all_devices) + (b - 1) * ts
@@ -204,8 +222,9 @@ def heteropipe_search(num_layers: int, num_devices: int, num_stages: int, strate
     return plan
 
 
-def enumerate_pipelines(num_layers: int, num_devices: int, num_stages: int, strategies: Sequence[Degrees],
-                        use_all_devices: bool = True) -> Iterator[tuple]:
+def enumerate_pipelines(
+    num_layers: int, num_devices: int, num_stages: int, strategies: Sequence[Degrees], use_all_devices: bool = True
+) -> Iterator[tuple]:
     """Every (layer cuts x strategies) configuration: tuples of (start, end, strategy) per stage."""
     for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
         bounds = (0,) + cuts + (num_layers,)
@@ -215,8 +234,14 @@ def enumerate_pipelines(num_layers: int, num_devices: int, num_stages: int, stra
                 yield tuple((bounds[k], bounds[k + 1], strats[k]) for k in range(num_stages))
 
 
-def transformer_stage_cost(prof: Profile, wl: Workload, spec: ModelSpec, microbatch_samples: int, num_stages: int,
-                           memory_limit: Optional[float] = None) -> StageCost:
+def transformer_stage_cost(
+    prof: Profile,
+    wl: Workload,
+    spec: ModelSpec,
+    microbatch_samples: int,
+    num_stages: int,
+    memory_limit: Optional[float] = None,
+) -> StageCost:
     """Stage cost of layers [start, end) of `spec` for the heteropipe DP, from the cost model:
     (end-start) * (compute + TP + CP per layer) for microbatch_samples/dp samples per replica, plus
     the pipeline exchange when num_stages > 1; inf when the stage's parameters, gradients, optimizer
@@ -234,7 +259,9 @@ def transformer_stage_cost(prof: Profile, wl: Workload, spec: ModelSpec, microba
             val += float(p2p_time(prof, wl, spec, samples, s.cp, True))
         if memory_limit is not None:
             params = n * spec.layer_params / s.tp
-            mem = state_bytes(wl, params, s.dp * s.cp) + act_bytes(wl, spec, samples, s.tp, s.cp, n) * min(num_stages - k, b)
+            mem = state_bytes(wl, params, s.dp * s.cp) + act_bytes(wl, spec, samples, s.tp, s.cp, n) * min(
+                num_stages - k, b
+            )
             if mem > memory_limit:
                 return INF
         return val

@@ -1,5 +1,6 @@
 """Model-size presets and the simulated regime table (`megatron-hetero search --regime-table`): the
 search's pick per (encoder, LLM, context) at cluster scale. Pure (numpy only)."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -37,9 +38,15 @@ def regime_workload(encoder: str, llm: str, context: int, tokens_per_step: int =
     return Workload(enc, lm, global_batch=max(1, tokens_per_step // context), images_per_sample=max(1, context // 8192))
 
 
-def regime_table(prof: Profile, encoders: Sequence[str] = tuple(ENCODER_PRESETS), llms: Sequence[str] = tuple(LLM_PRESETS),
-                 contexts: Sequence[int] = REGIME_CONTEXTS, world_sizes: Optional[dict] = None,
-                 memory_limit: Optional[float] = None, space: SearchSpace = SearchSpace()) -> list[dict]:
+def regime_table(
+    prof: Profile,
+    encoders: Sequence[str] = tuple(ENCODER_PRESETS),
+    llms: Sequence[str] = tuple(LLM_PRESETS),
+    contexts: Sequence[int] = REGIME_CONTEXTS,
+    world_sizes: Optional[dict] = None,
+    memory_limit: Optional[float] = None,
+    space: SearchSpace = SearchSpace(),
+) -> list[dict]:
     """One row per (encoder, LLM, context): the placement the search picks, its step time, the best
     step time per placement and the predicted gain over the best homogeneous configuration."""
     worlds = dict(REGIME_WORLD, **(world_sizes or {}))
@@ -48,17 +55,34 @@ def regime_table(prof: Profile, encoders: Sequence[str] = tuple(ENCODER_PRESETS)
         for enc in encoders:
             for ctx in contexts:
                 wl = regime_workload(enc, lm, ctx)
-                row = {"encoder": enc, "llm": lm, "context": ctx, "gpus": worlds[lm], "global_batch": wl.global_batch,
-                       "picked": None, "layout": None, "step_s": None, "gain": None,
-                       "homogeneous_s": None, "colocated_s": None, "disjoint_s": None}
+                row = {
+                    "encoder": enc,
+                    "llm": lm,
+                    "context": ctx,
+                    "gpus": worlds[lm],
+                    "global_batch": wl.global_batch,
+                    "picked": None,
+                    "layout": None,
+                    "step_s": None,
+                    "gain": None,
+                    "homogeneous_s": None,
+                    "colocated_s": None,
+                    "disjoint_s": None,
+                }
                 try:
                     res = search(wl, prof, worlds[lm], memory_limit, space, top=1)
                 except ValueError:
                     rows.append(row)
                     continue
-                row.update(picked=res.best.candidate.placement, layout=res.best.candidate.describe(),
-                           step_s=res.best.breakdown.total, gain=res.gain, evaluated=res.evaluated,
-                           space_size=res.space_size, seconds=res.seconds)
+                row.update(
+                    picked=res.best.candidate.placement,
+                    layout=res.best.candidate.describe(),
+                    step_s=res.best.breakdown.total,
+                    gain=res.gain,
+                    evaluated=res.evaluated,
+                    space_size=res.space_size,
+                    seconds=res.seconds,
+                )
                 for kind, r in res.by_placement.items():
                     row[f"{kind}_s"] = r.breakdown.total
                 rows.append(row)

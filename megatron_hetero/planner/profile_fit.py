@@ -21,6 +21,7 @@ The residuals of the layer model against every measured layer (TP/CP included) a
 the JSON (`checks`). The profile JSON is `Profile.to_dict()` plus `world_size`, `backend`, `grid`
 and the raw `measurements`; `Profile.load` reads it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,17 +42,21 @@ class ProfileGrid:
     """What to measure. `layer_shapes`: (hidden, heads, seq, batch) per kind; `tp`/`cp`: degrees
     (kept where they divide the world and the heads); `sizes`: collective message bytes."""
 
-    layer_shapes: dict = field(default_factory=lambda: {
-        "llm": ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2), (256, 8, 128, 2)),
-        "encoder": ((32, 4, 8, 1), (32, 4, 8, 8), (64, 4, 16, 4), (128, 4, 32, 4)),
-    })
+    layer_shapes: dict = field(
+        default_factory=lambda: {
+            "llm": ((64, 4, 32, 1), (64, 4, 32, 4), (128, 4, 64, 2), (256, 8, 128, 2)),
+            "encoder": ((32, 4, 8, 1), (32, 4, 8, 8), (64, 4, 16, 4), (128, 4, 32, 4)),
+        }
+    )
     #: whole modules of the LLaVA model with one layer (per-micro-batch parts outside the layers:
     #: data, embedding, output layer and loss / patch embedding and projector; and the optimizer step):
     #: kind -> (hidden, heads, seq, batch, vocab or llm hidden)
-    module_shapes: dict = field(default_factory=lambda: {
-        "llm": ((64, 4, 32, 2, 128), (128, 4, 64, 2, 512), (256, 8, 128, 2, 1024)),
-        "encoder": ((32, 4, 8, 2, 64), (64, 4, 16, 4, 128), (128, 4, 32, 4, 256)),
-    })
+    module_shapes: dict = field(
+        default_factory=lambda: {
+            "llm": ((64, 4, 32, 2, 128), (128, 4, 64, 2, 512), (256, 8, 128, 2, 1024)),
+            "encoder": ((32, 4, 8, 2, 64), (64, 4, 16, 4, 128), (128, 4, 32, 4, 256)),
+        }
+    )
     tp: tuple = (1, 2, 4)
     cp: tuple = (1, 2)
     sizes: tuple = (1 << 10, 1 << 14, 1 << 18, 1 << 21)
@@ -62,10 +67,19 @@ class ProfileGrid:
 
     @classmethod
     def quick(cls) -> "ProfileGrid":
-        return cls(layer_shapes={"llm": ((64, 4, 32, 1), (128, 4, 64, 2)), "encoder": ((32, 4, 8, 1), (64, 4, 16, 4))},
-                   module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 64, 2, 512)),
-                                  "encoder": ((32, 4, 8, 2, 64), (64, 4, 16, 4, 128))},
-                   tp=(1, 2), cp=(1, 2), sizes=(1 << 10, 1 << 14, 1 << 18), iters=3, warmup=1, reps=2)
+        return cls(
+            layer_shapes={"llm": ((64, 4, 32, 1), (128, 4, 64, 2)), "encoder": ((32, 4, 8, 1), (64, 4, 16, 4))},
+            module_shapes={
+                "llm": ((64, 4, 32, 2, 128), (128, 4, 64, 2, 512)),
+                "encoder": ((32, 4, 8, 2, 64), (64, 4, 16, 4, 128)),
+            },
+            tp=(1, 2),
+            cp=(1, 2),
+            sizes=(1 << 10, 1 << 14, 1 << 18),
+            iters=3,
+            warmup=1,
+            reps=2,
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -86,11 +100,21 @@ def layer_cases(grid: ProfileGrid, world: int) -> list[dict]:
             raise ValueError(f"profile grid: unknown module kind {kind!r}; kinds are {list(KINDS)}")
         for hidden, heads, seq, batch in shapes:
             for tp in grid.tp:
-                for cp in (grid.cp if kind == "llm" else (1,)):
+                for cp in grid.cp if kind == "llm" else (1,):
                     if world % (tp * cp) or heads % tp or hidden % heads or (cp > 1 and seq % (2 * cp)):
                         continue
-                    out.append({"kind": kind, "hidden": hidden, "heads": heads, "ffn_hidden": _ffn(hidden),
-                                "seq": seq, "batch": batch, "tp": tp, "cp": cp})
+                    out.append(
+                        {
+                            "kind": kind,
+                            "hidden": hidden,
+                            "heads": heads,
+                            "ffn_hidden": _ffn(hidden),
+                            "seq": seq,
+                            "batch": batch,
+                            "tp": tp,
+                            "cp": cp,
+                        }
+                    )
     return out
 
 
@@ -102,8 +126,16 @@ def module_cases(grid: ProfileGrid, world: int) -> list[dict]:
             raise ValueError(f"profile grid: unknown module kind {kind!r}; kinds are {list(KINDS)}")
         for hidden, heads, seq, batch, other in shapes:
             for tp in sorted({1, max(t for t in grid.tp if world % t == 0 and heads % t == 0)}):
-                c = {"kind": kind, "hidden": hidden, "heads": heads, "ffn_hidden": _ffn(hidden), "seq": seq,
-                     "batch": batch, "tp": tp, "cp": 1}
+                c = {
+                    "kind": kind,
+                    "hidden": hidden,
+                    "heads": heads,
+                    "ffn_hidden": _ffn(hidden),
+                    "seq": seq,
+                    "batch": batch,
+                    "tp": tp,
+                    "cp": 1,
+                }
                 c["vocab" if kind == "llm" else "llm_hidden"] = other
                 out.append(c)
     return out
@@ -115,7 +147,7 @@ def collective_cases(grid: ProfileGrid, world: int) -> list[dict]:
         if kind not in COLLECTIVES:
             raise ValueError(f"profile grid: unknown collective {kind!r}; kinds are {list(COLLECTIVES)}")
         sizes = [n for n in (2, 4, 8, 16, 32) if n <= world and world % n == 0]
-        for n in ([2] if kind == "send_recv" else sizes):
+        for n in [2] if kind == "send_recv" else sizes:
             if n > world:
                 continue
             for nbytes in grid.sizes:
@@ -137,8 +169,10 @@ def combine_rounds(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """One measurement document from rounds of the same grid: per case the fastest round."""
     if not docs:
         raise ValueError("no measurement rounds to combine")
-    docs = [dict(d, external_load=d["external_load"] if isinstance(d["external_load"], list) else [d["external_load"]])
-            for d in docs]
+    docs = [
+        dict(d, external_load=d["external_load"] if isinstance(d["external_load"], list) else [d["external_load"]])
+        for d in docs
+    ]
     out = {**docs[0], **{k: list(docs[0][k]) for k in ("layers", "modules", "collectives")}}
     for key in ("layers", "modules", "collectives"):
         for i, _case in enumerate(out[key]):
@@ -167,11 +201,15 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> Pr
     world = int(raw["world_size"])
     layers = {}
     for kind in KINDS:
-        samples = [dict(s, tokens=s["batch"] * s["seq"], gated=False) for s in raw["layers"]
-                   if s["kind"] == kind and s["tp"] == 1 and s["cp"] == 1]
+        samples = [
+            dict(s, tokens=s["batch"] * s["seq"], gated=False)
+            for s in raw["layers"]
+            if s["kind"] == kind and s["tp"] == 1 and s["cp"] == 1
+        ]
         if samples:
-            pairs = [(float(layer_flops(x["tokens"], x["seq"], x["hidden"], x["ffn_hidden"])), x["seconds"])
-                     for x in samples]
+            pairs = [
+                (float(layer_flops(x["tokens"], x["seq"], x["hidden"], x["ffn_hidden"])), x["seconds"]) for x in samples
+            ]
             layers[kind] = _fit_line([f for f, _ in pairs], [t for _, t in pairs])
     if not layers:
         raise ValueError("profile: no TP1·CP1 layer measurement to fit")
@@ -192,16 +230,24 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> Pr
     solo = raw.get("solo_layer")
     cores, concurrency = 0.0, 0
     if shared and solo:
-        same = next(s for s in raw["layers"] if all(s[k] == solo[k] for k in ("kind", "hidden", "seq", "batch", "tp", "cp")))
+        same = next(
+            s for s in raw["layers"] if all(s[k] == solo[k] for k in ("kind", "hidden", "seq", "batch", "tp", "cp"))
+        )
         # effective cores: the world's ranks did `world` layers in the time one rank alone does
         # world * t_solo / t_all of them
         cores, concurrency = min(float(world), world * solo["seconds"] / same["seconds"]), world
-    prof = Profile(layers=layers, links={"intra": link, "inter": link}, devices_per_node=world,
-                     memory_bytes=float(memory_bytes if memory_bytes is not None else raw["memory_bytes"]),
-                     host_bandwidth=float(raw["host_bandwidth"]), collectives=coll,
-                     source=f"measured on {raw['backend']}, {world} concurrent ranks (megatron-hetero profile)",
-                     cores=cores, concurrency=concurrency,
-                     cpu_cores=float(raw.get("cpu_cores", 0.0)) if cores else 0.0)
+    prof = Profile(
+        layers=layers,
+        links={"intra": link, "inter": link},
+        devices_per_node=world,
+        memory_bytes=float(memory_bytes if memory_bytes is not None else raw["memory_bytes"]),
+        host_bandwidth=float(raw["host_bandwidth"]),
+        collectives=coll,
+        source=f"measured on {raw['backend']}, {world} concurrent ranks (megatron-hetero profile)",
+        cores=cores,
+        concurrency=concurrency,
+        cpu_cores=float(raw.get("cpu_cores", 0.0)) if cores else 0.0,
+    )
     prof = dataclasses.replace(prof, layer_collectives=_fit_layer_collectives(prof, raw))
     overheads = {}
     for kind in KINDS:
@@ -212,8 +258,14 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> Pr
             spec, wl = _specs(s)
             layer = float(sum(C.layer_parts(prof, wl, spec, s["batch"], s["tp"], 1)))
             data = s["data_seconds"] if kind == "llm" else 0.0  # the LLM module built its batch
-            io_pts.append((s["tp"], float(C.io_flops(wl, spec, s["batch"], s["tp"], 1)),
-                           float(C.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)), s["seconds"] - layer - data))
+            io_pts.append(
+                (
+                    s["tp"],
+                    float(C.io_flops(wl, spec, s["batch"], s["tp"], 1)),
+                    float(C.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)),
+                    s["seconds"] - layer - data,
+                )
+            )
         one = [p for p in io_pts if p[0] == 1]
         if not one:
             continue
@@ -282,8 +334,14 @@ def layer_checks(prof: Profile, raw: dict[str, Any]) -> list[dict]:
         spec = ModelSpec(s["kind"], 1, s["hidden"], s["ffn_hidden"], s["heads"], s["seq"], kind=s["kind"])
         wl = Workload(spec, spec, global_batch=1, dtype_bytes=4)
         est = float(sum(C.layer_parts(prof, wl, spec, s["batch"], s["tp"], s["cp"])))
-        out.append({**{k: s[k] for k in ("kind", "hidden", "seq", "batch", "tp", "cp")}, "measured_s": s["seconds"],
-                    "model_s": est, "error": est / s["seconds"] - 1.0})
+        out.append(
+            {
+                **{k: s[k] for k in ("kind", "hidden", "seq", "batch", "tp", "cp")},
+                "measured_s": s["seconds"],
+                "model_s": est,
+                "error": est / s["seconds"] - 1.0,
+            }
+        )
     return out
 
 
@@ -291,11 +349,21 @@ def profile_document(raw: dict[str, Any], prof: Profile) -> dict[str, Any]:
     """The JSON written by `megatron-hetero profile`: the Profile plus the measurements."""
     checks = layer_checks(prof, raw)
     errs = [abs(c["error"]) for c in checks]
-    return {**prof.to_dict(), "world_size": raw["world_size"], "backend": raw["backend"], "grid": raw["grid"],
-            "measure_seconds": raw["seconds"], "rounds": raw.get("rounds", 1),
-            "external_load": raw.get("external_load"), "measurements": {"layers": raw["layers"], "collectives": raw["collectives"],
-                                                                "host_bandwidth": raw["host_bandwidth"]},
-            "checks": {"layers": checks, "layer_mape": sum(errs) / len(errs) if errs else None}}
+    return {
+        **prof.to_dict(),
+        "world_size": raw["world_size"],
+        "backend": raw["backend"],
+        "grid": raw["grid"],
+        "measure_seconds": raw["seconds"],
+        "rounds": raw.get("rounds", 1),
+        "external_load": raw.get("external_load"),
+        "measurements": {
+            "layers": raw["layers"],
+            "collectives": raw["collectives"],
+            "host_bandwidth": raw["host_bandwidth"],
+        },
+        "checks": {"layers": checks, "layer_mape": sum(errs) / len(errs) if errs else None},
+    }
 
 
 def summary(doc: dict[str, Any]) -> str:
@@ -306,9 +374,12 @@ def summary(doc: dict[str, Any]) -> str:
             lines.append(f"  layer {kind:8s} t = {lm['a'] * 1e3:.3f} ms + flops * {lm['b'] * 1e12:.3f} ps")
     for kind, per in doc["collectives"].items():
         for n, ab in sorted(per.get("intra", {}).items(), key=lambda x: int(x[0])):
-            lines.append(f"  {kind:14s} n={n:<3} alpha {ab['alpha'] * 1e6:8.1f} us  beta {ab['beta'] * 1e9:8.3f} ns/B"
-                         f" ({(1 / ab['beta'] / 1e9) if ab['beta'] > 0 else math.inf:.2f} GB/s)")
+            lines.append(
+                f"  {kind:14s} n={n:<3} alpha {ab['alpha'] * 1e6:8.1f} us  beta {ab['beta'] * 1e9:8.3f} ns/B"
+                f" ({(1 / ab['beta'] / 1e9) if ab['beta'] > 0 else math.inf:.2f} GB/s)"
+            )
     if doc["checks"]["layer_mape"] is not None:
-        lines.append(f"  layer model vs every measured layer (TP/CP included): mean |error| "
-                     f"{doc['checks']['layer_mape']:.1%}")
+        lines.append(
+            f"  layer model vs every measured layer (TP/CP included): mean |error| {doc['checks']['layer_mape']:.1%}"
+        )
     return "\n".join(lines)

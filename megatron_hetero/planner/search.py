@@ -16,6 +16,7 @@ equals the top-K of exhaustive evaluation (`prune=False` evaluates every pair).
 default). The exact layer-partition search of one model is `planner/heteropipe.py`; presets and the
 regime table are `planner/presets.py`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -67,8 +68,9 @@ class SearchSpace:
             return self
         import dataclasses
 
-        return dataclasses.replace(self, placements=tuple(p for p in self.placements if p != "homogeneous"),
-                                   encoder_cp=(1,))
+        return dataclasses.replace(
+            self, placements=tuple(p for p in self.placements if p != "homogeneous"), encoder_cp=(1,)
+        )
 
     def islands(self, world: int) -> list[int]:
         if self.island_sizes is not None:
@@ -121,12 +123,27 @@ class SearchResult:
 
     def to_dict(self) -> dict:
         def one(r):
-            return None if r is None else {"candidate": r.candidate.to_dict(), "describe": r.candidate.describe(),
-                                           "breakdown": r.breakdown.to_dict()}
-        return {"world_size": self.world_size, "memory_limit": self.memory_limit, "evaluated": self.evaluated,
-                "space_size": self.space_size, "seconds": self.seconds, "gain_over_homogeneous": self.gain,
-                "ranked": [one(r) for r in self.ranked], "baseline": one(self.baseline),
-                "best_per_placement": {k: one(v) for k, v in self.by_placement.items()}}
+            return (
+                None
+                if r is None
+                else {
+                    "candidate": r.candidate.to_dict(),
+                    "describe": r.candidate.describe(),
+                    "breakdown": r.breakdown.to_dict(),
+                }
+            )
+
+        return {
+            "world_size": self.world_size,
+            "memory_limit": self.memory_limit,
+            "evaluated": self.evaluated,
+            "space_size": self.space_size,
+            "seconds": self.seconds,
+            "gain_over_homogeneous": self.gain,
+            "ranked": [one(r) for r in self.ranked],
+            "baseline": one(self.baseline),
+            "best_per_placement": {k: one(v) for k, v in self.by_placement.items()},
+        }
 
 
 def train_micro_batch_size(cand: Candidate, wl: Workload) -> int:
@@ -194,9 +211,14 @@ class _Pool:
 
 
 def _homogeneous(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float, pool: _Pool) -> int:
-    rows = [r for r in _layouts(world, space.tp, space.cp, space.pp, wl.llm, True)
-            if wl.global_batch % (wl.micro_batch * r[3]) == 0 and wl.encoder.heads % r[0] == 0
-            and wl.global_batch % r[3] == 0 and wl.encoder.num_layers >= r[2]]
+    rows = [
+        r
+        for r in _layouts(world, space.tp, space.cp, space.pp, wl.llm, True)
+        if wl.global_batch % (wl.micro_batch * r[3]) == 0
+        and wl.encoder.heads % r[0] == 0
+        and wl.global_batch % r[3] == 0
+        and wl.encoder.num_layers >= r[2]
+    ]
     if not rows:
         return 0
     rows, eps = _with_ep(wl, rows)
@@ -207,34 +229,56 @@ def _homogeneous(wl: Workload, prof: Profile, world: int, space: SearchSpace, li
     valid = np.where(pp == 1, l0 == L, l0 <= L - (pp - 1))
     grid = [np.broadcast_to(x, valid.shape).ravel() for x in (tp, cp, pp, dp, l0, ep)]
     out = C.homogeneous(prof, wl, *grid)
-    total = np.where(valid & (out["memory_per_rank_peak"].reshape(valid.shape) <= limit),
-                     out["total"].reshape(valid.shape), INF)
+    total = np.where(
+        valid & (out["memory_per_rank_peak"].reshape(valid.shape) <= limit), out["total"].reshape(valid.shape), INF
+    )
     best_l0 = np.argmin(total, axis=1)
     totals = total[np.arange(len(rows)), best_l0]
 
     def build(i: int) -> Candidate:
         t_, c_, p_, d_ = rows[i]
-        return Candidate("homogeneous", Segment.of(t_, c_, p_, d_, Le), (Segment.of(t_, c_, p_, d_, L, ep=eps[i]),),
-                         first_stage_layers=int(best_l0[i]) + 1 if p_ > 1 else 0)
+        return Candidate(
+            "homogeneous",
+            Segment.of(t_, c_, p_, d_, Le),
+            (Segment.of(t_, c_, p_, d_, L, ep=eps[i]),),
+            first_stage_layers=int(best_l0[i]) + 1 if p_ > 1 else 0,
+        )
 
     pool.add(totals, build, "homogeneous")
     return int(valid.sum())
 
 
 def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float, pool: _Pool) -> int:
-    llm_rows = [r for r in _layouts(world, space.tp, space.cp, space.pp, wl.llm, True, space.runtime)
-                if wl.global_batch % (wl.micro_batch * r[3]) == 0]
-    enc_rows = [r for r in _layouts(world, space.encoder_tp, space.encoder_cp, space.encoder_pp, wl.encoder, False,
-                                    space.runtime)
-                if wl.global_batch % r[3] == 0]
-    combos = [(a, e, o, x) for a in llm_rows for e in enc_rows for o in space.offload for x in _eps(wl, a)
-              if max(a[3], e[3]) % min(a[3], e[3]) == 0]
+    llm_rows = [
+        r
+        for r in _layouts(world, space.tp, space.cp, space.pp, wl.llm, True, space.runtime)
+        if wl.global_batch % (wl.micro_batch * r[3]) == 0
+    ]
+    enc_rows = [
+        r
+        for r in _layouts(world, space.encoder_tp, space.encoder_cp, space.encoder_pp, wl.encoder, False, space.runtime)
+        if wl.global_batch % r[3] == 0
+    ]
+    combos = [
+        (a, e, o, x)
+        for a in llm_rows
+        for e in enc_rows
+        for o in space.offload
+        for x in _eps(wl, a)
+        if max(a[3], e[3]) % min(a[3], e[3]) == 0
+    ]
     if not combos:
         return 0
     la, ea = [c[0] for c in combos], [c[1] for c in combos]
     # mypy cannot count the two starred generators (4 arguments each)
-    out = C.colocated(prof, wl, *(_arr(la, k) for k in range(4)), *(_arr(ea, k) for k in range(4)),  # type: ignore[call-arg]
-                      np.array([c[2] for c in combos], dtype=bool), np.array([c[3] for c in combos], dtype=np.int64))
+    out = C.colocated(
+        prof,
+        wl,
+        *(_arr(la, k) for k in range(4)),
+        *(_arr(ea, k) for k in range(4)),  # type: ignore[call-arg]
+        np.array([c[2] for c in combos], dtype=bool),
+        np.array([c[3] for c in combos], dtype=np.int64),
+    )
     total = np.where(out["memory_per_rank_peak"] <= limit, out["total"], INF)
     L, Le = wl.llm.num_layers, wl.encoder.num_layers
 
@@ -249,9 +293,11 @@ def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limi
 def _chains(wl: Workload, world_llm: int, space: SearchSpace) -> list[tuple]:
     """LLM chains on an island: (tp_a, cp, pp_a, dp_a, n_a, tp_b, pp_b, dp_b, n_b); n_b = 0: one segment."""
     llm, L, G, m = wl.llm, wl.llm.num_layers, wl.global_batch, wl.micro_batch
-    rows = [(t, c, p, d, L, 0, 0, 0, 0)
-            for t, c, p, d in _layouts(world_llm, space.tp, space.cp, space.pp, llm, True, space.runtime)
-            if G % (m * d) == 0 and (not space.runtime or G // (m * d) <= MAX_MICRO_BATCHES)]
+    rows = [
+        (t, c, p, d, L, 0, 0, 0, 0)
+        for t, c, p, d in _layouts(world_llm, space.tp, space.cp, space.pp, llm, True, space.runtime)
+        if G % (m * d) == 0 and (not space.runtime or G // (m * d) <= MAX_MICRO_BATCHES)
+    ]
     if space.max_segments >= 2 and world_llm % 2 == 0:
         half = _layouts(world_llm // 2, space.tp, space.cp, space.pp, llm, True)
         if space.runtime:
@@ -283,10 +329,7 @@ def _chains(wl: Workload, world_llm: int, space: SearchSpace) -> list[tuple]:
     return rows
 
 
-
-
-def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float,
-              groups: list) -> int:
+def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float, groups: list) -> int:
     """Prepare the disjoint groups (encoder rows x chain rows sharing the pipeline micro-batch M,
     the LLM's stage count and the first segment's dp): each side's aggregates (`cost.Side`) and
     memory; rows over the memory limit are dropped. Returns the number of valid (encoder, chain)
@@ -311,13 +354,15 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
         etp, ecp, epp, edp = (er[:, i] for i in range(4))
         uniq, inv = np.unique(np.stack([M, P_llm, da], axis=1), axis=0, return_inverse=True)
         inv = inv.reshape(-1)
-        esels = [np.nonzero((Mg % edp == 0) & ((np.maximum(edp, dag) % np.minimum(edp, dag)) == 0))[0]
-                 for Mg, _, dag in uniq]
+        esels = [
+            np.nonzero((Mg % edp == 0) & ((np.maximum(edp, dag) % np.minimum(edp, dag)) == 0))[0] for Mg, _, dag in uniq
+        ]
         # every group's encoder rows in one evaluator call
         rows_e = np.concatenate(esels)
         rep = np.repeat(np.arange(len(uniq)), [len(x) for x in esels])
-        eside_all, e_mem_all = C.encoder_island(prof, wl, etp[rows_e], ecp[rows_e], epp[rows_e], edp[rows_e],
-                                                uniq[rep, 0], uniq[rep, 1])
+        eside_all, e_mem_all = C.encoder_island(
+            prof, wl, etp[rows_e], ecp[rows_e], epp[rows_e], edp[rows_e], uniq[rep, 0], uniq[rep, 1]
+        )
         starts = np.cumsum([0] + [len(x) for x in esels])
         for gi, (Mg, _Pg, _dag) in enumerate(uniq):
             sel, esel = np.nonzero(inv == gi)[0], esels[gi]
@@ -331,13 +376,25 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
             if not len(csel) or not len(eok):
                 continue
             csel = csel[np.argsort(key[csel], kind="stable")]
-            groups.append(dict(we=we, b=int(G // Mg), rows=rows, enc_rows=enc_rows, cidx=csel, ckey=key[csel],
-                               chain=chain.rows(csel, full=False), eidx=esel[eok], enc=eside.rows(eok, full=False)))
+            groups.append(
+                dict(
+                    we=we,
+                    b=int(G // Mg),
+                    rows=rows,
+                    enc_rows=enc_rows,
+                    cidx=csel,
+                    ckey=key[csel],
+                    chain=chain.rows(csel, full=False),
+                    eidx=esel[eok],
+                    enc=eside.rows(eok, full=False),
+                )
+            )
     return size
 
 
-def _pairs(gr: dict, prof: Profile, wl: Workload, world: int, tau: float,
-           probe: Optional[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pairs(
+    gr: dict, prof: Profile, wl: Workload, world: int, tau: float, probe: Optional[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(encoder positions, chain positions, step times) of the pairs to evaluate in group `gr`: the
     first `probe` chains per encoder, or every chain with E_sum + K(c) <= tau / uncontended."""
     nE, nC = len(gr["eidx"]), len(gr["cidx"])
@@ -361,8 +418,15 @@ def _chain_candidate(gr: dict, e: int, c: int, wl: Workload) -> Candidate:
     return Candidate("disjoint", Segment.of(et, ec, ep, ed, wl.encoder.num_layers), segs, encoder_ranks=gr["we"])
 
 
-def search(wl: Workload, prof: Profile, world_size: int, memory_limit: Optional[float] = None,
-           space: SearchSpace = SearchSpace(), top: int = 10, prune: bool = True) -> SearchResult:
+def search(
+    wl: Workload,
+    prof: Profile,
+    world_size: int,
+    memory_limit: Optional[float] = None,
+    space: SearchSpace = SearchSpace(),
+    top: int = 10,
+    prune: bool = True,
+) -> SearchResult:
     """Rank the configurations of `space` on `world_size` ranks by predicted step time.
 
     memory_limit: bytes per rank (default: 90% of the profile's device memory). Returns the `top`
@@ -414,17 +478,27 @@ def search(wl: Workload, prof: Profile, world_size: int, memory_limit: Optional[
             if len(tot) > top:
                 part = np.argpartition(tot, top - 1)[:top]
                 ei, ci, tot = ei[part], ci[part], tot[part]
-        pool.add(tot, (lambda g, a, c: (lambda i: _chain_candidate(g, int(a[i]), int(c[i]), wl)))(gr, ei, ci),
-                 "disjoint")
+        pool.add(tot, (lambda g, a, c: lambda i: _chain_candidate(g, int(a[i]), int(c[i]), wl))(gr, ei, ci), "disjoint")
     ranked, by_placement = _rank(pool, wl, prof, top)
     if not ranked:
-        raise ValueError(f"no configuration of {wl.encoder.name} + {wl.llm.name} on {world_size} ranks fits the "
-                         f"memory limit of {limit / 1e9:.1f} GB per rank (or none divides global batch "
-                         f"{wl.global_batch} with micro-batch {wl.micro_batch})")
-    baseline = _runtime_baseline(wl, prof, world_size, space, limit) if space.runtime else by_placement.get("homogeneous")
-    return SearchResult(ranked=ranked, baseline=baseline, evaluated=evaluated, space_size=size,
-                        seconds=time.perf_counter() - t0, world_size=world_size, memory_limit=limit,
-                        by_placement=by_placement)
+        raise ValueError(
+            f"no configuration of {wl.encoder.name} + {wl.llm.name} on {world_size} ranks fits the "
+            f"memory limit of {limit / 1e9:.1f} GB per rank (or none divides global batch "
+            f"{wl.global_batch} with micro-batch {wl.micro_batch})"
+        )
+    baseline = (
+        _runtime_baseline(wl, prof, world_size, space, limit) if space.runtime else by_placement.get("homogeneous")
+    )
+    return SearchResult(
+        ranked=ranked,
+        baseline=baseline,
+        evaluated=evaluated,
+        space_size=size,
+        seconds=time.perf_counter() - t0,
+        world_size=world_size,
+        memory_limit=limit,
+        by_placement=by_placement,
+    )
 
 
 def _runtime_baseline(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float) -> Optional[Ranked]:
@@ -434,8 +508,9 @@ def _runtime_baseline(wl: Workload, prof: Profile, world: int, space: SearchSpac
     for t, c, p, d in _layouts(world, space.tp, (1,), space.pp, wl.llm, True, True):
         if wl.encoder.heads % t or wl.encoder.num_layers % p:
             continue
-        cand = Candidate("colocated", Segment.of(t, c, p, d, wl.encoder.num_layers),
-                         (Segment.of(t, c, p, d, wl.llm.num_layers),))
+        cand = Candidate(
+            "colocated", Segment.of(t, c, p, d, wl.encoder.num_layers), (Segment.of(t, c, p, d, wl.llm.num_layers),)
+        )
         try:
             bd = evaluate(cand, wl, prof)
         except ValueError:

@@ -2,6 +2,7 @@
 (`ModelSpec`), one training step (`Workload`), a configuration (`Candidate` of `Segment`s: a module
 or an LLM pipeline segment on its `Degrees`), and the result type (`CostBreakdown`). Pure.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,8 @@ class ModelSpec:
             return (self.params - 2 * self.embedding_params) / self.num_layers
         m = 3 if self.gated else 2
         if self.num_experts:  # attention + router + the experts' MLPs
-            return 4 * self.hidden ** 2 + self.hidden * self.num_experts + self.expert_layer_params
-        return 4 * self.hidden ** 2 + m * self.hidden * self.ffn_hidden
+            return 4 * self.hidden**2 + self.hidden * self.num_experts + self.expert_layer_params
+        return 4 * self.hidden**2 + m * self.hidden * self.ffn_hidden
 
     @property
     def expert_ffn(self) -> int:
@@ -176,9 +177,14 @@ class Candidate:
         return text
 
     def to_dict(self) -> dict:
-        return {"placement": self.placement, "encoder": self.encoder.to_dict(),
-                "llm": [s.to_dict() for s in self.llm], "encoder_ranks": self.encoder_ranks,
-                "offload": self.offload, "first_stage_layers": self.first_stage_layers}
+        return {
+            "placement": self.placement,
+            "encoder": self.encoder.to_dict(),
+            "llm": [s.to_dict() for s in self.llm],
+            "encoder_ranks": self.encoder_ranks,
+            "offload": self.offload,
+            "first_stage_layers": self.first_stage_layers,
+        }
 
     def to_layout(self, encoder_name: str = "vision", llm_name: str = "language"):
         """The resolved `HeteroLayout` of this candidate (homogeneous -> colocated, equal layouts)."""
@@ -193,8 +199,17 @@ class Candidate:
         else:
             mods, start = [enc], 0
             for i, s in enumerate(self.llm):
-                mods.append(ModuleLayout(name=f"{llm_name}_{chr(ord('a') + i)}", tp=s.tp, cp=s.cp, pp=s.pp,
-                                         dp=s.dp, ep=s.ep, layers=RankRange(start, start + s.layers - 1)))
+                mods.append(
+                    ModuleLayout(
+                        name=f"{llm_name}_{chr(ord('a') + i)}",
+                        tp=s.tp,
+                        cp=s.cp,
+                        pp=s.pp,
+                        dp=s.dp,
+                        ep=s.ep,
+                        layers=RankRange(start, start + s.layers - 1),
+                    )
+                )
                 start += s.layers
         names = [m.name for m in mods]
         edges = tuple(Edge(a, b) for a, b in zip(names, names[1:]))
@@ -242,19 +257,25 @@ def check_candidate(c: Candidate, wl: Workload) -> int:
         raise ValueError(f"{c.placement}: the LLM must be one segment, got {len(llm)}")
     mb = wl.micro_batch * max(s.dp for s in llm)
     if wl.global_batch % mb:
-        raise ValueError(f"global batch {wl.global_batch} is not divisible by micro-batch {wl.micro_batch} * "
-                         f"LLM dp {max(s.dp for s in llm)} = {mb}")
+        raise ValueError(
+            f"global batch {wl.global_batch} is not divisible by micro-batch {wl.micro_batch} * "
+            f"LLM dp {max(s.dp for s in llm)} = {mb}"
+        )
     for s in llm:
         if s.ep > 1 and (not wl.llm.num_experts or wl.llm.num_experts % s.ep or s.par.stage_size % s.ep):
-            raise ValueError(f"segment {s.short()}: ep({s.ep}) must divide the LLM's {wl.llm.num_experts} experts and "
-                             f"its stage's tp*cp*dp = {s.par.stage_size}")
+            raise ValueError(
+                f"segment {s.short()}: ep({s.ep}) must divide the LLM's {wl.llm.num_experts} experts and "
+                f"its stage's tp*cp*dp = {s.par.stage_size}"
+            )
         if mb % s.dp:
             raise ValueError(f"pipeline micro-batch {mb} is not divisible by segment dp {s.dp}")
         if s.layers < s.pp:
             raise ValueError(f"segment {s.short()} holds {s.layers} layers, fewer than its pp {s.pp}")
     e = c.encoder
     if e.layers != wl.encoder.num_layers or e.layers < e.pp:
-        raise ValueError(f"encoder segment holds {e.layers} layers; the encoder has {wl.encoder.num_layers} (>= pp {e.pp})")
+        raise ValueError(
+            f"encoder segment holds {e.layers} layers; the encoder has {wl.encoder.num_layers} (>= pp {e.pp})"
+        )
     batch = mb if c.placement == "disjoint" else wl.global_batch
     if batch % e.dp:
         raise ValueError(f"encoder dp {e.dp} does not divide the {batch} samples crossing the boundary")
@@ -265,5 +286,3 @@ def check_candidate(c: Candidate, wl: Workload) -> int:
         if s.pp > 1 and not 1 <= c.first_stage_layers <= s.layers - (s.pp - 1):
             raise ValueError(f"homogeneous: first_stage_layers {c.first_stage_layers} outside 1..{s.layers - s.pp + 1}")
     return wl.global_batch // mb
-
-

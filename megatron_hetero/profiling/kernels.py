@@ -11,6 +11,7 @@ faster than the same layer while the other ranks compute too. Each sample runs `
 back between two barriers (the ops of a step follow each other too) and is divided by `reps`; a
 case's time is the median over `iters` samples (after `warmup` calls) of the slowest rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,6 +85,7 @@ def rank_collectives(cases: list[dict], iters: int, warmup: int, reps: int) -> l
                     elif kind == "broadcast":
                         dist.broadcast(full, src=first, group=grp)
                     synchronize(device)
+
             out[i] = timed(op, iters, warmup, reps)
     finally:
         for _mine, made in groups.values():
@@ -120,11 +122,13 @@ def rank_memory(world_size: int) -> float:
 def busy_cores(interval: float = 0.3) -> Optional[float]:
     """Cores kept busy by *other* processes over `interval` seconds while this one sleeps (Linux
     /proc/stat; None elsewhere)."""
+
     def snap():
         with open("/proc/stat") as f:
             vals = [int(v) for v in f.readline().split()[1:]]
         idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
         return sum(vals), idle
+
     try:
         t0, i0 = snap()
         time.sleep(interval)

@@ -20,6 +20,7 @@ snapshot, and DDP's gradient all-reduce right after a backward pass.
 On a machine shared with other jobs, `measure` retries a round that another process disturbed
 (`profiling.kernels.undisturbed`) and, with `rounds` > 1, keeps each case's fastest round.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,11 +32,25 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.planner.hardware import Profile
-from megatron_hetero.planner.profile_fit import (ProfileGrid, collective_cases, combine_rounds, fit_profile,
-                                              layer_cases, module_cases, profile_document, slowest_median,
-                                              solo_layer_case)
-from megatron_hetero.profiling.kernels import (rank_collectives, rank_host_bandwidth, rank_memory, timed, undisturbed,
-                                             wait_quiet)
+from megatron_hetero.planner.profile_fit import (
+    ProfileGrid,
+    collective_cases,
+    combine_rounds,
+    fit_profile,
+    layer_cases,
+    module_cases,
+    profile_document,
+    slowest_median,
+    solo_layer_case,
+)
+from megatron_hetero.profiling.kernels import (
+    rank_collectives,
+    rank_host_bandwidth,
+    rank_memory,
+    timed,
+    undisturbed,
+    wait_quiet,
+)
 
 #: Layers per timed block (the per-layer time is the block time / this).
 LAYERS_PER_BLOCK = 2
@@ -73,15 +88,21 @@ def _rank_layers(cases: list[dict], iters: int, warmup: int, reps: int) -> tuple
             pgs = topo.pg_collection("profile")
             for i in idx:
                 c = cases[i]
-                config = transformer_config(num_layers=LAYERS_PER_BLOCK, hidden=c["hidden"], heads=c["heads"],
-                                            ffn=c["ffn_hidden"], m=layout.module("profile"))
+                config = transformer_config(
+                    num_layers=LAYERS_PER_BLOCK,
+                    hidden=c["hidden"],
+                    heads=c["heads"],
+                    ffn=c["ffn_hidden"],
+                    m=layout.module("profile"),
+                )
                 if c["kind"] == "llm":
                     spec = get_gpt_layer_local_spec_with_cp()
                 else:
                     spec = get_gpt_layer_local_spec()
                     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
-                block = TransformerBlock(config, spec, post_layer_norm=False, pre_process=True, post_process=False,
-                                         pg_collection=pgs).to(device)
+                block = TransformerBlock(
+                    config, spec, post_layer_norm=False, pre_process=True, post_process=False, pg_collection=pgs
+                ).to(device)
                 x = torch.randn(c["seq"] // cp, c["batch"], c["hidden"], device=device)
                 g = torch.randn_like(x)
 
@@ -93,8 +114,10 @@ def _rank_layers(cases: list[dict], iters: int, warmup: int, reps: int) -> tuple
 
                 out[i] = [t / LAYERS_PER_BLOCK for t in timed(step, iters, warmup, reps)]
                 if i == solo_case:  # the same layer with one busy rank (the others wait at a barrier)
-                    solo = [t / LAYERS_PER_BLOCK for t in timed(lambda: step() if dist.get_rank() == 0 else None,
-                                                                 iters, warmup, reps)]
+                    solo = [
+                        t / LAYERS_PER_BLOCK
+                        for t in timed(lambda: step() if dist.get_rank() == 0 else None, iters, warmup, reps)
+                    ]
                 del block
         finally:
             topo.destroy()
@@ -135,13 +158,25 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
                 name = "language" if c["kind"] == "llm" else "vision"
                 m, pgs = layout.module(name), topo.pg_collection(name)
                 if c["kind"] == "llm":
-                    spec = LlavaSpec(num_layers=1, hidden_size=c["hidden"], num_attention_heads=c["heads"],
-                                     vocab_size=c["vocab"], seq_length=c["seq"], encoders={})
+                    spec = LlavaSpec(
+                        num_layers=1,
+                        hidden_size=c["hidden"],
+                        num_attention_heads=c["heads"],
+                        vocab_size=c["vocab"],
+                        seq_length=c["seq"],
+                        encoders={},
+                    )
                     module = LanguageModule(name, spec, m, pgs, first_segment=True, last_segment=True).to(device)
                     dcfg = spec.data_config()
                 else:
-                    enc = EncoderSpec(num_layers=1, hidden_size=c["hidden"], num_attention_heads=c["heads"],
-                                      tokens=c["seq"], feature_dim=24, offset=1)
+                    enc = EncoderSpec(
+                        num_layers=1,
+                        hidden_size=c["hidden"],
+                        num_attention_heads=c["heads"],
+                        tokens=c["seq"],
+                        feature_dim=24,
+                        offset=1,
+                    )
                     module = EncoderModule(name, enc, c["llm_hidden"], m, pgs, seed=1234).to(device)
                     feats = torch.randn(c["batch"], c["seq"], 24, device=device)
                     gout = torch.randn(c["batch"], c["seq"], c["llm_hidden"], device=device)
@@ -166,8 +201,12 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
                 t_opt = timed(opt, iters, 1, reps)  # the step's cost does not depend on the gradient values
                 t_snap = timed(state.resident_bytes, iters, 1, reps)
                 # a rank builds its micro-batch from the synthetic data (every pipeline stage does)
-                t_data = timed(lambda c=c: data_mod.batch(data_mod.DataConfig(seq_length=c["seq"], vocab_size=128),
-                                                           0, c["batch"]), iters, 1, reps)
+                t_data = timed(
+                    lambda c=c: data_mod.batch(data_mod.DataConfig(seq_length=c["seq"], vocab_size=128), 0, c["batch"]),
+                    iters,
+                    1,
+                    reps,
+                )
 
                 def fwd_bwd_sync(state=state) -> None:  # DDP's gradient all-reduce, as a step runs it:
                     fwd_bwd()  # after the backward pass (the ranks arrive as their compute ends)
@@ -181,28 +220,45 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
                 t_fbs = timed(fwd_bwd_sync, iters, 1, reps)
                 t_fbz = timed(fwd_bwd_zero, iters, 1, reps)
                 t_sync = [max(0.0, a - b) for a, b in zip(sorted(t_fbs), sorted(t_fbz))]
-                out[i] = {"module": t_mod, "optimizer": t_opt, "snapshot": t_snap, "grad_sync": t_sync, "data": t_data,
-                          "params": int(sum(p.numel() for p in module.parameters()))}
+                out[i] = {
+                    "module": t_mod,
+                    "optimizer": t_opt,
+                    "snapshot": t_snap,
+                    "grad_sync": t_sync,
+                    "data": t_data,
+                    "params": int(sum(p.numel() for p in module.parameters())),
+                }
                 del state, module
         finally:
             topo.destroy()
     return out
 
 
-def _rank_main(lcases: list[dict], mcases: list[dict], ccases: list[dict], iters: int,
-               warmup: int, reps: int) -> dict[str, Any]:
+def _rank_main(
+    lcases: list[dict], mcases: list[dict], ccases: list[dict], iters: int, warmup: int, reps: int
+) -> dict[str, Any]:
     from megatron_hetero.compat import set_local_device
 
     set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
     layers, solo = _rank_layers(lcases, iters, warmup, reps)
-    return {"layers": layers, "solo": solo,
-            "modules": _rank_modules(mcases, iters, warmup, reps),
-            "collectives": rank_collectives(ccases, iters, warmup, reps),
-            "host_bandwidth": rank_host_bandwidth(), "memory_bytes": rank_memory(dist.get_world_size())}
+    return {
+        "layers": layers,
+        "solo": solo,
+        "modules": _rank_modules(mcases, iters, warmup, reps),
+        "collectives": rank_collectives(ccases, iters, warmup, reps),
+        "host_bandwidth": rank_host_bandwidth(),
+        "memory_bytes": rank_memory(dist.get_world_size()),
+    }
 
 
-def measure(world_size: int, grid: ProfileGrid = ProfileGrid(), timeout: float = 1200.0,
-            rounds: int = 1, quiet_wait_s: float = 10.0, tries: int = 3) -> dict[str, Any]:
+def measure(
+    world_size: int,
+    grid: ProfileGrid = ProfileGrid(),
+    timeout: float = 1200.0,
+    rounds: int = 1,
+    quiet_wait_s: float = 10.0,
+    tries: int = 3,
+) -> dict[str, Any]:
     """Run the measurements on `world_size` forked ranks; returns the raw measurement document.
 
     rounds > 1 repeats the whole measurement and keeps, per case, the round with the least time
@@ -211,8 +267,7 @@ def measure(world_size: int, grid: ProfileGrid = ProfileGrid(), timeout: float =
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     docs = []
     for _ in range(rounds):
-        docs.append(undisturbed(lambda: _measure_once(world_size, grid, timeout, quiet_wait_s), tries,
-                                quiet_wait_s)[0])
+        docs.append(undisturbed(lambda: _measure_once(world_size, grid, timeout, quiet_wait_s), tries, quiet_wait_s)[0])
     return combine_rounds(docs)
 
 
@@ -231,8 +286,9 @@ def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"--world-size must be an integer >= 2 (collectives need two ranks), got {world_size!r}")
     if grid.iters < 1 or grid.reps < 1 or grid.warmup < 0:
-        raise ValueError(f"profile grid: iters and reps must be >= 1 and warmup >= 0, got {grid.iters}, "
-                         f"{grid.reps}, {grid.warmup}")
+        raise ValueError(
+            f"profile grid: iters and reps must be >= 1 and warmup >= 0, got {grid.iters}, {grid.reps}, {grid.warmup}"
+        )
     lcases, ccases = layer_cases(grid, world_size), collective_cases(grid, world_size)
     mcases = module_cases(grid, world_size)
     if not any(c["tp"] == 1 and c["cp"] == 1 for c in lcases):
@@ -241,31 +297,61 @@ def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait
     backend = default_backend()
     load = wait_quiet(quiet_wait_s)
     t0 = time.perf_counter()
-    per_rank = run_ranks(world_size, _rank_main, lcases, mcases, ccases, grid.iters, grid.warmup, grid.reps,
-                         timeout=timeout, backend=backend)
-    layers = [dict(c, seconds=slowest_median([r["layers"][i] for r in per_rank]))
-              for i, c in enumerate(lcases)]
-    modules = [dict(c, seconds=slowest_median([r["modules"][i]["module"] for r in per_rank]),
-                    optimizer_seconds=slowest_median([r["modules"][i]["optimizer"] for r in per_rank]),
-                    snapshot_seconds=slowest_median([r["modules"][i]["snapshot"] for r in per_rank]),
-                    grad_sync_seconds=slowest_median([r["modules"][i]["grad_sync"] for r in per_rank]),
-                    data_seconds=slowest_median([r["modules"][i]["data"] for r in per_rank]),
-                    dp=world_size // c["tp"],
-                    params=max(r["modules"][i]["params"] for r in per_rank))
-               for i, c in enumerate(mcases)]
-    colls = [dict(c, seconds=slowest_median([r["collectives"][i] for r in per_rank]))
-             for i, c in enumerate(ccases)]
+    per_rank = run_ranks(
+        world_size,
+        _rank_main,
+        lcases,
+        mcases,
+        ccases,
+        grid.iters,
+        grid.warmup,
+        grid.reps,
+        timeout=timeout,
+        backend=backend,
+    )
+    layers = [dict(c, seconds=slowest_median([r["layers"][i] for r in per_rank])) for i, c in enumerate(lcases)]
+    modules = [
+        dict(
+            c,
+            seconds=slowest_median([r["modules"][i]["module"] for r in per_rank]),
+            optimizer_seconds=slowest_median([r["modules"][i]["optimizer"] for r in per_rank]),
+            snapshot_seconds=slowest_median([r["modules"][i]["snapshot"] for r in per_rank]),
+            grad_sync_seconds=slowest_median([r["modules"][i]["grad_sync"] for r in per_rank]),
+            data_seconds=slowest_median([r["modules"][i]["data"] for r in per_rank]),
+            dp=world_size // c["tp"],
+            params=max(r["modules"][i]["params"] for r in per_rank),
+        )
+        for i, c in enumerate(mcases)
+    ]
+    colls = [dict(c, seconds=slowest_median([r["collectives"][i] for r in per_rank])) for i, c in enumerate(ccases)]
     host = min(r["host_bandwidth"] for r in per_rank)
     memory = min(r["memory_bytes"] for r in per_rank)
     solo = dict(lcases[solo_layer_case(lcases)], seconds=float(statistics.median(per_rank[0]["solo"])))
-    return {"world_size": world_size, "backend": backend, "grid": grid.to_dict(), "layers": layers, "solo_layer": solo, "modules": modules,
-            "collectives": colls, "host_bandwidth": host, "memory_bytes": memory, "seconds": time.perf_counter() - t0, "external_load": load,
-            "cpu_cores": cpu_cores()}
+    return {
+        "world_size": world_size,
+        "backend": backend,
+        "grid": grid.to_dict(),
+        "layers": layers,
+        "solo_layer": solo,
+        "modules": modules,
+        "collectives": colls,
+        "host_bandwidth": host,
+        "memory_bytes": memory,
+        "seconds": time.perf_counter() - t0,
+        "external_load": load,
+        "cpu_cores": cpu_cores(),
+    }
 
 
-def run_profile(world_size: int, grid: ProfileGrid = ProfileGrid(), out=None,
-                memory_bytes: Optional[float] = None, rounds: int = 1, quiet_wait_s: float = 10.0,
-                tries: int = 3) -> tuple[Profile, dict[str, Any]]:
+def run_profile(
+    world_size: int,
+    grid: ProfileGrid = ProfileGrid(),
+    out=None,
+    memory_bytes: Optional[float] = None,
+    rounds: int = 1,
+    quiet_wait_s: float = 10.0,
+    tries: int = 3,
+) -> tuple[Profile, dict[str, Any]]:
     """Measure, fit, and (if `out`) write the profile JSON. Returns (Profile, document)."""
     raw = measure(world_size, grid, rounds=rounds, quiet_wait_s=quiet_wait_s, tries=tries)
     prof = fit_profile(raw, memory_bytes)

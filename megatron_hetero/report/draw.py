@@ -13,6 +13,7 @@ colocated tables' phases with nominal costs) and need no matplotlib.
 matplotlib (the `bench` extra) is imported inside the drawing functions only (Agg backend); without
 it they raise ImportError with the install hint.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,15 +21,31 @@ from typing import Any, Mapping, Optional
 
 #: Colours of the span kinds (`runtime.trace.KINDS`; the planned timelines use the same kinds).
 KIND_COLOURS = {
-    "encoder-forward": "#4c9be8", "encoder-backward": "#1f4e99", "llm-forward": "#f5a54a",
-    "llm-backward": "#c4580c", "boundary": "#2ca02c", "comm": "#c7e9c0", "wait": "#d62728",
-    "grad-reduce": "#9467bd", "optimizer": "#8c564b", "loss-reduce": "#e377c2", "offload": "#7f7f7f",
+    "encoder-forward": "#4c9be8",
+    "encoder-backward": "#1f4e99",
+    "llm-forward": "#f5a54a",
+    "llm-backward": "#c4580c",
+    "boundary": "#2ca02c",
+    "comm": "#c7e9c0",
+    "wait": "#d62728",
+    "grad-reduce": "#9467bd",
+    "optimizer": "#8c564b",
+    "loss-reduce": "#e377c2",
+    "offload": "#7f7f7f",
     "schedule": "#eeeeee",
 }
 #: Nominal costs of the colocated phases' actions (one encoder stage's forward over its DP share,
 #: one language micro-batch per stage, ...): a picture of the order, not a prediction.
-NOMINAL = {"encoder-forward": 1.0, "encoder-backward": 2.0, "llm-forward": 1.0, "llm-backward": 2.0,
-           "boundary": 0.5, "offload": 0.5, "grad-reduce": 0.5, "optimizer": 0.25}
+NOMINAL = {
+    "encoder-forward": 1.0,
+    "encoder-backward": 2.0,
+    "llm-forward": 1.0,
+    "llm-backward": 2.0,
+    "boundary": 0.5,
+    "offload": 0.5,
+    "grad-reduce": 0.5,
+    "optimizer": 0.25,
+}
 
 Row = list  # of (start, end, kind, label)
 
@@ -62,8 +79,9 @@ def _depths(spans: Row) -> tuple[list[int], list[bool]]:
     return depth, parent
 
 
-def gantt(rows: Mapping[int, Row], out: Path, *, title: str, xlabel: str,
-          kinds_order: Optional[list[str]] = None) -> dict[str, Any]:
+def gantt(
+    rows: Mapping[int, Row], out: Path, *, title: str, xlabel: str, kinds_order: Optional[list[str]] = None
+) -> dict[str, Any]:
     """One row per rank (rank 0 at the top), one bar per span coloured by kind, nested spans drawn
     thinner on top of their parents; a bar's label is written inside it when it fits."""
     plt = _pyplot()
@@ -87,9 +105,16 @@ def gantt(rows: Mapping[int, Row], out: Path, *, title: str, xlabel: str,
                 ax.text((t0 + t1) / 2, y, label, ha="center", va="center", fontsize=6, zorder=10 + d, clip_on=True)
                 labels += 1
         for (kind, d), segs in groups.items():
-            h = 0.8 * 0.72 ** d
-            ax.broken_barh(segs, (y - h / 2, h), facecolors=KIND_COLOURS.get(kind, "#bbbbbb"), edgecolor="white",
-                           linewidth=0.3, zorder=2 + d, gid=f"rank{rank}")
+            h = 0.8 * 0.72**d
+            ax.broken_barh(
+                segs,
+                (y - h / 2, h),
+                facecolors=KIND_COLOURS.get(kind, "#bbbbbb"),
+                edgecolor="white",
+                linewidth=0.3,
+                zorder=2 + d,
+                gid=f"rank{rank}",
+            )
             bars += len(segs)
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([f"rank {r}" for r in ranks], fontsize=8)
@@ -97,10 +122,16 @@ def gantt(rows: Mapping[int, Row], out: Path, *, title: str, xlabel: str,
     ax.set_xlim(0, t_end * 1.01)
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=10)
-    order = [k for k in (kinds_order or list(KIND_COLOURS)) if k in kinds_seen] + \
-            [k for k in kinds_seen if k not in (kinds_order or list(KIND_COLOURS))]
-    ax.legend(handles=[Patch(facecolor=KIND_COLOURS.get(k, "#bbbbbb"), label=k) for k in order], fontsize=7,
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    order = [k for k in (kinds_order or list(KIND_COLOURS)) if k in kinds_seen] + [
+        k for k in kinds_seen if k not in (kinds_order or list(KIND_COLOURS))
+    ]
+    ax.legend(
+        handles=[Patch(facecolor=KIND_COLOURS.get(k, "#bbbbbb"), label=k) for k in order],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        frameon=False,
+    )
     ax.grid(axis="x", lw=0.3, alpha=0.5)
     fig.tight_layout()
     drawn = sorted(int(t.get_text().split()[1]) for t in ax.get_yticklabels())
@@ -121,8 +152,9 @@ def trace_rows(doc: Mapping[str, Any]) -> dict[int, Row]:
         if e.get("ph") != "X":
             continue
         t0 = float(e["ts"]) / 1e3
-        rows.setdefault(int(e["pid"]), []).append((t0, t0 + float(e.get("dur", 0.0)) / 1e3, e.get("cat", ""),
-                                                   e.get("name", "")))
+        rows.setdefault(int(e["pid"]), []).append(
+            (t0, t0 + float(e.get("dur", 0.0)) / 1e3, e.get("cat", ""), e.get("name", ""))
+        )
     return rows
 
 
@@ -151,8 +183,9 @@ def _with_waits(row: Row, start: float = 0.0) -> Row:
     return out
 
 
-def _disjoint_rows(layout, micro_batches: int, stage_costs=None, module_costs=None, latency: float = 0.0
-                   ) -> dict[int, Row]:
+def _disjoint_rows(
+    layout, micro_batches: int, stage_costs=None, module_costs=None, latency: float = 0.0
+) -> dict[int, Row]:
     from megatron_hetero.plan.roles import roles
     from megatron_hetero.plan.schedule import Forward, build_tables
     from megatron_hetero.plan.schedule_check import check_tables
@@ -186,7 +219,13 @@ def _pipeline(pp: int, micro: int, f: float, b: float) -> list[Row]:
         for s in range(pp):
             while pos[s] < len(orders[s]):
                 kind, i = orders[s][pos[s]]
-                dep = ("F", s - 1, i) if kind == "F" and s > 0 else ("B", s + 1, i) if kind == "B" and s < pp - 1 else None
+                dep = (
+                    ("F", s - 1, i)
+                    if kind == "F" and s > 0
+                    else ("B", s + 1, i)
+                    if kind == "B" and s < pp - 1
+                    else None
+                )
                 if dep is not None and dep not in done:
                     break
                 t0 = max(clock[s], done.get(dep, 0.0)) if dep else clock[s]
@@ -203,7 +242,14 @@ def _colocated_rows(layout, global_batch: int, micro_batch_size: int, offload: b
     """The colocated tables' phases on a common clock with `NOMINAL` costs: pipeline receives wait
     for their send, boundary calls, the language phase and the closing collectives start together."""
     from megatron_hetero.plan.colocated import (
-        BoundaryCall, Collective, EncoderBackward, EncoderForward, LanguagePhase, PipeRecv, PipeSend, StateMove,
+        BoundaryCall,
+        Collective,
+        EncoderBackward,
+        EncoderForward,
+        LanguagePhase,
+        PipeRecv,
+        PipeSend,
+        StateMove,
         colocated_tables,
     )
 
@@ -232,8 +278,13 @@ def _colocated_rows(layout, global_batch: int, micro_batch_size: int, offload: b
                 elif isinstance(a, glob):
                     break
                 else:
-                    kind = ("encoder-forward" if isinstance(a, EncoderForward) else
-                            "encoder-backward" if isinstance(a, EncoderBackward) else "offload")
+                    kind = (
+                        "encoder-forward"
+                        if isinstance(a, EncoderForward)
+                        else "encoder-backward"
+                        if isinstance(a, EncoderBackward)
+                        else "offload"
+                    )
                     assert isinstance(a, (EncoderForward, EncoderBackward, StateMove)), a
                     label = ("F" if kind == "encoder-forward" else "B") if kind != "offload" else a.kind[:3]
                     rows[r].append((clock[r], clock[r] + NOMINAL[kind], kind, label))
@@ -266,9 +317,17 @@ def _colocated_rows(layout, global_batch: int, micro_batch_size: int, offload: b
     return rows
 
 
-def planned_timeline(layout, *, micro_batches: Optional[int] = None, global_batch: int = 8,
-                     micro_batch_size: int = 1, offload: bool = False, stage_costs=None, module_costs=None,
-                     latency: float = 0.0) -> dict[int, Row]:
+def planned_timeline(
+    layout,
+    *,
+    micro_batches: Optional[int] = None,
+    global_batch: int = 8,
+    micro_batch_size: int = 1,
+    offload: bool = False,
+    stage_costs=None,
+    module_costs=None,
+    latency: float = 0.0,
+) -> dict[int, Row]:
     """{rank: [(start, end, kind, label)]} of every rank of `layout` (pure, no matplotlib): disjoint,
     the simulated spans of the 1F1B stage tables (`micro_batches` required); colocated, the
     three-phase tables with `NOMINAL` costs. Idle ranks get an empty row."""
@@ -317,16 +376,30 @@ def draw_layout(layout, out: Path, shape=None) -> dict[str, Any]:
     used = set()
     for y, m in enumerate(mods):
         for r in m.ranks.ranks():
-            ax.add_patch(Rectangle((r, y), 0.94, 0.86, facecolor=colours(y % 10), alpha=0.75, edgecolor="black",
-                                   linewidth=0.5, gid=f"cell {m.name} {r}"))
-            ax.text(r + 0.47, y + 0.43, f"r{r}\n" + _coord_text(m, coord_of(m, r)), ha="center", va="center",
-                    fontsize=6.5)
+            ax.add_patch(
+                Rectangle(
+                    (r, y),
+                    0.94,
+                    0.86,
+                    facecolor=colours(y % 10),
+                    alpha=0.75,
+                    edgecolor="black",
+                    linewidth=0.5,
+                    gid=f"cell {m.name} {r}",
+                )
+            )
+            ax.text(
+                r + 0.47, y + 0.43, f"r{r}\n" + _coord_text(m, coord_of(m, r)), ha="center", va="center", fontsize=6.5
+            )
             cells += 1
             used.add(r)
     for r in range(world):  # ranks no module uses
         if r not in used:
-            ax.add_patch(Rectangle((r, -0.9), 0.94, 0.6, facecolor="#dddddd", edgecolor="black", linewidth=0.5,
-                                   gid=f"cell idle {r}"))
+            ax.add_patch(
+                Rectangle(
+                    (r, -0.9), 0.94, 0.6, facecolor="#dddddd", edgecolor="black", linewidth=0.5, gid=f"cell idle {r}"
+                )
+            )
             ax.text(r + 0.47, -0.6, f"r{r}\nidle", ha="center", va="center", fontsize=6.5)
             cells += 1
     row = {m.name: y for y, m in enumerate(mods)}
@@ -352,8 +425,9 @@ def draw_layout(layout, out: Path, shape=None) -> dict[str, Any]:
             a, b = (x0, y0 + down * 0.45), (x1, y1 - down * 0.45)
             tx, ty, ha = x0 + 0.3 * (x1 - x0) + 0.1, a[1] + 0.3 * (b[1] - a[1]), "left"
         ax.add_patch(FancyArrowPatch(a, b, arrowstyle="-|>", mutation_scale=14, color="black", lw=1.2, zorder=7))
-        ax.text(tx, ty, label, fontsize=7, ha=ha, va="center", zorder=6,
-                bbox={"facecolor": "white", "alpha": 0.85, "lw": 0})
+        ax.text(
+            tx, ty, label, fontsize=7, ha=ha, va="center", zorder=6, bbox={"facecolor": "white", "alpha": 0.85, "lw": 0}
+        )
         edges.append({"edge": str(e), "transform": kind, "factor": factor})
     left = -0.3 - (0.5 * len(layout.edges) + 2.4 if layout.placement == "colocated" else 0)
     ax.set_xlim(left, world + 0.2)
@@ -377,5 +451,11 @@ def draw_layout(layout, out: Path, shape=None) -> dict[str, Any]:
     fig.savefig(out, dpi=100)
     size = [round(fig.get_figwidth() * 100), round(fig.get_figheight() * 100)]
     plt.close(fig)
-    return {"ranks": sorted(drawn_ranks), "cells": n_cells, "modules": [m.name for m in mods], "edges": edges,
-            "size": size, "out": str(out)}
+    return {
+        "ranks": sorted(drawn_ranks),
+        "cells": n_cells,
+        "modules": [m.name for m in mods],
+        "edges": edges,
+        "size": size,
+        "out": str(out),
+    }

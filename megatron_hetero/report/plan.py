@@ -1,4 +1,5 @@
 """Human and JSON reports of a resolved layout: the rank map and every edge's boundary plan."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,9 @@ from megatron_hetero.plan.boundary import BoundaryPlan, BoundaryShape, Transfer,
 from megatron_hetero.plan.placement import Coord, rank_map
 
 
-def default_shape(layout: HeteroLayout, batch: Optional[int] = None, seq: Optional[int] = None,
-                  hidden: int = 64, dtype_bytes: int = 4) -> BoundaryShape:
+def default_shape(
+    layout: HeteroLayout, batch: Optional[int] = None, seq: Optional[int] = None, hidden: int = 64, dtype_bytes: int = 4
+) -> BoundaryShape:
     """A shape every edge can split: batch = lcm of all DP sizes, seq = 8 * lcm of all 2*cp."""
     if batch is None:
         batch = math.lcm(*(m.dp for m in layout.modules))
@@ -30,8 +32,12 @@ def edge_json(p: BoundaryPlan) -> dict[str, Any]:
         "dst": p.edge.dst,
         "transform": p.transform,
         "factor": p.factor,
-        "shape": {"batch": p.shape.batch, "seq": p.shape.seq, "hidden": p.shape.hidden,
-                  "dtype_bytes": p.shape.dtype_bytes},
+        "shape": {
+            "batch": p.shape.batch,
+            "seq": p.shape.seq,
+            "hidden": p.shape.hidden,
+            "dtype_bytes": p.shape.dtype_bytes,
+        },
         "src_ranks": list(p.src_ranks),
         "dst_ranks": list(p.dst_ranks),
         "src_leaders": list(p.src_leaders),
@@ -76,6 +82,7 @@ def _module_json(m: ModuleLayout, experts: Optional[dict[str, int]]) -> dict[str
 def layout_json(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[dict[str, int]] = None) -> dict[str, Any]:
     """The `megatron-hetero plan --json` document. Rank entries of a module with experts (`is_moe`)
     carry its expert coordinates `ep`, `expt_tp`, `expt_dp` too."""
+
     def coords(e) -> dict[str, dict[str, int]]:
         out = {}
         for n, c in e.modules.items():
@@ -107,9 +114,12 @@ def layout_text(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[di
     for m in layout.modules:
         if is_moe(m, experts):
             n = (experts or {}).get(m.name)
-            lines.insert(-1, f"module {m.name}: experts folded as expt_tp({m.expt_tp}) x ep({m.ep}) x expt_dp("
-                             f"{m.stage_size // (m.expt_tp * m.ep)}) over each stage's {m.stage_size} ranks"
-                             + (f"; {n} experts, {n // m.ep} per EP rank" if n else ""))
+            lines.insert(
+                -1,
+                f"module {m.name}: experts folded as expt_tp({m.expt_tp}) x ep({m.ep}) x expt_dp("
+                f"{m.stage_size // (m.expt_tp * m.ep)}) over each stage's {m.stage_size} ranks"
+                + (f"; {n} experts, {n // m.ep} per EP rank" if n else ""),
+            )
     heads = ["rank"] + [f"{m.name} {m.short()} @{m.ranks}" + (" frozen" if m.frozen else "") for m in layout.modules]
     rows = []
     for e in rank_map(layout):
@@ -132,12 +142,14 @@ def layout_text(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[di
         s = p.shape
         lines += [
             "",
-            f"edge {p.edge}: {p.transform}" + (f" x{p.factor}" if p.factor > 1 else "")
+            f"edge {p.edge}: {p.transform}"
+            + (f" x{p.factor}" if p.factor > 1 else "")
             + f"  [batch {s.batch}, seq {s.seq}, hidden {s.hidden}] x {s.dtype_bytes} B",
             f"  source ranks {list(p.src_ranks)} -> destination ranks {list(p.dst_ranks)}",
             f"  forward : moves {_fmt_bytes(p.planned_bytes('forward'))} (minimum {_fmt_bytes(p.min_bytes_forward)})",
             f"  backward: moves {_fmt_bytes(p.planned_bytes('backward'))} (minimum {_fmt_bytes(p.min_bytes_backward)})",
-            "  modes   : " + ", ".join(f"{k} {_fmt_bytes(c.bytes)} in {c.hops} serial hops" for k, c in p.costs.items())
+            "  modes   : "
+            + ", ".join(f"{k} {_fmt_bytes(c.bytes)} in {c.hops} serial hops" for k, c in p.costs.items())
             + f"; recommended {p.recommended_mode}",
             f"  leaders : source {list(p.src_leaders)}, destination {p.dst_leader}",
         ]

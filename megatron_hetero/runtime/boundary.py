@@ -24,6 +24,7 @@ source-only rank (disjoint), a 0-element "token" tensor: call `Boundary.backward
 that is neither, `None`. The disjoint schedule may also call `forward_exchange` /
 `backward_exchange` directly (no autograd), one side per rank.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -153,8 +154,14 @@ class Boundary:
     def plan_for(self, seq: int) -> BoundaryPlan:
         """The (cached) plan of this edge for sequence length `seq`; ValueError on a bad shape."""
         if seq not in self._plans:
-            shape = BoundaryShape(self.batch, seq, self.hidden, torch.empty(0, dtype=self.dtype).element_size(),
-                                  dst_seq=self.dst_seq, dst_offset=self.dst_offset)
+            shape = BoundaryShape(
+                self.batch,
+                seq,
+                self.hidden,
+                torch.empty(0, dtype=self.dtype).element_size(),
+                dst_seq=self.dst_seq,
+                dst_offset=self.dst_offset,
+            )
             check_shape(self.edge, self.src, self.dst, shape)
             self._plans[seq] = plan_boundary(self.layout, self.edge, shape)
         return self._plans[seq]
@@ -183,11 +190,15 @@ class Boundary:
         """Check the local source tensor; return the global sequence length it implies."""
         e, m = self.edge, self.src
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"edge {e}: rank {self.rank} is a source of {m.name} and needs a tensor, got {type(x).__name__}")
+            raise ValueError(
+                f"edge {e}: rank {self.rank} is a source of {m.name} and needs a tensor, got {type(x).__name__}"
+            )
         if x.dtype != self.dtype:
             raise ValueError(f"edge {e}: rank {self.rank} got dtype {x.dtype}, the edge carries {self.dtype}")
         if x.dim() != 3:
-            raise ValueError(f"edge {e}: rank {self.rank} expects a [batch, seq, hidden] tensor, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"edge {e}: rank {self.rank} expects a [batch, seq, hidden] tensor, got shape {tuple(x.shape)}"
+            )
         if x.shape[0] != self._src_rows or x.shape[2] != self.hidden:
             raise ValueError(
                 f"edge {e}: rank {self.rank} expects [batch/dp={self._src_rows}, seq, hidden={self.hidden}], "
@@ -195,16 +206,25 @@ class Boundary:
             )
         seq = x.shape[1] * m.cp
         if self.seq is not None and seq != self.seq:
-            raise ValueError(f"edge {e}: rank {self.rank} holds {x.shape[1]} tokens (x cp {m.cp} = {seq}), "
-                             f"the edge carries seq {self.seq}")
+            raise ValueError(
+                f"edge {e}: rank {self.rank} holds {x.shape[1]} tokens (x cp {m.cp} = {seq}), "
+                f"the edge carries seq {self.seq}"
+            )
         return seq
 
     # -- the two exchanges --------------------------------------------------------------------
     def _numel(self, transfers: list[Transfer]) -> int:
         return sum(t.block.numel(self.hidden) for t in transfers)
 
-    def _phase(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor],
-               have_blocks: tuple[Block, ...], want_blocks: tuple[Block, ...], headers: int = 0) -> "Phase":
+    def _phase(
+        self,
+        plan: BoundaryPlan,
+        direction: str,
+        have: Optional[torch.Tensor],
+        have_blocks: tuple[Block, ...],
+        want_blocks: tuple[Block, ...],
+        headers: int = 0,
+    ) -> "Phase":
         """The payload phase of `direction` on this rank, not yet on the wire: `have` (this rank's
         blocks) packed per destination peer, a buffer per source peer, and `finish` to assemble what
         this rank wants from local copies and the received pieces (None if it wants nothing)."""
@@ -226,12 +246,25 @@ class Boundary:
 
         return Phase(payloads, bufs, finish, self.tag)
 
-    def _move(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor],
-              have_blocks: tuple[Block, ...], want_blocks: tuple[Block, ...], headers: int = 0) -> Optional[torch.Tensor]:
+    def _move(
+        self,
+        plan: BoundaryPlan,
+        direction: str,
+        have: Optional[torch.Tensor],
+        have_blocks: tuple[Block, ...],
+        want_blocks: tuple[Block, ...],
+        headers: int = 0,
+    ) -> Optional[torch.Tensor]:
         """Payload phase on the wire now (`_phase`, then one exchange with every peer)."""
         ph = self._phase(plan, direction, have, have_blocks, want_blocks, headers)
-        p2p(ph.sends, ph.recvs, what=f"{direction} boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
-            tag=self.tag)
+        p2p(
+            ph.sends,
+            ph.recvs,
+            what=f"{direction} boundary payload",
+            edge=str(self.edge),
+            timeout_s=self.timeout_s,
+            tag=self.tag,
+        )
         return ph.finish()
 
     def _run_route(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -239,10 +272,19 @@ class Boundary:
         start, want = (plan.holds, plan.needs) if direction == "forward" else (plan.needs, plan.holds)
         sides = (self.is_src, self.is_dst) if direction == "forward" else (self.is_dst, self.is_src)
         out, sent = run_route(
-            plan.route.steps(direction), rank=self.rank, have=have if sides[0] else None,
-            have_blocks=start.get(self.rank, ()), want_blocks=want.get(self.rank, ()) if sides[1] else None,
-            groups=self._groups[direction], hidden=self.hidden, dtype=self.dtype, device=self.device,
-            edge=str(self.edge), tag=self.tag, timeout_s=self.timeout_s)
+            plan.route.steps(direction),
+            rank=self.rank,
+            have=have if sides[0] else None,
+            have_blocks=start.get(self.rank, ()),
+            want_blocks=want.get(self.rank, ()) if sides[1] else None,
+            groups=self._groups[direction],
+            hidden=self.hidden,
+            dtype=self.dtype,
+            device=self.device,
+            edge=str(self.edge),
+            tag=self.tag,
+            timeout_s=self.timeout_s,
+        )
         self.stats[direction].record_call(sent, 0, 0)
         return out
 
@@ -266,8 +308,9 @@ class Boundary:
         if self.is_src:
             own_seq = self._check_source(x)
             sends, _ = by_peer(self.plan_for(own_seq).forward, self.rank)
-            hdr_send = {p: header(own_seq, self.hidden, self.dtype, self._numel(ts)).to(self.device)
-                        for p, ts in sends.items()}
+            hdr_send = {
+                p: header(own_seq, self.hidden, self.dtype, self._numel(ts)).to(self.device) for p, ts in sends.items()
+            }
         hdr_recv = {p: torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device) for p in self.fwd_recv_peers}
         return Phase(hdr_send, hdr_recv, lambda: None, self.tag)
 
@@ -279,15 +322,22 @@ class Boundary:
         if own_seq is not None:
             seqs[self.rank] = own_seq
         if len(set(seqs.values())) != 1:
-            raise ValueError(f"edge {self.edge}: rank {self.rank}: ranks disagree on the sequence length "
-                             f"(rank: seq) {seqs}")
+            raise ValueError(
+                f"edge {self.edge}: rank {self.rank}: ranks disagree on the sequence length (rank: seq) {seqs}"
+            )
         seq = next(iter(seqs.values()))
         plan = self.plan_for(seq)
         _, recvs = by_peer(plan.forward, self.rank)
         for p, h in hdr.recvs.items():
             self._check_header(p, h, self._numel(recvs.get(p, [])))
-        ph = self._phase(plan, "forward", x.detach() if x is not None else None, plan.holds.get(self.rank, ()),
-                         plan.needs.get(self.rank, ()), headers=len(hdr.sends) * HEADER_LEN * 8)
+        ph = self._phase(
+            plan,
+            "forward",
+            x.detach() if x is not None else None,
+            plan.holds.get(self.rank, ()),
+            plan.needs.get(self.rank, ()),
+            headers=len(hdr.sends) * HEADER_LEN * 8,
+        )
         return ph, seq
 
     def planned_forward_phase(self, x: Optional[torch.Tensor]) -> tuple["Phase", int]:
@@ -300,8 +350,13 @@ class Boundary:
         if self.is_src:
             self._check_source(x)
         plan = self.plan_for(self.seq)
-        ph = self._phase(plan, "forward", x.detach() if x is not None else None, plan.holds.get(self.rank, ()),
-                         plan.needs.get(self.rank, ()))
+        ph = self._phase(
+            plan,
+            "forward",
+            x.detach() if x is not None else None,
+            plan.holds.get(self.rank, ()),
+            plan.needs.get(self.rank, ()),
+        )
         return ph, self.seq
 
     def backward_phase(self, grad_y: Optional[torch.Tensor], seq: int) -> "Phase":
@@ -319,15 +374,33 @@ class Boundary:
             return y, self.seq
         if not self.headers:
             ph, seq = self.planned_forward_phase(x)
-            p2p(ph.sends, ph.recvs, what="forward boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
-                tag=self.tag)
+            p2p(
+                ph.sends,
+                ph.recvs,
+                what="forward boundary payload",
+                edge=str(self.edge),
+                timeout_s=self.timeout_s,
+                tag=self.tag,
+            )
             return ph.finish(), seq
         hdr = self.header_phase(x)
-        p2p(hdr.sends, hdr.recvs, what="forward boundary header", edge=str(self.edge), timeout_s=self.timeout_s,
-            tag=self.tag)
+        p2p(
+            hdr.sends,
+            hdr.recvs,
+            what="forward boundary header",
+            edge=str(self.edge),
+            timeout_s=self.timeout_s,
+            tag=self.tag,
+        )
         ph, seq = self.forward_phase(x, hdr)
-        p2p(ph.sends, ph.recvs, what="forward boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
-            tag=self.tag)
+        p2p(
+            ph.sends,
+            ph.recvs,
+            what="forward boundary payload",
+            edge=str(self.edge),
+            timeout_s=self.timeout_s,
+            tag=self.tag,
+        )
         return ph.finish(), seq
 
     def backward_exchange(self, grad_y: Optional[torch.Tensor], seq: int) -> Optional[torch.Tensor]:
@@ -336,8 +409,14 @@ class Boundary:
         if self.route is not None:
             return self._run_route(plan, "backward", grad_y)
         ph = self.backward_phase(grad_y, seq)
-        p2p(ph.sends, ph.recvs, what="backward boundary payload", edge=str(self.edge), timeout_s=self.timeout_s,
-            tag=self.tag)
+        p2p(
+            ph.sends,
+            ph.recvs,
+            what="backward boundary payload",
+            edge=str(self.edge),
+            timeout_s=self.timeout_s,
+            tag=self.tag,
+        )
         return ph.finish()
 
 

@@ -17,6 +17,7 @@ No encoder collective ever runs while the language model's pipeline is in flight
 
 The schedule knows no model: the stage runner builds inputs and runs each stage's forward.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,7 +31,14 @@ from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.batch import megatron_micro_batch
 from megatron_hetero.plan.colocated import (
-    BoundaryCall, Collective, EncoderBackward, EncoderForward, LanguagePhase, OutputStep, PipeRecv, PipeSend,
+    BoundaryCall,
+    Collective,
+    EncoderBackward,
+    EncoderForward,
+    LanguagePhase,
+    OutputStep,
+    PipeRecv,
+    PipeSend,
     StateMove,
 )
 from megatron_hetero.plan.rank_plan import RankPlan
@@ -48,8 +56,9 @@ from megatron_hetero.runtime.wire import p2p
 class ColocatedSchedule:
     """Runs training steps of the three-phase schedule on this rank."""
 
-    def __init__(self, plan: RankPlan, config: RuntimeConfig, topo, states: dict[str, ModuleState],
-                 runner: StageRunner) -> None:
+    def __init__(
+        self, plan: RankPlan, config: RuntimeConfig, topo, states: dict[str, ModuleState], runner: StageRunner
+    ) -> None:
         if plan.colocated is None:
             raise ValueError("the colocated schedule needs a colocated rank plan")
         self.plan, self.config, self.topo, self.states, self.runner = plan, config, topo, states, runner
@@ -61,10 +70,20 @@ class ColocatedSchedule:
         edges += [Edge(self.lang_name, n) for n in plan.roles.outputs]
         for edge in edges:
             t = runner.edge_tensor(edge)
-            self.boundaries[str(edge)] = Boundary(plan.layout, edge, batch=g, hidden=t.hidden, seq=t.seq,
-                                                  dst_seq=t.dst_seq, dst_offset=t.dst_offset, dtype=t.dtype,
-                                                  timeout_s=config.comm_timeout_s, device=get_device(), topology=topo,
-                                                  headers=t.seq is None)
+            self.boundaries[str(edge)] = Boundary(
+                plan.layout,
+                edge,
+                batch=g,
+                hidden=t.hidden,
+                seq=t.seq,
+                dst_seq=t.dst_seq,
+                dst_offset=t.dst_offset,
+                dtype=t.dtype,
+                timeout_s=config.comm_timeout_s,
+                device=get_device(),
+                topology=topo,
+                headers=t.seq is None,
+            )
         self.offloaders = {n: Offloader(states[n].state_tensors) for n in plan.roles.encoders}
         # Resident state changes between the phases only when the table moves state (offload); else it
         # is read once per step (at phase 1, as before) and reported for all three phases.
@@ -73,10 +92,12 @@ class ColocatedSchedule:
         self.forward_backward = get_forward_backward_func(pp_size=lm.pp, vp_size=None)
         self.schedule_kwargs = {"pg_collection": self.lang.pgs}
         if lm.pp > 1:
-            self.schedule_kwargs["p2p_communicator"] = P2PCommunicator(pp_group=self.lang.pgs.pp,
-                                                                       config=self.lang.module.config)
-            config.tracer.wrap_methods(self.schedule_kwargs["p2p_communicator"], MEGATRON_P2P_METHODS, "wait",
-                                       f"{self.lang_name} pipeline")
+            self.schedule_kwargs["p2p_communicator"] = P2PCommunicator(
+                pp_group=self.lang.pgs.pp, config=self.lang.module.config
+            )
+            config.tracer.wrap_methods(
+                self.schedule_kwargs["p2p_communicator"], MEGATRON_P2P_METHODS, "wait", f"{self.lang_name} pipeline"
+            )
 
     def step(self, step: int, train: bool = True) -> StepResult:
         """One step over the global samples [step*G, (step+1)*G) of the runner's current data.
@@ -98,7 +119,9 @@ class ColocatedSchedule:
         memory: dict[str, dict[str, int]] = {}
 
         def read(key: str) -> None:
-            memory[key] = resident_memory(self.states) if self._moves_state or not memory else dict(next(iter(memory.values())))
+            memory[key] = (
+                resident_memory(self.states) if self._moves_state or not memory else dict(next(iter(memory.values())))
+            )
 
         for phase, actions in self.plan.colocated.phases:
             for a in actions:
@@ -107,11 +130,20 @@ class ColocatedSchedule:
                 self._run(a, first)
             if phase in ("phase 1", "phase 3"):
                 read(phase.replace(" ", ""))
-        counted = {m for m in self.runner.loss_modules()
-                   if m in self.plan.modules and self.plan.modules[m].last_stage and self.plan.modules[m].coord.tp == 0}
+        counted = {
+            m
+            for m in self.runner.loss_modules()
+            if m in self.plan.modules and self.plan.modules[m].last_stage and self.plan.modules[m].coord.tp == 0
+        }
         extras = self.runner.aux_losses(step)
-        loss, parts, aux = global_loss_parts(tuple(self.runner.loss_modules()), self._loss_sums, counted, extras,
-                                             self.runner.loss_tokens(step), self.plan.rank)
+        loss, parts, aux = global_loss_parts(
+            tuple(self.runner.loss_modules()),
+            self._loss_sums,
+            counted,
+            extras,
+            self.runner.loss_tokens(step),
+            self.plan.rank,
+        )
         return StepResult(loss=loss, memory=memory, loss_parts=parts, aux_loss=aux)
 
     # -- one action ---------------------------------------------------------------------------------
@@ -128,11 +160,16 @@ class ColocatedSchedule:
             fault_point("encoder-forward", self.plan.rank, self._iteration)
             inp = self._received.pop(a.module, None)
             samples = range(first + a.rows.start, first + a.rows.stop)
-            with self.config.tracer.span("encoder-forward", a.__str__, lambda: {"module": a.module, "stage": a.stage,
-                                                                                "mb": 0}):
+            with self.config.tracer.span(
+                "encoder-forward", a.__str__, lambda: {"module": a.module, "stage": a.stage, "mb": 0}
+            ):
                 self._io[a.module] = (inp, self.runner.forward(a.module, samples, {}, inp))
-            self.config.tracer.mark_backward(self._io[a.module][1], "encoder-backward", lambda: f"backward {a.module}/"
-                                             f"{a.stage}", lambda: {"module": a.module, "stage": a.stage, "mb": 0})
+            self.config.tracer.mark_backward(
+                self._io[a.module][1],
+                "encoder-backward",
+                lambda: f"backward {a.module}/{a.stage}",
+                lambda: {"module": a.module, "stage": a.stage, "mb": 0},
+            )
         elif isinstance(a, PipeSend):
             inp, out = self._io[a.module]
             if a.what == "activation":
@@ -164,8 +201,12 @@ class ColocatedSchedule:
                 fault_point("grad-reduce", self.plan.rank, self._iteration)
                 with self.config.tracer.span("grad-reduce", "gradient reduction (each module over its DP x CP)"):
                     for s in self.states.values():
-                        run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks "
-                                       f"{dist.get_process_group_ranks(s.pgs.dp_cp)})", self.plan.rank, s.finalize_grads)
+                        run_collective(
+                            f"module {s.name}: gradient reduction over its DP x CP group (ranks "
+                            f"{dist.get_process_group_ranks(s.pgs.dp_cp)})",
+                            self.plan.rank,
+                            s.finalize_grads,
+                        )
             elif a.kind == "optimizer":
                 fault_point("optimizer", self.plan.rank, self._iteration)
                 with self.config.tracer.span("optimizer", "optimizer step"):
@@ -177,8 +218,13 @@ class ColocatedSchedule:
 
     def _p2p(self, a, sends: dict, recvs: dict) -> None:
         with self.config.tracer.span("wait", a.__str__):
-            p2p(sends, recvs, what=f"{a.module} pipeline {a.what}", edge=f"{a.module} stage link",
-                timeout_s=self.config.comm_timeout_s)
+            p2p(
+                sends,
+                recvs,
+                what=f"{a.module} pipeline {a.what}",
+                edge=f"{a.module} stage link",
+                timeout_s=self.config.comm_timeout_s,
+            )
 
     def _output_step(self, a: OutputStep, first: int) -> None:
         """An output module's forward and backward over its DP share; its loss joins the step's."""
@@ -251,8 +297,9 @@ class ColocatedSchedule:
         def forward_step(data_iterator, model):
             i = next(data_iterator)
             samples = megatron_micro_batch(first, plan.global_batch, lm.dp, lm.coord.dp, mbs, i)
-            inputs = ({n: t[i * mbs:(i + 1) * mbs] for n, t in leaves.items() if n in encoders}
-                      if lm.first_stage else {})
+            inputs = (
+                {n: t[i * mbs : (i + 1) * mbs] for n, t in leaves.items() if n in encoders} if lm.first_stage else {}
+            )
             fault_point("llm-1f1b", plan.rank, self._iteration, when=not a.forward_only and i == a.micro_batches // 2)
             with torch.set_grad_enabled(not a.forward_only):
                 out = runner.forward(name, samples, inputs, None)
@@ -266,21 +313,25 @@ class ColocatedSchedule:
                 loss_sums.append(loss_sum.detach())
                 total = loss_sum
                 if head_grad is not None:
-                    total = total + (out.output * head_grad[i * mbs:(i + 1) * mbs]).sum()
+                    total = total + (out.output * head_grad[i * mbs : (i + 1) * mbs]).sum()
                 return total, out.tokens, {"loss_sum": loss_sum.detach()}
 
             return out.loss_sum, loss_func
 
         pp_ranks = dist.get_process_group_ranks(self.lang.pgs.pp)
-        run_collective(f"module {name}: {'1F1B pipeline' if lm.pp > 1 else 'forward-backward'} of {a.micro_batches} "
-                       f"micro-batches over its PP group (ranks {pp_ranks})", plan.rank, lambda: self.forward_backward(
-            forward_step_func=self.config.tracer.wrap_forward_step(forward_step, "llm", name),
-            data_iterator=iter(range(a.micro_batches)),
-            model=[runner.model(name)],
-            num_microbatches=a.micro_batches,
-            seq_length=runner.stage_tensor(name, mbs)[0][0] * lm.cp,
-            micro_batch_size=mbs,
-            forward_only=a.forward_only,
-            **self.schedule_kwargs,
-        ))
+        run_collective(
+            f"module {name}: {'1F1B pipeline' if lm.pp > 1 else 'forward-backward'} of {a.micro_batches} "
+            f"micro-batches over its PP group (ranks {pp_ranks})",
+            plan.rank,
+            lambda: self.forward_backward(
+                forward_step_func=self.config.tracer.wrap_forward_step(forward_step, "llm", name),
+                data_iterator=iter(range(a.micro_batches)),
+                model=[runner.model(name)],
+                num_microbatches=a.micro_batches,
+                seq_length=runner.stage_tensor(name, mbs)[0][0] * lm.cp,
+                micro_batch_size=mbs,
+                forward_only=a.forward_only,
+                **self.schedule_kwargs,
+            ),
+        )
         config.grad_scale_func = None

@@ -1,4 +1,5 @@
 """The runtime's own settings (not the model's, not the plan's)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -40,6 +40,7 @@ directly.
 Every wait has the job's communication timeout; a timeout or a dead peer raises an error that names
 the edge or pipeline link and both ranks (`runtime/wire.py`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -85,8 +86,9 @@ class _Comm:
 class DisjointSchedule:
     """Runs training steps of the graph-aware 1F1B tables on this rank (see module docstring)."""
 
-    def __init__(self, plan: RankPlan, config: RuntimeConfig, topo, states: dict[str, ModuleState],
-                 runner: StageRunner) -> None:
+    def __init__(
+        self, plan: RankPlan, config: RuntimeConfig, topo, states: dict[str, ModuleState], runner: StageRunner
+    ) -> None:
         if plan.layout.placement != "disjoint":
             raise ValueError(f"the disjoint schedule needs placement 'disjoint', got {plan.layout.placement!r}")
         self.plan, self.config, self.topo, self.states, self.runner = plan, config, topo, states, runner
@@ -117,8 +119,18 @@ class DisjointSchedule:
     # -- construction helpers -------------------------------------------------------------------
     def _boundary(self, edge: Edge) -> Boundary:
         t = self.runner.edge_tensor(edge)
-        return Boundary(self.layout, edge, batch=self.mb_samples, hidden=t.hidden, seq=t.seq, dst_seq=t.dst_seq,
-                        dst_offset=t.dst_offset, dtype=t.dtype, timeout_s=self.timeout_s, device=self.device)
+        return Boundary(
+            self.layout,
+            edge,
+            batch=self.mb_samples,
+            hidden=t.hidden,
+            seq=t.seq,
+            dst_seq=t.dst_seq,
+            dst_offset=t.dst_offset,
+            dtype=t.dtype,
+            timeout_s=self.timeout_s,
+            device=self.device,
+        )
 
     def close(self) -> None:
         """Nothing to release: communication has no background threads."""
@@ -144,36 +156,53 @@ class DisjointSchedule:
             tr, enc = self.config.tracer, self.plan.roles.is_encoder(self.name)
             for item in self.table.batches():
                 if isinstance(item, tuple):
-                    with tr.span("comm", lambda: " + ".join(a.short() for a in item),
-                                 lambda: {"module": self.name, "stage": self.stage.pp, "actions": [str(a) for a in item]}):
+                    with tr.span(
+                        "comm",
+                        lambda: " + ".join(a.short() for a in item),
+                        lambda: {"module": self.name, "stage": self.stage.pp, "actions": [str(a) for a in item]},
+                    ):
                         self._exchange(item)
                 elif isinstance(item, Forward):
-                    with tr.span(kind_of(enc, "forward"), lambda: f"{self.stage} {item.short()}",
-                                 lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb}):
+                    with tr.span(
+                        kind_of(enc, "forward"),
+                        lambda: f"{self.stage} {item.short()}",
+                        lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb},
+                    ):
                         self._forward(item.mb)
                 elif isinstance(item, Backward):
-                    with tr.span(kind_of(enc, "backward"), lambda: f"{self.stage} {item.short()}",
-                                 lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb}):
+                    with tr.span(
+                        kind_of(enc, "backward"),
+                        lambda: f"{self.stage} {item.short()}",
+                        lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb},
+                    ):
                         self._backward(item.mb)
                 else:  # pragma: no cover - the tables hold only these
                     raise AssertionError(f"unknown action {item!r}")
             assert not self._outputs and not self._inputs, "a micro-batch was not finished"
         memory["step"] = resident_memory(self.states)
         fault_point("grad-reduce", self.rank, self._iteration, when=train)
-        for s in (self.states.values() if train else ()):
+        for s in self.states.values() if train else ():
             ranks = dist.get_process_group_ranks(s.pgs.dp_cp)
             with self.config.tracer.span("grad-reduce", f"gradient reduction {s.name}", {"module": s.name}):
-                run_collective(f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})",
-                               self.rank, s.finalize_grads)
+                run_collective(
+                    f"module {s.name}: gradient reduction over its DP x CP group (ranks {ranks})",
+                    self.rank,
+                    s.finalize_grads,
+                )
         fault_point("optimizer", self.rank, self._iteration, when=train)
-        for s in (self.states.values() if train else ()):
+        for s in self.states.values() if train else ():
             with self.config.tracer.span("optimizer", f"optimizer step {s.name}", {"module": s.name}):
                 run_collective(optimizer_what(s), self.rank, s.step)
         counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0
         extras = self.runner.aux_losses(step)
-        loss, parts, aux = global_loss_parts(tuple(self.runner.loss_modules()),
-                                             {self.name: self._loss_sums} if self.table is not None else {},
-                                             {self.name} if counts else set(), extras, self._loss_tokens, self.rank)
+        loss, parts, aux = global_loss_parts(
+            tuple(self.runner.loss_modules()),
+            {self.name: self._loss_sums} if self.table is not None else {},
+            {self.name} if counts else set(),
+            extras,
+            self._loss_tokens,
+            self.rank,
+        )
         return StepResult(loss=loss, memory=memory, loss_parts=parts, aux_loss=aux)
 
     # -- communication: one batch at a time --------------------------------------------------------
@@ -194,8 +223,9 @@ class DisjointSchedule:
             ops += [WireOp(True, peer, t.contiguous(), ph.tag, what, c.where) for peer, t in ph.sends.items()]
             ops += [WireOp(False, peer, t, ph.tag, what, c.where) for peer, t in ph.recvs.items()]
         try:
-            with self.config.tracer.span("wait", lambda: "wait " + " + ".join(a.short() for a in actions),
-                                         lambda: wire_args(ops)):
+            with self.config.tracer.span(
+                "wait", lambda: "wait " + " + ".join(a.short() for a in actions), lambda: wire_args(ops)
+            ):
                 exchange_batch(ops, timeout_s=self.timeout_s)
         except BoundaryTimeout:  # already names the edge, this rank and the peer
             raise
@@ -261,8 +291,12 @@ class DisjointSchedule:
         edge_in = {lk.src.module: t for lk, t in inputs.items() if lk in self.boundaries}
         stage_in = next((t for lk, t in inputs.items() if lk not in self.boundaries), None)
         fault_point("encoder-forward", self.rank, self._iteration, when=self.plan.roles.is_encoder(self.name))
-        fault_point("llm-1f1b", self.rank, self._iteration,
-                    when=self.name in self.plan.roles.language and mb == self.micro_batches // 2)
+        fault_point(
+            "llm-1f1b",
+            self.rank,
+            self._iteration,
+            when=self.name in self.plan.roles.language and mb == self.micro_batches // 2,
+        )
         out = self.runner.forward(self.name, samples, edge_in, stage_in)
         if isinstance(out, LossSum):
             self._loss_sums.append(out.loss_sum.detach())

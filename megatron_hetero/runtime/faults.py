@@ -28,6 +28,7 @@ The call sites (one line each) and what they mean:
 Nothing here imports torch at import time; a bad spec raises ValueError naming the variable.
 `named_collective` (a decorator) names the failures of a function that every rank calls together.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,16 @@ from typing import Any, Callable, Optional
 
 FAULT_ENV = "MEGATRON_HETERO_FAULT"
 FAULT_LOG_ENV = "MEGATRON_HETERO_FAULT_LOG"
-PHASES = ("pg-create", "encoder-forward", "boundary-send", "boundary-recv", "llm-1f1b", "grad-reduce",
-          "optimizer", "ckpt-save")
+PHASES = (
+    "pg-create",
+    "encoder-forward",
+    "boundary-send",
+    "boundary-recv",
+    "llm-1f1b",
+    "grad-reduce",
+    "optimizer",
+    "ckpt-save",
+)
 KINDS = ("raise", "kill")
 
 
@@ -65,8 +74,10 @@ class FaultSpec:
 def parse_fault(text: str) -> FaultSpec:
     """`PHASE:RANK:KIND[:ITERATION]` -> FaultSpec. ValueError with the accepted values otherwise."""
     parts = text.strip().split(":")
-    usage = (f"{FAULT_ENV}={text!r}: expected PHASE:RANK:raise|kill[:ITERATION] with PHASE one of "
-             f"{', '.join(PHASES)}, RANK >= 0 and ITERATION >= 1")
+    usage = (
+        f"{FAULT_ENV}={text!r}: expected PHASE:RANK:raise|kill[:ITERATION] with PHASE one of "
+        f"{', '.join(PHASES)}, RANK >= 0 and ITERATION >= 1"
+    )
     if len(parts) not in (3, 4):
         raise ValueError(usage)
     phase, rank, kind = parts[:3]
@@ -110,8 +121,12 @@ def fault_point(phase: str, rank: int, iteration: Optional[int] = None, when: bo
     log = os.environ.get(FAULT_LOG_ENV)
     if log:
         with open(log, "a") as f:
-            f.write(json.dumps({"phase": phase, "rank": rank, "kind": spec.kind, "iteration": iteration,
-                                "time": time.time()}) + "\n")
+            f.write(
+                json.dumps(
+                    {"phase": phase, "rank": rank, "kind": spec.kind, "iteration": iteration, "time": time.time()}
+                )
+                + "\n"
+            )
     if spec.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # pragma: no cover - SIGKILL is not deliverable late; never reached
@@ -139,8 +154,9 @@ def named_collective(describe: Callable[..., str]) -> Callable[[Callable[..., An
 
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-                raise CollectiveError(f"{describe(*args, **kwargs)}: rank {rank} failed: {type(exc).__name__}: "
-                                      f"{first}") from exc
+                raise CollectiveError(
+                    f"{describe(*args, **kwargs)}: rank {rank} failed: {type(exc).__name__}: {first}"
+                ) from exc
 
         return run
 

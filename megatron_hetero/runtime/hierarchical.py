@@ -12,6 +12,7 @@ broadcast step it takes part in, and for each step (in route order) that names t
 then selects the blocks it wants from what it holds last. Payload bytes credited to a rank: the
 messages it sent, and for a broadcast root the rectangle times (group size - 1), as the plan prices.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -66,8 +67,10 @@ def run_route(
             continue
         sends, recvs = by_peer(step.transfers, rank)
         payloads = {p: pack(held, held_blocks, ts) for p, ts in sends.items()}
-        bufs = {p: torch.empty(sum(t.block.numel(hidden) for t in ts), dtype=dtype, device=device)
-                for p, ts in recvs.items()}
+        bufs = {
+            p: torch.empty(sum(t.block.numel(hidden) for t in ts), dtype=dtype, device=device)
+            for p, ts in recvs.items()
+        }
         p2p(payloads, bufs, what=step.label, edge=edge, timeout_s=timeout_s, tag=tag)
         sent += sum(v.numel() * v.element_size() for v in payloads.values())
         if region is not None:

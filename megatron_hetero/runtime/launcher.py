@@ -22,6 +22,7 @@ a collective that will never complete, so they are killed after a short grace pe
 The device is not chosen here: with ``backend="nccl"`` the function (or the ``compat`` layer) selects
 its device from ``LOCAL_RANK``. CUDA must not have been initialised in the parent before forking.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -69,8 +70,7 @@ class RankFailure(RuntimeError):
             parts.append(f"--- rank {rank} ---\n{text.rstrip()}")
         if self.killed:
             parts.append(
-                f"ranks {self.killed} were still running {FAILURE_GRACE_S:g} s after the first "
-                "failure and were killed"
+                f"ranks {self.killed} were still running {FAILURE_GRACE_S:g} s after the first failure and were killed"
             )
         super().__init__("\n".join(parts))
 
@@ -86,8 +86,7 @@ class RankTimeout(RuntimeError):
         self.hung = list(hung)
         self.finished = list(finished)
         super().__init__(
-            f"ranks {self.hung} did not finish within {timeout:g} s and were killed; "
-            f"ranks {self.finished} finished"
+            f"ranks {self.hung} did not finish within {timeout:g} s and were killed; ranks {self.finished} finished"
         )
 
 
@@ -147,12 +146,7 @@ def _child_main(
         torch.set_num_threads(1)
         try:
             if init_distributed:
-                dist.init_process_group(
-                    backend,
-                    rank=rank,
-                    world_size=world_size,
-                    timeout=timedelta(seconds=timeout),
-                )
+                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
             result = fn(*args, **kwargs)
             payload = pickle.dumps((_OK, result), protocol=pickle.HIGHEST_PROTOCOL)
             code = 0
@@ -262,8 +256,20 @@ def run_ranks(
             proc = ctx.Process(
                 target=_child_main,
                 name=f"rank{rank}",
-                args=(rank, world_size, port, writer, readers + [reader], fn, args, kwargs,
-                      pg_timeout or timeout, backend, init_distributed, env),
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    writer,
+                    readers + [reader],
+                    fn,
+                    args,
+                    kwargs,
+                    pg_timeout or timeout,
+                    backend,
+                    init_distributed,
+                    env,
+                ),
                 daemon=False,  # a rank may start its own workers (e.g. DataLoader)
             )
             proc.start()
@@ -317,9 +323,7 @@ def run_ranks(
             reader.close()
 
 
-def _collect(
-    rank: int, reader: Connection, proc: multiprocessing.process.BaseProcess
-) -> tuple[bool, Any]:
+def _collect(rank: int, reader: Connection, proc: multiprocessing.process.BaseProcess) -> tuple[bool, Any]:
     """Read one rank's report. Returns ``(True, value)`` or ``(False, failure text)``."""
     data: bytes | None = None
     try:

@@ -4,6 +4,7 @@ groups, its own Megatron optimizer, and gradient finalisation over the module's 
 A frozen module (no trainable parameter on this rank) gets no DDP wrapper and no optimizer: it holds
 no gradient buffer and no optimizer state, and its step is a no-op.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,7 +31,9 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 0.0
     bf16: bool = False  # bf16 parameters: Megatron's mixed-precision optimizer with fp32 main weights
-    min_lr: float = 0.0  # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it)
+    min_lr: float = (
+        0.0  # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it)
+    )
 
     def validate(self) -> None:
         if self.optimizer not in ("adam", "sgd"):
@@ -70,9 +73,15 @@ class ModuleState:
             with param_groups_gathered_over(pgs.tp_dp_cp):
                 self.optimizer = get_megatron_optimizer(
                     OptimizerConfig(
-                        optimizer=optim.optimizer, lr=optim.lr, weight_decay=optim.weight_decay,
-                        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                        clip_grad=optim.clip_grad, min_lr=optim.min_lr, bf16=optim.bf16,
+                        optimizer=optim.optimizer,
+                        lr=optim.lr,
+                        weight_decay=optim.weight_decay,
+                        adam_beta1=optim.adam_beta1,
+                        adam_beta2=optim.adam_beta2,
+                        adam_eps=optim.adam_eps,
+                        clip_grad=optim.clip_grad,
+                        min_lr=optim.min_lr,
+                        bf16=optim.bf16,
                         params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
                     ),
                     [self.ddp],

@@ -7,6 +7,7 @@ views into them (Megatron DDP's `main_grad`) and autograd's saved references sta
 code path runs on CPU (where it frees the module's own allocations, which the memory report shows)
 and on GPU (where it frees device memory).
 """
+
 from __future__ import annotations
 
 from typing import Callable

@@ -1,4 +1,5 @@
 """The one place that picks a plan's schedule: colocated three-phase or disjoint graph-1F1B."""
+
 from __future__ import annotations
 
 from typing import Any, Union
@@ -10,8 +11,9 @@ from megatron_hetero.runtime.disjoint import DisjointSchedule
 from megatron_hetero.runtime.stage_runner import StageRunner
 
 
-def schedule_for(plan: RankPlan, config: RuntimeConfig, topo: Any, states: dict[str, Any],
-                 runner: StageRunner) -> Union[ColocatedSchedule, DisjointSchedule]:
+def schedule_for(
+    plan: RankPlan, config: RuntimeConfig, topo: Any, states: dict[str, Any], runner: StageRunner
+) -> Union[ColocatedSchedule, DisjointSchedule]:
     """The schedule of the plan's placement, driving `runner` on this rank."""
     if plan.layout.placement == "colocated":
         return ColocatedSchedule(plan, config, topo, states, runner)

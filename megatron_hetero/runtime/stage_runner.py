@@ -11,6 +11,7 @@ Tensor conventions the schedules rely on:
   * `forward` on a module's last stage returns the edge tensor (`[b, s, h]`), or a `LossSum` on the
     last stage of a module listed in `loss_modules`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,8 +77,9 @@ class StageRunner:
         pipeline schedules take it."""
         raise NotImplementedError
 
-    def forward(self, module: str, samples: range, inputs: Mapping[str, torch.Tensor],
-                stage_input: Optional[torch.Tensor]) -> Union[torch.Tensor, LossSum]:
+    def forward(
+        self, module: str, samples: range, inputs: Mapping[str, torch.Tensor], stage_input: Optional[torch.Tensor]
+    ) -> Union[torch.Tensor, LossSum]:
         """Run this rank's stage of `module` over the global samples `samples`.
 
         `inputs`: on a module's first stage, the tensors received over its incoming edges, by

@@ -1,5 +1,6 @@
 """What both schedules share at the end of a step: the result type, the global loss, and the
 labelling of a failed collective."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,9 +37,11 @@ def optimizer_what(state) -> str:
     """How a failed optimizer step of `state` (a ModuleState) is named: its gradient-norm all-reduce
     runs over the module's model-parallel group, the distributed optimizer's gathers over DP x CP."""
     pgs = state.pgs
-    return (f"module {state.name}: optimizer step (collectives over its DP x CP group, ranks "
-            f"{dist.get_process_group_ranks(pgs.dp_cp)}, and its model-parallel group, ranks "
-            f"{dist.get_process_group_ranks(pgs.mp)})")
+    return (
+        f"module {state.name}: optimizer step (collectives over its DP x CP group, ranks "
+        f"{dist.get_process_group_ranks(pgs.dp_cp)}, and its model-parallel group, ranks "
+        f"{dist.get_process_group_ranks(pgs.mp)})"
+    )
 
 
 def global_loss(loss_sums: Iterable[torch.Tensor], counts: bool, loss_tokens: int, rank: int) -> float:
@@ -53,9 +56,14 @@ def global_loss(loss_sums: Iterable[torch.Tensor], counts: bool, loss_tokens: in
     return float(total.item()) / loss_tokens
 
 
-def global_loss_parts(loss_modules: tuple[str, ...], sums: dict[str, list[torch.Tensor]], counted: set[str],
-                      extras: dict[str, torch.Tensor], loss_tokens: int, rank: int
-                      ) -> tuple[float, Optional[dict[str, float]], Optional[float]]:
+def global_loss_parts(
+    loss_modules: tuple[str, ...],
+    sums: dict[str, list[torch.Tensor]],
+    counted: set[str],
+    extras: dict[str, torch.Tensor],
+    loss_tokens: int,
+    rank: int,
+) -> tuple[float, Optional[dict[str, float]], Optional[float]]:
     """`global_loss` for several loss modules at once, plus the runner's auxiliary terms, in one
     all-reduce over the world: returns (total loss, loss per module when there are several, the sum of
     the `extras` or None). `counted`: the modules whose loss sums this rank contributes (their last
@@ -72,8 +80,8 @@ def global_loss_parts(loss_modules: tuple[str, ...], sums: dict[str, list[torch.
     run_collective("loss all-reduce over the world", rank, dist.all_reduce, vec)
     vals = vec.tolist()
     parts = {m: vals[i] / loss_tokens for i, m in enumerate(loss_modules)}
-    total = sum(vals[:len(loss_modules)]) / loss_tokens
-    aux = sum(vals[len(loss_modules):]) if names else None
+    total = sum(vals[: len(loss_modules)]) / loss_tokens
+    aux = sum(vals[len(loss_modules) :]) if names else None
     return total, (parts if len(loss_modules) > 1 else None), aux
 
 

@@ -11,6 +11,7 @@ the fixed order of `DENSE_GROUPS`), also groups it is not a member of: gloo and 
 it, otherwise a later group creation hangs. The Topology owns all groups it created;
 `destroy()` releases them, and a failure half-way destroys what was built before re-raising.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -82,13 +83,22 @@ def _named(desc: str, enumeration: list[list[int]], limit: timedelta, fn, *args,
         which = f"its group {mine}" if mine is not None else "not a member"
         raise GroupCreationError(
             f"rank {rank}: creating process groups {desc} ({len(enumeration)} group(s), {which}) failed "
-            f"(timeout {limit.total_seconds():g} s, --hetero-comm-timeout): {type(exc).__name__}: {first}") from exc
+            f"(timeout {limit.total_seconds():g} s, --hetero-comm-timeout): {type(exc).__name__}: {first}"
+        ) from exc
 
 
 def _new_groups(enumeration: list[list[int]], backend: Optional[str], timeout: timedelta, desc: str):
     """Create every group of `enumeration` on every rank; return the one this rank is in (or None)."""
-    mine, _ = _named(desc, enumeration, timeout, dist.new_subgroups_by_enumeration, enumeration, backend=backend,
-                     timeout=timeout, group_desc=desc)
+    mine, _ = _named(
+        desc,
+        enumeration,
+        timeout,
+        dist.new_subgroups_by_enumeration,
+        enumeration,
+        backend=backend,
+        timeout=timeout,
+        group_desc=desc,
+    )
     return mine
 
 
@@ -103,15 +113,16 @@ class Topology:
         self._destroyed = False
 
     @classmethod
-    def build(cls, layout: HeteroLayout, backend: Optional[str] = None, timeout_s: float = DEFAULT_COMM_TIMEOUT_S) -> "Topology":
+    def build(
+        cls, layout: HeteroLayout, backend: Optional[str] = None, timeout_s: float = DEFAULT_COMM_TIMEOUT_S
+    ) -> "Topology":
         """Create every module's groups. `backend` defaults to the world group's backend."""
         if not dist.is_initialized():
             raise RuntimeError("Topology.build needs torch.distributed to be initialized")
         world = dist.get_world_size()
         if layout.world_size != world:
             raise ValueError(
-                f"layout uses ranks 0-{layout.world_size - 1} ({layout.world_size}) but the job has "
-                f"world size {world}"
+                f"layout uses ranks 0-{layout.world_size - 1} ({layout.world_size}) but the job has world size {world}"
             )
         backend = backend or dist.get_backend()
         timeout = timedelta(seconds=timeout_s)
@@ -126,12 +137,14 @@ class Topology:
         return cls(layout, built, backend)
 
     @staticmethod
-    def _build_module(m: ModuleLayout, rank: int, backend: str, timeout: timedelta,
-                      built: dict[str, ModuleGrid]) -> None:
+    def _build_module(
+        m: ModuleLayout, rank: int, backend: str, timeout: timedelta, built: dict[str, ModuleGrid]
+    ) -> None:
         member = rank in m.ranks.ranks()
         grid = HyperCommGrid([m.tp, m.cp, m.dp, m.pp], list(AXES), rank_offset=m.offset, backend=backend)
-        mg = ModuleGrid(layout=m, grid=grid, expert_grid=None, member=member,
-                        coord=coord_of(m, rank) if member else None, pgs=None)
+        mg = ModuleGrid(
+            layout=m, grid=grid, expert_grid=None, member=member, coord=coord_of(m, rank) if member else None, pgs=None
+        )
         built[m.name] = mg  # registered first, so a failure below still destroys what was created
         found: dict[str, object] = {}
 
@@ -140,8 +153,18 @@ class Topology:
             mg.groups.append(pg)
 
         for name, dims in DENSE_GROUPS:
-            keep(name, _named(f"{m.name}:{name}", grid.get_rank_enum(list(dims)), timeout, grid.create_pg, list(dims),
-                              timeout=timeout, group_desc=f"{m.name}:{name}"))
+            keep(
+                name,
+                _named(
+                    f"{m.name}:{name}",
+                    grid.get_rank_enum(list(dims)),
+                    timeout,
+                    grid.create_pg,
+                    list(dims),
+                    timeout=timeout,
+                    group_desc=f"{m.name}:{name}",
+                ),
+            )
         fault_point("pg-create", rank)
         # Embedding groups (Megatron semantics): first+last stage of each pipeline, and first stage.
         pp_groups = group_ranks(m, "pp")
@@ -151,12 +174,21 @@ class Topology:
         # Every module, dense too: Megatron DDP asks for ep/expt_dp (and would otherwise create a
         # group on its member ranks only, which desynchronises group creation across modules).
         expt_dp = m.stage_size // (m.expt_tp * m.ep)
-        eg = HyperCommGrid([m.expt_tp, m.ep, expt_dp, m.pp], list(EXPERT_AXES), rank_offset=m.offset,
-                           backend=backend)
+        eg = HyperCommGrid([m.expt_tp, m.ep, expt_dp, m.pp], list(EXPERT_AXES), rank_offset=m.offset, backend=backend)
         mg.expert_grid = eg
         for name, dims in EXPERT_GROUPS:
-            keep(name, _named(f"{m.name}:{name}", eg.get_rank_enum(list(dims)), timeout, eg.create_pg, list(dims),
-                              timeout=timeout, group_desc=f"{m.name}:{name}"))
+            keep(
+                name,
+                _named(
+                    f"{m.name}:{name}",
+                    eg.get_rank_enum(list(dims)),
+                    timeout,
+                    eg.create_pg,
+                    list(dims),
+                    timeout=timeout,
+                    group_desc=f"{m.name}:{name}",
+                ),
+            )
         if member:
             pgs = ProcessGroupCollection(**found)
             # One distributed-optimizer instance: the partial DP group is the whole DP x CP group.

@@ -28,6 +28,7 @@ did (module, stage, micro-batch `mb`, edge, direction, bytes, the actions of a c
 `megatron-hetero train --trace FILE` turns tracing on: the job's `trace` field gives every rank a
 recording `Tracer` (`training.setup.JobConfig.runtime_config`).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,33 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 #: Span kinds, in legend order: compute, then data movement, then the step's closing work and waits.
-KINDS = ("encoder-forward", "encoder-backward", "llm-forward", "llm-backward", "boundary", "comm", "wait",
-         "grad-reduce", "optimizer", "loss-reduce", "offload", "schedule")
+KINDS = (
+    "encoder-forward",
+    "encoder-backward",
+    "llm-forward",
+    "llm-backward",
+    "boundary",
+    "comm",
+    "wait",
+    "grad-reduce",
+    "optimizer",
+    "loss-reduce",
+    "offload",
+    "schedule",
+)
 #: The blocking methods of Megatron-core's `P2PCommunicator` that its pipeline schedules call (each
 #: posts and waits for its sends/receives): the language model's pipeline waits in the colocated phase 2.
-MEGATRON_P2P_METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
-                        "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
-                        "send_forward_backward_recv_forward_backward")
+MEGATRON_P2P_METHODS = (
+    "recv_forward",
+    "recv_backward",
+    "send_forward",
+    "send_backward",
+    "send_forward_recv_backward",
+    "send_backward_recv_forward",
+    "send_forward_recv_forward",
+    "send_backward_recv_backward",
+    "send_forward_backward_recv_forward_backward",
+)
 
 Label = Union[str, Callable[[], str]]
 Args = Union[None, dict, Callable[[], dict]]
@@ -102,8 +123,9 @@ class Tracer:
 
     def record(self, kind: str, name: Label, t0: int, t1: int, args: Args = None) -> None:
         """One finished span (names and args callables are evaluated here)."""
-        self.spans.append((kind, name() if callable(name) else name, t0, t1,
-                           (args() if callable(args) else args) or {}))
+        self.spans.append(
+            (kind, name() if callable(name) else name, t0, t1, (args() if callable(args) else args) or {})
+        )
 
     def mark_backward(self, tensor, kind: str, name: Label, args: Args = None) -> None:
         """A span for the backward pass that starts at `tensor` (see module docstring): from the
@@ -181,8 +203,9 @@ def boundary_args(boundary, call) -> dict[str, Any]:
     return {"edge": call.edge, "direction": call.direction, "bytes_sent": sent, "src": call.src, "dst": call.dst}
 
 
-def chrome_trace(payloads: list[dict[str, Any]], offsets_ns: Optional[dict[int, int]] = None,
-                 meta: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def chrome_trace(
+    payloads: list[dict[str, Any]], offsets_ns: Optional[dict[int, int]] = None, meta: Optional[dict[str, Any]] = None
+) -> dict[str, Any]:
     """The Chrome/Perfetto document of every rank's payload (`Tracer.payload()`); `offsets_ns`
     {rank: ns} is added to that rank's timestamps (cross-host alignment)."""
     offsets_ns = offsets_ns or {}
@@ -193,12 +216,26 @@ def chrome_trace(payloads: list[dict[str, Any]], offsets_ns: Optional[dict[int, 
         events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
         for kind, name, t0, t1, args in p["spans"]:
-            events.append({"name": name, "cat": kind, "ph": "X", "pid": r, "tid": 0,
-                           "ts": (t0 + off - origin) / 1e3, "dur": (t1 - t0) / 1e3, "args": args})
-    other = {"clock": "time.time_ns (wall clock shared by the processes of one host)", "origin_ns": origin,
-             "ranks": sorted(p["rank"] for p in payloads),
-             "hosts": {str(p["rank"]): p.get("host", "") for p in payloads},
-             "host_offsets_ns": {str(r): o for r, o in sorted(offsets_ns.items()) if o}, "kinds": list(KINDS)}
+            events.append(
+                {
+                    "name": name,
+                    "cat": kind,
+                    "ph": "X",
+                    "pid": r,
+                    "tid": 0,
+                    "ts": (t0 + off - origin) / 1e3,
+                    "dur": (t1 - t0) / 1e3,
+                    "args": args,
+                }
+            )
+    other = {
+        "clock": "time.time_ns (wall clock shared by the processes of one host)",
+        "origin_ns": origin,
+        "ranks": sorted(p["rank"] for p in payloads),
+        "hosts": {str(p["rank"]): p.get("host", "") for p in payloads},
+        "host_offsets_ns": {str(r): o for r, o in sorted(offsets_ns.items()) if o},
+        "kinds": list(KINDS),
+    }
     other.update(meta or {})
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 

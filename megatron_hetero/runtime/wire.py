@@ -6,6 +6,7 @@ code, numel]`) first, then the payload (the peer's pieces, packed flat in plan o
 has a timeout; on expiry (or when a peer died and the transport reports it) a `BoundaryTimeout` is
 raised. Local tensors hold their plan blocks concatenated along seq (`plan.blocks.locate`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,7 +19,12 @@ import torch.distributed as dist
 from megatron_hetero.plan.blocks import Block, Transfer, locate
 
 DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int64: 5, torch.int32: 6,
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.int64: 5,
+    torch.int32: 6,
 }
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 HEADER_LEN = 4
@@ -62,8 +68,9 @@ def _wait(work, label: str, edge: str, rank: int, peer: int, timeout_s: float) -
             f"{timeout_s:g} s, --hetero-comm-timeout): {str(exc).splitlines()[0][:200]}"
         ) from None
     if ok is False:
-        raise BoundaryTimeout(f"{where(edge)}: rank {rank} timed out after {timeout_s:g} s waiting for the {label} "
-                              f"rank {peer}")
+        raise BoundaryTimeout(
+            f"{where(edge)}: rank {rank} timed out after {timeout_s:g} s waiting for the {label} rank {peer}"
+        )
 
 
 def _post(fn, label: str, edge: str, rank: int, peer: int, *args, **kwargs):
@@ -100,8 +107,9 @@ def p2p(
         pending.append((label, peer, _post(dist.irecv, label, edge, rank, peer, buf, src=peer, group=group, tag=tag)))
     for peer, tensor in sends.items():
         label = f"{what} to"
-        pending.append((label, peer, _post(dist.isend, label, edge, rank, peer, tensor, dst=peer, group=group,
-                                           tag=tag)))
+        pending.append(
+            (label, peer, _post(dist.isend, label, edge, rank, peer, tensor, dst=peer, group=group, tag=tag))
+        )
     for label, peer, work in pending:
         _wait(work, label, edge, rank, peer, timeout_s)
 
@@ -138,10 +146,13 @@ def exchange_batch(ops: list[WireOp], *, timeout_s: float) -> None:
             _wait(work, f"batch of {len(ops)} messages on {labels}; peer", ops[0].edge, rank, ops[0].peer, timeout_s)
 
 
-def broadcast(tensor: torch.Tensor, root: int, group: dist.ProcessGroup, *, what: str, edge: str, timeout_s: float) -> None:
+def broadcast(
+    tensor: torch.Tensor, root: int, group: dist.ProcessGroup, *, what: str, edge: str, timeout_s: float
+) -> None:
     """`dist.broadcast` from global rank `root` over `group`, with a timeout naming edge, rank and root."""
-    work = _post(dist.broadcast, f"{what} from", edge, dist.get_rank(), root, tensor, src=root, group=group,
-                 async_op=True)
+    work = _post(
+        dist.broadcast, f"{what} from", edge, dist.get_rank(), root, tensor, src=root, group=group, async_op=True
+    )
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as exc:
@@ -169,12 +180,17 @@ def unpack(out: torch.Tensor, blocks: tuple[Block, ...], pieces: list[Transfer],
     for t in pieces:
         b, s = locate(blocks, t.block)
         n = t.block.numel(hidden)
-        out[b, s] = flat[offset:offset + n].view(t.block.b1 - t.block.b0, t.block.s1 - t.block.s0, hidden)
+        out[b, s] = flat[offset : offset + n].view(t.block.b1 - t.block.b0, t.block.s1 - t.block.s0, hidden)
         offset += n
 
 
-def copy_local(out: torch.Tensor, out_blocks: tuple[Block, ...], src: torch.Tensor, src_blocks: tuple[Block, ...],
-               pieces: list[Transfer]) -> None:
+def copy_local(
+    out: torch.Tensor,
+    out_blocks: tuple[Block, ...],
+    src: torch.Tensor,
+    src_blocks: tuple[Block, ...],
+    pieces: list[Transfer],
+) -> None:
     """Copy the pieces from `src` (made of `src_blocks`) into `out` (made of `out_blocks`): no bytes move."""
     for t in pieces:
         db, ds = locate(out_blocks, t.block)

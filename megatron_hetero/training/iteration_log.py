@@ -9,6 +9,7 @@ Every `log_interval` iterations one line (averages over the interval where Megat
 modules' norms combined before clipping). With `progress` (stdout is a terminal) a carriage-return
 line shows the iterations in between. Importing this module does not import torch.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -20,9 +21,11 @@ def format_line(total: int, recs: list[dict], global_batch: int) -> str:
     last = recs[-1]
     loss = sum(r["loss"] for r in recs) / len(recs)
     step_ms = 1e3 * sum(r["step_time_s"] for r in recs) / len(recs)
-    parts = [f" iteration {last['iteration']:>4}/{total} | lm loss {loss:.6f} |",
-             f"consumed samples: {last['consumed_samples']} |",
-             f"elapsed time per iteration (ms): {step_ms:.1f} |"]
+    parts = [
+        f" iteration {last['iteration']:>4}/{total} | lm loss {loss:.6f} |",
+        f"consumed samples: {last['consumed_samples']} |",
+        f"elapsed time per iteration (ms): {step_ms:.1f} |",
+    ]
     if last.get("lr") is not None:
         parts.append(f"learning rate: {last['lr']:.6E} |")
     if last.get("grad_norm") is not None:
@@ -42,8 +45,9 @@ def format_progress(done: int, total: int, loss: float) -> str:
 class IterationLog:
     """Collects records and writes lines through `write` (text; None: nothing is written)."""
 
-    def __init__(self, write: Optional[Callable[[str], None]], total: int, global_batch: int, interval: int,
-                 progress: bool) -> None:
+    def __init__(
+        self, write: Optional[Callable[[str], None]], total: int, global_batch: int, interval: int, progress: bool
+    ) -> None:
         self.write, self.total, self.global_batch = write, total, global_batch
         self.interval, self.progress = interval, progress
         self.pending: list[dict] = []

@@ -10,6 +10,7 @@ placeholder span in the text following the previous one from position 1. `run_lo
 records (its `spec_record`), so a converted Llama/Qwen2 + CLIP model needs no flags repeated.
 Importing this module does not import torch.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -61,24 +62,47 @@ def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234, moe: Op
     for m in layout.modules:
         if m.name in langs or m.name in who.outputs:
             continue
-        encoders[m.name] = EncoderSpec(num_layers=model.encoder_num_layers, hidden_size=model.encoder_hidden_size,
-                                       num_attention_heads=model.encoder_num_attention_heads,
-                                       tokens=model.encoder_tokens, feature_dim=model.encoder_feature_dim,
-                                       offset=offset)
+        encoders[m.name] = EncoderSpec(
+            num_layers=model.encoder_num_layers,
+            hidden_size=model.encoder_hidden_size,
+            num_attention_heads=model.encoder_num_attention_heads,
+            tokens=model.encoder_tokens,
+            feature_dim=model.encoder_feature_dim,
+            offset=offset,
+        )
         offset += model.encoder_tokens
     layers = default_num_layers(layout) if model.num_layers is None else model.num_layers
     # Output heads read the last positions of the text, each the 4 before the previous one's.
     outputs = {n: OutputSpec(tokens=4, offset=model.seq_length - 4 * (k + 1)) for k, n in enumerate(who.outputs)}
     moe = {k: v for k, v in (moe or {}).items() if v is not None}
-    return LlavaSpec(num_layers=layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, ffn_hidden_size=model.ffn_hidden_size,
-                     vocab_size=model.vocab_size, seq_length=model.seq_length, encoders=encoders, seed=seed,
-                     outputs=outputs, **moe)
+    return LlavaSpec(
+        num_layers=layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        vocab_size=model.vocab_size,
+        seq_length=model.seq_length,
+        encoders=encoders,
+        seed=seed,
+        outputs=outputs,
+        **moe,
+    )
 
 
-SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
-              "encoder_num_layers", "encoder_hidden_size", "encoder_num_attention_heads", "encoder_tokens",
-              "encoder_feature_dim", "num_experts")
+SIZE_FLAGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "seq_length",
+    "vocab_size",
+    "encoder_num_layers",
+    "encoder_hidden_size",
+    "encoder_num_attention_heads",
+    "encoder_tokens",
+    "encoder_feature_dim",
+    "num_experts",
+)
 
 
 def recorded_spec(args: Any, spec):
@@ -111,8 +135,10 @@ def job_from_args(args: Any, layout: HeteroLayout):
     from megatron_hetero.training.setup import JobConfig
 
     model = resolve_model(ModelArgs.from_namespace(args), layout)
-    moe = {k: getattr(args, k, None) for k in ("num_experts", "moe_router_topk", "moe_aux_loss_coeff",
-                                               "moe_ffn_hidden_size")}
+    moe = {
+        k: getattr(args, k, None)
+        for k in ("num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_ffn_hidden_size")
+    }
     spec = llava_spec(model, layout, seed=args.seed, moe=moe)
     from megatron_hetero.training.arch_args import apply_arch_args
 
@@ -134,23 +160,44 @@ def job_from_args(args: Any, layout: HeteroLayout):
         spec = dataclasses.replace(spec, bf16=True)
     from megatron_hetero.training.lr_schedule import LRSchedule
 
-    optim = OptimConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
-                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                        clip_grad=args.clip_grad, bf16=bf16)
-    schedule = LRSchedule(lr_warmup_iters=getattr(args, "lr_warmup_iters", 0),
-                          lr_decay_style=getattr(args, "lr_decay_style", "constant"),
-                          lr_decay_iters=getattr(args, "lr_decay_iters", None), min_lr=getattr(args, "min_lr", 0.0))
-    return JobConfig(spec=spec, global_batch_size=model.global_batch_size, micro_batch_size=model.micro_batch_size,
-                     train_iters=args.train_iters, optim=optim, offload_encoder=args.hetero_offload_encoder,
-                     comm_timeout_s=args.hetero_comm_timeout, schedule=schedule,
-                     save=getattr(args, "save", None), save_interval=getattr(args, "save_interval", None) or 0,
-                     load=getattr(args, "load", None), load_fallback=bool(getattr(args, "load_fallback", False)),
-                     override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
-                     log_interval=getattr(args, "log_interval", 1), progress=getattr(args, "progress", False),
-                     data=data, eval_interval=getattr(args, "eval_interval", None) or 0,
-                     eval_iters=getattr(args, "eval_iters", None),
-                     exit_signal_handler=bool(getattr(args, "exit_signal_handler", False)),
-                     trace=_trace_path(getattr(args, "trace", None)))
+    optim = OptimConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=bf16,
+    )
+    schedule = LRSchedule(
+        lr_warmup_iters=getattr(args, "lr_warmup_iters", 0),
+        lr_decay_style=getattr(args, "lr_decay_style", "constant"),
+        lr_decay_iters=getattr(args, "lr_decay_iters", None),
+        min_lr=getattr(args, "min_lr", 0.0),
+    )
+    return JobConfig(
+        spec=spec,
+        global_batch_size=model.global_batch_size,
+        micro_batch_size=model.micro_batch_size,
+        train_iters=args.train_iters,
+        optim=optim,
+        offload_encoder=args.hetero_offload_encoder,
+        comm_timeout_s=args.hetero_comm_timeout,
+        schedule=schedule,
+        save=getattr(args, "save", None),
+        save_interval=getattr(args, "save_interval", None) or 0,
+        load=getattr(args, "load", None),
+        load_fallback=bool(getattr(args, "load_fallback", False)),
+        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
+        log_interval=getattr(args, "log_interval", 1),
+        progress=getattr(args, "progress", False),
+        data=data,
+        eval_interval=getattr(args, "eval_interval", None) or 0,
+        eval_iters=getattr(args, "eval_iters", None),
+        exit_signal_handler=bool(getattr(args, "exit_signal_handler", False)),
+        trace=_trace_path(getattr(args, "trace", None)),
+    )
 
 
 def _trace_path(path: Optional[str]) -> Optional[str]:
@@ -170,8 +217,17 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, rec in enumerate(per_rank[0]["records"]):
         step = max(r["records"][i]["step_time_s"] for r in per_rank)
         merged = {"iteration": rec["iteration"], "loss": rec["loss"], "step_time_s": step}
-        for key in ("consumed_samples", "lr", "grad_norm", "grad_norm_per_module", "loss_parts", "aux_loss",
-                    "eval_loss", "eval_accuracy", "eval_samples"):
+        for key in (
+            "consumed_samples",
+            "lr",
+            "grad_norm",
+            "grad_norm_per_module",
+            "loss_parts",
+            "aux_loss",
+            "eval_loss",
+            "eval_accuracy",
+            "eval_samples",
+        ):
             if rec.get(key) is not None:
                 merged[key] = rec[key]
         if "tokens" in rec:
@@ -199,7 +255,7 @@ class _LinesFromRanks:
 
         data = text.encode()
         while data:
-            data = data[os.write(self._w, data):]
+            data = data[os.write(self._w, data) :]
 
     def _copy(self) -> None:
         import os
@@ -249,9 +305,17 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     try:
         # SIGTERM to this process reaches every rank (they lead their own process groups); with
         # --exit-signal-handler they stop after the same step and save, else they die of it
-        per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend(),
-                             forward_signals=(signal.SIGTERM,), pg_timeout=min(job.comm_timeout_s, timeout),
-                             log_write=lines.write if lines else None)
+        per_rank = run_ranks(
+            layout.world_size,
+            train_rank,
+            layout,
+            job,
+            timeout=timeout,
+            backend=default_backend(),
+            forward_signals=(signal.SIGTERM,),
+            pg_timeout=min(job.comm_timeout_s, timeout),
+            log_write=lines.write if lines else None,
+        )
     finally:
         if lines is not None:
             lines.close()
@@ -292,8 +356,9 @@ def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[li
 
             result = train_rank(layout, job, log_write=write)
         except Exception as exc:
-            raise RuntimeError(f"rank {env.rank} on {socket.gethostname()} (local rank {env.local_rank}): "
-                               f"{type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(
+                f"rank {env.rank} on {socket.gethostname()} (local rank {env.local_rank}): {type(exc).__name__}: {exc}"
+            ) from exc
         per_rank: list = [None] * env.world_size
         dist.all_gather_object(per_rank, result)
     finally:

@@ -11,6 +11,7 @@ the same schedule, so they all run at the same rate. The scheduler's state is pa
 (`checkpoint/scheduler_state.py` checks and restores it).
 Importing this module does not import torch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,27 +42,44 @@ class LRSchedule:
         if not isinstance(decay, int) or decay < 1:
             raise ValueError(f"--lr-decay-iters must be >= 1, got {decay!r}")
         if self.lr_warmup_iters >= decay:
-            raise ValueError(f"--lr-warmup-iters {self.lr_warmup_iters} must be smaller than the decay iterations "
-                             f"{decay} (--lr-decay-iters, default --train-iters)")
+            raise ValueError(
+                f"--lr-warmup-iters {self.lr_warmup_iters} must be smaller than the decay iterations "
+                f"{decay} (--lr-decay-iters, default --train-iters)"
+            )
         if not 0.0 <= self.min_lr <= lr:
             raise ValueError(f"--min-lr must satisfy 0 <= min-lr <= lr, got --min-lr {self.min_lr} --lr {lr}")
 
     def scheduler_config(self, lr: float, train_iters: int) -> dict:
         """The values a checkpoint records and a resumed job must match (Megatron's state-dict names)."""
-        return {"max_lr": float(lr), "min_lr": float(self.min_lr), "lr_warmup_steps": self.lr_warmup_iters,
-                "lr_decay_steps": self.decay_iters(train_iters), "lr_decay_style": self.lr_decay_style}
+        return {
+            "max_lr": float(lr),
+            "min_lr": float(self.min_lr),
+            "lr_warmup_steps": self.lr_warmup_iters,
+            "lr_decay_steps": self.decay_iters(train_iters),
+            "lr_decay_style": self.lr_decay_style,
+        }
 
 
-def build_scheduler(optimizer, schedule: LRSchedule, lr: float, weight_decay: float, train_iters: int,
-                    override: bool = False):
+def build_scheduler(
+    optimizer, schedule: LRSchedule, lr: float, weight_decay: float, train_iters: int, override: bool = False
+):
     """Megatron's `OptimizerParamScheduler` on one module's Megatron optimizer (sets the rate of
     iteration 1 already). `override`: a checkpoint's schedule values are replaced by these
     (Megatron's --override-opt-param-scheduler); otherwise they must match."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=lr, min_lr=schedule.min_lr, lr_warmup_steps=schedule.lr_warmup_iters,
-        lr_decay_steps=schedule.decay_iters(train_iters), lr_decay_style=schedule.lr_decay_style,
-        start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=max(train_iters, 1), wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=override,
+        optimizer,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.lr_warmup_iters,
+        lr_decay_steps=schedule.decay_iters(train_iters),
+        lr_decay_style=schedule.lr_decay_style,
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=max(train_iters, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=override,
     )

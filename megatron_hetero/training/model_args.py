@@ -4,6 +4,7 @@ One set of sizes for every subcommand: `train` builds the model from a `ModelArg
 the same `ModelArgs` (`workload_for`), so `search` without model flags plans the model `train` runs
 without them. Pure: no torch (the planner stays importable and fast without it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,18 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 DEFAULT_NUM_LAYERS = 2  # language-model layers when neither --num-layers nor the layout's segments say
-SIZE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "encoder_num_layers",
-               "encoder_hidden_size", "encoder_num_attention_heads", "encoder_tokens", "encoder_feature_dim")
+SIZE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "vocab_size",
+    "encoder_num_layers",
+    "encoder_hidden_size",
+    "encoder_num_attention_heads",
+    "encoder_tokens",
+    "encoder_feature_dim",
+)
 
 
 @dataclass(frozen=True)
@@ -56,8 +67,10 @@ class ModelArgs:
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if self.encoder_hidden_size % self.encoder_num_attention_heads:
-            raise ValueError(f"--encoder-hidden-size {self.encoder_hidden_size} is not divisible by "
-                             f"--encoder-num-attention-heads {self.encoder_num_attention_heads}")
+            raise ValueError(
+                f"--encoder-hidden-size {self.encoder_hidden_size} is not divisible by "
+                f"--encoder-num-attention-heads {self.encoder_num_attention_heads}"
+            )
 
 
 def _ffn(hidden: int, ffn: Optional[int]) -> int:
@@ -74,29 +87,63 @@ def workload(model: ModelArgs, encoder: str = "vision", micro_batch: Optional[in
 
     model.validate()
     h, eh = model.hidden_size, model.encoder_hidden_size
-    enc_layer = 4 * eh ** 2 + 2 * eh * _ffn(eh, None)
+    enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
     # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
     extra = (model.encoder_feature_dim + 1) * eh + model.encoder_tokens * eh + (eh + 1) * h + (h + 1) * h
-    enc = ModelSpec(encoder, model.encoder_num_layers, eh, _ffn(eh, None), model.encoder_num_attention_heads,
-                    model.encoder_tokens, kind="encoder", params=int(model.encoder_num_layers * enc_layer + extra))
+    enc = ModelSpec(
+        encoder,
+        model.encoder_num_layers,
+        eh,
+        _ffn(eh, None),
+        model.encoder_num_attention_heads,
+        model.encoder_tokens,
+        kind="encoder",
+        params=int(model.encoder_num_layers * enc_layer + extra),
+    )
     layers = DEFAULT_NUM_LAYERS if model.num_layers is None else model.num_layers
-    llm = ModelSpec("language", layers, h, _ffn(h, model.ffn_hidden_size),
-                    model.num_attention_heads, model.seq_length, kind="llm", vocab=model.vocab_size)
+    llm = ModelSpec(
+        "language",
+        layers,
+        h,
+        _ffn(h, model.ffn_hidden_size),
+        model.num_attention_heads,
+        model.seq_length,
+        kind="llm",
+        vocab=model.vocab_size,
+    )
     mb = micro_batch if micro_batch is not None else 1 if model.micro_batch_size is None else model.micro_batch_size
-    return Workload(enc, llm, global_batch=model.global_batch_size, micro_batch=mb, images_per_sample=1,
-                    dtype_bytes=4, weight_bytes=4.0, grad_bytes=4.0, optimizer_bytes=8.0,
-                    distributed_optimizer=False)
+    return Workload(
+        enc,
+        llm,
+        global_batch=model.global_batch_size,
+        micro_batch=mb,
+        images_per_sample=1,
+        dtype_bytes=4,
+        weight_bytes=4.0,
+        grad_bytes=4.0,
+        optimizer_bytes=8.0,
+        distributed_optimizer=False,
+    )
 
 
 def workload_for(spec: Any, global_batch: int, micro_batch: int):
     """The cost model's workload of a `models.llava.LlavaSpec` with one encoder (see `workload`)."""
     if len(spec.encoders) != 1:
         raise ValueError(f"the cost model takes one encoder; the model has {sorted(spec.encoders)}")
-    (name, e), = spec.encoders.items()
-    model = ModelArgs(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                      num_attention_heads=spec.num_attention_heads, ffn_hidden_size=spec.ffn_hidden_size,
-                      seq_length=spec.seq_length, vocab_size=spec.vocab_size, encoder_num_layers=e.num_layers,
-                      encoder_hidden_size=e.hidden_size, encoder_num_attention_heads=e.num_attention_heads,
-                      encoder_tokens=e.tokens, encoder_feature_dim=e.feature_dim, global_batch_size=global_batch,
-                      micro_batch_size=micro_batch)
+    ((name, e),) = spec.encoders.items()
+    model = ModelArgs(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        seq_length=spec.seq_length,
+        vocab_size=spec.vocab_size,
+        encoder_num_layers=e.num_layers,
+        encoder_hidden_size=e.hidden_size,
+        encoder_num_attention_heads=e.num_attention_heads,
+        encoder_tokens=e.tokens,
+        encoder_feature_dim=e.feature_dim,
+        global_batch_size=global_batch,
+        micro_batch_size=micro_batch,
+    )
     return workload(model, encoder=name)

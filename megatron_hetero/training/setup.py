@@ -3,6 +3,7 @@
 Everything is validated before any process group exists (`validate_job`), so a bad layout or
 batch configuration is rejected with a ValueError in the launching process.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,7 +14,12 @@ import torch
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava import (
-    EncoderModule, LanguageModule, LlavaSpec, OutputModule, language_modules, validate_model,
+    EncoderModule,
+    LanguageModule,
+    LlavaSpec,
+    OutputModule,
+    language_modules,
+    validate_model,
 )
 from megatron_hetero.plan.rank_plan import rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
@@ -60,8 +66,9 @@ class JobConfig:
         """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
         from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
 
-        return RuntimeConfig(comm_timeout_s=self.comm_timeout_s,
-                             tracer=Tracer(rank, self.trace) if self.trace else NULL_TRACER)
+        return RuntimeConfig(
+            comm_timeout_s=self.comm_timeout_s, tracer=Tracer(rank, self.trace) if self.trace else NULL_TRACER
+        )
 
 
 def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
@@ -72,8 +79,10 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     if spec.bf16 != job.optim.bf16:
         raise ValueError("--bf16 must set both the model's and the optimizer's precision")
     if spec.bf16 and (job.save or job.load):
-        raise ValueError("--bf16 with --save/--load is not supported yet (the checkpoint holds fp32 models and "
-                         "the non-mixed-precision optimizer state); train in fp32 to keep checkpoints")
+        raise ValueError(
+            "--bf16 with --save/--load is not supported yet (the checkpoint holds fp32 models and "
+            "the non-mixed-precision optimizer state); train in fp32 to keep checkpoints"
+        )
     if not isinstance(job.save_interval, int) or job.save_interval < 0:
         raise ValueError(f"--save-interval must be >= 0, got {job.save_interval!r}")
     if job.save_interval and not job.save:
@@ -92,14 +101,17 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
     if spec.hidden_size % spec.num_attention_heads:
-        raise ValueError(f"--hidden-size {spec.hidden_size} is not divisible by --num-attention-heads "
-                         f"{spec.num_attention_heads}")
+        raise ValueError(
+            f"--hidden-size {spec.hidden_size} is not divisible by --num-attention-heads {spec.num_attention_heads}"
+        )
     langs = language_modules(layout, spec)
     known = set(spec.encoders) | set(spec.outputs) | {m.name for m in langs}
     for m in layout.modules:
         if m.name not in known:
-            raise ValueError(f"module {m.name} is neither an encoder ({sorted(spec.encoders)}), an output module "
-                             f"({sorted(spec.outputs)}) nor a language module")
+            raise ValueError(
+                f"module {m.name} is neither an encoder ({sorted(spec.encoders)}), an output module "
+                f"({sorted(spec.outputs)}) nor a language module"
+            )
     from megatron_hetero.compat import default_backend
 
     validate_model(layout, spec, default_backend())  # experts (ep, expt_tp) and output modules
@@ -108,16 +120,19 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             raise ValueError(f"encoder {name} has no module in the layout (modules are {layout.names})")
         edges = [e for e in layout.edges if e.src == name]
         if [e.dst for e in edges] != [langs[0].name]:
-            raise ValueError(f"encoder {name} must have exactly one edge, '{name} -> {langs[0].name}' "
-                             f"(the first language module); it has {[str(e) for e in edges]}")
+            raise ValueError(
+                f"encoder {name} must have exactly one edge, '{name} -> {langs[0].name}' "
+                f"(the first language module); it has {[str(e) for e in edges]}"
+            )
     for a, b in zip(langs, langs[1:]):
         if not any(e.src == a.name and e.dst == b.name for e in layout.edges):
             raise ValueError(f"language segments {a.name} and {b.name} need the edge '{a.name} -> {b.name}'")
     for m in layout.modules:
         g = job.global_batch_size
         if g % m.dp:
-            raise ValueError(f"module {m.name}: --global-batch-size {g} is not divisible by dp({m.dp}) "
-                             f"(remainder {g % m.dp})")
+            raise ValueError(
+                f"module {m.name}: --global-batch-size {g} is not divisible by dp({m.dp}) (remainder {g % m.dp})"
+            )
         if m.tp > 1 and (spec.encoders.get(m.name, spec).num_attention_heads % m.tp):
             heads = spec.encoders.get(m.name, spec).num_attention_heads
             raise ValueError(f"module {m.name}: {heads} attention heads are not divisible by tp({m.tp})")
@@ -162,9 +177,15 @@ def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch
         mod = OutputModule(name, spec.outputs[name], spec.hidden_size, m, pgs, spec.seed)
     else:
         langs = language_modules(layout, spec)
-        mod = LanguageModule(name, spec, m, pgs, first_segment=langs[0].name == name,
-                             last_segment=langs[-1].name == name,
-                             last_segment_feeds_outputs=bool(layout.consumers(langs[-1].name)))
+        mod = LanguageModule(
+            name,
+            spec,
+            m,
+            pgs,
+            first_segment=langs[0].name == name,
+            last_segment=langs[-1].name == name,
+            last_segment_feeds_outputs=bool(layout.consumers(langs[-1].name)),
+        )
     if spec.bf16:
         # Megatron's mixed precision: bf16 parameters and compute; the optimizer keeps fp32 main
         # weights (OptimConfig.bf16). Initialised in fp32 (the same values in every layout), then cast.

@@ -15,6 +15,7 @@ Stop marker: when the environment variable MH_EXIT_SIGNAL_MARKER names a file, g
 `megatron-hetero slurm` reads it to tell "stopped on the signal with a checkpoint: requeue" from a
 failure (torchrun itself exits non-zero after forwarding a signal, so its exit code cannot say).
 """
+
 from __future__ import annotations
 
 import os
@@ -74,8 +75,9 @@ class ExitSignal:
         from megatron_hetero.runtime.step import run_collective
 
         flag = torch.tensor([1 if self.received else 0], dtype=torch.int32, device=get_device())
-        run_collective("exit-signal flag all-reduce (MAX) over the world", rank, dist.all_reduce, flag,
-                       dist.ReduceOp.MAX)
+        run_collective(
+            "exit-signal flag all-reduce (MAX) over the world", rank, dist.all_reduce, flag, dist.ReduceOp.MAX
+        )
         return bool(flag.item())
 
     @property
@@ -86,10 +88,14 @@ class ExitSignal:
 def stop_message(name: str, iteration: int, save: Optional[str]) -> str:
     """The line global rank 0 prints when the run stops on the signal."""
     if save:
-        return (f"megatron-hetero: received {name}: stopped after iteration {iteration}; checkpoint of iteration "
-                f"{iteration} saved in {save} (resume with --load {save}); exiting with status 0\n")
-    return (f"megatron-hetero: received {name}: stopped after iteration {iteration}; nothing saved (no --save); "
-            f"exiting with status 0\n")
+        return (
+            f"megatron-hetero: received {name}: stopped after iteration {iteration}; checkpoint of iteration "
+            f"{iteration} saved in {save} (resume with --load {save}); exiting with status 0\n"
+        )
+    return (
+        f"megatron-hetero: received {name}: stopped after iteration {iteration}; nothing saved (no --save); "
+        f"exiting with status 0\n"
+    )
 
 
 def write_marker(iteration: int, save: Optional[str], environ=os.environ) -> Optional[Path]:
@@ -106,8 +112,9 @@ def write_marker(iteration: int, save: Optional[str], environ=os.environ) -> Opt
     return path
 
 
-def finish_on_signal(stop: ExitSignal, iteration: int, save: Optional[str], rank: int,
-                     write: Optional[Callable[[str], None]]) -> None:
+def finish_on_signal(
+    stop: ExitSignal, iteration: int, save: Optional[str], rank: int, write: Optional[Callable[[str], None]]
+) -> None:
     """After the world agreed to stop at `iteration` and the checkpoint (if any) is complete: on global
     rank 0 the marker and the message (through `write`, else stdout)."""
     if rank != 0:

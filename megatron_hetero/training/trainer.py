@@ -1,4 +1,5 @@
 """The training loop of one rank, for colocated and disjoint layouts alike."""
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,9 @@ def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
     return schedule_for(plan, job.runtime_config(plan.rank), topo, states, runner)
 
 
-def module_stats(layout: HeteroLayout, states: dict, rank: int) -> tuple[Optional[float], dict[str, float], Optional[float]]:
+def module_stats(
+    layout: HeteroLayout, states: dict, rank: int
+) -> tuple[Optional[float], dict[str, float], Optional[float]]:
     """(whole-model grad norm, per-module grad norms, learning rate) of the last step, the same on
     every rank: one all-reduce of each module's squared norm and rate, contributed by one rank of
     the module (TP 0, DP·CP 0, last pipeline stage: the one stage sure to hold an optimizer)."""
@@ -55,7 +58,7 @@ def module_stats(layout: HeteroLayout, states: dict, rank: int) -> tuple[Optiona
         if s is None or s.last_grad_norm is None:
             continue
         if s.pgs.tp.rank() == 0 and s.pgs.dp_cp.rank() == 0 and s.pgs.pp.rank() == s.pgs.pp.size() - 1:
-            vec[i] = s.last_grad_norm ** 2
+            vec[i] = s.last_grad_norm**2
             vec[len(names) + i] = s.last_lr if s.last_lr is not None else 0.0
             vec[2 * len(names) + i] = 1.0
     run_collective("grad-norm all-reduce over the world", rank, dist.all_reduce, vec)
@@ -117,9 +120,13 @@ def validation_line(iteration: int, ev: dict[str, Any]) -> str:
     return text
 
 
-def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = False,
-               log_write: Optional[Callable[[str], None]] = None,
-               step_hook: Optional[Callable[[int], Any]] = None) -> dict[str, Any]:
+def train_rank(
+    layout: HeteroLayout,
+    job: JobConfig,
+    collect_params: bool = False,
+    log_write: Optional[Callable[[str], None]] = None,
+    step_hook: Optional[Callable[[int], Any]] = None,
+) -> dict[str, Any]:
     """Run iterations [start, job.train_iters) on this rank (start: 0, or the iteration of the
     checkpoint under job.load); returns per-step records (loss is global, the same on every rank)
     and, if asked, this rank's parameters by module (for parity tests). Saves a checkpoint every
@@ -137,9 +144,18 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
         states = build_states(layout, job, topo)
-        schedulers = {n: build_scheduler(s.optimizer, job.schedule, job.optim.lr, job.optim.weight_decay,
-                                         job.train_iters, override=job.override_opt_param_scheduler)
-                      for n, s in states.items() if s.optimizer is not None}
+        schedulers = {
+            n: build_scheduler(
+                s.optimizer,
+                job.schedule,
+                job.optim.lr,
+                job.optim.weight_decay,
+                job.train_iters,
+                override=job.override_opt_param_scheduler,
+            )
+            for n, s in states.items()
+            if s.optimizer is not None
+        }
         start = 0
         if job.load:
             start = load_checkpoint(job.load, layout, job, topo, states, schedulers)
@@ -147,11 +163,17 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
         if job.data is not None:
             from megatron_hetero.models.caption_runner import caption_runner_factory
 
-            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size,
-                                            heldout=bool(job.eval_interval))(plan, states)
+            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size, heldout=bool(job.eval_interval))(
+                plan, states
+            )
         schedule = make_schedule(plan, job, topo, states, runner=runner)
-        log = IterationLog(log_write if topo.rank == 0 else None, job.train_iters, job.global_batch_size,
-                           job.log_interval, job.progress)
+        log = IterationLog(
+            log_write if topo.rank == 0 else None,
+            job.train_iters,
+            job.global_batch_size,
+            job.log_interval,
+            job.progress,
+        )
         tokens = job.global_batch_size * job.spec.seq_length
         records = []
         last_saved = start if job.load else None
@@ -164,11 +186,20 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
                 sch.step(increment=1)
             dt = time.perf_counter() - t0
             grad_norm, per_module, lr = module_stats(layout, states, topo.rank)
-            rec = {"iteration": it + 1, "loss": res.loss, "step_time_s": dt, "memory": res.memory,
-                   "consumed_samples": (it + 1) * job.global_batch_size, "lr": lr, "grad_norm": grad_norm,
-                   "grad_norm_per_module": per_module, "tokens": tokens,
-                   "loss_parts": res.loss_parts, "aux_loss": getattr(res, "aux_loss", None),
-                   "tokens_per_s": tokens / dt if dt > 0 else 0.0}
+            rec = {
+                "iteration": it + 1,
+                "loss": res.loss,
+                "step_time_s": dt,
+                "memory": res.memory,
+                "consumed_samples": (it + 1) * job.global_batch_size,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "grad_norm_per_module": per_module,
+                "tokens": tokens,
+                "loss_parts": res.loss_parts,
+                "aux_loss": getattr(res, "aux_loss", None),
+                "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+            }
             if job.eval_interval and ((it + 1) % job.eval_interval == 0 or it + 1 == job.train_iters):
                 ev = evaluate(schedule, eval_iters_of(job, schedule.runner), topo.rank)
                 rec.update(ev)
@@ -194,11 +225,19 @@ def train_rank(layout: HeteroLayout, job: JobConfig, collect_params: bool = Fals
             save_checkpoint(job.save, job.train_iters, layout, job, topo, states, schedulers)
         log.close()
         out: dict[str, Any] = {"records": records}
-        gather_trace(schedule.config.tracer, {"placement": layout.placement, "layout": {  # collective; rank 0 writes
-            m.name: f"{m.short()} @{m.ranks}" for m in layout.modules}})
+        gather_trace(
+            schedule.config.tracer,
+            {
+                "placement": layout.placement,
+                "layout": {  # collective; rank 0 writes
+                    m.name: f"{m.short()} @{m.ranks}" for m in layout.modules
+                },
+            },
+        )
         if collect_params:
-            out["params"] = {n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()}
-                             for n, s in states.items()}
+            out["params"] = {
+                n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()} for n, s in states.items()
+            }
             out["coords"] = {n: topo.coord(n).as_dict() for n in states}
         return out
     finally:

@@ -8,6 +8,7 @@ installable. A daemon that fails to start is a test failure, not a skip.
 Jobs run with the test's python (MH_PYTHON=sys.executable), from the repository root, with PYTHONPATH set
 to it, so the ranks import this checkout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,17 @@ pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 UP, DOWN = ROOT / "scripts" / "slurm-local-up.sh", ROOT / "scripts" / "slurm-local-down.sh"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 # 4 ranks, colocated: vision DP4, language TP2·DP2 (a fan-in boundary on every step)
 LAYOUT_4 = """\
@@ -53,19 +63,29 @@ class Cluster:
         self.work = work  # job scripts, outputs, layouts
         # the submitting environment minus anything that describes another job or rank (this session may
         # itself run under SLURM or torchrun) or overrides the generated script
-        launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                    "MASTER_PORT")
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "MH_", "TORCHELASTIC_"))
-                and k not in launcher}
-        self.env = {**base, "SLURM_CONF": str(directory / "slurm.conf"), "MH_PYTHON": sys.executable,
-                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+        base = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "MH_", "TORCHELASTIC_")) and k not in launcher
+        }
+        self.env = {
+            **base,
+            "SLURM_CONF": str(directory / "slurm.conf"),
+            "MH_PYTHON": sys.executable,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
 
     def submit(self, name: str, script: str) -> int:
         path = self.work / f"{name}.sbatch"
         path.write_text(script)
-        proc = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", str(path)], env=self.env,
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["sbatch", "--parsable", f"--chdir={ROOT}", str(path)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
         return int(proc.stdout.strip().split(";")[0])
 
@@ -74,15 +94,15 @@ class Cluster:
         deadline = time.monotonic() + timeout
         fields: dict[str, str] = {}
         while time.monotonic() < deadline:
-            proc = subprocess.run(["scontrol", "show", "job", str(job_id)], env=self.env, capture_output=True,
-                                  text=True, timeout=30)
+            proc = subprocess.run(
+                ["scontrol", "show", "job", str(job_id)], env=self.env, capture_output=True, text=True, timeout=30
+            )
             fields = dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
             if fields.get("JobState") in TERMINAL:
                 return fields
             time.sleep(0.5)
         subprocess.run(["scancel", str(job_id)], env=self.env, capture_output=True, timeout=30)
-        pytest.fail(f"job {job_id} not finished after {timeout:.0f} s (last state {fields.get('JobState')}); "
-                    f"cancelled")
+        pytest.fail(f"job {job_id} not finished after {timeout:.0f} s (last state {fields.get('JobState')}); cancelled")
 
     def output(self, name: str) -> str:
         path = self.work / f"{name}.out"
@@ -97,8 +117,9 @@ def cluster(tmp_path_factory):
 
     def down() -> None:
         if (directory / "slurm.conf").exists():
-            subprocess.run(["bash", str(DOWN), str(directory)], env={**env, "MH_SLURM_KEEP": "1"},
-                           capture_output=True, timeout=120)
+            subprocess.run(
+                ["bash", str(DOWN), str(directory)], env={**env, "MH_SLURM_KEEP": "1"}, capture_output=True, timeout=120
+            )
 
     atexit.register(down)  # also when the session is interrupted before fixture teardown
     start = time.monotonic()
@@ -118,7 +139,9 @@ def cluster(tmp_path_factory):
 
 def test_a_trivial_two_node_job(cluster):
     out = cluster.work / "trivial.out"
-    job = cluster.submit("trivial", textwrap.dedent(f"""\
+    job = cluster.submit(
+        "trivial",
+        textwrap.dedent(f"""\
         #!/bin/bash
         #SBATCH --nodes=2
         #SBATCH --ntasks-per-node=1
@@ -126,7 +149,8 @@ def test_a_trivial_two_node_job(cluster):
         set -euo pipefail
         srun --label hostname
         srun printenv SLURMD_NODENAME
-        """))
+        """),
+    )
     fields = cluster.wait(job, 60)
     log = cluster.output("trivial")
     assert fields["JobState"] == "COMPLETED", (fields, log)
@@ -150,10 +174,34 @@ def test_submit_gpu_script_through_the_command(cluster, monkeypatch, capsys):
     layout = ROOT / "examples" / "layouts" / "colocated_fan_in.yaml"  # world 8 = 2 nodes x 4 GPUs
     out = cluster.work / "gpu-%j.out"
     parser = add_arguments(argparse.ArgumentParser(prog="megatron-hetero slurm"))
-    rc = run(parser.parse_args(["--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", str(layout),
-                                "--partition", "debug", "--time", "00:05:00", "--job-name", "gpu-dry",
-                                "--output", str(out), "--submit", "--script-file", "gpu.sbatch",
-                                "--", "--train-iters", "2", "--log-jsonl", "a b.jsonl"]))
+    rc = run(
+        parser.parse_args(
+            [
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "4",
+                "--hetero-layout",
+                str(layout),
+                "--partition",
+                "debug",
+                "--time",
+                "00:05:00",
+                "--job-name",
+                "gpu-dry",
+                "--output",
+                str(out),
+                "--submit",
+                "--script-file",
+                "gpu.sbatch",
+                "--",
+                "--train-iters",
+                "2",
+                "--log-jsonl",
+                "a b.jsonl",
+            ]
+        )
+    )
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     job = int(cap.out.strip())
@@ -164,9 +212,11 @@ def test_submit_gpu_script_through_the_command(cluster, monkeypatch, capsys):
     assert fields["TresPerNode"] == "gres:gpu:4", fields  # #SBATCH --gpus-per-node=4
     line = log.strip().splitlines()[-1]
     assert line.startswith("srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 "), log
-    assert (f"--nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node1:{20000 + job % 20000} "
-            f"--rdzv-id={job} -m megatron_hetero train --hetero-layout {layout} --train-iters 2 "
-            f"--log-jsonl a\\ b.jsonl") in line, line
+    assert (
+        f"--nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node1:{20000 + job % 20000} "
+        f"--rdzv-id={job} -m megatron_hetero train --hetero-layout {layout} --train-iters 2 "
+        f"--log-jsonl a\\ b.jsonl"
+    ) in line, line
 
 
 PROBE = '''\
@@ -195,12 +245,21 @@ def test_generated_script_rendezvous_across_two_nodes(cluster):
     probe_dir = cluster.work / "probe"
     probe_dir.mkdir()
     (probe_dir / "mh_probe.py").write_text(PROBE)
-    script = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout="l.yaml",
-                           train_args=["--train-iters", "3", "--log-jsonl=$(touch x)"],
-                           output=str(cluster.work / "probe.out"), job_name="probe")
+    script = sbatch_script(
+        nodes=2,
+        ranks_per_node=2,
+        gpus_per_node=0,
+        layout="l.yaml",
+        train_args=["--train-iters", "3", "--log-jsonl=$(touch x)"],
+        output=str(cluster.work / "probe.out"),
+        job_name="probe",
+    )
     env = dict(cluster.env)
-    cluster.env.update(MH_ENTRY_MODULE="mh_probe", PROBE_DIR=str(probe_dir),
-                       PYTHONPATH=os.pathsep.join([str(probe_dir), env["PYTHONPATH"]]))
+    cluster.env.update(
+        MH_ENTRY_MODULE="mh_probe",
+        PROBE_DIR=str(probe_dir),
+        PYTHONPATH=os.pathsep.join([str(probe_dir), env["PYTHONPATH"]]),
+    )
     try:
         job = cluster.submit("probe", script)
     finally:
@@ -229,14 +288,17 @@ def test_srun_tasks_without_torchrun_find_each_other(cluster):
     env = dict(cluster.env)
     cluster.env.update(PROBE_DIR=str(probe_dir))
     try:
-        job = cluster.submit("probe_srun", textwrap.dedent(f"""\
+        job = cluster.submit(
+            "probe_srun",
+            textwrap.dedent(f"""\
             #!/bin/bash
             #SBATCH --nodes=2
             #SBATCH --ntasks-per-node=2
             #SBATCH --output={out}
             set -euo pipefail
             srun "$MH_PYTHON" {probe_dir / "mh_probe.py"} a "b c"
-            """))
+            """),
+        )
     finally:
         cluster.env = env
     fields = cluster.wait(job, 180)
@@ -247,8 +309,14 @@ def test_srun_tasks_without_torchrun_find_each_other(cluster):
     assert [r["node"] for r in results] == ["node1", "node1", "node2", "node2"]  # block distribution
     for r, res in enumerate(results):
         e = res["env"]
-        assert (e["rank"], e["world_size"], e["local_rank"], e["local_world_size"], e["node_rank"], e["launcher"]) \
-            == (r, 4, r % 2, 2, r // 2, "srun"), e
+        assert (e["rank"], e["world_size"], e["local_rank"], e["local_world_size"], e["node_rank"], e["launcher"]) == (
+            r,
+            4,
+            r % 2,
+            2,
+            r // 2,
+            "srun",
+        ), e
         assert res["master"] == ["node1", str(20000 + job % 20000)] and res["argv"] == ["a", "b c"]
 
 
@@ -259,8 +327,15 @@ def _records(path: Path) -> list[dict]:
 def _cpu_job(cluster: Cluster, name: str, layout_text: str, *train_args: str) -> tuple[dict[str, str], str]:
     layout = cluster.work / f"{name}.yaml"
     layout.write_text(layout_text)
-    script = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout=str(layout), job_name=name,
-                           train_args=list(train_args), output=str(cluster.work / f"{name}.out"))
+    script = sbatch_script(
+        nodes=2,
+        ranks_per_node=2,
+        gpus_per_node=0,
+        layout=str(layout),
+        job_name=name,
+        train_args=list(train_args),
+        output=str(cluster.work / f"{name}.out"),
+    )
     job = cluster.submit(name, script)
     return cluster.wait(job, 300), cluster.output(name)
 
@@ -271,10 +346,27 @@ def test_b_two_node_cpu_run_matches_forked_run(cluster):
     fields, log = _cpu_job(cluster, "b_train", LAYOUT_4, "--train-iters", "3", "--log-jsonl", str(log_slurm))
     assert fields["JobState"] == "COMPLETED", (fields, log[-4000:])
     log_fork = cluster.work / "b_fork.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout",
-                           str(cluster.work / "b_train.yaml"), "--nproc-per-node", "4", "--train-iters", "3",
-                           "--log-jsonl", str(log_fork)], cwd=ROOT, env=cluster.env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_hetero.cli",
+            "train",
+            "--hetero-layout",
+            str(cluster.work / "b_train.yaml"),
+            "--nproc-per-node",
+            "4",
+            "--train-iters",
+            "3",
+            "--log-jsonl",
+            str(log_fork),
+        ],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     slurm, fork = _records(log_slurm), _records(log_fork)
     assert [r["iteration"] for r in slurm] == [r["iteration"] for r in fork] == [1, 2, 3], (slurm, fork)
@@ -308,9 +400,17 @@ def test_d_sigterm_saves_requeues_and_resumes(cluster):
     name = "d_signal"
     layout, save, jsonl = cluster.work / f"{name}.yaml", cluster.work / "d_ckpt", cluster.work / "d.jsonl"
     layout.write_text(LAYOUT_4)
-    script = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout=str(layout), job_name=name,
-                           train_args=["--save", str(save), "--train-iters", "30", "--log-jsonl", str(jsonl)],
-                           output=str(cluster.work / f"{name}.out"), signal_seconds=60, save_dir=str(save))
+    script = sbatch_script(
+        nodes=2,
+        ranks_per_node=2,
+        gpus_per_node=0,
+        layout=str(layout),
+        job_name=name,
+        train_args=["--save", str(save), "--train-iters", "30", "--log-jsonl", str(jsonl)],
+        output=str(cluster.work / f"{name}.out"),
+        signal_seconds=60,
+        save_dir=str(save),
+    )
     assert "#SBATCH --signal=B:TERM@60" in script and "#SBATCH --requeue" in script
     job = cluster.submit(name, script)
     deadline = time.monotonic() + 300
@@ -332,9 +432,27 @@ def test_d_sigterm_saves_requeues_and_resumes(cluster):
     assert [r["iteration"] for r in resumed] == list(range(stopped + 1, 31))
     # the uninterrupted run to the first resumed step, forked here
     fork = cluster.work / "d_fork.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout", str(layout),
-                           "--nproc-per-node", "4", "--train-iters", str(stopped + 1), "--log-jsonl", str(fork)],
-                          cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_hetero.cli",
+            "train",
+            "--hetero-layout",
+            str(layout),
+            "--nproc-per-node",
+            "4",
+            "--train-iters",
+            str(stopped + 1),
+            "--log-jsonl",
+            str(fork),
+        ],
+        cwd=ROOT,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     want = _records(fork)[-1]
     assert want["iteration"] == stopped + 1

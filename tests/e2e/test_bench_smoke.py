@@ -1,5 +1,6 @@
 """The boundary benchmark runs end to end (tiny shape, one iteration) and its byte ratios hold:
 direct mode moves exactly the minimum, the leader path more. Times are not asserted."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -86,15 +87,18 @@ def test_bench_e2e_quick(tmp_path, capsys):
             assert c["speedup_vs_homogeneous"] == pytest.approx(base["step_time_s"] / c["step_time_s"])
             assert c["speedup_paired_median"] > 0
             assert c["tokens_per_s"] == pytest.approx(
-                doc["workloads"][w.name]["model"]["global_batch_size"] * doc["workloads"][w.name]["model"]["seq_length"]
-                / c["step_time_s"])
+                doc["workloads"][w.name]["model"]["global_batch_size"]
+                * doc["workloads"][w.name]["model"]["seq_length"]
+                / c["step_time_s"]
+            )
             assert c["peak_memory_bytes"] > 0 and c["estimate_s"] > 0
         # the layout the search's disjoint pick describes is the one trained
         assert rows["disjoint"]["layout_doc"]["placement"] == "disjoint"
     o = doc["overhead"]
     assert doc["overhead_vs_megatron"] == pytest.approx(o["step_time_s"]["ours"] / o["step_time_s"]["megatron"])
     assert doc["overhead_vs_megatron_batched"] == pytest.approx(
-        o["step_time_s"]["ours"] / o["step_time_s"]["megatron_batched"])
+        o["step_time_s"]["ours"] / o["step_time_s"]["megatron_batched"]
+    )
     assert o["loss_max_rel_diff"] < 1e-5
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -109,16 +113,25 @@ def test_cost_check_measured_terms_from_a_trace():
         return {"ph": "X", "pid": pid, "cat": cat, "name": cat, "ts": ts, "dur": dur}
 
     assert exclusive([x(0, "boundary", 0, 100), x(0, "encoder-backward", 10, 50), x(0, "wait", 100, 5)]) == [
-        (0, 50.0, "boundary"), (10, 50.0, "encoder-backward"), (100, 5.0, "wait")]
+        (0, 50.0, "boundary"),
+        (10, 50.0, "encoder-backward"),
+        (100, 5.0, "wait"),
+    ]
     us = 1000.0  # 1 ms in trace units
     events = []
     for pid, slow in ((0, 1.0), (1, 1.4)):
         for step in range(2):
             t = step * 100 * us
-            events += [x(pid, "schedule", t, 40 * us), x(pid, "llm-forward", t + 5 * us, 10 * slow * us),
-                       x(pid, "llm-backward", t + 20 * us, 10 * us), x(pid, "wait", t + 30 * us, 4 * us),
-                       x(pid, "boundary", t + 40 * us, 6 * us), x(pid, "encoder-backward", t + 41 * us, 2 * us),
-                       x(pid, "grad-reduce", t + 50 * us, 8 * us), x(pid, "optimizer", t + 60 * us, 5 * us)]
+            events += [
+                x(pid, "schedule", t, 40 * us),
+                x(pid, "llm-forward", t + 5 * us, 10 * slow * us),
+                x(pid, "llm-backward", t + 20 * us, 10 * us),
+                x(pid, "wait", t + 30 * us, 4 * us),
+                x(pid, "boundary", t + 40 * us, 6 * us),
+                x(pid, "encoder-backward", t + 41 * us, 2 * us),
+                x(pid, "grad-reduce", t + 50 * us, 8 * us),
+                x(pid, "optimizer", t + 60 * us, 5 * us),
+            ]
     got = measured_terms({"traceEvents": events}, [0.1, 0.09], warmup=1)
     assert got["compute"] == pytest.approx((10 + 14) / 2 / 1e3 + 10e-3 + 2e-3)
     assert got["boundary"] == pytest.approx(4e-3) and got["pipeline"] == pytest.approx(4e-3)

@@ -3,6 +3,7 @@ layouts (colocated <-> disjoint, TP -> DP, PP 1 -> 2, encoder to its own island,
 module -> pipeline segments) with Adam, damaged checkpoints rejected before training, and
 `checkpoint inspect`. fp32, tiny model, world <= 3. Killed saves, crafted and flipped files:
 test_checkpoint_safety.py."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,17 +21,27 @@ from megatron_hetero.training.setup import JobConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
-COLOC_TP2 = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
-             "edges": ["vision -> language"]}
-COLOC_DP2 = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"dp": 2}},
-             "edges": ["vision -> language"]}
-COLOC_PP2 = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"pp": 2}},
-             "edges": ["vision -> language"]}
-DISJOINT_1_1 = {"placement": "disjoint", "modules": {"vision": {}, "language": {}},
-                "edges": ["vision -> language"]}
-DISJOINT_SEGMENTS = {"placement": "disjoint",
-                     "modules": {"vision": {}, "language_a": {"layers": "0-0"}, "language_b": {"layers": "1-1"}},
-                     "edges": ["vision -> language_a", "language_a -> language_b"]}
+COLOC_TP2 = {
+    "placement": "colocated",
+    "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
+    "edges": ["vision -> language"],
+}
+COLOC_DP2 = {
+    "placement": "colocated",
+    "modules": {"vision": {"dp": 2}, "language": {"dp": 2}},
+    "edges": ["vision -> language"],
+}
+COLOC_PP2 = {
+    "placement": "colocated",
+    "modules": {"vision": {"dp": 2}, "language": {"pp": 2}},
+    "edges": ["vision -> language"],
+}
+DISJOINT_1_1 = {"placement": "disjoint", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
+DISJOINT_SEGMENTS = {
+    "placement": "disjoint",
+    "modules": {"vision": {}, "language_a": {"layers": "0-0"}, "language_b": {"layers": "1-1"}},
+    "edges": ["vision -> language_a", "language_a -> language_b"],
+}
 
 JOB = JobConfig(train_iters=4)  # Adam, lr 1e-3, global batch 8, micro-batch 1
 
@@ -51,8 +62,10 @@ def test_layout_of_checkpoint_and_global_keys(saved):
     from megatron_hetero.checkpoint import save_load as ckpt
 
     marker = (root / ckpt.TRACKER).read_text().splitlines()
-    assert marker[0] == "2" and marker[1] == "sha256 " + hashlib.sha256((root / "iter_0000002" / ckpt.STATE_FILE)
-                                                                        .read_bytes()).hexdigest()
+    assert (
+        marker[0] == "2"
+        and marker[1] == "sha256 " + hashlib.sha256((root / "iter_0000002" / ckpt.STATE_FILE).read_bytes()).hexdigest()
+    )
     d, state = ckpt.read_train_state(root)
     assert d == root / "iter_0000002"
     assert sorted(p.name for p in d.iterdir()) == ["language", "layout.yaml", "rng", "train_state.json", "vision"]
@@ -84,10 +97,22 @@ CHANGES = {
     "tp2->dp2": (COLOC_DP2, 2),
     "pp1->pp2": (COLOC_PP2, 2),
     "one module->segments": (DISJOINT_SEGMENTS, 3),
-    "tp2->cp2": ({"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"cp": 2}},
-                  "edges": ["vision -> language"]}, 2),
-    "encoder dp2->pp2": ({"placement": "colocated", "modules": {"vision": {"pp": 2}, "language": {"tp": 2}},
-                          "edges": ["vision -> language"]}, 2),
+    "tp2->cp2": (
+        {
+            "placement": "colocated",
+            "modules": {"vision": {"dp": 2}, "language": {"cp": 2}},
+            "edges": ["vision -> language"],
+        },
+        2,
+    ),
+    "encoder dp2->pp2": (
+        {
+            "placement": "colocated",
+            "modules": {"vision": {"pp": 2}, "language": {"tp": 2}},
+            "edges": ["vision -> language"],
+        },
+        2,
+    ),
 }
 
 
@@ -113,17 +138,33 @@ def test_disjoint_segments_checkpoint_resumes_colocated(tmp_path):
 
 
 def _tree_digest(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def _train_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "train", *argv], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_hetero.cli", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("damage", ["truncated .distcp", "truncated .metadata", "truncated common.pt",
-                                    "truncated train_state.json", "zeroed bytes in .distcp", "no marker"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncated .distcp",
+        "truncated .metadata",
+        "truncated common.pt",
+        "truncated train_state.json",
+        "zeroed bytes in .distcp",
+        "no marker",
+    ],
+)
 def test_damaged_checkpoint_exits_2_naming_the_file(saved, tmp_path, damage):
     import shutil
 
@@ -132,17 +173,19 @@ def test_damaged_checkpoint_exits_2_naming_the_file(saved, tmp_path, damage):
     root = tmp_path / "copy"
     shutil.copytree(saved[0], root)
     d = root / "iter_0000002"
-    target = {"truncated .distcp": d / "language" / "__0_0.distcp",
-              "truncated .metadata": d / "vision" / ".metadata",
-              "truncated common.pt": d / "language" / "common.pt",
-              "truncated train_state.json": d / "train_state.json",
-              "zeroed bytes in .distcp": d / "language" / "__1_0.distcp",
-              "no marker": root / "latest_checkpointed_iteration.txt"}[damage]
+    target = {
+        "truncated .distcp": d / "language" / "__0_0.distcp",
+        "truncated .metadata": d / "vision" / ".metadata",
+        "truncated common.pt": d / "language" / "common.pt",
+        "truncated train_state.json": d / "train_state.json",
+        "zeroed bytes in .distcp": d / "language" / "__1_0.distcp",
+        "no marker": root / "latest_checkpointed_iteration.txt",
+    }[damage]
     if damage == "no marker":
         target.unlink()
     elif damage.startswith("zeroed"):
         data = bytearray(target.read_bytes())
-        data[1000:1000 + 4096] = bytes(4096)
+        data[1000 : 1000 + 4096] = bytes(4096)
         target.write_bytes(bytes(data))
     else:
         data = target.read_bytes()
@@ -222,28 +265,56 @@ def test_cli_save_resume_and_inspect(tmp_path):
 
     layout.write_text(yaml.safe_dump(COLOC_TP2))
     ck = tmp_path / "ck"
-    a = _train_cli("--hetero-layout", str(layout), "--train-iters", "4", "--save", str(ck), "--save-interval", "2",
-                   "--log-jsonl", str(tmp_path / "a.jsonl"))
+    a = _train_cli(
+        "--hetero-layout",
+        str(layout),
+        "--train-iters",
+        "4",
+        "--save",
+        str(ck),
+        "--save-interval",
+        "2",
+        "--log-jsonl",
+        str(tmp_path / "a.jsonl"),
+    )
     assert a.returncode == 0, a.stderr[-3000:]
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     full = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
     (ck / "latest_checkpointed_iteration.txt").write_text("2\n")  # resume from iteration 2
-    b = _train_cli("--hetero-layout", str(layout), "--train-iters", "4", "--load", str(ck),
-                   "--log-jsonl", str(tmp_path / "b.jsonl"))
+    b = _train_cli(
+        "--hetero-layout",
+        str(layout),
+        "--train-iters",
+        "4",
+        "--load",
+        str(ck),
+        "--log-jsonl",
+        str(tmp_path / "b.jsonl"),
+    )
     assert b.returncode == 0, b.stderr[-3000:]
     resumed = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
     assert "iteration    3/4 | lm loss" in b.stdout and "iteration    1/4" not in b.stdout
-    ins = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "checkpoint", "inspect", str(ck)],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    ins = subprocess.run(
+        [sys.executable, "-m", "megatron_hetero.cli", "checkpoint", "inspect", str(ck)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert ins.returncode == 0, ins.stderr[-2000:]
     assert "iteration 2, consumed samples 16" in ins.stdout
     assert "placement: colocated" in ins.stdout
     assert re.search(r"\n  language\.gpt\.decoder\.layers\.1\.mlp\.linear_fc1\.weight +256x64  float32\n", ins.stdout)
     print(b.stdout)
-    js = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "checkpoint", "inspect",
-                         str(ck / "iter_0000004"), "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    js = subprocess.run(
+        [sys.executable, "-m", "megatron_hetero.cli", "checkpoint", "inspect", str(ck / "iter_0000004"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     doc = json.loads(js.stdout)
     assert doc["iteration"] == 4 and doc["modules"]["vision"]["tensors"]["vision.position"]["shape"] == [8, 32]
 
@@ -252,9 +323,11 @@ def test_cli_save_resume_and_inspect(tmp_path):
 def test_frozen_modules_resume_and_unfreeze(tmp_path):
     """LLaVA stage 1 (encoder trunk and LLM frozen, projector trains): exact resume; then stage 2
     (LLM unfrozen) starts from the stage-1 weights with a fresh LLM optimizer."""
-    stage1 = {"placement": "colocated", "modules": {"vision": {"dp": 2, "frozen": True},
-                                                   "language": {"tp": 2, "frozen": True}},
-              "edges": ["vision -> language"]}
+    stage1 = {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 2, "frozen": True}, "language": {"tp": 2, "frozen": True}},
+        "edges": ["vision -> language"],
+    }
     root = tmp_path / "s1"
     full = losses(run_job(stage1, 2, JOB))
     run_job(stage1, 2, dataclasses.replace(JOB, train_iters=2, save=str(root), save_interval=2))

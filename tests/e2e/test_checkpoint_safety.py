@@ -4,6 +4,7 @@ one flipped byte in any file is an error naming it; another hidden size names th
 shapes; a save killed at several points leaves the previous checkpoint as the one that loads, and
 `--load` on a directory whose newest save is incomplete exits 2 unless `--load-fallback`. The layout
 YAML is safe-loaded. fp32, tiny model, world 2."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,11 @@ import yaml
 from parity import losses, run_job
 from megatron_hetero.training.setup import JobConfig
 
-COLOC_TP2 = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
-             "edges": ["vision -> language"]}
+COLOC_TP2 = {
+    "placement": "colocated",
+    "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
+    "edges": ["vision -> language"],
+}
 JOB = JobConfig(train_iters=3)
 
 
@@ -115,16 +119,21 @@ def test_crafted_pickle_is_refused_and_does_not_run(base, tmp_path, capsys, kind
     err = capsys.readouterr().err
     if forged:  # past the manifest: the restricted unpickler refuses it
         assert f"checkpoint file {target} is refused" in err, err
-        want = {".metadata": "it names builtins.exec", "common.pt": "it names exec",
-                "object entry": "torch.distributed.checkpoint.metadata.BytesStorageMetadata"}[kind]
+        want = {
+            ".metadata": "it names builtins.exec",
+            "common.pt": "it names exec",
+            "object entry": "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+        }[kind]
         assert want in err
     else:
         assert f"checkpoint file {target} is corrupt" in err or "not in the manifest" in err, err
     assert main(["checkpoint", "inspect", str(root)]) == 2
     assert str(target) in capsys.readouterr().err
     if forged:  # a crafted file that matches its manifest is not damage to fall back from: refused
-        assert main(["train", "--hetero-layout", layout, "--train-iters", "3", "--load", str(root),
-                     "--load-fallback"]) == 2
+        assert (
+            main(["train", "--hetero-layout", layout, "--train-iters", "3", "--load", str(root), "--load-fallback"])
+            == 2
+        )
     assert not marker.exists()
 
 
@@ -170,8 +179,15 @@ def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     files = sorted(p.relative_to(base) for p in base.rglob("*") if p.is_file() and "iter_0000001" not in p.parts)
     kinds = {p.name if not p.name.endswith(".distcp") else ".distcp" for p in files}
-    assert kinds == {".distcp", ".metadata", "common.pt", "metadata.json", "layout.yaml", "train_state.json",
-                     "latest_checkpointed_iteration.txt"}
+    assert kinds == {
+        ".distcp",
+        ".metadata",
+        "common.pt",
+        "metadata.json",
+        "layout.yaml",
+        "train_state.json",
+        "latest_checkpointed_iteration.txt",
+    }
     for rel in files:
         root = tmp_path / f"flip{files.index(rel)}"
         shutil.copytree(base, root)
@@ -189,8 +205,11 @@ def test_damaged_marked_checkpoint_falls_back_only_when_asked(base, tmp_path):
     root = _copy(base, tmp_path)
     bad = root / "iter_0000002" / "language" / "__0_0.distcp"
     _flip(bad)
-    with pytest.raises(ValueError, match=r"__0_0\.distcp is corrupt.*pass --load-fallback to resume from .*"
-                                         r"\(iter_0000001\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"__0_0\.distcp is corrupt.*pass --load-fallback to resume from .*"
+        r"\(iter_0000001\)",
+    ):
         select_checkpoint(root)
     d, state, note = select_checkpoint(root, fallback=True)
     assert d == root / "iter_0000001" and state["iteration"] == 1
@@ -253,8 +272,11 @@ def test_killed_save_leaves_the_previous_checkpoint(base, tmp_path, monkeypatch,
         roots[point] = root
         if point != "renamed":
             assert (root / "iter_0000003.saving").is_dir() and not (root / "iter_0000003").exists()
-            with pytest.raises(ValueError, match=r"the newest save, .*iter_0000003\.saving, is incomplete.*"
-                                                 r"pass --load-fallback"):
+            with pytest.raises(
+                ValueError,
+                match=r"the newest save, .*iter_0000003\.saving, is incomplete.*"
+                r"pass --load-fallback",
+            ):
                 ckpt.check_loadable(root, layout, JOB)
             assert ckpt.check_loadable(root, layout, dataclasses.replace(JOB, load_fallback=True)) == 2
         else:
@@ -267,8 +289,25 @@ def test_killed_save_leaves_the_previous_checkpoint(base, tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert "iter_0000003.saving, is incomplete" in err and "--load-fallback" in err
     out = tmp_path / "fallback.jsonl"
-    assert main(["train", "--hetero-layout", lay, "--train-iters", "3", "--load", str(incomplete), "--load-fallback",
-                 "--save", str(incomplete), "--log-jsonl", str(out)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--hetero-layout",
+                lay,
+                "--train-iters",
+                "3",
+                "--load",
+                str(incomplete),
+                "--load-fallback",
+                "--save",
+                str(incomplete),
+                "--log-jsonl",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "--load-fallback: resuming from iteration 2" in capsys.readouterr().err
     fell_back = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["iteration"] for r in fell_back] == [3]

@@ -1,4 +1,5 @@
 """End-to-end `megatron-hetero train` runs as a user starts them (real subprocesses)."""
+
 from __future__ import annotations
 
 import json
@@ -12,13 +13,28 @@ ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ROOT / "examples" / "layouts"
 
 
-def _train(tmp_path: Path, layout: str, *extra: str, module: str = "megatron_hetero.cli"
-           ) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _train(
+    tmp_path: Path, layout: str, *extra: str, module: str = "megatron_hetero.cli"
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
     log = tmp_path / f"{Path(layout).stem}.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", module, "train", "--hetero-layout", str(LAYOUTS / layout),
-         "--train-iters", "3", "--log-jsonl", str(log), *extra],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            module,
+            "train",
+            "--hetero-layout",
+            str(LAYOUTS / layout),
+            "--train-iters",
+            "3",
+            "--log-jsonl",
+            str(log),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc, records
@@ -48,15 +64,35 @@ def test_train_cli_same_losses_heterogeneous_and_homogeneous(tmp_path):
 @pytest.mark.timeout(120)
 def test_train_cli_rejects_bad_layout_before_starting(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("placement: colocated\nmodules:\n  vision: {dp: 8}\n  language: {tp: 2, pp: 2, dp: 3}\n"
-                   "edges: [vision -> language]\n")
-    proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout", str(bad)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad.write_text(
+        "placement: colocated\nmodules:\n  vision: {dp: 8}\n  language: {tp: 2, pp: 2, dp: 3}\n"
+        "edges: [vision -> language]\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout",
-                           str(LAYOUTS / "colocated_fan_in.yaml"), "--global-batch-size", "6"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_hetero.cli",
+            "train",
+            "--hetero-layout",
+            str(LAYOUTS / "colocated_fan_in.yaml"),
+            "--global-batch-size",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert "--global-batch-size 6 is not divisible by dp(8)" in proc.stderr
 
@@ -70,8 +106,10 @@ def test_every_example_layout_trains_with_defaults(layout, tmp_path, capsys):
 
     log = tmp_path / "log.jsonl"
     moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "64"] if "moe" in layout else []  # ep > 1 needs experts
-    assert main(["train", "--hetero-layout", str(LAYOUTS / layout), "--train-iters", "1",
-                 "--log-jsonl", str(log), *moe]) == 0, capsys.readouterr().err[-3000:]
+    assert (
+        main(["train", "--hetero-layout", str(LAYOUTS / layout), "--train-iters", "1", "--log-jsonl", str(log), *moe])
+        == 0
+    ), capsys.readouterr().err[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(records) == 1  # --train-iters 1
     assert 4.0 < records[0]["loss"] < 5.5  # ln(128) = 4.85 at initialisation
@@ -84,9 +122,27 @@ def test_train_cli_schedule_clip_and_log_interval(tmp_path, capsys):
     from megatron_hetero.cli import main
 
     log = tmp_path / "log.jsonl"
-    rc = main(["train", "--hetero-layout", str(LAYOUTS / "disjoint_fan_in.yaml"), "--train-iters", "3",
-               "--lr-warmup-iters", "1", "--lr-decay-style", "linear", "--min-lr", "1e-4", "--clip-grad", "0.5",
-               "--log-interval", "2", "--log-jsonl", str(log)])
+    rc = main(
+        [
+            "train",
+            "--hetero-layout",
+            str(LAYOUTS / "disjoint_fan_in.yaml"),
+            "--train-iters",
+            "3",
+            "--lr-warmup-iters",
+            "1",
+            "--lr-decay-style",
+            "linear",
+            "--min-lr",
+            "1e-4",
+            "--clip-grad",
+            "0.5",
+            "--log-interval",
+            "2",
+            "--log-jsonl",
+            str(log),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err[-3000:]
     recs = [json.loads(line) for line in log.read_text().splitlines()]
@@ -111,9 +167,21 @@ def test_train_cli_eval_on_digits(tmp_path, capsys):
     data = tmp_path / "digits"
     write_digits_dataset(data)
     log = tmp_path / "log.jsonl"
-    common = ["train", "--hetero-placement", "colocated", "--hetero-module", "vision:dp=2",
-              "--hetero-module", "language:tp=2", "--hetero-edge", "vision->language", "--seq-length", "16",
-              "--train-iters", "3"]
+    common = [
+        "train",
+        "--hetero-placement",
+        "colocated",
+        "--hetero-module",
+        "vision:dp=2",
+        "--hetero-module",
+        "language:tp=2",
+        "--hetero-edge",
+        "vision->language",
+        "--seq-length",
+        "16",
+        "--train-iters",
+        "3",
+    ]
     rc = main([*common, "--data-path", str(data), "--eval-interval", "2", "--log-jsonl", str(log)])
     out, err = capsys.readouterr()
     assert rc == 0, err[-3000:]
@@ -123,8 +191,10 @@ def test_train_cli_eval_on_digits(tmp_path, capsys):
         assert 0 < r["eval_loss"] < 10 and 0.0 <= r["eval_accuracy"] <= 1.0 and r["eval_samples"] == 200
     lines = [x for x in out.splitlines() if x.startswith(" validation")]
     assert len(lines) == 2
-    assert lines[0].startswith(f" validation loss at iteration 2 | lm loss {recs[1]['eval_loss']:.6f} | "
-                               f"caption accuracy {recs[1]['eval_accuracy']:.4f} |")
+    assert lines[0].startswith(
+        f" validation loss at iteration 2 | lm loss {recs[1]['eval_loss']:.6f} | "
+        f"caption accuracy {recs[1]['eval_accuracy']:.4f} |"
+    )
     rc = main([*common, "--eval-interval", "3", "--eval-iters", "1", "--log-jsonl", str(log)])
     out, err = capsys.readouterr()
     assert rc == 0, err[-3000:]
@@ -140,12 +210,32 @@ def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path):
     The loss falls and stays within 1% of the fp32 run, colocated and disjoint (bf16 has 8 bits of
     mantissa: parity is to that precision, not to 1e-5); with --save it is refused (exit 2)."""
     runs = {}
-    for name, layout, extra in (("fp32", "colocated_fan_out.yaml", ()), ("bf16", "colocated_fan_out.yaml", ("--bf16",)),
-                                ("bf16-disjoint", "disjoint_fan_in.yaml", ("--bf16",))):
+    for name, layout, extra in (
+        ("fp32", "colocated_fan_out.yaml", ()),
+        ("bf16", "colocated_fan_out.yaml", ("--bf16",)),
+        ("bf16-disjoint", "disjoint_fan_in.yaml", ("--bf16",)),
+    ):
         log = tmp_path / f"{name}.jsonl"
-        proc = subprocess.run([sys.executable, "-m", "megatron_hetero", "train", "--hetero-layout", str(LAYOUTS / layout),
-                               "--train-iters", "4", "--lr", "1e-2", "--log-jsonl", str(log), *extra],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_hetero",
+                "train",
+                "--hetero-layout",
+                str(LAYOUTS / layout),
+                "--train-iters",
+                "4",
+                "--lr",
+                "1e-2",
+                "--log-jsonl",
+                str(log),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
         assert len(runs[name]) == 4
@@ -153,7 +243,20 @@ def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path):
         assert runs[name][-1] < runs[name][0], runs[name]
         assert max(abs(a - b) / b for a, b in zip(runs[name], runs["fp32"])) < 1e-2, (runs[name], runs["fp32"])
     assert runs["bf16"] != runs["fp32"]  # it did compute in bf16
-    proc = subprocess.run([sys.executable, "-m", "megatron_hetero", "train", "--hetero-layout",
-                           str(LAYOUTS / "colocated_fan_out.yaml"), "--bf16", "--save", str(tmp_path / "ck")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_hetero",
+            "train",
+            "--hetero-layout",
+            str(LAYOUTS / "colocated_fan_out.yaml"),
+            "--bf16",
+            "--save",
+            str(tmp_path / "ck"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "--bf16 with --save/--load is not supported yet" in proc.stderr

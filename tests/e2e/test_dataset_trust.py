@@ -8,6 +8,7 @@ with it the same dataset trains (the marker appears: the code ran because the us
 digits dataset as built trains without the flag. A member that slips past the inspection (an index
 that does not list it) is refused when it is decoded: webdataset's secure mode is on.
 """
+
 from __future__ import annotations
 
 import io
@@ -21,13 +22,32 @@ from pathlib import Path
 import pytest
 
 from megatron_hetero.models.dataset_trust import (
-    CODE_EXTENSIONS, TRUST_FLAG, UntrustedDataset, check_dataset, inspect_dataset, npy_cache_findings,
+    CODE_EXTENSIONS,
+    TRUST_FLAG,
+    UntrustedDataset,
+    check_dataset,
+    inspect_dataset,
+    npy_cache_findings,
 )
 from megatron_hetero.models.digits import energon_prepare_command, write_digits_dataset
 
-TRAIN = ["train", "--hetero-placement", "colocated", "--hetero-module", "vision:dp=1",
-         "--hetero-module", "language:tp=1", "--hetero-edge", "vision->language", "--seq-length", "16",
-         "--global-batch-size", "2", "--train-iters", "1"]
+TRAIN = [
+    "train",
+    "--hetero-placement",
+    "colocated",
+    "--hetero-module",
+    "vision:dp=1",
+    "--hetero-module",
+    "language:tp=1",
+    "--hetero-edge",
+    "vision->language",
+    "--seq-length",
+    "16",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "1",
+]
 CAPTION_FROM = "the {} caption"
 
 
@@ -59,27 +79,32 @@ def _python_file(ds: Path, marker: Path) -> str:
     (meta / "sample_loader.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
         "def sample_loader(raw):\n    return dict(image=raw['png'], caption=raw['txt'])\n"
-        "def part_filter(part):\n    return part in ('png', 'txt')\n")
+        "def part_filter(part):\n    return part in ('png', 'txt')\n"
+    )
     (meta / "dataset.yaml").write_text(
         "sample_type:\n  __module__: megatron.energon\n  __class__: CaptioningSample\n"
-        "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n")
+        "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n"
+    )
     return "sample_loader"
 
 
 def _function(ds: Path, marker: Path) -> str:
     (ds / ".nv-meta" / "dataset.yaml").write_text(
         "sample_type:\n  __module__: megatron.energon\n  __function__: CaptioningSample\n"
-        "field_map:\n  image: png\n  caption: txt\n")
+        "field_map:\n  image: png\n  caption: txt\n"
+    )
     return "__function__"
 
 
 def _foreign_module(ds: Path, marker: Path) -> str:
     (ds / "evil_samples.py").write_text(
         f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
-        "from megatron.energon import CaptioningSample\n")
+        "from megatron.energon import CaptioningSample\n"
+    )
     (ds / ".nv-meta" / "dataset.yaml").write_text(
         "sample_type:\n  __module__: evil_samples\n  __class__: CaptioningSample\n"
-        "field_map:\n  image: png\n  caption: txt\n")
+        "field_map:\n  image: png\n  caption: txt\n"
+    )
     return "__module__"
 
 
@@ -109,11 +134,17 @@ def _members(ext: str):
         cmd[cmd.index("--field-map") + 1] = json.dumps({"image": "png", "caption": ext})
         subprocess.run(cmd, check=True, capture_output=True)
         return f"member *.{ext}"
+
     return craft
 
 
-CASES = {"python_file": _python_file, "function": _function, "foreign_module": _foreign_module,
-         "pyd_member": _members("pyd"), "pth_member": _members("pth")}
+CASES = {
+    "python_file": _python_file,
+    "function": _function,
+    "foreign_module": _foreign_module,
+    "pyd_member": _members("pyd"),
+    "pth_member": _members("pth"),
+}
 #: the cases energon (with trust) really runs; `__function__` on a sample type is not one it can use
 RUNS_WITH_TRUST = ("python_file", "foreign_module", "pyd_member", "pth_member")
 
@@ -139,8 +170,10 @@ def test_digits_and_metadataset(digits, tmp_path):
     ds, marker = _copy(digits, tmp_path)
     _python_file(ds, marker)
     meta = tmp_path / "blend.yaml"  # a metadataset referencing the crafted dataset and the clean one
-    meta.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
-                    f"      - weight: 1\n        path: ds\n      - weight: 1\n        path: {digits}\n")
+    meta.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        f"      - weight: 1\n        path: ds\n      - weight: 1\n        path: {digits}\n"
+    )
     found = inspect_dataset(meta)
     assert {f.key for f in found} == {"sample_loader", "part_filter"}
     assert all(f.file == str((ds / ".nv-meta" / "dataset.yaml").resolve()) for f in found)

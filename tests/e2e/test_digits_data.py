@@ -1,5 +1,6 @@
 """The digits captioning dataset (`megatron-hetero data digits`) and reading energon caption data by
 global sample index (`models/energon_data.py`), plus the held-out accuracy helper."""
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,22 @@ import torch
 from megatron_hetero import cli
 from megatron_hetero.models.caption_eval import digit_accuracy, greedy_captions, greedy_digit_accuracy
 from megatron_hetero.models.data import PLACEHOLDER_ID
-from megatron_hetero.models.digits import (DIGIT_WORDS, digit_caption, digit_of_caption, heldout_indices,
-                                           write_digits_dataset)
-from megatron_hetero.models.energon_data import (CaptionBatches, CaptionDataConfig, caption_spec, heldout_batch,
-                                                 patchify, resolve_config, text_sample)
+from megatron_hetero.models.digits import (
+    DIGIT_WORDS,
+    digit_caption,
+    digit_of_caption,
+    heldout_indices,
+    write_digits_dataset,
+)
+from megatron_hetero.models.energon_data import (
+    CaptionBatches,
+    CaptionDataConfig,
+    caption_spec,
+    heldout_batch,
+    patchify,
+    resolve_config,
+    text_sample,
+)
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 from megatron_hetero.models.tokenizer import load_tokenizer
 
@@ -123,8 +136,10 @@ def test_cli_data_digits_builds_byte_identical_shards(digits, tmp_path, capsys):
 
 
 def test_cli_data_module_does_not_import_torch():
-    code = ("import sys, argparse; from megatron_hetero.cli import data; p = argparse.ArgumentParser(); "
-            "data.add_parser(p.add_subparsers()); assert 'torch' not in sys.modules")
+    code = (
+        "import sys, argparse; from megatron_hetero.cli import data; p = argparse.ArgumentParser(); "
+        "data.add_parser(p.add_subparsers()); assert 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -179,7 +194,10 @@ def test_text_sample_masks_caption_tokens_only(tok):
     assert tok.decode(t["labels"][t["loss_mask"].bool()].tolist()) == "a handwritten seven"
     # a prompt is not in the loss
     p = text_sample("a handwritten seven", tok, seq_length=S, image_tokens=4, prompt="Caption:")
-    assert p["loss_mask"].sum() == 4 and tok.decode(p["tokens"][5:5 + len(tok.encode("Caption:"))].tolist()) == "Caption:"
+    assert (
+        p["loss_mask"].sum() == 4
+        and tok.decode(p["tokens"][5 : 5 + len(tok.encode("Caption:"))].tolist()) == "Caption:"
+    )
     # a caption longer than the sequence is cut (no EOS then)
     long = text_sample("a handwritten seven " * 10, tok, seq_length=S, image_tokens=4)
     assert long["loss_mask"].sum() == S - 4 and tok.eos_id not in long["labels"].tolist()
@@ -203,9 +221,25 @@ def _colour_dataset(out: Path) -> Path:
                 info.size = len(data)
                 tf.addfile(info, io.BytesIO(data))
     energon = [sys.executable, "-c", "import sys; from megatron.energon.cli.main import main; sys.exit(main())"]
-    subprocess.run(energon + ["prepare", str(out), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
-                              "CaptioningSample", "--field-map", '{"image": "jpg", "caption": "txt"}',
-                              "--num-workers", "1", "--no-progress"], check=True, capture_output=True)
+    subprocess.run(
+        energon
+        + [
+            "prepare",
+            str(out),
+            "--non-interactive",
+            "--split-ratio",
+            "1,0,0",
+            "--sample-type",
+            "CaptioningSample",
+            "--field-map",
+            '{"image": "jpg", "caption": "txt"}',
+            "--num-workers",
+            "1",
+            "--no-progress",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -269,8 +303,15 @@ def test_position_is_plain_data_and_restores_exactly(cfg, tok):
         a.step_batch(step)
     state = a.state_dict()
     assert json.loads(json.dumps(state)) == state  # plain data, no pickle
-    assert state == {"consumed": 3 * G, "epoch": 0, "index_in_epoch": 3 * G, "samples_per_epoch": 1597,
-                     "seed": 3, "split": "train", "shuffle": True}
+    assert state == {
+        "consumed": 3 * G,
+        "epoch": 0,
+        "index_in_epoch": 3 * G,
+        "samples_per_epoch": 1597,
+        "seed": 3,
+        "split": "train",
+        "shuffle": True,
+    }
     expected = [a.step_batch(s)["keys"] for s in (3, 4)]
     b = _batches(cfg, tok)
     b.load_state_dict(state)

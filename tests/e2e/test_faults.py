@@ -10,6 +10,7 @@ and the checkpoint marker is on the last complete checkpoint; two cells (one per
 killed in the middle of a save, so a half-written iteration folder exists) also resume from it and
 must give the uninterrupted run's loss of the next iteration.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,19 +24,33 @@ from megatron_hetero.runtime import faults
 from megatron_hetero.runtime.faults import FAULT_ENV, FAULT_LOG_ENV, FaultSpec, InjectedFault, fault_point, parse_fault
 
 
-@pytest.mark.parametrize("text,want", [
-    ("boundary-send:2:kill:3", FaultSpec("boundary-send", 2, "kill", 3)),
-    ("pg-create:0:raise", FaultSpec("pg-create", 0, "raise", None)),
-    (" ckpt-save:11:raise:4 ", FaultSpec("ckpt-save", 11, "raise", 4)),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("boundary-send:2:kill:3", FaultSpec("boundary-send", 2, "kill", 3)),
+        ("pg-create:0:raise", FaultSpec("pg-create", 0, "raise", None)),
+        (" ckpt-save:11:raise:4 ", FaultSpec("ckpt-save", 11, "raise", 4)),
+    ],
+)
 def test_parse_fault(text, want):
     assert parse_fault(text) == want
     assert parse_fault(str(want)) == want  # str() is the spec again
 
 
-@pytest.mark.parametrize("text", ["", "boundary-send:2", "warp-core:1:raise", "optimizer:x:raise",
-                                  "optimizer:1:explode", "optimizer:1:raise:0", "optimizer:1:raise:3:4",
-                                  "pg-create:1:kill:2", "optimizer:-1:raise"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "boundary-send:2",
+        "warp-core:1:raise",
+        "optimizer:x:raise",
+        "optimizer:1:explode",
+        "optimizer:1:raise:0",
+        "optimizer:1:raise:3:4",
+        "pg-create:1:kill:2",
+        "optimizer:-1:raise",
+    ],
+)
 def test_bad_specs_raise_value_error_naming_the_variable(text):
     with pytest.raises(ValueError, match=FAULT_ENV):
         parse_fault(text)
@@ -61,7 +76,11 @@ def test_fault_point_fires_once_at_its_rank_and_iteration(fresh, tmp_path):
     fault_point("grad-reduce", 1, 3)  # once per process
     (line,) = log.read_text().splitlines()
     assert {k: v for k, v in json.loads(line).items() if k != "time"} == {
-        "phase": "grad-reduce", "rank": 1, "kind": "raise", "iteration": 3}
+        "phase": "grad-reduce",
+        "rank": 1,
+        "kind": "raise",
+        "iteration": 3,
+    }
     with pytest.raises(ValueError, match="unknown fault phase"):
         fault_point("nowhere", 1, 3)
 
@@ -95,8 +114,11 @@ def test_named_collective_names_the_collective_and_passes_named_errors():
     def save(root, it, exc):
         raise exc
 
-    with pytest.raises(CollectiveError, match=r"checkpoint save of iteration 4 under /ck \(over the world\): rank 0 "
-                                              r"failed: RuntimeError: Connection closed by peer"):
+    with pytest.raises(
+        CollectiveError,
+        match=r"checkpoint save of iteration 4 under /ck \(over the world\): rank 0 "
+        r"failed: RuntimeError: Connection closed by peer",
+    ):
         save("/ck", 4, RuntimeError("Connection closed by peer\nmore"))
     with pytest.raises(InjectedFault):
         save("/ck", 4, InjectedFault("x"))
@@ -179,7 +201,10 @@ def test_posting_on_a_dead_connection_names_edge_rank_and_peer():
     def dead(*args, **kwargs):
         raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1\nmore")
 
-    with pytest.raises(BoundaryTimeout, match=r"^edge vision->language: rank 3 could not post the forward boundary "
-                                              r"payload to rank 1 \(its connection failed\): \[pair.cc:553\] "
-                                              r"Connection closed by peer"):
+    with pytest.raises(
+        BoundaryTimeout,
+        match=r"^edge vision->language: rank 3 could not post the forward boundary "
+        r"payload to rank 1 \(its connection failed\): \[pair.cc:553\] "
+        r"Connection closed by peer",
+    ):
         _post(dead, "forward boundary payload to", "vision->language", 3, 1)

@@ -10,6 +10,7 @@ under TP2 / PP2 / CP2 (language) and TP2 (vision). `checkpoint-to-hf` returns bi
 A model the family cannot express is refused before any weight is read. `transformers` is a test
 extra (skipped without it).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,19 +31,52 @@ TABLE: list[tuple[str, str, str, float]] = []  # (model, layout, output, max rel
 
 
 def _tiny_models(root: Path) -> dict[str, Path]:
-    from transformers import (CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
     out = {"clip": root / "clip", "llama": root / "llama", "qwen2": root / "qwen2"}
-    CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     image_size=IMG, patch_size=PATCH, hidden_act="quick_gelu")).save_pretrained(out["clip"])
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
-                                 rope_theta=500000.0)).save_pretrained(out["llama"])
-    Qwen2ForCausalLM(Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=64,
-                                 tie_word_embeddings=True)).save_pretrained(out["qwen2"])
+    CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=IMG,
+            patch_size=PATCH,
+            hidden_act="quick_gelu",
+        )
+    ).save_pretrained(out["clip"])
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=64,
+            rope_theta=500000.0,
+        )
+    ).save_pretrained(out["llama"])
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
+    ).save_pretrained(out["qwen2"])
     return out
 
 
@@ -59,9 +93,24 @@ def converted(tmp_path_factory):
     for lm in ("llama", "qwen2"):
         out = root / f"ckpt_{lm}"
         # a world of one in a forked child: the test process keeps no process group
-        rc = run_ranks(1, _convert, ["convert", "hf-to-checkpoint", "--vision", str(hf["clip"]), "--language",
-                                     str(hf[lm]), "--seq-length", str(S), "--out", str(out)],
-                       init_distributed=False, timeout=300)[0]
+        rc = run_ranks(
+            1,
+            _convert,
+            [
+                "convert",
+                "hf-to-checkpoint",
+                "--vision",
+                str(hf["clip"]),
+                "--language",
+                str(hf[lm]),
+                "--seq-length",
+                str(S),
+                "--out",
+                str(out),
+            ],
+            init_distributed=False,
+            timeout=300,
+        )[0]
         assert rc == 0
         ckpts[lm] = out
     g = torch.Generator().manual_seed(1)
@@ -107,8 +156,9 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
     for m in layout.modules:
         if topo.serves(m.name):
             pgs = topo.pg_collection(m.name)
-            states[m.name] = SimpleNamespace(name=m.name, module=build_module(m.name, layout, spec, pgs).eval(),
-                                             pgs=pgs, optimizer=None)
+            states[m.name] = SimpleNamespace(
+                name=m.name, module=build_module(m.name, layout, spec, pgs).eval(), pgs=pgs, optimizer=None
+            )
     load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
     out: dict = {}
     with torch.no_grad():
@@ -154,8 +204,11 @@ def _rel(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _layout(vision: dict, language: dict) -> dict:
-    return {"placement": "colocated", "modules": {"vision": vision, "language": language},
-            "edges": ["vision -> language"]}
+    return {
+        "placement": "colocated",
+        "modules": {"vision": vision, "language": language},
+        "edges": ["vision -> language"],
+    }
 
 
 CASES = [  # (language model, layout name, vision layout, language layout)
@@ -170,8 +223,9 @@ CASES = [  # (language model, layout name, vision layout, language layout)
 @pytest.mark.parametrize("lm,name,vision,language", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_converted_modules_compute_the_hf_forward(converted, lm, name, vision, language):
     doc = _layout(vision, language)
-    per_rank = run_ranks(2, _forward_rank, doc, str(converted.ckpts[lm]), _patches(converted.pixels),
-                         converted.tokens, timeout=240)
+    per_rank = run_ranks(
+        2, _forward_rank, doc, str(converted.ckpts[lm]), _patches(converted.pixels), converted.tokens, timeout=240
+    )
     logits = [r["logits"] for r in per_rank if "logits" in r]
     assert logits, "no rank produced the logits"
     for got in logits:
@@ -193,17 +247,27 @@ def test_round_trip_is_bit_identical(converted, tmp_path):
 
     for lm in ("llama", "qwen2"):
         out = tmp_path / lm
-        assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(converted.ckpts[lm]), "--out", str(out)],
-                         init_distributed=False, timeout=300)[0] == 0
+        assert (
+            run_ranks(
+                1,
+                _convert,
+                ["convert", "checkpoint-to-hf", str(converted.ckpts[lm]), "--out", str(out)],
+                init_distributed=False,
+                timeout=300,
+            )[0]
+            == 0
+        )
         for src, dst in (("clip", "vision"), (lm, "language")):
             a, b = load_file(converted.hf[src] / "model.safetensors"), load_file(out / dst / "model.safetensors")
             assert sorted(a) == sorted(b), (src, set(a) ^ set(b))
             for k in a:
                 assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (src, k)
             assert json.loads((out / dst / "config.json").read_text()) == json.loads(
-                (converted.hf[src] / "config.json").read_text())
+                (converted.hf[src] / "config.json").read_text()
+            )
         assert sorted(load_file(out / "projector" / "model.safetensors")) == [
-            f"multi_modal_projector.linear_{i}.{k}" for i in (1, 2) for k in ("bias", "weight")]
+            f"multi_modal_projector.linear_{i}.{k}" for i in (1, 2) for k in ("bias", "weight")
+        ]
 
 
 def test_unsupported_model_is_refused_before_any_weight_is_read(converted, tmp_path, capsys):
@@ -212,8 +276,18 @@ def test_unsupported_model_is_refused_before_any_weight_is_read(converted, tmp_p
     cfg = json.loads((converted.hf["llama"] / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
     (bad / "model.safetensors").write_bytes(b"not a safetensors file")  # reading it would fail differently
-    rc = main(["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language", str(bad),
-               "--out", str(tmp_path / "out")])
+    rc = main(
+        [
+            "convert",
+            "hf-to-checkpoint",
+            "--vision",
+            str(converted.hf["clip"]),
+            "--language",
+            str(bad),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "hidden_act 'gelu' is not supported" in err and "SwiGLU" in err, err
     assert not (tmp_path / "out").exists()
@@ -230,8 +304,18 @@ def test_mis_shaped_missing_and_unexpected_tensors_are_named(converted, tmp_path
     del t["model.layers.1.self_attn.k_proj.weight"]
     t["model.layers.0.extra.weight"] = torch.zeros(2)
     save_file(t, str(bad / "model.safetensors"))
-    rc = main(["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language", str(bad),
-               "--out", str(tmp_path / "out")])
+    rc = main(
+        [
+            "convert",
+            "hf-to-checkpoint",
+            "--vision",
+            str(converted.hf["clip"]),
+            "--language",
+            str(bad),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2, err
     assert "missing tensor model.layers.1.self_attn.k_proj.weight (expected shape [16, 32])" in err
@@ -251,18 +335,35 @@ def test_train_load_builds_the_recorded_model_and_trains(converted, tmp_path):
 
     root = str(converted.ckpts["llama"])
     layout_file = tmp_path / "layout.yaml"
-    layout_file.write_text("placement: colocated\nmodules:\n  vision: {tp: 2, frozen: true}\n"
-                           "  language: {tp: 2, frozen: true}\nedges: [vision -> language]\n")
-    args = build_parser().parse_args(["train", "--hetero-layout", str(layout_file), "--load", root,
-                                      "--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-2"])
+    layout_file.write_text(
+        "placement: colocated\nmodules:\n  vision: {tp: 2, frozen: true}\n"
+        "  language: {tp: 2, frozen: true}\nedges: [vision -> language]\n"
+    )
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--hetero-layout",
+            str(layout_file),
+            "--load",
+            root,
+            "--train-iters",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--lr",
+            "1e-2",
+        ]
+    )
     layout = layout_from_args(args)
     job = job_from_args(args, layout)
     spec = job.spec
     assert spec.encoders["vision"].kind == "clip" and spec.normalization == "RMSNorm" and spec.num_query_groups == 2
     assert spec.rotary_base == 500000.0 and spec.seq_length == S
-    doc = {"placement": "colocated", "modules": {"vision": {"tp": 2, "frozen": True},
-                                                 "language": {"tp": 2, "frozen": True}},
-           "edges": ["vision -> language"]}
+    doc = {
+        "placement": "colocated",
+        "modules": {"vision": {"tp": 2, "frozen": True}, "language": {"tp": 2, "frozen": True}},
+        "edges": ["vision -> language"],
+    }
     import dataclasses
 
     from safetensors.torch import load_file
@@ -274,14 +375,26 @@ def test_train_load_builds_the_recorded_model_and_trains(converted, tmp_path):
     # after training: back to Hugging Face; the frozen tower and LM are the converted weights, bit for
     # bit, and the projector trained
     back = tmp_path / "back"
-    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(saved), "--out", str(back)],
-                     init_distributed=False, timeout=300)[0] == 0
+    assert (
+        run_ranks(
+            1,
+            _convert,
+            ["convert", "checkpoint-to-hf", str(saved), "--out", str(back)],
+            init_distributed=False,
+            timeout=300,
+        )[0]
+        == 0
+    )
     for src, dst in (("clip", "vision"), ("llama", "language")):
         a, b = load_file(converted.hf[src] / "model.safetensors"), load_file(back / dst / "model.safetensors")
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a), src
     start = tmp_path / "start"
-    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", root, "--out", str(start)],
-                     init_distributed=False, timeout=300)[0] == 0
+    assert (
+        run_ranks(
+            1, _convert, ["convert", "checkpoint-to-hf", root, "--out", str(start)], init_distributed=False, timeout=300
+        )[0]
+        == 0
+    )
     p0, p1 = load_file(start / "projector" / "model.safetensors"), load_file(back / "projector" / "model.safetensors")
     assert not torch.equal(p0["multi_modal_projector.linear_2.weight"], p1["multi_modal_projector.linear_2.weight"])
 
@@ -295,15 +408,45 @@ def test_megatron_architecture_flags_build_the_same_family():
     from megatron_hetero.training.setup import validate_job
 
     doc = _layout({"dp": 2}, {"pp": 2})
-    argv = ["train", "--hetero-module", "vision:dp=2", "--hetero-module", "language:pp=2", "--hetero-edge",
-            "vision->language", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-            "--rotary-base", "1e6", "--group-query-attention", "--num-query-groups", "2", "--add-qkv-bias",
-            "--disable-bias-linear", "--vision-model-type", "clip", "--patch-dim", "4", "--encoder-tokens", "16"]
+    argv = [
+        "train",
+        "--hetero-module",
+        "vision:dp=2",
+        "--hetero-module",
+        "language:pp=2",
+        "--hetero-edge",
+        "vision->language",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        "1e6",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--add-qkv-bias",
+        "--disable-bias-linear",
+        "--vision-model-type",
+        "clip",
+        "--patch-dim",
+        "4",
+        "--encoder-tokens",
+        "16",
+    ]
     args = build_parser().parse_args(argv)
     layout = layout_from_dict(doc, world_size=2)
     spec = job_from_args(args, layout).spec
-    assert (spec.normalization, spec.swiglu, spec.position_embedding_type, spec.rotary_base, spec.num_query_groups,
-            spec.add_qkv_bias, spec.add_bias_linear) == ("RMSNorm", True, "rope", 1e6, 2, True, False)
+    assert (
+        spec.normalization,
+        spec.swiglu,
+        spec.position_embedding_type,
+        spec.rotary_base,
+        spec.num_query_groups,
+        spec.add_qkv_bias,
+        spec.add_bias_linear,
+    ) == ("RMSNorm", True, "rope", 1e6, 2, True, False)
     enc = spec.encoders["vision"]
     assert (enc.kind, enc.patch_size, enc.feature_dim, enc.tokens) == ("clip", 4, 48, 16)
     tied = job_from_args(build_parser().parse_args(argv + ["--share-embeddings-and-output-weights"]), layout)
@@ -321,21 +464,45 @@ def test_vision_feature_layer_keeps_the_tower_up_to_it(converted, tmp_path):
     from transformers import CLIPVisionModel
 
     out = tmp_path / "ckpt"
-    argv = ["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language",
-            str(converted.hf["llama"]), "--seq-length", str(S), "--vision-feature-layer", "-2", "--out", str(out)]
+    argv = [
+        "convert",
+        "hf-to-checkpoint",
+        "--vision",
+        str(converted.hf["clip"]),
+        "--language",
+        str(converted.hf["llama"]),
+        "--seq-length",
+        str(S),
+        "--vision-feature-layer",
+        "-2",
+        "--out",
+        str(out),
+    ]
     assert run_ranks(1, _convert, argv, init_distributed=False, timeout=300)[0] == 0
-    per_rank = run_ranks(1, _forward_rank, _layout({}, {}), str(out), _patches(converted.pixels), converted.tokens,
-                         timeout=240)
+    per_rank = run_ranks(
+        1, _forward_rank, _layout({}, {}), str(out), _patches(converted.pixels), converted.tokens, timeout=240
+    )
     with torch.no_grad():
-        ref = CLIPVisionModel.from_pretrained(converted.hf["clip"]).eval()(
-            pixel_values=converted.pixels, output_hidden_states=True).hidden_states[-2]
+        ref = (
+            CLIPVisionModel.from_pretrained(converted.hf["clip"])
+            .eval()(pixel_values=converted.pixels, output_hidden_states=True)
+            .hidden_states[-2]
+        )
     rel = _rel(per_rank[0]["clip_hidden"], ref)
     assert rel < TOL, rel
     TABLE.append(("CLIP hidden_states[-2]", "vision TP1 (feature layer -2)", rel))
     print(f"\nequivalence CLIP hidden_states[-2] vision TP1: {rel:.2e}")
     back = tmp_path / "back"
-    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(out), "--out", str(back)],
-                     init_distributed=False, timeout=300)[0] == 0
+    assert (
+        run_ranks(
+            1,
+            _convert,
+            ["convert", "checkpoint-to-hf", str(out), "--out", str(back)],
+            init_distributed=False,
+            timeout=300,
+        )[0]
+        == 0
+    )
     names = load_file(back / "vision" / "model.safetensors")
     assert not any(".layers.1." in k for k in names) and any(".layers.0." in k for k in names)
     assert json.loads((back / "vision" / "config.json").read_text())["num_hidden_layers"] == 1
@@ -350,10 +517,24 @@ def test_load_with_other_model_flags_names_every_difference(converted):
     from megatron_hetero.training.setup import validate_job
 
     layout = layout_from_dict(_layout({"dp": 2}, {"tp": 2}), world_size=2)
-    args = build_parser().parse_args(["train", "--load", str(converted.ckpts["llama"]), "--hidden-size", "32",
-                                      "--vocab-size", "64", "--seq-length", str(S)])
-    with pytest.raises(ValueError, match=r"converted weights.*the model differs \(.*normalization: 'RMSNorm' in the "
-                                         r"checkpoint, None now.*swiglu: True in the checkpoint, None now"):
+    args = build_parser().parse_args(
+        [
+            "train",
+            "--load",
+            str(converted.ckpts["llama"]),
+            "--hidden-size",
+            "32",
+            "--vocab-size",
+            "64",
+            "--seq-length",
+            str(S),
+        ]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"converted weights.*the model differs \(.*normalization: 'RMSNorm' in the "
+        r"checkpoint, None now.*swiglu: True in the checkpoint, None now",
+    ):
         validate_job(layout, job_from_args(args, layout))
 
 
@@ -364,16 +545,39 @@ def test_projector_weights_convert_and_come_back(converted, tmp_path):
     from safetensors.torch import load_file, save_file
 
     g = torch.Generator().manual_seed(3)
-    proj = {"linear_1.weight": torch.randn(32, 32, generator=g), "linear_1.bias": torch.randn(32, generator=g),
-            "linear_2.weight": torch.randn(32, 32, generator=g), "linear_2.bias": torch.randn(32, generator=g)}
+    proj = {
+        "linear_1.weight": torch.randn(32, 32, generator=g),
+        "linear_1.bias": torch.randn(32, generator=g),
+        "linear_2.weight": torch.randn(32, 32, generator=g),
+        "linear_2.bias": torch.randn(32, generator=g),
+    }
     save_file(proj, str(tmp_path / "mm_projector.safetensors"))
     out, back = tmp_path / "ckpt", tmp_path / "back"
-    argv = ["convert", "hf-to-checkpoint", "--vision", str(converted.hf["clip"]), "--language",
-            str(converted.hf["qwen2"]), "--projector", str(tmp_path / "mm_projector.safetensors"), "--seq-length",
-            str(S), "--out", str(out)]
+    argv = [
+        "convert",
+        "hf-to-checkpoint",
+        "--vision",
+        str(converted.hf["clip"]),
+        "--language",
+        str(converted.hf["qwen2"]),
+        "--projector",
+        str(tmp_path / "mm_projector.safetensors"),
+        "--seq-length",
+        str(S),
+        "--out",
+        str(out),
+    ]
     assert run_ranks(1, _convert, argv, init_distributed=False, timeout=300)[0] == 0
-    assert run_ranks(1, _convert, ["convert", "checkpoint-to-hf", str(out), "--out", str(back)],
-                     init_distributed=False, timeout=300)[0] == 0
+    assert (
+        run_ranks(
+            1,
+            _convert,
+            ["convert", "checkpoint-to-hf", str(out), "--out", str(back)],
+            init_distributed=False,
+            timeout=300,
+        )[0]
+        == 0
+    )
     got = load_file(back / "projector" / "model.safetensors")
     assert sorted(got) == sorted(f"multi_modal_projector.{k}" for k in proj)
     assert all(torch.equal(got[f"multi_modal_projector.{k}"], v) for k, v in proj.items())

@@ -13,6 +13,7 @@ plugin's lines do the same) and of its validation lines (`--eval-iters 1 --eval-
 iteration 2, then after training on the validation and the test set). References: the unpatched
 pretrain_vlm.py / pretrain_gpt.py at TP1·DP2.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,13 +58,17 @@ def _with(args: list[str], **values: str) -> list[str]:
     return out
 
 
-VLM = COMMON + ("--encoder-num-layers 1 --decoder-num-layers 2 --img-h 32 --img-w 32 --patch-dim 16 "
-                "--ckpt-format torch").split()
+VLM = (
+    COMMON
+    + ("--encoder-num-layers 1 --decoder-num-layers 2 --img-h 32 --img-w 32 --patch-dim 16 --ckpt-format torch").split()
+)
 
 # GPT: 4 layers (two segments of 2), untied embeddings (a layout with several stages needs them),
 # 8 samples per step in micro-batches of 2.
-GPT = _with(COMMON, micro_batch_size="2", global_batch_size="8") + (
-    "--num-layers 4 --untie-embeddings-and-output-weights").split()
+GPT = (
+    _with(COMMON, micro_batch_size="2", global_batch_size="8")
+    + ("--num-layers 4 --untie-embeddings-and-output-weights").split()
+)
 ITERS = ["--train-iters", "3"]
 EDGE = ["--hetero-edge", "vision->language"]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.Ee+-]+) \|")
@@ -93,9 +98,21 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 400) 
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it with TP > 1 (its examples set it)
     for _ in range(3):  # another process may take the free port before torchrun binds it: a new port
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), "-m", "megatron_hetero.megatron_lm.run",
-               str(script), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "megatron_hetero.megatron_lm.run",
+            str(script),
+            *args,
+        ]
         run = Run(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout))
         if run.rc == 0 or "EADDRINUSE" not in run.out:
             break
@@ -111,8 +128,13 @@ def _patch(tree: Path, patch: Path, *flags: str) -> subprocess.CompletedProcess:
     if shutil.which("patch"):
         cmd = ["patch", "-p1", "--batch", "-i", str(patch), *flags]
     else:
-        cmd = ["git", "apply", *(["--check"] if "--dry-run" in flags else []), *(["-R"] if "-R" in flags else []),
-               str(patch)]
+        cmd = [
+            "git",
+            "apply",
+            *(["--check"] if "--dry-run" in flags else []),
+            *(["-R"] if "-R" in flags else []),
+            str(patch),
+        ]
     return subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
 
 
@@ -135,8 +157,9 @@ def _close(a: float, b: float, rtol: float = RTOL) -> bool:
     return abs(a - b) <= rtol * abs(b)
 
 
-def assert_losses(run: Run, ref: dict[int, float], rtol: float, what: str,
-                  ref_valid: Optional[dict[str, float]] = None) -> float:
+def assert_losses(
+    run: Run, ref: dict[int, float], rtol: float, what: str, ref_valid: Optional[dict[str, float]] = None
+) -> float:
     """Training losses (and with `ref_valid` Megatron's validation lines) within `rtol` of the reference."""
     assert run.rc == 0, f"{what} failed (rc {run.rc}):\n{run.tail()}"
     assert sorted(run.losses) == sorted(ref), f"{what}: iterations {sorted(run.losses)} vs {sorted(ref)}\n{run.tail()}"
@@ -147,8 +170,10 @@ def assert_losses(run: Run, ref: dict[int, float], rtol: float, what: str,
         worst_v = max(abs(run.valid[k] - ref_valid[k]) / abs(ref_valid[k]) for k in ref_valid)
         assert worst_v <= rtol, f"{what}: validation {run.valid} vs reference {ref_valid} ({worst_v:.2e})"
         worst = max(worst, worst_v)
-    print(f"{what}: largest relative loss difference {worst:.2e} over iterations {sorted(ref)}"
-          + (f" and {len(ref_valid)} validation lines" if ref_valid else ""))
+    print(
+        f"{what}: largest relative loss difference {worst:.2e} over iterations {sorted(ref)}"
+        + (f" and {len(ref_valid)} validation lines" if ref_valid else "")
+    )
     return worst
 
 
@@ -214,8 +239,9 @@ def test_check_command_reports_and_applies(tmp_path):
 # -- end to end: torchrun on CPU ---------------------------------------------------------------------
 def test_patched_scripts_without_hetero_flags_are_upstream(trees, reference):
     run = torchrun(trees["patched"] / "pretrain_vlm.py", VLM + ITERS)
-    assert run.rc == 0 and (run.losses, run.valid) == (reference.losses, reference.valid), \
+    assert run.rc == 0 and (run.losses, run.valid) == (reference.losses, reference.valid), (
         f"patched VLM {run.losses} vs {reference.losses}\n{run.tail()}"
+    )
 
 
 def test_patched_gpt_without_hetero_flags_is_upstream(trees, gpt_reference):
@@ -228,25 +254,41 @@ def test_gpt_segments_with_their_own_tp_dp_match(trees, gpt_reference):
     """One GPT cut into two segments on disjoint islands: layers 0-1 TP2 on ranks 0-1, layers 2-3 DP2
     on ranks 2-3 (4 micro-batches of 2 samples, split over language_b's DP ranks), against the
     unpatched TP1·DP2 run: training and validation losses."""
-    run = torchrun(trees["patched"] / "pretrain_gpt.py",
-                   GPT + ITERS + ["--hetero-placement", "disjoint", "--hetero-module", "language_a:tp=2,layers=0-1",
-                                  "--hetero-module", "language_b:dp=2,layers=2-3",
-                                  "--hetero-edge", "language_a->language_b"], nproc=4)
+    run = torchrun(
+        trees["patched"] / "pretrain_gpt.py",
+        GPT
+        + ITERS
+        + [
+            "--hetero-placement",
+            "disjoint",
+            "--hetero-module",
+            "language_a:tp=2,layers=0-1",
+            "--hetero-module",
+            "language_b:dp=2,layers=2-3",
+            "--hetero-edge",
+            "language_a->language_b",
+        ],
+        nproc=4,
+    )
     assert "language_a tp2·pp1·dp1@0-1, language_b tp1·pp1·dp2@2-3" in run.out, run.tail()
     assert_losses(run, gpt_reference.losses, RTOL, "GPT: segments TP2 @0-1 -> DP2 @2-3", gpt_reference.valid)
 
 
 def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
-    run = torchrun(trees["patched"] / "pretrain_vlm.py",
-                   VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:dp=2"] + EDGE)
+    run = torchrun(
+        trees["patched"] / "pretrain_vlm.py",
+        VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:dp=2"] + EDGE,
+    )
     assert "training with colocated layout" in run.out, run.tail()
     assert_losses(run, reference.losses, 1e-6, "homogeneous layout as --hetero-* flags", reference.valid)
 
 
 @pytest.mark.parametrize("language", ["tp=2"])
 def test_colocated_heterogeneous_layout_matches(trees, reference, language):
-    run = torchrun(trees["patched"] / "pretrain_vlm.py",
-                   VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", f"language:{language}"] + EDGE)
+    run = torchrun(
+        trees["patched"] / "pretrain_vlm.py",
+        VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", f"language:{language}"] + EDGE,
+    )
     assert_losses(run, reference.losses, RTOL, f"colocated vision DP2 + language {language.upper()}", reference.valid)
 
 
@@ -256,25 +298,46 @@ def test_disjoint_fan_in_at_world_4_matches(trees):
     unpatched TP1·DP2 run of the same batch."""
     args = _with(VLM, micro_batch_size="2", global_batch_size="8")
     ref = _unpatched(trees, "pretrain_vlm.py", args)
-    run = torchrun(trees["patched"] / "pretrain_vlm.py",
-                   args + ITERS + ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2",
-                                   "--hetero-module", "language:tp=2"] + EDGE, nproc=4)
+    run = torchrun(
+        trees["patched"] / "pretrain_vlm.py",
+        args
+        + ITERS
+        + ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"]
+        + EDGE,
+        nproc=4,
+    )
     assert "vision tp1·pp1·dp2@0-1, language tp2·pp1·dp1@2-3" in run.out, run.tail()
     assert_losses(run, ref.losses, RTOL, "disjoint vision DP2 @0-1 -> language TP2 @2-3", ref.valid)
 
 
 def test_broken_layout_exits_2_before_any_model(trees):
-    run = torchrun(trees["patched"] / "pretrain_vlm.py",
-                   VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2,dp=2"] + EDGE)
+    run = torchrun(
+        trees["patched"] / "pretrain_vlm.py",
+        VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2,dp=2"] + EDGE,
+    )
     assert run.rc != 0
     assert "megatron-hetero megatron-lm: invalid input: module language: tp(2)" in run.out, run.tail()
     assert "building a multimodal model" not in run.out and "iteration " not in run.out
-    gpt = torchrun(trees["patched"] / "pretrain_gpt.py",
-                   GPT + ITERS + ["--hetero-placement", "disjoint", "--hetero-module", "language_a:layers=0-1",
-                                  "--hetero-module", "language_b:layers=3-3", "--hetero-edge", "language_a->language_b"])
+    gpt = torchrun(
+        trees["patched"] / "pretrain_gpt.py",
+        GPT
+        + ITERS
+        + [
+            "--hetero-placement",
+            "disjoint",
+            "--hetero-module",
+            "language_a:layers=0-1",
+            "--hetero-module",
+            "language_b:layers=3-3",
+            "--hetero-edge",
+            "language_a->language_b",
+        ],
+    )
     assert gpt.rc != 0
-    assert ("megatron-hetero megatron-lm: invalid input: language segments must cover their layers in order from 0; "
-            "language_b starts at layer 3, expected 2") in gpt.out, gpt.tail()
+    assert (
+        "megatron-hetero megatron-lm: invalid input: language segments must cover their layers in order from 0; "
+        "language_b starts at layer 3, expected 2"
+    ) in gpt.out, gpt.tail()
     assert "building GPT model" not in gpt.out and "iteration " not in gpt.out
 
 
@@ -293,8 +356,12 @@ def test_gpt_data_whose_index_cache_unpickles_exits_2(trees, tmp_path):
     cache = tmp_path / "corpus_text_document" / "cache" / "GPTDataset_indices"
     cache.mkdir(parents=True)
     (cache / "0123-GPTDataset-train-document_index.npy").write_bytes(pickle.dumps(RunsCode()))
-    args = [a for a in GPT if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus_text_document"),
-                                                    "--split", "100,0,0"]
+    args = [a for a in GPT if a != "--mock-data"] + [
+        "--data-path",
+        str(tmp_path / "corpus_text_document"),
+        "--split",
+        "100,0,0",
+    ]
     run = torchrun(trees["patched"] / "pretrain_gpt.py", args + ITERS + ["--hetero-module", "language:dp=2"])
     assert run.rc != 0
     assert "megatron-hetero megatron-lm: invalid input: the data flags --data-path" in run.out, run.tail()
@@ -309,15 +376,19 @@ def test_checkpoint_of_unpatched_run_resumes_in_a_layout(trees, tmp_path):
     unpatched script the same way."""
     ckpt = tmp_path / "ckpt"
     tp2 = ["--tensor-model-parallel-size", "2"]
-    saved = torchrun(trees["pristine"] / "pretrain_vlm.py",
-                     VLM + tp2 + ["--train-iters", "1", "--save", str(ckpt), "--save-interval", "1"])
+    saved = torchrun(
+        trees["pristine"] / "pretrain_vlm.py",
+        VLM + tp2 + ["--train-iters", "1", "--save", str(ckpt), "--save-interval", "1"],
+    )
     assert saved.rc == 0, saved.tail()
     assert sorted(p.name for p in (ckpt / "iter_0000001").iterdir()) == ["mp_rank_00", "mp_rank_01"]
     resume = VLM + tp2 + ["--train-iters", "4", "--load", str(ckpt), "--override-opt_param-scheduler"]
     upstream = torchrun(trees["pristine"] / "pretrain_vlm.py", resume)
     assert upstream.rc == 0 and sorted(upstream.losses) == [2, 3, 4], upstream.tail()
-    hetero = torchrun(trees["patched"] / "pretrain_vlm.py",
-                      resume + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:dp=2"] + EDGE)
+    hetero = torchrun(
+        trees["patched"] / "pretrain_vlm.py",
+        resume + ["--hetero-module", "vision:dp=2", "--hetero-module", "language:dp=2"] + EDGE,
+    )
     assert "from iteration 1" in hetero.out, hetero.tail()
     assert _close(hetero.losses.get(2, float("nan")), upstream.losses[2]), (hetero.losses, upstream.losses)
     assert_losses(hetero, upstream.losses, RTOL, "resumed in vision DP2 + language DP2", upstream.valid)
@@ -327,10 +398,26 @@ def test_checkpoint_of_unpatched_run_resumes_in_a_layout(trees, tmp_path):
     ckpt_h = tmp_path / "ckpt-hetero"
     saved_h = torchrun(
         trees["patched"] / "pretrain_vlm.py",
-        VLM + tp2 + ["--train-iters", "1", "--save", str(ckpt_h), "--save-interval", "1",
-                     "--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"] + EDGE)
+        VLM
+        + tp2
+        + [
+            "--train-iters",
+            "1",
+            "--save",
+            str(ckpt_h),
+            "--save-interval",
+            "1",
+            "--hetero-module",
+            "vision:dp=2",
+            "--hetero-module",
+            "language:tp=2",
+        ]
+        + EDGE,
+    )
     assert saved_h.rc == 0, saved_h.tail()
     assert sorted(p.name for p in (ckpt_h / "iter_0000001").iterdir()) == ["mp_rank_00", "mp_rank_01"]
-    back = torchrun(trees["pristine"] / "pretrain_vlm.py",
-                    VLM + tp2 + ["--train-iters", "4", "--load", str(ckpt_h), "--override-opt_param-scheduler"])
+    back = torchrun(
+        trees["pristine"] / "pretrain_vlm.py",
+        VLM + tp2 + ["--train-iters", "4", "--load", str(ckpt_h), "--override-opt_param-scheduler"],
+    )
     assert_losses(back, upstream.losses, RTOL, "unpatched run resumed from a layout's checkpoint")

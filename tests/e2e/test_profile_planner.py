@@ -5,6 +5,7 @@ Timings are not asserted (they depend on the machine and on whatever else runs o
 must fit and round-trip, the planner benchmark must produce its document, and every layout the
 search can write must be one `megatron-hetero train` runs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,10 +29,19 @@ from megatron_hetero.profiling import run as T
 
 REPO = Path(__file__).resolve().parents[2]
 HW_FILE = REPO / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
-TINY = F.ProfileGrid(layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
-                     module_shapes={"llm": ((64, 4, 32, 2, 128), (128, 4, 32, 2, 256)),
-                                    "encoder": ((32, 4, 8, 2, 64), (64, 4, 8, 2, 64))},
-                     tp=(1, 2), cp=(1, 2), sizes=(1 << 10, 1 << 23), iters=2, warmup=1, reps=1)
+TINY = F.ProfileGrid(
+    layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 32, 4)), "encoder": ((32, 4, 8, 1), (32, 4, 8, 8))},
+    module_shapes={
+        "llm": ((64, 4, 32, 2, 128), (128, 4, 32, 2, 256)),
+        "encoder": ((32, 4, 8, 2, 64), (64, 4, 8, 2, 64)),
+    },
+    tp=(1, 2),
+    cp=(1, 2),
+    sizes=(1 << 10, 1 << 23),
+    iters=2,
+    warmup=1,
+    reps=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +54,28 @@ def measured(tmp_path_factory, megatron_compat):
 def _synthetic(shared: bool) -> HW.Profile:
     """A measured-looking profile with every term the profile command fits."""
     lm = HW.LayerModel(2e-3, 3e-11)
-    return HW.Profile(layers={"llm": lm, "encoder": HW.LayerModel(1.5e-3, 3e-11), "default": lm},
-                     links={"intra": HW.AlphaBeta(1e-3, 1e-9), "inter": HW.AlphaBeta(1e-3, 1e-9)},
-                     devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9,
-                     collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(1.5e-3, 1e-9)}}}, source="synthetic",
-                     overheads={"llm_io": HW.LayerModel(4e-3, 1e-11), "encoder_io": HW.LayerModel(2e-3, 0.0),
-                                "llm_io_tp": HW.LayerModel(0.0, 5.0), "optimizer": HW.LayerModel(2e-3, 1e-8),
-                                "data": HW.LayerModel(3e-4, 1e-6), "snapshot": HW.LayerModel(4e-4, 0.0),
-                                "grad_sync": HW.LayerModel(5e-4, 1.4)},
-                     cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
-                     layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}},
-                     cpu_cores=2.0 if shared else 0.0)
+    return HW.Profile(
+        layers={"llm": lm, "encoder": HW.LayerModel(1.5e-3, 3e-11), "default": lm},
+        links={"intra": HW.AlphaBeta(1e-3, 1e-9), "inter": HW.AlphaBeta(1e-3, 1e-9)},
+        devices_per_node=8,
+        memory_bytes=1e9,
+        host_bandwidth=5e9,
+        collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(1.5e-3, 1e-9)}}},
+        source="synthetic",
+        overheads={
+            "llm_io": HW.LayerModel(4e-3, 1e-11),
+            "encoder_io": HW.LayerModel(2e-3, 0.0),
+            "llm_io_tp": HW.LayerModel(0.0, 5.0),
+            "optimizer": HW.LayerModel(2e-3, 1e-8),
+            "data": HW.LayerModel(3e-4, 1e-6),
+            "snapshot": HW.LayerModel(4e-4, 0.0),
+            "grad_sync": HW.LayerModel(5e-4, 1.4),
+        },
+        cores=1.7 if shared else 0.0,
+        concurrency=8 if shared else 0,
+        layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}},
+        cpu_cores=2.0 if shared else 0.0,
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -79,7 +100,11 @@ def test_profile_measures_fits_and_round_trips(measured) -> None:
     # a layer time and a collective time from the fitted profile are positive and grow with the work
     small, big = (float(prof.layer_time("llm", f)) for f in (1e6, 1e9))
     assert 0 < small <= big
-    assert float(prof.collective_time("all_reduce", 1e6, 2, False)) > float(prof.collective_time("all_reduce", 1e3, 2, False)) >= 0
+    assert (
+        float(prof.collective_time("all_reduce", 1e6, 2, False))
+        > float(prof.collective_time("all_reduce", 1e3, 2, False))
+        >= 0
+    )
     text = F.summary(doc)
     assert "layer llm" in text and "send_recv" in text
 
@@ -108,8 +133,11 @@ def test_profile_json_with_extra_terms_round_trips(tmp_path) -> None:
     with pytest.raises(ValueError, match="unknown overheads"):
         HW.Profile.from_dict(doc)
     # an older profile without the new keys still loads, as a non-shared profile without overheads
-    old = {k: v for k, v in prof.to_dict().items()
-           if k not in ("overheads", "cores", "concurrency", "layer_collectives", "cpu_cores")}
+    old = {
+        k: v
+        for k, v in prof.to_dict().items()
+        if k not in ("overheads", "cores", "concurrency", "layer_collectives", "cpu_cores")
+    }
     back = HW.Profile.from_dict(old)
     assert not back.shared and back.overheads == {} and back.uncontended == 1.0
 
@@ -165,8 +193,9 @@ def test_shared_step_from_the_runnable_ranks() -> None:
 def test_overheads_land_where_the_runtime_does_the_work() -> None:
     prof, model = _synthetic(False), B.BenchModel()
     wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
-    bare = HW.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
-                     prof.collectives, "bare")
+    bare = HW.Profile(
+        prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth, prof.collectives, "bare"
+    )
     cand = W.Candidate("colocated", W.Segment.of(1, 1, 1, 4, 2), (W.Segment.of(1, 1, 1, 4, 4),))
     with_io, without = C.evaluate(cand, wl, prof), C.evaluate(cand, wl, bare)
     b = with_io.micro_batches
@@ -185,7 +214,9 @@ def test_overheads_land_where_the_runtime_does_the_work() -> None:
     assert float(C.p2p_time(prof, wl, wl.llm, 2, 1, False)) == pytest.approx(5e-4 + 1.4 * 2 * t)
     assert float(C.synced(prof, 0.0)) == 0.0
     # TP adds the fitted number of activation all-reduces over the TP group
-    tp2 = float(C.io_time(prof, wl, wl.llm, 2, 2, 1)) - float(prof.overhead_time("llm_io", C.io_flops(wl, wl.llm, 2, 2, 1)))
+    tp2 = float(C.io_time(prof, wl, wl.llm, 2, 2, 1)) - float(
+        prof.overhead_time("llm_io", C.io_flops(wl, wl.llm, 2, 2, 1))
+    )
     assert tp2 == pytest.approx(5.0 * float(C.io_allreduce(prof, wl, wl.llm, 2, 2, 1)))
 
 
@@ -254,6 +285,7 @@ def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
     if world == 8:  # segments that differ in DP, and in PP, both run
         assert any(len(c.llm) == 2 and c.llm[0].dp != c.llm[1].dp for c in cands)
         assert any(len(c.llm) == 2 and c.llm[0].pp != c.llm[1].pp for c in cands)
+
     def accepted(cand) -> bool:
         layout = layout_from_dict(yaml.safe_load(dump_layout(cand.to_layout())), world_size=world)  # as train reads it
         job = dataclasses.replace(model.job(1), micro_batch_size=S.train_micro_batch_size(cand, wl))
@@ -266,9 +298,18 @@ def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
     rejected = [c.describe() for c in cands if not accepted(c)]
     assert not rejected, rejected
     # the cost model's whole space has layouts the runtime rejects (uneven stages, encoder in stage 0)
-    full = [c for _, c in R.brute_force(wl, _synthetic(True), world, float("inf"),
-                                        S.SearchSpace(tp=space.tp, cp=space.cp, pp=(1, 2, 3), encoder_tp=space.encoder_tp,
-                                                      encoder_pp=(1, 2), offload=(False,)))]
+    full = [
+        c
+        for _, c in R.brute_force(
+            wl,
+            _synthetic(True),
+            world,
+            float("inf"),
+            S.SearchSpace(
+                tp=space.tp, cp=space.cp, pp=(1, 2, 3), encoder_tp=space.encoder_tp, encoder_pp=(1, 2), offload=(False,)
+            ),
+        )
+    ]
     assert any(not accepted(c) for c in full if c.placement != "homogeneous")
 
 
@@ -281,12 +322,18 @@ def test_runtime_space_vectorized_search_equals_brute_force(world, prune) -> Non
     enc = W.ModelSpec("vision", 4, 1024, 4096, 16, 256, kind="encoder")
     llm = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
     wl = W.Workload(enc, llm, global_batch=48, micro_batch=1)
-    space = S.SearchSpace(tp=(1, 2, 4), cp=(1, 2), pp=(1, 2, 3, 4), encoder_tp=(1, 2), encoder_pp=(1, 2, 3),
-                          encoder_cp=(1, 2), runtime=True)
+    space = S.SearchSpace(
+        tp=(1, 2, 4),
+        cp=(1, 2),
+        pp=(1, 2, 3, 4),
+        encoder_tp=(1, 2),
+        encoder_pp=(1, 2, 3),
+        encoder_cp=(1, 2),
+        runtime=True,
+    )
     ref = R.brute_force(wl, prof, world, None, space)
     assert ref and {c.placement for _, c in ref} == {"colocated", "disjoint"}
-    assert all(c.encoder.cp == 1 and 4 % c.encoder.pp == 0 and all(s.layers % s.pp == 0 for s in c.llm)
-               for _, c in ref)
+    assert all(c.encoder.cp == 1 and 4 % c.encoder.pp == 0 and all(s.layers % s.pp == 0 for s in c.llm) for _, c in ref)
     if world != 12:
         assert any(len(c.llm) == 2 and c.llm[0].pp != c.llm[1].pp for _, c in ref)
     top = 15 if prune else len(ref)
@@ -315,24 +362,83 @@ def test_search_out_yaml_trains_directly(tmp_path, capsys, megatron_compat) -> N
     prof_path = tmp_path / "profile.json"
     _synthetic(True).save(prof_path)
     best = tmp_path / "best.yaml"
-    model = ["--encoder-layers", "2", "--encoder-hidden", "32", "--encoder-ffn-hidden", "128", "--encoder-heads", "4",
-             "--image-tokens", "8", "--llm-layers", "2", "--llm-hidden", "64", "--llm-ffn-hidden", "256",
-             "--llm-heads", "4", "--vocab-size", "128", "--seq-length", "32"]
-    rc = cli.main(["search", "--profile", str(prof_path), "--world-size", "4", *model, "--global-batch-size", "8",
-                   "--micro-batch-size", "1", "--out", str(best)])
+    model = [
+        "--encoder-layers",
+        "2",
+        "--encoder-hidden",
+        "32",
+        "--encoder-ffn-hidden",
+        "128",
+        "--encoder-heads",
+        "4",
+        "--image-tokens",
+        "8",
+        "--llm-layers",
+        "2",
+        "--llm-hidden",
+        "64",
+        "--llm-ffn-hidden",
+        "256",
+        "--llm-heads",
+        "4",
+        "--vocab-size",
+        "128",
+        "--seq-length",
+        "32",
+    ]
+    rc = cli.main(
+        [
+            "search",
+            "--profile",
+            str(prof_path),
+            "--world-size",
+            "4",
+            *model,
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "1",
+            "--out",
+            str(best),
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "predicted gain over homogeneous" in out
     layout = yaml.safe_load(best.read_text())
     assert layout["placement"] in ("colocated", "disjoint")
-    rc = cli.main(["train", "--hetero-layout", str(best), "--train-iters", "1", "--global-batch-size", "8",
-                   "--micro-batch-size", "1"])
+    rc = cli.main(
+        [
+            "train",
+            "--hetero-layout",
+            str(best),
+            "--train-iters",
+            "1",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "1",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "iteration    1/1 | lm loss" in out
     # --all-layouts searches the cost model's whole space and cannot write a layout for train
-    rc = cli.main(["search", "--profile", str(prof_path), "--world-size", "4", *model, "--global-batch-size", "8",
-                   "--all-layouts", "--out", str(best)])
+    rc = cli.main(
+        [
+            "search",
+            "--profile",
+            str(prof_path),
+            "--world-size",
+            "4",
+            *model,
+            "--global-batch-size",
+            "8",
+            "--all-layouts",
+            "--out",
+            str(best),
+        ]
+    )
     _, err = capsys.readouterr()
     assert rc == 2 and "--all-layouts" in err
 
@@ -343,8 +449,19 @@ def test_search_out_yaml_trains_directly(tmp_path, capsys, megatron_compat) -> N
 @pytest.mark.timeout(240)
 def test_planner_benchmark_smoke(tmp_path) -> None:
     configs = [(4, B._homo({"dp": 4})), (4, B._dis({"dp": 2}, {"dp": 2}))]
-    doc = B.run(tmp_path, iters=2, warmup=1, worlds=(4,), configs=configs, rounds=1, profile_rounds=1,
-                grid=TINY, quiet_wait_s=0.0, retries=0, plot=False)
+    doc = B.run(
+        tmp_path,
+        iters=2,
+        warmup=1,
+        worlds=(4,),
+        configs=configs,
+        rounds=1,
+        profile_rounds=1,
+        grid=TINY,
+        quiet_wait_s=0.0,
+        retries=0,
+        plot=False,
+    )
     assert json.loads((tmp_path / "planner.json").read_text()) == json.loads(json.dumps(doc))
     rows = doc["configurations"]
     assert len(rows) in (2, 3)  # + the search's pick when it is not one of the configurations

@@ -1,6 +1,7 @@
 """`search --out` writes a layout that `train` trains directly (both in one process; the training runs
 on forked ranks): without model flags (a hardware preset as the cost source) and with them (the layout's
 header carries the train command). The rest of `search` and the cli/ package: tests/pure/test_cli_search.py."""
+
 from __future__ import annotations
 
 import shlex
@@ -38,8 +39,9 @@ def test_search_out_without_model_flags_trains(tmp_path, capsys, extra) -> None:
     --hetero-layout L.yaml --train-iters 1` with no model flags exits 0, and so does the train
     command written into L.yaml's header."""
     out = tmp_path / "L.yaml"
-    rc, text, err = _run(capsys, "search", "--hardware", DEFAULT_HARDWARE, "--world-size", "4", "--out", str(out),
-                         *extra)
+    rc, text, err = _run(
+        capsys, "search", "--hardware", DEFAULT_HARDWARE, "--world-size", "4", "--out", str(out), *extra
+    )
     assert rc == 0, err
     assert "global batch 8, micro-batch 1" in text and f"(written to {out})" in text
     doc = yaml.safe_load(out.read_text())
@@ -60,15 +62,19 @@ def test_search_out_with_model_flags_header_trains(tmp_path, capsys) -> None:
     from megatron_hetero.planner import hardware as C
 
     lm = C.LayerModel(2e-3, 3e-11)
-    prof = C.Profile(layers={"llm": lm, "encoder": C.LayerModel(1.5e-3, 3e-11), "default": lm},
-                     links={"intra": C.AlphaBeta(1e-3, 1e-9), "inter": C.AlphaBeta(1e-3, 1e-9)},
-                     devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9, source="synthetic")
+    prof = C.Profile(
+        layers={"llm": lm, "encoder": C.LayerModel(1.5e-3, 3e-11), "default": lm},
+        links={"intra": C.AlphaBeta(1e-3, 1e-9), "inter": C.AlphaBeta(1e-3, 1e-9)},
+        devices_per_node=8,
+        memory_bytes=1e9,
+        host_bandwidth=5e9,
+        source="synthetic",
+    )
     prof_path = tmp_path / "profile.json"
     prof.save(prof_path)
     out = tmp_path / "best.yaml"
     model = ["--num-layers", "4", "--hidden-size", "32", "--encoder-tokens", "4", "--global-batch-size", "8"]
-    rc, text, err = _run(capsys, "search", "--profile", str(prof_path), "--world-size", "4", *model,
-                         "--out", str(out))
+    rc, text, err = _run(capsys, "search", "--profile", str(prof_path), "--world-size", "4", *model, "--out", str(out))
     assert rc == 0, err
     argv = _train_line(out)
     assert argv[:1] == ["train"] and " ".join(model[:6]) in " ".join(argv)

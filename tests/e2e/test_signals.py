@@ -2,6 +2,7 @@
 same step with a checkpoint of it, the run resumes from it with the losses of an uninterrupted run, and a
 SIGTERM to `megatron-hetero train`'s own process (the fork launcher) reaches its ranks, which save and exit 0.
 fp32, tiny model, world 2."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,16 +24,21 @@ from megatron_hetero.training.trainer import train_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 # heterogeneous colocated: the encoder DP2, the language model TP2, on 2 ranks
-COLOC = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
-         "edges": ["vision -> language"]}
+COLOC = {
+    "placement": "colocated",
+    "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
+    "edges": ["vision -> language"],
+}
 JOB = JobConfig(train_iters=6)
 
 
 def _term_self_at(rank: int, iteration: int):
     """A step hook that sends SIGTERM to this rank's own process after `iteration`, on `rank` only."""
+
     def hook(it: int) -> None:
         if it == iteration and int(os.environ["RANK"]) == rank:
             os.kill(os.getpid(), signal.SIGTERM)
+
     return hook
 
 
@@ -60,8 +66,15 @@ def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_
     save, marker = tmp_path / "ckpt", tmp_path / "marker"
     job = dataclasses.replace(JOB, save=str(save), exit_signal_handler=True)
     layout = layout_from_dict(COLOC, world_size=2)
-    per_rank = run_ranks(2, train_rank, layout, job, timeout=300, env={"MH_EXIT_SIGNAL_MARKER": str(marker)},
-                         step_hook=_term_self_at(rank=1, iteration=3))
+    per_rank = run_ranks(
+        2,
+        train_rank,
+        layout,
+        job,
+        timeout=300,
+        env={"MH_EXIT_SIGNAL_MARKER": str(marker)},
+        step_hook=_term_self_at(rank=1, iteration=3),
+    )
     # rank 1 alone got the signal in iteration 3; both ranks ended after iteration 3 with the same losses
     assert [[r["iteration"] for r in pr["records"]] for pr in per_rank] == [[1, 2, 3], [1, 2, 3]]
     assert [r["loss"] for r in per_rank[0]["records"]] == full[:3]
@@ -79,8 +92,14 @@ def test_without_the_flag_sigterm_is_not_caught(tmp_path, megatron_compat):
 
     layout = layout_from_dict(COLOC, world_size=2)
     with pytest.raises(RankFailure, match="SIGTERM"):
-        run_ranks(2, train_rank, layout, dataclasses.replace(JOB, save=str(tmp_path / "c")), timeout=200,
-                  step_hook=_term_self_at(rank=0, iteration=2))
+        run_ranks(
+            2,
+            train_rank,
+            layout,
+            dataclasses.replace(JOB, save=str(tmp_path / "c")),
+            timeout=200,
+            step_hook=_term_self_at(rank=0, iteration=2),
+        )
     assert not (tmp_path / "c" / "latest_checkpointed_iteration.txt").exists()
 
 
@@ -88,13 +107,31 @@ def test_without_the_flag_sigterm_is_not_caught(tmp_path, megatron_compat):
 def test_sigterm_to_the_train_command_saves_and_exits_0(tmp_path):
     """The user's view: SIGTERM to `megatron-hetero train` (the fork launcher's parent) mid-run."""
     save, layout = tmp_path / "ckpt", tmp_path / "layout.yaml"
-    layout.write_text("placement: colocated\nmodules:\n  vision: {dp: 2}\n  language: {tp: 2}\n"
-                      "edges:\n  - vision -> language\n")
+    layout.write_text(
+        "placement: colocated\nmodules:\n  vision: {dp: 2}\n  language: {tp: 2}\nedges:\n  - vision -> language\n"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout", str(layout),
-         "--train-iters", "1000", "--save", str(save), "--exit-signal-handler", "--log-interval", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        [
+            sys.executable,
+            "-m",
+            "megatron_hetero.cli",
+            "train",
+            "--hetero-layout",
+            str(layout),
+            "--train-iters",
+            "1000",
+            "--save",
+            str(save),
+            "--exit-signal-handler",
+            "--log-interval",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     out, rc = _sigterm_after_iteration_2(proc)
     assert rc == 0, out
     m = re.search(r"received SIGTERM: stopped after iteration (\d+); checkpoint of iteration \1 saved", out)
@@ -113,20 +150,59 @@ def test_sigterm_to_torchrun_reaches_its_ranks_which_save_and_mark(tmp_path):
     import socket
 
     save, marker, layout = tmp_path / "ckpt", tmp_path / "marker", tmp_path / "layout.yaml"
-    layout.write_text("placement: colocated\nmodules:\n  vision: {dp: 2}\n  language: {tp: 2}\n"
-                      "edges:\n  - vision -> language\n")
+    layout.write_text(
+        "placement: colocated\nmodules:\n  vision: {dp: 2}\n  language: {tp: 2}\nedges:\n  - vision -> language\n"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                        "MASTER_PORT", "TORCHELASTIC_RUN_ID") and not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+        )
+        and not k.startswith("SLURM_")
+    }
     env.update(PYTHONPATH=str(ROOT), MH_EXIT_SIGNAL_MARKER=str(marker))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "megatron_hetero", "train",
-         "--hetero-layout", str(layout), "--train-iters", "1000", "--save", str(save), "--exit-signal-handler"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "megatron_hetero",
+            "train",
+            "--hetero-layout",
+            str(layout),
+            "--train-iters",
+            "1000",
+            "--save",
+            str(save),
+            "--exit-signal-handler",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     out, rc = _sigterm_after_iteration_2(proc)
     m = re.search(r"received SIGTERM: stopped after iteration (\d+); checkpoint of iteration \1 saved", out)
     assert m, out[-4000:]

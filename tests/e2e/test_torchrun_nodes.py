@@ -2,6 +2,7 @@
 processes on one host, rendezvous on 127.0.0.1) train a colocated and a disjoint layout and give
 the same per-step losses as the forked run of the same layout; only global rank 0 writes the log.
 A world size that differs from the layout's exits 2 on every rank with the arithmetic."""
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = {
     "colocated": "placement: colocated\nmodules:\n  vision: {dp: 4}\n  language: {tp: 2, dp: 2}\n"
-                 "edges: ['vision -> language']\n",
+    "edges: ['vision -> language']\n",
     "disjoint": "placement: disjoint\nmodules:\n  vision: {dp: 2}\n  language: {tp: 2}\n"
-                "edges: ['vision -> language']\n",
+    "edges: ['vision -> language']\n",
 }
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-               "TORCHELASTIC_RUN_ID")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _env() -> dict[str, str]:
@@ -40,14 +49,39 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def _torchrun(tmp_path: Path, layout: Path, log: Path, nproc: int = 2, *extra: str) -> list[subprocess.CompletedProcess]:
+def _torchrun(
+    tmp_path: Path, layout: Path, log: Path, nproc: int = 2, *extra: str
+) -> list[subprocess.CompletedProcess]:
     port = _free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "megatron_hetero", "train", "--hetero-layout", str(layout), "--train-iters", "3",
-               "--log-jsonl", str(log), "--hetero-comm-timeout", "120", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "megatron_hetero",
+            "train",
+            "--hetero-layout",
+            str(layout),
+            "--train-iters",
+            "3",
+            "--log-jsonl",
+            str(log),
+            "--hetero-comm-timeout",
+            "120",
+            *extra,
+        ]
         out = (tmp_path / f"node{node}.log").open("w")
         procs.append((subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=out, stderr=subprocess.STDOUT), out))
     done = []
@@ -69,9 +103,25 @@ def test_two_emulated_nodes_match_the_forked_run(tmp_path, placement):
     layout = tmp_path / f"{placement}.yaml"
     layout.write_text(LAYOUTS[placement])
     forked = tmp_path / "forked.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "megatron_hetero", "train", "--hetero-layout", str(layout),
-                           "--train-iters", "3", "--log-jsonl", str(forked)], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_hetero",
+            "train",
+            "--hetero-layout",
+            str(layout),
+            "--train-iters",
+            "3",
+            "--log-jsonl",
+            str(forked),
+        ],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = tmp_path / "torchrun.jsonl"
     nodes = _torchrun(tmp_path, layout, log)

@@ -1,18 +1,36 @@
 """Execution traces: `train --trace FILE` writes one Chrome/Perfetto trace of every rank; every
 micro-batch of every module has its forward and backward span on every rank that runs it."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-COLOCATED = ("placement: colocated\nmodules:\n  vision: {dp: 4}\n  language: {pp: 2, dp: 2}\n"
-             "edges: [vision -> language]\n")
-DISJOINT = ("placement: disjoint\nmodules:\n  vision: {dp: 2}\n  language: {pp: 2}\n"
-            "edges: [vision -> language]\n")
-SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-         "--encoder-num-layers", "1", "--encoder-hidden-size", "16", "--encoder-num-attention-heads", "2",
-         "--encoder-tokens", "4", "--global-batch-size", "4"]
+COLOCATED = (
+    "placement: colocated\nmodules:\n  vision: {dp: 4}\n  language: {pp: 2, dp: 2}\nedges: [vision -> language]\n"
+)
+DISJOINT = "placement: disjoint\nmodules:\n  vision: {dp: 2}\n  language: {pp: 2}\nedges: [vision -> language]\n"
+SIZES = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "16",
+    "--encoder-num-layers",
+    "1",
+    "--encoder-hidden-size",
+    "16",
+    "--encoder-num-attention-heads",
+    "2",
+    "--encoder-tokens",
+    "4",
+    "--global-batch-size",
+    "4",
+]
 
 
 def _spans(doc: dict) -> list[dict]:
@@ -25,8 +43,22 @@ def _train(tmp_path, text: str, iters: int = 2, *extra: str) -> dict:
     layout = tmp_path / "layout.yaml"
     layout.write_text(text)
     trace = tmp_path / "trace.json"
-    assert main(["train", "--hetero-layout", str(layout), "--train-iters", str(iters), "--trace", str(trace),
-                 *SIZES, *extra]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--hetero-layout",
+                str(layout),
+                "--train-iters",
+                str(iters),
+                "--trace",
+                str(trace),
+                *SIZES,
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads(trace.read_text())
 
 
@@ -45,8 +77,11 @@ def _check_common(doc: dict, world: int) -> None:
 
 
 def _count(spans, rank: int, kind: str, module: str, mb: int) -> int:
-    return sum(1 for e in spans if e["pid"] == rank and e["cat"] == kind and e["args"].get("module") == module
-               and e["args"].get("mb") == mb)
+    return sum(
+        1
+        for e in spans
+        if e["pid"] == rank and e["cat"] == kind and e["args"].get("module") == module and e["args"].get("mb") == mb
+    )
 
 
 @pytest.mark.timeout(300)
@@ -102,11 +137,13 @@ def test_disjoint_trace_has_every_micro_batch_and_labelled_batches(tmp_path):
         assert len(waits) == len(comm)  # one wait per batch, inside it
         for c, w in zip(sorted(comm, key=lambda e: e["ts"]), sorted(waits, key=lambda e: e["ts"])):
             assert c["ts"] <= w["ts"] and w["ts"] + w["dur"] <= c["ts"] + c["dur"] + 1e-3
+
     # one clock for all ranks: language/0 starts micro-batch mb only after vision finished it, and
     # vision starts the backward of mb only after language/0 finished its backward of mb
     def one(rank, kind, mb, step):
-        return sorted((e for e in spans if e["pid"] == rank and e["cat"] == kind and e["args"]["mb"] == mb),
-                      key=lambda e: e["ts"])[step]
+        return sorted(
+            (e for e in spans if e["pid"] == rank and e["cat"] == kind and e["args"]["mb"] == mb), key=lambda e: e["ts"]
+        )[step]
 
     for step in range(iters):
         for mb in range(micro):

@@ -5,6 +5,7 @@ its GPU from LOCAL_RANK. What one GPU can run (a world-1 NCCL job) runs on one G
 layout needs one GPU per rank (NCCL refuses two ranks on one device) and says so when it skips.
 Compat is applied by tests/conftest.py (on a GPU machine only the pg_collection fix acts).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,11 @@ from megatron_hetero.training.trainer import train_rank
 # launcher can still fork afterwards.
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (NCCL); none is present")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (NCCL); none is present"),
+]
 
 JOB = JobConfig(train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5))
 
@@ -55,8 +59,11 @@ def test_world1_trains_on_one_gpu():
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs (one per NCCL rank); {GPUS} present")
 def test_colocated_two_gpus_same_loss_as_world1():
-    two = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
-           "edges": ["vision -> language"]}
+    two = {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
+        "edges": ["vision -> language"],
+    }
     got, ref = _losses(two, 2), _reference()
     assert len(got) == len(ref) == JOB.train_iters
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
@@ -71,7 +78,10 @@ def test_disjoint_on_nccl_same_loss_as_world1():
     got, ref = _losses(two, 2), _reference()
     assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
     if GPUS >= 3:
-        three = {"placement": "disjoint", "modules": {"vision": {}, "language": {"pp": 2}},
-                 "edges": ["vision -> language"]}
+        three = {
+            "placement": "disjoint",
+            "modules": {"vision": {}, "language": {"pp": 2}},
+            "edges": ["vision -> language"],
+        }
         got = _losses(three, 3)
         assert max(abs(a - b) / abs(b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)

@@ -5,6 +5,7 @@ Megatron's load-balanced chunks c and 2cp-1-c of 2cp equal sequence chunks; TP r
 The source side is the source module's last pipeline stage, the destination side the destination
 module's first stage.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_hetero.layout import Edge, layout_from_dict, load_layout
-from megatron_hetero.plan import Block, BoundaryShape, Coord, Transfer, coord_of, group_ranks, plan_all, plan_boundary, rank_of
+from megatron_hetero.plan import (
+    Block,
+    BoundaryShape,
+    Coord,
+    Transfer,
+    coord_of,
+    group_ranks,
+    plan_all,
+    plan_boundary,
+    rank_of,
+)
 from megatron_hetero.plan.boundary import seq_chunks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,9 +139,18 @@ def test_disjoint_fan_out_cp2_destination() -> None:
     # Backward: both source replicas need the gradient of the whole [2, 8] tensor, each piece once.
     for r in (0, 1):
         got = p.recvs(r, "backward")
-        assert sorted((t.src, t.block) for t in got) == sorted([
-            (2, B(0, 1, 0, 2)), (2, B(0, 1, 6, 8)), (3, B(0, 1, 2, 4)), (3, B(0, 1, 4, 6)),
-            (4, B(1, 2, 0, 2)), (4, B(1, 2, 6, 8)), (5, B(1, 2, 2, 4)), (5, B(1, 2, 4, 6))])
+        assert sorted((t.src, t.block) for t in got) == sorted(
+            [
+                (2, B(0, 1, 0, 2)),
+                (2, B(0, 1, 6, 8)),
+                (3, B(0, 1, 2, 4)),
+                (3, B(0, 1, 4, 6)),
+                (4, B(1, 2, 0, 2)),
+                (4, B(1, 2, 6, 8)),
+                (5, B(1, 2, 2, 4)),
+                (5, B(1, 2, 4, 6)),
+            ]
+        )
     assert p.planned_bytes("backward") == p.min_bytes_backward == 2 * 16 * 4
     assert set(p.costs) == {"direct", "hierarchical"}
     assert p.costs["direct"].bytes == 64 and p.costs["hierarchical"].bytes >= 64
@@ -141,14 +161,16 @@ def test_disjoint_fan_out_cp2_destination() -> None:
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_cp_chunks_match_megatron(cp: int) -> None:
     seq = 2 * cp * 3
-    layout = layout_from_dict({"placement": "disjoint", "modules": {"a": {"dp": 1}, "b": {"cp": cp}},
-                               "edges": ["a -> b"]})
+    layout = layout_from_dict(
+        {"placement": "disjoint", "modules": {"a": {"dp": 1}, "b": {"cp": cp}}, "edges": ["a -> b"]}
+    )
     p = plan_boundary(layout, "a->b", BoundaryShape(batch=1, seq=seq, hidden=1))
     for c, r in enumerate(p.dst_ranks):
         assert _positions(p.needs[r]) == _megatron_cp_positions(seq, cp, c)
         assert _positions(t.block for t in p.recvs(r)) == _megatron_cp_positions(seq, cp, c)
-        assert seq_chunks(seq, cp, c) == ([(0, seq)] if cp == 1 else
-                                          [(c * 3, c * 3 + 3), ((2 * cp - 1 - c) * 3, (2 * cp - c) * 3)])
+        assert seq_chunks(seq, cp, c) == (
+            [(0, seq)] if cp == 1 else [(c * 3, c * 3 + 3), ((2 * cp - 1 - c) * 3, (2 * cp - c) * 3)]
+        )
 
 
 def test_tp4_source_replicas_spread_the_sending() -> None:
@@ -168,8 +190,13 @@ def test_tp4_source_replicas_spread_the_sending() -> None:
 
 def test_tp2_source_replicas_spread_over_tp2_destination() -> None:
     # vision TP2·DP1 on 0-1 -> language TP2·DP2 on 2-5: four receivers, each replica serves two.
-    layout = layout_from_dict({"placement": "disjoint", "modules": {"vision": {"tp": 2}, "language": {"tp": 2, "dp": 2}},
-                               "edges": ["vision->language"]})
+    layout = layout_from_dict(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"tp": 2}, "language": {"tp": 2, "dp": 2}},
+            "edges": ["vision->language"],
+        }
+    )
     p = plan_boundary(layout, "vision->language", BoundaryShape(batch=2, seq=1, hidden=1))
     assert [(t.src, t.dst) for t in p.forward] == [(0, 2), (1, 3), (0, 4), (1, 5)]
     # Backward: destination TP replicas 2,3 (sample 0) and 4,5 (sample 1) hold identical gradients;
@@ -185,7 +212,12 @@ def test_colocated_fan_out_is_all_local_forward() -> None:
     assert p.forward == tuple(T(r, r, r, r + 1, 0, 2) for r in range(4))
     assert p.planned_bytes() == p.min_bytes_forward == 0
     # Backward: vision rank 0 (dp0, samples 0-1) gets sample 1's gradient from language rank 1, etc.
-    assert [(t.src, t.dst, t.block.b0) for t in p.backward if not t.local] == [(1, 0, 1), (0, 1, 0), (3, 2, 3), (2, 3, 2)]
+    assert [(t.src, t.dst, t.block.b0) for t in p.backward if not t.local] == [
+        (1, 0, 1),
+        (0, 1, 0),
+        (3, 2, 3),
+        (2, 3, 2),
+    ]
     assert p.planned_bytes("backward") == p.min_bytes_backward == 4 * 2 * 4
     assert p.local_groups() == [(0,), (1,), (2,), (3,)]
 
@@ -204,12 +236,15 @@ def test_colocated_equal_dp_cp_only_backward_moves() -> None:
     assert p.planned_bytes("backward") == p.min_bytes_backward == 4 * 4 * 4
 
 
-@pytest.mark.parametrize("doc", [
-    {"modules": {"a": {"tp": 2, "dp": 2}, "b": {"tp": 2, "dp": 2}}},
-    {"modules": {"a": {"cp": 2, "dp": 2, "pp": 1}, "b": {"cp": 2, "dp": 2}}},
-    {"modules": {"a": {"dp": 8}, "b": {"dp": 8}}},
-    {"modules": {"a": {"tp": 4}, "b": {"tp": 4}}},
-])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"modules": {"a": {"tp": 2, "dp": 2}, "b": {"tp": 2, "dp": 2}}},
+        {"modules": {"a": {"cp": 2, "dp": 2, "pp": 1}, "b": {"cp": 2, "dp": 2}}},
+        {"modules": {"a": {"dp": 8}, "b": {"dp": 8}}},
+        {"modules": {"a": {"tp": 4}, "b": {"tp": 4}}},
+    ],
+)
 def test_equal_dp_identity_colocated_moves_nothing(doc) -> None:
     layout = layout_from_dict({**doc, "placement": "colocated", "edges": ["a -> b"]})
     p = plan_boundary(layout, "a->b", BoundaryShape(batch=8, seq=8, hidden=4))
@@ -225,7 +260,9 @@ def test_disjoint_fan_in_and_plan_all() -> None:
     layout = load_layout(LAYOUTS / "disjoint_two_encoders.yaml")
     plans = plan_all(layout, BoundaryShape(batch=2, seq=4, hidden=2))
     assert [(str(p.edge), p.transform, p.factor) for p in plans] == [
-        ("vision->language", "fan-in", 2), ("audio->language", "fan-in", 2)]
+        ("vision->language", "fan-in", 2),
+        ("audio->language", "fan-in", 2),
+    ]
     vision, audio = plans
     # language TP2·PP2·DP1 on 4-7: stage 0 = ranks 4,5 both need samples 0-1.
     assert vision.dst_ranks == (4, 5)
@@ -256,8 +293,12 @@ def test_placeholder_tokens_in_longer_cp_destination_sequence() -> None:
     layout = load_layout(LAYOUTS / "disjoint_fan_out.yaml")  # vision TP2 on 0-1, language CP2·DP2 on 2-5
     p = plan_boundary(layout, "vision->language", BoundaryShape(batch=2, seq=4, hidden=1, dst_seq=8, dst_offset=1))
     assert p.holds == {0: (B(0, 2, 0, 4),), 1: (B(0, 2, 0, 4),)}
-    assert p.needs == {2: (B(0, 1, 0, 1),), 3: (B(0, 1, 1, 3), B(0, 1, 3, 4)),
-                       4: (B(1, 2, 0, 1),), 5: (B(1, 2, 1, 3), B(1, 2, 3, 4))}
+    assert p.needs == {
+        2: (B(0, 1, 0, 1),),
+        3: (B(0, 1, 1, 3), B(0, 1, 3, 4)),
+        4: (B(1, 2, 0, 1),),
+        5: (B(1, 2, 1, 3), B(1, 2, 3, 4)),
+    }
     assert p.recvs(2) == [T(0, 2, 0, 1, 0, 1)]
     assert p.recvs(3) == [T(1, 3, 0, 1, 1, 3), T(1, 3, 0, 1, 3, 4)]
     assert p.planned_bytes() == p.min_bytes_forward == 8 * 4
@@ -271,19 +312,27 @@ def test_placeholder_tokens_in_longer_cp_destination_sequence() -> None:
         plan_boundary(layout, "vision->language", BoundaryShape(batch=2, seq=4, hidden=1, dst_seq=6, dst_offset=0))
     assert str(info.value) == (
         "edge vision->language: destination sequence 6 is not divisible by 2*cp = 2*2 = 4 of destination "
-        "language (load-balanced context-parallel chunks)")
+        "language (load-balanced context-parallel chunks)"
+    )
     with pytest.raises(ValueError) as info:
         plan_boundary(layout, "vision->language", BoundaryShape(batch=2, seq=4, hidden=1, dst_seq=8, dst_offset=5))
     assert str(info.value) == (
-        "edge vision->language: placeholder span [5, 5+4) does not fit in the destination sequence of 8")
+        "edge vision->language: placeholder span [5, 5+4) does not fit in the destination sequence of 8"
+    )
     p = plan_boundary(layout, "vision->language", BoundaryShape(batch=2, seq=3, hidden=1, dst_seq=8, dst_offset=5))
     assert p.needs[2] == (B(0, 1, 1, 3),) and p.needs[3] == (B(0, 1, 0, 1),)
 
 
-@pytest.mark.parametrize("extra", [
-    {"dst_seq": "8"}, {"dst_seq": [8]}, {"dst_seq": 8.0}, {"dst_seq": 8, "dst_offset": True},
-    {"dst_seq": 8, "dst_offset": 1.0},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"dst_seq": "8"},
+        {"dst_seq": [8]},
+        {"dst_seq": 8.0},
+        {"dst_seq": 8, "dst_offset": True},
+        {"dst_seq": 8, "dst_offset": 1.0},
+    ],
+)
 def test_placeholder_fields_are_validated(extra) -> None:
     """BUG (partly): `check_shape` type-checks batch/seq/hidden/dtype_bytes but not dst_seq, and lets a
     bool dst_offset through: dst_seq="8" raises TypeError ('>' not supported between 'int' and 'str'),
@@ -304,24 +353,35 @@ def test_shape_errors_name_the_edge() -> None:
 
     assert err(BoundaryShape(batch=3, seq=8, hidden=1)) == (
         "edge vision->language: batch 3 is not divisible by source vision dp(2) (remainder 1); "
-        "every DP rank must get the same number of samples")
+        "every DP rank must get the same number of samples"
+    )
     assert err(BoundaryShape(batch=2, seq=6, hidden=1)) == (
         "edge vision->language: sequence 6 is not divisible by 2*cp = 2*2 = 4 of destination language "
-        "(load-balanced context-parallel chunks)")
-    assert err(BoundaryShape(batch=0, seq=8, hidden=1)) == "edge vision->language: batch must be a positive integer, got 0"
+        "(load-balanced context-parallel chunks)"
+    )
+    assert (
+        err(BoundaryShape(batch=0, seq=8, hidden=1)) == "edge vision->language: batch must be a positive integer, got 0"
+    )
     assert err(BoundaryShape(batch=2, seq=8, hidden=True)) == (
-        "edge vision->language: hidden must be a positive integer, got True")
+        "edge vision->language: hidden must be a positive integer, got True"
+    )
     assert err(BoundaryShape(batch=2, seq=8, hidden=1, dtype_bytes=2.0)) == (
-        "edge vision->language: dtype_bytes must be a positive integer, got 2.0")
-    assert err(BoundaryShape(2, 8, 1), "language->vision") == "edge language->vision is not declared; edges are ['vision->language']"
+        "edge vision->language: dtype_bytes must be a positive integer, got 2.0"
+    )
+    assert (
+        err(BoundaryShape(2, 8, 1), "language->vision")
+        == "edge language->vision is not declared; edges are ['vision->language']"
+    )
     assert err(BoundaryShape(2, 8, 1), "vision") == (
-        "edge 'vision' is not of the form 'src -> dst' (e.g. 'vision -> language')")
+        "edge 'vision' is not of the form 'src -> dst' (e.g. 'vision -> language')"
+    )
     layout2 = load_layout(LAYOUTS / "colocated_fan_in.yaml")  # language dp2, vision dp8
     with pytest.raises(ValueError) as info:
         plan_boundary(layout2, "vision->language", BoundaryShape(batch=4, seq=8, hidden=1))
     assert str(info.value) == (
         "edge vision->language: batch 4 is not divisible by source vision dp(8) (remainder 4); "
-        "every DP rank must get the same number of samples")
+        "every DP rank must get the same number of samples"
+    )
     with pytest.raises(ValueError) as info:
         plan_boundary(layout2, "vision->language", BoundaryShape(batch=8, seq=8, hidden=1)).planned_bytes("sideways")
     assert str(info.value) == "direction must be 'forward' or 'backward', got 'sideways'"
@@ -344,8 +404,11 @@ def layouts(draw, placement=None, min_modules=1):
     placement = placement or draw(st.sampled_from(["colocated", "disjoint"]))
     n = draw(st.integers(min_modules, 3))
     names = ["m0", "m1", "m2"][:n]
-    sizes = [draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))] * n if placement == "colocated" else [
-        draw(st.sampled_from([1, 2, 3, 4, 6, 8])) for _ in range(n)]
+    sizes = (
+        [draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12]))] * n
+        if placement == "colocated"
+        else [draw(st.sampled_from([1, 2, 3, 4, 6, 8])) for _ in range(n)]
+    )
     modules = {name: _factorise(draw, s) for name, s in zip(names, sizes)}
     if placement == "disjoint" and draw(st.booleans()):
         # Explicit ranks, islands in a random order.
@@ -355,7 +418,7 @@ def layouts(draw, placement=None, min_modules=1):
             start += sizes[names.index(name)]
     edges = []
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             da, db = modules[a]["dp"], modules[b]["dp"]
             if max(da, db) % min(da, db) == 0 and draw(st.booleans()):
                 edges.append(f"{a} -> {b}")
@@ -373,8 +436,13 @@ def shapes_for(draw, layout):
         dst_seq = math.lcm(*cps) * draw(st.integers(1, 4))
         dst_seq = dst_seq * ((seq + dst_seq - 1) // dst_seq)
         extra = {"dst_seq": dst_seq, "dst_offset": draw(st.integers(0, dst_seq - seq))}
-    return BoundaryShape(batch=math.lcm(*dps) * draw(st.integers(1, 2)), seq=seq,
-                         hidden=draw(st.integers(1, 3)), dtype_bytes=draw(st.sampled_from([1, 2, 4])), **extra)
+    return BoundaryShape(
+        batch=math.lcm(*dps) * draw(st.integers(1, 2)),
+        seq=seq,
+        hidden=draw(st.integers(1, 3)),
+        dtype_bytes=draw(st.sampled_from([1, 2, 4])),
+        **extra,
+    )
 
 
 def _expected_blocks(m, rank: int, shape: BoundaryShape) -> tuple[Block, ...]:
@@ -439,11 +507,11 @@ def _check_direction(transfers, needers: dict, holders: dict, shape: BoundarySha
             # A piece the receiver already holds is always a local copy.
             assert not any(_inside(t.block, h) for h in holders.get(t.dst, ())), t
             moved += t.block.numel(shape.hidden) * shape.dtype_bytes
-        count[t.dst][t.block.b0:t.block.b1, t.block.s0:t.block.s1] += 1
+        count[t.dst][t.block.b0 : t.block.b1, t.block.s0 : t.block.s1] += 1
     for r, blocks in needers.items():
         want = np.zeros((shape.batch, shape.seq), dtype=np.int64)
         for b in blocks:
-            want[b.b0:b.b1, b.s0:b.s1] += 1
+            want[b.b0 : b.b1, b.s0 : b.s1] += 1
         assert want.max() <= 1
         np.testing.assert_array_equal(count[r], want, err_msg=f"rank {r}")
     return moved
@@ -513,24 +581,42 @@ def test_property_bad_shapes_name_the_edge(data) -> None:
         assert p.planned_bytes() == p.min_bytes_forward
 
 
-_junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 40), st.floats(allow_nan=True), st.text(max_size=4),
-                  st.lists(st.integers(), max_size=2))
+_junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 40),
+    st.floats(allow_nan=True),
+    st.text(max_size=4),
+    st.lists(st.integers(), max_size=2),
+)
 
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_property_invalid_input_raises_only_value_error(data) -> None:
     layout = data.draw(layouts())
-    edge = data.draw(st.one_of(
-        st.sampled_from(list(layout.edges) or [Edge("m0", "m1")]),
-        st.sampled_from(list(layout.edges) or [Edge("m0", "m1")]).map(str),
-        st.text(max_size=10), st.sampled_from(["m0->m1", "m1 -> m0", "m0->m2", "x->y", "->", "m0"]),
-        st.builds(Edge, st.sampled_from(["m0", "m1", "m2", "zz"]), st.sampled_from(["m0", "m1", "m2", "zz"])),
-    ))
-    placeholder = data.draw(st.one_of(st.just({}), st.fixed_dictionaries(
-        {"dst_seq": st.integers(-3, 40)}, optional={"dst_offset": st.integers(-3, 40)})))
-    shape = BoundaryShape(batch=data.draw(_junk), seq=data.draw(_junk), hidden=data.draw(_junk),
-                          dtype_bytes=data.draw(_junk), **placeholder)
+    edge = data.draw(
+        st.one_of(
+            st.sampled_from(list(layout.edges) or [Edge("m0", "m1")]),
+            st.sampled_from(list(layout.edges) or [Edge("m0", "m1")]).map(str),
+            st.text(max_size=10),
+            st.sampled_from(["m0->m1", "m1 -> m0", "m0->m2", "x->y", "->", "m0"]),
+            st.builds(Edge, st.sampled_from(["m0", "m1", "m2", "zz"]), st.sampled_from(["m0", "m1", "m2", "zz"])),
+        )
+    )
+    placeholder = data.draw(
+        st.one_of(
+            st.just({}),
+            st.fixed_dictionaries({"dst_seq": st.integers(-3, 40)}, optional={"dst_offset": st.integers(-3, 40)}),
+        )
+    )
+    shape = BoundaryShape(
+        batch=data.draw(_junk),
+        seq=data.draw(_junk),
+        hidden=data.draw(_junk),
+        dtype_bytes=data.draw(_junk),
+        **placeholder,
+    )
     try:
         p = plan_boundary(layout, edge, shape)
     except ValueError as exc:
@@ -565,16 +651,19 @@ def _simulate_route(steps, start: dict, want: dict, shape: BoundaryShape) -> dic
     for r, blocks in start.items():
         held[r] = np.full((shape.batch, shape.seq), -1)
         for b in blocks:
-            held[r][b.b0:b.b1, b.s0:b.s1] = ids[b.b0:b.b1, b.s0:b.s1]
+            held[r][b.b0 : b.b1, b.s0 : b.s1] = ids[b.b0 : b.b1, b.s0 : b.s1]
     sent: dict[int, int] = {}
     for step in steps:
         assert step.kind in ("gather", "scatter", "broadcast"), step
         assert step.root in step.group, step
         for t in step.transfers:
             assert t.src in step.group and t.dst in step.group, (step.label, t)
-            got = held[t.src][t.block.b0:t.block.b1, t.block.s0:t.block.s1]
-            np.testing.assert_array_equal(got, ids[t.block.b0:t.block.b1, t.block.s0:t.block.s1],
-                                          err_msg=f"{step.label}: rank {t.src} does not hold {t.block}")
+            got = held[t.src][t.block.b0 : t.block.b1, t.block.s0 : t.block.s1]
+            np.testing.assert_array_equal(
+                got,
+                ids[t.block.b0 : t.block.b1, t.block.s0 : t.block.s1],
+                err_msg=f"{step.label}: rank {t.src} does not hold {t.block}",
+            )
             if not t.local:
                 sent[t.src] = sent.get(t.src, 0) + t.block.numel(shape.hidden) * shape.dtype_bytes
         if step.kind == "broadcast":
@@ -596,17 +685,21 @@ def _simulate_route(steps, start: dict, want: dict, shape: BoundaryShape) -> dic
                 pieces = [region]  # the root keeps what it broadcasts (checked above: it holds it)
             for blk in pieces:
                 assert region.contains(blk), (step.label, blk, region)
-                count[blk.b0:blk.b1, blk.s0:blk.s1] += 1
+                count[blk.b0 : blk.b1, blk.s0 : blk.s1] += 1
             inside = np.zeros_like(count)
-            inside[region.b0:region.b1, region.s0:region.s1] = 1
-            np.testing.assert_array_equal(count, inside, err_msg=f"{step.label}: rank {r} gets an element "
-                                                                 f"of {region} other than exactly once")
-            new[r][region.b0:region.b1, region.s0:region.s1] = ids[region.b0:region.b1, region.s0:region.s1]
+            inside[region.b0 : region.b1, region.s0 : region.s1] = 1
+            np.testing.assert_array_equal(
+                count, inside, err_msg=f"{step.label}: rank {r} gets an element of {region} other than exactly once"
+            )
+            new[r][region.b0 : region.b1, region.s0 : region.s1] = ids[region.b0 : region.b1, region.s0 : region.s1]
         held.update(new)
     for r, blocks in want.items():
         for b in blocks:
-            np.testing.assert_array_equal(held[r][b.b0:b.b1, b.s0:b.s1], ids[b.b0:b.b1, b.s0:b.s1],
-                                          err_msg=f"rank {r} lacks {b} at the end")
+            np.testing.assert_array_equal(
+                held[r][b.b0 : b.b1, b.s0 : b.s1],
+                ids[b.b0 : b.b1, b.s0 : b.s1],
+                err_msg=f"rank {r} lacks {b} at the end",
+            )
     return sent
 
 
@@ -618,7 +711,8 @@ def _check_route(layout, p) -> None:
     assert (route.src_leaders, route.dst_leader) == (p.src_leaders, p.dst_leader)
     # Leaders: (tp0, cp0) of each source DP shard on the last stage; (tp0, cp0, dp0) of stage 0.
     assert [coord_of(src, r) for r in route.src_leaders] == [
-        Coord(tp=0, cp=0, dp=d, pp=src.pp - 1) for d in range(src.dp)]
+        Coord(tp=0, cp=0, dp=d, pp=src.pp - 1) for d in range(src.dp)
+    ]
     assert coord_of(dst, route.dst_leader) == Coord(tp=0, cp=0, dp=0, pp=0)
     # Forward: destination ranks end with their needs; every element of each assembled
     # rectangle exactly once; bytes = the plan's price = the closed form.
@@ -640,7 +734,8 @@ def _check_route(layout, p) -> None:
     fb = [s for s in route.forward if s.kind == "broadcast"]
     assert [s.pg for s in fb] == (["tp"] if dst.tp > 1 else []) + (["dp_cp"] * dst.tp if dst.dp * dst.cp > 1 else [])
     assert [s.root for s in fb if s.pg == "dp_cp"] == (
-        [rank_of(dst, tp=t) for t in range(dst.tp)] if dst.dp * dst.cp > 1 else [])
+        [rank_of(dst, tp=t) for t in range(dst.tp)] if dst.dp * dst.cp > 1 else []
+    )
     bb = [s for s in route.backward if s.kind == "broadcast"]
     assert [s.root for s in bb] == (list(route.src_leaders) if src.tp * src.cp > 1 else [])
     assert str(route).count("\n") == 2 + len(route.forward) + len(route.backward)
@@ -662,8 +757,9 @@ ROUTE_CASES = [
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=[c[0] for c in ROUTE_CASES])
 def test_leader_route_delivers_every_element_once_at_the_priced_bytes(case) -> None:
     _, src, dst, batch, seq, hidden, extra = case
-    layout = layout_from_dict({"placement": "disjoint", "modules": {"vision": src, "language": dst},
-                               "edges": ["vision -> language"]})
+    layout = layout_from_dict(
+        {"placement": "disjoint", "modules": {"vision": src, "language": dst}, "edges": ["vision -> language"]}
+    )
     p = plan_boundary(layout, "vision->language", BoundaryShape(batch, seq, hidden, **extra))
     _check_route(layout, p)
     assert p.costs["hierarchical"].bytes > p.costs["direct"].bytes
@@ -675,8 +771,13 @@ def test_leader_route_hand_checked() -> None:
     Shard d (samples [2d, 2d+2)) has leader 4d; its TP-0 CP ranks are 4d (cp0) and 4d+2 (cp1).
     language: rank 8 (tp0 cp0) leads, 9 is its TP peer, 10/11 are the cp1 ranks of tp0/tp1.
     """
-    layout = layout_from_dict({"placement": "disjoint", "modules": {
-        "vision": {"tp": 2, "cp": 2, "dp": 2}, "language": {"tp": 2, "cp": 2}}, "edges": ["vision->language"]})
+    layout = layout_from_dict(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"tp": 2, "cp": 2, "dp": 2}, "language": {"tp": 2, "cp": 2}},
+            "edges": ["vision->language"],
+        }
+    )
     p = plan_boundary(layout, "vision->language", BoundaryShape(batch=4, seq=8, hidden=2))
     r = p.route
     assert (r.src_leaders, r.dst_leader) == ((0, 4), 8)
@@ -691,7 +792,12 @@ def test_leader_route_hand_checked() -> None:
         ("broadcast", 9, (9, 11), ((9, whole), (11, whole)), "language", "dp_cp"),
     ]
     # cp1 of shard 0 sends chunks 1 and 2 (of 4 chunks of 2); the leader's own chunks 0 and 3 are local.
-    assert r.forward[0].transfers == (T(0, 0, 0, 2, 0, 2), T(0, 0, 0, 2, 6, 8), T(2, 0, 0, 2, 2, 4), T(2, 0, 0, 2, 4, 6))
+    assert r.forward[0].transfers == (
+        T(0, 0, 0, 2, 0, 2),
+        T(0, 0, 0, 2, 6, 8),
+        T(2, 0, 0, 2, 2, 4),
+        T(2, 0, 0, 2, 4, 6),
+    )
     assert r.forward[2].transfers == (T(0, 8, 0, 2, 0, 8), T(4, 8, 2, 4, 0, 8))
     # one shard is 2*8*2 fp32 = 128 B; the whole tensor 256 B
     assert [s.bytes(p.shape) for s in r.forward] == [64, 64, 256, 256, 256, 256]
@@ -703,15 +809,21 @@ def test_leader_route_hand_checked() -> None:
         ("broadcast", 0, (0, 1, 2, 3), tuple((k, s0) for k in (0, 1, 2, 3)), "tp_cp"),
         ("broadcast", 4, (4, 5, 6, 7), tuple((k, s1) for k in (4, 5, 6, 7)), "tp_cp"),
     ]
-    assert r.backward[0].transfers == (T(8, 8, 0, 4, 0, 2), T(8, 8, 0, 4, 6, 8), T(10, 8, 0, 4, 2, 4),
-                                       T(10, 8, 0, 4, 4, 6))
+    assert r.backward[0].transfers == (
+        T(8, 8, 0, 4, 0, 2),
+        T(8, 8, 0, 4, 6, 8),
+        T(10, 8, 0, 4, 2, 4),
+        T(10, 8, 0, 4, 4, 6),
+    )
     assert r.bytes_sent_per_rank("backward") == {10: 128, 8: 256, 0: 384, 4: 384}
     assert str(r).splitlines()[:3] == [
         "leaders: source [0, 4], destination 8",
         "forward (1152 B):",
         "  1. gather    source CP gather (vision dp0): root 0, group [0, 2], 1 message, 64 B",
     ]
-    assert "  4. broadcast TP-row broadcast (language): root 8, group [8, 9] over language:tp, 1 message, 256 B" in str(r)
+    assert "  4. broadcast TP-row broadcast (language): root 8, group [8, 9] over language:tp, 1 message, 256 B" in str(
+        r
+    )
     _check_route(layout, p)
 
 

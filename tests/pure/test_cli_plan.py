@@ -1,4 +1,5 @@
 """`megatron-hetero plan`: every example layout, the --json document, and the exit-code-2 path."""
+
 from __future__ import annotations
 
 import json
@@ -66,9 +67,13 @@ def test_plan_text_colocated_fan_in(capsys) -> None:
     # 14 samples x 8 positions x 64 hidden x 4 B = 28 KiB forward; 6 samples = 12 KiB backward.
     assert "  forward : moves 28.0 KiB (minimum 28.0 KiB)" in lines
     assert "  backward: moves 12.0 KiB (minimum 12.0 KiB)" in lines
-    assert ("  rank 2: receives b[4:5] s[0:8] from 4, b[5:6] s[0:8] from 5, b[6:7] s[0:8] from 6, "
-            "b[7:8] s[0:8] from 7") in lines
-    assert "  rank 0: selects b[0:1] s[0:8]; receives b[1:2] s[0:8] from 1, b[2:3] s[0:8] from 2, b[3:4] s[0:8] from 3" in lines
+    assert (
+        "  rank 2: receives b[4:5] s[0:8] from 4, b[5:6] s[0:8] from 5, b[6:7] s[0:8] from 6, b[7:8] s[0:8] from 7"
+    ) in lines
+    assert (
+        "  rank 0: selects b[0:1] s[0:8]; receives b[1:2] s[0:8] from 1, b[2:3] s[0:8] from 2, b[3:4] s[0:8] from 3"
+        in lines
+    )
 
 
 def test_plan_json_colocated_fan_in(capsys) -> None:
@@ -106,10 +111,25 @@ def test_plan_json_colocated_fan_in(capsys) -> None:
 
 def test_plan_json_from_flags_with_shape(capsys) -> None:
     rc, out, err = _run(
-        capsys, "plan", "--json", "--hetero-placement", "disjoint",
-        "--hetero-module", "vision:tp=2,frozen", "--hetero-module", "language:cp=2,dp=2,ep=2",
-        "--hetero-edge", "vision->language",
-        "--global-batch-size", "2", "--seq-length", "8", "--hidden-size", "1", "--dtype-bytes", "2",
+        capsys,
+        "plan",
+        "--json",
+        "--hetero-placement",
+        "disjoint",
+        "--hetero-module",
+        "vision:tp=2,frozen",
+        "--hetero-module",
+        "language:cp=2,dp=2,ep=2",
+        "--hetero-edge",
+        "vision->language",
+        "--global-batch-size",
+        "2",
+        "--seq-length",
+        "8",
+        "--hidden-size",
+        "1",
+        "--dtype-bytes",
+        "2",
     )
     assert rc == 0, err
     doc = json.loads(out)
@@ -119,14 +139,18 @@ def test_plan_json_from_flags_with_shape(capsys) -> None:
     assert doc["ranks"][1]["modules"]["vision"]["tp"] == 1
     # language CP2·DP2 with ep2: rank 3 is cp1 dp0 ep1, rank 4 cp0 dp1 ep0.
     # (an MoE module's entries carry the expert-DP coordinate too)
-    assert doc["ranks"][3]["modules"] == {"language": {"tp": 0, "cp": 1, "dp": 0, "pp": 0, "ep": 1, "expt_tp": 0,
-                                                       "expt_dp": 0}}
-    assert doc["ranks"][4]["modules"] == {"language": {"tp": 0, "cp": 0, "dp": 1, "pp": 0, "ep": 0, "expt_tp": 0,
-                                                       "expt_dp": 1}}
+    assert doc["ranks"][3]["modules"] == {
+        "language": {"tp": 0, "cp": 1, "dp": 0, "pp": 0, "ep": 1, "expt_tp": 0, "expt_dp": 0}
+    }
+    assert doc["ranks"][4]["modules"] == {
+        "language": {"tp": 0, "cp": 0, "dp": 1, "pp": 0, "ep": 0, "expt_tp": 0, "expt_dp": 1}
+    }
     (edge,) = doc["edges"]
     assert (edge["src"], edge["dst"], edge["transform"], edge["factor"]) == ("vision", "language", "fan-out", 2)
     assert [t for t in edge["forward"] if t["dst"] == 3] == [
-        {"src": 1, "dst": 3, "b0": 0, "b1": 1, "s0": 2, "s1": 4}, {"src": 1, "dst": 3, "b0": 0, "b1": 1, "s0": 4, "s1": 6}]
+        {"src": 1, "dst": 3, "b0": 0, "b1": 1, "s0": 2, "s1": 4},
+        {"src": 1, "dst": 3, "b0": 0, "b1": 1, "s0": 4, "s1": 6},
+    ]
     assert edge["planned_bytes_forward"] == 16 * 2
     assert set(edge["modes"]) == {"direct", "hierarchical"}
 
@@ -151,24 +175,39 @@ def test_plan_broken_layout_exits_2(capsys, tmp_path: Path) -> None:
     assert (rc, out) == (2, "") and BROKEN_MESSAGE in err
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--hetero-module", "vision:dp=8", "--hetero-module", "language:tp=2,pp=2,dp=3"], BROKEN_MESSAGE),
-    (["--hetero-module", "vision:dp=2"], None),  # valid: exit 0
-    ([], "no layout: give --hetero-layout FILE or one --hetero-module NAME:tp=..,dp=.. per module"),
-    (["--hetero-module", "vision:dp=2", "--hetero-edge", "vision->llm"],
-     "edge vision->llm: unknown module 'llm'; modules are ['vision']"),
-    (["examples/layouts/colocated_fan_in.yaml", "--global-batch-size", "4"],
-     "edge vision->language: batch 4 is not divisible by source vision dp(8) (remainder 4)"),
-    (["examples/layouts/colocated_equal_dp_cp.yaml", "--seq-length", "6"],
-     "edge vision->language: sequence 6 is not divisible by 2*cp = 2*2 = 4 of destination language"),
-    (["examples/layouts/colocated_fan_in.yaml", "--hidden-size", "0"],
-     "edge vision->language: hidden must be a positive integer, got 0"),
-    (["examples/layouts/colocated_fan_in.yaml", "--hetero-layout", "examples/layouts/homogeneous.yaml"],
-     "give the layout file once: positional LAYOUT or --hetero-layout, not both"),
-    (["examples/layouts/colocated_fan_in.yaml", "--hetero-placement", "disjoint"],
-     "--hetero-placement disjoint contradicts placement colocated in examples/layouts/colocated_fan_in.yaml"),
-    (["examples/layouts/does_not_exist.yaml"], "cannot read layout file 'examples/layouts/does_not_exist.yaml'"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--hetero-module", "vision:dp=8", "--hetero-module", "language:tp=2,pp=2,dp=3"], BROKEN_MESSAGE),
+        (["--hetero-module", "vision:dp=2"], None),  # valid: exit 0
+        ([], "no layout: give --hetero-layout FILE or one --hetero-module NAME:tp=..,dp=.. per module"),
+        (
+            ["--hetero-module", "vision:dp=2", "--hetero-edge", "vision->llm"],
+            "edge vision->llm: unknown module 'llm'; modules are ['vision']",
+        ),
+        (
+            ["examples/layouts/colocated_fan_in.yaml", "--global-batch-size", "4"],
+            "edge vision->language: batch 4 is not divisible by source vision dp(8) (remainder 4)",
+        ),
+        (
+            ["examples/layouts/colocated_equal_dp_cp.yaml", "--seq-length", "6"],
+            "edge vision->language: sequence 6 is not divisible by 2*cp = 2*2 = 4 of destination language",
+        ),
+        (
+            ["examples/layouts/colocated_fan_in.yaml", "--hidden-size", "0"],
+            "edge vision->language: hidden must be a positive integer, got 0",
+        ),
+        (
+            ["examples/layouts/colocated_fan_in.yaml", "--hetero-layout", "examples/layouts/homogeneous.yaml"],
+            "give the layout file once: positional LAYOUT or --hetero-layout, not both",
+        ),
+        (
+            ["examples/layouts/colocated_fan_in.yaml", "--hetero-placement", "disjoint"],
+            "--hetero-placement disjoint contradicts placement colocated in examples/layouts/colocated_fan_in.yaml",
+        ),
+        (["examples/layouts/does_not_exist.yaml"], "cannot read layout file 'examples/layouts/does_not_exist.yaml'"),
+    ],
+)
 def test_plan_invalid_input_messages(capsys, monkeypatch, argv, message) -> None:
     monkeypatch.chdir(REPO)
     rc, out, err = _run(capsys, "plan", *argv)
@@ -208,8 +247,14 @@ def test_subprocess_exit_2_prints_message_on_stderr(tmp_path: Path) -> None:
     path = tmp_path / "broken.yaml"
     path.write_text(BROKEN)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "megatron_hetero.cli", "plan", str(path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_hetero.cli", "plan", str(path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     assert f"megatron-hetero plan: invalid input: layout file {str(path)!r}: {BROKEN_MESSAGE}" in proc.stderr
@@ -236,16 +281,31 @@ def test_plan_moe_expert_coordinates(capsys) -> None:
     assert len(seen) == 8
     rc, out, err = _run(capsys, "plan", path, "--num-experts", "8")
     assert rc == 0, err
-    assert "experts folded as expt_tp(1) x ep(4) x expt_dp(2) over each stage's 8 ranks; 8 experts, 2 per EP rank" in out
+    assert (
+        "experts folded as expt_tp(1) x ep(4) x expt_dp(2) over each stage's 8 ranks; 8 experts, 2 per EP rank" in out
+    )
     assert "tp0 cp0 dp5 pp0 ep1 edp1" in out
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6 (6 % 4 = 2)"),
-    (["--hetero-module", "language:dp=8,ep=4", "--hetero-module", "vision:dp=8,ep=2",
-      "--hetero-edge", "vision->language", "--num-experts", "4"], "module vision: ep(2) expt_tp(1) > 1 but the module "
-                                                                  "has no experts"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6 (6 % 4 = 2)"),
+        (
+            [
+                "--hetero-module",
+                "language:dp=8,ep=4",
+                "--hetero-module",
+                "vision:dp=8,ep=2",
+                "--hetero-edge",
+                "vision->language",
+                "--num-experts",
+                "4",
+            ],
+            "module vision: ep(2) expt_tp(1) > 1 but the module has no experts",
+        ),
+    ],
+)
 def test_plan_moe_invalid_exits_2(capsys, argv, message) -> None:
     if argv[0] == "--num-experts":
         argv = [str(REPO / "examples" / "layouts" / "colocated_moe.yaml")] + argv

@@ -1,6 +1,7 @@
 """The `megatron-hetero` command package (cli/): the subcommand registry, the shared model flags,
 the hardware presets as package data, and `search` planning the model `train` runs: `search`
 without model flags writes a layout that `train` without model flags trains."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,20 @@ def _search_args(*argv: str):
 # ------------------------------------------------------------------------------------------
 def test_every_registered_subcommand_follows_the_convention() -> None:
     mods = cli.subcommand_modules()
-    assert list(mods) == ["plan", "train", "schedule", "profile", "search", "bench", "slurm", "data", "checkpoint",
-                          "convert", "timeline", "megatron-lm"]
+    assert list(mods) == [
+        "plan",
+        "train",
+        "schedule",
+        "profile",
+        "search",
+        "bench",
+        "slurm",
+        "data",
+        "checkpoint",
+        "convert",
+        "timeline",
+        "megatron-lm",
+    ]
     for name, mod in mods.items():
         assert mod.NAME == name and callable(mod.add_parser) and callable(mod.run), name
     sub = cli.build_parser()._subparsers._group_actions[0]
@@ -43,22 +56,30 @@ def test_every_registered_subcommand_follows_the_convention() -> None:
 
 
 def test_cli_modules_do_not_import_torch() -> None:
-    code = ("import sys; import megatron_hetero.cli as c; c.build_parser(); "
-            "import megatron_hetero.cli.search, megatron_hetero.training.model_args, "
-            "megatron_hetero.planner.hardware_presets; "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad")
+    code = (
+        "import sys; import megatron_hetero.cli as c; c.build_parser(); "
+        "import megatron_hetero.cli.search, megatron_hetero.training.model_args, "
+        "megatron_hetero.planner.hardware_presets; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 @pytest.mark.parametrize("module", ["megatron_hetero", "megatron_hetero.cli"])
 def test_python_dash_m_entry_points(module) -> None:
-    proc = subprocess.run([sys.executable, "-m", module, "search", "--world-size", "4", "--hardware", "nowhere"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "search", "--world-size", "4", "--hardware", "nowhere"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("megatron-hetero search: invalid input: unknown hardware preset 'nowhere'")
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and all(name in proc.stdout for name in cli.subcommand_modules())
 
 
@@ -84,23 +105,82 @@ def test_train_and_search_share_the_model_flags() -> None:
         assert set(MODEL_FLAGS) <= dests, (cmd, set(MODEL_FLAGS) - dests)
     plan_dests = {a.dest for a in subs["plan"]._actions}
     assert {"global_batch_size", "seq_length", "hidden_size"} <= plan_dests
-    argv = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8", "--seq-length", "64",
-            "--vocab-size", "256", "--encoder-num-layers", "3", "--encoder-hidden-size", "48",
-            "--encoder-num-attention-heads", "6", "--encoder-tokens", "16", "--encoder-feature-dim", "12",
-            "--global-batch-size", "16", "--micro-batch-size", "2"]
+    argv = [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "128",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "64",
+        "--vocab-size",
+        "256",
+        "--encoder-num-layers",
+        "3",
+        "--encoder-hidden-size",
+        "48",
+        "--encoder-num-attention-heads",
+        "6",
+        "--encoder-tokens",
+        "16",
+        "--encoder-feature-dim",
+        "12",
+        "--global-batch-size",
+        "16",
+        "--micro-batch-size",
+        "2",
+    ]
     train = ModelArgs.from_namespace(parser.parse_args(["train", *argv]))
     search = ModelArgs.from_namespace(parser.parse_args(["search", *argv]))
     assert train == search == ModelArgs(4, 128, 8, None, 64, 256, 3, 48, 6, 16, 12, 16, 2)
 
 
 def test_earlier_search_flag_spellings_still_parse() -> None:
-    old = _search_args("--llm-layers", "4", "--llm-hidden", "128", "--llm-heads", "8", "--llm-ffn-hidden", "512",
-                       "--encoder-layers", "3", "--encoder-hidden", "48", "--encoder-heads", "6",
-                       "--image-tokens", "16", "--encoder-ffn-hidden", "96", "--simulate", "h100_80gb")
-    new = _search_args("--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8",
-                       "--ffn-hidden-size", "512", "--encoder-num-layers", "3", "--encoder-hidden-size", "48",
-                       "--encoder-num-attention-heads", "6", "--encoder-tokens", "16",
-                       "--encoder-ffn-hidden-size", "96", "--hardware", "h100_80gb")
+    old = _search_args(
+        "--llm-layers",
+        "4",
+        "--llm-hidden",
+        "128",
+        "--llm-heads",
+        "8",
+        "--llm-ffn-hidden",
+        "512",
+        "--encoder-layers",
+        "3",
+        "--encoder-hidden",
+        "48",
+        "--encoder-heads",
+        "6",
+        "--image-tokens",
+        "16",
+        "--encoder-ffn-hidden",
+        "96",
+        "--simulate",
+        "h100_80gb",
+    )
+    new = _search_args(
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "128",
+        "--num-attention-heads",
+        "8",
+        "--ffn-hidden-size",
+        "512",
+        "--encoder-num-layers",
+        "3",
+        "--encoder-hidden-size",
+        "48",
+        "--encoder-num-attention-heads",
+        "6",
+        "--encoder-tokens",
+        "16",
+        "--encoder-ffn-hidden-size",
+        "96",
+        "--hardware",
+        "h100_80gb",
+    )
     assert vars(old) == vars(new)
     assert "--llm-hidden" not in cli.build_parser()._subparsers._group_actions[0].choices["search"].format_help()
 
@@ -130,18 +210,25 @@ def test_search_without_model_flags_plans_trains_model() -> None:
     wl = cli_search.workload_from_args(_search_args("--world-size", "4", "--hidden-size", "128"))
     assert wl.llm.hidden == 128 and wl.dtype_bytes == 4
     # what train runs anyway may be spelled out
-    assert cli_search.workload_from_args(_search_args("--encoder-ffn-hidden-size", "128", "--images-per-sample", "1")) \
-        == workload(ModelArgs())
+    assert cli_search.workload_from_args(
+        _search_args("--encoder-ffn-hidden-size", "128", "--images-per-sample", "1")
+    ) == workload(ModelArgs())
     wl = cli_search.workload_from_args(_search_args("--llm", "14B"))
     assert wl.llm.hidden == 5120 and wl.llm.seq == 8192 and wl.encoder.hidden == 1536 and wl.dtype_bytes == 2
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--encoder-ffn-hidden-size", "256"], "--encoder-ffn-hidden-size 256 applies to the --encoder/--llm presets"),
-    (["--images-per-sample", "2"], "--images-per-sample 2 applies to the --encoder/--llm presets"),
-    (["--encoder-hidden-size", "30"], "--encoder-hidden-size 30 is not divisible by --encoder-num-attention-heads 4"),
-    (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--encoder-ffn-hidden-size", "256"], "--encoder-ffn-hidden-size 256 applies to the --encoder/--llm presets"),
+        (["--images-per-sample", "2"], "--images-per-sample 2 applies to the --encoder/--llm presets"),
+        (
+            ["--encoder-hidden-size", "30"],
+            "--encoder-hidden-size 30 is not divisible by --encoder-num-attention-heads 4",
+        ),
+        (["--seq-length", "0"], "--seq-length must be >= 1, got 0"),
+    ],
+)
 def test_search_invalid_model_flags_exit_2(capsys, argv, message) -> None:
     rc, out, err = _run(capsys, "search", "--world-size", "4", "--hardware", DEFAULT_HARDWARE, *argv)
     assert rc == 2 and out == ""

@@ -7,6 +7,7 @@ tables), the multimodal search against every candidate built one by one and scor
 `cost.evaluate` (the evaluator with one row). The colocated boundary's pricing is checked against
 the routes of the boundary plan (`plan/boundary.py`) that the runtime executes.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,14 @@ SEED_STRATEGIES = [Degrees(tp=1, dp=4), Degrees(tp=2, dp=2), Degrees(tp=4, dp=1)
 #: `_candidates()` on the H100 description, images_per_sample=2 (the homogeneous and disjoint ones,
 #: and the third, are the values of the cost model before the evaluators were merged; the fourth
 #: moved from 0.07296211 with the colocated boundary priced as the plan's point-to-point routes)
-GOLDEN_TOTALS = [0.07423344597559466, 0.0633458736389812, 0.06394758101059227, 0.07300539278055142,
-                 0.0895161786233677, 0.12993118667415224]
+GOLDEN_TOTALS = [
+    0.07423344597559466,
+    0.0633458736389812,
+    0.06394758101059227,
+    0.07300539278055142,
+    0.0895161786233677,
+    0.12993118667415224,
+]
 
 
 # ------------------------------------------------------------------------------------------
@@ -70,15 +77,24 @@ def test_hardware_file_has_published_figures(hw) -> None:
 
 
 def test_profile_json_round_trip(prof, tmp_path) -> None:
-    measured = HW.Profile(prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth,
-                         {"all_reduce": {"intra": {8: HW.AlphaBeta(1e-4, 2e-12)}}}, "test")
+    measured = HW.Profile(
+        prof.layers,
+        prof.links,
+        prof.devices_per_node,
+        prof.memory_bytes,
+        prof.host_bandwidth,
+        {"all_reduce": {"intra": {8: HW.AlphaBeta(1e-4, 2e-12)}}},
+        "test",
+    )
     path = tmp_path / "p.json"
     measured.save(path)
     back = HW.Profile.load(path)
     assert back == measured
     # the measured entry overrides the ring formula at n=8 intra only
     assert back.collective_time("all_reduce", 1e6, 8, False) == pytest.approx(1e-4 + 1e6 * 2e-12)
-    assert back.collective_time("all_reduce", 1e6, 8, True) == pytest.approx(prof.collective_time("all_reduce", 1e6, 8, True))
+    assert back.collective_time("all_reduce", 1e6, 8, True) == pytest.approx(
+        prof.collective_time("all_reduce", 1e6, 8, True)
+    )
 
 
 def test_profile_and_hardware_errors(tmp_path) -> None:
@@ -109,8 +125,18 @@ def test_fit_layer_model_recovers_parameters() -> None:
     samples = []
     for tokens, tp, cp in [(2048, 1, 1), (4096, 2, 1), (8192, 4, 2), (16384, 8, 1)]:
         f = float(HW.layer_flops(tokens, 2048, 2048, 5632, True)) / (tp * cp)
-        samples.append({"tokens": tokens, "seq": 2048, "hidden": 2048, "ffn_hidden": 5632, "gated": True,
-                        "tp": tp, "cp": cp, "seconds": float(truth.time(f))})
+        samples.append(
+            {
+                "tokens": tokens,
+                "seq": 2048,
+                "hidden": 2048,
+                "ffn_hidden": 5632,
+                "gated": True,
+                "tp": tp,
+                "cp": cp,
+                "seconds": float(truth.time(f)),
+            }
+        )
     fit = HW.fit_layer_model(samples)
     assert fit.a == pytest.approx(truth.a, rel=1e-6) and fit.b == pytest.approx(truth.b, rel=1e-9)
     pairs = HW.fit_layer_model([(1e12, 1e-3), (2e12, 2e-3)])
@@ -135,7 +161,9 @@ def test_more_tp_less_compute_per_rank(prof) -> None:
     cp_compute = [float(C.layer_parts(prof, wl, SMALL_LLM, 4, 1, cp)[0]) for cp in (1, 2, 4)]
     assert all(a > b for a, b in zip(cp_compute, cp_compute[1:]))
     # encoders do not shard their sequence over CP: the same work on every CP rank
-    assert float(C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 4)[0]) == float(C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 1)[0])
+    assert float(C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 4)[0]) == float(
+        C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 1)[0]
+    )
 
 
 @pytest.mark.parametrize("kind", HW.COLLECTIVES)
@@ -155,9 +183,11 @@ def test_ring_formulas(prof) -> None:
     lo = prof.links["intra"]
     n, nbytes = 8, 1e8
     assert float(prof.collective_time("all_reduce", nbytes, n, False)) == pytest.approx(
-        2 * (n - 1) * lo.alpha + 2 * (n - 1) / n * nbytes * lo.beta)
+        2 * (n - 1) * lo.alpha + 2 * (n - 1) / n * nbytes * lo.beta
+    )
     assert float(prof.collective_time("all_gather", nbytes, n, False)) == pytest.approx(
-        (n - 1) * lo.alpha + (n - 1) / n * nbytes * lo.beta)
+        (n - 1) * lo.alpha + (n - 1) / n * nbytes * lo.beta
+    )
     assert float(prof.collective_time("send_recv", nbytes, 2, False)) == pytest.approx(lo.alpha + nbytes * lo.beta)
     assert float(prof.collective_time("broadcast", nbytes, n, False)) == pytest.approx(3 * lo.alpha + nbytes * lo.beta)
 
@@ -195,17 +225,28 @@ def test_breakdown_sums_to_total(prof, cand) -> None:
 def _measured_style(shared: bool) -> HW.Profile:
     """A profile with every term `megatron-hetero profile` fits (overheads, shared execution units)."""
     lm = HW.LayerModel(2e-3, 3e-11)
-    return HW.Profile(layers={"llm": lm, "encoder": HW.LayerModel(1.5e-3, 3e-11), "default": lm},
-                      links={"intra": HW.AlphaBeta(1e-3, 1e-9), "inter": HW.AlphaBeta(1e-3, 1e-9)},
-                      devices_per_node=8, memory_bytes=1e9, host_bandwidth=5e9,
-                      collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(1.5e-3, 1e-9)}}}, source="synthetic",
-                      overheads={"llm_io": HW.LayerModel(4e-3, 1e-11), "encoder_io": HW.LayerModel(2e-3, 0.0),
-                                 "llm_io_tp": HW.LayerModel(0.0, 5.0), "optimizer": HW.LayerModel(2e-3, 1e-8),
-                                 "data": HW.LayerModel(3e-4, 1e-6), "snapshot": HW.LayerModel(4e-4, 0.0),
-                                 "grad_sync": HW.LayerModel(5e-4, 1.4)},
-                      cores=1.7 if shared else 0.0, concurrency=8 if shared else 0,
-                      layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}},
-                      cpu_cores=2.0 if shared else 0.0)
+    return HW.Profile(
+        layers={"llm": lm, "encoder": HW.LayerModel(1.5e-3, 3e-11), "default": lm},
+        links={"intra": HW.AlphaBeta(1e-3, 1e-9), "inter": HW.AlphaBeta(1e-3, 1e-9)},
+        devices_per_node=8,
+        memory_bytes=1e9,
+        host_bandwidth=5e9,
+        collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(1.5e-3, 1e-9)}}},
+        source="synthetic",
+        overheads={
+            "llm_io": HW.LayerModel(4e-3, 1e-11),
+            "encoder_io": HW.LayerModel(2e-3, 0.0),
+            "llm_io_tp": HW.LayerModel(0.0, 5.0),
+            "optimizer": HW.LayerModel(2e-3, 1e-8),
+            "data": HW.LayerModel(3e-4, 1e-6),
+            "snapshot": HW.LayerModel(4e-4, 0.0),
+            "grad_sync": HW.LayerModel(5e-4, 1.4),
+        },
+        cores=1.7 if shared else 0.0,
+        concurrency=8 if shared else 0,
+        layer_collectives={"all_reduce": {"intra": {2: HW.AlphaBeta(8e-4, 1e-9)}}},
+        cpu_cores=2.0 if shared else 0.0,
+    )
 
 
 @pytest.mark.parametrize("which", ["simulated", "measured", "shared"])
@@ -224,29 +265,54 @@ def test_batched_evaluation_equals_one_by_one(prof, which) -> None:
 
     seg = W.Segment.of
     homo = [(2, 1, 2, 2, 3), (1, 2, 1, 4, 0), (1, 1, 4, 2, 2), (2, 1, 4, 1, 5), (8, 1, 1, 1, 0)]
-    cands = [W.Candidate("homogeneous", seg(t, c, q, d, 6), (seg(t, c, q, d, 8),), first_stage_layers=l0)
-             for t, c, q, d, l0 in homo]
+    cands = [
+        W.Candidate("homogeneous", seg(t, c, q, d, 6), (seg(t, c, q, d, 8),), first_stage_layers=l0)
+        for t, c, q, d, l0 in homo
+    ]
     same(C.homogeneous(p, wl, *(np.array([h[k] for h in homo]) for k in range(5))), cands)
-    colo = [((2, 1, 2, 2), (1, 1, 1, 8), False), ((1, 2, 2, 2), (1, 1, 2, 4), True), ((1, 1, 1, 8), (2, 1, 1, 4), False),
-            ((4, 1, 2, 1), (1, 1, 4, 2), True), ((1, 1, 1, 8), (1, 1, 1, 8), False)]
+    colo = [
+        ((2, 1, 2, 2), (1, 1, 1, 8), False),
+        ((1, 2, 2, 2), (1, 1, 2, 4), True),
+        ((1, 1, 1, 8), (2, 1, 1, 4), False),
+        ((4, 1, 2, 1), (1, 1, 4, 2), True),
+        ((1, 1, 1, 8), (1, 1, 1, 8), False),
+    ]
     cands = [W.Candidate("colocated", seg(*e, 6), (seg(*a, 8),), offload=o) for a, e, o in colo]
-    same(C.colocated(p, wl, *(np.array([c[0][k] for c in colo]) for k in range(4)),
-                     *(np.array([c[1][k] for c in colo]) for k in range(4)), np.array([c[2] for c in colo])), cands)
+    same(
+        C.colocated(
+            p,
+            wl,
+            *(np.array([c[0][k] for c in colo]) for k in range(4)),
+            *(np.array([c[1][k] for c in colo]) for k in range(4)),
+            np.array([c[2] for c in colo]),
+        ),
+        cands,
+    )
     # disjoint: encoder islands and two-segment chains (pp = 0: no second segment), paired row by row
-    dis = [((2, 1, 1, 1), (2, 1, 3, 1, 8), (0, 1, 0, 0, 0)), ((1, 1, 1, 2), (1, 1, 1, 2, 5), (2, 1, 1, 2, 3)),
-           ((1, 1, 2, 1), (1, 1, 2, 1, 4), (2, 1, 2, 1, 4)), ((1, 1, 2, 1), (2, 1, 1, 1, 6), (1, 1, 2, 2, 2))]
+    dis = [
+        ((2, 1, 1, 1), (2, 1, 3, 1, 8), (0, 1, 0, 0, 0)),
+        ((1, 1, 1, 2), (1, 1, 1, 2, 5), (2, 1, 1, 2, 3)),
+        ((1, 1, 2, 1), (1, 1, 2, 1, 4), (2, 1, 2, 1, 4)),
+        ((1, 1, 2, 1), (2, 1, 1, 1, 6), (1, 1, 2, 2, 2)),
+    ]
     world = [e[0] * e[1] * e[2] * e[3] + a[0] * a[1] * a[2] * a[3] + b[0] * b[1] * b[2] * b[3] for e, a, b in dis]
     assert len(set(world)) == 1, world
-    cands = [W.Candidate("disjoint", seg(*e, 6), (seg(*a),) + ((seg(*b),) if b[2] else ()), encoder_ranks=seg(*e).size)
-             for e, a, b in dis]
+    cands = [
+        W.Candidate("disjoint", seg(*e, 6), (seg(*a),) + ((seg(*b),) if b[2] else ()), encoder_ranks=seg(*e).size)
+        for e, a, b in dis
+    ]
     arr = lambda j, k: np.array([d[j][k] for d in dis])  # noqa: E731
-    llm, llm_mem = C.llm_chain(p, wl, [tuple(arr(1, k) for k in range(5)), tuple(arr(2, k) for k in range(5))], world[0])
+    llm, llm_mem = C.llm_chain(
+        p, wl, [tuple(arr(1, k) for k in range(5)), tuple(arr(2, k) for k in range(5))], world[0]
+    )
     mb = wl.micro_batch * np.maximum(arr(1, 3), np.where(arr(2, 2) > 0, arr(2, 3), 1))
     enc, enc_mem = C.encoder_island(p, wl, *(arr(0, k) for k in range(4)), mb, arr(1, 2) + arr(2, 2))
     out = C.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb)
     out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
     same(out, cands)
-    assert C.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb, full=False) == pytest.approx(out["total"], rel=1e-12)
+    assert C.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb, full=False) == pytest.approx(
+        out["total"], rel=1e-12
+    )
 
 
 def test_golden_step_times(prof) -> None:
@@ -276,11 +342,14 @@ def test_colocated_boundary_prices_what_the_plan_moves() -> None:
             ed, dp = world // (et * ep), world // (tp * cp * pp)
             wl = W.Workload(enc, llm, global_batch=16, dtype_bytes=dt)
             cand = W.Candidate("colocated", W.Segment.of(et, 1, ep, ed, 4), (W.Segment.of(tp, cp, pp, dp, 8),))
-            plan = plan_boundary(cand.to_layout(), "vision->language", BoundaryShape(batch=16, seq=T, hidden=h,
-                                                                                     dtype_bytes=dt))
+            plan = plan_boundary(
+                cand.to_layout(), "vision->language", BoundaryShape(batch=16, seq=T, hidden=h, dtype_bytes=dt)
+            )
             model = C.colocated_traffic(wl, ep, ed, tp, cp, pp, dp)
-            for name, moves, receivers in (("forward", plan.forward, plan.dst_ranks),
-                                           ("backward", plan.backward, plan.src_ranks)):
+            for name, moves, receivers in (
+                ("forward", plan.forward, plan.dst_ranks),
+                ("backward", plan.backward, plan.src_ranks),
+            ):
                 sent, recv, peers = collections.Counter(), collections.Counter(), collections.defaultdict(set)
                 for t in moves:
                     if not t.local:
@@ -289,11 +358,15 @@ def test_colocated_boundary_prices_what_the_plan_moves() -> None:
                         peers[t.dst].add(t.src)
                 busiest = max(receivers, key=lambda r: (recv[r], len(peers[r])))
                 m = model[name]
-                assert (recv[busiest], len(peers[busiest])) == (m["recv_bytes"], m["recv_msgs"]), (name, cand.describe())
+                assert (recv[busiest], len(peers[busiest])) == (m["recv_bytes"], m["recv_msgs"]), (
+                    name,
+                    cand.describe(),
+                )
                 # the slower end of the exchange (busiest receiver or sender: the plan's routing spreads
                 # the senders, so the busiest sender moves the mean where it is the slower end)
                 assert max(max(recv.values(), default=0), max(sent.values(), default=0)) == pytest.approx(
-                    max(float(m["recv_bytes"]), float(m["send_bytes"]))), (name, cand.describe())
+                    max(float(m["recv_bytes"]), float(m["send_bytes"]))
+                ), (name, cand.describe())
                 checked += 1
     assert checked > 100
     # a rank that holds its whole need receives nothing: the forward of a fan-out onto the same ranks
@@ -305,14 +378,26 @@ def test_colocated_boundary_prices_what_the_plan_moves() -> None:
 
 def test_pipeline_formula_and_offload(prof) -> None:
     wl = _wl()
-    on, off = (C.evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, 6), (W.Segment.of(2, 1, 2, 2, 8),), offload=o),
-                          wl, prof) for o in (True, False))
+    on, off = (
+        C.evaluate(
+            W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, 6), (W.Segment.of(2, 1, 2, 2, 8),), offload=o), wl, prof
+        )
+        for o in (True, False)
+    )
     assert on.offload > 0 and off.offload == 0
     assert on.memory_per_rank_peak < off.memory_per_rank_peak  # encoder state leaves during the LLM phase
     assert on.total - on.offload == pytest.approx(off.total)
     # more micro-batches at the same per-micro-batch cost: the bubble share shrinks
-    small, large = (C.evaluate(W.Candidate("homogeneous", W.Segment.of(1, 1, 4, 2, 6), (W.Segment.of(1, 1, 4, 2, 8),),
-                                           first_stage_layers=2), _wl(global_batch=g), prof) for g in (8, 64))
+    small, large = (
+        C.evaluate(
+            W.Candidate(
+                "homogeneous", W.Segment.of(1, 1, 4, 2, 6), (W.Segment.of(1, 1, 4, 2, 8),), first_stage_layers=2
+            ),
+            _wl(global_batch=g),
+            prof,
+        )
+        for g in (8, 64)
+    )
     assert small.bubble / small.total > large.bubble / large.total
 
 
@@ -346,12 +431,17 @@ def test_seed_189_dp_equals_brute_force(prof) -> None:
     cost = _seed_cost(prof)
     best = H.heteropipe_search(22, 8, 2, SEED_STRATEGIES, cost, num_microbatches=8)
     ref = R.heteropipe_brute_force(22, 8, 2, SEED_STRATEGIES, cost, num_microbatches=8)
-    every = [H.PipelinePlan(tuple(H.StagePlan(i, j, s, cost(i, j, s, k)) for k, (i, j, s) in enumerate(c)), 8).objective
-             for c in H.enumerate_pipelines(22, 8, 2, SEED_STRATEGIES)]
+    every = [
+        H.PipelinePlan(tuple(H.StagePlan(i, j, s, cost(i, j, s, k)) for k, (i, j, s) in enumerate(c)), 8).objective
+        for c in H.enumerate_pipelines(22, 8, 2, SEED_STRATEGIES)
+    ]
     assert len(every) == 189
     assert best.objective == pytest.approx(min(every), rel=1e-12) == ref.objective
     # the space's known optimum: with uniform blocks the homogeneous 11/11 TP1·DP4 split wins
-    assert [(s.start, s.end, H.strategy_label(s.strategy)) for s in best.stages] == [(0, 11, "TP1·DP4"), (11, 22, "TP1·DP4")]
+    assert [(s.start, s.end, H.strategy_label(s.strategy)) for s in best.stages] == [
+        (0, 11, "TP1·DP4"),
+        (11, 22, "TP1·DP4"),
+    ]
 
 
 def test_heteropipe_prefers_tp_heavy_stage_when_costs_say_so() -> None:
@@ -375,7 +465,7 @@ def test_heteropipe_dp_equals_brute_force_random_tables(data) -> None:
     D = data.draw(st.integers(1, 9), label="devices")
     B = data.draw(st.integers(1, 6), label="microbatches")
     use_all = data.draw(st.booleans(), label="use_all")
-    seed = data.draw(st.integers(0, 2 ** 31 - 1), label="seed")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
     rng = np.random.default_rng(seed)
     table = np.round(rng.random((S_, L + 1, L + 1, len(strategies))) * 10, 1)  # ties on purpose
     table[rng.random(table.shape) < 0.1] = np.inf  # some infeasible (out-of-memory) stages
@@ -416,7 +506,9 @@ def test_heteropipe_memory_limit_and_errors(prof) -> None:
 # ------------------------------------------------------------------------------------------
 # (b) multimodal search
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("world,gbs,images,limit", [(8, 32, 2, None), (8, 32, 1, 3e9), (12, 48, 2, None), (16, 64, 1, 6e9)])
+@pytest.mark.parametrize(
+    "world,gbs,images,limit", [(8, 32, 2, None), (8, 32, 1, 3e9), (12, 48, 2, None), (16, 64, 1, 6e9)]
+)
 @pytest.mark.parametrize("prune", [True, False])
 def test_search_equals_brute_force(prof, world, gbs, images, limit, prune) -> None:
     wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=gbs, images_per_sample=images)
@@ -436,12 +528,20 @@ def test_search_equals_brute_force(prof, world, gbs, images, limit, prune) -> No
 
 
 @settings(max_examples=15, deadline=None)
-@given(world=st.sampled_from([4, 6, 8, 12]), enc_layers=st.integers(1, 6), llm_layers=st.integers(2, 9),
-       enc_hidden=st.sampled_from([512, 1024, 2048]), llm_hidden=st.sampled_from([1024, 2048, 4096]),
-       seq=st.sampled_from([512, 4096, 32768]), batch_factor=st.sampled_from([1, 2, 4]),
-       images=st.integers(1, 3), mem_quantile=st.sampled_from([None, 0.3, 0.7]))
-def test_search_equals_brute_force_random_workloads(world, enc_layers, llm_layers, enc_hidden, llm_hidden, seq,
-                                                    batch_factor, images, mem_quantile) -> None:
+@given(
+    world=st.sampled_from([4, 6, 8, 12]),
+    enc_layers=st.integers(1, 6),
+    llm_layers=st.integers(2, 9),
+    enc_hidden=st.sampled_from([512, 1024, 2048]),
+    llm_hidden=st.sampled_from([1024, 2048, 4096]),
+    seq=st.sampled_from([512, 4096, 32768]),
+    batch_factor=st.sampled_from([1, 2, 4]),
+    images=st.integers(1, 3),
+    mem_quantile=st.sampled_from([None, 0.3, 0.7]),
+)
+def test_search_equals_brute_force_random_workloads(
+    world, enc_layers, llm_layers, enc_hidden, llm_hidden, seq, batch_factor, images, mem_quantile
+) -> None:
     prof = HW.Profile.from_hardware(HW.HardwareSpec.load(HW_FILE))
     enc = W.ModelSpec("vision", enc_layers, enc_hidden, 4 * enc_hidden, 8, 256, kind="encoder")
     llm = W.ModelSpec("language", llm_layers, llm_hidden, 3 * llm_hidden, 8, seq, vocab=1000, gated=True)
@@ -474,7 +574,9 @@ def test_memory_limit_excludes_candidates(prof) -> None:
 def test_two_segment_llm_is_searched(prof) -> None:
     # an LLM whose best split uses two different TP/DP segments can only be reached with max_segments=2
     wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=32)
-    space = S.SearchSpace(placements=("disjoint",), tp=(1, 2, 4), cp=(1,), pp=(1, 2), encoder_tp=(1, 2), encoder_pp=(1,))
+    space = S.SearchSpace(
+        placements=("disjoint",), tp=(1, 2, 4), cp=(1,), pp=(1, 2), encoder_tp=(1, 2), encoder_pp=(1,)
+    )
     res = S.search(wl, prof, 10, None, space, top=500, prune=False)
     segs = {len(r.candidate.llm) for r in res.ranked}
     assert segs == {1, 2}
@@ -505,7 +607,9 @@ def test_search_is_fast_on_100k_candidates(prof) -> None:
     assert wall < 5.0, f"{res.evaluated} candidates took {wall:.2f} s"
     pruned = S.search(wl, prof, 1024, memory_limit=float("inf"), prune=True, top=5)
     assert pruned.evaluated < res.evaluated
-    assert [r.breakdown.total for r in pruned.ranked] == pytest.approx([r.breakdown.total for r in res.ranked], rel=1e-12)
+    assert [r.breakdown.total for r in pruned.ranked] == pytest.approx(
+        [r.breakdown.total for r in res.ranked], rel=1e-12
+    )
 
 
 def test_search_input_errors(prof) -> None:
@@ -522,7 +626,8 @@ def test_regime_table_row_per_combination(prof) -> None:
     rows = PR.regime_table(prof)
     assert len(rows) == len(PR.ENCODER_PRESETS) * len(PR.LLM_PRESETS) * len(PR.REGIME_CONTEXTS) == 36
     assert {(r["encoder"], r["llm"], r["context"]) for r in rows} == {
-        (e, m, c) for e in PR.ENCODER_PRESETS for m in PR.LLM_PRESETS for c in PR.REGIME_CONTEXTS}
+        (e, m, c) for e in PR.ENCODER_PRESETS for m in PR.LLM_PRESETS for c in PR.REGIME_CONTEXTS
+    }
     assert {r["gpus"] for r in rows} == {64, 256, 1024}
     for r in rows:
         assert r["picked"] in ("homogeneous", "colocated", "disjoint")
@@ -537,8 +642,23 @@ def test_regime_table_row_per_combination(prof) -> None:
 # ------------------------------------------------------------------------------------------
 def test_cli_search_writes_layout(tmp_path, capsys) -> None:
     out = tmp_path / "best.yaml"
-    rc = cli.main(["search", "--world-size", "64", "--simulate", str(HW_FILE), "--encoder", "12B",
-                          "--llm", "14B", "--top", "3", "--out", str(out)])
+    rc = cli.main(
+        [
+            "search",
+            "--world-size",
+            "64",
+            "--simulate",
+            str(HW_FILE),
+            "--encoder",
+            "12B",
+            "--llm",
+            "14B",
+            "--top",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     text, err = capsys.readouterr()
     assert rc == 0, err
     assert "predicted gain over homogeneous" in text and "| 1 |" in text
@@ -549,10 +669,38 @@ def test_cli_search_writes_layout(tmp_path, capsys) -> None:
 def test_cli_search_json_and_profile(tmp_path, capsys, prof) -> None:
     path = tmp_path / "profile.json"
     prof.save(path)
-    rc = cli.main(["search", "--world-size", "8", "--profile", str(path), "--encoder-layers", "6",
-                          "--encoder-hidden", "1024", "--encoder-ffn-hidden", "4096", "--image-tokens", "256",
-                          "--llm-layers", "8", "--llm-hidden", "2048", "--llm-ffn-hidden", "5632", "--llm-heads", "16",
-                          "--seq-length", "2048", "--global-batch-size", "32", "--memory-limit-gb", "60", "--json"])
+    rc = cli.main(
+        [
+            "search",
+            "--world-size",
+            "8",
+            "--profile",
+            str(path),
+            "--encoder-layers",
+            "6",
+            "--encoder-hidden",
+            "1024",
+            "--encoder-ffn-hidden",
+            "4096",
+            "--image-tokens",
+            "256",
+            "--llm-layers",
+            "8",
+            "--llm-hidden",
+            "2048",
+            "--llm-ffn-hidden",
+            "5632",
+            "--llm-heads",
+            "16",
+            "--seq-length",
+            "2048",
+            "--global-batch-size",
+            "32",
+            "--memory-limit-gb",
+            "60",
+            "--json",
+        ]
+    )
     text, err = capsys.readouterr()
     assert rc == 0, err
     doc = json.loads(text)
@@ -560,13 +708,16 @@ def test_cli_search_json_and_profile(tmp_path, capsys, prof) -> None:
     assert doc["memory_limit"] == 60e9
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["search", "--world-size", "8"], "--profile PROFILE.json"),
-    (["search", "--world-size", "8", "--simulate", "/nonexistent.json"], "cannot read"),
-    (["search", "--simulate", str(HW_FILE)], "--world-size is required"),
-    (["search", "--world-size", "8", "--simulate", str(HW_FILE), "--llm", "120B"], "memory limit"),
-    (["search", "--world-size", "64", "--simulate", str(HW_FILE), "--placements", "nowhere"], "unknown placements"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["search", "--world-size", "8"], "--profile PROFILE.json"),
+        (["search", "--world-size", "8", "--simulate", "/nonexistent.json"], "cannot read"),
+        (["search", "--simulate", str(HW_FILE)], "--world-size is required"),
+        (["search", "--world-size", "8", "--simulate", str(HW_FILE), "--llm", "120B"], "memory limit"),
+        (["search", "--world-size", "64", "--simulate", str(HW_FILE), "--placements", "nowhere"], "unknown placements"),
+    ],
+)
 def test_cli_search_invalid_input_exit_2(capsys, argv, message) -> None:
     rc = cli.main(argv)
     _, err = capsys.readouterr()
@@ -582,7 +733,9 @@ def test_cli_regime_table_markdown(capsys) -> None:
 
 
 def test_plan_modules_do_not_import_torch() -> None:
-    code = ("import sys; import megatron_hetero.planner.cost, megatron_hetero.planner.search, megatron_hetero.planner.heteropipe, "
-            "megatron_hetero.planner.presets, megatron_hetero.planner.profile_fit, megatron_hetero.cli.search; "
-            "assert 'torch' not in sys.modules and 'torch.distributed' not in sys.modules")
+    code = (
+        "import sys; import megatron_hetero.planner.cost, megatron_hetero.planner.search, megatron_hetero.planner.heteropipe, "
+        "megatron_hetero.planner.presets, megatron_hetero.planner.profile_fit, megatron_hetero.cli.search; "
+        "assert 'torch' not in sys.modules and 'torch.distributed' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

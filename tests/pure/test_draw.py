@@ -1,5 +1,6 @@
 """Pictures of layouts, planned schedules and traces: valid PNGs whose drawn ranks are the layout's
 (or the trace's) ranks, checked on what the drawing functions read back from the figure."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,16 @@ def test_layout_picture_transforms():
     assert s["cells"] == 16  # one row of 8 cells per module over the same ranks
 
 
-@pytest.mark.parametrize("name", ["colocated_fan_in.yaml", "colocated_two_encoders.yaml", "disjoint_encoder_pp.yaml",
-                                  "llm_segments.yaml", "disjoint_two_encoders.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "colocated_fan_in.yaml",
+        "colocated_two_encoders.yaml",
+        "disjoint_encoder_pp.yaml",
+        "llm_segments.yaml",
+        "disjoint_two_encoders.yaml",
+    ],
+)
 def test_schedule_picture_draws_every_rank(name, tmp_path):
     from megatron_hetero.report.draw import draw_schedule
 
@@ -100,9 +109,15 @@ def test_timeline_draws_the_trace_ranks(tmp_path):
     from megatron_hetero.report.draw import draw_timeline
     from megatron_hetero.runtime.trace import chrome_trace
 
-    payloads = [{"rank": r, "host": "h", "spans": [("llm-forward", f"F{i}", 1000 * i, 1000 * i + 700, {"mb": i})
-                                                   for i in range(3)] + [("wait", "w", 5000, 6000, {})]}
-                for r in range(3)]
+    payloads = [
+        {
+            "rank": r,
+            "host": "h",
+            "spans": [("llm-forward", f"F{i}", 1000 * i, 1000 * i + 700, {"mb": i}) for i in range(3)]
+            + [("wait", "w", 5000, 6000, {})],
+        }
+        for r in range(3)
+    ]
     payloads.append({"rank": 3, "host": "h", "spans": []})  # a rank with nothing traced still gets its row
     doc = chrome_trace(payloads)
     out = tmp_path / "t.png"
@@ -121,8 +136,19 @@ def test_cli_draw_flags_and_timeline(tmp_path, capsys):
     assert "cells over 8 ranks" in capsys.readouterr().out
     assert main(["plan", str(LAYOUTS / "disjoint_fan_in.yaml"), "--json", "--draw", str(png)]) == 0
     json.loads(capsys.readouterr().out)  # --json stays a clean document (the drawing line goes to stderr)
-    assert main(["schedule", str(LAYOUTS / "disjoint_fan_in.yaml"), "--micro-batches", "2", "--draw",
-                 str(tmp_path / "s.png")]) == 0
+    assert (
+        main(
+            [
+                "schedule",
+                str(LAYOUTS / "disjoint_fan_in.yaml"),
+                "--micro-batches",
+                "2",
+                "--draw",
+                str(tmp_path / "s.png"),
+            ]
+        )
+        == 0
+    )
     assert "planned timeline of 8 ranks" in capsys.readouterr().out
     assert main(["schedule", str(LAYOUTS / "colocated_fan_out.yaml"), "--draw", str(tmp_path / "c.png")]) == 0
     capsys.readouterr()

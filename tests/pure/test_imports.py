@@ -40,6 +40,7 @@ file, else of P's `__init__.py`. The implicit run of a parent package's `__init_
 so an `__init__.py` that imports its own submodules is fine, as long as none of them imports that
 `__init__.py` back.
 """
+
 from __future__ import annotations
 
 import ast
@@ -181,8 +182,10 @@ def floor_violations(root: Path, package: str) -> list[str]:
         if dst_floor == "root" and src_floor != "root":
             continue  # the package's own __init__ runs before any submodule anyway
         if dst_floor not in ALLOWED[src_floor]:
-            problems.append(f"{imp.where()}: {src_floor} imports {dst_floor} ({imp.target}); "
-                            f"{src_floor} may import only {sorted(ALLOWED[src_floor])}")
+            problems.append(
+                f"{imp.where()}: {src_floor} imports {dst_floor} ({imp.target}); "
+                f"{src_floor} may import only {sorted(ALLOWED[src_floor])}"
+            )
     return list(dict.fromkeys(problems))  # one message per statement, not per imported name
 
 
@@ -300,7 +303,7 @@ CLEAN = {
     "pkg/compat/__init__.py": "import torch\nfrom pkg.layout import spec\n",
     "pkg/runtime/__init__.py": "",
     "pkg/runtime/run.py": "import torch\nfrom pkg.plan import table\nfrom pkg import compat\nfrom pkg.planner import cost\n"
-                          "def f():\n    from ..plan.table import graphlib\n",
+    "def f():\n    from ..plan.table import graphlib\n",
     "pkg/models/m.py": "from pkg.runtime.run import f\nfrom pkg.compat import torch\n",
     "pkg/checkpoint/c.py": "from pkg.models import m\n",
     "pkg/launch/l.py": "from pkg.layout import Spec\n",
@@ -326,12 +329,15 @@ def test_checker_passes_a_clean_package(tmp_path: Path):
     assert ("pkg/runtime/run.py", "pkg/compat/__init__.py") in edges  # `from pkg import compat`
 
 
-@pytest.mark.parametrize("statement", [
-    "from pkg.training.t import m",
-    "import pkg.training.t",
-    "from pkg.training import t",
-    "def f():\n    from ..training.t import m",
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "from pkg.training.t import m",
+        "import pkg.training.t",
+        "from pkg.training import t",
+        "def f():\n    from ..training.t import m",
+    ],
+)
 def test_checker_flags_a_reverse_import(tmp_path: Path, statement: str):
     _write(tmp_path, {**CLEAN, "pkg/runtime/x.py": statement + "\n"})
     problems = floor_violations(tmp_path, "pkg")
@@ -341,20 +347,23 @@ def test_checker_flags_a_reverse_import(tmp_path: Path, statement: str):
     assert statement.splitlines()[-1].strip() in problems[0]  # the import line, as written
 
 
-@pytest.mark.parametrize("src, statement, dst", [
-    ("pkg/checkpoint/x.py", "from pkg.training import t", "training"),  # the loop saves; a checkpoint runs no loop
-    ("pkg/launch/x.py", "from pkg.training.t import m", "training"),
-    ("pkg/checkpoint/x.py", "from pkg.launch import l", "launch"),  # peers on models import neither way
-    ("pkg/profiling/x.py", "from pkg.checkpoint import c", "checkpoint"),
-    ("pkg/training/x.py", "from pkg.convert import v", "convert"),
-    ("pkg/training/x.py", "from pkg.profiling import p", "profiling"),
-    ("pkg/plan/x.py", "from pkg.planner import cost", "planner"),
-    ("pkg/planner/x.py", "from pkg.runtime import run", "runtime"),
-    ("pkg/convert/x.py", "from pkg.megatron_lm import g", "megatron_lm"),
-    ("pkg/megatron_lm/x.py", "from pkg.report import r", "report"),
-    ("pkg/report/x.py", "from pkg.bench import b", "bench"),
-    ("pkg/bench/x.py", "from pkg.cli import main", "cli"),
-])
+@pytest.mark.parametrize(
+    "src, statement, dst",
+    [
+        ("pkg/checkpoint/x.py", "from pkg.training import t", "training"),  # the loop saves; a checkpoint runs no loop
+        ("pkg/launch/x.py", "from pkg.training.t import m", "training"),
+        ("pkg/checkpoint/x.py", "from pkg.launch import l", "launch"),  # peers on models import neither way
+        ("pkg/profiling/x.py", "from pkg.checkpoint import c", "checkpoint"),
+        ("pkg/training/x.py", "from pkg.convert import v", "convert"),
+        ("pkg/training/x.py", "from pkg.profiling import p", "profiling"),
+        ("pkg/plan/x.py", "from pkg.planner import cost", "planner"),
+        ("pkg/planner/x.py", "from pkg.runtime import run", "runtime"),
+        ("pkg/convert/x.py", "from pkg.megatron_lm import g", "megatron_lm"),
+        ("pkg/megatron_lm/x.py", "from pkg.report import r", "report"),
+        ("pkg/report/x.py", "from pkg.bench import b", "bench"),
+        ("pkg/bench/x.py", "from pkg.cli import main", "cli"),
+    ],
+)
 def test_checker_flags_an_import_up_or_across(tmp_path: Path, src: str, statement: str, dst: str):
     _write(tmp_path, {**CLEAN, src: statement + "\n"})
     problems = floor_violations(tmp_path, "pkg")
@@ -363,15 +372,20 @@ def test_checker_flags_an_import_up_or_across(tmp_path: Path, src: str, statemen
 
 
 def test_checker_flags_torch_in_a_pure_floor_and_compat_importing_up(tmp_path: Path):
-    _write(tmp_path, {**CLEAN,
-                      "pkg/plan/table.py": "def f():\n    import torch.distributed as dist\n",
-                      "pkg/layout/spec.py": "from megatron.core import parallel_state\nclass Spec: pass\n",
-                      "pkg/compat/patch.py": "from pkg.runtime import run\n",
-                      "pkg/plan/uses_compat.py": "from pkg.compat import patch\n",
-                      "pkg/stray.py": "",
-                      "pkg/layout/missing.py": "from pkg.layout.nothing import x\n",
-                      "pkg/planner/fit.py": "import torch\n",
-                      "pkg/report/draw.py": "def f():\n    from megatron.core import tensor_parallel\n"})
+    _write(
+        tmp_path,
+        {
+            **CLEAN,
+            "pkg/plan/table.py": "def f():\n    import torch.distributed as dist\n",
+            "pkg/layout/spec.py": "from megatron.core import parallel_state\nclass Spec: pass\n",
+            "pkg/compat/patch.py": "from pkg.runtime import run\n",
+            "pkg/plan/uses_compat.py": "from pkg.compat import patch\n",
+            "pkg/stray.py": "",
+            "pkg/layout/missing.py": "from pkg.layout.nothing import x\n",
+            "pkg/planner/fit.py": "import torch\n",
+            "pkg/report/draw.py": "def f():\n    from megatron.core import tensor_parallel\n",
+        },
+    )
     problems = "\n".join(floor_violations(tmp_path, "pkg"))
     assert "pkg/plan/table.py:2 `import torch.distributed as dist`: plan/ is pure and must not import torch" in problems
     assert "pkg/layout/spec.py:1 `from megatron.core import parallel_state`: layout/ is pure" in problems
@@ -385,9 +399,14 @@ def test_checker_flags_torch_in_a_pure_floor_and_compat_importing_up(tmp_path: P
 
 
 def test_checker_flags_a_two_file_cycle(tmp_path: Path):
-    _write(tmp_path, {**CLEAN,
-                      "pkg/plan/a.py": "from pkg.plan.b import g\ndef f(): pass\n",
-                      "pkg/plan/b.py": "def g():\n    from .a import f\n"})
+    _write(
+        tmp_path,
+        {
+            **CLEAN,
+            "pkg/plan/a.py": "from pkg.plan.b import g\ndef f(): pass\n",
+            "pkg/plan/b.py": "def g():\n    from .a import f\n",
+        },
+    )
     assert floor_violations(tmp_path, "pkg") == []  # same floor: only the cycle is wrong
     problems = import_cycles(tmp_path, "pkg")
     assert problems == [
@@ -405,11 +424,16 @@ def test_checker_flags_a_cycle_back_into_an_init(tmp_path: Path):
 
 
 def test_checker_flags_a_long_cycle_and_a_self_import(tmp_path: Path):
-    _write(tmp_path, {**CLEAN,
-                      "pkg/runtime/a.py": "import pkg.runtime.b\n",
-                      "pkg/runtime/b.py": "import pkg.runtime.c\n",
-                      "pkg/runtime/c.py": "from pkg.runtime import a\n",
-                      "pkg/runtime/s.py": "from pkg.runtime.s import x\nx = 1\n"})
+    _write(
+        tmp_path,
+        {
+            **CLEAN,
+            "pkg/runtime/a.py": "import pkg.runtime.b\n",
+            "pkg/runtime/b.py": "import pkg.runtime.c\n",
+            "pkg/runtime/c.py": "from pkg.runtime import a\n",
+            "pkg/runtime/s.py": "from pkg.runtime.s import x\nx = 1\n",
+        },
+    )
     problems = import_cycles(tmp_path, "pkg")
     assert len(problems) == 2, problems
     assert "['pkg/runtime/a.py', 'pkg/runtime/b.py', 'pkg/runtime/c.py']" in problems[0]

@@ -3,6 +3,7 @@
 Pure tests: no torch, no process groups. Every user error must be a ValueError whose message spells
 out what is wrong (docs/architecture.md, rules); the property tests feed garbage and accept only ValueError.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,17 +70,22 @@ def test_yaml_colocated_fan_in_example() -> None:
 
 def test_yaml_disjoint_defaults_contiguous_islands_in_declaration_order(tmp_path: Path) -> None:
     path = tmp_path / "l.yaml"
-    path.write_text(textwrap.dedent("""\
+    path.write_text(
+        textwrap.dedent("""\
         placement: disjoint
         modules:
           vision: {tp: 2}
           audio:  {dp: 3, frozen: true}
           language: {tp: 2, cp: 2, pp: 2, dp: 1, layers: "0-11"}
         edges: ["vision->language", "audio -> language"]
-    """))
+    """)
+    )
     layout = load_layout(path)
     assert [(m.name, m.ranks) for m in layout.modules] == [
-        ("vision", RankRange(0, 1)), ("audio", RankRange(2, 4)), ("language", RankRange(5, 12))]
+        ("vision", RankRange(0, 1)),
+        ("audio", RankRange(2, 4)),
+        ("language", RankRange(5, 12)),
+    ]
     assert layout.module("audio").frozen is True
     assert layout.module("vision").frozen is False
     assert layout.module("language").layers == RankRange(0, 11)
@@ -134,14 +140,18 @@ def test_every_example_loads_and_round_trips(path: Path) -> None:
 
 
 def test_round_trip_keeps_every_field() -> None:
-    layout = resolve_layout(HeteroLayout(
-        placement="disjoint",
-        modules=(
-            ModuleLayout("vision", tp=2, dp=2, ranks=RankRange(8, 11), frozen=True),
-            ModuleLayout("language", tp=2, cp=2, dp=2, ep=4, expt_tp=2, ranks=RankRange(0, 7), layers=RankRange(3, 9)),
-        ),
-        edges=(Edge("vision", "language"),),
-    ))
+    layout = resolve_layout(
+        HeteroLayout(
+            placement="disjoint",
+            modules=(
+                ModuleLayout("vision", tp=2, dp=2, ranks=RankRange(8, 11), frozen=True),
+                ModuleLayout(
+                    "language", tp=2, cp=2, dp=2, ep=4, expt_tp=2, ranks=RankRange(0, 7), layers=RankRange(3, 9)
+                ),
+            ),
+            edges=(Edge("vision", "language"),),
+        )
+    )
     doc = yaml.safe_load(dump_layout(layout))
     assert doc == {
         "placement": "disjoint",
@@ -168,7 +178,8 @@ def test_load_layout_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
         load_layout(wrong)
     assert str(info.value) == (
-        f"layout file {str(wrong)!r}: module language: tp(1)*cp(1)*pp(1)*dp(4)=4 != ranks 0-5 (6)")
+        f"layout file {str(wrong)!r}: module language: tp(1)*cp(1)*pp(1)*dp(4)=4 != ranks 0-5 (6)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,83 +188,125 @@ def test_load_layout_errors_name_the_file(tmp_path: Path) -> None:
 
 
 def test_error_size_does_not_multiply_out() -> None:
-    _raises({"placement": "colocated",
-             "modules": {"vision": {"tp": 1, "dp": 8}, "language": {"tp": 2, "pp": 2, "dp": 3}}},
-            "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)")
+    _raises(
+        {"placement": "colocated", "modules": {"vision": {"tp": 1, "dp": 8}, "language": {"tp": 2, "pp": 2, "dp": 3}}},
+        "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)",
+    )
 
 
 def test_error_size_does_not_match_explicit_ranks() -> None:
-    _raises({"placement": "disjoint", "modules": {"vision": {"dp": 4, "ranks": "0-2"}}},
-            "module vision: tp(1)*cp(1)*pp(1)*dp(4)=4 != ranks 0-2 (3)")
-    _raises({"placement": "colocated", "modules": {"language": {"tp": 2, "cp": 2, "ranks": "0-7"}}},
-            "module language: tp(2)*cp(2)*pp(1)*dp(1)=4 != ranks 0-7 (8)")
+    _raises(
+        {"placement": "disjoint", "modules": {"vision": {"dp": 4, "ranks": "0-2"}}},
+        "module vision: tp(1)*cp(1)*pp(1)*dp(4)=4 != ranks 0-2 (3)",
+    )
+    _raises(
+        {"placement": "colocated", "modules": {"language": {"tp": 2, "cp": 2, "ranks": "0-7"}}},
+        "module language: tp(2)*cp(2)*pp(1)*dp(1)=4 != ranks 0-7 (8)",
+    )
 
 
 def test_error_colocated_world_size_mismatch() -> None:
-    _raises({"modules": {"vision": {"dp": 8}}}, "module vision: tp(1)*cp(1)*pp(1)*dp(8)=8 != ranks 0-3 (4)",
-            world_size=4)
-    _raises({"modules": {"vision": {"dp": 8, "ranks": "0-7"}}},
-            "colocated ranks 0-7 need world size 8, but world size is 4", world_size=4)
+    _raises(
+        {"modules": {"vision": {"dp": 8}}}, "module vision: tp(1)*cp(1)*pp(1)*dp(8)=8 != ranks 0-3 (4)", world_size=4
+    )
+    _raises(
+        {"modules": {"vision": {"dp": 8, "ranks": "0-7"}}},
+        "colocated ranks 0-7 need world size 8, but world size is 4",
+        world_size=4,
+    )
 
 
 def test_error_disjoint_overlap() -> None:
-    _raises({"placement": "disjoint",
-             "modules": {"vision": {"dp": 4, "ranks": "0-3"}, "language": {"dp": 4, "ranks": "2-5"}}},
-            "disjoint modules overlap: module language ranks 2-5 and module vision ranks 0-3")
+    _raises(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 4, "ranks": "0-3"}, "language": {"dp": 4, "ranks": "2-5"}},
+        },
+        "disjoint modules overlap: module language ranks 2-5 and module vision ranks 0-3",
+    )
     # An implicit island (vision 0-1) and an explicit one that overlaps it.
-    _raises({"placement": "disjoint", "modules": {"vision": {"dp": 2}, "language": {"dp": 2, "ranks": "1-2"}}},
-            "disjoint modules overlap: module language ranks 1-2 and module vision ranks 0-1")
-    _raises({"placement": "disjoint",
-             "modules": {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"dp": 4, "ranks": "1-4"}}},
-            "disjoint modules overlap: module language ranks 1-4 and module vision ranks 0-1")
+    _raises(
+        {"placement": "disjoint", "modules": {"vision": {"dp": 2}, "language": {"dp": 2, "ranks": "1-2"}}},
+        "disjoint modules overlap: module language ranks 1-2 and module vision ranks 0-1",
+    )
+    _raises(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"dp": 4, "ranks": "1-4"}},
+        },
+        "disjoint modules overlap: module language ranks 1-4 and module vision ranks 0-1",
+    )
 
 
 def test_error_colocated_different_ranges() -> None:
-    _raises({"placement": "colocated",
-             "modules": {"vision": {"dp": 4, "ranks": "0-3"}, "language": {"dp": 4, "ranks": "4-7"}}},
-            "colocated modules must share one rank range: module vision has ranks 0-3 but module language "
-            "has ranks 4-7")
+    _raises(
+        {
+            "placement": "colocated",
+            "modules": {"vision": {"dp": 4, "ranks": "0-3"}, "language": {"dp": 4, "ranks": "4-7"}},
+        },
+        "colocated modules must share one rank range: module vision has ranks 0-3 but module language has ranks 4-7",
+    )
 
 
 def test_error_unknown_edge_endpoints() -> None:
     mods = {"vision": {"dp": 2}, "language": {"tp": 2}}
-    _raises({"modules": mods, "edges": ["vision -> llm"]},
-            "edge vision->llm: unknown module 'llm'; modules are ['vision', 'language']")
-    _raises({"modules": mods, "edges": ["audio->language"]},
-            "edge audio->language: unknown module 'audio'; modules are ['vision', 'language']")
+    _raises(
+        {"modules": mods, "edges": ["vision -> llm"]},
+        "edge vision->llm: unknown module 'llm'; modules are ['vision', 'language']",
+    )
+    _raises(
+        {"modules": mods, "edges": ["audio->language"]},
+        "edge audio->language: unknown module 'audio'; modules are ['vision', 'language']",
+    )
 
 
 def test_error_edge_syntax_self_and_duplicate() -> None:
     mods = {"vision": {"dp": 2}, "language": {"tp": 2}}
-    _raises({"modules": mods, "edges": ["vision - language"]},
-            "edge 'vision - language' is not of the form 'src -> dst' (e.g. 'vision -> language')")
-    _raises({"modules": mods, "edges": ["a -> b -> c"]},
-            "edge 'a -> b -> c' is not of the form 'src -> dst' (e.g. 'vision -> language')")
-    _raises({"modules": mods, "edges": ["vision ->"]},
-            "edge 'vision ->' is not of the form 'src -> dst' (e.g. 'vision -> language')")
+    _raises(
+        {"modules": mods, "edges": ["vision - language"]},
+        "edge 'vision - language' is not of the form 'src -> dst' (e.g. 'vision -> language')",
+    )
+    _raises(
+        {"modules": mods, "edges": ["a -> b -> c"]},
+        "edge 'a -> b -> c' is not of the form 'src -> dst' (e.g. 'vision -> language')",
+    )
+    _raises(
+        {"modules": mods, "edges": ["vision ->"]},
+        "edge 'vision ->' is not of the form 'src -> dst' (e.g. 'vision -> language')",
+    )
     _raises({"modules": mods, "edges": ["vision->vision"]}, "edge vision->vision: a module cannot feed itself")
-    _raises({"modules": mods, "edges": ["vision->language", "vision -> language"]},
-            "edge vision->language is declared twice")
+    _raises(
+        {"modules": mods, "edges": ["vision->language", "vision -> language"]},
+        "edge vision->language is declared twice",
+    )
 
 
 def test_error_cycle_is_named() -> None:
     mods = {"a": {"dp": 2}, "b": {"dp": 2}, "c": {"dp": 2}, "d": {"dp": 2}}
-    _raises({"modules": mods, "edges": ["d->a", "a->b", "b->c", "c->a"]},
-            "edges form a cycle: a -> b -> c -> a; the module graph must be acyclic")
-    _raises({"modules": mods, "edges": ["c->d", "d->c"]},
-            "edges form a cycle: c -> d -> c; the module graph must be acyclic")
+    _raises(
+        {"modules": mods, "edges": ["d->a", "a->b", "b->c", "c->a"]},
+        "edges form a cycle: a -> b -> c -> a; the module graph must be acyclic",
+    )
+    _raises(
+        {"modules": mods, "edges": ["c->d", "d->c"]},
+        "edges form a cycle: c -> d -> c; the module graph must be acyclic",
+    )
 
 
 def test_topological_order_reports_cycle_as_value_error() -> None:
     # topological_order on an unvalidated layout: a ValueError naming the modules on the cycle.
-    layout = HeteroLayout("colocated", (ModuleLayout("a"), ModuleLayout("b"), ModuleLayout("c")),
-                          (Edge("a", "b"), Edge("b", "a")))
+    layout = HeteroLayout(
+        "colocated", (ModuleLayout("a"), ModuleLayout("b"), ModuleLayout("c")), (Edge("a", "b"), Edge("b", "a"))
+    )
     with pytest.raises(ValueError) as info:
         topological_order(layout)
     assert str(info.value) == "edges form a cycle: a -> b -> a; the module graph must be acyclic"
     # The cycle is named from the module declared first, whichever node graphlib's walk starts at.
-    layout = HeteroLayout("colocated", tuple(ModuleLayout(n) for n in "xcab"),
-                          (Edge("b", "c"), Edge("a", "b"), Edge("c", "a"), Edge("x", "a")))
+    layout = HeteroLayout(
+        "colocated",
+        tuple(ModuleLayout(n) for n in "xcab"),
+        (Edge("b", "c"), Edge("a", "b"), Edge("c", "a"), Edge("x", "a")),
+    )
     with pytest.raises(ValueError) as info:
         topological_order(layout)
     assert str(info.value) == "edges form a cycle: c -> a -> b -> c; the module graph must be acyclic"
@@ -266,8 +319,9 @@ def test_topological_order_reports_cycle_as_value_error() -> None:
 def test_topological_order_declaration_order_breaks_ties() -> None:
     # Among the modules whose producers are placed, the one declared first comes next.
     mods = tuple(ModuleLayout(n) for n in ("language", "projector", "vision", "audio"))
-    layout = HeteroLayout("colocated", mods, (Edge("vision", "projector"), Edge("projector", "language"),
-                                               Edge("audio", "language")))
+    layout = HeteroLayout(
+        "colocated", mods, (Edge("vision", "projector"), Edge("projector", "language"), Edge("audio", "language"))
+    )
     assert topological_order(layout) == ["vision", "projector", "audio", "language"]
     assert order_modules(["b", "a", "c"], [Edge("b", "a")]) == ["b", "a", "c"]
     assert order_modules(["c", "b", "a"], []) == ["c", "b", "a"]
@@ -289,45 +343,80 @@ def test_topological_order_is_the_one_graph_function() -> None:
 
 
 def test_error_expert_parallel_does_not_fit() -> None:
-    _raises({"modules": {"language": {"tp": 2, "dp": 2, "ep": 8}}},
-            "module language: expert-tp(1)*ep(8)=8 does not divide tp(2)*cp(1)*dp(2)=4 "
-            "(Megatron's MoE parallel folding needs it to)")
-    _raises({"modules": {"language": {"tp": 2, "cp": 2, "dp": 2, "ep": 3}}},
-            "module language: expert-tp(1)*ep(3)=3 does not divide tp(2)*cp(2)*dp(2)=8 "
-            "(Megatron's MoE parallel folding needs it to)")
-    _raises({"modules": {"language": {"tp": 2, "dp": 2, "pp": 4, "ep": 2, "expt_tp": 4}}},
-            "module language: expert-tp(4)*ep(2)=8 does not divide tp(2)*cp(1)*dp(2)=4 "
-            "(Megatron's MoE parallel folding needs it to)")
+    _raises(
+        {"modules": {"language": {"tp": 2, "dp": 2, "ep": 8}}},
+        "module language: expert-tp(1)*ep(8)=8 does not divide tp(2)*cp(1)*dp(2)=4 "
+        "(Megatron's MoE parallel folding needs it to)",
+    )
+    _raises(
+        {"modules": {"language": {"tp": 2, "cp": 2, "dp": 2, "ep": 3}}},
+        "module language: expert-tp(1)*ep(3)=3 does not divide tp(2)*cp(2)*dp(2)=8 "
+        "(Megatron's MoE parallel folding needs it to)",
+    )
+    _raises(
+        {"modules": {"language": {"tp": 2, "dp": 2, "pp": 4, "ep": 2, "expt_tp": 4}}},
+        "module language: expert-tp(4)*ep(2)=8 does not divide tp(2)*cp(1)*dp(2)=4 "
+        "(Megatron's MoE parallel folding needs it to)",
+    )
     # pp does not count: ep may be larger than tp*dp of the whole job only within a stage.
     layout = layout_from_dict({"modules": {"language": {"tp": 1, "dp": 4, "pp": 2, "ep": 2, "expt_tp": 2}}})
     assert layout.modules[0].ep == 2
 
 
 def test_error_non_integer_fan_factor() -> None:
-    _raises({"placement": "disjoint", "modules": {"vision": {"dp": 4}, "language": {"dp": 3}},
-             "edges": ["vision -> language"]},
-            "edge vision->language: src dp(4) and dst dp(3): fan-in factor 4/3 is not an integer")
-    _raises({"placement": "disjoint", "modules": {"vision": {"dp": 2}, "language": {"dp": 3}},
-             "edges": ["vision -> language"]},
-            "edge vision->language: src dp(2) and dst dp(3): fan-out factor 3/2 is not an integer")
-    _raises({"placement": "colocated", "modules": {"vision": {"dp": 6}, "language": {"tp": 3, "dp": 2},
-                                                  "audio": {"tp": 2, "dp": 3}},
-             "edges": ["vision -> language", "audio -> language"]},
-            "edge audio->language: src dp(3) and dst dp(2): fan-in factor 3/2 is not an integer")
+    _raises(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 4}, "language": {"dp": 3}},
+            "edges": ["vision -> language"],
+        },
+        "edge vision->language: src dp(4) and dst dp(3): fan-in factor 4/3 is not an integer",
+    )
+    _raises(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 2}, "language": {"dp": 3}},
+            "edges": ["vision -> language"],
+        },
+        "edge vision->language: src dp(2) and dst dp(3): fan-out factor 3/2 is not an integer",
+    )
+    _raises(
+        {
+            "placement": "colocated",
+            "modules": {"vision": {"dp": 6}, "language": {"tp": 3, "dp": 2}, "audio": {"tp": 2, "dp": 3}},
+            "edges": ["vision -> language", "audio -> language"],
+        },
+        "edge audio->language: src dp(3) and dst dp(2): fan-in factor 3/2 is not an integer",
+    )
 
 
 def test_error_unassigned_ranks_disjoint() -> None:
-    _raises({"placement": "disjoint",
-             "modules": {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"dp": 2, "ranks": "4-5"}}},
-            "ranks 2-3 of world size 6 are not assigned to any module: vision 0-1, language 4-5")
-    _raises({"placement": "disjoint", "modules": {"vision": {"dp": 2}, "language": {"tp": 2, "dp": 2}}},
-            "ranks 6-7 of world size 8 are not assigned to any module: vision 0-1, language 2-5", world_size=8)
-    _raises({"placement": "disjoint",
-             "modules": {"a": {"ranks": "1"}, "b": {"ranks": "3"}, "c": {"dp": 2, "ranks": "5-6"}}},
-            "ranks 0,2,4,7-9 of world size 10 are not assigned to any module: a 1-1, b 3-3, c 5-6", world_size=10)
-    _raises({"placement": "disjoint", "modules": {"vision": {"dp": 4}, "language": {"tp": 2, "dp": 2}}},
-            "disjoint modules need ranks 0-7 (8) but world size is 6: vision 0-3 (tp(1)*cp(1)*pp(1)*dp(4)=4), "
-            "language 4-7 (tp(2)*cp(1)*pp(1)*dp(2)=4)", world_size=6)
+    _raises(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"dp": 2, "ranks": "4-5"}},
+        },
+        "ranks 2-3 of world size 6 are not assigned to any module: vision 0-1, language 4-5",
+    )
+    _raises(
+        {"placement": "disjoint", "modules": {"vision": {"dp": 2}, "language": {"tp": 2, "dp": 2}}},
+        "ranks 6-7 of world size 8 are not assigned to any module: vision 0-1, language 2-5",
+        world_size=8,
+    )
+    _raises(
+        {
+            "placement": "disjoint",
+            "modules": {"a": {"ranks": "1"}, "b": {"ranks": "3"}, "c": {"dp": 2, "ranks": "5-6"}},
+        },
+        "ranks 0,2,4,7-9 of world size 10 are not assigned to any module: a 1-1, b 3-3, c 5-6",
+        world_size=10,
+    )
+    _raises(
+        {"placement": "disjoint", "modules": {"vision": {"dp": 4}, "language": {"tp": 2, "dp": 2}}},
+        "disjoint modules need ranks 0-7 (8) but world size is 6: vision 0-3 (tp(1)*cp(1)*pp(1)*dp(4)=4), "
+        "language 4-7 (tp(2)*cp(1)*pp(1)*dp(2)=4)",
+        world_size=6,
+    )
 
 
 def test_error_unassigned_ranks_colocated_explicit_range_not_at_zero() -> None:
@@ -337,7 +426,10 @@ def test_error_unassigned_ranks_colocated_explicit_range_not_at_zero() -> None:
     '2-5' and the resolved layout reports world size 6 with ranks 0-1 serving no module (the plan
     printout shows them as '-'); the disjoint path rejects the same gap.
     """
-    doc = {"placement": "colocated", "modules": {"vision": {"dp": 4, "ranks": "2-5"}, "language": {"tp": 4, "ranks": "2-5"}}}
+    doc = {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 4, "ranks": "2-5"}, "language": {"tp": 4, "ranks": "2-5"}},
+    }
     with pytest.raises(ValueError) as info:
         layout_from_dict(doc)
     assert "not assigned" in str(info.value) and "0-1" in str(info.value)
@@ -352,13 +444,19 @@ def test_error_unassigned_ranks_colocated_range_smaller_than_world() -> None:
 
 
 def test_error_unknown_keys() -> None:
-    _raises({"modules": {"vision": {"tp": 1, "dpp": 2}}},
-            "module vision: unknown keys ['dpp']; allowed keys are "
-            "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']")
-    _raises({"modules": {"vision": {"tp": 1}}, "edge": ["a->b"]},
-            "unknown top-level keys ['edge']; allowed keys are ['edges', 'modules', 'placement']")
-    _raises({"modules": {"vision": {"tensor_parallel": 2, "tp": 2}}, "size": 3, "zz": 1},
-            "unknown top-level keys ['size', 'zz']; allowed keys are ['edges', 'modules', 'placement']")
+    _raises(
+        {"modules": {"vision": {"tp": 1, "dpp": 2}}},
+        "module vision: unknown keys ['dpp']; allowed keys are "
+        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']",
+    )
+    _raises(
+        {"modules": {"vision": {"tp": 1}}, "edge": ["a->b"]},
+        "unknown top-level keys ['edge']; allowed keys are ['edges', 'modules', 'placement']",
+    )
+    _raises(
+        {"modules": {"vision": {"tensor_parallel": 2, "tp": 2}}, "size": 3, "zz": 1},
+        "unknown top-level keys ['size', 'zz']; allowed keys are ['edges', 'modules', 'placement']",
+    )
 
 
 @pytest.mark.parametrize("key", ["tp", "cp", "pp", "dp", "ep", "expt_tp"])
@@ -399,14 +497,18 @@ def test_error_frozen_and_ranks_values() -> None:
     _raises({"modules": {"vision": {"frozen": "maybe"}}}, "module vision: frozen must be true or false, got 'maybe'")
     _raises({"modules": {"vision": {"frozen": 3}}}, "module vision: frozen must be true or false, got 3")
     _raises({"modules": {"vision": {"ranks": "3-1"}}}, "module vision: ranks '3-1' must satisfy 0 <= A <= B")
-    _raises({"modules": {"vision": {"ranks": "a-b"}}},
-            "module vision: ranks 'a-b' is not of the form 'A-B' (e.g. '0-3')")
-    _raises({"modules": {"vision": {"ranks": "0-1-2"}}},
-            "module vision: ranks '0-1-2' is not of the form 'A-B' (e.g. '0-3')")
-    _raises({"modules": {"vision": {"ranks": "-1"}}},
-            "module vision: ranks '-1' is not of the form 'A-B' (e.g. '0-3')")
-    _raises({"modules": {"vision": {"layers": "x"}}},
-            "module vision: layers: ranks 'x' is not of the form 'A-B' (e.g. '0-3')")
+    _raises(
+        {"modules": {"vision": {"ranks": "a-b"}}}, "module vision: ranks 'a-b' is not of the form 'A-B' (e.g. '0-3')"
+    )
+    _raises(
+        {"modules": {"vision": {"ranks": "0-1-2"}}},
+        "module vision: ranks '0-1-2' is not of the form 'A-B' (e.g. '0-3')",
+    )
+    _raises({"modules": {"vision": {"ranks": "-1"}}}, "module vision: ranks '-1' is not of the form 'A-B' (e.g. '0-3')")
+    _raises(
+        {"modules": {"vision": {"layers": "x"}}},
+        "module vision: layers: ranks 'x' is not of the form 'A-B' (e.g. '0-3')",
+    )
 
 
 def test_error_document_shape() -> None:
@@ -415,13 +517,19 @@ def test_error_document_shape() -> None:
     _raises({"placement": "colocated"}, "'modules' must be a non-empty mapping NAME -> {tp, cp, pp, dp, ...}")
     _raises({"modules": {}}, "'modules' must be a non-empty mapping NAME -> {tp, cp, pp, dp, ...}")
     _raises({"modules": ["vision"]}, "'modules' must be a non-empty mapping NAME -> {tp, cp, pp, dp, ...}")
-    _raises({"modules": {"vision": {}}, "edges": "vision->language"},
-            "'edges' must be a list of 'src -> dst' strings, got 'vision->language'")
-    _raises({"modules": {"vision": [1]}},
-            "module vision: expected a mapping of ['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', "
-            "'ranks', 'role', 'tp'], got [1]")
-    _raises({"placement": "mixed", "modules": {"vision": {}}},
-            "placement must be one of ['colocated', 'disjoint'], got 'mixed'")
+    _raises(
+        {"modules": {"vision": {}}, "edges": "vision->language"},
+        "'edges' must be a list of 'src -> dst' strings, got 'vision->language'",
+    )
+    _raises(
+        {"modules": {"vision": [1]}},
+        "module vision: expected a mapping of ['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', "
+        "'ranks', 'role', 'tp'], got [1]",
+    )
+    _raises(
+        {"placement": "mixed", "modules": {"vision": {}}},
+        "placement must be one of ['colocated', 'disjoint'], got 'mixed'",
+    )
     _raises({"modules": {"a b": {}}}, "module name 'a b' must be a non-empty name of letters, digits, '_' or '-'")
     _raises({"modules": {"": {}}}, "module name '' must be a non-empty name of letters, digits, '_' or '-'")
     _raises({"modules": {1: {}, "1": {}}}, "module names must be unique; declared twice: ['1']")
@@ -459,34 +567,55 @@ def test_flags_defaults() -> None:
     with pytest.raises(ValueError) as info:
         layout_from_args(args)
     assert str(info.value) == (
-        "no layout: give --hetero-layout FILE or one --hetero-module NAME:tp=..,dp=.. per module")
+        "no layout: give --hetero-layout FILE or one --hetero-module NAME:tp=..,dp=.. per module"
+    )
 
 
 def test_flags_colocated_modules_and_edge() -> None:
-    args = _parser().parse_args([
-        "--tensor-model-parallel-size", "2",
-        "--hetero-module", "vision:tp=1,dp=8",
-        "--hetero-module", "language:tp=2,pp=2,dp=2",
-        "--hetero-edge", "vision->language",
-        "--hetero-comm-timeout", "30", "--hetero-offload-encoder",
-    ])
+    args = _parser().parse_args(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--hetero-module",
+            "vision:tp=1,dp=8",
+            "--hetero-module",
+            "language:tp=2,pp=2,dp=2",
+            "--hetero-edge",
+            "vision->language",
+            "--hetero-comm-timeout",
+            "30",
+            "--hetero-offload-encoder",
+        ]
+    )
     assert args.hetero_comm_timeout == 30.0 and args.hetero_offload_encoder is True
     layout = layout_from_args(args)
     assert layout == load_layout(REPO / "examples/layouts/colocated_fan_in.yaml")
 
 
 def test_flags_disjoint_ranks_frozen_and_world_size() -> None:
-    args = _parser().parse_args([
-        "--hetero-placement", "disjoint",
-        "--hetero-module", "language: tp=2 , dp=2 , ranks=2-5, ep=2, expt_tp=2",
-        "--hetero-module", "vision:tp=2,ranks=0-1,frozen",
-        "--hetero-module", "audio:dp=2,frozen=false,layers=0-3",
-        "--hetero-edge", "vision -> language", "--hetero-edge", "audio->language",
-    ])
+    args = _parser().parse_args(
+        [
+            "--hetero-placement",
+            "disjoint",
+            "--hetero-module",
+            "language: tp=2 , dp=2 , ranks=2-5, ep=2, expt_tp=2",
+            "--hetero-module",
+            "vision:tp=2,ranks=0-1,frozen",
+            "--hetero-module",
+            "audio:dp=2,frozen=false,layers=0-3",
+            "--hetero-edge",
+            "vision -> language",
+            "--hetero-edge",
+            "audio->language",
+        ]
+    )
     layout = layout_from_args(args)
     assert layout.placement == "disjoint"
     assert [(m.name, m.ranks, m.frozen) for m in layout.modules] == [
-        ("language", RankRange(2, 5), False), ("vision", RankRange(0, 1), True), ("audio", RankRange(6, 7), False)]
+        ("language", RankRange(2, 5), False),
+        ("vision", RankRange(0, 1), True),
+        ("audio", RankRange(6, 7), False),
+    ]
     assert (layout.module("language").ep, layout.module("language").expt_tp) == (2, 2)
     assert layout.module("audio").layers == RankRange(0, 3)
     assert layout.edges == (Edge("vision", "language"), Edge("audio", "language"))
@@ -495,7 +624,8 @@ def test_flags_disjoint_ranks_frozen_and_world_size() -> None:
     with pytest.raises(ValueError) as info:
         layout_from_args(args)
     assert str(info.value) == (
-        "ranks 8-9 of world size 10 are not assigned to any module: language 2-5, vision 0-1, audio 6-7")
+        "ranks 8-9 of world size 10 are not assigned to any module: language 2-5, vision 0-1, audio 6-7"
+    )
     assert layout_from_args(args, world_size=8) == layout
 
 
@@ -523,8 +653,9 @@ def test_flags_layout_file(tmp_path: Path) -> None:
 
 def test_flag_errors() -> None:
     def err(modules, edges=(), placement=None) -> str:
-        ns = argparse.Namespace(hetero_layout=None, hetero_module=list(modules), hetero_edge=list(edges),
-                                hetero_placement=placement)
+        ns = argparse.Namespace(
+            hetero_layout=None, hetero_module=list(modules), hetero_edge=list(edges), hetero_placement=placement
+        )
         with pytest.raises(ValueError) as info:
             layout_from_args(ns)
         return str(info.value)
@@ -539,21 +670,30 @@ def test_flag_errors() -> None:
     assert err(["vision:tp="]) == "module vision: tp must be a positive integer, got ''"
     assert err(["vision:size=2"]) == (
         "module vision: unknown keys ['size']; allowed keys are "
-        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']")
-    assert err(["vision:dp=8", "language:tp=2,pp=2,dp=3"]) == "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)"
+        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']"
+    )
+    assert (
+        err(["vision:dp=8", "language:tp=2,pp=2,dp=3"])
+        == "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)"
+    )
     assert err(["vision:dp=2"], ["vision->llm"]) == "edge vision->llm: unknown module 'llm'; modules are ['vision']"
     assert err(["a:dp=2", "b:dp=2"], ["a->b", "b->a"]) == (
-        "edges form a cycle: a -> b -> a; the module graph must be acyclic")
+        "edges form a cycle: a -> b -> a; the module graph must be acyclic"
+    )
     assert err(["vision:dp=2"], ["vision"]) == (
-        "edge 'vision' is not of the form 'src -> dst' (e.g. 'vision -> language')")
+        "edge 'vision' is not of the form 'src -> dst' (e.g. 'vision -> language')"
+    )
     assert err(["vision:dp=2,ranks=0-1", "language:dp=2,ranks=4-5"], placement="disjoint") == (
-        "ranks 2-3 of world size 6 are not assigned to any module: vision 0-1, language 4-5")
+        "ranks 2-3 of world size 6 are not assigned to any module: vision 0-1, language 4-5"
+    )
 
 
 def test_parse_module_flag() -> None:
     assert parse_module_flag("vision:tp=1,dp=8") == ("vision", {"tp": "1", "dp": "8"})
     assert parse_module_flag(" vision : tp=2,,frozen, ranks=0-3 ") == (
-        "vision", {"tp": "2", "frozen": True, "ranks": "0-3"})
+        "vision",
+        {"tp": "2", "frozen": True, "ranks": "0-3"},
+    )
     assert parse_module_flag("v:") == ("v", {})
 
 
@@ -569,38 +709,71 @@ def test_argparse_rejects_unknown_placement(capsys) -> None:
 
 NAMES = ["vision", "audio", "language", "proj"]
 _scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-3, 16), st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 16),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=8),
-    st.sampled_from(["1", "2", "4", "0", "-1", "0-3", "4-7", "0-7", " 2 ", "true", "no", "a->b", "vision -> language",
-                     "colocated", "disjoint", "1_0", "2.0", "0-1-2", "3-1"]),
+    st.sampled_from(
+        [
+            "1",
+            "2",
+            "4",
+            "0",
+            "-1",
+            "0-3",
+            "4-7",
+            "0-7",
+            " 2 ",
+            "true",
+            "no",
+            "a->b",
+            "vision -> language",
+            "colocated",
+            "disjoint",
+            "1_0",
+            "2.0",
+            "0-1-2",
+            "3-1",
+        ]
+    ),
 )
 _garbage = st.recursive(
     _scalars,
     lambda children: st.one_of(
         st.lists(children, max_size=4),
-        st.dictionaries(st.one_of(st.sampled_from(sorted(MODULE_KEYS) + NAMES + ["placement", "modules", "edges"]),
-                                  st.text(max_size=5), st.integers(-2, 5)), children, max_size=4),
+        st.dictionaries(
+            st.one_of(
+                st.sampled_from(sorted(MODULE_KEYS) + NAMES + ["placement", "modules", "edges"]),
+                st.text(max_size=5),
+                st.integers(-2, 5),
+            ),
+            children,
+            max_size=4,
+        ),
     ),
     max_leaves=12,
 )
 _small_degree = st.one_of(st.integers(1, 4), st.integers(1, 4).map(str), st.sampled_from([0, -1, True, "x", None, 2.5]))
 _module_spec = st.one_of(
-    st.dictionaries(st.sampled_from(sorted(MODULE_KEYS)),
-                    st.one_of(_small_degree, st.sampled_from(["0-3", "4-7", "0-1", "2-3", "0", "1-0", "true"]),
-                              st.booleans()),
-                    max_size=5),
+    st.dictionaries(
+        st.sampled_from(sorted(MODULE_KEYS)),
+        st.one_of(_small_degree, st.sampled_from(["0-3", "4-7", "0-1", "2-3", "0", "1-0", "true"]), st.booleans()),
+        max_size=5,
+    ),
     st.dictionaries(st.sampled_from(["tp", "dp", "pp", "cp"]), st.integers(1, 4), max_size=4),
     _garbage,
 )
 _edge = st.one_of(
-    st.tuples(st.sampled_from(NAMES), st.sampled_from(NAMES)).map(lambda ab: f"{ab[0]} -> {ab[1]}"),
-    _garbage,
+    st.tuples(st.sampled_from(NAMES), st.sampled_from(NAMES)).map(lambda ab: f"{ab[0]} -> {ab[1]}"), _garbage
 )
 _docs = st.one_of(
     st.fixed_dictionaries(
         {"modules": st.one_of(st.dictionaries(st.sampled_from(NAMES), _module_spec, min_size=1, max_size=4), _garbage)},
-        optional={"placement": st.one_of(st.sampled_from(["colocated", "disjoint"]), _garbage),
-                  "edges": st.one_of(st.lists(_edge, max_size=4), _garbage)},
+        optional={
+            "placement": st.one_of(st.sampled_from(["colocated", "disjoint"]), _garbage),
+            "edges": st.one_of(st.lists(_edge, max_size=4), _garbage),
+        },
     ),
     _garbage,
 )
@@ -671,11 +844,17 @@ _flag_text = st.one_of(
     st.builds(
         lambda name, items: f"{name}:" + ",".join(items),
         st.sampled_from(NAMES + ["", "a b", "x"]),
-        st.lists(st.one_of(
-            st.builds(lambda k, v: f"{k}={v}", st.sampled_from(sorted(MODULE_KEYS) + ["size"]),
-                      st.sampled_from(["1", "2", "4", "0", "-1", "0-3", "4-7", "true", "", "x", "2.0"])),
-            st.sampled_from(["frozen", "tp", "=", ""]),
-        ), max_size=5),
+        st.lists(
+            st.one_of(
+                st.builds(
+                    lambda k, v: f"{k}={v}",
+                    st.sampled_from(sorted(MODULE_KEYS) + ["size"]),
+                    st.sampled_from(["1", "2", "4", "0", "-1", "0-3", "4-7", "true", "", "x", "2.0"]),
+                ),
+                st.sampled_from(["frozen", "tp", "=", ""]),
+            ),
+            max_size=5,
+        ),
     ),
 )
 
@@ -726,7 +905,7 @@ def valid_layouts(draw):
         modules[name] = spec
         if placement == "disjoint":
             size = draw(st.sampled_from([1, 2, 4, 8]))
-    edges = [f"{a} -> {b}" for i, a in enumerate(names) for b in names[i + 1:] if draw(st.booleans())]
+    edges = [f"{a} -> {b}" for i, a in enumerate(names) for b in names[i + 1 :] if draw(st.booleans())]
     return {"placement": placement, "modules": modules, "edges": edges}
 
 
@@ -757,8 +936,11 @@ def test_long_acyclic_chain_is_valid() -> None:
     """BUG (fixed): a recursive cycle search raised RecursionError (not a layout error at all) from
     `layout_from_dict` on a valid chain of 1500 modules; graphlib is iterative."""
     n = 1500
-    doc = {"placement": "disjoint", "modules": {f"m{i}": {} for i in range(n)},
-           "edges": [f"m{i} -> m{i + 1}" for i in range(n - 1)]}
+    doc = {
+        "placement": "disjoint",
+        "modules": {f"m{i}": {} for i in range(n)},
+        "edges": [f"m{i} -> m{i + 1}" for i in range(n - 1)],
+    }
     layout = layout_from_dict(doc)
     assert layout.world_size == n
 
@@ -791,10 +973,14 @@ def test_huge_disjoint_degree_does_not_exhaust_memory() -> None:
 
 
 def test_role_key_round_trips_and_is_validated() -> None:
-    doc = {"placement": "disjoint", "modules": {"img": {}, "llm": {"pp": 2, "role": "language"}, "head": {}},
-           "edges": ["img -> llm", "llm -> head"]}
+    doc = {
+        "placement": "disjoint",
+        "modules": {"img": {}, "llm": {"pp": 2, "role": "language"}, "head": {}},
+        "edges": ["img -> llm", "llm -> head"],
+    }
     layout = layout_from_dict(doc)
     assert layout.module("llm").role == "language" and layout.module("img").role is None
     assert layout_from_dict(yaml.safe_load(dump_layout(layout))) == layout
-    _raises({"modules": {"vision": {"role": "encoder"}}},
-            "module vision: role must be one of ['language'], got 'encoder'")
+    _raises(
+        {"modules": {"vision": {"role": "encoder"}}}, "module vision: role must be one of ['language'], got 'encoder'"
+    )

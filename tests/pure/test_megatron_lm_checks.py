@@ -1,6 +1,7 @@
 """What `pretrain_gpt.py` / `pretrain_vlm.py` refuse with a layout, before any process group or model
 (pure: parsed Megatron arguments as a namespace; no Megatron-LM tree needed). The end-to-end runs are
 in tests/e2e/test_megatron_lm.py."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,16 +13,32 @@ from megatron_hetero.megatron_lm.driver import check_common
 from megatron_hetero.megatron_lm.gpt import check_gpt, segment_layers
 from megatron_hetero.megatron_lm.vlm import check_vlm
 
-SEGMENTS = {"language_a": {"tp": 2, "layers": "0-1", "ranks": "0-1"},
-            "language_b": {"dp": 2, "layers": "2-3", "ranks": "2-3"}}
+SEGMENTS = {
+    "language_a": {"tp": 2, "layers": "0-1", "ranks": "0-1"},
+    "language_b": {"dp": 2, "layers": "2-3", "ranks": "2-3"},
+}
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(num_layers=4, num_attention_heads=4, untie_embeddings_and_output_weights=True, save=None,
-                load=None, clip_grad=0.0, context_parallel_size=1, pipeline_model_parallel_size=1,
-                optimizer="adam", ckpt_format="torch", hetero_init="reference", eval_iters=1,
-                full_validation=False, multiple_validation_sets=False, train_iters=3, rampup_batch_size=None,
-                decoder_num_layers=None)
+    base = dict(
+        num_layers=4,
+        num_attention_heads=4,
+        untie_embeddings_and_output_weights=True,
+        save=None,
+        load=None,
+        clip_grad=0.0,
+        context_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        optimizer="adam",
+        ckpt_format="torch",
+        hetero_init="reference",
+        eval_iters=1,
+        full_validation=False,
+        multiple_validation_sets=False,
+        train_iters=3,
+        rampup_batch_size=None,
+        decoder_num_layers=None,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -40,32 +57,62 @@ def test_segments_are_accepted_and_count_their_layers():
     assert segment_layers(_args(), one.module("language")) == 4
 
 
-@pytest.mark.parametrize("args, modules, edges, world, message", [
-    (_args(num_layers=6), SEGMENTS, ("language_a -> language_b",), 4, "the segments cover layers 0-3 (4 layers); --num-layers is 6"),
-    (_args(untie_embeddings_and_output_weights=False), SEGMENTS, ("language_a -> language_b",),
-     4, "pass --untie-embeddings-and-output-weights"),
-    (_args(), SEGMENTS, (), 4, "needs exactly the edges between consecutive segments ['language_a -> language_b']"),
-    (_args(), {**SEGMENTS, "vision": {"ranks": "4-4"}}, ("vision -> language_a", "language_a -> language_b"),
-     5, "takes language modules only"),
-    (_args(), {"language_a": {"tp": 2, "pp": 2, "layers": "0-2", "ranks": "0-3"}, "language_b": {"layers": "3-3", "ranks": "4-4"}},
-     ("language_a -> language_b",), 5, "module language_a: 3 layers do not split over pp(2)"),
-    (_args(save="/tmp/x"), SEGMENTS, ("language_a -> language_b",), 4, "--save/--load with pretrain_gpt.py"),
-    (_args(sft=True), SEGMENTS, ("language_a -> language_b",), 4, "--sft is not supported"),
-])
+@pytest.mark.parametrize(
+    "args, modules, edges, world, message",
+    [
+        (
+            _args(num_layers=6),
+            SEGMENTS,
+            ("language_a -> language_b",),
+            4,
+            "the segments cover layers 0-3 (4 layers); --num-layers is 6",
+        ),
+        (
+            _args(untie_embeddings_and_output_weights=False),
+            SEGMENTS,
+            ("language_a -> language_b",),
+            4,
+            "pass --untie-embeddings-and-output-weights",
+        ),
+        (_args(), SEGMENTS, (), 4, "needs exactly the edges between consecutive segments ['language_a -> language_b']"),
+        (
+            _args(),
+            {**SEGMENTS, "vision": {"ranks": "4-4"}},
+            ("vision -> language_a", "language_a -> language_b"),
+            5,
+            "takes language modules only",
+        ),
+        (
+            _args(),
+            {
+                "language_a": {"tp": 2, "pp": 2, "layers": "0-2", "ranks": "0-3"},
+                "language_b": {"layers": "3-3", "ranks": "4-4"},
+            },
+            ("language_a -> language_b",),
+            5,
+            "module language_a: 3 layers do not split over pp(2)",
+        ),
+        (_args(save="/tmp/x"), SEGMENTS, ("language_a -> language_b",), 4, "--save/--load with pretrain_gpt.py"),
+        (_args(sft=True), SEGMENTS, ("language_a -> language_b",), 4, "--sft is not supported"),
+    ],
+)
 def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
     with pytest.raises(ValueError) as info:
         check_gpt(args, _layout(modules, edges, world=world))
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(bf16=True), "--bf16 is not supported with a layout"),
-    (dict(clip_grad=1.0), "--clip-grad 1.0"),
-    (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
-    (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
-    (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
-    (dict(train_iters=None), "--train-iters is required"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(bf16=True), "--bf16 is not supported with a layout"),
+        (dict(clip_grad=1.0), "--clip-grad 1.0"),
+        (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
+        (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
+        (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
+        (dict(train_iters=None), "--train-iters is required"),
+    ],
+)
 def test_common_refusals_name_the_flag(kw, message):
     with pytest.raises(ValueError) as info:
         check_common(_args(**kw), _layout(SEGMENTS))
@@ -75,12 +122,14 @@ def test_common_refusals_name_the_flag(kw, message):
 def test_vlm_refuses_segments_and_uneven_pipeline_splits():
     with pytest.raises(ValueError, match="exactly the modules 'vision' and 'language'"):
         check_vlm(_args(), _layout(SEGMENTS))
-    vlm = _layout({"vision": {"dp": 3}, "language": {"pp": 3}}, edges=("vision -> language",),
-                  placement="colocated", world=3)
+    vlm = _layout(
+        {"vision": {"dp": 3}, "language": {"pp": 3}}, edges=("vision -> language",), placement="colocated", world=3
+    )
     with pytest.raises(ValueError, match=r"module language: 2 decoder layers do not split over pp\(3\)"):
         check_vlm(_args(decoder_num_layers=2), vlm)
-    pipelined_encoder = _layout({"vision": {"pp": 2}, "language": {"dp": 2}}, edges=("vision -> language",),
-                                placement="colocated", world=2)
+    pipelined_encoder = _layout(
+        {"vision": {"pp": 2}, "language": {"dp": 2}}, edges=("vision -> language",), placement="colocated", world=2
+    )
     with pytest.raises(ValueError, match=r"module vision: pp=2"):
         check_vlm(_args(), pipelined_encoder)
 
@@ -98,8 +147,14 @@ def test_script_data_that_runs_code_is_refused_unless_trusted(tmp_path, capsys):
     prefix = tmp_path / "corpus_text_document"
     (prefix / "cache" / "GPTDataset_indices").mkdir(parents=True)
     np.save(prefix / "cache" / "GPTDataset_indices" / "x-document_index.npy", np.arange(3))
-    ns = dict(data_path=["0.5", str(prefix), "0.5", str(tmp_path / "other")], train_data_path=None,
-              valid_data_path=None, test_data_path=None, data_cache_path=None, trust_dataset_code=False)
+    ns = dict(
+        data_path=["0.5", str(prefix), "0.5", str(tmp_path / "other")],
+        train_data_path=None,
+        valid_data_path=None,
+        test_data_path=None,
+        data_cache_path=None,
+        trust_dataset_code=False,
+    )
     assert data_findings(argparse.Namespace(**ns)) == []
     (prefix / "cache" / "GPTDataset_indices" / "x-sample_index.npy").write_bytes(pickle.dumps([1, 2]))
     extra = tmp_path / "own-cache"

@@ -4,6 +4,7 @@ The golden tables below are written out by hand (Megatron's default order tp fas
 pp; expert grid expt_tp fastest, then ep, then expert-dp inside a pipeline stage); they are not
 computed by the code under test.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,7 @@ from megatron_hetero.plan.placement import Coord, coord_of, group_ranks, rank_ma
 GOLDEN = {
     "w2-colocated-tp2-vs-dp2": (
         {"placement": "colocated", "modules": {"a": {"tp": 2}, "b": {"dp": 2}}},
-        {
-            0: {"a": (0, 0, 0, 0), "b": (0, 0, 0, 0)},
-            1: {"a": (1, 0, 0, 0), "b": (0, 0, 1, 0)},
-        },
+        {0: {"a": (0, 0, 0, 0), "b": (0, 0, 0, 0)}, 1: {"a": (1, 0, 0, 0), "b": (0, 0, 1, 0)}},
     ),
     "w3-colocated-dp3-vs-tp3": (
         {"placement": "colocated", "modules": {"a": {"dp": 3}, "b": {"tp": 3}}, "edges": ["a->b"]},
@@ -36,8 +34,11 @@ GOLDEN = {
         },
     ),
     "w6-disjoint-fan-out-cp2": (
-        {"placement": "disjoint", "modules": {"vision": {"tp": 2}, "language": {"cp": 2, "dp": 2}},
-         "edges": ["vision->language"]},
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"tp": 2}, "language": {"cp": 2, "dp": 2}},
+            "edges": ["vision->language"],
+        },
         {
             0: {"vision": (0, 0, 0, 0)},
             1: {"vision": (1, 0, 0, 0)},
@@ -48,8 +49,11 @@ GOLDEN = {
         },
     ),
     "w8-colocated-fan-in-pp2": (
-        {"placement": "colocated", "modules": {"vision": {"dp": 8}, "language": {"tp": 2, "pp": 2, "dp": 2}},
-         "edges": ["vision->language"]},
+        {
+            "placement": "colocated",
+            "modules": {"vision": {"dp": 8}, "language": {"tp": 2, "pp": 2, "dp": 2}},
+            "edges": ["vision->language"],
+        },
         {
             0: {"vision": (0, 0, 0, 0), "language": (0, 0, 0, 0)},
             1: {"vision": (0, 0, 1, 0), "language": (1, 0, 0, 0)},
@@ -62,8 +66,11 @@ GOLDEN = {
         },
     ),
     "w8-disjoint-encoder-pp2": (
-        {"placement": "disjoint", "modules": {"vision": {"pp": 2, "dp": 2}, "language": {"tp": 2, "pp": 2}},
-         "edges": ["vision->language"]},
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"pp": 2, "dp": 2}, "language": {"tp": 2, "pp": 2}},
+            "edges": ["vision->language"],
+        },
         {
             0: {"vision": (0, 0, 0, 0)},
             1: {"vision": (0, 0, 1, 0)},
@@ -76,8 +83,10 @@ GOLDEN = {
         },
     ),
     "w8-colocated-moe-etp2-ep2-pp2": (
-        {"placement": "colocated", "modules": {"enc": {"dp": 8},
-                                               "language": {"tp": 2, "dp": 2, "pp": 2, "ep": 2, "expt_tp": 2}}},
+        {
+            "placement": "colocated",
+            "modules": {"enc": {"dp": 8}, "language": {"tp": 2, "dp": 2, "pp": 2, "ep": 2, "expt_tp": 2}},
+        },
         {
             0: {"enc": (0, 0, 0, 0), "language": (0, 0, 0, 0, 0, 0)},
             1: {"enc": (0, 0, 1, 0), "language": (1, 0, 0, 0, 0, 1)},
@@ -103,10 +112,15 @@ GOLDEN = {
         },
     ),
     "w12-disjoint-three-islands-out-of-order": (
-        {"placement": "disjoint",
-         "modules": {"vision": {"dp": 2, "ranks": "10-11"}, "audio": {"tp": 2, "ranks": "8-9"},
-                     "language": {"tp": 2, "cp": 2, "dp": 2, "ranks": "0-7"}},
-         "edges": ["vision->language", "audio->language"]},
+        {
+            "placement": "disjoint",
+            "modules": {
+                "vision": {"dp": 2, "ranks": "10-11"},
+                "audio": {"tp": 2, "ranks": "8-9"},
+                "language": {"tp": 2, "cp": 2, "dp": 2, "ranks": "0-7"},
+            },
+            "edges": ["vision->language", "audio->language"],
+        },
         {
             0: {"language": (0, 0, 0, 0)},
             1: {"language": (1, 0, 0, 0)},
@@ -123,8 +137,11 @@ GOLDEN = {
         },
     ),
     "w16-colocated-tp2-cp2-dp2-pp2-vs-tp4-dp4": (
-        {"placement": "colocated", "modules": {"a": {"tp": 2, "cp": 2, "dp": 2, "pp": 2}, "b": {"tp": 4, "dp": 4}},
-         "edges": ["a->b"]},
+        {
+            "placement": "colocated",
+            "modules": {"a": {"tp": 2, "cp": 2, "dp": 2, "pp": 2}, "b": {"tp": 4, "dp": 4}},
+            "edges": ["a->b"],
+        },
         {
             0: {"a": (0, 0, 0, 0), "b": (0, 0, 0, 0)},
             1: {"a": (1, 0, 0, 0), "b": (1, 0, 0, 0)},
@@ -145,8 +162,11 @@ GOLDEN = {
         },
     ),
     "w16-disjoint-moe-pp3": (
-        {"placement": "disjoint", "modules": {"vision": {"dp": 4}, "language": {"tp": 2, "dp": 2, "pp": 3, "ep": 4}},
-         "edges": ["vision->language"]},
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 4}, "language": {"tp": 2, "dp": 2, "pp": 3, "ep": 4}},
+            "edges": ["vision->language"],
+        },
         {
             0: {"vision": (0, 0, 0, 0)},
             1: {"vision": (0, 0, 1, 0)},
@@ -236,15 +256,23 @@ def test_placement_errors() -> None:
 DIMS = [["tp"], ["cp"], ["dp"], ["pp"], ["cp", "dp"], ["tp", "cp"], ["tp", "dp"]]
 CROSS = [
     # (tp, cp, dp, pp, offset)
-    (1, 1, 8, 1, 0), (2, 1, 2, 2, 0), (2, 2, 2, 2, 0), (1, 2, 2, 1, 2), (4, 1, 2, 1, 6),
-    (2, 2, 1, 3, 4), (1, 4, 2, 2, 3), (3, 1, 2, 2, 5), (2, 1, 4, 1, 8),
+    (1, 1, 8, 1, 0),
+    (2, 1, 2, 2, 0),
+    (2, 2, 2, 2, 0),
+    (1, 2, 2, 1, 2),
+    (4, 1, 2, 1, 6),
+    (2, 2, 1, 3, 4),
+    (1, 4, 2, 2, 3),
+    (3, 1, 2, 2, 5),
+    (2, 1, 4, 1, 8),
 ]
 
 
 def _module(tp, cp, dp, pp, offset, ep=1, expt_tp=1) -> ModuleLayout:
     size = tp * cp * dp * pp
-    return ModuleLayout("m", tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, expt_tp=expt_tp,
-                        ranks=RankRange(offset, offset + size - 1))
+    return ModuleLayout(
+        "m", tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, expt_tp=expt_tp, ranks=RankRange(offset, offset + size - 1)
+    )
 
 
 def _as_set(groups) -> set[tuple[int, ...]]:
@@ -273,21 +301,27 @@ def test_hyper_comm_grid_needs_world_size_env(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "12")
     m = _module(2, 2, 2, 1, 4)
     grid = HyperCommGrid([2, 2, 2, 1], ["tp", "cp", "dp", "pp"], rank_offset=4)
-    assert _as_set(group_ranks(m, ["cp", "dp"])) == _as_set(grid.get_rank_enum(["cp", "dp"])) == {
-        (4, 6, 8, 10), (5, 7, 9, 11)}
+    assert (
+        _as_set(group_ranks(m, ["cp", "dp"]))
+        == _as_set(grid.get_rank_enum(["cp", "dp"]))
+        == {(4, 6, 8, 10), (5, 7, 9, 11)}
+    )
 
 
 MOE = [
     # (tp, cp, dp, pp, ep, expt_tp, offset)
-    (2, 1, 4, 1, 4, 1, 0), (2, 1, 4, 2, 2, 2, 0), (1, 2, 4, 1, 4, 1, 3), (2, 2, 2, 2, 4, 2, 0),
-    (4, 1, 2, 1, 8, 1, 2), (1, 1, 8, 2, 2, 4, 0),
+    (2, 1, 4, 1, 4, 1, 0),
+    (2, 1, 4, 2, 2, 2, 0),
+    (1, 2, 4, 1, 4, 1, 3),
+    (2, 2, 2, 2, 4, 2, 0),
+    (4, 1, 2, 1, 8, 1, 2),
+    (1, 1, 8, 2, 2, 4, 0),
 ]
 
 
 def _check_ep_against_megatron(m: ModuleLayout) -> None:
     expt_dp = m.stage_size // (m.expt_tp * m.ep)
-    gen = RankGenerator(tp=m.expt_tp, ep=m.ep, dp=expt_dp, pp=m.pp, cp=1, order="tp-cp-ep-dp-pp",
-                        rank_offset=m.offset)
+    gen = RankGenerator(tp=m.expt_tp, ep=m.ep, dp=expt_dp, pp=m.pp, cp=1, order="tp-cp-ep-dp-pp", rank_offset=m.offset)
     ep_groups = gen.get_ranks("ep")
     assert len(ep_groups) == m.size // m.ep
     for g in ep_groups:

@@ -1,4 +1,5 @@
 """Pure per-rank plans: roles, batch arithmetic, colocated phase tables and their checker."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +9,15 @@ import pytest
 from megatron_hetero.layout import layout_from_dict, load_layout
 from megatron_hetero.plan.batch import dp_rows, megatron_micro_batch, micro_batching, sample_range
 from megatron_hetero.plan.colocated import (
-    BoundaryCall, ColocatedTable, EncoderForward, LanguagePhase, PipeRecv, PipeSend, StateMove,
-    check_colocated_tables, colocated_tables,
+    BoundaryCall,
+    ColocatedTable,
+    EncoderForward,
+    LanguagePhase,
+    PipeRecv,
+    PipeSend,
+    StateMove,
+    check_colocated_tables,
+    colocated_tables,
 )
 from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.plan.rank_plan import rank_plan, rank_plans, step_micro_batching
@@ -46,7 +54,9 @@ def test_roles_sink_or_segments():
     assert roles(lay).encoders == ("vision", "audio") and roles(lay).language == ("language",)
     seg = load_layout(LAYOUTS / "llm_segments.yaml")
     r = roles(seg)
-    assert r.language == tuple(m.name for m in sorted((m for m in seg.modules if m.layers), key=lambda m: m.layers.start))
+    assert r.language == tuple(
+        m.name for m in sorted((m for m in seg.modules if m.layers), key=lambda m: m.layers.start)
+    )
     assert r.encoders == tuple(m.name for m in seg.modules if m.layers is None)
     two_sinks = layout_from_dict({"placement": "colocated", "modules": {"a": {}, "b": {}}, "edges": []}, world_size=1)
     with pytest.raises(ValueError, match=r"2 sinks"):
@@ -96,7 +106,9 @@ def test_colocated_checker_finds_a_missing_send_and_a_split_collective():
     tables = colocated_tables(lay, 8, 1)
     broken = dict(tables)
     t0 = tables[0]
-    broken[0] = ColocatedTable(0, tuple((n, tuple(a for a in acts if not isinstance(a, PipeSend))) for n, acts in t0.phases))
+    broken[0] = ColocatedTable(
+        0, tuple((n, tuple(a for a in acts if not isinstance(a, PipeSend))) for n, acts in t0.phases)
+    )
     with pytest.raises(ValueError, match=r"deadlock: .*rank 4 waits in 'recv activation vision/1 <- r0'"):
         check_colocated_tables(broken)
     swapped = dict(tables)

@@ -6,6 +6,7 @@ generated tables pass the checker and follow the warm-up rule computed independe
 Broken tables (deadlocking reorders, a removed receive or send, a duplicated forward) must fail with
 a message naming stage, action and micro-batch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,11 +22,27 @@ from hypothesis import strategies as st
 from megatron_hetero import cli
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.plan.schedule import (
-    Backward, Forward, Link, RecvAct, SendAct, Stage, StageTable, build_tables, one_f_one_b_order, rank_tables,
-    stage_costs_of, stage_graph,
+    Backward,
+    Forward,
+    Link,
+    RecvAct,
+    SendAct,
+    Stage,
+    StageTable,
+    build_tables,
+    one_f_one_b_order,
+    rank_tables,
+    stage_costs_of,
+    stage_graph,
 )
 from megatron_hetero.plan.schedule_check import (
-    CheckReport, ScheduleError, chain_bubble, chain_makespan, check_tables, simulate_rendezvous, split_batches,
+    CheckReport,
+    ScheduleError,
+    chain_bubble,
+    chain_makespan,
+    check_tables,
+    simulate_rendezvous,
+    split_batches,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,17 +77,40 @@ def test_golden_two_stage_chain_m4() -> None:
     tables = build_tables(layout, 4)
     assert list(tables) == [s0, s1]
     expect0 = (
-        Forward(s0, 0), SendAct(L, 0, "fwd"),                                   # warm-up
-        Forward(s0, 1), SendAct(L, 1, "fwd"), RecvAct(L, 0, "bwd"), Backward(s0, 0),  # steady
-        Forward(s0, 2), SendAct(L, 2, "fwd"), RecvAct(L, 1, "bwd"), Backward(s0, 1),
-        Forward(s0, 3), SendAct(L, 3, "fwd"), RecvAct(L, 2, "bwd"), Backward(s0, 2),
-        RecvAct(L, 3, "bwd"), Backward(s0, 3),                                  # cool-down
+        Forward(s0, 0),
+        SendAct(L, 0, "fwd"),  # warm-up
+        Forward(s0, 1),
+        SendAct(L, 1, "fwd"),
+        RecvAct(L, 0, "bwd"),
+        Backward(s0, 0),  # steady
+        Forward(s0, 2),
+        SendAct(L, 2, "fwd"),
+        RecvAct(L, 1, "bwd"),
+        Backward(s0, 1),
+        Forward(s0, 3),
+        SendAct(L, 3, "fwd"),
+        RecvAct(L, 2, "bwd"),
+        Backward(s0, 2),
+        RecvAct(L, 3, "bwd"),
+        Backward(s0, 3),  # cool-down
     )
     expect1 = (
-        RecvAct(L, 0, "fwd"), Forward(s1, 0), Backward(s1, 0), SendAct(L, 0, "bwd"),
-        RecvAct(L, 1, "fwd"), Forward(s1, 1), Backward(s1, 1), SendAct(L, 1, "bwd"),
-        RecvAct(L, 2, "fwd"), Forward(s1, 2), Backward(s1, 2), SendAct(L, 2, "bwd"),
-        RecvAct(L, 3, "fwd"), Forward(s1, 3), Backward(s1, 3), SendAct(L, 3, "bwd"),
+        RecvAct(L, 0, "fwd"),
+        Forward(s1, 0),
+        Backward(s1, 0),
+        SendAct(L, 0, "bwd"),
+        RecvAct(L, 1, "fwd"),
+        Forward(s1, 1),
+        Backward(s1, 1),
+        SendAct(L, 1, "bwd"),
+        RecvAct(L, 2, "fwd"),
+        Forward(s1, 2),
+        Backward(s1, 2),
+        SendAct(L, 2, "bwd"),
+        RecvAct(L, 3, "fwd"),
+        Forward(s1, 3),
+        Backward(s1, 3),
+        SendAct(L, 3, "bwd"),
     )
     assert tables[s0] == StageTable(s0, expect0, warmup=1, steady=3, cooldown=1, ranks=(0, 1))
     assert tables[s1] == StageTable(s1, expect1, warmup=0, steady=4, cooldown=0, ranks=(2, 3))
@@ -85,9 +125,25 @@ def test_golden_two_stage_chain_m4() -> None:
     # Hand-simulated (f=1, b=2): s0 F0[0,1] F1[1,2] B0[4,6] F2[6,7] B1[7,9] F3[9,10] B2[10,12] B3[13,15];
     # s1 F0[1,2] B0[2,4] F1[4,5] B1[5,7] F2[7,8] B2[8,10] F3[10,11] B3[11,13].
     assert [(sp.start, sp.end) for sp in rep.spans[s0]] == [
-        (0, 1), (1, 2), (4, 6), (6, 7), (7, 9), (9, 10), (10, 12), (13, 15)]
+        (0, 1),
+        (1, 2),
+        (4, 6),
+        (6, 7),
+        (7, 9),
+        (9, 10),
+        (10, 12),
+        (13, 15),
+    ]
     assert [(sp.start, sp.end) for sp in rep.spans[s1]] == [
-        (1, 2), (2, 4), (4, 5), (5, 7), (7, 8), (8, 10), (10, 11), (11, 13)]
+        (1, 2),
+        (2, 4),
+        (4, 5),
+        (5, 7),
+        (7, 8),
+        (8, 10),
+        (10, 11),
+        (11, 13),
+    ]
     assert rep.makespan == 15.0
     assert rep.busy == {s0: 12.0, s1: 12.0}
     assert rep.idle == {s0: 3.0, s1: 3.0}
@@ -121,11 +177,11 @@ def test_join_waits_for_both_encoders() -> None:
     acts = tables[l0].actions
     for mb in range(M):
         i = acts.index(Forward(l0, mb))
-        assert acts[i - 2:i] == (RecvAct(la, mb, "fwd"), RecvAct(lv, mb, "fwd"))
+        assert acts[i - 2 : i] == (RecvAct(la, mb, "fwd"), RecvAct(lv, mb, "fwd"))
         assert acts[i + 1] == SendAct(ll, mb, "fwd")
         j = acts.index(Backward(l0, mb))
         assert acts[j - 1] == RecvAct(ll, mb, "bwd")
-        assert acts[j + 1:j + 3] == (SendAct(la, mb, "bwd"), SendAct(lv, mb, "bwd"))
+        assert acts[j + 1 : j + 3] == (SendAct(la, mb, "bwd"), SendAct(lv, mb, "bwd"))
     assert tables[v].warmup == tables[a].warmup == 2 and tables[l0].warmup == 1 and tables[l1].warmup == 0
     # Simulated: language/0's forward of mb i starts after both encoders finished their forward of mb i,
     # plus the latency; give audio a slower forward so the join actually waits on it.
@@ -143,20 +199,22 @@ def test_join_waits_for_both_encoders() -> None:
 
 
 def test_branch_with_two_sinks() -> None:
-    layout = layout_from_dict({
-        "placement": "disjoint",
-        "modules": {"vision": {"pp": 2}, "language": {"pp": 3}, "head": {}},
-        "edges": ["vision -> language", "vision -> head"],
-    })
+    layout = layout_from_dict(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"pp": 2}, "language": {"pp": 3}, "head": {}},
+            "edges": ["vision -> language", "vision -> head"],
+        }
+    )
     tables = build_tables(layout, 6)
     v1 = S("vision", 1)
     to_head, to_lang = Link(v1, S("head", 0)), Link(v1, S("language", 0))
     acts = tables[v1].actions
     for mb in range(6):
         i = acts.index(Forward(v1, mb))
-        assert acts[i + 1:i + 3] == (SendAct(to_head, mb, "fwd"), SendAct(to_lang, mb, "fwd"))
+        assert acts[i + 1 : i + 3] == (SendAct(to_head, mb, "fwd"), SendAct(to_lang, mb, "fwd"))
         j = acts.index(Backward(v1, mb))
-        assert acts[j - 2:j] == (RecvAct(to_head, mb, "bwd"), RecvAct(to_lang, mb, "bwd"))
+        assert acts[j - 2 : j] == (RecvAct(to_head, mb, "bwd"), RecvAct(to_lang, mb, "bwd"))
     # dist_to_sink follows the longest branch (language, 3 stages), not the head.
     assert tables[v1].warmup == 3 and tables[S("vision", 0)].warmup == 4 and tables[S("head", 0)].warmup == 0
     rep = check_tables(tables, layout=layout)
@@ -184,8 +242,9 @@ def test_micro_batches_range(m) -> None:
 
 
 def test_colocated_is_rejected() -> None:
-    layout = layout_from_dict({"placement": "colocated", "modules": {"a": {"dp": 2}, "b": {"tp": 2}},
-                               "edges": ["a->b"]})
+    layout = layout_from_dict(
+        {"placement": "colocated", "modules": {"a": {"dp": 2}, "b": {"tp": 2}}, "edges": ["a->b"]}
+    )
     with pytest.raises(ValueError, match="need placement 'disjoint'"):
         rank_tables(layout, 4)
 
@@ -195,8 +254,12 @@ def test_colocated_is_rejected() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(pps=st.lists(st.integers(1, 4), min_size=1, max_size=3), m=st.integers(1, 16),
-       f=st.sampled_from([1.0, 0.5, 3.0]), b=st.sampled_from([2.0, 1.0, 4.5]))
+@given(
+    pps=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    m=st.integers(1, 16),
+    f=st.sampled_from([1.0, 0.5, 3.0]),
+    b=st.sampled_from([2.0, 1.0, 4.5]),
+)
 def test_chain_bubble_matches_analytic(pps, m, f, b) -> None:
     layout = layout_from_dict(chain_doc(*pps))
     P = sum(pps)
@@ -341,10 +404,12 @@ def test_broken_swapped_send_and_receive_deadlocks() -> None:
         check_tables(_replace(tables, s0, acts), layout=layout)
     msg = str(exc.value)
     assert msg.startswith("deadlock: ")
-    assert ("stage language/0 blocked at action #1 Recv bwd language/0->language/1 mb 0 "
-            "(waiting for stage language/1)") in msg
-    assert ("stage language/1 blocked at action #0 Recv fwd language/0->language/1 mb 0 "
-            "(waiting for stage language/0)") in msg
+    assert (
+        "stage language/0 blocked at action #1 Recv bwd language/0->language/1 mb 0 (waiting for stage language/1)"
+    ) in msg
+    assert (
+        "stage language/1 blocked at action #0 Recv fwd language/0->language/1 mb 0 (waiting for stage language/0)"
+    ) in msg
 
 
 def test_broken_forward_moved_ahead_deadlocks() -> None:
@@ -357,9 +422,12 @@ def test_broken_forward_moved_ahead_deadlocks() -> None:
     assert group == [RecvAct(Link(S("language", 0), s1), 2, "fwd"), Forward(s1, 2)]
     del acts[8:10]
     acts[2:2] = group
-    with pytest.raises(ScheduleError, match=r"deadlock: stage language/0 blocked at action #4 Recv bwd "
-                                            r"language/0->language/1 mb 0 .*stage language/1 blocked at action #2 "
-                                            r"Recv fwd language/0->language/1 mb 2"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"deadlock: stage language/0 blocked at action #4 Recv bwd "
+        r"language/0->language/1 mb 0 .*stage language/1 blocked at action #2 "
+        r"Recv fwd language/0->language/1 mb 2",
+    ):
         check_tables(_replace(tables, s1, acts), layout=layout)
 
 
@@ -369,8 +437,10 @@ def test_broken_removed_receive() -> None:
     acts = [a for a in tables[s1].actions if a != RecvAct(Link(S("language", 0), s1), 3, "fwd")]
     with pytest.raises(ScheduleError) as exc:
         check_tables(_replace(tables, s1, acts), layout=layout)
-    assert str(exc.value) == ("stage language/0: Send fwd language/0->language/1 mb 3 is never received "
-                              "(stage language/1 has no Recv fwd language/0->language/1 mb 3)")
+    assert str(exc.value) == (
+        "stage language/0: Send fwd language/0->language/1 mb 3 is never received "
+        "(stage language/1 has no Recv fwd language/0->language/1 mb 3)"
+    )
 
 
 def test_broken_removed_send_in_join() -> None:
@@ -401,8 +471,11 @@ def test_broken_missing_backward_and_order() -> None:
         check_tables(_replace(tables, s1, acts), layout=layout)
     acts = list(tables[s1].actions)
     acts[1], acts[2] = acts[2], acts[1]  # B0 before F0
-    with pytest.raises(ScheduleError, match=r"^stage language/1: Backward mb 0 \(action #1\) comes before "
-                                            r"Forward mb 0 \(action #2\)$"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^stage language/1: Backward mb 0 \(action #1\) comes before "
+        r"Forward mb 0 \(action #2\)$",
+    ):
         check_tables(_replace(tables, s1, acts), layout=layout)
 
 
@@ -411,8 +484,11 @@ def test_broken_dataflow_receive_after_forward() -> None:
     s1 = S("language", 1)
     acts = list(tables[s1].actions)
     acts[0], acts[1] = acts[1], acts[0]  # Forward mb 0 before its activation arrives
-    with pytest.raises(ScheduleError, match=r"^stage language/1: Recv fwd language/0->language/1 mb 0 \(action #1\) "
-                                            r"comes after Forward mb 0 \(action #0\) that needs it$"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^stage language/1: Recv fwd language/0->language/1 mb 0 \(action #1\) "
+        r"comes after Forward mb 0 \(action #0\) that needs it$",
+    ):
         check_tables(_replace(tables, s1, acts), layout=layout)
 
 
@@ -422,8 +498,11 @@ def test_broken_pair_removed_together_is_caught_by_dataflow() -> None:
     L = Link(s0, s1)
     t = _replace(tables, s0, [a for a in tables[s0].actions if a != SendAct(L, 1, "fwd")])
     t = _replace(t, s1, [a for a in tables[s1].actions if a != RecvAct(L, 1, "fwd")])
-    with pytest.raises(ScheduleError, match=r"^stage language/1: Forward mb 1 is not preceded by "
-                                            r"Recv fwd language/0->language/1 mb 1$"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^stage language/1: Forward mb 1 is not preceded by "
+        r"Recv fwd language/0->language/1 mb 1$",
+    ):
         check_tables(t, layout=layout)
 
 
@@ -435,8 +514,11 @@ def test_broken_foreign_action_and_missing_stage() -> None:
         check_tables(_replace(tables, s0, acts))
     with pytest.raises(ScheduleError, match=r"no table for stages \['language/1'\]"):
         check_tables({s0: tables[s0]}, layout=layout)
-    with pytest.raises(ScheduleError, match=r"^stage language/0: Recv bwd language/0->language/1 mb 0 has no "
-                                            r"matching send \(no table for stage language/1\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^stage language/0: Recv bwd language/0->language/1 mb 0 has no "
+        r"matching send \(no table for stage language/1\)",
+    ):
         check_tables({s0: tables[s0]})
     truncated = {s: StageTable(s, tuple(a for a in t.actions if a.mb < 3), 0, 0, 0) for s, t in tables.items()}
     assert check_tables(truncated).micro_batches == 3
@@ -491,13 +573,16 @@ def test_cli_json(capsys, tmp_path) -> None:
     assert by["vision/0"]["compute"] == ["F0", "F1", "F2", "B0", "B1", "B2"]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--micro-batches", "0"], "micro-batches must be in 1..64, got 0"),
-    (["--micro-batches", "65"], "micro-batches must be in 1..64, got 65"),
-    (["--micro-batches", "2", "--stage-cost", "vision=1"], "--stage-cost 'vision=1' is not of the form"),
-    (["--micro-batches", "2", "--stage-cost", "text=1,2"], "unknown modules ['text']"),
-    (["--micro-batches", "2", "--latency", "-1"], "--latency must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--micro-batches", "0"], "micro-batches must be in 1..64, got 0"),
+        (["--micro-batches", "65"], "micro-batches must be in 1..64, got 65"),
+        (["--micro-batches", "2", "--stage-cost", "vision=1"], "--stage-cost 'vision=1' is not of the form"),
+        (["--micro-batches", "2", "--stage-cost", "text=1,2"], "unknown modules ['text']"),
+        (["--micro-batches", "2", "--latency", "-1"], "--latency must be >= 0"),
+    ],
+)
 def test_cli_invalid_exit_2(capsys, tmp_path, argv, message) -> None:
     path = _write(tmp_path, JOIN)
     rc, out, err = _cli(capsys, "schedule", path, *argv)
@@ -516,7 +601,8 @@ def test_cli_colocated_tables_and_missing_file_exit_2(capsys, tmp_path) -> None:
         "  phase 1: forward a/0 rows 0-3; boundary forward a->b (src+dst)",
         "  phase 2: 1F1B b/0 of pp 1: 8 micro-batches of 1 (rows 0-7), warm-up 0",
         "  phase 3: boundary backward a->b (src+dst)",
-        "  close: grad-sync; optimizer; loss-reduce"]
+        "  close: grad-sync; optimizer; loss-reduce",
+    ]
     assert lines[-1] == "check: ok: 2 ranks, 0 pipeline messages matched, collectives in one order, no deadlock"
     rc, out, err = _cli(capsys, "schedule", path, "--json", "--hetero-offload-encoder", "--global-batch-size", "4")
     doc = json.loads(out)
@@ -530,9 +616,12 @@ def test_cli_colocated_tables_and_missing_file_exit_2(capsys, tmp_path) -> None:
     assert rc == 2 and "cannot read layout file" in err
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "examples" / "layouts").glob("disjoint_*.yaml"))
-                         + sorted((REPO / "examples" / "layouts").glob("llm_segments*.yaml")),
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "examples" / "layouts").glob("disjoint_*.yaml"))
+    + sorted((REPO / "examples" / "layouts").glob("llm_segments*.yaml")),
+    ids=lambda p: p.stem,
+)
 def test_cli_every_disjoint_example(capsys, path) -> None:
     rc, out, err = _cli(capsys, "schedule", str(path), "--micro-batches", "8")
     assert rc == 0, err
@@ -542,9 +631,11 @@ def test_cli_every_disjoint_example(capsys, path) -> None:
 def test_plan_modules_stay_torch_free() -> None:
     import subprocess
 
-    code = ("import sys; import megatron_hetero.plan.schedule, megatron_hetero.plan.schedule_check, "
-            "megatron_hetero.cli.schedule; "
-            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad")
+    code = (
+        "import sys; import megatron_hetero.plan.schedule, megatron_hetero.plan.schedule_check, "
+        "megatron_hetero.cli.schedule; "
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -560,11 +651,35 @@ def test_batches_pair_sends_with_receives_in_1f1b_steady_state() -> None:
 
     # Megatron's 1F1B: warm-up send alone, then send-forward+recv-backward / send-backward+recv-forward
     assert shown(tables[S("seg0", 0)]) == [
-        "F0", "sa0>seg0/1", "F1", "sa1>seg0/1+rg0<seg0/1", "B0", "F2", "sa2>seg0/1+rg1<seg0/1", "B1", "F3",
-        "sa3>seg0/1+rg2<seg0/1", "B2", "rg3<seg0/1", "B3"]
+        "F0",
+        "sa0>seg0/1",
+        "F1",
+        "sa1>seg0/1+rg0<seg0/1",
+        "B0",
+        "F2",
+        "sa2>seg0/1+rg1<seg0/1",
+        "B1",
+        "F3",
+        "sa3>seg0/1+rg2<seg0/1",
+        "B2",
+        "rg3<seg0/1",
+        "B3",
+    ]
     assert shown(tables[S("seg0", 1)]) == [
-        "ra0<seg0/0", "F0", "B0", "sg0>seg0/0+ra1<seg0/0", "F1", "B1", "sg1>seg0/0+ra2<seg0/0", "F2", "B2",
-        "sg2>seg0/0+ra3<seg0/0", "F3", "B3", "sg3>seg0/0"]
+        "ra0<seg0/0",
+        "F0",
+        "B0",
+        "sg0>seg0/0+ra1<seg0/0",
+        "F1",
+        "B1",
+        "sg1>seg0/0+ra2<seg0/0",
+        "F2",
+        "B2",
+        "sg2>seg0/0+ra3<seg0/0",
+        "F3",
+        "B3",
+        "sg3>seg0/0",
+    ]
     for t in tables.values():  # batching only groups, never reorders
         assert tuple(a for b in t.batches() for a in (b if isinstance(b, tuple) else (b,))) == t.actions
 
@@ -573,8 +688,11 @@ def test_split_pairs_deadlock_under_rendezvous_but_batches_complete() -> None:
     for doc, m in ((chain_doc(2), 4), (chain_doc(1, 3), 8)):
         layout = layout_from_dict(doc)
         tables = build_tables(layout, m)
-        with pytest.raises(ScheduleError, match=r"deadlock \(rendezvous\): stage .* blocked in batch #\d+ with "
-                                                r"unmatched send"):
+        with pytest.raises(
+            ScheduleError,
+            match=r"deadlock \(rendezvous\): stage .* blocked in batch #\d+ with "
+            r"unmatched send",
+        ):
             simulate_rendezvous(tables, batches=split_batches(tables))
         assert check_tables(tables, layout=layout, mode="rendezvous").ok
         # the buffered model hides the problem: the split order passes there

@@ -1,5 +1,6 @@
 """`megatron-hetero slurm`: the generated sbatch script (text, validation, and what it runs when executed
 by bash with srun/scontrol/torchrun/python replaced by recording stubs). No SLURM needed."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ HOSTILE = [f"--log-jsonl={v}" for v in HOSTILE_VALUES] + ["--log-jsonl", "$(touc
 def parse(*argv: str) -> argparse.Namespace:
     from megatron_hetero.cli.train import add_parser as add_train_parser
 
-    return add_arguments(argparse.ArgumentParser(prog="megatron-hetero slurm"),
-                         add_train_parser=add_train_parser).parse_args(list(argv))
+    return add_arguments(
+        argparse.ArgumentParser(prog="megatron-hetero slurm"), add_train_parser=add_train_parser
+    ).parse_args(list(argv))
 
 
 def sbatch_lines(script: str) -> list[str]:
@@ -35,16 +37,43 @@ def sbatch_lines(script: str) -> list[str]:
 
 def test_script_text_gpu_case(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)  # the layout path is the user's, written as given: relative here
-    rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", "examples/layouts/colocated_fan_in.yaml",
-                   "--partition", "gpu",
-                   "--time", "01:00:00", "--account", "proj7", "--job-name", "llava", "--output", "logs/%x-%j.out",
-                   "--dry-run", "--", "--train-iters", "3", "--log-jsonl", "out/log.jsonl"))
+    rc = run(
+        parse(
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--hetero-layout",
+            "examples/layouts/colocated_fan_in.yaml",
+            "--partition",
+            "gpu",
+            "--time",
+            "01:00:00",
+            "--account",
+            "proj7",
+            "--job-name",
+            "llava",
+            "--output",
+            "logs/%x-%j.out",
+            "--dry-run",
+            "--",
+            "--train-iters",
+            "3",
+            "--log-jsonl",
+            "out/log.jsonl",
+        )
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert out.startswith("#!/bin/bash\n")
     assert sbatch_lines(out) == [
-        "#SBATCH --job-name=llava", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
-        "#SBATCH --partition=gpu", "#SBATCH --time=01:00:00", "#SBATCH --account=proj7",
+        "#SBATCH --job-name=llava",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=01:00:00",
+        "#SBATCH --account=proj7",
         "#SBATCH --output=logs/%x-%j.out",
     ]
     # no executable line before the last #SBATCH line (sbatch stops reading options at the first one)
@@ -59,10 +88,21 @@ def test_script_text_gpu_case(capsys, monkeypatch):
     assert "rdzv_backend=${MH_RDZV_BACKEND:-c10d}" in out
     assert 'if [ -z "$script" ]; then entry=(-m "$entry_module" train)' in out
     assert '"${entry[@]}" --hetero-layout "$layout"' in out
-    assert "srun_args=(--nodes=\"$nnodes\" --ntasks=\"$nnodes\" --ntasks-per-node=1" in out
+    assert 'srun_args=(--nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1' in out
     assert "train_args=(\n  --train-iters\n  3\n  --log-jsonl\n  out/log.jsonl\n)" in out
-    for var in ("MH_PYTHON", "MH_TORCHRUN", "MH_NNODES", "MH_NPROC_PER_NODE", "MH_MASTER_ADDR", "MH_MASTER_PORT",
-                "MH_RDZV_BACKEND", "MH_TORCHRUN_ARGS", "MH_SRUN_ARGS", "MH_CONTAINER_IMAGE", "MH_TRAIN_ARGS"):
+    for var in (
+        "MH_PYTHON",
+        "MH_TORCHRUN",
+        "MH_NNODES",
+        "MH_NPROC_PER_NODE",
+        "MH_MASTER_ADDR",
+        "MH_MASTER_PORT",
+        "MH_RDZV_BACKEND",
+        "MH_TORCHRUN_ARGS",
+        "MH_SRUN_ARGS",
+        "MH_CONTAINER_IMAGE",
+        "MH_TRAIN_ARGS",
+    ):
         assert f"#   {var} " in out, var  # documented at the top
     assert "generated_layout=examples/layouts/colocated_fan_in.yaml" in out
     assert "/work/" not in out and "/root" not in out and "/home" not in out  # no user-specific paths
@@ -71,36 +111,67 @@ def test_script_text_gpu_case(capsys, monkeypatch):
 def test_script_text_cpu_case_and_no_gpu_request():
     text = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout="l.yaml", train_args=[])
     assert "--gpus-per-node" not in "\n".join(sbatch_lines(text))
-    assert sbatch_lines(text) == ["#SBATCH --job-name=megatron-hetero", "#SBATCH --nodes=2",
-                                  "#SBATCH --ntasks-per-node=1"]
+    assert sbatch_lines(text) == [
+        "#SBATCH --job-name=megatron-hetero",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+    ]
     assert "CPU ranks (gloo)" in text and "train_args=()" in text
-    text = sbatch_script(nodes=2, ranks_per_node=8, gpus_per_node=8, layout="l.yaml", request_gpus=False,
-                         cpus_per_task=64, sbatch_options=["--exclusive", "--mem=0"])
-    assert sbatch_lines(text)[2:] == ["#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=64",
-                                      "#SBATCH --exclusive", "#SBATCH --mem=0"]
+    text = sbatch_script(
+        nodes=2,
+        ranks_per_node=8,
+        gpus_per_node=8,
+        layout="l.yaml",
+        request_gpus=False,
+        cpus_per_task=64,
+        sbatch_options=["--exclusive", "--mem=0"],
+    )
+    assert sbatch_lines(text)[2:] == [
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=64",
+        "#SBATCH --exclusive",
+        "#SBATCH --mem=0",
+    ]
 
 
 def test_world_size_mismatch_exits_2_with_arithmetic(capsys):
-    rc = run(parse("--nodes", "2", "--gpus-per-node", "0", "--cpu-ranks-per-node", "2", "--hetero-layout", FAN_IN,
-                   "--", "--train-iters", "3"))
+    rc = run(
+        parse(
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "0",
+            "--cpu-ranks-per-node",
+            "2",
+            "--hetero-layout",
+            FAN_IN,
+            "--",
+            "--train-iters",
+            "3",
+        )
+    )
     cap = capsys.readouterr()
     assert rc == 2 and cap.out == ""
-    assert ("uses 8 ranks, but --nodes 2 x 2 ranks per node (--cpu-ranks-per-node) = 4 ranks (8 != 4)"
-            in cap.err), cap.err
+    assert "uses 8 ranks, but --nodes 2 x 2 ranks per node (--cpu-ranks-per-node) = 4 ranks (8 != 4)" in cap.err, (
+        cap.err
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--gpus-per-node", "0"], "give --cpu-ranks-per-node R"),
-    (["--gpus-per-node", "4", "--cpu-ranks-per-node", "4"], "give one of them"),
-    (["--gpus-per-node", "4", "--job-name", "two words"], "may not contain whitespace"),
-    (["--gpus-per-node", "4", "--job-name", "x\ntouch pwned"], "may not contain whitespace"),
-    (["--gpus-per-node", "4", "--partition", "p'q"], "quotes"),
-    (["--gpus-per-node", "4", "--sbatch-option", "--mem=1G\necho hi"], "--sbatch-option"),
-    (["--gpus-per-node", "4", "--", "--hetero-layout", "other.yaml"], "--hetero-layout is set by this command"),
-    (["--gpus-per-node", "4", "--", "--nproc-per-node=8"], "--nproc-per-node is set by this command"),
-    (["--gpus-per-node", "4", "--", "--nproc", "8"], "--nproc-per-node is set by this command"),
-    (["--gpus-per-node", "4", "--", "--train-iterz", "3"], "do not parse"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus-per-node", "0"], "give --cpu-ranks-per-node R"),
+        (["--gpus-per-node", "4", "--cpu-ranks-per-node", "4"], "give one of them"),
+        (["--gpus-per-node", "4", "--job-name", "two words"], "may not contain whitespace"),
+        (["--gpus-per-node", "4", "--job-name", "x\ntouch pwned"], "may not contain whitespace"),
+        (["--gpus-per-node", "4", "--partition", "p'q"], "quotes"),
+        (["--gpus-per-node", "4", "--sbatch-option", "--mem=1G\necho hi"], "--sbatch-option"),
+        (["--gpus-per-node", "4", "--", "--hetero-layout", "other.yaml"], "--hetero-layout is set by this command"),
+        (["--gpus-per-node", "4", "--", "--nproc-per-node=8"], "--nproc-per-node is set by this command"),
+        (["--gpus-per-node", "4", "--", "--nproc", "8"], "--nproc-per-node is set by this command"),
+        (["--gpus-per-node", "4", "--", "--train-iterz", "3"], "do not parse"),
+    ],
+)
 def test_invalid_input_exits_2(capsys, argv, message):
     rc = run(parse("--nodes", "2", "--hetero-layout", FAN_IN, *argv))
     cap = capsys.readouterr()
@@ -126,7 +197,7 @@ def make_stubs(tmp_path: Path) -> tuple[Path, Path]:
     bin_dir.mkdir()
     log_dir.mkdir()
     tails = {
-        "scontrol": 'echo node01; echo node02',
+        "scontrol": "echo node01; echo node02",
         # srun: drop its own options, run the command (the python or torchrun stub) like a task would
         "srun": 'while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
         "torchrun": "",
@@ -152,10 +223,16 @@ def run_script(tmp_path: Path, script: str, **env: str) -> tuple[subprocess.Comp
     work.mkdir()
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    base = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log_dir), "HOME": str(tmp_path),
-            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]"}
-    proc = subprocess.run(["bash", str(path)], cwd=work, env={**base, **env}, capture_output=True, text=True,
-                          timeout=60)
+    base = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "STUB_LOG": str(log_dir),
+        "HOME": str(tmp_path),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node[01-02]",
+    }
+    proc = subprocess.run(
+        ["bash", str(path)], cwd=work, env={**base, **env}, capture_output=True, text=True, timeout=60
+    )
     return proc, log_dir
 
 
@@ -163,8 +240,20 @@ def test_hostile_arguments_arrive_verbatim_and_run_nothing(tmp_path, capsys):
     layout = tmp_path / "$(touch x) `touch x`.yaml"  # a hostile file name that is also a valid layout
     layout.write_text(Path(FAN_IN).read_text())
     hostile_image = "img$(touch x)`touch x`"
-    rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", str(layout),
-                   "--container-image", hostile_image, "--", *HOSTILE))
+    rc = run(
+        parse(
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--hetero-layout",
+            str(layout),
+            "--container-image",
+            hostile_image,
+            "--",
+            *HOSTILE,
+        )
+    )
     script = capsys.readouterr().out
     assert rc == 0
     proc, log_dir = run_script(tmp_path, script)
@@ -173,33 +262,89 @@ def test_hostile_arguments_arrive_verbatim_and_run_nothing(tmp_path, capsys):
     assert not list(tmp_path.rglob("x")), "a hostile argument ran as shell code"
     (srun,) = calls(log_dir, "srun")
     (python,) = calls(log_dir, "python3")
-    assert srun[:5] == ["--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                        f"--container-image={hostile_image}"]
+    assert srun[:5] == [
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        f"--container-image={hostile_image}",
+    ]
     assert srun[5:] == ["python3", *python]
-    assert python == ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
-                      f"--rdzv-endpoint=node01:{20000 + 4242 % 20000}", "--rdzv-id=4242",
-                      "-m", "megatron_hetero", "train", "--hetero-layout", str(layout), *HOSTILE]
+    assert python == [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=node01:{20000 + 4242 % 20000}",
+        "--rdzv-id=4242",
+        "-m",
+        "megatron_hetero",
+        "train",
+        "--hetero-layout",
+        str(layout),
+        *HOSTILE,
+    ]
     assert calls(log_dir, "scontrol") == [["show", "hostnames", "node[01-02]"]]
 
 
 def test_environment_overrides(tmp_path):
-    script = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout="l.yaml",
-                           train_args=["--train-iters", "3"], container_image="img")
+    script = sbatch_script(
+        nodes=2,
+        ranks_per_node=2,
+        gpus_per_node=0,
+        layout="l.yaml",
+        train_args=["--train-iters", "3"],
+        container_image="img",
+    )
     proc, log_dir = run_script(
-        tmp_path, script, MH_PYTHON="/opt/py/bin/python", MH_TORCHRUN="torchrun", MH_NNODES="1",
-        MH_NPROC_PER_NODE="3", MH_MASTER_ADDR="head.example", MH_MASTER_PORT="29999", MH_RDZV_BACKEND="static",
-        MH_TORCHRUN_ARGS="--max-restarts=1 --log-dir=/tmp/l", MH_SRUN_ARGS="--label", MH_CONTAINER_IMAGE="",
-        MH_ENTRY_MODULE="megatron_hetero", MH_HETERO_LAYOUT="other.yaml", MH_TRAIN_ARGS="--train-iters 5")
+        tmp_path,
+        script,
+        MH_PYTHON="/opt/py/bin/python",
+        MH_TORCHRUN="torchrun",
+        MH_NNODES="1",
+        MH_NPROC_PER_NODE="3",
+        MH_MASTER_ADDR="head.example",
+        MH_MASTER_PORT="29999",
+        MH_RDZV_BACKEND="static",
+        MH_TORCHRUN_ARGS="--max-restarts=1 --log-dir=/tmp/l",
+        MH_SRUN_ARGS="--label",
+        MH_CONTAINER_IMAGE="",
+        MH_ENTRY_MODULE="megatron_hetero",
+        MH_HETERO_LAYOUT="other.yaml",
+        MH_TRAIN_ARGS="--train-iters 5",
+    )
     assert proc.returncode == 0, proc.stderr
     (srun,) = calls(log_dir, "srun")
     (torchrun,) = calls(log_dir, "torchrun")
     assert calls(log_dir, "scontrol") == [] and calls(log_dir, "python3") == []
-    assert srun == ["--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label",
-                    "torchrun", *torchrun]
-    assert torchrun == ["--nnodes=1", "--nproc-per-node=3", "--rdzv-backend=static",
-                        "--rdzv-endpoint=head.example:29999", "--rdzv-id=4242", "--max-restarts=1",
-                        "--log-dir=/tmp/l", "-m", "megatron_hetero", "train", "--hetero-layout", "other.yaml",
-                        "--train-iters", "3", "--train-iters", "5"]
+    assert srun == [
+        "--nodes=1",
+        "--ntasks=1",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--label",
+        "torchrun",
+        *torchrun,
+    ]
+    assert torchrun == [
+        "--nnodes=1",
+        "--nproc-per-node=3",
+        "--rdzv-backend=static",
+        "--rdzv-endpoint=head.example:29999",
+        "--rdzv-id=4242",
+        "--max-restarts=1",
+        "--log-dir=/tmp/l",
+        "-m",
+        "megatron_hetero",
+        "train",
+        "--hetero-layout",
+        "other.yaml",
+        "--train-iters",
+        "3",
+        "--train-iters",
+        "5",
+    ]
 
 
 def test_script_outside_sbatch_fails_clearly(tmp_path):
@@ -216,8 +361,19 @@ def test_submit_writes_script_and_prints_job_id(tmp_path, capsys, monkeypatch):
     sbatch.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     out_file = tmp_path / "job.sbatch"
-    rc = run(parse("--nodes", "4", "--gpus-per-node", "2", "--hetero-layout", FAN_IN, "--submit",
-                   "--script-file", str(out_file)))
+    rc = run(
+        parse(
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "2",
+            "--hetero-layout",
+            FAN_IN,
+            "--submit",
+            "--script-file",
+            str(out_file),
+        )
+    )
     cap = capsys.readouterr()
     assert rc == 0 and cap.out == "777\n", cap
     assert out_file.read_text().startswith("#!/bin/bash") and "submitted job 777" in cap.err
@@ -230,8 +386,21 @@ def test_submit_failure_exits_1_with_sbatch_message(tmp_path, capsys, monkeypatc
     sbatch.write_text("#!/bin/bash\necho 'sbatch: error: invalid partition specified: nope' >&2\nexit 1\n")
     sbatch.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    rc = run(parse("--nodes", "4", "--gpus-per-node", "2", "--hetero-layout", FAN_IN, "--submit",
-                   "--script-file", str(tmp_path / "job.sbatch"), "--partition", "nope"))
+    rc = run(
+        parse(
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "2",
+            "--hetero-layout",
+            FAN_IN,
+            "--submit",
+            "--script-file",
+            str(tmp_path / "job.sbatch"),
+            "--partition",
+            "nope",
+        )
+    )
     cap = capsys.readouterr()
     assert rc == 1 and cap.out == ""
     assert re.search(r"sbatch failed \(exit 1\): sbatch: error: invalid partition specified: nope", cap.err)
@@ -243,13 +412,39 @@ def test_registered_as_a_subcommand_train_arguments_follow_the_separator(capsys)
     from megatron_hetero import cli
 
     top = cli.build_parser()
-    args = top.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN,
-                           "--", "--train-iters", "3", "--seed", "9"])
+    args = top.parse_args(
+        [
+            "slurm",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--hetero-layout",
+            FAN_IN,
+            "--",
+            "--train-iters",
+            "3",
+            "--seed",
+            "9",
+        ]
+    )
     assert args.train_args == ["--train-iters", "3", "--seed", "9"] and args.hetero_layout == FAN_IN
     assert args.func(args) == 0
     assert "train_args=(\n  --train-iters\n  3\n  --seed\n  9\n)" in capsys.readouterr().out
-    args = top.parse_args(["slurm", "--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN,
-                           "--", "--hetero-layout", "other.yaml"])
+    args = top.parse_args(
+        [
+            "slurm",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--hetero-layout",
+            FAN_IN,
+            "--",
+            "--hetero-layout",
+            "other.yaml",
+        ]
+    )
     assert args.func(args) == 2 and "--hetero-layout is set by this command" in capsys.readouterr().err
 
 
@@ -264,7 +459,8 @@ def test_train_parser_can_be_supplied_by_the_cli(capsys):
         p.add_argument("--only-flag")
 
     args = add_arguments(argparse.ArgumentParser(), add_train_parser=add_train).parse_args(
-        ["--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--", "--train-iters", "3"])
+        ["--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--", "--train-iters", "3"]
+    )
     assert run(args) == 2 and seen and "do not parse" in capsys.readouterr().err
     args.train_args = ["--only-flag", "v"]
     assert run(args) == 0
@@ -275,26 +471,46 @@ def test_megatron_lm_script_runs_with_the_layout(tmp_path, gpus):
     """`--script PRETRAIN.py`: torchrun runs Megatron-LM's (patched) script with --hetero-layout and the
     Megatron flags verbatim; on CPU nodes through megatron_hetero.megatron_lm.run (its CPU redirections)."""
     hostile_script = "/opt/Megatron LM/$(touch x)/pretrain_vlm.py"
-    script = sbatch_script(nodes=2, ranks_per_node=2 if gpus == 0 else gpus, gpus_per_node=gpus, layout="l.yaml",
-                           train_args=["--num-layers", "2", "$(touch x)"], script=hostile_script)
+    script = sbatch_script(
+        nodes=2,
+        ranks_per_node=2 if gpus == 0 else gpus,
+        gpus_per_node=gpus,
+        layout="l.yaml",
+        train_args=["--num-layers", "2", "$(touch x)"],
+        script=hostile_script,
+    )
     proc, log_dir = run_script(tmp_path, script)
     assert proc.returncode == 0, proc.stderr
     assert not list(tmp_path.rglob("x")), "a hostile argument ran as shell code"
     (python,) = calls(log_dir, "python3")
     entry = ["-m", "megatron_hetero.megatron_lm.run", hostile_script] if gpus == 0 else [hostile_script]
     tail = [*entry, "--hetero-layout", "l.yaml", "--num-layers", "2", "$(touch x)"]
-    assert python[-len(tail):] == tail, python
+    assert python[-len(tail) :] == tail, python
 
 
 def test_megatron_lm_script_flag_skips_train_parsing(capsys):
-    args = parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--script", "pretrain_vlm.py",
-                 "--", "--encoder-num-layers", "1", "--tokenizer-type", "NullTokenizer")
+    args = parse(
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--hetero-layout",
+        FAN_IN,
+        "--script",
+        "pretrain_vlm.py",
+        "--",
+        "--encoder-num-layers",
+        "1",
+        "--tokenizer-type",
+        "NullTokenizer",
+    )
     assert run(args) == 0
     out = capsys.readouterr().out
     assert "generated_script=pretrain_vlm.py" in out and "--encoder-num-layers" in out
 
 
 # --- SIGTERM before the time limit: stop with a checkpoint, requeue, resume -------------------------------
+
 
 def test_signal_lines_default_with_save_and_checks(capsys):
     rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--", "--save", "ck"))
@@ -303,8 +519,23 @@ def test_signal_lines_default_with_save_and_checks(capsys):
     assert sbatch_lines(out)[-3:] == ["#SBATCH --signal=B:TERM@120", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
     assert "train_args=(\n  --save\n  ck\n  --exit-signal-handler\n)" in out and "save_dir=ck" in out
     assert "exec " not in out and 'scontrol requeue "$SLURM_JOB_ID"' in out
-    rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, "--signal-seconds", "300",
-                   "--", "--save=a", "--exit-signal-handler", "--save", "b c"))
+    rc = run(
+        parse(
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "4",
+            "--hetero-layout",
+            FAN_IN,
+            "--signal-seconds",
+            "300",
+            "--",
+            "--save=a",
+            "--exit-signal-handler",
+            "--save",
+            "b c",
+        )
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "#SBATCH --signal=B:TERM@300" in out and "save_dir='b c'" in out
     assert out.count("--exit-signal-handler\n") == 1  # not added twice
@@ -313,8 +544,10 @@ def test_signal_lines_default_with_save_and_checks(capsys):
         rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, *argv))
         out = capsys.readouterr().out
         assert rc == 0 and "--signal" not in out and "--requeue" not in out and 'exec "${cmd[@]}"' in out
-    for argv, message in ((["--signal-seconds", "60"], "no --save DIR"),
-                          (["--signal-seconds", "-1", "--", "--save", "x"], "--signal-seconds must be >= 0")):
+    for argv, message in (
+        (["--signal-seconds", "60"], "no --save DIR"),
+        (["--signal-seconds", "-1", "--", "--save", "x"], "--signal-seconds must be >= 0"),
+    ):
         rc = run(parse("--nodes", "2", "--gpus-per-node", "4", "--hetero-layout", FAN_IN, *argv))
         assert rc == 2 and message in capsys.readouterr().err
 
@@ -344,9 +577,15 @@ def _signal_job(tmp_path: Path, mark: bool, checkpoint: bool) -> tuple[subproces
     save.mkdir()
     if checkpoint:
         (save / "latest_checkpointed_iteration.txt").write_text("4\n")
-    script = sbatch_script(nodes=2, ranks_per_node=2, gpus_per_node=0, layout="l.yaml",
-                           train_args=["--save", str(save), "--train-iters", "100"], signal_seconds=90,
-                           save_dir=str(save))
+    script = sbatch_script(
+        nodes=2,
+        ranks_per_node=2,
+        gpus_per_node=0,
+        layout="l.yaml",
+        train_args=["--save", str(save), "--train-iters", "100"],
+        signal_seconds=90,
+        save_dir=str(save),
+    )
     bin_dir, log_dir = make_stubs(tmp_path)
     (bin_dir / "srun").write_text(FAKE_SRUN)
     # scancel --signal=TERM JOB: slurmctld signals the step's tasks (here: the fake srun)
@@ -354,11 +593,18 @@ def _signal_job(tmp_path: Path, mark: bool, checkpoint: bool) -> tuple[subproces
     (bin_dir / "scancel").chmod(0o755)
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_LOG": str(log_dir), "HOME": str(tmp_path),
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]", "FAKE_SAVE": str(save),
-           "FAKE_MARK": "1" if mark else "0"}
-    proc = subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "STUB_LOG": str(log_dir),
+        "HOME": str(tmp_path),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "FAKE_SAVE": str(save),
+        "FAKE_MARK": "1" if mark else "0",
+    }
+    proc = subprocess.Popen(
+        ["bash", str(path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 30
     while not (log_dir / "fake_srun_started").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)

@@ -1,5 +1,6 @@
 """`megatron-hetero bench soak`'s arithmetic (sample steps, the per-rank verdict), without running ranks;
 the 60-step soak itself is tests/ranks/test_soak.py."""
+
 from __future__ import annotations
 
 import pytest

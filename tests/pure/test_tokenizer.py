@@ -1,4 +1,5 @@
 """Caption tokenizers: the shipped byte-level BPE (no download) and Hugging Face tokenizer.json files."""
+
 from __future__ import annotations
 
 import json
@@ -7,11 +8,16 @@ import pytest
 
 from megatron_hetero.models.data import PLACEHOLDER_ID
 from megatron_hetero.models.digits import DIGIT_WORDS, digit_caption
-from megatron_hetero.models.tokenizer import (SHIPPED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer,
-                                              train_caption_bpe)
+from megatron_hetero.models.tokenizer import SHIPPED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer, train_caption_bpe
 
-TEXTS = ["a handwritten seven", "A Handwritten SEVEN.", "zwei Äpfel, drei Birnen", "数字 7 😀", "  spaces\tand\nlines ",
-         ""]
+TEXTS = [
+    "a handwritten seven",
+    "A Handwritten SEVEN.",
+    "zwei Äpfel, drei Birnen",
+    "数字 7 😀",
+    "  spaces\tand\nlines ",
+    "",
+]
 
 
 def test_shipped_tokenizer_specials_come_first():

@@ -6,6 +6,7 @@ The homogeneous computation is L = sum(X * W) (destination TP replicas compute t
 gradients are identical, not summed), so every source rank (every TP replica) must receive exactly
 W at the elements it holds, and every destination rank must receive exactly X at its blocks.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,16 +20,26 @@ from megatron_hetero.runtime.topology import Topology  # imported here, not in t
 
 
 def _gather(blocks, t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t[b.b0:b.b1, b.s0:b.s1] for b in blocks], dim=1)
+    return torch.cat([t[b.b0 : b.b1, b.s0 : b.s1] for b in blocks], dim=1)
 
 
-def _run_edge(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_offset=0, steps: int = 2,
-              headers: bool = True) -> dict:
+def _run_edge(
+    doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_offset=0, steps: int = 2, headers: bool = True
+) -> dict:
     rank = dist.get_rank()
     layout = layout_from_dict(doc, world_size=dist.get_world_size())
     edge = layout.edges[0]
-    bnd = Boundary(layout, edge, batch=batch, hidden=hidden, seq=seq if (dst_seq or not headers) else None,
-                   dst_seq=dst_seq, dst_offset=dst_offset, timeout_s=30, headers=headers)
+    bnd = Boundary(
+        layout,
+        edge,
+        batch=batch,
+        hidden=hidden,
+        seq=seq if (dst_seq or not headers) else None,
+        dst_seq=dst_seq,
+        dst_offset=dst_offset,
+        timeout_s=30,
+        headers=headers,
+    )
     out = {"sent_fwd": [], "sent_bwd": []}
     for step in range(steps):  # a second step checks the cached plan and the stats per call
         g = torch.Generator().manual_seed(1234 + step)
@@ -151,7 +162,9 @@ def _dtype_mismatch() -> None:
 
 
 def test_dtype_mismatch_is_value_error_before_communication():
-    with pytest.raises(RankFailure, match=r"edge vision->language: rank 0 got dtype torch.float64, the edge carries torch.float32"):
+    with pytest.raises(
+        RankFailure, match=r"edge vision->language: rank 0 got dtype torch.float64, the edge carries torch.float32"
+    ):
         run_ranks(2, _dtype_mismatch, timeout=30)
 
 
@@ -171,7 +184,9 @@ def _missing_peer() -> None:
 
 
 def test_missing_edge_peer_is_value_error():
-    with pytest.raises(RankFailure, match=r"edge vision->language: the layout places modules on ranks 0-3 but the job has world size 2"):
+    with pytest.raises(
+        RankFailure, match=r"edge vision->language: the layout places modules on ranks 0-3 but the job has world size 2"
+    ):
         run_ranks(2, _missing_peer, timeout=30)
 
 
@@ -205,8 +220,18 @@ def _run_hier(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_of
     layout = layout_from_dict(doc, world_size=dist.get_world_size())
     topo = Topology.build(layout)
     try:
-        bnd = Boundary(layout, layout.edges[0], batch=batch, hidden=hidden, seq=seq, mode="hierarchical",
-                       topology=topo, timeout_s=30, dst_seq=dst_seq, dst_offset=dst_offset)
+        bnd = Boundary(
+            layout,
+            layout.edges[0],
+            batch=batch,
+            hidden=hidden,
+            seq=seq,
+            mode="hierarchical",
+            topology=topo,
+            timeout_s=30,
+            dst_seq=dst_seq,
+            dst_offset=dst_offset,
+        )
         g = torch.Generator().manual_seed(7)
         X, W = torch.randn(batch, seq, hidden, generator=g), torch.randn(batch, seq, hidden, generator=g)
         plan = bnd.plan_for(seq)
@@ -224,10 +249,14 @@ def _run_hier(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_of
         if bnd.is_src:
             assert torch.equal(x.grad, _gather(plan.holds[rank], W)), f"rank {rank}: gradient differs"
         first = {d: (bnd.stats[d].per_call or [0])[0] for d in ("forward", "backward")}  # 0: on neither side
-        return {"fwd": first["forward"], "planned": plan.costs["hierarchical"].bytes,
-                "direct": plan.costs["direct"].bytes, "bwd": first["backward"],
-                "planned_fwd_rank": plan.route.bytes_sent_per_rank("forward").get(rank, 0),
-                "planned_bwd_rank": plan.route.bytes_sent_per_rank("backward").get(rank, 0)}
+        return {
+            "fwd": first["forward"],
+            "planned": plan.costs["hierarchical"].bytes,
+            "direct": plan.costs["direct"].bytes,
+            "bwd": first["backward"],
+            "planned_fwd_rank": plan.route.bytes_sent_per_rank("forward").get(rank, 0),
+            "planned_bwd_rank": plan.route.bytes_sent_per_rank("backward").get(rank, 0),
+        }
     finally:
         topo.destroy()
 
@@ -269,8 +298,9 @@ def _hier_leader_dies() -> str:
 
     layout = layout_from_dict(_lay("disjoint", {"dp": 1}, {"tp": 2}), world_size=3)
     topo = Topology.build(layout)
-    bnd = Boundary(layout, "vision->language", batch=2, hidden=2, seq=4, mode="hierarchical", topology=topo,
-                   timeout_s=3)
+    bnd = Boundary(
+        layout, "vision->language", batch=2, hidden=2, seq=4, mode="hierarchical", topology=topo, timeout_s=3
+    )
     dist.barrier()  # every group is built everywhere before the source dies
     if bnd.is_src:
         os._exit(9)  # the source leader dies before its leader send
@@ -331,5 +361,7 @@ def _hidden_mismatch() -> None:
 
 @pytest.mark.timeout(60)
 def test_header_mismatch_names_the_edge():
-    with pytest.raises(RankFailure, match=r"edge vision->language: rank 1 received from rank 0: hidden 4 \(expected 3\)"):
+    with pytest.raises(
+        RankFailure, match=r"edge vision->language: rank 1 received from rank 0: hidden 4 \(expected 3\)"
+    ):
         run_ranks(2, _hidden_mismatch, timeout=40)

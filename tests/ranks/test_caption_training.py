@@ -7,6 +7,7 @@ step. So a 2-rank colocated run (vision DP2 + language TP2, or vision TP2 + lang
 same samples at every step as the world-1 run, and the losses agree within 1e-5 relative (the
 differences are reduction order: TP all-reduces of partial matmuls, DP gradient sums).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,8 +45,13 @@ def setup(digits):
     tok = load_tokenizer(cfg.tokenizer_model)
     base = LlavaSpec(seq_length=16, encoders={"vision": EncoderSpec(offset=1)})
     spec = caption_spec(base, cfg, tok)
-    job = JobConfig(spec=spec, global_batch_size=G, micro_batch_size=1, train_iters=STEPS,
-                    optim=OptimConfig(optimizer="sgd", lr=0.1))
+    job = JobConfig(
+        spec=spec,
+        global_batch_size=G,
+        micro_batch_size=1,
+        train_iters=STEPS,
+        optim=OptimConfig(optimizer="sgd", lr=0.1),
+    )
     return cfg, spec, job
 
 
@@ -73,13 +79,17 @@ def _caption_rank(layout, job, factory):
 def _run(doc, world, cfg, spec, job):
     layout = layout_from_dict(doc, world_size=world)
     validate_job(layout, job)
-    return run_ranks(world, _caption_rank, layout, job, caption_runner_factory(cfg, spec, job.global_batch_size),
-                     timeout=240)
+    return run_ranks(
+        world, _caption_rank, layout, job, caption_runner_factory(cfg, spec, job.global_batch_size), timeout=240
+    )
 
 
 def _doc(vision: dict, language: dict) -> dict:
-    return {"placement": "colocated", "modules": {"vision": vision, "language": language},
-            "edges": ["vision -> language"]}
+    return {
+        "placement": "colocated",
+        "modules": {"vision": vision, "language": language},
+        "edges": ["vision -> language"],
+    }
 
 
 _REF: dict = {}
@@ -155,14 +165,17 @@ def test_train_flags_to_caption_job_data(digits):
     spec, cfg = caption_job_data(_train_args("--data-path", digits, "--seed", "5"), base)
     assert cfg.resolved() and cfg.seed == 5 and cfg.path == digits and cfg.tokenizer_model is None
     assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim, spec.vocab_size) == (4, 16, 384)
-    spec, cfg = caption_job_data(_train_args("--data-path", digits, "--patch-size", "2", "--vocab-size", "512",
-                                             "--encoder-tokens", "16"), base)
+    spec, cfg = caption_job_data(
+        _train_args("--data-path", digits, "--patch-size", "2", "--vocab-size", "512", "--encoder-tokens", "16"), base
+    )
     assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim, spec.vocab_size) == (16, 4, 512)
-    for argv, match in ((("--data-path", digits, "--mock-data"), "give one"),
-                        (("--tokenizer-model", "t.json"), "applies to --data-path"),
-                        (("--data-path", digits, "--encoder-tokens", "8"), "tokens = \\(H/p\\)"),
-                        (("--data-path", digits, "--vocab-size", "100"), "smaller than the tokenizer"),
-                        (("--data-path", digits, "--patch-size", "3"), "not divisible by --patch-size 3"),
-                        (("--data-path", digits + "/nowhere",), "cannot open split 'train'")):
+    for argv, match in (
+        (("--data-path", digits, "--mock-data"), "give one"),
+        (("--tokenizer-model", "t.json"), "applies to --data-path"),
+        (("--data-path", digits, "--encoder-tokens", "8"), "tokens = \\(H/p\\)"),
+        (("--data-path", digits, "--vocab-size", "100"), "smaller than the tokenizer"),
+        (("--data-path", digits, "--patch-size", "3"), "not divisible by --patch-size 3"),
+        (("--data-path", digits + "/nowhere"), "cannot open split 'train'"),
+    ):
         with pytest.raises(ValueError, match=match):
             caption_job_data(_train_args(*argv), base)

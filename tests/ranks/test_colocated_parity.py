@@ -6,6 +6,7 @@ only from reduction order (TP all-reduces of partial matmuls, CP K/V gathers, DP
 different order): per-step loss <= 1e-5 relative, every parameter after the last step <= 1e-5
 relative (max abs difference over max abs value, per tensor).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,9 @@ from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, r
 STEPS = 5
 SGD = OptimConfig(optimizer="sgd", lr=0.5)
 JOB = JobConfig(spec=LlavaSpec(), global_batch_size=8, micro_batch_size=1, train_iters=STEPS, optim=SGD)
-TWO = LlavaSpec(encoders={"vision": EncoderSpec(offset=1), "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=10)})
+TWO = LlavaSpec(
+    encoders={"vision": EncoderSpec(offset=1), "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=10)}
+)
 JOB2 = JobConfig(spec=TWO, global_batch_size=8, micro_batch_size=1, train_iters=STEPS, optim=SGD)
 # 64 tokens over CP2 = 4 chunks of 16: the 8 image placeholders (1-8) lie in chunk 0 only, so CP rank 1
 # (chunks 1 and 2) holds none of them and receives an empty boundary payload
@@ -28,8 +31,7 @@ LONG = JobConfig(spec=LlavaSpec(seq_length=64), global_batch_size=8, micro_batch
 
 def _doc(enc: dict, lang: dict, **more) -> dict:
     mods = {"vision": enc, **more, "language": lang}
-    return {"placement": "colocated", "modules": mods,
-            "edges": [f"{n} -> language" for n in mods if n != "language"]}
+    return {"placement": "colocated", "modules": mods, "edges": [f"{n} -> language" for n in mods if n != "language"]}
 
 
 _REFERENCES: dict = {}
@@ -59,8 +61,12 @@ CASES = [
     ("enc TP2·DP2, LLM TP1·CP2·DP2", _doc({"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}), 4, JOB),
     ("enc DP2, LLM CP2 (a CP rank without placeholders)", _doc({"dp": 2}, {"cp": 2}), 2, LONG),
     ("fan-out enc TP2·DP2, LLM DP4", _doc({"tp": 2, "dp": 2}, {"dp": 4}), 4, JOB),
-    ("two encoders vision DP8, audio TP2·DP4, LLM TP4·DP2",
-     _doc({"dp": 8}, {"tp": 4, "dp": 2}, audio={"tp": 2, "dp": 4}), 8, JOB2),
+    (
+        "two encoders vision DP8, audio TP2·DP4, LLM TP4·DP2",
+        _doc({"dp": 8}, {"tp": 4, "dp": 2}, audio={"tp": 2, "dp": 4}),
+        8,
+        JOB2,
+    ),
 ]
 
 
@@ -72,10 +78,11 @@ def test_colocated_parity_with_world1(case):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("homogeneous,heterogeneous,world", [
-    ({"tp": 4}, {"dp": 4}, 4),
-    ({"tp": 2, "pp": 2, "dp": 2}, {"dp": 8}, 8),
-], ids=["LLM TP4", "LLM TP2·PP2·DP2"])
+@pytest.mark.parametrize(
+    "homogeneous,heterogeneous,world",
+    [({"tp": 4}, {"dp": 4}, 4), ({"tp": 2, "pp": 2, "dp": 2}, {"dp": 8}, 8)],
+    ids=["LLM TP4", "LLM TP2·PP2·DP2"],
+)
 def test_colocated_parity_with_homogeneous_layout(homogeneous, heterogeneous, world):
     """The homogeneous layout puts the encoder on the LLM's own layout (a pipelined encoder when the
     LLM has pp > 1); the heterogeneous one gives the encoder pure DP."""
@@ -86,8 +93,9 @@ def test_colocated_parity_with_homogeneous_layout(homogeneous, heterogeneous, wo
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("frozen", [("vision",), ("vision", "language")], ids=["stage2-frozen-encoder",
-                                                                               "stage1-projector-only"])
+@pytest.mark.parametrize(
+    "frozen", [("vision",), ("vision", "language")], ids=["stage2-frozen-encoder", "stage1-projector-only"]
+)
 def test_frozen_modules_parity(frozen):
     doc = _doc({"dp": 4, "frozen": "vision" in frozen}, {"tp": 2, "dp": 2, "frozen": "language" in frozen})
     per_rank = run_job(doc, 4, JOB)
@@ -95,14 +103,18 @@ def test_frozen_modules_parity(frozen):
     ref_params = _reference(JOB, ())[1]
     got = full_params(per_rank)
     # frozen parts did not move (the trunk of a frozen encoder; all of a frozen LLM) ...
-    init = full_params(run_job(doc, 4, JobConfig(spec=JOB.spec, train_iters=1, optim=OptimConfig(optimizer="sgd", lr=1e-30))))
+    init = full_params(
+        run_job(doc, 4, JobConfig(spec=JOB.spec, train_iters=1, optim=OptimConfig(optimizer="sgd", lr=1e-30)))
+    )
     for module in frozen:
         for name, t in got[module].items():
             if module == "vision" and name.startswith("projector."):
                 continue
             assert (t - init[module][name]).abs().max().item() < 1e-12, f"{module}.{name} moved although frozen"
     # ... while the projector trained
-    moved = max((got["vision"][n] - init["vision"][n]).abs().max().item() for n in got["vision"] if n.startswith("projector."))
+    moved = max(
+        (got["vision"][n] - init["vision"][n]).abs().max().item() for n in got["vision"] if n.startswith("projector.")
+    )
     assert moved > 1e-4
     # The unfrozen reference holds every module's parameters under the same names as this run (so
     # the parity comparisons cover each of them), and its trunks trained where this run's froze.

@@ -20,6 +20,7 @@ partial matmuls, CP reduce-scatter of K/V gradients): 1e-6 relative. The step-2 
 parameters after two SGD updates made from such gradients: 1e-5 relative (parameters: max abs
 difference over max abs value, per tensor).
 """
+
 from __future__ import annotations
 
 import copy
@@ -146,8 +147,9 @@ def _reference_slices(model: GPTModel, reference: GPTModel, pgc: ProcessGroupCol
         if name == "output_layer.weight":
             src = ref["embedding.word_embeddings.weight"]
         else:
-            src = ref[re.sub(r"^decoder\.layers\.(\d+)\.",
-                             lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)]
+            src = ref[
+                re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+            ]
         if getattr(param, "tensor_model_parallel", False):
             src = src.chunk(pgc.tp.size(), dim=param.partition_dim)[pgc.tp.rank()]
         yield name, param, src
@@ -215,10 +217,7 @@ def train_steps(model: GPTModel, pgc: ProcessGroupCollection, steps: int = 2) ->
     config.finalize_model_grads_func = finalize_model_grads
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model, pg_collection=pgc)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=0.3),
-        [ddp],
-        pg_collection=pgc,
-        use_gloo_process_groups=False,
+        OptimizerConfig(optimizer="sgd", lr=0.5, clip_grad=0.3), [ddp], pg_collection=pgc, use_gloo_process_groups=False
     )
     pp = pgc.pp.size()
     forward_backward_func = get_forward_backward_func(pp_size=pp, vp_size=None)
@@ -325,14 +324,17 @@ def _rank_clip_vit(tp: int) -> dict:
         torch.manual_seed(SEED)
         model_parallel_cuda_manual_seed(SEED, tp_rank=pgc.tp.rank(), ep_rank=0, etp_rank=0)
         config = TransformerConfig(
-            num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-            tensor_model_parallel_size=pgc.tp.size(), use_cpu_initialization=True,
-            hidden_dropout=0.0, attention_dropout=0.0,
+            num_layers=2,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            tensor_model_parallel_size=pgc.tp.size(),
+            use_cpu_initialization=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
         )
         spec = copy.deepcopy(get_gpt_layer_local_spec())
         spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
-        model = CLIPViTModel(config, spec, patch_dim=8, img_h=32, img_w=32, pg_collection=pgc,
-                             **clip_vit_norm_kwargs())
+        model = CLIPViTModel(config, spec, patch_dim=8, img_h=32, img_w=32, pg_collection=pgc, **clip_vit_norm_kwargs())
         images = torch.randn(MBS, 3, 32, 32, generator=torch.Generator().manual_seed(1))
         features = model(images)
         features.square().mean().backward()
@@ -367,8 +369,11 @@ def _patched_objects() -> dict:
         "megatron.core.optimizer.clip_grads": ["torch", "clip_grad_by_total_norm_fp32"],
     }
     objs = {f"{m}.{a}": getattr(importlib.import_module(m), a) for m, attrs in names.items() for a in attrs}
-    for module in ("megatron.core.utils", "megatron.core.pipeline_parallel.schedules",
-                   "megatron.core.pipeline_parallel.p2p_communication"):
+    for module in (
+        "megatron.core.utils",
+        "megatron.core.pipeline_parallel.schedules",
+        "megatron.core.pipeline_parallel.p2p_communication",
+    ):
         objs[f"{module}.torch"] = importlib.import_module(module).torch
     objs["LanguageModule.setup"] = vars(LanguageModule)["setup_embeddings_and_output_layer"]
     objs["LanguageModule.loss"] = vars(LanguageModule)["compute_language_model_loss"]
@@ -584,12 +589,16 @@ def test_table_entries_are_complete_and_split_by_reason():
     entries = every_patch()
     names = [p.name for p in entries]
     assert len(names) == len(set(names)), "patch names must be unique"
-    assert {p.reason for p in cpu.PATCHES} == {table.CPU} and {p.reason for p in megatron_lm.MEGATRON_LM_PATCHES} == {table.CPU}
+    assert {p.reason for p in cpu.PATCHES} == {table.CPU} and {p.reason for p in megatron_lm.MEGATRON_LM_PATCHES} == {
+        table.CPU
+    }
     assert {p.reason for p in [*fixes.FIXES, *fixes.NO_TE_PATCHES]} == {table.FIX}
     for p in entries:
         assert p.removal.startswith("remove "), p.name
         assert p.targets and p.spots and p.spot and p.action, p.name
-        assert table.targets_version(p, table.megatron_core_version()), f"{p.name} does not target the installed version"
+        assert table.targets_version(p, table.megatron_core_version()), (
+            f"{p.name} does not target the installed version"
+        )
         assert (p.apply is None) == p.use.startswith(("scoped:", "helper:")), p.name
     # CP attention and layer specs are model code, not compat
     assert not any("cp_attention" in n or "layer_spec" in n for n in names)
@@ -616,8 +625,9 @@ def _megatron_lm_spot_problems(tree: str) -> list:
     return [p for e in [*megatron_lm.MEGATRON_LM_PATCHES, *megatron_lm.NO_TE_PATCHES] for p in table.patch_problems(e)]
 
 
-@pytest.mark.skipif(not MEGATRON_LM_TREE, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.16.1 to check "
-                                                 "the Megatron-LM spots")
+@pytest.mark.skipif(
+    not MEGATRON_LM_TREE, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.16.1 to check the Megatron-LM spots"
+)
 def test_every_megatron_lm_patched_spot_exists():
     (problems,) = run_ranks(1, _megatron_lm_spot_problems, MEGATRON_LM_TREE, init_distributed=False)
     assert not problems, "\n".join(problems)
@@ -626,17 +636,38 @@ def test_every_megatron_lm_patched_spot_exists():
 def test_spot_check_names_what_is_lost():
     from megatron_hetero.compat.table import Spot, spot_problems
 
-    assert spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "method",
-                              params=("self", "tensor_shape"), uses=("torch.cuda.current_device()",))) == []
+    assert (
+        spot_problems(
+            Spot(
+                "megatron.core.utils:GlobalMemoryBuffer.get_tensor",
+                "method",
+                params=("self", "tensor_shape"),
+                uses=("torch.cuda.current_device()",),
+            )
+        )
+        == []
+    )
     assert "does not exist" in spot_problems(Spot("megatron.core.utils:no_such_function"))[0]
-    assert "is not defined on GlobalMemoryBuffer" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.gone",
-                                                                        "method"))[0]
-    assert "the patch relies on (self, shape" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor",
-                                                                    "method", params=("self", "shape")))[0]
-    assert "no longer holds" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "method",
-                                                   uses=("device=torch.device('cpu')",)))[0]
-    assert "not a staticmethod" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor",
-                                                      "staticmethod"))[0]
+    assert (
+        "is not defined on GlobalMemoryBuffer"
+        in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.gone", "method"))[0]
+    )
+    assert (
+        "the patch relies on (self, shape"
+        in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "method", params=("self", "shape")))[
+            0
+        ]
+    )
+    assert (
+        "no longer holds"
+        in spot_problems(
+            Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "method", uses=("device=torch.device('cpu')",))
+        )[0]
+    )
+    assert (
+        "not a staticmethod"
+        in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer.get_tensor", "staticmethod"))[0]
+    )
     assert "not the torch module" in spot_problems(Spot("megatron.core.utils:GlobalMemoryBuffer", "torch"))[0]
     assert "does not exist" in spot_problems(Spot("megatron.core.no_such_module", "source", uses=("x",)))[0]
 
@@ -648,14 +679,24 @@ def _all_unapplied(monkeypatch) -> list:
     from megatron_hetero.compat import cpu, fixes, megatron_lm
 
     calls: list = []
-    for module, flags in ((compat, ("_APPLIED",)), (cpu, ("_APPLIED",)), (megatron_lm, ("_APPLIED",)),
-                          (fixes, ("_APPLIED", "_NO_TE_APPLIED"))):
+    for module, flags in (
+        (compat, ("_APPLIED",)),
+        (cpu, ("_APPLIED",)),
+        (megatron_lm, ("_APPLIED",)),
+        (fixes, ("_APPLIED", "_NO_TE_APPLIED")),
+    ):
         for flag in flags:
             monkeypatch.setattr(module, flag, False)
-    for module, name in ((cpu, "PATCHES"), (fixes, "FIXES"), (fixes, "NO_TE_PATCHES"),
-                         (megatron_lm, "MEGATRON_LM_PATCHES")):
-        recorded = [dataclasses.replace(p, apply=(lambda n=p.name: calls.append(n)) if p.apply else None)
-                    for p in getattr(module, name)]
+    for module, name in (
+        (cpu, "PATCHES"),
+        (fixes, "FIXES"),
+        (fixes, "NO_TE_PATCHES"),
+        (megatron_lm, "MEGATRON_LM_PATCHES"),
+    ):
+        recorded = [
+            dataclasses.replace(p, apply=(lambda n=p.name: calls.append(n)) if p.apply else None)
+            for p in getattr(module, name)
+        ]
         monkeypatch.setattr(module, name, recorded)
     return calls
 
@@ -673,9 +714,15 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
     assert isinstance(info.value, RuntimeError)
     assert "megatron-core 0.99.0 is installed" in text and "supports megatron-core 0.16.1" in text
     assert "'fix.loss_tp_group'" in text and "Nothing was patched" in text
-    for refused in (megatron_lm.apply_megatron_lm_cpu_compat, compat.apply_cpu_compat, fixes.apply_fixes,
-                    fixes.apply_megatron_lm_no_te_fixes, compat.ensure_global_memory_buffer,
-                    compat.clip_vit_norm_kwargs, compat.ensure_moe_without_te):
+    for refused in (
+        megatron_lm.apply_megatron_lm_cpu_compat,
+        compat.apply_cpu_compat,
+        fixes.apply_fixes,
+        fixes.apply_megatron_lm_no_te_fixes,
+        compat.ensure_global_memory_buffer,
+        compat.clip_vit_norm_kwargs,
+        compat.ensure_moe_without_te,
+    ):
         if refused is compat.apply_cpu_compat and torch.cuda.is_available():
             continue  # a no-op with CUDA
         with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
@@ -690,8 +737,9 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
     compat.apply_compat()
     compat.apply_compat()
     assert compat.compat_applied()
-    applied = [p.name for p in fixes.FIXES if p.apply] + ([] if torch.cuda.is_available() else
-                                                          [p.name for p in cpu.PATCHES])
+    applied = [p.name for p in fixes.FIXES if p.apply] + (
+        [] if torch.cuda.is_available() else [p.name for p in cpu.PATCHES]
+    )
     assert sorted(calls) == sorted(applied)
 
 
@@ -713,7 +761,9 @@ def test_library_code_assumes_compat_was_applied(monkeypatch):
 
     compat.require_compat("anything")  # the session applied it
     monkeypatch.setattr(compat, "_APPLIED", False)
-    with pytest.raises(RuntimeError, match=r"training.trainer.prepare_rank needs megatron_hetero.compat.apply_compat\(\)"):
+    with pytest.raises(
+        RuntimeError, match=r"training.trainer.prepare_rank needs megatron_hetero.compat.apply_compat\(\)"
+    ):
         prepare_rank(JobConfig())
 
 
@@ -739,11 +789,17 @@ def test_apply_compat_is_called_at_the_entry_points_only():
     """The CLI, the Megatron-LM launcher, the benchmark scripts' main, tests/conftest.py; library code
     asserts (require_compat) instead."""
     repo = Path(__file__).resolve().parents[2]
-    calls = sorted(f"{p.relative_to(repo)}:{line.strip()}"
-                   for p in [*(repo / "megatron_hetero").rglob("*.py"), *(repo / "tests").rglob("*.py")]
-                   if "compat" not in p.relative_to(repo).parts[1:2] and p.name != "test_compat.py"
-                   for line in p.read_text().splitlines()
-                   if re.match(r"\s*apply_(megatron_lm_cpu_)?compat\(\)", line))
+    calls = sorted(
+        f"{p.relative_to(repo)}:{line.strip()}"
+        for p in [*(repo / "megatron_hetero").rglob("*.py"), *(repo / "tests").rglob("*.py")]
+        if "compat" not in p.relative_to(repo).parts[1:2] and p.name != "test_compat.py"
+        for line in p.read_text().splitlines()
+        if re.match(r"\s*apply_(megatron_lm_cpu_)?compat\(\)", line)
+    )
     assert [c.split(":")[0] for c in calls] == [
-        "megatron_hetero/bench/cost_check.py", "megatron_hetero/bench/trace_overhead.py", "megatron_hetero/cli/__init__.py",
-        "megatron_hetero/megatron_lm/run.py", "tests/conftest.py"], "\n".join(calls)
+        "megatron_hetero/bench/cost_check.py",
+        "megatron_hetero/bench/trace_overhead.py",
+        "megatron_hetero/cli/__init__.py",
+        "megatron_hetero/megatron_lm/run.py",
+        "tests/conftest.py",
+    ], "\n".join(calls)

@@ -14,6 +14,7 @@ dimension where its shape differs from the reference's full tensor (Megatron's `
 TP replicas of a replicated tensor must agree; pipeline-stage and segment layer indices are mapped
 to global ones.
 """
+
 from __future__ import annotations
 
 import re
@@ -43,15 +44,19 @@ SGD = OptimConfig(optimizer="sgd", lr=0.1)
 # is still normalised by Adam (the loss curve matches eps 1e-8 to 1e-4).
 ADAM = OptimConfig(optimizer="adam", lr=1e-3, adam_eps=1e-5)
 ONE = LlavaSpec(num_layers=4)
-TWO = LlavaSpec(num_layers=2, encoders={"vision": EncoderSpec(offset=1),
-                                        "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=12)})
+TWO = LlavaSpec(
+    num_layers=2,
+    encoders={"vision": EncoderSpec(offset=1), "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=12)},
+)
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
-def _job(spec: LlavaSpec, mbs: int = 1, optim: OptimConfig = SGD, steps: int = STEPS,
-         timeout: float = 60.0) -> JobConfig:
-    return JobConfig(spec=spec, global_batch_size=8, micro_batch_size=mbs, train_iters=steps, optim=optim,
-                     comm_timeout_s=timeout)
+def _job(
+    spec: LlavaSpec, mbs: int = 1, optim: OptimConfig = SGD, steps: int = STEPS, timeout: float = 60.0
+) -> JobConfig:
+    return JobConfig(
+        spec=spec, global_batch_size=8, micro_batch_size=mbs, train_iters=steps, optim=optim, comm_timeout_s=timeout
+    )
 
 
 def _dis(edges: list[str], **modules) -> dict:
@@ -99,8 +104,9 @@ def _full_params(layout, spec: LlavaSpec, per_rank, ref: dict) -> dict:
         full_shape = ref[module][name].shape if ref is not None and name in ref.get(module, {}) else parts[0].shape
         if parts[0].shape == full_shape:  # replicated over TP: every replica must agree
             for p in parts[1:]:
-                assert (p - parts[0]).abs().max() <= 1e-6 * parts[0].abs().max().clamp_min(1e-30), \
+                assert (p - parts[0]).abs().max() <= 1e-6 * parts[0].abs().max().clamp_min(1e-30), (
                     f"TP replicas of {module}.{name} disagree"
+                )
             full = parts[0]
         else:
             dims = [d for d in range(len(full_shape)) if parts[0].shape[d] != full_shape[d]]
@@ -144,29 +150,74 @@ def _assert_parity(layout, spec, per_rank, ref, label: str) -> tuple[float, floa
 V2L = ["vision -> language"]
 CASES = [
     # (id, layout doc, world, job, validate_job applies)
-    ("fan-in enc DP4@0-3 -> LLM TP2·DP2@4-7",
-     _dis(V2L, vision={"dp": 4}, language={"tp": 2, "dp": 2}), 8, _job(ONE, mbs=2), True),
-    ("fan-out enc TP2·DP1@0-1 -> LLM CP2·DP2@2-5",
-     _dis(V2L, vision={"tp": 2}, language={"cp": 2, "dp": 2}), 6, _job(ONE), True),
-    ("two encoders vision DP2@0-1 + audio TP2@2-3 -> LLM TP2·DP2@4-7",
-     _dis(["vision -> language", "audio -> language"], vision={"dp": 2}, audio={"tp": 2},
-          language={"tp": 2, "dp": 2}), 8, _job(TWO, mbs=2), True),
-    ("enc PP2·DP2@0-3 -> LLM PP2·DP2@4-7 (M=4, adam)",
-     _dis(V2L, vision={"pp": 2, "dp": 2}, language={"pp": 2, "dp": 2}), 8, _job(ONE, optim=ADAM), True),
-    ("segments enc DP2@0-1 -> LLM layers 0-1 TP2·DP2@2-5 -> layers 2-3 TP1·DP2@6-7",
-     _dis(["vision -> language_a", "language_a -> language_b"], vision={"dp": 2},
-          language_a={"tp": 2, "dp": 2, "layers": "0-1"}, language_b={"dp": 2, "layers": "2-3"}),
-     8, _job(ONE), True),
-    ("segments enc DP1@0 -> LLM layers 0-1 CP2@1-2 -> layers 2-3 TP2·PP2@3-6",
-     _dis(["vision -> language_a", "language_a -> language_b"], vision={},
-          language_a={"cp": 2, "layers": "0-1"}, language_b={"tp": 2, "pp": 2, "layers": "2-3"}),
-     7, _job(ONE, mbs=2), True),
+    (
+        "fan-in enc DP4@0-3 -> LLM TP2·DP2@4-7",
+        _dis(V2L, vision={"dp": 4}, language={"tp": 2, "dp": 2}),
+        8,
+        _job(ONE, mbs=2),
+        True,
+    ),
+    (
+        "fan-out enc TP2·DP1@0-1 -> LLM CP2·DP2@2-5",
+        _dis(V2L, vision={"tp": 2}, language={"cp": 2, "dp": 2}),
+        6,
+        _job(ONE),
+        True,
+    ),
+    (
+        "two encoders vision DP2@0-1 + audio TP2@2-3 -> LLM TP2·DP2@4-7",
+        _dis(
+            ["vision -> language", "audio -> language"], vision={"dp": 2}, audio={"tp": 2}, language={"tp": 2, "dp": 2}
+        ),
+        8,
+        _job(TWO, mbs=2),
+        True,
+    ),
+    (
+        "enc PP2·DP2@0-3 -> LLM PP2·DP2@4-7 (M=4, adam)",
+        _dis(V2L, vision={"pp": 2, "dp": 2}, language={"pp": 2, "dp": 2}),
+        8,
+        _job(ONE, optim=ADAM),
+        True,
+    ),
+    (
+        "segments enc DP2@0-1 -> LLM layers 0-1 TP2·DP2@2-5 -> layers 2-3 TP1·DP2@6-7",
+        _dis(
+            ["vision -> language_a", "language_a -> language_b"],
+            vision={"dp": 2},
+            language_a={"tp": 2, "dp": 2, "layers": "0-1"},
+            language_b={"dp": 2, "layers": "2-3"},
+        ),
+        8,
+        _job(ONE),
+        True,
+    ),
+    (
+        "segments enc DP1@0 -> LLM layers 0-1 CP2@1-2 -> layers 2-3 TP2·PP2@3-6",
+        _dis(
+            ["vision -> language_a", "language_a -> language_b"],
+            vision={},
+            language_a={"cp": 2, "layers": "0-1"},
+            language_b={"tp": 2, "pp": 2, "layers": "2-3"},
+        ),
+        7,
+        _job(ONE, mbs=2),
+        True,
+    ),
     # A TP-heavy segment followed by a DP-heavy one: segments with different DP run different
     # per-rank micro-batch sizes (2 and 1 samples of each 2-sample micro-batch).
-    ("segments enc DP1@0 -> LLM layers 0-1 TP2@1-2 -> layers 2-3 DP2@3-4",
-     _dis(["vision -> language_a", "language_a -> language_b"], vision={},
-          language_a={"tp": 2, "layers": "0-1"}, language_b={"dp": 2, "layers": "2-3"}),
-     5, _job(ONE, mbs=2), True),
+    (
+        "segments enc DP1@0 -> LLM layers 0-1 TP2@1-2 -> layers 2-3 DP2@3-4",
+        _dis(
+            ["vision -> language_a", "language_a -> language_b"],
+            vision={},
+            language_a={"tp": 2, "layers": "0-1"},
+            language_b={"dp": 2, "layers": "2-3"},
+        ),
+        5,
+        _job(ONE, mbs=2),
+        True,
+    ),
 ]
 
 
@@ -183,8 +234,11 @@ def test_disjoint_parity_with_homogeneous_layout():
     """Fan-in disjoint (encoder DP4 @0-3, LLM TP2·DP2 @4-7) against the homogeneous colocated layout
     on the LLM's grid (every module TP2·DP2 on 4 ranks)."""
     job = _job(ONE, mbs=2)
-    homo_doc = {"placement": "colocated", "modules": {"vision": {"tp": 2, "dp": 2}, "language": {"tp": 2, "dp": 2}},
-                "edges": V2L}
+    homo_doc = {
+        "placement": "colocated",
+        "modules": {"vision": {"tp": 2, "dp": 2}, "language": {"tp": 2, "dp": 2}},
+        "edges": V2L,
+    }
     h_layout, homo = _run(homo_doc, 4, job)
     ref_params = _full_params(h_layout, ONE, homo, _reference(ONE, SGD)[1])
     layout, per_rank = _run(CASES[0][1], 8, job)
@@ -193,12 +247,20 @@ def test_disjoint_parity_with_homogeneous_layout():
 
 FROZEN_CASES = [
     # LLaVA stage 2: encoder trunk frozen (its projector trains on every encoder rank), LLM trains.
-    ("stage2 enc DP2 frozen trunk -> LLM TP2", ("vision",),
-     _dis(V2L, vision={"dp": 2, "frozen": True}, language={"tp": 2}), False),
+    (
+        "stage2 enc DP2 frozen trunk -> LLM TP2",
+        ("vision",),
+        _dis(V2L, vision={"dp": 2, "frozen": True}, language={"tp": 2}),
+        False,
+    ),
     # LLaVA stage 1 with a pipelined encoder: only the projector (last encoder stage) trains; the
     # frozen first stage runs no backward and the gradients still cross the frozen LLM.
-    ("stage1 enc PP2 frozen trunk -> LLM TP2 frozen", ("vision", "language"),
-     _dis(V2L, vision={"pp": 2, "frozen": True}, language={"tp": 2, "frozen": True}), True),
+    (
+        "stage1 enc PP2 frozen trunk -> LLM TP2 frozen",
+        ("vision", "language"),
+        _dis(V2L, vision={"pp": 2, "frozen": True}, language={"tp": 2, "frozen": True}),
+        True,
+    ),
 ]
 
 
@@ -216,8 +278,14 @@ def test_disjoint_parity_frozen(case):
             if module == "vision" and name.startswith("projector."):
                 continue
             assert (t - init[module][name]).abs().max().item() < 1e-12, f"{module}.{name} moved although frozen"
-    assert max((got["vision"][n] - init["vision"][n]).abs().max().item()
-               for n in got["vision"] if n.startswith("projector.")) > 1e-4  # the projector trained
+    assert (
+        max(
+            (got["vision"][n] - init["vision"][n]).abs().max().item()
+            for n in got["vision"]
+            if n.startswith("projector.")
+        )
+        > 1e-4
+    )  # the projector trained
 
 
 def test_micro_batch_not_divisible_by_encoder_dp():
@@ -248,8 +316,11 @@ def _train_with_failure(layout, job, fail_rank: int, fail_step: int, fail_mb: in
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("fail_rank,stall_s", [(0, 0.0), (2, 0.0), (0, 60.0)],
-                         ids=["encoder-rank-raises", "llm-rank-raises", "encoder-rank-hangs"])
+@pytest.mark.parametrize(
+    "fail_rank,stall_s",
+    [(0, 0.0), (2, 0.0), (0, 60.0)],
+    ids=["encoder-rank-raises", "llm-rank-raises", "encoder-rank-hangs"],
+)
 def test_rank_failure_stops_all_ranks_naming_the_edge(fail_rank, stall_s):
     """vision @0 -> language DP2 @1-2, comm timeout 3 s: a rank that raises mid-step (its peers see
     the connection close) or hangs (its peers time out) stops every rank with a non-zero exit within

@@ -11,6 +11,7 @@ train=False over the held-out split, the held-out loss, and the caption accuracy
   losses of a run without it (no gradient reduction, no optimizer step; the next step zeroes the
   gradients the evaluation computed).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,10 @@ def test_digit_hits_is_the_reference_accuracy():
     labels = torch.stack([r["labels"] for r in rows])
     mask = torch.stack([r["loss_mask"] for r in rows])
     # predictions: right, right, wrong digit ("eight"), no digit (EOS first)
-    preds = [text_sample(c, tok, seq_length=16, image_tokens=4)["labels"] for c in
-             ("a handwritten seven", "a handwritten one", "a handwritten eight", "")]
+    preds = [
+        text_sample(c, tok, seq_length=16, image_tokens=4)["labels"]
+        for c in ("a handwritten seven", "a handwritten one", "a handwritten eight", "")
+    ]
     ids = torch.stack(preds)
     ids[3] = torch.where(mask[3].bool(), torch.full_like(ids[3], tok.eos_id), ids[3])
     logits = torch.nn.functional.one_hot(ids, 384).float() + 0.01 * torch.randn(4, 16, 384)
@@ -69,8 +72,13 @@ def setup(digits):
     cfg = resolve_config(CaptionDataConfig(digits, seed=3))
     tok = load_tokenizer(cfg.tokenizer_model)
     spec = caption_spec(LlavaSpec(seq_length=16, encoders={"vision": EncoderSpec(offset=1)}), cfg, tok)
-    job = JobConfig(spec=spec, global_batch_size=G, micro_batch_size=1, train_iters=TRAIN_STEPS,
-                    optim=OptimConfig(optimizer="adam", lr=5e-3, adam_eps=1e-5))
+    job = JobConfig(
+        spec=spec,
+        global_batch_size=G,
+        micro_batch_size=1,
+        train_iters=TRAIN_STEPS,
+        optim=OptimConfig(optimizer="adam", lr=5e-3, adam_eps=1e-5),
+    )
     return cfg, spec, job
 
 
@@ -101,13 +109,24 @@ def _eval_rank(layout, job, factory, eval_after, keep_logits):
 def _run(doc, world, cfg, spec, job, eval_after=TRAIN_STEPS - 1, keep_logits=False):
     layout = layout_from_dict(doc, world_size=world)
     validate_job(layout, job)
-    return run_ranks(world, _eval_rank, layout, job, caption_runner_factory(cfg, spec, job.global_batch_size),
-                     eval_after, keep_logits, timeout=300)
+    return run_ranks(
+        world,
+        _eval_rank,
+        layout,
+        job,
+        caption_runner_factory(cfg, spec, job.global_batch_size),
+        eval_after,
+        keep_logits,
+        timeout=300,
+    )
 
 
 def _doc(vision: dict, language: dict, placement: str = "colocated") -> dict:
-    return {"placement": placement, "modules": {"vision": vision, "language": language},
-            "edges": ["vision -> language"]}
+    return {
+        "placement": placement,
+        "modules": {"vision": vision, "language": language},
+        "edges": ["vision -> language"],
+    }
 
 
 _REF: dict = {}
@@ -132,12 +151,15 @@ def test_world1_eval_is_the_reference_on_the_same_logits(setup):
     assert logits.shape[:2] == (n, spec.seq_length) and ev["eval_samples"] == n
     digits = [digit_of_caption(c) for c in ref["captions"][:n]]  # held-out samples in stored order
     assert ev["eval_accuracy"] == greedy_digit_accuracy(logits, mask, load_tokenizer(None), digits)
-    ce = torch.nn.functional.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                           reduction="none").reshape(labels.shape)
+    ce = torch.nn.functional.cross_entropy(
+        logits.double().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+    ).reshape(labels.shape)
     want = float((ce * mask).sum() / mask.sum())
     assert abs(ev["eval_loss"] - want) <= 1e-5 * want, (ev["eval_loss"], want)
-    print(f"\nworld 1 after {TRAIN_STEPS - 1} steps: held-out loss {ev['eval_loss']:.6f}, "
-          f"accuracy {ev['eval_accuracy']:.4f}")
+    print(
+        f"\nworld 1 after {TRAIN_STEPS - 1} steps: held-out loss {ev['eval_loss']:.6f}, "
+        f"accuracy {ev['eval_accuracy']:.4f}"
+    )
     # evaluating changed nothing: the same losses as a run that never evaluates
     plain = _run(_doc({}, {}), 1, cfg, spec, job, eval_after=None)[0]
     assert plain["losses"] == ref["losses"]
@@ -158,8 +180,7 @@ def trained(setup, tmp_path_factory):
 def _resume_and_eval(doc, world, job, ckpt):
     """`train_rank` from the checkpoint: one more step, then the evaluation (--eval-interval)."""
     layout = layout_from_dict(doc, world_size=world)
-    job = dataclasses.replace(job, load=ckpt, train_iters=TRAIN_STEPS, eval_interval=TRAIN_STEPS,
-                              eval_iters=EVAL_ITERS)
+    job = dataclasses.replace(job, load=ckpt, train_iters=TRAIN_STEPS, eval_interval=TRAIN_STEPS, eval_iters=EVAL_ITERS)
     validate_job(layout, job)
     return run_ranks(world, train_rank, layout, job, timeout=300)
 
@@ -193,8 +214,10 @@ def test_eval_is_the_same_under_every_layout(setup, trained, label, doc, world):
         return
     want = _EVAL["ref"]
     rel = abs(got["eval_loss"] - want["eval_loss"]) / want["eval_loss"]
-    print(f"\n{label}: held-out loss {got['eval_loss']:.6f} (world 1 {want['eval_loss']:.6f}, rel {rel:.1e}), "
-          f"accuracy {got['eval_accuracy']:.4f} (world 1 {want['eval_accuracy']:.4f})")
+    print(
+        f"\n{label}: held-out loss {got['eval_loss']:.6f} (world 1 {want['eval_loss']:.6f}, rel {rel:.1e}), "
+        f"accuracy {got['eval_accuracy']:.4f} (world 1 {want['eval_accuracy']:.4f})"
+    )
     assert rel <= 1e-5
     assert got["eval_samples"] == want["eval_samples"]
     assert abs(got["eval_accuracy"] - want["eval_accuracy"]) <= 1e-5

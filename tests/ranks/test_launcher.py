@@ -1,4 +1,5 @@
 """Tests for the fork launcher (megatron_hetero.runtime.launcher)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Learning-rate schedule (Megatron's OptimizerParamScheduler per module), gradient clipping per
 module, the lr / grad norm in the records, and the schedule's state in checkpoints."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,11 @@ from megatron_hetero.training.iteration_log import IterationLog, format_line
 from megatron_hetero.training.lr_schedule import LRSchedule
 from megatron_hetero.training.setup import JobConfig
 
-COLOC = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
-         "edges": ["vision -> language"]}
+COLOC = {
+    "placement": "colocated",
+    "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
+    "edges": ["vision -> language"],
+}
 
 
 def expected_lr(step: int, lr: float, warmup: int, decay: int, style: str, min_lr: float) -> float:
@@ -39,18 +43,29 @@ def test_validation_messages():
     with pytest.raises(ValueError, match="--min-lr must satisfy"):
         LRSchedule(min_lr=1.0).validate(1e-3, 10)
     LRSchedule(lr_warmup_iters=2, lr_decay_style="cosine", lr_decay_iters=20, min_lr=1e-5).validate(1e-3, 10)
-    assert schedule_mismatch({"max_lr": 1e-3, "min_lr": 0.0, "lr_warmup_steps": 0, "lr_decay_steps": 4,
-                              "lr_decay_style": "constant"},
-                             LRSchedule().scheduler_config(1e-3, 8)) == []  # no decay: decay iters play no part
-    assert schedule_mismatch({"max_lr": 1e-3, "min_lr": 0.0, "lr_warmup_steps": 0, "lr_decay_steps": 4,
-                              "lr_decay_style": "cosine"},
-                             LRSchedule(lr_decay_style="cosine").scheduler_config(1e-3, 8)) == [
-        "--lr-decay-iters 4 in the checkpoint, 8 now"]
+    assert (
+        schedule_mismatch(
+            {"max_lr": 1e-3, "min_lr": 0.0, "lr_warmup_steps": 0, "lr_decay_steps": 4, "lr_decay_style": "constant"},
+            LRSchedule().scheduler_config(1e-3, 8),
+        )
+        == []
+    )  # no decay: decay iters play no part
+    assert schedule_mismatch(
+        {"max_lr": 1e-3, "min_lr": 0.0, "lr_warmup_steps": 0, "lr_decay_steps": 4, "lr_decay_style": "cosine"},
+        LRSchedule(lr_decay_style="cosine").scheduler_config(1e-3, 8),
+    ) == ["--lr-decay-iters 4 in the checkpoint, 8 now"]
 
 
 def test_iteration_line_and_progress():
-    rec = {"iteration": 3, "loss": 4.5, "step_time_s": 0.5, "consumed_samples": 24, "lr": 1e-3, "grad_norm": 0.25,
-           "tokens": 256}
+    rec = {
+        "iteration": 3,
+        "loss": 4.5,
+        "step_time_s": 0.5,
+        "consumed_samples": 24,
+        "lr": 1e-3,
+        "grad_norm": 0.25,
+        "tokens": 256,
+    }
     line = format_line(10, [rec], 8)
     assert line.startswith(" iteration    3/10 | lm loss 4.500000 | consumed samples: 24 |")
     assert "learning rate: 1.000000E-03 | grad norm: 0.2500 | tokens per second: 512.0 |" in line
@@ -78,8 +93,11 @@ def test_warmup_cosine_rates_and_resume_with_schedule(tmp_path, megatron_compat)
         assert r["grad_norm"] == pytest.approx(math.hypot(*r["grad_norm_per_module"].values()), rel=1e-12)
     # interrupted at 3, resumed under another layout: the scheduler continues from its saved step
     root = tmp_path / "ck"
-    run_job(COLOC, 2, dataclasses.replace(job, train_iters=3, save=str(root), save_interval=3,
-                                          schedule=dataclasses.replace(sched)))
+    run_job(
+        COLOC,
+        2,
+        dataclasses.replace(job, train_iters=3, save=str(root), save_interval=3, schedule=dataclasses.replace(sched)),
+    )
     other = {"placement": "disjoint", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
     resumed = run_job(other, 2, dataclasses.replace(job, load=str(root)))
     assert [r["lr"] for r in resumed[0]["records"]] == pytest.approx(want[3:], rel=1e-12)
@@ -89,7 +107,9 @@ def test_warmup_cosine_rates_and_resume_with_schedule(tmp_path, megatron_compat)
     from megatron_hetero.training.setup import validate_job
 
     changed = dataclasses.replace(job, load=str(root), schedule=dataclasses.replace(sched, lr_warmup_iters=1))
-    with pytest.raises(ValueError, match="--lr-warmup-iters 2 in the checkpoint, 1 now.*--override-opt-param-scheduler"):
+    with pytest.raises(
+        ValueError, match="--lr-warmup-iters 2 in the checkpoint, 1 now.*--override-opt-param-scheduler"
+    ):
         validate_job(layout_from_dict(COLOC, world_size=2), changed)
     validate_job(layout_from_dict(COLOC, world_size=2), dataclasses.replace(changed, override_opt_param_scheduler=True))
 

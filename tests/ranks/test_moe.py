@@ -9,6 +9,7 @@ tokens) and is reported as `aux_loss`. Micro-batches hold one sample everywhere 
 as in the world-1 run), so the auxiliary loss, a function of each micro-batch's routing, is the same
 sum in every layout. Tolerance: 1e-5 relative (per-step loss, aux loss, every parameter).
 """
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,10 @@ MOE_KW = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_ffn
 
 # -- validation (pure) --------------------------------------------------------------------------------
 def _layout(lang: dict, placement: str = "colocated", world: int | None = None):
-    return layout_from_dict({"placement": placement, "modules": {"vision": {"dp": 4}, "language": lang},
-                             "edges": ["vision -> language"]}, world_size=world)
+    return layout_from_dict(
+        {"placement": placement, "modules": {"vision": {"dp": 4}, "language": lang}, "edges": ["vision -> language"]},
+        world_size=world,
+    )
 
 
 def test_ep_must_divide_experts():
@@ -36,15 +39,22 @@ def test_ep_on_dense_module_is_an_error():
     with pytest.raises(ValueError, match=r"module language: ep\(2\) expt_tp\(1\) > 1 but the module has no experts"):
         check_experts(_layout({"dp": 4, "ep": 2}), {"language": None})
     with pytest.raises(ValueError, match=r"module vision: ep\(2\)"):
-        layout = layout_from_dict({"placement": "colocated", "modules": {"vision": {"dp": 4, "ep": 2},
-                                                                          "language": {"dp": 4}},
-                                   "edges": ["vision -> language"]})
+        layout = layout_from_dict(
+            {
+                "placement": "colocated",
+                "modules": {"vision": {"dp": 4, "ep": 2}, "language": {"dp": 4}},
+                "edges": ["vision -> language"],
+            }
+        )
         check_experts(layout, {"language": 4})
 
 
 def test_expert_folding_must_divide_the_stage():
-    with pytest.raises(ValueError, match=r"module language: expert-tp\(1\)\*ep\(4\)=4 does not divide "
-                                         r"tp\(2\)\*cp\(1\)\*dp\(1\)=2"):
+    with pytest.raises(
+        ValueError,
+        match=r"module language: expert-tp\(1\)\*ep\(4\)=4 does not divide "
+        r"tp\(2\)\*cp\(1\)\*dp\(1\)=2",
+    ):
         _layout({"tp": 2, "pp": 2, "ep": 4})
 
 
@@ -70,8 +80,13 @@ def moe_full_params(per_rank, num_experts: int, ep: int):
     every rank that holds them (EP groups span DP ranks), expert-DP replicas checked equal."""
     from parity import _LAYER, _layers_per_stage, full_params
 
-    dense_only = [dict(r, params={m: {n: t for n, t in ps.items() if not _EXPERT.search(n)}
-                                  for m, ps in r.get("params", {}).items()}) for r in per_rank]
+    dense_only = [
+        dict(
+            r,
+            params={m: {n: t for n, t in ps.items() if not _EXPERT.search(n)} for m, ps in r.get("params", {}).items()},
+        )
+        for r in per_rank
+    ]
     out = full_params(dense_only)
     local = num_experts // ep
     per_stage = _layers_per_stage(per_rank, "language")
@@ -83,8 +98,9 @@ def moe_full_params(per_rank, num_experts: int, ep: int):
             mt = _EXPERT.search(n)
             if not mt:
                 continue
-            g = _EXPERT.sub(lambda m: f"{m.group(1)}experts.local_experts.{int(m.group(2)) + c['ep'] * local}.", n,
-                            count=1)
+            g = _EXPERT.sub(
+                lambda m: f"{m.group(1)}experts.local_experts.{int(m.group(2)) + c['ep'] * local}.", n, count=1
+            )
             g = _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + c['pp'] * per_stage}.", g, count=1)
             have = out["language"].get(g)
             if have is None:
@@ -100,8 +116,13 @@ def _moe_job(steps: int = 5, **over):
     from megatron_hetero.training.setup import JobConfig
 
     spec = LlavaSpec(**{**MOE_KW, **over})
-    return JobConfig(spec=spec, global_batch_size=8, micro_batch_size=1, train_iters=steps,
-                     optim=OptimConfig(optimizer="sgd", lr=0.5))
+    return JobConfig(
+        spec=spec,
+        global_batch_size=8,
+        micro_batch_size=1,
+        train_iters=steps,
+        optim=OptimConfig(optimizer="sgd", lr=0.5),
+    )
 
 
 _REF: dict = {}
@@ -113,14 +134,20 @@ def _reference(job):
     key = repr(job)
     if key not in _REF:
         per_rank = run_job(world1_doc(job), 1, job)
-        _REF[key] = (losses(per_rank), [r["aux_loss"] for r in per_rank[0]["records"]],
-                     moe_full_params(per_rank, job.spec.num_experts, 1))
+        _REF[key] = (
+            losses(per_rank),
+            [r["aux_loss"] for r in per_rank[0]["records"]],
+            moe_full_params(per_rank, job.spec.num_experts, 1),
+        )
     return _REF[key]
 
 
 def _doc(placement: str, vision: dict, language: dict) -> dict:
-    return {"placement": placement, "modules": {"vision": vision, "language": language},
-            "edges": ["vision -> language"]}
+    return {
+        "placement": placement,
+        "modules": {"vision": vision, "language": language},
+        "edges": ["vision -> language"],
+    }
 
 
 CASES = [
@@ -205,15 +232,24 @@ def test_expert_gradients_reduce_over_expert_dp():
 
 
 # -- train rejects invalid expert layouts before any rank starts ------------------------------------------
-@pytest.mark.parametrize("layout_flags,moe_flags,message", [
-    (["language:dp=4,ep=4"], ["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6"),
-    (["language:dp=4,ep=2"], [], "module language: ep(2) expt_tp(1) > 1 but the module has no experts"),
-    (["language:dp=4,ep=2,expt_tp=2"], ["--num-experts", "4"],
-     "module language: expert tensor parallelism expt_tp(2) > 1 needs NCCL"),
-    (["language:dp=2,ep=4"], ["--num-experts", "4"],
-     "module language: expert-tp(1)*ep(4)=4 does not divide tp(1)*cp(1)*dp(2)=2"),
-    (["language:tp=2,dp=2,ep=2"], ["--num-experts", "4"], "module language: ep(2) with tp(2) > 1 needs sequence"),
-])
+@pytest.mark.parametrize(
+    "layout_flags,moe_flags,message",
+    [
+        (["language:dp=4,ep=4"], ["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6"),
+        (["language:dp=4,ep=2"], [], "module language: ep(2) expt_tp(1) > 1 but the module has no experts"),
+        (
+            ["language:dp=4,ep=2,expt_tp=2"],
+            ["--num-experts", "4"],
+            "module language: expert tensor parallelism expt_tp(2) > 1 needs NCCL",
+        ),
+        (
+            ["language:dp=2,ep=4"],
+            ["--num-experts", "4"],
+            "module language: expert-tp(1)*ep(4)=4 does not divide tp(1)*cp(1)*dp(2)=2",
+        ),
+        (["language:tp=2,dp=2,ep=2"], ["--num-experts", "4"], "module language: ep(2) with tp(2) > 1 needs sequence"),
+    ],
+)
 def test_train_rejects_invalid_expert_layouts_with_exit_2(capsys, monkeypatch, layout_flags, moe_flags, message):
     from megatron_hetero import cli
     from megatron_hetero.runtime import launcher
@@ -230,8 +266,18 @@ def test_train_rejects_invalid_expert_layouts_with_exit_2(capsys, monkeypatch, l
     vision = "vision:dp=2" if layout_flags[0].startswith("language:dp=2") else "vision:dp=4"
     if "tp=2,dp=2" in layout_flags[0]:
         vision = "vision:dp=4"
-    argv = ["train", "--hetero-module", vision, "--hetero-module", *layout_flags, "--hetero-edge", "vision->language",
-            "--train-iters", "1", *moe_flags]
+    argv = [
+        "train",
+        "--hetero-module",
+        vision,
+        "--hetero-module",
+        *layout_flags,
+        "--hetero-edge",
+        "vision->language",
+        "--train-iters",
+        "1",
+        *moe_flags,
+    ]
     rc = cli.main(argv)
     _, err = capsys.readouterr()
     assert rc == 2, err
@@ -245,12 +291,14 @@ def _cost_setup():
     from megatron_hetero.planner import hardware as HW
     from megatron_hetero.planner import workload as W
 
-    hw = HW.HardwareSpec.load(Path(__file__).resolve().parents[2] / "megatron_hetero" / "planner" / "hardware_presets"
-                              / "h100_80gb.json")
+    hw = HW.HardwareSpec.load(
+        Path(__file__).resolve().parents[2] / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
+    )
     prof = HW.Profile.from_hardware(hw)
     enc = W.ModelSpec("vision", 6, 1024, 4096, 16, 256, kind="encoder")
-    moe = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=16, moe_topk=2,
-                      moe_ffn_hidden=2816)
+    moe = W.ModelSpec(
+        "language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=16, moe_topk=2, moe_ffn_hidden=2816
+    )
     return W, prof, enc, moe
 
 
@@ -261,27 +309,39 @@ def test_cost_prices_expert_memory_and_dispatch():
     wl = W.Workload(encoder=enc, llm=moe, global_batch=64)
     cost = {}
     for ep in (1, 2, 4, 8):
-        c = W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
-                        (W.Segment.of(1, 1, 1, 8, moe.num_layers, ep=ep),))
+        c = W.Candidate(
+            "colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers), (W.Segment.of(1, 1, 1, 8, moe.num_layers, ep=ep),)
+        )
         cost[ep] = evaluate(c, wl, prof)
     # expert state shrinks with ep; the dispatch all-to-all appears with ep > 1
-    assert cost[1].memory_per_rank_peak > cost[2].memory_per_rank_peak > cost[4].memory_per_rank_peak \
+    assert (
+        cost[1].memory_per_rank_peak
+        > cost[2].memory_per_rank_peak
+        > cost[4].memory_per_rank_peak
         > cost[8].memory_per_rank_peak
+    )
     assert cost[2].tp_comm > cost[1].tp_comm == 0.0
     # compute sees top-k experts, not all of them: the same as a dense MLP of topk * expert width
     dense_eq = W.ModelSpec("language", 8, 2048, 2 * 2816, 16, 2048, vocab=32000, gated=True)
-    d = evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
-                             (W.Segment.of(1, 1, 1, 8, 8),)), W.Workload(encoder=enc, llm=dense_eq, global_batch=64),
-                 prof)
+    d = evaluate(
+        W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers), (W.Segment.of(1, 1, 1, 8, 8),)),
+        W.Workload(encoder=enc, llm=dense_eq, global_batch=64),
+        prof,
+    )
     assert abs(d.compute - cost[1].compute) <= 1e-12 * d.compute
     # the candidate's layout carries ep
-    layout = W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
-                         (W.Segment.of(1, 1, 1, 8, moe.num_layers, ep=4),)).to_layout()
+    layout = W.Candidate(
+        "colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers), (W.Segment.of(1, 1, 1, 8, moe.num_layers, ep=4),)
+    ).to_layout()
     assert layout.module("language").ep == 4
     with pytest.raises(ValueError, match=r"ep\(3\) must divide the LLM's 16 experts"):
-        evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 6, enc.num_layers),
-                             (W.Segment.of(1, 1, 1, 6, moe.num_layers, ep=3),)), W.Workload(encoder=enc, llm=moe,
-                                                                                          global_batch=12), prof)
+        evaluate(
+            W.Candidate(
+                "colocated", W.Segment.of(1, 1, 1, 6, enc.num_layers), (W.Segment.of(1, 1, 1, 6, moe.num_layers, ep=3),)
+            ),
+            W.Workload(encoder=enc, llm=moe, global_batch=12),
+            prof,
+        )
 
 
 def test_search_picks_ep_when_experts_do_not_fit():
@@ -289,18 +349,23 @@ def test_search_picks_ep_when_experts_do_not_fit():
     from megatron_hetero.planner.cost import evaluate
 
     W, prof, enc, moe = _cost_setup()
-    big = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=64, moe_topk=2,
-                      moe_ffn_hidden=5632)
+    big = W.ModelSpec(
+        "language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=64, moe_topk=2, moe_ffn_hidden=5632
+    )
     wl = W.Workload(encoder=enc, llm=big, global_batch=64)
     space = S.SearchSpace(placements=("colocated",), tp=(1, 2), cp=(1,), pp=(1, 2), encoder_tp=(1,), encoder_pp=(1,))
-    ep1 = evaluate(W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers),
-                               (W.Segment.of(1, 1, 1, 8, big.num_layers),)), wl, prof)
+    ep1 = evaluate(
+        W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers), (W.Segment.of(1, 1, 1, 8, big.num_layers),)),
+        wl,
+        prof,
+    )
     limit = 0.5 * ep1.memory_per_rank_peak  # the experts of every layer do not fit on one rank
     res = S.search(wl, prof, 8, memory_limit=limit, space=space, top=3)
     best = res.best.candidate
     assert best.llm[0].ep > 1, best.describe()
     assert res.best.breakdown.memory_per_rank_peak <= limit
     # without experts the search never proposes ep
-    dense = W.Workload(encoder=enc, llm=W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True),
-                       global_batch=64)
+    dense = W.Workload(
+        encoder=enc, llm=W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True), global_batch=64
+    )
     assert all(r.candidate.llm[0].ep == 1 for r in S.search(dense, prof, 8, space=space, top=5).ranked)

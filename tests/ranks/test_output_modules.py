@@ -10,6 +10,7 @@ then the 1F1B with the heads' gradient) and disjoint (the graph-aware 1F1B with 
 last stage both a loss stage and a producer) against the world-1 run: per-step loss and its parts
 and every parameter within 1e-5 relative.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,11 @@ from megatron_hetero.plan.roles import roles
 
 
 def _two_enc_doc(placement: str, vision: dict, audio: dict, language: dict, generator: dict) -> dict:
-    return {"placement": placement,
-            "modules": {"vision": vision, "audio": audio, "language": language, "generator": generator},
-            "edges": ["vision -> language", "audio -> language", "language -> generator"]}
+    return {
+        "placement": placement,
+        "modules": {"vision": vision, "audio": audio, "language": language, "generator": generator},
+        "edges": ["vision -> language", "audio -> language", "language -> generator"],
+    }
 
 
 # -- roles (pure) --------------------------------------------------------------------------------------
@@ -33,8 +36,11 @@ def test_roles_language_by_name_and_outputs_after_it():
 
 
 def test_roles_language_by_role_key():
-    doc = {"placement": "disjoint", "modules": {"img": {}, "llm": {"role": "language", "pp": 2}, "head": {}},
-           "edges": ["img -> llm", "llm -> head"]}
+    doc = {
+        "placement": "disjoint",
+        "modules": {"img": {}, "llm": {"role": "language", "pp": 2}, "head": {}},
+        "edges": ["img -> llm", "llm -> head"],
+    }
     r = roles(layout_from_dict(doc))
     assert r.language == ("llm",) and r.encoders == ("img",) and r.outputs == ("head",)
 
@@ -46,19 +52,27 @@ def test_roles_errors():
     with pytest.raises(ValueError, match=r"2 modules declare role: language"):
         roles(layout_from_dict(doc))
     # no language module named, and two sinks: say how to name it
-    doc = {"placement": "disjoint", "modules": {"img": {}, "llm": {}, "head": {}, "other": {}},
-           "edges": ["img -> llm", "llm -> head", "llm -> other"]}
+    doc = {
+        "placement": "disjoint",
+        "modules": {"img": {}, "llm": {}, "head": {}, "other": {}},
+        "edges": ["img -> llm", "llm -> head", "llm -> other"],
+    }
     with pytest.raises(ValueError, match=r"name it `language`, or give it `role: language`"):
         roles(layout_from_dict(doc))
 
 
 def test_colocated_tables_have_the_output_phase():
     from megatron_hetero.plan.colocated import (
-        BoundaryCall, LanguagePhase, OutputStep, check_colocated_tables, colocated_tables,
+        BoundaryCall,
+        LanguagePhase,
+        OutputStep,
+        check_colocated_tables,
+        colocated_tables,
     )
 
-    layout = layout_from_dict(_two_enc_doc("colocated", {"dp": 4}, {"tp": 2, "dp": 2}, {"tp": 2, "pp": 2},
-                                           {"tp": 2, "dp": 2}))
+    layout = layout_from_dict(
+        _two_enc_doc("colocated", {"dp": 4}, {"tp": 2, "dp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "dp": 2})
+    )
     tables = colocated_tables(layout, 8, 1)
     check_colocated_tables(tables)
     phase2 = dict(tables[0].phases)["phase 2"]
@@ -77,20 +91,36 @@ def test_output_module_validation():
     from megatron_hetero.models.llava import LlavaSpec, OutputSpec, validate_model
 
     spec = LlavaSpec(outputs={"generator": OutputSpec()})
-    layout = layout_from_dict({"placement": "disjoint", "modules": {"vision": {}, "language": {"cp": 2},
-                                                                    "generator": {}},
-                               "edges": ["vision -> language", "language -> generator"]})
+    layout = layout_from_dict(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {}, "language": {"cp": 2}, "generator": {}},
+            "edges": ["vision -> language", "language -> generator"],
+        }
+    )
     with pytest.raises(ValueError, match=r"module language: cp\(2\) > 1 with output module generator"):
         validate_model(layout, spec)
-    layout = layout_from_dict({"placement": "disjoint", "modules": {"vision": {}, "language": {},
-                                                                    "generator": {"pp": 2}},
-                               "edges": ["vision -> language", "language -> generator"]})
+    layout = layout_from_dict(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {}, "language": {}, "generator": {"pp": 2}},
+            "edges": ["vision -> language", "language -> generator"],
+        }
+    )
     with pytest.raises(ValueError, match=r"module generator: an output head runs with pp 1 and cp 1"):
         validate_model(layout, spec)
-    layout = layout_from_dict({"placement": "disjoint", "modules": {"vision": {}, "language": {}, "head": {}},
-                               "edges": ["vision -> language", "language -> head"]})
-    with pytest.raises(ValueError, match=r"module head comes after the language model but the model has no output "
-                                         r"head named head"):
+    layout = layout_from_dict(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {}, "language": {}, "head": {}},
+            "edges": ["vision -> language", "language -> head"],
+        }
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"module head comes after the language model but the model has no output "
+        r"head named head",
+    ):
         validate_model(layout, spec)
 
 
@@ -103,11 +133,20 @@ def _job():
     from megatron_hetero.runtime.module_state import OptimConfig
     from megatron_hetero.training.setup import JobConfig
 
-    spec = LlavaSpec(encoders={"vision": EncoderSpec(offset=1),
-                               "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=10)},
-                     outputs={"generator": OutputSpec(tokens=4, offset=24, hidden_size=32, out_dim=16)})
-    return JobConfig(spec=spec, global_batch_size=8, micro_batch_size=1, train_iters=STEPS,
-                     optim=OptimConfig(optimizer="sgd", lr=0.5))
+    spec = LlavaSpec(
+        encoders={
+            "vision": EncoderSpec(offset=1),
+            "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=10),
+        },
+        outputs={"generator": OutputSpec(tokens=4, offset=24, hidden_size=32, out_dim=16)},
+    )
+    return JobConfig(
+        spec=spec,
+        global_batch_size=8,
+        micro_batch_size=1,
+        train_iters=STEPS,
+        optim=OptimConfig(optimizer="sgd", lr=0.5),
+    )
 
 
 _REF: dict = {}
@@ -123,14 +162,26 @@ def _reference(job):
 
 
 CASES = [
-    ("colocated vision DP4, audio TP2·DP2, LLM TP2·PP2, generator TP2·DP2",
-     _two_enc_doc("colocated", {"dp": 4}, {"tp": 2, "dp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "dp": 2}), 4),
-    ("colocated vision DP4, audio DP4, LLM PP2·DP2, generator DP4",
-     _two_enc_doc("colocated", {"dp": 4}, {"dp": 4}, {"pp": 2, "dp": 2}, {"dp": 4}), 4),
-    ("disjoint vision @0, audio @1, LLM TP2·PP2 @2-5, generator DP2 @6-7",
-     _two_enc_doc("disjoint", {}, {}, {"tp": 2, "pp": 2}, {"dp": 2}), 8),
-    ("disjoint vision DP2 @0-1, audio TP2 @2-3, LLM PP2 @4-5, generator TP2 @6-7",
-     _two_enc_doc("disjoint", {"dp": 2}, {"tp": 2}, {"pp": 2}, {"tp": 2}), 8),
+    (
+        "colocated vision DP4, audio TP2·DP2, LLM TP2·PP2, generator TP2·DP2",
+        _two_enc_doc("colocated", {"dp": 4}, {"tp": 2, "dp": 2}, {"tp": 2, "pp": 2}, {"tp": 2, "dp": 2}),
+        4,
+    ),
+    (
+        "colocated vision DP4, audio DP4, LLM PP2·DP2, generator DP4",
+        _two_enc_doc("colocated", {"dp": 4}, {"dp": 4}, {"pp": 2, "dp": 2}, {"dp": 4}),
+        4,
+    ),
+    (
+        "disjoint vision @0, audio @1, LLM TP2·PP2 @2-5, generator DP2 @6-7",
+        _two_enc_doc("disjoint", {}, {}, {"tp": 2, "pp": 2}, {"dp": 2}),
+        8,
+    ),
+    (
+        "disjoint vision DP2 @0-1, audio TP2 @2-3, LLM PP2 @4-5, generator TP2 @6-7",
+        _two_enc_doc("disjoint", {"dp": 2}, {"tp": 2}, {"pp": 2}, {"tp": 2}),
+        8,
+    ),
 ]
 
 
@@ -203,8 +254,12 @@ def test_moe_language_model_with_a_generator(placement):
     from parity import losses, max_loss_rel_diff, run_job
 
     job = _job()
-    job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, num_experts=4, moe_router_topk=2,
-                                                            moe_aux_loss_coeff=1e-2, moe_ffn_hidden_size=64))
+    job = dataclasses.replace(
+        job,
+        spec=dataclasses.replace(
+            job.spec, num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_ffn_hidden_size=64
+        ),
+    )
     ref = run_job(_two_enc_doc("colocated", {}, {}, {}, {}), 1, job)
     if placement == "colocated":
         doc, world = _two_enc_doc("colocated", {"dp": 4}, {"dp": 4}, {"dp": 4, "ep": 2}, {"tp": 2, "dp": 2}), 4

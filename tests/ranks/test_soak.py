@@ -2,6 +2,7 @@
 disjoint one (fork launcher, gloo, tiny model). After step 20 every rank's resident memory grows by less
 than 2% and its process groups, threads and open descriptors stay the same; the figures are also checked
 against what a rank of such a job must hold."""
+
 from __future__ import annotations
 
 import json

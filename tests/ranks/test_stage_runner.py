@@ -5,6 +5,7 @@ through both schedules, colocated and disjoint, and matches a single-process tor
 If the schedules knew anything about the LLaVA model (its data, its shapes, which module is the
 language model by name), this runner could not drive them.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Optional
@@ -139,9 +140,15 @@ def _rank(doc: dict) -> dict:
         states = {}
         for name, me in plan.modules.items():
             m = layout.module(name)
-            cfg = TransformerConfig(num_layers=1, hidden_size=HID, num_attention_heads=1, use_cpu_initialization=True,
-                                    calculate_per_token_loss=True, pipeline_model_parallel_size=m.pp,
-                                    pipeline_dtype=torch.float32)
+            cfg = TransformerConfig(
+                num_layers=1,
+                hidden_size=HID,
+                num_attention_heads=1,
+                use_cpu_initialization=True,
+                calculate_per_token_loss=True,
+                pipeline_model_parallel_size=m.pp,
+                pipeline_dtype=torch.float32,
+            )
             if name == "vision":
                 stage = ToyStage(full["vision"], cfg, activation=False)
             else:
@@ -157,21 +164,32 @@ def _rank(doc: dict) -> dict:
         sched = cls(plan, RuntimeConfig(comm_timeout_s=60), topo, states, runner)
         losses = [sched.step(s).loss for s in range(STEPS)]
         params = {n: [p.detach().clone() for p in s.module.parameters()] for n, s in states.items()}
-        return {"losses": losses, "params": params, "coords": {n: me.coord.pp for n, me in plan.modules.items()},
-                "pp": {n: me.pp for n, me in plan.modules.items()}}
+        return {
+            "losses": losses,
+            "params": params,
+            "coords": {n: me.coord.pp for n, me in plan.modules.items()},
+            "pp": {n: me.pp for n, me in plan.modules.items()},
+        }
     finally:
         topo.destroy()
 
 
 CASES = {
-    "colocated enc DP2, LM DP2": {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"dp": 2}},
-                                  "edges": ["vision -> language"]},
-    "colocated enc DP2, LM TP2 (replicas)": {"placement": "colocated",
-                                             "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
-                                             "edges": ["vision -> language"]},
-    "disjoint enc DP2 @0-1, LM PP2 @2-3": {"placement": "disjoint",
-                                           "modules": {"vision": {"dp": 2}, "language": {"pp": 2}},
-                                           "edges": ["vision -> language"]},
+    "colocated enc DP2, LM DP2": {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 2}, "language": {"dp": 2}},
+        "edges": ["vision -> language"],
+    },
+    "colocated enc DP2, LM TP2 (replicas)": {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 2}, "language": {"tp": 2}},
+        "edges": ["vision -> language"],
+    },
+    "disjoint enc DP2 @0-1, LM PP2 @2-3": {
+        "placement": "disjoint",
+        "modules": {"vision": {"dp": 2}, "language": {"pp": 2}},
+        "edges": ["vision -> language"],
+    },
 }
 
 

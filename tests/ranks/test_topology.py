@@ -4,6 +4,7 @@ For every module and every group kind (dense and expert), the runtime group of e
 must equal the group the pure plan computes, and an all-reduce over it must give the sum of its
 members' ranks.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,10 +30,7 @@ DISJOINT = {
     },
     "edges": ["vision -> language", "audio -> language"],
 }
-MOE = {
-    "placement": "colocated",
-    "modules": {"language": {"tp": 2, "dp": 4, "ep": 4}},
-}
+MOE = {"placement": "colocated", "modules": {"language": {"tp": 2, "dp": 4, "ep": 4}}}
 
 
 def _expert_groups(m, dims: tuple[str, ...]) -> list[list[int]]:
@@ -47,8 +45,12 @@ def _expert_groups(m, dims: tuple[str, ...]) -> list[list[int]]:
         same = peers.setdefault((c.pp, c.ep, c.expt_tp), [])
         edp[r] = len(same)
         same.append(r)
-    value = {"tp": lambda r: coords[r].expt_tp, "ep": lambda r: coords[r].ep, "dp": edp.__getitem__,
-             "pp": lambda r: coords[r].pp}
+    value = {
+        "tp": lambda r: coords[r].expt_tp,
+        "ep": lambda r: coords[r].ep,
+        "dp": edp.__getitem__,
+        "pp": lambda r: coords[r].pp,
+    }
     assert set(value) == set(EXPERT_AXES), EXPERT_AXES
     groups: dict[tuple, list[int]] = {}
     for r in coords:
@@ -103,8 +105,9 @@ def test_topology_groups_match_plan(doc):
     # every member rank checked every dense and expert group of every module it serves, and
     # nothing else (a rank outside a module has none of its groups)
     for r in range(8):
-        assert set(results[r]) == {(m.name, field) for m in layout.modules if r in m.ranks.ranks()
-                                   for field, _ in DENSE_GROUPS + EXPERT_GROUPS}, r
+        assert set(results[r]) == {
+            (m.name, field) for m in layout.modules if r in m.ranks.ranks() for field, _ in DENSE_GROUPS + EXPERT_GROUPS
+        }, r
     if doc is MOE:
         # Megatron's folding: inside a stage the expert grid is expt_tp fastest, then ep; the plan's
         # groups above must agree with this hand-computed case.

@@ -4,6 +4,7 @@ its cluster), for `megatron-hetero search --hardware NAME|FILE` and the simulate
 A preset is `<name>.json` in this folder, read with importlib.resources, so it is found in an
 installed wheel as in a source checkout. Pure: no torch.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,10 @@ def load_hardware(name_or_path: str | Path):
         return HardwareSpec.load(text)
     names = hardware_names()
     if text not in names:
-        raise ValueError(f"unknown hardware preset {text!r}: presets are {names}; or give a JSON file path (with "
-                         f"the keys of megatron_hetero/planner/hardware_presets/{DEFAULT_HARDWARE}.json)")
+        raise ValueError(
+            f"unknown hardware preset {text!r}: presets are {names}; or give a JSON file path (with "
+            f"the keys of megatron_hetero/planner/hardware_presets/{DEFAULT_HARDWARE}.json)"
+        )
     doc = resources.files(__name__).joinpath(f"{text}.json").read_text()
 
     return HardwareSpec.from_dict(json.loads(doc))
