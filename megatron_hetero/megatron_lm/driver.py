@@ -143,12 +143,6 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
-    if getattr(args, "clip_grad", 0.0):
-        raise ValueError(
-            f"--clip-grad {args.clip_grad}: gradient clipping by the norm over all modules is not "
-            f"implemented with a layout (each module's optimizer would clip by its own norm); "
-            f"pass --clip-grad 0"
-        )
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise ValueError(
             "with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
@@ -256,7 +250,7 @@ def _train(
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
-            clip_grad=0.0,
+            clip_grad=args.clip_grad,  # by the whole model's norm (runtime/optimizer_step.py)
         )
         states, schedulers = {}, {}
         for m in layout.modules:
@@ -296,7 +290,7 @@ def _train(
             res = schedule.step(it)
             for sched in schedulers.values():
                 sched.step(increment=args.global_batch_size)
-            log.add(it + 1, res.loss, (time.perf_counter() - t0) * 1000.0, _current_lr(states))
+            log.add(it + 1, res.loss, (time.perf_counter() - t0) * 1000.0, _current_lr(states), res.grad_norm)
             if source is not None and source.kept is not None:
                 source.kept[2].step(increment=args.global_batch_size)  # the reference scheduler follows
                 if (it + 1) % (args.save_interval or args.train_iters) == 0 or it + 1 == args.train_iters:

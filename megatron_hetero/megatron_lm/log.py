@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -28,21 +28,21 @@ class IntervalLog:
         self.args, self.first = args, True
         self.loss_sum, self.iters, self.ms = 0.0, 0, 0.0
 
-    def add(self, iteration: int, loss: float, ms: float, lr: float) -> None:
+    def add(self, iteration: int, loss: float, ms: float, lr: float, grad_norm: Optional[float] = None) -> None:
         self.loss_sum += loss
         self.iters += 1
         self.ms += ms
         if iteration % self.args.log_interval == 0 or self.first:
-            print_last(
-                log_line(iteration, self.args, self.ms / max(1, self.iters), lr, self.loss_sum / max(1, self.iters))
-            )
+            avg = self.loss_sum / max(1, self.iters)
+            print_last(log_line(iteration, self.args, self.ms / max(1, self.iters), lr, avg, grad_norm))
             if not self.first:
                 self.loss_sum, self.iters, self.ms = 0.0, 0, 0.0
         self.first = False
 
 
-def log_line(iteration: int, args, ms: float, lr: float, loss: float) -> str:
-    """Megatron's `training_log` line (the fields this loop has)."""
+def log_line(iteration: int, args, ms: float, lr: float, loss: float, grad_norm: Optional[float] = None) -> str:
+    """Megatron's `training_log` line (the fields this loop has; `grad_norm`: the whole model's norm of
+    the iteration, before clipping, as Megatron prints it)."""
     ts = time.strftime("%Y-%m-%d %H:%M:%S")
     s = f" [{ts}] iteration {iteration:8d}/{args.train_iters:8d} |"
     s += f" consumed samples: {iteration * args.global_batch_size:12d} |"
@@ -51,6 +51,8 @@ def log_line(iteration: int, args, ms: float, lr: float, loss: float) -> str:
     s += f" global batch size: {args.global_batch_size:5d} |"
     s += f" lm loss: {loss:.6E} |"
     s += " loss scale: 1.0 |"
+    if grad_norm is not None:
+        s += f" grad norm: {grad_norm:.3f} |"
     s += " number of skipped iterations:   0 |"
     s += f" number of nan iterations: {0 if math.isfinite(loss) else 1:3d} |"
     return s

@@ -48,7 +48,8 @@ from megatron_hetero.runtime.faults import fault_point
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.offload import Offloader
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
-from megatron_hetero.runtime.step import StepResult, global_loss_parts, optimizer_what, resident_memory, run_collective
+from megatron_hetero.runtime.optimizer_step import ModelStep, step_modules
+from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory, run_collective
 from megatron_hetero.runtime.trace import MEGATRON_P2P_METHODS, boundary_args
 from megatron_hetero.runtime.wire import p2p
 
@@ -62,6 +63,7 @@ class ColocatedSchedule:
         if plan.colocated is None:
             raise ValueError("the colocated schedule needs a colocated rank plan")
         self.plan, self.config, self.topo, self.states, self.runner = plan, config, topo, states, runner
+        self.model_step: Optional[ModelStep] = None  # the step's whole-model optimizer step, once taken
         self.lang_name = plan.roles.first_language
         self.lang = states[self.lang_name]
         g = plan.global_batch
@@ -144,7 +146,15 @@ class ColocatedSchedule:
             self.runner.loss_tokens(step),
             self.plan.rank,
         )
-        return StepResult(loss=loss, memory=memory, loss_parts=parts, aux_loss=aux)
+        ms, self.model_step = self.model_step, None
+        return StepResult(
+            loss=loss,
+            memory=memory,
+            loss_parts=parts,
+            aux_loss=aux,
+            grad_norm=ms.grad_norm if ms is not None else None,
+            skipped=ms.skipped if ms is not None else False,
+        )
 
     # -- one action ---------------------------------------------------------------------------------
     def _run(self, a, first: int) -> None:
@@ -210,8 +220,7 @@ class ColocatedSchedule:
             elif a.kind == "optimizer":
                 fault_point("optimizer", self.plan.rank, self._iteration)
                 with self.config.tracer.span("optimizer", "optimizer step"):
-                    for s in self.states.values():
-                        run_collective(optimizer_what(s), self.plan.rank, s.step)
+                    self.model_step = step_modules(self.states, self.plan.layout.names, self.plan.rank)
             # 'loss-reduce' runs after the table (the step's result)
         else:  # pragma: no cover - the tables hold only these
             raise AssertionError(f"unknown action {a!r}")

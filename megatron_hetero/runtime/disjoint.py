@@ -59,7 +59,8 @@ from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.faults import fault_point
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
-from megatron_hetero.runtime.step import StepResult, global_loss_parts, optimizer_what, resident_memory, run_collective
+from megatron_hetero.runtime.optimizer_step import ModelStep, step_modules
+from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory, run_collective
 from megatron_hetero.runtime.trace import kind_of, wire_args
 from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
 
@@ -92,6 +93,7 @@ class DisjointSchedule:
         if plan.layout.placement != "disjoint":
             raise ValueError(f"the disjoint schedule needs placement 'disjoint', got {plan.layout.placement!r}")
         self.plan, self.config, self.topo, self.states, self.runner = plan, config, topo, states, runner
+        self.model_step: Optional[ModelStep] = None  # the step's whole-model optimizer step, once taken
         self.layout = plan.layout
         self.micro_batches, self.mb_samples = plan.micro_batching.count, plan.micro_batching.samples
         self.timeout_s = float(config.comm_timeout_s)
@@ -190,9 +192,9 @@ class DisjointSchedule:
                     s.finalize_grads,
                 )
         fault_point("optimizer", self.rank, self._iteration, when=train)
-        for s in self.states.values() if train else ():
-            with self.config.tracer.span("optimizer", f"optimizer step {s.name}", {"module": s.name}):
-                run_collective(optimizer_what(s), self.rank, s.step)
+        if train:
+            with self.config.tracer.span("optimizer", "optimizer step"):
+                self.model_step = step_modules(self.states, self.layout.names, self.rank)
         counts = self.table is not None and self.is_loss_stage and self.me.coord.tp == 0
         extras = self.runner.aux_losses(step)
         loss, parts, aux = global_loss_parts(
@@ -203,7 +205,15 @@ class DisjointSchedule:
             self._loss_tokens,
             self.rank,
         )
-        return StepResult(loss=loss, memory=memory, loss_parts=parts, aux_loss=aux)
+        ms, self.model_step = self.model_step, None
+        return StepResult(
+            loss=loss,
+            memory=memory,
+            loss_parts=parts,
+            aux_loss=aux,
+            grad_norm=ms.grad_norm if ms is not None else None,
+            skipped=ms.skipped if ms is not None else False,
+        )
 
     # -- communication: one batch at a time --------------------------------------------------------
     def _peers(self, a) -> list[int]:

@@ -115,8 +115,9 @@ class ModuleState:
             self.ddp.finish_grad_sync()
 
     def step(self) -> None:
-        """One optimizer step (gradients clipped to --clip-grad by this module's own norm); records
-        `last_lr` and `last_grad_norm`."""
+        """This module's optimizer alone (clipped by its own norm): the profiler times it. Training
+        steps the whole model at once (`runtime.optimizer_step.step_modules`: one global norm).
+        Records `last_lr` and `last_grad_norm`."""
         if self.optimizer is not None:
             self.last_lr = self.current_lr()
             ok, grad_norm, _ = self.optimizer.step()

@@ -18,6 +18,10 @@ class StepResult:
     memory: dict[str, dict[str, int]]  # phase -> module -> resident state bytes on this rank
     loss_parts: dict[str, float] | None = None  # loss per loss module, when there are several
     aux_loss: float | None = None  # auxiliary terms in the gradient but not in `loss` (MoE load balancing)
+    # the whole model's optimizer step (`runtime.optimizer_step`): the global gradient norm before
+    # clipping (None: evaluation, or no module trains) and whether non-finite gradients skipped it
+    grad_norm: float | None = None
+    skipped: bool = False
 
 
 class CollectiveError(RuntimeError):

@@ -310,6 +310,67 @@ def test_disjoint_fan_in_at_world_4_matches(trees):
     assert_losses(run, ref.losses, RTOL, "disjoint vision DP2 @0-1 -> language TP2 @2-3", ref.valid)
 
 
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| grad norm: ([0-9.Ee+-]+) \|")
+
+
+def _default_clip(args: list[str]) -> list[str]:
+    """`args` without `--clip-grad 0`: Megatron's default --clip-grad 1.0."""
+    i = args.index("--clip-grad")
+    return args[:i] + args[i + 2 :]
+
+
+@pytest.mark.parametrize(
+    "script, extra, nproc, what",
+    [
+        (
+            "pretrain_vlm.py",
+            ["--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"] + EDGE,
+            2,
+            "colocated vision DP2, language TP2",
+        ),
+        (
+            "pretrain_vlm.py",
+            ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"]
+            + EDGE,
+            4,
+            "disjoint vision DP2 @0-1 -> language TP2 @2-3",
+        ),
+        (
+            "pretrain_gpt.py",
+            [
+                "--hetero-placement",
+                "disjoint",
+                "--hetero-module",
+                "language_a:tp=2,layers=0-1",
+                "--hetero-module",
+                "language_b:dp=2,layers=2-3",
+                "--hetero-edge",
+                "language_a->language_b",
+            ],
+            4,
+            "GPT segments TP2 @0-1 -> DP2 @2-3",
+        ),
+    ],
+    ids=["vlm-colocated", "vlm-disjoint", "gpt-segments"],
+)
+def test_default_clip_grad_clips_by_the_whole_models_norm(trees, script, extra, nproc, what):
+    """Megatron's default --clip-grad 1.0 with clipping engaged (the unpatched script's grad norm
+    exceeds 1.0 at every iteration): the layout run clips by the norm over every module's gradients,
+    as the unpatched script's one optimizer does, so losses, validation and the logged grad norm match."""
+    base = VLM if script == "pretrain_vlm.py" else GPT
+    args = _default_clip(_with(base, micro_batch_size="2", global_batch_size="8"))
+    ref = _unpatched(trees, script, args)
+    ref_norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(ref.out)}
+    assert sorted(ref_norms) == [1, 2, 3] and min(ref_norms.values()) > 1.0, ref_norms  # clipping engaged
+    run = torchrun(trees["patched"] / script, args + ITERS + extra, nproc=nproc)
+    assert_losses(run, ref.losses, RTOL, f"default --clip-grad 1.0: {what}", ref.valid)
+    norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(run.out)}
+    assert norms.keys() == ref_norms.keys() and all(abs(norms[i] - ref_norms[i]) <= 2e-3 for i in norms), (
+        norms,
+        ref_norms,
+    )
+
+
 def test_broken_layout_exits_2_before_any_model(trees):
     run = torchrun(
         trees["patched"] / "pretrain_vlm.py",

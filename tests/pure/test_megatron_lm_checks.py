@@ -106,7 +106,6 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
     "kw, message",
     [
         (dict(bf16=True), "--bf16 is not supported with a layout"),
-        (dict(clip_grad=1.0), "--clip-grad 1.0"),
         (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
         (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
         (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),

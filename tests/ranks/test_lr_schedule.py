@@ -1,5 +1,5 @@
-"""Learning-rate schedule (Megatron's OptimizerParamScheduler per module), gradient clipping per
-module, the lr / grad norm in the records, and the schedule's state in checkpoints."""
+"""Learning-rate schedule (Megatron's OptimizerParamScheduler per module), gradient clipping by the
+whole model's norm, the lr / grad norm in the records, and the schedule's state in checkpoints."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from parity import losses, max_loss_rel_diff, run_job, world1_doc
+from parity import full_params, losses, max_loss_rel_diff, run_job, world1_doc
 from megatron_hetero.checkpoint.scheduler_state import schedule_mismatch
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.training.iteration_log import IterationLog, format_line
@@ -115,14 +115,68 @@ def test_warmup_cosine_rates_and_resume_with_schedule(tmp_path, megatron_compat)
 
 
 @pytest.mark.timeout(300)
-def test_clip_grad_per_module_same_in_every_layout(megatron_compat):
-    """--clip-grad clips each module by its own norm (over its own model-parallel group): the
-    same training whatever the module's layout, and different from unclipped training."""
+def test_clip_grad_by_the_global_norm_same_in_every_layout(megatron_compat):
+    """--clip-grad clips by the norm over every module's gradients (one Megatron optimizer's
+    semantics): the same training whatever the modules' layouts, and different from unclipped
+    training."""
     clipped = JobConfig(train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5, clip_grad=0.05))
     het = run_job(COLOC, 2, clipped)
     ref = run_job(world1_doc(clipped), 1, clipped)
     assert max_loss_rel_diff(losses(het), losses(ref)) <= 1e-5
-    norms = [r["grad_norm_per_module"] for r in het[0]["records"]]
-    assert all(v > 0.05 for n in norms for v in n.values())  # so the clip is active
+    recs = het[0]["records"]
+    assert all(r["grad_norm"] > 0.05 for r in recs)  # so the clip is active
+    for r, w in zip(recs, ref[0]["records"]):
+        assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5)
+        assert r["grad_norm"] == pytest.approx(math.sqrt(sum(v**2 for v in r["grad_norm_per_module"].values())))
     plain = run_job(COLOC, 2, dataclasses.replace(clipped, optim=OptimConfig(optimizer="sgd", lr=0.5)))
     assert losses(plain)[2] != pytest.approx(losses(het)[2], rel=1e-4)
+
+
+def _initial_params(doc: dict, world: int, job: JobConfig) -> list[dict]:
+    """The parameters every run of `job` starts from: the trainer with no iteration to run."""
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.runtime.launcher import run_ranks
+    from megatron_hetero.training.trainer import train_rank
+
+    none = dataclasses.replace(job, train_iters=0, schedule=LRSchedule(lr_decay_iters=1))
+    return run_ranks(world, train_rank, layout_from_dict(doc, world_size=world), none, collect_params=True, timeout=180)
+
+
+DISJ = {
+    "placement": "disjoint",
+    "modules": {"vision": {"dp": 1}, "language": {"dp": 1}},
+    "edges": ["vision -> language"],
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("doc", [COLOC, DISJ], ids=["colocated", "disjoint"])
+def test_clipping_scales_every_module_by_clip_over_the_global_norm(doc, megatron_compat):
+    """SGD, one step, clipping engaged: every module's update is the unclipped update times the same
+    factor clip / global norm (the global norm: over both modules' gradients, as the unclipped run
+    logs it), not each module's clip / own norm."""
+    clip = 1e-3
+    job = JobConfig(train_iters=1, optim=OptimConfig(optimizer="sgd", lr=0.5))
+    start = full_params(_initial_params(doc, 2, job))
+    plain_run = run_job(doc, 2, job)
+    plain = full_params(plain_run)
+    clipped = full_params(
+        run_job(doc, 2, dataclasses.replace(job, optim=dataclasses.replace(job.optim, clip_grad=clip)))
+    )
+    rec = plain_run[0]["records"][0]
+    total, per_module = rec["grad_norm"], rec["grad_norm_per_module"]
+    want = clip / (total + 1e-6)
+    assert total > clip and set(per_module) == {"vision", "language"}
+    for m in ("vision", "language"):
+        assert abs(clip / per_module[m] - want) > 0.05 * want  # the per-module rule would differ
+        num = sum(float(((clipped[m][n] - start[m][n]) * (plain[m][n] - start[m][n])).sum()) for n in start[m])
+        den = sum(float(((plain[m][n] - start[m][n]) ** 2).sum()) for n in start[m])
+        scale = num / den  # least-squares factor: update_clipped = scale * update_plain
+        assert scale == pytest.approx(want, rel=1e-4), m
+        resid = max(
+            float((clipped[m][n] - start[m][n] - scale * (plain[m][n] - start[m][n])).abs().max()) for n in start[m]
+        )
+        biggest = max(float((plain[m][n] - start[m][n]).abs().max()) for n in start[m])
+        # the whole update is scaled, element by element (to 1% of the clipped update: the differences
+        # of fp32 parameters of size ~1 carry ~1e-7 of rounding)
+        assert resid <= 1e-2 * biggest * want, m
