@@ -132,12 +132,12 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
     from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
-    from megatron_hetero.training.model_args import workload_for
+    from megatron_hetero.planner.model import workload
 
     quiet_upstream_warnings()
     require_compat("bench.cost_check.run")
     model = PL.BenchModel()
-    spec = model.spec()
+    spec = model.spec
     if profile is None:
         profile = F.fit_profile(T.measure(world, PL.bench_grid(), rounds=1, quiet_wait_s=0.0, tries=1))
     rows = []
@@ -147,7 +147,7 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
         lay = PL.resolve(doc, w)
         trace, times = traced_run(lay, model, warmup + iters, model.micro_batch_size)
         meas = measured_terms(trace, times, warmup)
-        wl = workload_for(spec, model.global_batch_size, PL.cost_micro_batch(lay, spec, model.micro_batch_size))
+        wl = workload(spec, model.global_batch_size, PL.cost_micro_batch(lay, spec, model.micro_batch_size))
         mod = model_terms(C.evaluate(PL.candidate_for(lay, spec), wl, profile))
         rows.append(
             {

@@ -44,6 +44,7 @@ from typing import Any, Optional
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.bench.planner import BenchModel, _colo, candidate_for, describe, resolve
 from megatron_hetero.planner import search as S
+from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, workload
 
 WORLD = 4
 
@@ -62,7 +63,7 @@ class E2EWorkload:
 
     def space(self) -> S.SearchSpace:
         m = self.model
-        enc_tp = tuple(t for t in (1, 2, 4) if t <= WORLD and m.encoder_num_attention_heads % t == 0)
+        enc_tp = tuple(t for t in (1, 2, 4) if t <= WORLD and m.encoder.num_attention_heads % t == 0)
         return S.SearchSpace(
             placements=("colocated", "disjoint"),
             tp=(self.llm_tp,),
@@ -80,16 +81,18 @@ WORKLOADS = (
     E2EWorkload(
         "inherited-tp",
         BenchModel(
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            seq_length=160,
-            vocab_size=128,
-            encoder_num_layers=8,
-            encoder_hidden_size=64,
-            encoder_num_attention_heads=4,
-            encoder_tokens=128,
-            encoder_feature_dim=48,
+            LlavaSpec(
+                num_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                seq_length=160,
+                vocab_size=128,
+                encoders={
+                    "vision": EncoderSpec(
+                        num_layers=8, hidden_size=64, num_attention_heads=4, tokens=128, feature_dim=48
+                    )
+                },
+            ),
             global_batch_size=16,
             micro_batch_size=2,
         ),
@@ -101,16 +104,18 @@ WORKLOADS = (
     E2EWorkload(
         "long-context",
         BenchModel(
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            seq_length=256,
-            vocab_size=128,
-            encoder_num_layers=8,
-            encoder_hidden_size=64,
-            encoder_num_attention_heads=4,
-            encoder_tokens=64,
-            encoder_feature_dim=48,
+            LlavaSpec(
+                num_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                seq_length=256,
+                vocab_size=128,
+                encoders={
+                    "vision": EncoderSpec(
+                        num_layers=8, hidden_size=64, num_attention_heads=4, tokens=64, feature_dim=48
+                    )
+                },
+            ),
             global_batch_size=16,
             micro_batch_size=2,
         ),
@@ -127,9 +132,9 @@ def quick_workloads() -> tuple:
     """Smaller models for `--quick` (the smoke test): the same layouts and constraints."""
     out = []
     for w in WORKLOADS:
-        m = dataclasses.replace(w.model, global_batch_size=8, encoder_num_layers=2, num_layers=2)
+        m = dataclasses.replace(w.model.resized(encoder_num_layers=2, num_layers=2), global_batch_size=8)
         if w.name == "inherited-tp":
-            m = dataclasses.replace(m, encoder_tokens=64, seq_length=80)
+            m = m.resized(encoder_tokens=64, seq_length=80)
         out.append(dataclasses.replace(w, model=m))
     return tuple(out)
 
@@ -185,7 +190,7 @@ def _rank_side_by_side(cases: list, steps: int) -> dict[str, Any]:
             topo = Topology.build(lay, timeout_s=job.comm_timeout_s)
             topos.append(topo)
             plan = rank_plan(lay, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-            scheds.append(make_schedule(plan, job, topo, build_states(lay, job, topo)))
+            scheds.append(make_schedule(plan, job, topo, build_states(plan, job, topo)))
         n = len(cases)
         out = {"times": [[] for _ in cases], "losses": [[] for _ in cases], "peak": [0] * n}
         for it in range(steps):
@@ -235,10 +240,8 @@ def _picks(w: E2EWorkload, prof) -> dict[str, Any]:
     profile `prof`; `search_best`: the search's overall pick (it may be the homogeneous layout)."""
     import json
 
-    from megatron_hetero.training.model_args import workload_for
-
     m = w.model
-    wl = workload_for(m.spec(), m.global_batch_size, m.micro_batch_size)
+    wl = workload(m.spec, m.global_batch_size, m.micro_batch_size)
     res = S.search(wl, prof, WORLD, memory_limit=float("inf"), space=w.space(), top=200)
     homo = json.dumps(resolve(w.homogeneous, WORLD).to_dict(), sort_keys=True)
     out: dict[str, Any] = {
@@ -279,7 +282,6 @@ def run(
     from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import run as T
     from megatron_hetero.training.job import quiet_upstream_warnings
-    from megatron_hetero.training.model_args import workload_for
 
     from megatron_hetero.bench import plain_megatron as PM
 
@@ -309,7 +311,7 @@ def run(
     cases: list[dict[str, Any]] = []
     search_best: dict[str, Any] = {}
     for w in workloads:
-        spec = w.model.spec()
+        spec = w.model.spec
         picks = _picks(w, profile)
         search_best[w.name] = {k: picks.pop(k) for k in ("search_best", "search_best_is_homogeneous")}
         homo = resolve(w.homogeneous, WORLD)
@@ -319,7 +321,7 @@ def run(
                 p = picks[kind]
                 rows.append((kind, p["layout"], p["mbs"], p["describe"]))
         for kind, lay, mbs, desc in rows:
-            wl = workload_for(
+            wl = workload(
                 spec, w.model.global_batch_size, mbs if lay.placement != "disjoint" else _cost_mbs(lay, spec, mbs)
             )
             est = C.evaluate(candidate_for(lay, spec), wl, profile).total
@@ -369,7 +371,7 @@ def run(
                 "step_time_s": c["step_time_s"],
                 "round_medians_s": c["round_medians_s"],
                 "steps_s": [r["steps_s"] for r in c["rounds"]],
-                "tokens_per_s": m.global_batch_size * m.seq_length / c["step_time_s"],
+                "tokens_per_s": m.global_batch_size * m.spec.seq_length / c["step_time_s"],
                 "peak_memory_bytes": max(r["peak_memory_bytes"] for r in c["rounds"]),
                 "speedup_vs_homogeneous": base["step_time_s"] / c["step_time_s"],
                 "speedup_per_round": [b / t for b, t in zip(base["round_medians_s"], c["round_medians_s"])],
@@ -398,7 +400,7 @@ def run(
         "workloads": {
             w.name: {
                 "why": w.why,
-                "model": dataclasses.asdict(w.model),
+                "model": w.model.to_dict(),
                 "homogeneous": describe(resolve(w.homogeneous, WORLD)),
                 **search_best[w.name],
             }

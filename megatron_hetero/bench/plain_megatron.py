@@ -133,10 +133,10 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        ours = make_schedule(plan, job, topo, build_states(layout, job, topo))
+        ours = make_schedule(plan, job, topo, build_states(plan, job, topo))
         plain = {}
         for mode in MODES[1:]:
-            st = build_states(layout, job, topo)
+            st = build_states(plan, job, topo)
             plain[mode] = (st, LlavaStageRunner(job.spec, plan, st))
         fb = get_forward_backward_func(pp_size=1, vp_size=None)
         times: dict[str, list[float]] = {m: [] for m in MODES}

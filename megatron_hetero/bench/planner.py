@@ -8,8 +8,8 @@ One run, one process tree:
      steps with `training.trainer.train_rank` on forked ranks; the measured step time is the median
      over the last `iters` steps of the slowest rank's step (the first `warmup` are discarded);
   3. the estimate of the same configuration is `planner.cost.evaluate(candidate, workload, profile)`
-     with the profile of its world size (`candidate_for` / `workload_for` map the layout and the
-     model onto the cost model's `Candidate` and `Workload`);
+     with the profile of its world size (`candidate_for` / `planner.model.workload` map the layout
+     and the model onto the cost model's `Candidate` and `Workload`);
   4. the search (`planner.search.search`) runs over the space of layouts the runtime accepts at each
      world size; its pick is measured too (if it is not one of the configurations) and compared
      with the fastest measured configuration of that world size.
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -37,54 +37,50 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import cost as C
 from megatron_hetero.planner import search as S
 from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, flag_values, workload
 from megatron_hetero.planner.workload import Candidate, Segment
-from megatron_hetero.training.model_args import workload_for
 
 WORLDS = (4, 8)
 
 
 @dataclass(frozen=True)
 class BenchModel:
-    """The tiny model and batch of the benchmark (train CLI flag names)."""
+    """The benchmark's model (the model's description, `planner.model.LlavaSpec`: the tiny model
+    with 4 language-model layers, one `vision` encoder) and batch (train's flags)."""
 
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    seq_length: int = 32
-    vocab_size: int = 128
-    encoder_num_layers: int = 2
-    encoder_hidden_size: int = 32
-    encoder_num_attention_heads: int = 4
-    encoder_tokens: int = 8
-    encoder_feature_dim: int = 24
+    spec: LlavaSpec = field(default_factory=lambda: LlavaSpec(num_layers=4))
     global_batch_size: int = 16
     micro_batch_size: int = 2
 
-    def spec(self):
-        from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+    @property
+    def encoder(self) -> EncoderSpec:
+        (e,) = self.spec.encoders.values()
+        return e
 
-        enc = EncoderSpec(
-            num_layers=self.encoder_num_layers,
-            hidden_size=self.encoder_hidden_size,
-            num_attention_heads=self.encoder_num_attention_heads,
-            tokens=self.encoder_tokens,
-            feature_dim=self.encoder_feature_dim,
-            offset=1,
-        )
-        return LlavaSpec(
-            num_layers=self.num_layers,
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            vocab_size=self.vocab_size,
-            seq_length=self.seq_length,
-            encoders={"vision": enc},
-        )
+    def resized(self, **sizes) -> "BenchModel":
+        """This model with some of train's size flags changed (by dest: num_layers, encoder_tokens, ...)."""
+        from types import SimpleNamespace
+
+        from megatron_hetero.planner.model import spec_from_flags
+
+        unknown = set(sizes) - set(flag_values(self.spec, keep_none=True))
+        assert not unknown, f"not size flags: {sorted(unknown)}"
+        args = SimpleNamespace(**{**flag_values(self.spec, keep_none=True), **sizes})
+        return dataclasses.replace(self, spec=spec_from_flags(args))
+
+    def to_dict(self) -> dict:
+        """The model as train's flags (`planner.model.flag_values`) and the batch."""
+        return {
+            **flag_values(self.spec),
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+        }
 
     def job(self, train_iters: int):
-        from megatron_hetero.training.setup import JobConfig
+        from megatron_hetero.training.config import JobConfig
 
         return JobConfig(
-            spec=self.spec(),
+            spec=self.spec,
             global_batch_size=self.global_batch_size,
             micro_batch_size=self.micro_batch_size,
             train_iters=train_iters,
@@ -254,13 +250,13 @@ def bench_grid():
 
 def runtime_space(world: int, model: BenchModel) -> S.SearchSpace:
     """The search space of the benchmark: the degrees the tiny model allows, layouts the runtime runs."""
-    tps = tuple(t for t in (1, 2, 4, 8) if t <= world and model.num_attention_heads % t == 0)
+    tps = tuple(t for t in (1, 2, 4, 8) if t <= world and model.spec.num_attention_heads % t == 0)
     return S.SearchSpace(
         placements=("colocated", "disjoint"),
         tp=tps,
         cp=(1, 2),
         pp=(1, 2, 4),
-        encoder_tp=tuple(t for t in tps if model.encoder_num_attention_heads % t == 0),
+        encoder_tp=tuple(t for t in tps if model.encoder.num_attention_heads % t == 0),
         encoder_cp=(1,),
         encoder_pp=(1, 2),
         offload=(False,),
@@ -276,7 +272,7 @@ def _key(layout: HeteroLayout) -> str:
 
 def search_pick(world: int, model: BenchModel, prof: Profile, top: int = 5) -> S.SearchResult:
     """The search over the runtime's layouts of the benchmark model at `world` ranks."""
-    wl = workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    wl = workload(model.spec, model.global_batch_size, model.micro_batch_size)
     return S.search(wl, prof, world, memory_limit=float("inf"), space=runtime_space(world, model), top=top)
 
 
@@ -317,8 +313,8 @@ def run(
     grid = grid or bench_grid()
     configs = list(CONFIGS if configs is None else configs)
     worlds = sorted({int(w) for w in worlds} | {w for w, _ in configs})
-    spec = model.spec()
-    wl = workload_for(spec, model.global_batch_size, model.micro_batch_size)
+    spec = model.spec
+    wl = workload(spec, model.global_batch_size, model.micro_batch_size)
     # 1. profiles (one per world size) and the configurations, measured in alternating rounds so that
     #    both see the machine in the same periods (another job on it adds time to either)
     rows: list[dict[str, Any]] = []
@@ -399,7 +395,7 @@ def run(
     for i, r in enumerate(rows):
         lay = r["layout"]
         cand = candidate_for(lay, spec)
-        wl_r = workload_for(spec, model.global_batch_size, cost_micro_batch(lay, spec, r["mbs"]))
+        wl_r = workload(spec, model.global_batch_size, cost_micro_batch(lay, spec, r["mbs"]))
         bd = C.evaluate(cand, wl_r, profiles[r["world"]])
         measured = min(r["rounds_s"])
         out_rows.append(
@@ -443,7 +439,7 @@ def run(
         "benchmark": "planner",
         "backend": default_backend(),
         "worlds": list(worlds),
-        "model": dataclasses_asdict(model),
+        "model": model.to_dict(),
         "iters": iters,
         "warmup": warmup,
         "rounds": rounds,
@@ -475,10 +471,6 @@ def round_noise(rows: list[dict[str, Any]]) -> dict[str, Optional[float]]:
         "round_mape": sum(dev) / len(dev),
         "round_spread": statistics.median(max(rs) / min(rs) - 1.0 for rs in rounds),
     }
-
-
-def dataclasses_asdict(x) -> dict:
-    return dataclasses.asdict(x)
 
 
 def _plot(path: Path, doc: dict[str, Any]) -> Optional[Path]:

@@ -27,7 +27,7 @@ from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import rank_plan, step_micro_batching
 from megatron_hetero.runtime.disjoint import DisjointSchedule
 from megatron_hetero.runtime.launcher import run_ranks
-from megatron_hetero.runtime.module_state import OptimConfig
+from megatron_hetero.runtime.config import OptimConfig
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.training.setup import JobConfig, build_states, validate_job
 from megatron_hetero.training.trainer import prepare_rank
@@ -106,7 +106,7 @@ def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
     topo = Topology.build(layout)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size)
-        states = build_states(layout, job, topo)
+        states = build_states(plan, job, topo)
         sched = _TimedDisjoint(plan, job.runtime_config(), topo, states, LlavaStageRunner(job.spec, plan, states))
         out = []
         for it in range(steps):

@@ -52,7 +52,7 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        states = build_states(layout, job, topo)
+        states = build_states(plan, job, topo)
         runner = LlavaStageRunner(job.spec, plan, states)
         if layout.placement == "colocated":
             from megatron_hetero.runtime.colocated import ColocatedSchedule as Schedule
@@ -111,9 +111,9 @@ def measure(layout, job, steps: int = 40, timeout: float = 900.0) -> dict[str, A
 
 def main(argv=None) -> int:
     from megatron_hetero.layout.yaml_io import load_layout
-    from megatron_hetero.training.job import llava_spec, quiet_upstream_warnings, resolve_model
-    from megatron_hetero.training.model_args import ModelArgs
-    from megatron_hetero.training.setup import JobConfig
+    from megatron_hetero.planner.model import spec_on_layout
+    from megatron_hetero.training.config import JobConfig
+    from megatron_hetero.training.job import default_micro_batch_size, quiet_upstream_warnings
 
     p = argparse.ArgumentParser(prog="python -m megatron_hetero.bench.trace_overhead")
     p.add_argument("layout")
@@ -126,11 +126,10 @@ def main(argv=None) -> int:
 
     apply_compat()  # this module run as a script is an entry point
     layout = load_layout(args.layout, None)
-    model = resolve_model(ModelArgs(global_batch_size=args.global_batch_size), layout)
     job = JobConfig(
-        spec=llava_spec(model, layout),
-        global_batch_size=model.global_batch_size,
-        micro_batch_size=model.micro_batch_size,
+        spec=spec_on_layout(layout),
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=default_micro_batch_size(layout, args.global_batch_size),
         comm_timeout_s=120.0,
     )
     text = json.dumps({"layout": args.layout, **measure(layout, job, args.steps)}, indent=1)

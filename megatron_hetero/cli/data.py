@@ -59,45 +59,22 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`train`'s data flags (Megatron-LM's names where it has them); read by
+    """`train`'s data flags (Megatron-LM's names where it has them), generated from the fields that
+    declare them (`models.caption_config.data_flag_fields`); read by
     `models.caption_runner.caption_job_data`."""
-    g = parser.add_argument_group("data")
-    g.add_argument(
-        "--data-path",
-        default=None,
-        help="an energon captioning dataset (image + caption), e.g. from `megatron-hetero data digits`; "
-        "the encoder's tokens/features come from its images and --patch-size, the vocabulary from "
-        "the tokenizer (default: synthetic data)",
-    )
-    g.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="a Hugging Face tokenizer.json (default: the shipped byte-level BPE, no download)",
-    )
-    g.add_argument("--mock-data", action="store_true", help="synthetic data (the default without --data-path)")
-    g.add_argument(
-        "--patch-size",
-        type=int,
-        default=None,
-        help="image patch size in pixels (default 4): one encoder token per patch",
-    )
-    g.add_argument(
-        "--data-prompt", default=None, help="text between the image and the caption (not in the loss; default none)"
-    )
-    add_trust_flag(g)
+    from megatron_hetero.layout.flags import add_flags
+    from megatron_hetero.models.caption_config import data_flag_fields
+
+    add_flags(parser, data_flag_fields(), {"data": "data"})
     return parser
 
 
 def add_trust_flag(parser) -> None:
     """`--trust-dataset-code` (`models.dataset_trust`), for every command that opens a dataset."""
-    parser.add_argument(
-        "--trust-dataset-code",
-        action="store_true",
-        help="let the dataset run the code it names (energon sample_loader/part_filter Python "
-        "files, __module__/__function__ outside megatron.energon, pickle/torch.load-decoded "
-        "members); without it such a dataset is refused (exit 2) and members are decoded in "
-        "webdataset's secure mode",
-    )
+    from megatron_hetero.layout.flags import add_flags, flags_of
+    from megatron_hetero.models.caption_config import CaptionDataConfig
+
+    add_flags(parser, flags_of(CaptionDataConfig, ["trust_code"]))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_hetero.cli.model_flags import add_model_flags
+from megatron_hetero.cli.model_flags import MODEL_FLAGS, add_model_flags
+from megatron_hetero.layout.flags import value
 
 NAME = "plan"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from megatron_hetero.layout.args import add_hetero_args
+    from megatron_hetero.layout.flags import add_flags, flags_of
+    from megatron_hetero.planner.model import LlavaSpec
 
     p = sub.add_parser(NAME, help="validate a layout and print the rank map and boundary plans")
     p.add_argument("layout", nargs="?", default=None, help="layout YAML (or use --hetero-layout / --hetero-module)")
@@ -31,7 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help={
             "global_batch_size": "samples crossing each edge per step (default: lcm of the DP sizes)",
             "seq_length": "tokens per sample on each edge (default: 8 * lcm of 2*cp)",
-            "hidden_size": "hidden size on each edge (default 64)",
+            "hidden_size": "hidden size on each edge (default {default}: the model's)",
         },
     )
     p.add_argument("--dtype-bytes", type=int, default=4, help="bytes per element (4 fp32, 2 bf16)")
@@ -42,11 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="also draw the layout: ranks as cells coloured by module with their coordinates, "
         "edges with their transform (needs matplotlib)",
     )
-    p.add_argument(
-        "--num-experts",
-        type=int,
-        default=None,
-        help="experts per MoE layer of the language model: checks ep against it and prints them",
+    add_flags(
+        p,
+        flags_of(LlavaSpec, ["num_experts"]),
+        help={"num_experts": "experts per MoE layer of the language model: checks ep against it and prints them"},
     )
     add_hetero_args(p)
     return p
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_experts is not None:  # ep > 1 on a dense module, ep not dividing --num-experts: exit 2
         experts = {n: args.num_experts for n in roles(layout).language}
         check_experts(layout, experts)
-    hidden = 64 if args.hidden_size is None else args.hidden_size
+    hidden = value(args, MODEL_FLAGS["hidden_size"])  # the model's hidden size unless given
     shape = default_shape(layout, args.global_batch_size, args.seq_length, hidden, args.dtype_bytes)
     if args.json:
         print(json.dumps(layout_json(layout, shape, experts), indent=1))

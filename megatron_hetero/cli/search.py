@@ -7,7 +7,7 @@
     megatron-hetero search --regime-table [--hardware NAME|HARDWARE.json]
 
 The model: `train`'s model flags (cli/model_flags.py) with `train`'s defaults, costed as `train` runs
-it (fp32, Adam: `training.model_args.workload`), so `search` plans what `train` with the same model
+it (fp32, Adam: `planner.model.workload`), so `search` plans what `train` with the same model
 flags trains, and `--out` trains directly. `--encoder`/`--llm` choose a large preset instead (bf16,
 distributed optimizer: the cost model's defaults), whose sizes the model flags override.
 Pure: no torch.
@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from megatron_hetero.cli.model_flags import add_model_flags, flag
+from megatron_hetero.cli.model_flags import MODEL_FLAGS, add_model_flags, flag
 
 NAME = "search"
 
@@ -166,23 +166,28 @@ def _preset_spec(base, args, side: str, seq: int):
 
 
 def workload_from_args(args):
-    """The cost model's workload: `train`'s model (training.model_args.workload) with the model
-    flags given, or, with --encoder/--llm, a preset whose sizes the model flags override."""
+    """The cost model's workload: `train`'s model (planner.model.spec_from_flags, costed by
+    planner.model.workload) with the model flags given, or, with --encoder/--llm, a preset whose
+    sizes the model flags override."""
+    from megatron_hetero.layout.flags import value
+    from megatron_hetero.planner.model import spec_from_flags, workload
     from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP
     from megatron_hetero.planner.workload import Workload
-    from megatron_hetero.training.model_args import ModelArgs, workload
 
     if not uses_presets(args):
-        model = ModelArgs.from_namespace(args)
+        spec = spec_from_flags(args)
+        enc = spec.encoders["vision"]
         # train's encoders: an MLP of 4 * hidden, one input of encoder_tokens per sample
-        for name, value in (("encoder_ffn_hidden_size", 4 * model.encoder_hidden_size), ("images_per_sample", 1)):
-            if getattr(args, name) not in (None, value):
+        for name, v in (("encoder_ffn_hidden_size", 4 * enc.hidden_size), ("images_per_sample", 1)):
+            if getattr(args, name) not in (None, v):
                 raise ValueError(
                     f"{flag(name)} {getattr(args, name)} applies to the --encoder/--llm presets; "
                     f"`train` runs encoders with an MLP of 4 * --encoder-hidden-size "
-                    f"(= {4 * model.encoder_hidden_size}) and one input of --encoder-tokens per sample"
+                    f"(= {4 * enc.hidden_size}) and one input of --encoder-tokens per sample"
                 )
-        return workload(model)
+        return workload(
+            spec, value(args, MODEL_FLAGS["global_batch_size"]), value(args, MODEL_FLAGS["micro_batch_size"])
+        )
 
     def given(value, default):
         return default if value is None else value
@@ -203,25 +208,13 @@ def workload_from_args(args):
 
 def train_command(args, out: str, wl, micro_batch_size: int) -> str:
     """The `megatron-hetero train` line that runs the layout written to `out` with the searched model."""
+    from megatron_hetero.layout.flags import dest, option
+
     words = ["megatron-hetero train --hetero-layout", Path(out).name]
     if not uses_presets(args):  # the model flags given, so train builds the model that was searched
-        words += [
-            f"{flag(d)} {getattr(args, d)}"
-            for d in (
-                "num_layers",
-                "hidden_size",
-                "num_attention_heads",
-                "ffn_hidden_size",
-                "seq_length",
-                "vocab_size",
-                "encoder_num_layers",
-                "encoder_hidden_size",
-                "encoder_num_attention_heads",
-                "encoder_tokens",
-                "encoder_feature_dim",
-            )
-            if getattr(args, d) is not None
-        ]
+        from megatron_hetero.planner.model import size_flags
+
+        words += [f"{option(f)} {getattr(args, dest(f))}" for f in size_flags() if getattr(args, dest(f)) is not None]
     words += [f"--global-batch-size {wl.global_batch} --micro-batch-size {micro_batch_size}"]
     return " ".join(words)
 

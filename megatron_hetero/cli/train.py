@@ -42,106 +42,31 @@ NAME = "train"
 USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
+# argument groups of train's own flags (their fields' `group`), in --help order
+GROUPS = {
+    "training": "training",
+    "evaluation": "evaluation (held-out split: `val` of --data-path; synthetic data: unseen samples)",
+    "checkpoints": "checkpoints (Megatron-core dist_checkpointing; movable between layouts)",
+    "moe": "mixture of experts (language model; ep/expt_tp come from the layout)",
+    "launch": "launch",
+}
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """train's flags, generated from the fields that declare them (defaults and help live there):
+    the model's (`cli.model_flags`), the architecture's (`cli.arch_flags`), the data's (`cli.data`),
+    the job's (`training.config.train_flag_fields`) and the layout's (`layout.args.add_hetero_args`)."""
+    from megatron_hetero.cli.arch_flags import add_arch_flags
+    from megatron_hetero.cli.data import add_train_data_flags
     from megatron_hetero.layout.args import add_hetero_args
+    from megatron_hetero.layout.flags import add_flags
+    from megatron_hetero.training.config import train_flag_fields
 
     p = sub.add_parser(NAME, help="train the tiny LLaVA-style model on a heterogeneous layout")
     add_model_flags(p)
-    from megatron_hetero.cli.arch_flags import add_arch_flags
-
     add_arch_flags(p)
-    from megatron_hetero.cli.data import add_train_data_flags
-
     add_train_data_flags(p)
-    t = p.add_argument_group("training")
-    t.add_argument("--train-iters", type=int, default=5)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
-    t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--clip-grad", type=float, default=0.0)
-    t.add_argument(
-        "--bf16",
-        action="store_true",
-        help="bf16 parameters and compute, fp32 main weights in the optimizer (Megatron's mixed precision)",
-    )
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999)
-    t.add_argument("--adam-eps", type=float, default=1e-8)
-    t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--lr-warmup-iters", type=int, default=0, help="linear warm-up from 0 to --lr over these iterations")
-    t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant")
-    t.add_argument("--lr-decay-iters", type=int, default=None, help="iterations to decay over (default: --train-iters)")
-    t.add_argument("--min-lr", type=float, default=0.0, help="the rate a decay ends at")
-    t.add_argument(
-        "--override-opt-param-scheduler",
-        action="store_true",
-        help="on --load, use this job's learning-rate schedule instead of requiring the checkpoint's",
-    )
-    v = p.add_argument_group("evaluation (held-out split: `val` of --data-path; synthetic data: unseen samples)")
-    v.add_argument(
-        "--eval-interval",
-        type=int,
-        default=0,
-        metavar="N",
-        help="evaluate every N iterations and after the last one (default 0: never)",
-    )
-    v.add_argument(
-        "--eval-iters",
-        type=int,
-        default=None,
-        metavar="K",
-        help="global batches per evaluation (default: the held-out split once, N // global batch; synthetic data: 1)",
-    )
-    c = p.add_argument_group("checkpoints (Megatron-core dist_checkpointing; movable between layouts)")
-    c.add_argument(
-        "--save", type=str, default=None, metavar="DIR", help="save checkpoints here (and after the last iteration)"
-    )
-    c.add_argument("--save-interval", type=int, default=0, metavar="N", help="save every N iterations")
-    c.add_argument(
-        "--exit-signal-handler",
-        action="store_true",
-        help="on SIGTERM (SLURM's warning before the time limit, scancel): every rank finishes the "
-        "current step, saves a checkpoint (with --save) and exits 0 (Megatron-LM's flag)",
-    )
-    c.add_argument(
-        "--load",
-        type=str,
-        default=None,
-        metavar="DIR",
-        help="resume from the latest checkpoint under DIR (any layout of the same model), or start "
-        "from converted weights (convert hf-to-checkpoint); without model flags: the recorded model",
-    )
-    c.add_argument(
-        "--load-fallback",
-        action="store_true",
-        help="if the newest save under --load is incomplete or damaged, resume from the newest complete "
-        "checkpoint before it (and say so) instead of exiting 2",
-    )
-    e = p.add_argument_group("mixture of experts (language model; ep/expt_tp come from the layout)")
-    e.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
-    e.add_argument("--moe-router-topk", type=int, default=2, help="experts per token (default 2)")
-    e.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="load-balancing loss weight (default 0)")
-    e.add_argument(
-        "--moe-ffn-hidden-size", type=int, default=None, help="expert MLP hidden size (default --ffn-hidden-size)"
-    )
-    r = p.add_argument_group("launch")
-    r.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        help="ranks to spawn on the local host (default: what the layout uses)",
-    )
-    r.add_argument("--log-jsonl", type=str, default=None, help="one JSON object per iteration")
-    r.add_argument("--log-interval", type=int, default=1, help="iteration lines every N iterations")
-    r.add_argument("--launch-timeout", type=float, default=3600.0, help="seconds before hung ranks are killed")
-    p.add_argument(
-        "--trace",
-        type=str,
-        default=None,
-        metavar="FILE.json",
-        help="write a Chrome/Perfetto trace of every rank's spans (view: ui.perfetto.dev, or "
-        "megatron-hetero timeline FILE.json --out FILE.png)",
-    )
+    add_flags(p, train_flag_fields(), GROUPS)
     add_hetero_args(p)
     return p
 

@@ -453,10 +453,10 @@ def script_from_args(args: argparse.Namespace) -> str:
             f"{per_node} ranks per node ({source}) = {world} ranks ({layout.world_size} != {world}); choose nodes "
             f"and ranks per node whose product is {layout.world_size}"
         )
-    script = getattr(args, "script", None)
-    _check_train_args(train_args, args.hetero_layout, None if script else getattr(args, "add_train_parser", None))
+    script = args.script
+    _check_train_args(train_args, args.hetero_layout, None if script else args.add_train_parser)
     save_dir = _last_value(train_args, "--save")
-    signal_seconds = getattr(args, "signal_seconds", None)
+    signal_seconds = args.signal_seconds
     if script and signal_seconds:
         raise ValueError(
             f"--signal-seconds {signal_seconds} with --script: the stop-and-requeue protocol is "

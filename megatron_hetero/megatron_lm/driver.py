@@ -49,7 +49,8 @@ from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog, print_last
 from megatron_hetero.plan.rank_plan import rank_plan, rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.schedules import schedule_for
-from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
+from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.runtime.module_state import ModuleState
 
 PREFIX = "megatron-hetero megatron-lm"
 

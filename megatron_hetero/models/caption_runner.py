@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_hetero.layout.flags import default, value
+from megatron_hetero.models.caption_config import data_flag_fields
 from megatron_hetero.models.caption_eval import digit_hits
 from megatron_hetero.models.dataset_trust import check_dataset, trusted_message
 from megatron_hetero.models.energon_data import (
@@ -167,40 +169,42 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
     torchrun/srun: deterministic). Without --data-path: (spec, None), the synthetic data (--mock-data).
     With it: the dataset's image format resolved (`energon_data.resolve_config`), and `spec` with the
     encoder's tokens/feature_dim from the data and the vocabulary from the tokenizer
-    (`energon_data.caption_spec`). Flags read (absent ones count as not given): data_path,
-    tokenizer_model, mock_data, patch_size, data_prompt, seed, vocab_size, encoder_tokens,
-    encoder_feature_dim, trust_dataset_code. ValueError for conflicting or impossible values, and
-    `dataset_trust.UntrustedDataset` (a ValueError) for a dataset that names code without
-    --trust-dataset-code."""
-    path = getattr(args, "data_path", None)
+    (`energon_data.caption_spec`). `args`: a namespace of train's parser: the data flags
+    (`models.caption_config.data_flag_fields`), --seed, and the model flags --vocab-size,
+    --encoder-tokens, --encoder-feature-dim (None: not given). ValueError for conflicting or
+    impossible values, and `dataset_trust.UntrustedDataset` (a ValueError) for a dataset that names
+    code without --trust-dataset-code."""
+    fields = {f.name: f for f in data_flag_fields()}
+    path, tokenizer_model = args.data_path, value(args, fields["tokenizer_model"])
     if not path:
-        if getattr(args, "tokenizer_model", None):
+        if tokenizer_model:
             raise ValueError("--tokenizer-model applies to --data-path (the synthetic data has no text)")
         return spec, None
-    if getattr(args, "mock_data", False):
+    if args.mock_data:
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
     # before energon opens it: a dataset that names code is refused unless --trust-dataset-code
-    trust = bool(getattr(args, "trust_dataset_code", False))
+    trust = value(args, fields["trust_code"])
     trusted = tuple(f.line() for f in check_dataset(path, trust=trust))
     # a CLIP encoder fixes the image format: RGB, its image size (images are resized), its patch size
     clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
     side = round(clip.tokens**0.5) * clip.patch_size if clip else None
+    patch = value(args, fields["patch_size"]) or default(fields["patch_size"])  # --patch-size 0: the default, as ever
     cfg = resolve_config(
         CaptionDataConfig(
             path=str(path),
-            tokenizer_model=getattr(args, "tokenizer_model", None),
+            tokenizer_model=tokenizer_model,
             trust_code=trust,
             trusted=trusted,
-            seed=int(getattr(args, "seed", 1234)),
-            patch_size=clip.patch_size if clip else int(getattr(args, "patch_size", None) or 4),
+            seed=int(args.seed),
+            patch_size=clip.patch_size if clip else int(patch),
             image_size=(side, side) if clip else None,
             channels=3 if clip else None,
-            prompt=getattr(args, "data_prompt", None) or "",
+            prompt=value(args, fields["prompt"]),
         )
     )
     for flag, given, derived in (
-        ("--encoder-tokens", getattr(args, "encoder_tokens", None), cfg.image_tokens),
-        ("--encoder-feature-dim", getattr(args, "encoder_feature_dim", None), cfg.feature_dim),
+        ("--encoder-tokens", args.encoder_tokens, cfg.image_tokens),
+        ("--encoder-feature-dim", args.encoder_feature_dim, cfg.feature_dim),
     ):
         if given is not None and given != derived:
             h, w = cfg.image_size
@@ -210,4 +214,4 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
                 f"leave it out or change --patch-size"
             )
     tok = load_tokenizer(cfg.tokenizer_model)
-    return caption_spec(spec, cfg, tok, vocab_size=getattr(args, "vocab_size", None)), cfg
+    return caption_spec(spec, cfg, tok, vocab_size=args.vocab_size), cfg

@@ -53,70 +53,18 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
+from megatron_hetero.models.caption_config import CaptionDataConfig
 from megatron_hetero.models.data import PLACEHOLDER_ID
 from megatron_hetero.models.dataset_trust import UntrustedDataset, check_dataset, secure_decoding
 from megatron_hetero.models.tokenizer import CaptionTokenizer
 
 VOCAB_MULTIPLE = 128  # the model's vocabulary is the tokenizer's padded up to a multiple of this (Megatron's default)
 _WINDOWS = 2  # steps kept decoded (the current one and the one before)
-
-
-@dataclass(frozen=True)
-class CaptionDataConfig:
-    """Where the caption data comes from and how a sample is shaped (see the module docstring).
-    `image_size` (H, W) and `channels` None: taken from the data by `resolve_config`."""
-
-    path: str
-    tokenizer_model: Optional[str] = None  # None: the shipped tokenizer (models/tokenizer.py)
-    split: str = "train"
-    seed: int = 1234
-    patch_size: int = 4
-    image_size: Optional[tuple[int, int]] = None
-    channels: Optional[int] = None
-    prompt: str = ""
-    shuffle: bool = True
-    shuffle_buffer_size: int = 100
-    max_samples_per_sequence: int = 100
-    # --trust-dataset-code: let the dataset run the code it names (`models.dataset_trust`); `trusted`:
-    # what it names (`Finding.line()`s), printed once on rank 0
-    trust_code: bool = False
-    trusted: tuple[str, ...] = ()
-
-    def resolved(self) -> bool:
-        return self.image_size is not None and self.channels is not None
-
-    @property
-    def image_tokens(self) -> int:
-        h, w = self._size()
-        return (h // self.patch_size) * (w // self.patch_size)
-
-    @property
-    def feature_dim(self) -> int:
-        self._size()
-        return self.channels * self.patch_size**2
-
-    def _size(self) -> tuple[int, int]:
-        if not self.resolved():
-            raise ValueError("caption data config is not resolved (image_size/channels unknown): call resolve_config")
-        return self.image_size
-
-    def validate(self) -> None:
-        if self.patch_size < 1:
-            raise ValueError(f"--patch-size {self.patch_size}: must be >= 1")
-        if self.channels is not None and self.channels not in (1, 3):
-            raise ValueError(f"image channels must be 1 (grey) or 3 (RGB), got {self.channels}")
-        if self.image_size is not None:
-            h, w = self.image_size
-            if h % self.patch_size or w % self.patch_size:
-                raise ValueError(
-                    f"image size {h}x{w} is not divisible by --patch-size {self.patch_size} "
-                    f"(remainders {h % self.patch_size}, {w % self.patch_size})"
-                )
 
 
 @contextlib.contextmanager

@@ -1,4 +1,6 @@
-"""A LLaVA-style model assembled from Megatron-core parts, one module per layout module.
+"""A LLaVA-style model assembled from Megatron-core parts, one module per layout module, from its
+description (`planner.model.LlavaSpec`: sizes and architecture; this file derives the Megatron
+TransformerConfig fields, the dtype and the synthetic data's shape from it).
 
 - Encoder module (`vision`, `audio`, ...): patch embedding (a replicated linear map of the input
   features) + learned positions, a Megatron `TransformerBlock` (local spec, bidirectional), and a
@@ -29,7 +31,6 @@ Megatron's `[seq, batch, hidden]`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -50,140 +51,58 @@ from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
 from megatron_hetero.models.data import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
+from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec  # noqa: F401 (the model's description)
 
 
-@dataclass(frozen=True)
-class EncoderSpec:
-    """Sizes of one encoder and where its tokens go in the text sequence."""
-
-    num_layers: int = 2
-    hidden_size: int = 32
-    num_attention_heads: int = 4
-    tokens: int = 8
-    feature_dim: int = 24
-    offset: int = 1
-    # "linear": the features go through a linear patch embedding + learned positions + a GPT-style
-    # trunk (the default); "clip": Megatron's CLIPViTModel (patch convolution over the image the
-    # features are the patches of, class token, learned positions, ln_pre, pre-norm LayerNorm
-    # layers with quick-GELU, ln_post kept for the pooled output): `models.clip_encoder`.
-    kind: str = "linear"
-    patch_size: int = 0  # clip: the patch side (features = 3 * patch_size**2 per token)
-    ffn_hidden_size: Optional[int] = None  # clip: the MLP width (default 4 * hidden_size)
-    norm_epsilon: float = 1e-5
-    activation: str = "quick_gelu"  # clip: quick_gelu or gelu
+def dtype_of(spec: LlavaSpec) -> torch.dtype:
+    """The dtype of parameters and of every tensor between stages and modules."""
+    return torch.bfloat16 if spec.bf16 else torch.float32
 
 
-@dataclass(frozen=True)
-class OutputSpec:
-    """One output module: reads the language model's final hidden states at text positions
-    [offset, offset + tokens) and maps them through an MLP of width `hidden_size` to `out_dim`."""
+def moe_kwargs(spec: LlavaSpec, m: ModuleLayout) -> dict:
+    """The TransformerConfig fields of the language model's MoE layers on layout `m` ({} if dense)."""
+    if not spec.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff > 0 else "none",
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        add_bias_linear=False,
+        expert_model_parallel_size=m.ep,
+        expert_tensor_parallel_size=m.expt_tp,
+    )
 
-    tokens: int = 4
-    offset: int = 24
-    hidden_size: int = 32
-    out_dim: int = 16
+
+def language_config_kwargs(spec: LlavaSpec) -> dict:
+    """The TransformerConfig fields of the language model's architecture."""
+    import torch.nn.functional as F
+
+    return dict(
+        normalization=spec.normalization,
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=spec.swiglu,
+        activation_func=F.silu if spec.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        add_bias_linear=spec.add_bias_linear,
+        add_qkv_bias=spec.add_qkv_bias,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
+        apply_rope_fusion=False,
+    )
 
 
-@dataclass(frozen=True)
-class LlavaSpec:
-    """Sizes of the whole model (Megatron flag names)."""
-
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None
-    vocab_size: int = 128
-    seq_length: int = 32
-    encoders: dict[str, EncoderSpec] = field(default_factory=lambda: {"vision": EncoderSpec()})
-    seed: int = 1234
-    num_experts: Optional[int] = None  # Megatron's --num-experts: MoE MLPs in the language model
-    moe_router_topk: int = 2
-    moe_aux_loss_coeff: float = 0.0
-    moe_ffn_hidden_size: Optional[int] = None
-    outputs: dict[str, OutputSpec] = field(default_factory=dict)
-    bf16: bool = False  # Megatron's --bf16: bf16 parameters and compute (the optimizer keeps fp32 main weights)
-    # Language-model architecture (Megatron's TransformerConfig / GPTModel options; the defaults are
-    # the original tiny GPT; a Llama/Qwen2-style model: RMSNorm, swiglu, rope, no linear biases,
-    # grouped-query attention, QKV bias for Qwen2, tied embeddings for the small Qwen2 models)
-    normalization: str = "LayerNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"
-    rotary_base: float = 10000.0
-    num_query_groups: Optional[int] = None
-    kv_channels: Optional[int] = None
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False
-    untie_embeddings_and_output_weights: bool = True
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of parameters and of every tensor between stages and modules."""
-        return torch.bfloat16 if self.bf16 else torch.float32
-
-    def moe_kwargs(self, m: ModuleLayout) -> dict:
-        """The TransformerConfig fields of the language model's MoE layers on layout `m` ({} if dense)."""
-        if not self.num_experts:
-            return {}
-        return dict(
-            num_moe_experts=self.num_experts,
-            moe_router_topk=self.moe_router_topk,
-            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
-            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
-            moe_router_load_balancing_type="aux_loss" if self.moe_aux_loss_coeff > 0 else "none",
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
-            add_bias_linear=False,
-            expert_model_parallel_size=m.ep,
-            expert_tensor_parallel_size=m.expt_tp,
-        )
-
-    def language_config_kwargs(self) -> dict:
-        """The TransformerConfig fields of the language model's architecture."""
-        import torch.nn.functional as F
-
-        return dict(
-            normalization=self.normalization,
-            layernorm_epsilon=self.norm_epsilon,
-            gated_linear_unit=self.swiglu,
-            activation_func=F.silu if self.swiglu else F.gelu,
-            bias_activation_fusion=False,
-            add_bias_linear=self.add_bias_linear,
-            add_qkv_bias=self.add_qkv_bias,
-            num_query_groups=self.num_query_groups,
-            kv_channels=self.kv_channels,
-            apply_rope_fusion=False,
-        )
-
-    @classmethod
-    def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
-        """The spec a checkpoint recorded (`checkpoint.save_load.spec_record`); ValueError naming an
-        unknown field (a checkpoint of a newer model family)."""
-        import dataclasses as dc
-
-        known = {f.name for f in dc.fields(cls)}
-        unknown = sorted(set(record) - known)
-        if unknown:
-            raise ValueError(f"the checkpoint's model has fields this build does not know: {unknown}")
-        enc_known = {f.name for f in dc.fields(EncoderSpec)}
-        out_known = {f.name for f in dc.fields(OutputSpec)}
-        d = dict(record)
-        for name, e in d.get("encoders", {}).items():
-            if set(e) - enc_known:
-                raise ValueError(f"the checkpoint's encoder {name} has unknown fields {sorted(set(e) - enc_known)}")
-        d["encoders"] = {n: EncoderSpec(**e) for n, e in d.get("encoders", {}).items()}
-        d["outputs"] = {
-            n: OutputSpec(**{k: v for k, v in o.items() if k in out_known}) for n, o in d.get("outputs", {}).items()
-        }
-        return cls(**d, seed=seed)
-
-    def data_config(self) -> DataConfig:
-        return DataConfig(
-            seq_length=self.seq_length,
-            vocab_size=self.vocab_size,
-            encoders={n: EncoderInput(e.tokens, e.feature_dim, e.offset) for n, e in self.encoders.items()},
-            seed=self.seed,
-        )
+def data_config(spec: LlavaSpec) -> DataConfig:
+    """The synthetic data's shape of the model: its text, and each encoder's tokens and features."""
+    return DataConfig(
+        seq_length=spec.seq_length,
+        vocab_size=spec.vocab_size,
+        encoders={n: EncoderInput(e.tokens, e.feature_dim, e.offset) for n, e in spec.encoders.items()},
+        seed=spec.seed,
+    )
 
 
 def transformer_config(
@@ -404,8 +323,8 @@ class LanguageModule(torch.nn.Module):
         pp_rank = pgs.pp.rank()
         self.first_stage = first_segment and pp_rank == 0
         self.last_stage = last_segment and pp_rank == m.pp - 1
-        arch = spec.language_config_kwargs()
-        arch.update(spec.moe_kwargs(m))
+        arch = language_config_kwargs(spec)
+        arch.update(moe_kwargs(spec, m))
         config = transformer_config(
             num_layers=n_layers,
             hidden=spec.hidden_size,

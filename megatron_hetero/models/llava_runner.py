@@ -24,7 +24,7 @@ import torch
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.models import data as data_mod
-from megatron_hetero.models.llava import LlavaSpec, OutputSpec
+from megatron_hetero.models.llava import LlavaSpec, OutputSpec, data_config, dtype_of
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
@@ -38,7 +38,7 @@ class LlavaStageRunner(StageRunner):
 
     def __init__(self, spec: LlavaSpec, plan: RankPlan, states: dict[str, ModuleState]) -> None:
         self.spec, self.plan, self.states = spec, plan, states
-        self.dcfg = spec.data_config()
+        self.dcfg = data_config(spec)
         self._loss_tokens = data_mod.loss_tokens_per_sample(self.dcfg) * plan.global_batch
         self.device = get_device()
         self._aux = torch.zeros((), dtype=torch.float64)
@@ -88,19 +88,19 @@ class LlavaStageRunner(StageRunner):
                 hidden=spec.hidden_size,
                 dst_seq=spec.seq_length,
                 dst_offset=enc.offset,
-                dtype=spec.dtype,
+                dtype=dtype_of(spec),
             )
         if edge.dst in spec.outputs:
             start, end = self.output_span()
-            return EdgeTensor(seq=end - start, hidden=spec.hidden_size, dtype=spec.dtype)
-        return EdgeTensor(seq=spec.seq_length, hidden=spec.hidden_size, dtype=spec.dtype)
+            return EdgeTensor(seq=end - start, hidden=spec.hidden_size, dtype=dtype_of(spec))
+        return EdgeTensor(seq=spec.seq_length, hidden=spec.hidden_size, dtype=dtype_of(spec))
 
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
         spec = self.spec
         if module in spec.encoders:
             enc = spec.encoders[module]
-            return (enc.tokens, rows, enc.hidden_size), spec.dtype
-        return (spec.seq_length // self.plan.modules[module].cp, rows, spec.hidden_size), spec.dtype
+            return (enc.tokens, rows, enc.hidden_size), dtype_of(spec)
+        return (spec.seq_length // self.plan.modules[module].cp, rows, spec.hidden_size), dtype_of(spec)
 
     def model(self, module: str) -> torch.nn.Module:
         return self.states[module].model
@@ -127,7 +127,7 @@ class LlavaStageRunner(StageRunner):
     def _encoder(self, module: str, samples: range, stage_input: Optional[torch.Tensor]) -> torch.Tensor:
         x = stage_input
         if x is None:  # the first stage reads this rank's features
-            x = self.batch(samples)["features"][module].to(self.device, self.spec.dtype)
+            x = self.batch(samples)["features"][module].to(self.device, dtype_of(self.spec))
         return self.states[module].model(x)
 
     def _language(

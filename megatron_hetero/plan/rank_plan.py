@@ -11,7 +11,7 @@ from typing import Optional
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.batch import MicroBatching, check_divides, micro_batching
 from megatron_hetero.plan.colocated import ColocatedTable, colocated_tables, stage_peer
-from megatron_hetero.plan.placement import Coord, coord_of
+from megatron_hetero.plan.placement import Coord, coord_of, stage_ranks
 from megatron_hetero.plan.roles import Roles, roles as layout_roles
 from megatron_hetero.plan.schedule import StageTable, rank_tables
 
@@ -57,6 +57,10 @@ class RankPlan:
 
     def serves(self, module: str) -> bool:
         return module in self.modules
+
+    def stage_ranks(self, module: str, pp: int) -> list[int]:
+        """The global ranks of pipeline stage `pp` of `module` (any module of the layout)."""
+        return stage_ranks(self.layout.module(module), pp)
 
 
 def step_micro_batching(

@@ -134,8 +134,9 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
     from megatron_hetero.compat.device import get_device, synchronize
     from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
     from megatron_hetero.layout.validate import resolve_layout
-    from megatron_hetero.models.llava import EncoderModule, EncoderSpec, LanguageModule, LlavaSpec
-    from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
+    from megatron_hetero.models.llava import EncoderModule, EncoderSpec, LanguageModule, LlavaSpec, data_config
+    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.runtime.module_state import ModuleState
     from megatron_hetero.runtime.topology import Topology
     from megatron_hetero.models import data as data_mod
 
@@ -167,7 +168,7 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
                         encoders={},
                     )
                     module = LanguageModule(name, spec, m, pgs, first_segment=True, last_segment=True).to(device)
-                    dcfg = spec.data_config()
+                    dcfg = data_config(spec)
                 else:
                     enc = EncoderSpec(
                         num_layers=1,

@@ -1,10 +1,12 @@
-"""The runtime's own settings (not the model's, not the plan's)."""
+"""The runtime's own settings (not the model's, not the plan's): the waits' timeout and tracer, and the
+optimizer settings every module's optimizer is built with. Pure: no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
+from megatron_hetero.layout.flags import flag_field
 from megatron_hetero.runtime.trace import NULL_TRACER, AnyTracer
 
 
@@ -16,3 +18,35 @@ class RuntimeConfig:
 
     comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S
     tracer: AnyTracer = field(default=NULL_TRACER, compare=False)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Megatron optimizer settings shared by all modules (Megatron flag names; `train`'s flags are
+    generated from the fields, `layout.flags`)."""
+
+    optimizer: str = flag_field("adam", group="training", choices=["adam", "sgd"])
+    lr: float = flag_field(1e-3, group="training")
+    weight_decay: float = flag_field(0.0, group="training")
+    adam_beta1: float = flag_field(0.9, group="training")
+    adam_beta2: float = flag_field(0.999, group="training")
+    adam_eps: float = flag_field(1e-8, group="training")
+    clip_grad: float = flag_field(0.0, group="training")
+    # bf16 parameters: Megatron's mixed-precision optimizer with fp32 main weights (--bf16 sets the
+    # model's precision too: `planner.model.LlavaSpec.bf16`)
+    bf16: bool = flag_field(
+        False,
+        "bf16 parameters and compute, fp32 main weights in the optimizer (Megatron's mixed precision)",
+        group="training",
+    )
+    # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it
+    # from its --min-lr: `training.lr_schedule.LRSchedule.min_lr`)
+    min_lr: float = 0.0
+
+    def validate(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if self.clip_grad < 0:
+            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")

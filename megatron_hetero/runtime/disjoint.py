@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
-from megatron_hetero.plan.placement import stage_ranks
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable
 from megatron_hetero.runtime.boundary import Boundary, Phase
@@ -222,7 +221,7 @@ class DisjointSchedule:
         if lk not in self.boundaries:
             return [self.next_rank if a.stage == lk.src else self.prev_rank]
         other = lk.dst if a.stage == lk.src else lk.src
-        return stage_ranks(self.layout.module(other.module), other.pp)
+        return self.plan.stage_ranks(other.module, other.pp)
 
     def _exchange(self, actions: tuple) -> None:
         """Post one batch of sends and receives at once, wait for all of it, then finish each."""

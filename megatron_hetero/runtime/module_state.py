@@ -8,7 +8,6 @@ no gradient buffer and no optimizer state, and its step is a no-op.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,31 +16,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.compat.fixes import param_groups_gathered_over
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Megatron optimizer settings shared by all modules (Megatron flag names)."""
-
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 0.0
-    bf16: bool = False  # bf16 parameters: Megatron's mixed-precision optimizer with fp32 main weights
-    min_lr: float = (
-        0.0  # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it)
-    )
-
-    def validate(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if self.clip_grad < 0:
-            raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+from megatron_hetero.runtime.config import OptimConfig
 
 
 class ModuleState:

@@ -1,65 +1,87 @@
-"""Megatron-LM's architecture flags (`cli.arch_flags`) applied to a `LlavaSpec`; ValueError for
-contradictory flags. Pure: no torch."""
+"""Megatron-LM's architecture flags for the model family (`train`), declared once (`ArchFlags`: the
+flags `cli.arch_flags` generates), and applied to a `LlavaSpec`; ValueError for contradictory
+flags. Every flag defaults to None (unset): the model keeps its description's defaults
+(`planner.model.LlavaSpec`, the tiny GPT). Pure: no torch."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
-# the argparse dests of `cli.arch_flags`
-ARCH_DESTS = (
+from megatron_hetero.layout.flags import flag_field, flags_of, values
+
+
+def _arch(help: Optional[str] = None, **kw: Any) -> Any:
+    return flag_field(None, help, group="arch", given=True, **kw)
+
+
+@dataclass(frozen=True)
+class ArchFlags:
+    """Megatron-LM's architecture flags (its names and meanings); None: not given."""
+
+    normalization: Optional[str] = _arch(choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: Optional[float] = _arch()
+    swiglu: Optional[bool] = _arch("gated SiLU MLP (Llama/Qwen2)")
+    position_embedding_type: Optional[str] = _arch(choices=["learned_absolute", "rope"])
+    rotary_base: Optional[float] = _arch()
+    group_query_attention: Optional[bool] = _arch()
+    num_query_groups: Optional[int] = _arch()
+    kv_channels: Optional[int] = _arch("attention head dimension (default hidden/heads)")
+    add_qkv_bias: Optional[bool] = _arch("QKV bias (Qwen2)")
+    disable_bias_linear: Optional[bool] = _arch()
+    share_embeddings_and_output_weights: Optional[bool] = _arch("tie the output layer to the input embeddings")
+    untie_embeddings_and_output_weights: Optional[bool] = _arch("untied (the default here)")
+    vision_model_type: Optional[str] = _arch(
+        "clip: Megatron's CLIPViTModel for every encoder (needs --patch-dim)", choices=["linear", "clip"]
+    )
+    patch_dim: Optional[int] = _arch("CLIP patch side (features per token: 3 * patch**2)")
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ArchFlags":
+        """The flags of a namespace parsed by a parser with them (`cli.arch_flags.add_arch_flags`)."""
+        return cls(**values(cls, args))
+
+    def given(self) -> bool:
+        return any(getattr(self, f.name) is not None for f in flags_of(ArchFlags))
+
+
+# the spec's language-model fields that take the flag of their own name
+_SAME_NAME = (
     "normalization",
     "norm_epsilon",
     "swiglu",
     "position_embedding_type",
     "rotary_base",
-    "group_query_attention",
     "num_query_groups",
     "kv_channels",
     "add_qkv_bias",
-    "disable_bias_linear",
-    "share_embeddings_and_output_weights",
-    "untie_embeddings_and_output_weights",
-    "vision_model_type",
-    "patch_dim",
 )
 
 
 def arch_flags_given(args: Any) -> bool:
-    return any(getattr(args, n, None) is not None for n in ARCH_DESTS)
+    return ArchFlags.from_args(args).given()
 
 
 def apply_arch_args(args: Any, spec):
-    """`spec` with the language-model and encoder architecture the flags in `args` set."""
-    g = {n: getattr(args, n, None) for n in ARCH_DESTS}
-    if g["share_embeddings_and_output_weights"] and g["untie_embeddings_and_output_weights"]:
+    """`spec` with the language-model and encoder architecture the flags in `args` set (and
+    --encoder-feature-dim, None when not given, checked against a CLIP encoder's)."""
+    g = ArchFlags.from_args(args)
+    if g.share_embeddings_and_output_weights and g.untie_embeddings_and_output_weights:
         raise ValueError("--share-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict")
-    if g["group_query_attention"] and g["num_query_groups"] is None:
+    if g.group_query_attention and g.num_query_groups is None:
         raise ValueError("--group-query-attention needs --num-query-groups N")
-    lm = {
-        k: g[k]
-        for k in (
-            "normalization",
-            "norm_epsilon",
-            "swiglu",
-            "position_embedding_type",
-            "rotary_base",
-            "num_query_groups",
-            "kv_channels",
-            "add_qkv_bias",
-        )
-        if g[k] is not None
-    }
-    if g["disable_bias_linear"]:
+    lm = {k: getattr(g, k) for k in _SAME_NAME if getattr(g, k) is not None}
+    if g.disable_bias_linear:
         lm["add_bias_linear"] = False
-    if g["share_embeddings_and_output_weights"]:
+    if g.share_embeddings_and_output_weights:
         lm["untie_embeddings_and_output_weights"] = False
     spec = dataclasses.replace(spec, **lm)
-    if g["vision_model_type"] == "clip":
-        if not g["patch_dim"] or g["patch_dim"] < 1:
+    if g.vision_model_type == "clip":
+        if not g.patch_dim or g.patch_dim < 1:
             raise ValueError("--vision-model-type clip needs --patch-dim P (>= 1)")
-        p = g["patch_dim"]
-        if getattr(args, "encoder_feature_dim", None) not in (None, 3 * p * p):
+        p = g.patch_dim
+        if args.encoder_feature_dim not in (None, 3 * p * p):
             raise ValueError(
                 f"--encoder-feature-dim {args.encoder_feature_dim}: a CLIP encoder's features are "
                 f"3 * --patch-dim**2 = {3 * p * p}"
@@ -71,6 +93,6 @@ def apply_arch_args(args: Any, spec):
                 for n, e in spec.encoders.items()
             },
         )
-    elif g["patch_dim"] is not None:
+    elif g.patch_dim is not None:
         raise ValueError("--patch-dim applies to --vision-model-type clip")
     return spec

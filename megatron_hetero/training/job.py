@@ -1,11 +1,13 @@
 """A training job from `train`'s flags, and the local run of it on forked ranks.
 
-`job_from_args` maps Megatron-style flag values (an argparse namespace, or any object with those
-attribute names) and a layout to the `training.setup.JobConfig` the trainer runs: which modules are
-encoders (every module except the language module(s): the sink of the module graph, or the modules
-that declare `layers`, i.e. pipeline segments), each encoder with the `--encoder-*` sizes and its
-placeholder span in the text following the previous one from position 1. `run_local` launches
-`training.trainer.train_rank` on one forked rank per layout rank and merges their records.
+`job_from_args` maps the flag values of `train`'s parser (an argparse namespace; the flags are
+generated from the fields of `training.config.JobConfig` and the sections it nests, so every one is
+there with its field's default) and a layout to the `training.config.JobConfig` the trainer runs:
+which modules are encoders (every module except the language module(s): the sink of the module
+graph, or the modules that declare `layers`, i.e. pipeline segments), each encoder with the
+`--encoder-*` sizes and its placeholder span in the text following the previous one from position 1
+(`planner.model.spec_from_flags`). `run_local` launches `training.trainer.train_rank` on one forked
+rank per layout rank and merges their records.
 `recorded_spec`: `train --load DIR` without model-size flags builds the model the checkpoint
 records (its `spec_record`), so a converted Llama/Qwen2 + CLIP model needs no flags repeated.
 Importing this module does not import torch.
@@ -16,13 +18,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.plan.roles import language_layers, language_modules, roles
-from megatron_hetero.training.model_args import DEFAULT_NUM_LAYERS, ModelArgs
-
-
-def default_num_layers(layout: HeteroLayout) -> int:
-    """What the language segments' `layers` cover, else DEFAULT_NUM_LAYERS."""
-    return language_layers(layout, DEFAULT_NUM_LAYERS)
+from megatron_hetero.plan.roles import language_modules
+from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec, sizes_given, spec_from_flags
+from megatron_hetero.training.config import JobConfig
 
 
 def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
@@ -39,109 +37,70 @@ def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
     return 1  # nothing fits: validation explains why with the arithmetic
 
 
-def resolve_model(model: ModelArgs, layout: HeteroLayout) -> ModelArgs:
-    """`model` with the layout-dependent defaults filled in (num_layers, micro_batch_size)."""
-    import dataclasses
+def batch_from_args(args: Any, layout: HeteroLayout) -> tuple[int, int]:
+    """(global batch size, micro-batch size) of the batch flags in `args` on `layout`: a flag not
+    given takes JobConfig's default, the micro-batch size the layout's (`default_micro_batch_size`)."""
+    from megatron_hetero.layout.flags import flags_of, given, value
 
-    if model.num_layers is None:
-        model = dataclasses.replace(model, num_layers=default_num_layers(layout))
-    if model.micro_batch_size is None:
-        model = dataclasses.replace(model, micro_batch_size=default_micro_batch_size(layout, model.global_batch_size))
-    return model
-
-
-def llava_spec(model: ModelArgs, layout: HeteroLayout, seed: int = 1234, moe: Optional[dict] = None):
-    """The `models.llava.LlavaSpec` of `model` on `layout` (one encoder spec per module before the
-    language model, one output head per module after it; `moe`: Megatron's MoE flags by dest name)."""
-    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, OutputSpec
-
-    model.validate()
-    who = roles(layout)
-    langs = list(who.language)
-    encoders, offset = {}, 1
-    for m in layout.modules:
-        if m.name in langs or m.name in who.outputs:
-            continue
-        encoders[m.name] = EncoderSpec(
-            num_layers=model.encoder_num_layers,
-            hidden_size=model.encoder_hidden_size,
-            num_attention_heads=model.encoder_num_attention_heads,
-            tokens=model.encoder_tokens,
-            feature_dim=model.encoder_feature_dim,
-            offset=offset,
-        )
-        offset += model.encoder_tokens
-    layers = default_num_layers(layout) if model.num_layers is None else model.num_layers
-    # Output heads read the last positions of the text, each the 4 before the previous one's.
-    outputs = {n: OutputSpec(tokens=4, offset=model.seq_length - 4 * (k + 1)) for k, n in enumerate(who.outputs)}
-    moe = {k: v for k, v in (moe or {}).items() if v is not None}
-    return LlavaSpec(
-        num_layers=layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        ffn_hidden_size=model.ffn_hidden_size,
-        vocab_size=model.vocab_size,
-        seq_length=model.seq_length,
-        encoders=encoders,
-        seed=seed,
-        outputs=outputs,
-        **moe,
-    )
-
-
-SIZE_FLAGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "seq_length",
-    "vocab_size",
-    "encoder_num_layers",
-    "encoder_hidden_size",
-    "encoder_num_attention_heads",
-    "encoder_tokens",
-    "encoder_feature_dim",
-    "num_experts",
-)
+    gbs, mbs = flags_of(JobConfig, ("global_batch_size", "micro_batch_size"))
+    g = value(args, gbs)
+    return g, value(args, mbs) if given(args, mbs) else default_micro_batch_size(layout, g)
 
 
 def recorded_spec(args: Any, spec):
-    """`spec`, or, when `args.load` names a checkpoint and no model-size flag was given, the model
-    that checkpoint records (with this job's seed and bf16 choice)."""
+    """`spec`, or, when `args.load` names a checkpoint and no model-size or architecture flag was
+    given, the model that checkpoint records (with this job's seed and bf16 choice)."""
     import dataclasses
 
-    load = getattr(args, "load", None)
     from megatron_hetero.training.arch_args import arch_flags_given
 
-    if not load or any(getattr(args, n, None) is not None for n in SIZE_FLAGS) or arch_flags_given(args):
+    if not args.load or sizes_given(args) or arch_flags_given(args):
         return spec
     from megatron_hetero.checkpoint.save_load import read_train_state
-    from megatron_hetero.models.llava import LlavaSpec
 
-    record = read_train_state(load)[1].get("model")
+    record = read_train_state(args.load)[1].get("model")
     if not isinstance(record, dict):
         return spec
     return dataclasses.replace(LlavaSpec.from_record(record, seed=spec.seed), bf16=spec.bf16)
 
 
-def job_from_args(args: Any, layout: HeteroLayout):
-    """The `JobConfig` of `train`'s flags (Megatron names: the model sizes of `ModelArgs`, and
-    --train-iters --seed --optimizer --lr --weight-decay --clip-grad --adam-beta1/2 --adam-eps
-    --lr-warmup-iters --lr-decay-style --lr-decay-iters --min-lr --save --save-interval --load --load-fallback
-    --override-opt-param-scheduler --log-interval --eval-interval --eval-iters --hetero-offload-encoder --hetero-comm-timeout
-    --exit-signal-handler; and
-    `progress`, set by the CLI when stdout is a terminal) on `layout`. ValueError for invalid sizes."""
-    from megatron_hetero.runtime.module_state import OptimConfig
-    from megatron_hetero.training.setup import JobConfig
+# JobConfig's fields that take the value of their train flag as it is
+_JOB_FLAGS = (
+    "train_iters",
+    "save",
+    "save_interval",
+    "load",
+    "load_fallback",
+    "override_opt_param_scheduler",
+    "log_interval",
+    "eval_interval",
+    "eval_iters",
+    "exit_signal_handler",
+)
 
-    model = resolve_model(ModelArgs.from_namespace(args), layout)
-    moe = {
-        k: getattr(args, k, None)
-        for k in ("num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_ffn_hidden_size")
-    }
-    spec = llava_spec(model, layout, seed=args.seed, moe=moe)
+
+def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
+    """The `JobConfig` of `train`'s flags on `layout`. `args`: a namespace of train's parser (every
+    flag it declares is there, with the default of the field that declares it: `cli.train`): the
+    model (the sizes: `planner.model.spec_from_flags`; --seed and the MoE flags: LlavaSpec's fields;
+    the architecture: `training.arch_args`; --load without size or architecture flags: the model the
+    checkpoint records; the data: `models.caption_runner.caption_job_data`), the batch
+    (`batch_from_args`), the optimizer (OptimConfig's flags; --bf16 also sets the model's
+    precision), the schedule (LRSchedule's), the layout's runtime flags (--hetero-offload-encoder,
+    --hetero-comm-timeout) and JobConfig's own. `progress` stays False (the CLI sets it when stdout is
+    a terminal). ValueError for invalid sizes."""
+    import dataclasses
+
+    from megatron_hetero.layout.flags import values
+    from megatron_hetero.models.caption_runner import caption_job_data
+    from megatron_hetero.runtime.config import OptimConfig
     from megatron_hetero.training.arch_args import apply_arch_args
+    from megatron_hetero.training.lr_schedule import LRSchedule
 
+    global_batch_size, micro_batch_size = batch_from_args(args, layout)
+    spec = spec_from_flags(args, layout)  # the sizes; then the seed and Megatron's MoE flags
+    moe = {k: v for k, v in values(LlavaSpec, args, MOE_FLAGS).items() if v is not None}
+    spec = dataclasses.replace(spec, **values(LlavaSpec, args, ["seed"]), **moe)
     spec = apply_arch_args(args, spec)  # Megatron-LM's architecture flags (RMSNorm, swiglu, rope, CLIP, ...)
     recorded = recorded_spec(args, spec)  # --load without model flags: the model the checkpoint records
     if recorded is not spec:  # the data keeps the recorded vocabulary (a pretrained LM's)
@@ -150,53 +109,22 @@ def job_from_args(args: Any, layout: HeteroLayout):
         args = copy.copy(args)
         args.vocab_size = recorded.vocab_size
     spec = recorded
-    from megatron_hetero.models.caption_runner import caption_job_data
-
     spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
-    bf16 = bool(getattr(args, "bf16", False))
-    if bf16:
-        import dataclasses
-
+    optim = OptimConfig(**values(OptimConfig, args))
+    if optim.bf16:
         spec = dataclasses.replace(spec, bf16=True)
-    from megatron_hetero.training.lr_schedule import LRSchedule
-
-    optim = OptimConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=bf16,
-    )
-    schedule = LRSchedule(
-        lr_warmup_iters=getattr(args, "lr_warmup_iters", 0),
-        lr_decay_style=getattr(args, "lr_decay_style", "constant"),
-        lr_decay_iters=getattr(args, "lr_decay_iters", None),
-        min_lr=getattr(args, "min_lr", 0.0),
-    )
+    job = values(JobConfig, args, _JOB_FLAGS)
     return JobConfig(
         spec=spec,
-        global_batch_size=model.global_batch_size,
-        micro_batch_size=model.micro_batch_size,
-        train_iters=args.train_iters,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
         optim=optim,
+        schedule=LRSchedule(**values(LRSchedule, args)),
         offload_encoder=args.hetero_offload_encoder,
         comm_timeout_s=args.hetero_comm_timeout,
-        schedule=schedule,
-        save=getattr(args, "save", None),
-        save_interval=getattr(args, "save_interval", None) or 0,
-        load=getattr(args, "load", None),
-        load_fallback=bool(getattr(args, "load_fallback", False)),
-        override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False),
-        log_interval=getattr(args, "log_interval", 1),
-        progress=getattr(args, "progress", False),
         data=data,
-        eval_interval=getattr(args, "eval_interval", None) or 0,
-        eval_iters=getattr(args, "eval_iters", None),
-        exit_signal_handler=bool(getattr(args, "exit_signal_handler", False)),
-        trace=_trace_path(getattr(args, "trace", None)),
+        trace=_trace_path(args.trace),
+        **job,
     )
 
 

@@ -17,17 +17,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_hetero.layout.flags import flag_field
+
 DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """Megatron's learning-rate schedule flags (iterations)."""
+    """Megatron's learning-rate schedule flags (iterations; `train`'s flags are generated from the
+    fields, `layout.flags`)."""
 
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_iters: Optional[int] = None  # None: --train-iters
-    min_lr: float = 0.0
+    lr_warmup_iters: int = flag_field(0, "linear warm-up from 0 to --lr over these iterations", group="training")
+    lr_decay_style: str = flag_field("constant", group="training", choices=list(DECAY_STYLES))
+    lr_decay_iters: Optional[int] = flag_field(
+        None, "iterations to decay over (default: --train-iters)", group="training"
+    )
+    min_lr: float = flag_field(0.0, "the rate a decay ends at", group="training")
 
     def decay_iters(self, train_iters: int) -> int:
         return self.lr_decay_iters if self.lr_decay_iters is not None else train_iters

@@ -6,69 +6,21 @@ batch configuration is rejected with a ValueError in the launching process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
-
 import torch
 
-from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava import (
     EncoderModule,
     LanguageModule,
     LlavaSpec,
     OutputModule,
+    data_config,
     language_modules,
     validate_model,
 )
-from megatron_hetero.plan.rank_plan import rank_plans
-from megatron_hetero.runtime.config import RuntimeConfig
-from megatron_hetero.runtime.module_state import ModuleState, OptimConfig
-from megatron_hetero.training.lr_schedule import LRSchedule
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """What a training job needs besides the layout (Megatron flag names)."""
-
-    spec: LlavaSpec = field(default_factory=LlavaSpec)
-    global_batch_size: int = 8
-    micro_batch_size: int = 1
-    train_iters: int = 5
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    offload_encoder: bool = False
-    comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S
-    schedule: LRSchedule = field(default_factory=LRSchedule)
-    # checkpoints (Megatron's flags): save every save_interval iterations and at the end into `save`;
-    # resume from the latest checkpoint under `load`
-    save: Optional[str] = None
-    save_interval: int = 0
-    load: Optional[str] = None
-    load_fallback: bool = False  # an incomplete/damaged newest save: resume from the one before (else exit 2)
-    override_opt_param_scheduler: bool = False
-    # iteration lines: every log_interval iterations on global rank 0 (0: none; the CLI sets 1),
-    # and a carriage-return progress line in between when `progress` (stdout is a terminal)
-    log_interval: int = 0
-    progress: bool = False
-    # real image-caption data (models.energon_data.CaptionDataConfig); None: the synthetic data
-    data: Optional[Any] = None
-    # held-out evaluation every eval_interval iterations and after the last (0: none), over eval_iters
-    # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)
-    eval_interval: int = 0
-    eval_iters: Optional[int] = None
-    # --exit-signal-handler (Megatron-LM's flag): SIGTERM stops every rank after the same step, saves
-    # (with --save) and returns normally (training/signals.py)
-    exit_signal_handler: bool = False
-    # --trace FILE: every rank records its spans, global rank 0 writes the merged trace there
-    trace: Optional[str] = None
-
-    def runtime_config(self, rank: int = 0) -> RuntimeConfig:
-        """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
-        from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
-
-        return RuntimeConfig(
-            comm_timeout_s=self.comm_timeout_s, tracer=Tracer(rank, self.trace) if self.trace else NULL_TRACER
-        )
+from megatron_hetero.plan.rank_plan import RankPlan, rank_plans
+from megatron_hetero.runtime.module_state import ModuleState
+from megatron_hetero.training.config import JobConfig
 
 
 def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
@@ -95,7 +47,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         raise ValueError(f"--eval-iters must be a positive integer, got {job.eval_iters!r}")
     if job.eval_iters is not None and not job.eval_interval:
         raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
-    spec.data_config().validate()
+    data_config(spec).validate()
     for name in ("global_batch_size", "micro_batch_size", "train_iters"):
         v = getattr(job, name)
         if not isinstance(v, int) or v < 1:
@@ -197,14 +149,15 @@ def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch
     return mod.to(get_device())
 
 
-def build_states(layout: HeteroLayout, job: JobConfig, topo) -> dict[str, ModuleState]:
-    """Every module this rank serves, wrapped with DDP and its optimizer (none if frozen)."""
+def build_states(plan: RankPlan, job: JobConfig, topo) -> dict[str, ModuleState]:
+    """Every module this rank serves (its plan's), wrapped with DDP and its optimizer (none if frozen),
+    on the module's groups of `topo`."""
     import dataclasses
 
     optim = dataclasses.replace(job.optim, min_lr=job.schedule.min_lr)  # the param groups' floor (the scheduler's)
     states = {}
-    for m in layout.modules:
-        if topo.serves(m.name):
+    for m in plan.layout.modules:
+        if plan.serves(m.name):
             pgs = topo.pg_collection(m.name)
-            states[m.name] = ModuleState(m.name, build_module(m.name, layout, job.spec, pgs), pgs, optim)
+            states[m.name] = ModuleState(m.name, build_module(m.name, plan.layout, job.spec, pgs), pgs, optim)
     return states

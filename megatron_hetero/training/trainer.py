@@ -40,9 +40,7 @@ def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
     return schedule_for(plan, job.runtime_config(plan.rank), topo, states, runner)
 
 
-def module_stats(
-    layout: HeteroLayout, states: dict, rank: int
-) -> tuple[Optional[float], dict[str, float], Optional[float]]:
+def module_stats(plan: RankPlan, states: dict) -> tuple[Optional[float], dict[str, float], Optional[float]]:
     """(whole-model grad norm, per-module grad norms, learning rate) of the last step, the same on
     every rank: one all-reduce of each module's squared norm and rate, contributed by one rank of
     the module (TP 0, DP·CP 0, last pipeline stage: the one stage sure to hold an optimizer)."""
@@ -51,7 +49,7 @@ def module_stats(
     from megatron_hetero.compat.device import get_device
     from megatron_hetero.runtime.step import run_collective
 
-    names = layout.names
+    names, rank = plan.layout.names, plan.rank
     vec = torch.zeros(3 * len(names), dtype=torch.float64, device=get_device())
     for i, n in enumerate(names):
         s = states.get(n)
@@ -139,11 +137,11 @@ def train_rank(
     from megatron_hetero.training.lr_schedule import build_scheduler
 
     prepare_rank(job)
-    stop = ExitSignal(getattr(job, "exit_signal_handler", False)).install()  # SIGTERM sets a flag (signals.py)
+    stop = ExitSignal(job.exit_signal_handler).install()  # SIGTERM sets a flag (signals.py)
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        states = build_states(layout, job, topo)
+        states = build_states(plan, job, topo)
         schedulers = {
             n: build_scheduler(
                 s.optimizer,
@@ -185,7 +183,7 @@ def train_rank(
             for sch in schedulers.values():
                 sch.step(increment=1)
             dt = time.perf_counter() - t0
-            grad_norm, per_module, lr = module_stats(layout, states, topo.rank)
+            grad_norm, per_module, lr = module_stats(plan, states)
             rec = {
                 "iteration": it + 1,
                 "loss": res.loss,

@@ -147,10 +147,10 @@ def test_profile_json_with_extra_terms_round_trips(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------
 def test_shared_profile_step_is_work_or_uncontended_critical_path() -> None:
     model = B.BenchModel()
-    wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    wl = B.workload(model.spec, model.global_batch_size, model.micro_batch_size)
     shared, own = _synthetic(True), _synthetic(False)
     for w, doc in B.CONFIGS:
-        cand = B.candidate_for(B.resolve(doc, w), model.spec())
+        cand = B.candidate_for(B.resolve(doc, w), model.spec)
         a, b = C.evaluate(cand, wl, shared), C.evaluate(cand, wl, own)
         parts = a.compute + a.tp_comm + a.cp_comm + a.pp_comm + a.dp_comm + a.boundary + a.offload + a.optimizer
         assert a.bubble >= -1e-12 and parts + a.bubble == pytest.approx(a.total, rel=1e-12)
@@ -192,7 +192,7 @@ def test_shared_step_from_the_runnable_ranks() -> None:
 
 def test_overheads_land_where_the_runtime_does_the_work() -> None:
     prof, model = _synthetic(False), B.BenchModel()
-    wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    wl = B.workload(model.spec, model.global_batch_size, model.micro_batch_size)
     bare = HW.Profile(
         prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth, prof.collectives, "bare"
     )
@@ -225,8 +225,8 @@ def test_overheads_land_where_the_runtime_does_the_work() -> None:
 # ------------------------------------------------------------------------------------------
 def test_workload_and_candidate_mapping_is_consistent() -> None:
     model = B.BenchModel()
-    spec = model.spec()
-    wl = B.workload_for(spec, model.global_batch_size, model.micro_batch_size)
+    spec = model.spec
+    wl = B.workload(spec, model.global_batch_size, model.micro_batch_size)
     assert (wl.llm.num_layers, wl.llm.hidden, wl.llm.heads, wl.llm.seq, wl.llm.vocab) == (4, 64, 4, 32, 128)
     assert (wl.encoder.num_layers, wl.encoder.hidden, wl.encoder.seq, wl.encoder.kind) == (2, 32, 8, "encoder")
     assert wl.llm.ffn_hidden == 4 * 64 and wl.dtype_bytes == 4 and not wl.distributed_optimizer
@@ -237,7 +237,7 @@ def test_workload_and_candidate_mapping_is_consistent() -> None:
         cand = B.candidate_for(lay, spec)
         kinds.add(B.kind_of(lay, spec))
         assert cand.world_size == w == lay.world_size
-        wl_c = B.workload_for(spec, model.global_batch_size, B.cost_micro_batch(lay, spec, model.micro_batch_size))
+        wl_c = B.workload(spec, model.global_batch_size, B.cost_micro_batch(lay, spec, model.micro_batch_size))
         # the cost model's micro-batch count is the runtime's: G / (dp of the first language module * mbs)
         assert W.check_candidate(cand, wl_c) == model.global_batch_size // (model.micro_batch_size * cand.llm[0].dp)
         assert S.train_micro_batch_size(cand, wl_c) == model.micro_batch_size
@@ -276,8 +276,8 @@ def _runtime_accepts(layout, job) -> None:
 @pytest.mark.parametrize("world", [4, 6, 8])
 def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
     model = B.BenchModel(global_batch_size=24 if world == 6 else 16)
-    spec = model.spec()
-    wl = B.workload_for(spec, model.global_batch_size, model.micro_batch_size)
+    spec = model.spec
+    wl = B.workload(spec, model.global_batch_size, model.micro_batch_size)
     space = B.runtime_space(world, model)
     cands = [c for _, c in R.brute_force(wl, _synthetic(True), world, float("inf"), space)]
     assert {c.placement for c in cands} == {"colocated", "disjoint"}
@@ -345,7 +345,7 @@ def test_runtime_space_vectorized_search_equals_brute_force(world, prune) -> Non
 @pytest.mark.parametrize("shared", [False, True])
 def test_search_equals_brute_force_on_measured_style_profiles(shared) -> None:
     model = B.BenchModel()
-    wl = B.workload_for(model.spec(), model.global_batch_size, model.micro_batch_size)
+    wl = B.workload(model.spec, model.global_batch_size, model.micro_batch_size)
     prof = _synthetic(shared)
     space = B.runtime_space(8, model)
     res = S.search(wl, prof, 8, float("inf"), space, top=5)

@@ -15,7 +15,7 @@ from megatron_hetero import cli
 from megatron_hetero.cli import search as cli_search
 from megatron_hetero.cli.model_flags import MODEL_FLAGS
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
-from megatron_hetero.training.model_args import ModelArgs, workload
+from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, spec_from_flags, workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_every_registered_subcommand_follows_the_convention() -> None:
 def test_cli_modules_do_not_import_torch() -> None:
     code = (
         "import sys; import megatron_hetero.cli as c; c.build_parser(); "
-        "import megatron_hetero.cli.search, megatron_hetero.training.model_args, "
+        "import megatron_hetero.cli.search, megatron_hetero.planner.model, megatron_hetero.training.config, "
         "megatron_hetero.planner.hardware_presets; "
         "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad"
     )
@@ -131,9 +131,23 @@ def test_train_and_search_share_the_model_flags() -> None:
         "--micro-batch-size",
         "2",
     ]
-    train = ModelArgs.from_namespace(parser.parse_args(["train", *argv]))
-    search = ModelArgs.from_namespace(parser.parse_args(["search", *argv]))
-    assert train == search == ModelArgs(4, 128, 8, None, 64, 256, 3, 48, 6, 16, 12, 16, 2)
+    train, search = parser.parse_args(["train", *argv]), parser.parse_args(["search", *argv])
+    want = LlavaSpec(
+        num_layers=4,
+        hidden_size=128,
+        num_attention_heads=8,
+        seq_length=64,
+        vocab_size=256,
+        encoders={
+            "vision": EncoderSpec(num_layers=3, hidden_size=48, num_attention_heads=6, tokens=16, feature_dim=12)
+        },
+    )
+    assert spec_from_flags(train) == spec_from_flags(search) == want
+    assert (
+        (train.global_batch_size, train.micro_batch_size)
+        == (search.global_batch_size, search.micro_batch_size)
+        == (16, 2)
+    )
 
 
 def test_earlier_search_flag_spellings_still_parse() -> None:
@@ -185,26 +199,28 @@ def test_earlier_search_flag_spellings_still_parse() -> None:
     assert "--llm-hidden" not in cli.build_parser()._subparsers._group_actions[0].choices["search"].format_help()
 
 
-def test_model_args_defaults_are_trains() -> None:
-    """ModelArgs (pure) repeats train's defaults (models.llava's specs); they must not drift apart."""
+def test_model_flags_default_to_the_model_description() -> None:
+    """The model flags are generated from the model's description (planner.model): with none given,
+    train builds LlavaSpec's defaults, and every flag's help names its field's default."""
     from megatron_hetero.layout import load_layout
-    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
-    from megatron_hetero.training.job import llava_spec, resolve_model
+    from megatron_hetero.layout.flags import dest, value
+    from megatron_hetero.training.config import JobConfig
+    from megatron_hetero.training.job import batch_from_args
 
     layout = load_layout(REPO / "examples/layouts/homogeneous.yaml")
-    spec = llava_spec(resolve_model(ModelArgs(), layout), layout)
-    assert spec == LlavaSpec(encoders={"vision": EncoderSpec()})
-    assert ModelArgs().global_batch_size == 8 and resolve_model(ModelArgs(), layout).micro_batch_size == 1
+    args = cli.build_parser().parse_args(["train"])
+    assert spec_from_flags(args, layout) == LlavaSpec(encoders={"vision": EncoderSpec()}) == LlavaSpec()
+    assert batch_from_args(args, layout) == (JobConfig().global_batch_size, 1) == (8, 1)
+    assert all(getattr(args, d) is None for d in MODEL_FLAGS)  # None: not given
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for f in MODEL_FLAGS.values():
+        if dest(f) not in ("ffn_hidden_size", "micro_batch_size"):  # a rule, not a number
+            assert f"(default {value(args, f)})" in help_text or f"(default: {value(args, f)}," in help_text, dest(f)
 
 
 def test_search_without_model_flags_plans_trains_model() -> None:
-    from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
-    from megatron_hetero.training.model_args import workload_for
-
     wl = cli_search.workload_from_args(_search_args("--world-size", "4", "--hardware", DEFAULT_HARDWARE))
-    assert wl == workload(ModelArgs())
-    # the mapping of a LlavaSpec onto the cost model (what the planner benchmark uses) says the same
-    assert wl == workload_for(LlavaSpec(encoders={"vision": EncoderSpec()}), 8, 1)
+    assert wl == workload(LlavaSpec(), 8, 1)
     assert (wl.llm.num_layers, wl.llm.hidden, wl.llm.seq, wl.encoder.seq, wl.global_batch) == (2, 64, 32, 8, 8)
     # model flags change train's model; --encoder/--llm choose a preset instead (as before)
     wl = cli_search.workload_from_args(_search_args("--world-size", "4", "--hidden-size", "128"))
@@ -212,7 +228,7 @@ def test_search_without_model_flags_plans_trains_model() -> None:
     # what train runs anyway may be spelled out
     assert cli_search.workload_from_args(
         _search_args("--encoder-ffn-hidden-size", "128", "--images-per-sample", "1")
-    ) == workload(ModelArgs())
+    ) == workload(LlavaSpec(), 8, 1)
     wl = cli_search.workload_from_args(_search_args("--llm", "14B"))
     assert wl.llm.hidden == 5120 and wl.llm.seq == 8192 and wl.encoder.hidden == 1536 and wl.dtype_bytes == 2
 
@@ -259,3 +275,44 @@ def test_hardware_presets_are_package_data(tmp_path, capsys) -> None:
     assert rc == 2 and "cannot read hardware spec file" in err
     rc, out, _ = _run(capsys, "search", "--regime-table", "--json")  # the default preset
     assert rc == 0 and len(json.loads(out)) == 36
+
+
+def test_flags_are_generated_from_their_fields() -> None:
+    """layout.flags: a field declares its flag once (default, help, group); the parser's default is
+    the field's (None for a `given` flag, the `cli` default where the command line's differs), and
+    `values` reads a namespace back into the dataclass."""
+    import argparse
+    import dataclasses
+    from typing import Optional
+
+    from megatron_hetero.layout.flags import add_flags, dest, flag_field, flags_of, given, values
+    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.training.config import JobConfig, train_flag_fields
+
+    @dataclasses.dataclass(frozen=True)
+    class Demo:
+        size: int = flag_field(3, "size (default {default})", group="g", given=True)
+        rate: float = flag_field(0.5, "rate", flag="--learning-rate")
+        name: Optional[str] = flag_field(None, metavar="NAME", group="g")
+        quiet: bool = flag_field(False, "no lines")
+        lines: int = flag_field(0, "lines every N", cli=1)
+        internal: int = 7
+
+    p = argparse.ArgumentParser()
+    add_flags(p, flags_of(Demo), {"g": "the group"})
+    assert [f.name for f in flags_of(Demo)] == ["size", "rate", "name", "quiet", "lines"]
+    a = p.parse_args([])
+    assert (a.size, a.learning_rate, a.name, a.quiet, a.lines) == (None, 0.5, None, False, 1)
+    assert Demo(**values(Demo, a)) == Demo(lines=1) and not given(a, flags_of(Demo, ["size"])[0])
+    a = p.parse_args(["--size", "4", "--learning-rate", "2", "--name", "x", "--quiet"])
+    assert Demo(**values(Demo, a)) == Demo(size=4, rate=2.0, name="x", quiet=True, lines=1)
+    text = p.format_help()
+    assert "size (default 3)" in text and "the group:" in text and "--learning-rate LEARNING_RATE" in text
+    # train's parser: every flag of a field has the field's default (or None: given; or its cli default)
+    args = cli.build_parser().parse_args(["train"])
+    for f in train_flag_fields():
+        meta = f.metadata["cli_flag"]
+        want = None if meta["given"] else meta.get("cli", f.default)
+        assert getattr(args, dest(f)) == want, f.name
+    assert OptimConfig(**values(OptimConfig, args)) == OptimConfig()
+    assert {f.name for f in flags_of(JobConfig)} >= {"train_iters", "save", "load", "eval_interval", "trace"}

@@ -61,7 +61,7 @@ def _caption_rank(layout, job, factory):
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        states = build_states(layout, job, topo)
+        states = build_states(plan, job, topo)
         runner = factory(plan, states)
         assert isinstance(runner, StageRunner) and isinstance(runner, CaptionStageRunner)
         schedule = make_schedule(plan, job, topo, states, runner=runner)

@@ -88,7 +88,7 @@ def _eval_rank(layout, job, factory, eval_after, keep_logits):
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        states = build_states(layout, job, topo)
+        states = build_states(plan, job, topo)
         runner = factory(plan, states)
         runner.keep_eval_logits = keep_logits
         schedule = make_schedule(plan, job, topo, states, runner=runner)

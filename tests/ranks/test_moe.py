@@ -196,6 +196,7 @@ def _gradient_groups(layout, job):
     of the language model's DDP, after one step's gradient sync."""
     import torch.distributed as dist
 
+    from megatron_hetero.plan.rank_plan import rank_plan
     from megatron_hetero.runtime.topology import Topology
     from megatron_hetero.training.setup import build_states
     from megatron_hetero.training.trainer import prepare_rank
@@ -203,7 +204,8 @@ def _gradient_groups(layout, job):
     prepare_rank(job)
     topo = Topology.build(layout)
     try:
-        states = build_states(layout, job, topo)
+        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size)
+        states = build_states(plan, job, topo)
         ddp = states["language"].ddp
         dense = {tuple(dist.get_process_group_ranks(b.data_parallel_group)) for b in ddp.buffers}
         expert = {tuple(dist.get_process_group_ranks(b.data_parallel_group)) for b in ddp.expert_parallel_buffers}

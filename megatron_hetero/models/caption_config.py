@@ -1,0 +1,109 @@
+"""Where `train`'s image-caption data comes from, as plain data (pure: no torch; the loader is
+`models.energon_data`). `CaptionDataConfig` is the resolved configuration a job carries
+(`training.config.JobConfig.data`); `DataFlags` the choice of the data source on `train`'s command
+line. The fields with a flag carry its name and help (`layout.flags`): `cli.data.add_train_data_flags`
+generates train's data flags from them, `models.caption_runner.caption_job_data` reads them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_hetero.layout.flags import flag_field, flags_of
+
+
+@dataclass(frozen=True)
+class DataFlags:
+    """Which data `train` reads: an energon captioning dataset (--data-path), or the synthetic data
+    (the default; --mock-data says so explicitly)."""
+
+    data_path: Optional[str] = flag_field(
+        None,
+        "an energon captioning dataset (image + caption), e.g. from `megatron-hetero data digits`; the "
+        "encoder's tokens/features come from its images and --patch-size, the vocabulary from the tokenizer "
+        "(default: synthetic data)",
+        group="data",
+    )
+    mock_data: bool = flag_field(False, "synthetic data (the default without --data-path)", group="data")
+
+
+@dataclass(frozen=True)
+class CaptionDataConfig:
+    """Where the caption data comes from and how a sample is shaped (see the module docstring).
+    `image_size` (H, W) and `channels` None: taken from the data by `resolve_config`."""
+
+    path: str
+    tokenizer_model: Optional[str] = flag_field(  # None: the shipped tokenizer (models/tokenizer.py)
+        None, "a Hugging Face tokenizer.json (default: the shipped byte-level BPE, no download)", group="data"
+    )
+    split: str = "train"
+    seed: int = 1234  # train: --seed
+    patch_size: int = flag_field(
+        4, "image patch size in pixels (default {default}): one encoder token per patch", group="data", given=True
+    )
+    image_size: Optional[tuple[int, int]] = None
+    channels: Optional[int] = None
+    prompt: str = flag_field(
+        "",
+        "text between the image and the caption (not in the loss; default none)",
+        flag="--data-prompt",
+        group="data",
+        given=True,
+    )
+    shuffle: bool = True
+    shuffle_buffer_size: int = 100
+    max_samples_per_sequence: int = 100
+    # --trust-dataset-code: let the dataset run the code it names (`models.dataset_trust`); `trusted`:
+    # what it names (`Finding.line()`s), printed once on rank 0
+    trust_code: bool = flag_field(
+        False,
+        "let the dataset run the code it names (energon sample_loader/part_filter Python files, "
+        "__module__/__function__ outside megatron.energon, pickle/torch.load-decoded members); without it "
+        "such a dataset is refused (exit 2) and members are decoded in webdataset's secure mode",
+        flag="--trust-dataset-code",
+        group="data",
+    )
+    trusted: tuple[str, ...] = ()
+
+    def resolved(self) -> bool:
+        return self.image_size is not None and self.channels is not None
+
+    @property
+    def image_tokens(self) -> int:
+        h, w = self._size()
+        return (h // self.patch_size) * (w // self.patch_size)
+
+    @property
+    def feature_dim(self) -> int:
+        self._size()
+        return self.channels * self.patch_size**2
+
+    def _size(self) -> tuple[int, int]:
+        if not self.resolved():
+            raise ValueError("caption data config is not resolved (image_size/channels unknown): call resolve_config")
+        return self.image_size
+
+    def validate(self) -> None:
+        if self.patch_size < 1:
+            raise ValueError(f"--patch-size {self.patch_size}: must be >= 1")
+        if self.channels is not None and self.channels not in (1, 3):
+            raise ValueError(f"image channels must be 1 (grey) or 3 (RGB), got {self.channels}")
+        if self.image_size is not None:
+            h, w = self.image_size
+            if h % self.patch_size or w % self.patch_size:
+                raise ValueError(
+                    f"image size {h}x{w} is not divisible by --patch-size {self.patch_size} "
+                    f"(remainders {h % self.patch_size}, {w % self.patch_size})"
+                )
+
+
+def data_flag_fields() -> list[dataclasses.Field]:
+    """train's data flags, in --help order."""
+    return (
+        flags_of(DataFlags, ["data_path"])
+        + flags_of(CaptionDataConfig, ["tokenizer_model"])
+        + flags_of(DataFlags, ["mock_data"])
+        + flags_of(CaptionDataConfig, ["patch_size", "prompt", "trust_code"])
+    )

@@ -1,0 +1,284 @@
+"""The model megatron-hetero trains, described once: the LLaVA-style family's sizes and architecture.
+
+`LlavaSpec` is the whole model (Megatron flag names): the language model, one `EncoderSpec` per
+encoder module (its tokens at their placeholder span of the text) and one `OutputSpec` per output
+module. Every default of the model lives on these fields, and the fields that have a command-line
+flag carry its name and help (`layout.flags`): the model flags every subcommand shares
+(`cli/model_flags.py`) are generated from them. What derives from this description:
+
+- the runtime model: `models/llava.py` builds the Megatron modules of a LlavaSpec (and the
+  TransformerConfig fields, the dtype and the synthetic data's shape from it);
+- the model of `train`'s flags on a layout: `spec_from_flags` (one encoder per encoder module, each
+  with the `--encoder-*` sizes; one output head per output module; the layers the layout's segments
+  cover);
+- the cost model's workload (`workload`): one `planner.workload.ModelSpec` per module, sized from it;
+- the benchmarks' models: instances of it (`bench/planner.py`).
+
+A checkpoint records a LlavaSpec (`checkpoint.save_load.spec_record`; `LlavaSpec.from_record` reads
+it back). Pure: no torch (the planner and the CLI's parsers import it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_hetero.layout.flags import dest, flag_field, flags_of, given, option, value
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.planner.workload import ModelSpec, Workload
+from megatron_hetero.plan.roles import language_layers, roles
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Sizes of one encoder and where its tokens go in the text sequence. The flags (`--encoder-*`)
+    size every encoder of a layout alike."""
+
+    num_layers: int = flag_field(
+        2, "layers of each encoder (default {default})", flag="--encoder-num-layers", group="encoder", given=True
+    )
+    hidden_size: int = flag_field(
+        32, "hidden size of each encoder (default {default})", flag="--encoder-hidden-size", group="encoder", given=True
+    )
+    num_attention_heads: int = flag_field(
+        4,
+        "attention heads of each encoder (default {default})",
+        flag="--encoder-num-attention-heads",
+        group="encoder",
+        given=True,
+    )
+    tokens: int = flag_field(
+        8,
+        "encoder tokens per sample, e.g. image patches (default {default})",
+        flag="--encoder-tokens",
+        group="encoder",
+        given=True,
+    )
+    feature_dim: int = flag_field(
+        24,
+        "input features per encoder token (default {default})",
+        flag="--encoder-feature-dim",
+        group="encoder",
+        given=True,
+    )
+    offset: int = 1
+    # "linear": the features go through a linear patch embedding + learned positions + a GPT-style
+    # trunk (the default); "clip": Megatron's CLIPViTModel (patch convolution over the image the
+    # features are the patches of, class token, learned positions, ln_pre, pre-norm LayerNorm
+    # layers with quick-GELU, ln_post kept for the pooled output): `models.clip_encoder`.
+    kind: str = "linear"
+    patch_size: int = 0  # clip: the patch side (features = 3 * patch_size**2 per token)
+    ffn_hidden_size: Optional[int] = None  # clip: the MLP width (default 4 * hidden_size)
+    norm_epsilon: float = 1e-5
+    activation: str = "quick_gelu"  # clip: quick_gelu or gelu
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One output module: reads the language model's final hidden states at text positions
+    [offset, offset + tokens) and maps them through an MLP of width `hidden_size` to `out_dim`."""
+
+    tokens: int = 4
+    offset: int = 24
+    hidden_size: int = 32
+    out_dim: int = 16
+
+
+@dataclass(frozen=True)
+class LlavaSpec:
+    """Sizes of the whole model (Megatron flag names)."""
+
+    num_layers: int = flag_field(
+        2,
+        "language-model layers (default: {default}, or what the layout's segments' `layers` cover)",
+        group="language",
+        given=True,
+    )
+    hidden_size: int = flag_field(64, "language-model hidden size (default {default})", group="language", given=True)
+    num_attention_heads: int = flag_field(
+        4, "language-model attention heads (default {default})", group="language", given=True
+    )
+    ffn_hidden_size: Optional[int] = flag_field(
+        None, "language-model MLP hidden size (default 4 * --hidden-size)", group="language", given=True
+    )
+    vocab_size: int = flag_field(128, "vocabulary size (default {default})", group="language", given=True)
+    seq_length: int = flag_field(32, "tokens per sample (default {default})", group="language", given=True)
+    encoders: dict[str, EncoderSpec] = field(default_factory=lambda: {"vision": EncoderSpec()})
+    seed: int = flag_field(1234, group="training")  # also the synthetic data's and the caption stream's seed
+    # Megatron's MoE flags: MoE MLPs in the language model (ep/expt_tp come from the layout)
+    num_experts: Optional[int] = flag_field(None, "experts per MoE layer (default: dense MLPs)", group="moe")
+    moe_router_topk: int = flag_field(2, "experts per token (default {default})", group="moe")
+    moe_aux_loss_coeff: float = flag_field(0.0, "load-balancing loss weight (default 0)", group="moe")
+    moe_ffn_hidden_size: Optional[int] = flag_field(
+        None, "expert MLP hidden size (default --ffn-hidden-size)", group="moe"
+    )
+    outputs: dict[str, OutputSpec] = field(default_factory=dict)
+    # Megatron's --bf16 (`runtime.config.OptimConfig.bf16` carries the flag: it sets both): bf16
+    # parameters and compute (the optimizer keeps fp32 main weights)
+    bf16: bool = False
+    # Language-model architecture (Megatron's TransformerConfig / GPTModel options; the defaults are
+    # the original tiny GPT; a Llama/Qwen2-style model: RMSNorm, swiglu, rope, no linear biases,
+    # grouped-query attention, QKV bias for Qwen2, tied embeddings for the small Qwen2 models).
+    # Megatron-LM's architecture flags set them (`training.arch_args`).
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: float = 10000.0
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = True
+
+    @classmethod
+    def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
+        """The spec a checkpoint recorded (`checkpoint.save_load.spec_record`); ValueError naming an
+        unknown field (a checkpoint of a newer model family)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(record) - known)
+        if unknown:
+            raise ValueError(f"the checkpoint's model has fields this build does not know: {unknown}")
+        enc_known = {f.name for f in dataclasses.fields(EncoderSpec)}
+        out_known = {f.name for f in dataclasses.fields(OutputSpec)}
+        d = dict(record)
+        for name, e in d.get("encoders", {}).items():
+            if set(e) - enc_known:
+                raise ValueError(f"the checkpoint's encoder {name} has unknown fields {sorted(set(e) - enc_known)}")
+        d["encoders"] = {n: EncoderSpec(**e) for n, e in d.get("encoders", {}).items()}
+        d["outputs"] = {
+            n: OutputSpec(**{k: v for k, v in o.items() if k in out_known}) for n, o in d.get("outputs", {}).items()
+        }
+        return cls(**d, seed=seed)
+
+
+# The model flags every subcommand shares (`cli/model_flags.py`), in --help order: the language
+# model's sizes, then each encoder's. (The batch flags beside them are the job's:
+# `training.config.JobConfig`.)
+LANGUAGE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size")
+ENCODER_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "tokens", "feature_dim")
+MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_ffn_hidden_size")
+# sizes that must be >= 1 (ffn_hidden_size: None or a size, as Megatron takes it)
+_POSITIVE = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "tokens", "feature_dim"}
+
+
+def size_flags() -> list[dataclasses.Field]:
+    """The fields of the shared size flags: the language model's, then the encoders'."""
+    return flags_of(LlavaSpec, LANGUAGE_FLAGS) + flags_of(EncoderSpec, ENCODER_FLAGS)
+
+
+def sizes_given(args: Any) -> bool:
+    """Whether any size flag (or --num-experts) was given in `args` (train's parser)."""
+    return any(given(args, f) for f in size_flags()) or args.num_experts is not None
+
+
+def check_sizes(spec: LlavaSpec, encoder: EncoderSpec) -> None:
+    """ValueError, naming the flags, for sizes the model cannot be built with: the language model's
+    and one encoder's (every encoder of `spec_from_flags` has the same sizes)."""
+    for f, v in [(f, getattr(spec, f.name)) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS)] + [
+        (f, getattr(encoder, f.name)) for f in flags_of(EncoderSpec, ENCODER_FLAGS)
+    ]:
+        if f.name in _POSITIVE and v < 1:
+            raise ValueError(f"{option(f)} must be >= 1, got {v}")
+    if encoder.hidden_size % encoder.num_attention_heads:
+        raise ValueError(
+            f"--encoder-hidden-size {encoder.hidden_size} is not divisible by "
+            f"--encoder-num-attention-heads {encoder.num_attention_heads}"
+        )
+
+
+def spec_from_flags(args: Any, layout: Optional[HeteroLayout] = None) -> LlavaSpec:
+    """The model the size flags in `args` describe (a flag not given: the field's default), on
+    `layout` (`spec_on_layout`; --num-layers not given: the layers the layout's language segments
+    cover). Without a layout: one encoder, `vision` (what `search` plans). ValueError for sizes the
+    model cannot be built with."""
+    lang = {f.name: value(args, f) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS)}
+    encoder = EncoderSpec(**{f.name: value(args, f) for f in flags_of(EncoderSpec, ENCODER_FLAGS)})
+    if layout is not None and not given(args, flags_of(LlavaSpec, ["num_layers"])[0]):
+        lang["num_layers"] = language_layers(layout, lang["num_layers"])
+    sizes = LlavaSpec(**lang, encoders={"vision": encoder})
+    check_sizes(sizes, encoder)
+    return sizes if layout is None else spec_on_layout(layout, sizes, encoder)
+
+
+def spec_on_layout(
+    layout: HeteroLayout, sizes: Optional[LlavaSpec] = None, encoder: Optional[EncoderSpec] = None
+) -> LlavaSpec:
+    """`sizes` (default: LlavaSpec's, with the layers the layout's language segments cover) with one
+    encoder per module before the language model, each `encoder` (default EncoderSpec's sizes) with
+    its tokens right after the previous encoder's from text position 1, and one output head per
+    module after it, each reading the 4 text positions before the previous one's, from the end."""
+    if sizes is None:
+        sizes = LlavaSpec(num_layers=language_layers(layout, LlavaSpec().num_layers))
+    encoder = encoder or EncoderSpec()
+    who = roles(layout)
+    encoders, offset = {}, 1
+    for m in layout.modules:
+        if m.name in who.language or m.name in who.outputs:
+            continue
+        encoders[m.name] = dataclasses.replace(encoder, offset=offset)
+        offset += encoder.tokens
+    outputs = {n: OutputSpec(tokens=4, offset=sizes.seq_length - 4 * (k + 1)) for k, n in enumerate(who.outputs)}
+    return dataclasses.replace(sizes, encoders=encoders, outputs=outputs)
+
+
+def _ffn(hidden: int, ffn: Optional[int]) -> int:
+    return 4 * hidden if ffn is None else ffn
+
+
+def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
+    """The cost model's `Workload` of `spec` (one encoder), trained as `train` trains it: fp32 with
+    Adam (fp32 weights and main grads: 4 + 4 bytes, two fp32 moments: 8 bytes, no distributed
+    optimizer), one encoder input of the encoder's tokens per sample, the encoder's MLP 4 * its
+    hidden size. micro_batch: the cost model's (samples per replica of the largest language DP)."""
+    if len(spec.encoders) != 1:
+        raise ValueError(f"the cost model takes one encoder; the model has {sorted(spec.encoders)}")
+    ((name, e),) = spec.encoders.items()
+    check_sizes(spec, e)
+    h, eh = spec.hidden_size, e.hidden_size
+    enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
+    # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
+    extra = (e.feature_dim + 1) * eh + e.tokens * eh + (eh + 1) * h + (h + 1) * h
+    enc = ModelSpec(
+        name,
+        e.num_layers,
+        eh,
+        _ffn(eh, None),
+        e.num_attention_heads,
+        e.tokens,
+        kind="encoder",
+        params=int(e.num_layers * enc_layer + extra),
+    )
+    llm = ModelSpec(
+        "language",
+        spec.num_layers,
+        h,
+        _ffn(h, spec.ffn_hidden_size),
+        spec.num_attention_heads,
+        spec.seq_length,
+        kind="llm",
+        vocab=spec.vocab_size,
+    )
+    return Workload(
+        enc,
+        llm,
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        images_per_sample=1,
+        dtype_bytes=4,
+        weight_bytes=4.0,
+        grad_bytes=4.0,
+        optimizer_bytes=8.0,
+        distributed_optimizer=False,
+    )
+
+
+def flag_values(spec: LlavaSpec, keep_none: bool = False) -> dict[str, Any]:
+    """The size flags' values of `spec` with one encoder, by dest ({'num_layers': 2, ...,
+    'encoder_feature_dim': 24}); a size left to its rule (ffn_hidden_size None) is left out unless
+    `keep_none`. `spec_from_flags` of them (as a namespace) gives `spec` back."""
+    (e,) = spec.encoders.values()
+    out = {dest(f): getattr(spec, f.name) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS)}
+    out.update({dest(f): getattr(e, f.name) for f in flags_of(EncoderSpec, ENCODER_FLAGS)})
+    return {k: v for k, v in out.items() if keep_none or v is not None}

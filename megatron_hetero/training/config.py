@@ -1,0 +1,165 @@
+"""The job a training run executes, described once (`JobConfig`): the model (`spec`, the model's
+description `planner.model.LlavaSpec`), the batch, the loop, the optimizer
+(`runtime.config.OptimConfig`) and the learning-rate schedule (`training.lr_schedule.LRSchedule`),
+checkpoints, evaluation, logging, the data and the runtime's settings; and `LaunchFlags`, how
+`train` starts the job's ranks. Their fields carry the defaults; those with a `train` flag carry its
+name and help too (`layout.flags`), and `train`'s parser is generated from them (`cli.train`;
+`train_flag_fields` lists them in --help order). Pure: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
+from megatron_hetero.layout.flags import flag_field, flags_of
+from megatron_hetero.planner.model import LlavaSpec
+from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
+from megatron_hetero.training.lr_schedule import LRSchedule
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What a training job needs besides the layout (Megatron flag names), in sections: the model
+    (`spec`), the batch, the loop, the optimizer (`optim`) and its schedule (`schedule`), the data
+    (`data`), checkpoints, evaluation, logging, the runtime. The nested sections are dataclasses of
+    their own; the fields of this one are grouped by their flags' `group` (the argument groups of
+    `train --help`). A field without a flag is set by the code that builds the job."""
+
+    # the model: its description (planner.model; train: `training.job.job_from_args` from the model,
+    # architecture, MoE and data flags, or the model a checkpoint under --load records)
+    spec: LlavaSpec = field(default_factory=LlavaSpec)
+    # the batch (the shared model flags, `cli.model_flags`; None in the parser: not given)
+    global_batch_size: int = flag_field(8, "samples per step (default {default})", group="batch", given=True)
+    # train without --micro-batch-size: `training.job.default_micro_batch_size` (per layout)
+    micro_batch_size: int = flag_field(
+        1,
+        "samples per micro-batch on a rank of the (first) language module (default: 1, or for disjoint layouts the "
+        "smallest size whose micro-batches every module's DP divides)",
+        group="batch",
+        given=True,
+    )
+    # the loop and the optimizer (its learning-rate schedule: `schedule`)
+    train_iters: int = flag_field(5, group="training")
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    # the runtime: its flags are the layout's (`layout.args.add_hetero_args`: --hetero-offload-encoder,
+    # --hetero-comm-timeout), a Megatron-LM extra_args_provider
+    offload_encoder: bool = False
+    comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    # checkpoints (Megatron's flags): save every save_interval iterations and at the end into `save`;
+    # resume from the latest checkpoint under `load`
+    save: Optional[str] = flag_field(
+        None, "save checkpoints here (and after the last iteration)", metavar="DIR", group="checkpoints"
+    )
+    save_interval: int = flag_field(0, "save every N iterations", metavar="N", group="checkpoints")
+    load: Optional[str] = flag_field(
+        None,
+        "resume from the latest checkpoint under DIR (any layout of the same model), or start from converted "
+        "weights (convert hf-to-checkpoint); without model flags: the recorded model",
+        metavar="DIR",
+        group="checkpoints",
+    )
+    # an incomplete/damaged newest save: resume from the one before (else exit 2)
+    load_fallback: bool = flag_field(
+        False,
+        "if the newest save under --load is incomplete or damaged, resume from the newest complete checkpoint "
+        "before it (and say so) instead of exiting 2",
+        group="checkpoints",
+    )
+    override_opt_param_scheduler: bool = flag_field(
+        False,
+        "on --load, use this job's learning-rate schedule instead of requiring the checkpoint's",
+        group="training",
+    )
+    # iteration lines: every log_interval iterations on global rank 0 (0: none; train's flag: 1), and
+    # a carriage-return progress line in between when `progress` (train: stdout is a terminal)
+    log_interval: int = flag_field(0, "iteration lines every N iterations", cli=1, group="launch")
+    progress: bool = False
+    # real image-caption data (models.caption_config.CaptionDataConfig); None: the synthetic data.
+    # train: from the data flags (models.caption_config.DataFlags, models.caption_runner.caption_job_data)
+    data: Optional[Any] = None
+    # held-out evaluation every eval_interval iterations and after the last (0: none), over eval_iters
+    # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)
+    eval_interval: int = flag_field(
+        0, "evaluate every N iterations and after the last one (default 0: never)", metavar="N", group="evaluation"
+    )
+    eval_iters: Optional[int] = flag_field(
+        None,
+        "global batches per evaluation (default: the held-out split once, N // global batch; synthetic data: 1)",
+        metavar="K",
+        group="evaluation",
+    )
+    # --exit-signal-handler (Megatron-LM's flag): SIGTERM stops every rank after the same step, saves
+    # (with --save) and returns normally (training/signals.py)
+    exit_signal_handler: bool = flag_field(
+        False,
+        "on SIGTERM (SLURM's warning before the time limit, scancel): every rank finishes the current step, "
+        "saves a checkpoint (with --save) and exits 0 (Megatron-LM's flag)",
+        group="checkpoints",
+    )
+    # --trace FILE: every rank records its spans, global rank 0 writes the merged trace there (train:
+    # the absolute path)
+    trace: Optional[str] = flag_field(
+        None,
+        "write a Chrome/Perfetto trace of every rank's spans (view: ui.perfetto.dev, or megatron-hetero timeline "
+        "FILE.json --out FILE.png)",
+        metavar="FILE.json",
+    )
+
+    def runtime_config(self, rank: int = 0) -> RuntimeConfig:
+        """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
+        from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
+
+        return RuntimeConfig(
+            comm_timeout_s=self.comm_timeout_s, tracer=Tracer(rank, self.trace) if self.trace else NULL_TRACER
+        )
+
+
+@dataclass(frozen=True)
+class LaunchFlags:
+    """How `megatron-hetero train` starts the job's ranks and what it writes besides the lines."""
+
+    nproc_per_node: Optional[int] = flag_field(
+        None, "ranks to spawn on this machine (default: what the layout uses)", group="launch"
+    )
+    log_jsonl: Optional[str] = flag_field(None, "one JSON object per iteration", group="launch")
+    launch_timeout: float = flag_field(3600.0, "seconds before hung ranks are killed", group="launch")
+
+
+def train_flag_fields() -> list[dataclasses.Field]:
+    """The fields of `train`'s own flags in --help order, after the shared model flags
+    (`cli.model_flags`), the architecture's (`cli.arch_flags`) and the data's (`cli.data`), before the
+    layout's (`layout.args`): the loop, the optimizer, the seed and the schedule; evaluation;
+    checkpoints; mixture of experts; launch; the trace."""
+    from megatron_hetero.planner.model import MOE_FLAGS
+
+    return (
+        flags_of(JobConfig, ["train_iters"])
+        + flags_of(
+            OptimConfig,
+            ["lr", "optimizer", "weight_decay", "clip_grad", "bf16", "adam_beta1", "adam_beta2", "adam_eps"],
+        )
+        + flags_of(LlavaSpec, ["seed"])
+        + flags_of(LRSchedule)
+        + flags_of(
+            JobConfig,
+            [
+                "override_opt_param_scheduler",
+                "eval_interval",
+                "eval_iters",
+                "save",
+                "save_interval",
+                "exit_signal_handler",
+                "load",
+                "load_fallback",
+            ],
+        )
+        + flags_of(LlavaSpec, MOE_FLAGS)
+        + flags_of(LaunchFlags, ["nproc_per_node", "log_jsonl"])
+        + flags_of(JobConfig, ["log_interval"])
+        + flags_of(LaunchFlags, ["launch_timeout"])
+        + flags_of(JobConfig, ["trace"])
+    )
