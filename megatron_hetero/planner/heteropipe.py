@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from megatron_hetero.layout.degrees import Degrees
-from megatron_hetero.planner.cost import act_bytes, layer_parts, p2p_time, state_bytes
+from megatron_hetero.planner.cost_terms import act_bytes, layer_parts, p2p_time, state_bytes
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.workload import ModelSpec, Workload
 

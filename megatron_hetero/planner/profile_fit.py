@@ -16,7 +16,7 @@ Fit (`fit_profile`), all from the measurements of one run (least squares, a, b >
     TP adds, in activation all-reduces over the TP group), `optimizer`, `snapshot` (against the
     parameters on the rank), `grad_sync` (DDP's gradient all-reduce against the all-reduce model);
   * gloo (ranks share the CPU): `cores` = world * t(one busy rank) / t(all ranks busy) of the solo
-    layer case, `concurrency` = world (see `planner.cost.shared_step`).
+    layer case, `concurrency` = world (see `planner.cost_terms.shared_step`).
 The residuals of the layer model against every measured layer (TP/CP included) are reported in
 the JSON (`checks`). The profile JSON is `Profile.to_dict()` plus `world_size`, `backend`, `grid`
 and the raw `measurements`; `Profile.load` reads it.
@@ -30,7 +30,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from megatron_hetero.planner import cost as C
+from megatron_hetero.planner import cost_terms as CT
 from megatron_hetero.planner.hardware import COLLECTIVES, AlphaBeta, LayerModel, Profile, fit_alpha_beta, layer_flops
 from megatron_hetero.planner.workload import ModelSpec, Workload
 
@@ -256,13 +256,13 @@ def fit_profile(raw: dict[str, Any], memory_bytes: Optional[float] = None) -> Pr
             if s["kind"] != kind:
                 continue
             spec, wl = _specs(s)
-            layer = float(sum(C.layer_parts(prof, wl, spec, s["batch"], s["tp"], 1)))
+            layer = float(sum(CT.layer_parts(prof, wl, spec, s["batch"], s["tp"], 1)))
             data = s["data_seconds"] if kind == "llm" else 0.0  # the LLM module built its batch
             io_pts.append(
                 (
                     s["tp"],
-                    float(C.io_flops(wl, spec, s["batch"], s["tp"], 1)),
-                    float(C.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)),
+                    float(CT.io_flops(wl, spec, s["batch"], s["tp"], 1)),
+                    float(CT.io_allreduce(prof, wl, spec, s["batch"], s["tp"], 1)),
                     s["seconds"] - layer - data,
                 )
             )
@@ -299,7 +299,7 @@ def _fit_layer_collectives(prof: Profile, raw: dict[str, Any]) -> dict:
             continue
         spec = ModelSpec(s["kind"], 1, s["hidden"], s["ffn_hidden"], s["heads"], s["seq"], kind=s["kind"])
         wl = Workload(spec, spec, global_batch=1, dtype_bytes=4)
-        compute = float(C.layer_parts(prof, wl, spec, s["batch"], s["tp"], s["cp"])[0])
+        compute = float(CT.layer_parts(prof, wl, spec, s["batch"], s["tp"], s["cp"])[0])
         tokens = s["batch"] * s["seq"]
         if s["tp"] > 1:
             nbytes = tokens / s["cp"] * s["hidden"] * 4
@@ -333,7 +333,7 @@ def layer_checks(prof: Profile, raw: dict[str, Any]) -> list[dict]:
     for s in raw["layers"]:
         spec = ModelSpec(s["kind"], 1, s["hidden"], s["ffn_hidden"], s["heads"], s["seq"], kind=s["kind"])
         wl = Workload(spec, spec, global_batch=1, dtype_bytes=4)
-        est = float(sum(C.layer_parts(prof, wl, spec, s["batch"], s["tp"], s["cp"])))
+        est = float(sum(CT.layer_parts(prof, wl, spec, s["batch"], s["tp"], s["cp"])))
         out.append(
             {
                 **{k: s[k] for k in ("kind", "hidden", "seq", "batch", "tp", "cp")},

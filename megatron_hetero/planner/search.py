@@ -26,8 +26,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from megatron_hetero.planner import cost as C
-from megatron_hetero.planner.cost import evaluate, loss_reduce
+from megatron_hetero.planner import placements as PL
+from megatron_hetero.planner.cost import evaluate
+from megatron_hetero.planner.cost_terms import loss_reduce
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.plan.schedule import MAX_MICRO_BATCHES  # the disjoint schedule's stage tables
 from megatron_hetero.planner.workload import PLACEMENT_KINDS, Candidate, CostBreakdown, ModelSpec, Segment, Workload
@@ -228,7 +229,7 @@ def _homogeneous(wl: Workload, prof: Profile, world: int, space: SearchSpace, li
     l0 = np.arange(1, L + 1)[None, :]
     valid = np.where(pp == 1, l0 == L, l0 <= L - (pp - 1))
     grid = [np.broadcast_to(x, valid.shape).ravel() for x in (tp, cp, pp, dp, l0, ep)]
-    out = C.homogeneous(prof, wl, *grid)
+    out = PL.homogeneous(prof, wl, *grid)
     total = np.where(
         valid & (out["memory_per_rank_peak"].reshape(valid.shape) <= limit), out["total"].reshape(valid.shape), INF
     )
@@ -271,7 +272,7 @@ def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limi
         return 0
     la, ea = [c[0] for c in combos], [c[1] for c in combos]
     # mypy cannot count the two starred generators (4 arguments each)
-    out = C.colocated(
+    out = PL.colocated(
         prof,
         wl,
         *(_arr(la, k) for k in range(4)),
@@ -331,7 +332,7 @@ def _chains(wl: Workload, world_llm: int, space: SearchSpace) -> list[tuple]:
 
 def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit: float, groups: list) -> int:
     """Prepare the disjoint groups (encoder rows x chain rows sharing the pipeline micro-batch M,
-    the LLM's stage count and the first segment's dp): each side's aggregates (`cost.Side`) and
+    the LLM's stage count and the first segment's dp): each side's aggregates (`planner.step.Side`) and
     memory; rows over the memory limit are dropped. Returns the number of valid (encoder, chain)
     pairs."""
     enc, G, m = wl.encoder, wl.global_batch, wl.micro_batch
@@ -347,7 +348,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
         M = m * np.maximum(da, np.where(nb > 0, db, 1))
         b = G // M
         P_llm = pa + pb
-        chain, c_mem = C.llm_chain(prof, wl, [(ta, cp, pa, da, na), (tb, cp, pb, db, nb)], world)
+        chain, c_mem = PL.llm_chain(prof, wl, [(ta, cp, pa, da, na), (tb, cp, pb, db, nb)], world)
         key = chain.sum + (b - 1) * chain.max + chain.tail + loss
         ok = c_mem <= limit
         er = np.array(enc_rows, dtype=np.int64)
@@ -360,7 +361,7 @@ def _disjoint(wl: Workload, prof: Profile, world: int, space: SearchSpace, limit
         # every group's encoder rows in one evaluator call
         rows_e = np.concatenate(esels)
         rep = np.repeat(np.arange(len(uniq)), [len(x) for x in esels])
-        eside_all, e_mem_all = C.encoder_island(
+        eside_all, e_mem_all = PL.encoder_island(
             prof, wl, etp[rows_e], ecp[rows_e], epp[rows_e], edp[rows_e], uniq[rep, 0], uniq[rep, 1]
         )
         starts = np.cumsum([0] + [len(x) for x in esels])
@@ -407,7 +408,7 @@ def _pairs(
     starts = np.cumsum(cnt) - cnt
     ci = np.arange(int(cnt.sum())) - np.repeat(starts, cnt)
     enc, chain = gr["enc"].rows(ei, full=False), gr["chain"].rows(ci, full=False)
-    tot = C.disjoint(prof, wl, enc, chain, world, gr["b"], full=False)
+    tot = PL.disjoint(prof, wl, enc, chain, world, gr["b"], full=False)
     return ei, ci, np.asarray(tot, dtype=float)
 
 

@@ -21,6 +21,7 @@ from megatron_hetero import cli
 from megatron_hetero.bench import planner as B
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.planner import cost as C
+from megatron_hetero.planner import cost_terms as CT
 from megatron_hetero.planner import hardware as HW
 from megatron_hetero.planner import profile_fit as F
 from megatron_hetero.planner import search as S
@@ -178,16 +179,16 @@ def test_shared_step_from_the_runnable_ranks() -> None:
     g = (2.0 / 1.5 - 1.0) / 6.0
     # islands idle a third of the time: k = 0.1 * 8 / 0.3 = 8/3 runnable ranks, more than 2 units
     k = 0.1 * 8 / 0.3
-    assert float(C.shared_step(p, 0.1, 0.3)) == pytest.approx(0.1 * 1.5 / (2.0 / (1 + g * (k - 2))), rel=1e-12)
-    assert float(C.shared_step(p, 0.1, 0.3)) < 0.1  # below the work at full sharing: the units did more
+    assert float(CT.shared_step(p, 0.1, 0.3)) == pytest.approx(0.1 * 1.5 / (2.0 / (1 + g * (k - 2))), rel=1e-12)
+    assert float(CT.shared_step(p, 0.1, 0.3)) < 0.1  # below the work at full sharing: the units did more
     # every rank always runnable: the work at the profile's sharing
-    assert float(C.shared_step(p, 0.1, 0.1)) == pytest.approx(0.1, rel=1e-12)
+    assert float(CT.shared_step(p, 0.1, 0.1)) == pytest.approx(0.1, rel=1e-12)
     # one rank runnable on average: the critical path with a unit to itself
-    assert float(C.shared_step(p, 0.1, 0.8)) == pytest.approx(0.8 * 1.5 / 8, rel=1e-12)
+    assert float(CT.shared_step(p, 0.1, 0.8)) == pytest.approx(0.8 * 1.5 / 8, rel=1e-12)
     # without cpu_cores: the earlier rule max(work, critical * uncontended)
     old = dataclasses.replace(p, cpu_cores=0.0)
-    assert float(C.shared_step(old, 0.1, 0.3)) == pytest.approx(0.1, rel=1e-12)
-    assert float(C.shared_step(old, 0.1, 0.8)) == pytest.approx(0.15, rel=1e-12)
+    assert float(CT.shared_step(old, 0.1, 0.3)) == pytest.approx(0.1, rel=1e-12)
+    assert float(CT.shared_step(old, 0.1, 0.8)) == pytest.approx(0.15, rel=1e-12)
 
 
 def test_overheads_land_where_the_runtime_does_the_work() -> None:
@@ -199,25 +200,25 @@ def test_overheads_land_where_the_runtime_does_the_work() -> None:
     cand = W.Candidate("colocated", W.Segment.of(1, 1, 1, 4, 2), (W.Segment.of(1, 1, 1, 4, 4),))
     with_io, without = C.evaluate(cand, wl, prof), C.evaluate(cand, wl, bare)
     b = with_io.micro_batches
-    llm_io = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1)) + float(C.data_time(prof, wl, wl.micro_batch))
-    enc_io = float(C.io_time(prof, wl, wl.encoder, wl.global_batch / 4, 1, 1)) + float(C.data_time(prof, wl, 4))
+    llm_io = float(CT.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1)) + float(CT.data_time(prof, wl, wl.micro_batch))
+    enc_io = float(CT.io_time(prof, wl, wl.encoder, wl.global_batch / 4, 1, 1)) + float(CT.data_time(prof, wl, 4))
     assert with_io.compute == pytest.approx(without.compute + b * llm_io + enc_io, rel=1e-9)
     # every pipeline stage of the language model builds its micro-batch; the output layer is on the last
     pp2 = W.Candidate("colocated", W.Segment.of(1, 1, 1, 4, 2), (W.Segment.of(1, 1, 2, 2, 4),))
     a, z = C.evaluate(pp2, wl, prof), C.evaluate(pp2, wl, bare)
-    b2, data = a.micro_batches, float(C.data_time(prof, wl, wl.micro_batch))
-    llm_last = float(C.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1))
+    b2, data = a.micro_batches, float(CT.data_time(prof, wl, wl.micro_batch))
+    llm_last = float(CT.io_time(prof, wl, wl.llm, wl.micro_batch, 1, 1))
     # the breakdown on a non-shared profile is the bottleneck stage's: the last one (output layer)
     assert a.compute == pytest.approx(z.compute + b2 * (llm_last + data) + enc_io, rel=1e-9)
     # phase-closing communication goes through the measured grad_sync overhead
     t = float(prof.collective_time("send_recv", 2 * 32 * 64 * 4, 2, False))
-    assert float(C.p2p_time(prof, wl, wl.llm, 2, 1, False)) == pytest.approx(5e-4 + 1.4 * 2 * t)
-    assert float(C.synced(prof, 0.0)) == 0.0
+    assert float(CT.p2p_time(prof, wl, wl.llm, 2, 1, False)) == pytest.approx(5e-4 + 1.4 * 2 * t)
+    assert float(CT.synced(prof, 0.0)) == 0.0
     # TP adds the fitted number of activation all-reduces over the TP group
-    tp2 = float(C.io_time(prof, wl, wl.llm, 2, 2, 1)) - float(
-        prof.overhead_time("llm_io", C.io_flops(wl, wl.llm, 2, 2, 1))
+    tp2 = float(CT.io_time(prof, wl, wl.llm, 2, 2, 1)) - float(
+        prof.overhead_time("llm_io", CT.io_flops(wl, wl.llm, 2, 2, 1))
     )
-    assert tp2 == pytest.approx(5.0 * float(C.io_allreduce(prof, wl, wl.llm, 2, 2, 1)))
+    assert tp2 == pytest.approx(5.0 * float(CT.io_allreduce(prof, wl, wl.llm, 2, 2, 1)))
 
 
 # ------------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from megatron_hetero.cli import search as cli_search
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.layout.degrees import Degrees
 from megatron_hetero.planner import cost as C
+from megatron_hetero.planner import cost_terms as CT
+from megatron_hetero.planner import placements as PL
 from megatron_hetero.planner import hardware as HW
 from megatron_hetero.planner import heteropipe as H
 from megatron_hetero.planner import presets as PR
@@ -154,15 +156,15 @@ def _wl(**kw) -> W.Workload:
 
 def test_more_tp_less_compute_per_rank(prof) -> None:
     wl = _wl()
-    compute = [float(C.layer_parts(prof, wl, SMALL_LLM, 4, tp, 1)[0]) for tp in (1, 2, 4, 8)]
+    compute = [float(CT.layer_parts(prof, wl, SMALL_LLM, 4, tp, 1)[0]) for tp in (1, 2, 4, 8)]
     assert all(a > b for a, b in zip(compute, compute[1:]))
-    tp_comm = [float(C.layer_parts(prof, wl, SMALL_LLM, 4, tp, 1)[1]) for tp in (1, 2, 4, 8)]
+    tp_comm = [float(CT.layer_parts(prof, wl, SMALL_LLM, 4, tp, 1)[1]) for tp in (1, 2, 4, 8)]
     assert tp_comm[0] == 0.0 and all(a < b for a, b in zip(tp_comm, tp_comm[1:]))
-    cp_compute = [float(C.layer_parts(prof, wl, SMALL_LLM, 4, 1, cp)[0]) for cp in (1, 2, 4)]
+    cp_compute = [float(CT.layer_parts(prof, wl, SMALL_LLM, 4, 1, cp)[0]) for cp in (1, 2, 4)]
     assert all(a > b for a, b in zip(cp_compute, cp_compute[1:]))
     # encoders do not shard their sequence over CP: the same work on every CP rank
-    assert float(C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 4)[0]) == float(
-        C.layer_parts(prof, wl, SMALL_ENC, 4, 1, 1)[0]
+    assert float(CT.layer_parts(prof, wl, SMALL_ENC, 4, 1, 4)[0]) == float(
+        CT.layer_parts(prof, wl, SMALL_ENC, 4, 1, 1)[0]
     )
 
 
@@ -194,11 +196,11 @@ def test_ring_formulas(prof) -> None:
 
 def test_memory_model(prof) -> None:
     wl = _wl(distributed_optimizer=False)
-    assert float(C.state_bytes(wl, 1e9, 8)) == pytest.approx(18e9)  # 2 + 4 + 12 bytes per parameter
-    assert float(C.state_bytes(_wl(), 1e9, 4)) == pytest.approx(9e9)  # optimizer sharded over dp*cp
-    a1 = float(C.act_bytes(wl, SMALL_LLM, 2, 1, 1, 4))
+    assert float(CT.state_bytes(wl, 1e9, 8)) == pytest.approx(18e9)  # 2 + 4 + 12 bytes per parameter
+    assert float(CT.state_bytes(_wl(), 1e9, 4)) == pytest.approx(9e9)  # optimizer sharded over dp*cp
+    a1 = float(CT.act_bytes(wl, SMALL_LLM, 2, 1, 1, 4))
     assert a1 == pytest.approx(4 * 2 * 2048 * 2048 * 34)
-    assert float(C.act_bytes(wl, SMALL_LLM, 2, 2, 2, 4)) == pytest.approx(a1 / 4)
+    assert float(CT.act_bytes(wl, SMALL_LLM, 2, 2, 2, 4)) == pytest.approx(a1 / 4)
 
 
 def _candidates():
@@ -255,7 +257,7 @@ def test_batched_evaluation_equals_one_by_one(prof, which) -> None:
     several candidates one by one and all at once gives the same breakdowns."""
     p = prof if which == "simulated" else _measured_style(which == "shared")
     wl = _wl(images_per_sample=2)
-    fields = [f for f in C.CostBreakdown.__dataclass_fields__]
+    fields = [f for f in W.CostBreakdown.__dataclass_fields__]
 
     def same(batched: dict, cands: list) -> None:
         for i, cand in enumerate(cands):
@@ -269,7 +271,7 @@ def test_batched_evaluation_equals_one_by_one(prof, which) -> None:
         W.Candidate("homogeneous", seg(t, c, q, d, 6), (seg(t, c, q, d, 8),), first_stage_layers=l0)
         for t, c, q, d, l0 in homo
     ]
-    same(C.homogeneous(p, wl, *(np.array([h[k] for h in homo]) for k in range(5))), cands)
+    same(PL.homogeneous(p, wl, *(np.array([h[k] for h in homo]) for k in range(5))), cands)
     colo = [
         ((2, 1, 2, 2), (1, 1, 1, 8), False),
         ((1, 2, 2, 2), (1, 1, 2, 4), True),
@@ -279,7 +281,7 @@ def test_batched_evaluation_equals_one_by_one(prof, which) -> None:
     ]
     cands = [W.Candidate("colocated", seg(*e, 6), (seg(*a, 8),), offload=o) for a, e, o in colo]
     same(
-        C.colocated(
+        PL.colocated(
             p,
             wl,
             *(np.array([c[0][k] for c in colo]) for k in range(4)),
@@ -302,15 +304,15 @@ def test_batched_evaluation_equals_one_by_one(prof, which) -> None:
         for e, a, b in dis
     ]
     arr = lambda j, k: np.array([d[j][k] for d in dis])  # noqa: E731
-    llm, llm_mem = C.llm_chain(
+    llm, llm_mem = PL.llm_chain(
         p, wl, [tuple(arr(1, k) for k in range(5)), tuple(arr(2, k) for k in range(5))], world[0]
     )
     mb = wl.micro_batch * np.maximum(arr(1, 3), np.where(arr(2, 2) > 0, arr(2, 3), 1))
-    enc, enc_mem = C.encoder_island(p, wl, *(arr(0, k) for k in range(4)), mb, arr(1, 2) + arr(2, 2))
-    out = C.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb)
+    enc, enc_mem = PL.encoder_island(p, wl, *(arr(0, k) for k in range(4)), mb, arr(1, 2) + arr(2, 2))
+    out = PL.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb)
     out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
     same(out, cands)
-    assert C.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb, full=False) == pytest.approx(
+    assert PL.disjoint(p, wl, enc, llm, world[0], wl.global_batch // mb, full=False) == pytest.approx(
         out["total"], rel=1e-12
     )
 
@@ -345,7 +347,7 @@ def test_colocated_boundary_prices_what_the_plan_moves() -> None:
             plan = plan_boundary(
                 cand.to_layout(), "vision->language", BoundaryShape(batch=16, seq=T, hidden=h, dtype_bytes=dt)
             )
-            model = C.colocated_traffic(wl, ep, ed, tp, cp, pp, dp)
+            model = CT.colocated_traffic(wl, ep, ed, tp, cp, pp, dp)
             for name, moves, receivers in (
                 ("forward", plan.forward, plan.dst_ranks),
                 ("backward", plan.backward, plan.src_ranks),
@@ -371,7 +373,7 @@ def test_colocated_boundary_prices_what_the_plan_moves() -> None:
     assert checked > 100
     # a rank that holds its whole need receives nothing: the forward of a fan-out onto the same ranks
     # is local copies only (its backward is not: an encoder rank needs the gradient of its whole shard)
-    fan_out = C.colocated_traffic(W.Workload(enc, llm, global_batch=16), 1, 2, 2, 1, 1, 4)
+    fan_out = CT.colocated_traffic(W.Workload(enc, llm, global_batch=16), 1, 2, 2, 1, 1, 4)
     assert fan_out["forward"]["recv_bytes"] == 0 and fan_out["forward"]["send_bytes"] == 0
     assert fan_out["backward"]["recv_bytes"] == 16 / 2 * T * llm.hidden * 2 / 2  # half its shard is its own
 

@@ -1,0 +1,130 @@
+"""From stages to a step: `Side` aggregates a pipeline's stages (sums, the bottleneck, the slowest
+once-per-step tail, the ranks' busy time), `peak_memory` the per-rank memory peak, and `finish` the
+breakdown arrays of a step's critical path. Pure (numpy only); formulas in `planner/cost.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.cost_terms import (
+    loss_reduce,
+    sharing_scale,
+)
+from megatron_hetero.planner.stages import _PARTS, Stages
+
+
+@dataclass
+class Side:
+    """Aggregates of a pipeline's stages (or of one side: a disjoint encoder island, an LLM chain)
+    for `b` runs per step: sum and max of the stage costs, the bottleneck's components, the stage
+    with the longest once-per-step tail, and the busy time of all its ranks."""
+
+    sum: np.ndarray
+    max: np.ndarray
+    parts: dict  # the bottleneck stage's per-run components
+    tail: np.ndarray
+    tail_dp: np.ndarray
+    tail_opt: np.ndarray
+    busy: dict  # sum over stages of count * ranks * runs * part, and of count * ranks * dp / opt
+    work: np.ndarray  # sum of `busy`
+
+    @classmethod
+    def of(cls, st: Stages) -> "Side":
+        valid = st.count > 0
+        rows = np.arange(st.count.shape[0])
+        cost = st.cost
+        top = np.argmax(np.where(valid, cost, -np.inf), axis=1)  # the first of equal maxima, as stage order
+        tail = st.dp + st.opt
+        tt = np.argmax(np.where(valid, tail, -np.inf), axis=1)
+        w = st.count * st.ranks
+        busy = {k: (w * st.runs * getattr(st, k)).sum(axis=1) for k in _PARTS}
+        busy["dp"], busy["opt"] = (w * st.dp).sum(axis=1), (w * st.opt).sum(axis=1)
+        return cls(
+            sum=(st.count * cost).sum(axis=1),
+            max=cost[rows, top],
+            parts={k: getattr(st, k)[rows, top] for k in _PARTS},
+            tail=tail[rows, tt],
+            tail_dp=st.dp[rows, tt],
+            tail_opt=st.opt[rows, tt],
+            busy=busy,
+            work=sum(busy.values()),
+        )
+
+    def rows(self, idx, full: bool = True) -> "Side":
+        """Rows `idx`; without `full`, only what the step time needs (no breakdown parts)."""
+        pick = (lambda d: {k: v[idx] for k, v in d.items()}) if full else (lambda d: {})
+        return Side(
+            sum=self.sum[idx],
+            max=self.max[idx],
+            parts=pick(self.parts),
+            tail=self.tail[idx],
+            tail_dp=self.tail_dp[idx],
+            tail_opt=self.tail_opt[idx],
+            busy=pick(self.busy),
+            work=self.work[idx],
+        )
+
+
+def peak_memory(st: Stages, n, b) -> np.ndarray:
+    """Largest per-rank bytes of any stage: state + activations of min(n - i, b) in-flight runs."""
+    flight = np.minimum(np.asarray(n)[..., None] - st.first, np.asarray(b)[..., None])
+    return np.where(st.count > 0, st.state + st.act * flight, -np.inf).max(axis=1)
+
+
+def _valid_max(st: Stages, x) -> np.ndarray:
+    return np.where(st.count > 0, x, -np.inf).max(axis=1)
+
+
+def finish(
+    prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: dict, step_boundary, offload, memory
+) -> dict:
+    """The breakdown arrays (`CostBreakdown` fields) of a critical path: the pipeline time `pipe`
+    (bottleneck components `parts`, the rest is bubble), the slowest once-per-step tail, the loss
+    all-reduce and the whole-step terms; on a profile whose ranks share execution units, the step
+    is `shared_step` of it and the parts are the mean rank's busy time (`busy` / world) at the
+    step's sharing (`sharing_scale`)."""
+    loss = loss_reduce(prof, world)
+    dp = tail_dp + loss
+    crit = pipe + dp + tail_opt + step_boundary + offload
+    out = {"memory_per_rank_peak": memory, "micro_batches": b, "offload": np.broadcast_to(offload, np.shape(crit))}
+    if not prof.shared:
+        out.update(
+            compute=parts["compute"],
+            tp_comm=parts["tp"],
+            cp_comm=parts["cp"],
+            pp_comm=parts["pp"],
+            dp_comm=dp,
+            boundary=parts["boundary"] + step_boundary,
+            optimizer=tail_opt,
+            bubble=pipe - sum(parts.values()),
+            total=crit,
+        )
+        return out
+    mean = {k: busy[k] / world for k in busy}
+    work = sum(mean[k] for k in _PARTS) + mean["dp"] + loss + mean["opt"] + step_boundary + offload
+    scale = sharing_scale(prof, work, crit)  # busy times at the step's sharing (fewer ranks runnable: less)
+    mean = {k: v * scale for k, v in mean.items()}
+    loss, step_boundary, offload = loss * scale, step_boundary * scale, offload * scale
+    work = work * scale
+    total = np.maximum(work, crit * prof.uncontended)  # = shared_step(prof, work before scaling, crit)
+    out["offload"] = np.broadcast_to(offload, np.shape(total))
+    out.update(
+        compute=mean["compute"],
+        tp_comm=mean["tp"],
+        cp_comm=mean["cp"],
+        pp_comm=mean["pp"],
+        dp_comm=mean["dp"] + loss,
+        boundary=mean["boundary"] + step_boundary,
+        optimizer=mean["opt"],
+        bubble=total - work,
+        total=total,
+    )
+    return out
+
+
+def _scaled(parts: dict, k) -> dict:
+    return {name: v * k for name, v in parts.items()}
