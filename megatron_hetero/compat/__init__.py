@@ -6,7 +6,9 @@ Split by reason:
 
 * :mod:`.cpu` (reason ``cpu``): ``PATCHES``, the redirections that make CUDA-only calls and
   ``device="cuda"`` work on CPU/gloo; applied only where CUDA is absent (``apply_cpu_compat()``).
-  :mod:`.torch_on_cpu` holds the stand-ins they swap in.
+  :mod:`.torch_on_cpu` holds the stand-ins they swap in; the entries themselves are in ``cpu_*``
+  modules by the subsystem they redirect (``cpu_rng``, ``cpu_layers``, ``cpu_training``, ``cpu_moe``,
+  ``cpu_checkpoint``; ``cpu_entry`` builds them).
 * :mod:`.megatron_lm` (reason ``cpu``): the same for Megatron-LM's ``megatron.training``, applied by
   the Megatron-LM launcher only (``apply_megatron_lm_cpu_compat()``).
 * :mod:`.fixes` (reason ``fix``): ``FIXES``, upstream bugs and limitations worked around on every
