@@ -5,8 +5,8 @@
         [--dry-run | --submit]
         -- <train arguments>
 
-The script and its checks are `launch/slurm.py`; the train arguments are parsed with `train`'s own
-parser before anything is written, so a typo fails here and not after the queue wait.
+The checks are `launch/slurm.py`, the script `launch/sbatch.py`; the train arguments are parsed with
+`train`'s own parser before anything is written, so a typo fails here and not after the queue wait.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.launch.slurm import add_arguments, run, sbatch_script
+from megatron_hetero.launch.sbatch import sbatch_script
+from megatron_hetero.launch.slurm import add_arguments, run
 
 pytestmark = pytest.mark.slurm
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.launch.slurm import add_arguments, run, sbatch_script
+from megatron_hetero.launch.sbatch import sbatch_script
+from megatron_hetero.launch.slurm import add_arguments, run
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYOUTS = ROOT / "examples" / "layouts"
