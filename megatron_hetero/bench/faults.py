@@ -331,7 +331,7 @@ def _run_torchrun(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, An
 
 
 def _latest(root: Path) -> Optional[int]:
-    from megatron_hetero.checkpoint.save_load import read_tracker
+    from megatron_hetero.checkpoint.files import read_tracker
 
     try:
         return read_tracker(root)

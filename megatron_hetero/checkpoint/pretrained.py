@@ -18,7 +18,7 @@ ORIGIN = "convert"  # train_state.json's "origin" of a conversion's checkpoint
 
 def is_converted(root: str | Path) -> bool:
     """True if the latest checkpoint under `root` is a conversion's (ValueError if unreadable)."""
-    from megatron_hetero.checkpoint.save_load import read_train_state
+    from megatron_hetero.checkpoint.files import read_train_state
 
     return read_train_state(root)[1].get("origin") == ORIGIN
 
@@ -26,13 +26,16 @@ def is_converted(root: str | Path) -> bool:
 def check_converted(root: str | Path, layout, job) -> int:
     """The checks of a converted checkpoint (module docstring); returns 0. ValueError naming the
     file or the mismatch."""
-    from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint.files import STATE_FILE, read_train_state, verify_manifest
+    from megatron_hetero.checkpoint.keys import logical_models
+    from megatron_hetero.checkpoint.loadable import read_torch_files
+    from megatron_hetero.checkpoint.records import spec_record
 
-    d, state = ckpt.read_train_state(root)
-    ckpt.verify_manifest(d, state)
-    ckpt.read_torch_files(d, state)  # the ranks' restricted unpicklers, here first: a bad file stops the job now
+    d, state = read_train_state(root)
+    verify_manifest(d, state)
+    read_torch_files(d, state)  # the ranks' restricted unpicklers, here first: a bad file stops the job now
     problems = []
-    saved, now = state.get("model") or {}, ckpt.spec_record(job.spec)
+    saved, now = state.get("model") or {}, spec_record(job.spec)
     diffs = [
         f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
         for k in sorted(set(now) | set(saved))
@@ -40,9 +43,9 @@ def check_converted(root: str | Path, layout, job) -> int:
     ]
     if diffs:
         problems.append("the model differs (" + "; ".join(diffs) + "); give no model flags to build the recorded one")
-    models, have = set(state.get("modules", {})), set(ckpt.logical_models(layout))
+    models, have = set(state.get("modules", {})), set(logical_models(layout))
     if not have <= models:
         problems.append(f"the checkpoint holds the models {sorted(models)}, this layout has {sorted(have)}")
     if problems:
-        raise ValueError(f"--load {root} (converted weights, {d / ckpt.STATE_FILE}): " + "; ".join(problems))
+        raise ValueError(f"--load {root} (converted weights, {d / STATE_FILE}): " + "; ".join(problems))
     return 0

@@ -45,13 +45,15 @@ def run(args: argparse.Namespace) -> int:
 
     quiet_upstream_warnings()
     from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
+    from megatron_hetero.checkpoint.loadable import read_torch_files
 
     root, iteration = _locate(args.dir, args.iteration)
     from megatron_hetero.checkpoint.files import saves
 
-    d, state = ckpt.read_train_state(root, iteration)
-    ckpt.verify_manifest(d, state)
-    ckpt.read_torch_files(d, state)
+    d, state = read_train_state(root, iteration)
+    verify_manifest(d, state)
+    read_torch_files(d, state)
     incomplete = [str(p) for _, p in saves(root)[1]]
     models = {}
     for name in sorted(state.get("modules", {})):

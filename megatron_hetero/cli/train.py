@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         check_world_size(env, layout.world_size)
     validate_job(layout, job)  # before anything is printed or started
     if job.load and (env is None or env.rank == 0):
-        from megatron_hetero.checkpoint.save_load import load_note
+        from megatron_hetero.checkpoint.loadable import load_note
 
         note = load_note(job.load, job.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
         if note:

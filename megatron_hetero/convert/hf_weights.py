@@ -12,7 +12,7 @@ mis-shaped tensor named with both shapes); (3) only then are tensors read (safet
 mapped; pickle files are never opened), fused into Megatron-core's layouts and loaded into the
 modules, built in this process as a world of one (gloo, TP1/PP1: whole tensors); (4) each logical
 model (`vision` with its projector, `language`) is saved with `dist_checkpointing` under the same
-layout-independent global keys `train --save` uses (`checkpoint.save_load.model_sharded_state_dict`),
+layout-independent global keys `train --save` uses (`checkpoint.sharded.model_sharded_state_dict`),
 so `train --load DIR` reads it under ANY layout. The projector is LLaVA's
 `multi_modal_projector.linear_1/2` from `--projector FILE.safetensors`, or else the family's own
 deterministic initialisation (LLaVA stage 1 trains it from scratch).
@@ -286,25 +286,26 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
 
     from megatron_hetero.layout.yaml_io import dump_layout
     from megatron_hetero.checkpoint import save_load as ckpt
-    from megatron_hetero.checkpoint.files import publish, stage_dir, write_train_state
+    from megatron_hetero.checkpoint.keys import logical_models
+    from megatron_hetero.checkpoint.records import spec_record
+    from megatron_hetero.checkpoint.sharded import model_sharded_state_dict
+    from megatron_hetero.checkpoint.files import FORMAT, LAYOUT_FILE, publish, stage_dir, write_train_state
 
     ckpt._writer_results_in_process()
     d = stage_dir(root, 0)
     d.mkdir(parents=True)
-    logical = ckpt.logical_models(layout)
+    logical = logical_models(layout)
     for name in sorted(logical):
         sd = {}
         for mod in logical[name]:
-            sd.update(
-                {f"{mod}.model.{k}": v for k, v in ckpt.model_sharded_state_dict(states[mod], layout, spec).items()}
-            )
+            sd.update({f"{mod}.model.{k}": v for k, v in model_sharded_state_dict(states[mod], layout, spec).items()})
         (d / name).mkdir()
         dist_checkpointing.save(sd, str(d / name))
     for name, cfg in configs.items():
         (d / HF_DIR / name).mkdir(parents=True)
         (d / HF_DIR / name / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     text = dump_layout(layout)
-    (d / ckpt.LAYOUT_FILE).write_text(text)
+    (d / LAYOUT_FILE).write_text(text)
     models = {
         name: {
             "layout_modules": mods,
@@ -317,7 +318,7 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
         for name, mods in logical.items()
     }
     state = {
-        "format": ckpt.FORMAT,
+        "format": FORMAT,
         "iteration": 0,
         "origin": ORIGIN,
         "converted_from": origin,
@@ -327,7 +328,7 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
         "world_size": 1,
         "layout": text,
         "layout_dict": layout.to_dict(),
-        "model": ckpt.spec_record(spec),
+        "model": spec_record(spec),
         "modules": models,
     }
     return publish(root, 0, d, write_train_state(d, state))
@@ -345,9 +346,10 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     from megatron_hetero.models import hf_names
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
 
-    d, state = ckpt.read_train_state(root)
-    ckpt.verify_manifest(d, state)
+    d, state = read_train_state(root)
+    verify_manifest(d, state)
     spec = LlavaSpec.from_record(state.get("model") or {})
     hf_config.check_hf_expressible(spec)
     encoders = [n for n, e in spec.encoders.items() if e.kind == "clip"]

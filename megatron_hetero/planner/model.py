@@ -134,7 +134,7 @@ class LlavaSpec:
 
     @classmethod
     def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
-        """The spec a checkpoint recorded (`checkpoint.save_load.spec_record`); ValueError naming an
+        """The spec a checkpoint recorded (`checkpoint.records.spec_record`); ValueError naming an
         unknown field (a checkpoint of a newer model family)."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(record) - known)

@@ -56,7 +56,7 @@ def recorded_spec(args: Any, spec):
 
     if not args.load or sizes_given(args) or arch_flags_given(args):
         return spec
-    from megatron_hetero.checkpoint.save_load import read_train_state
+    from megatron_hetero.checkpoint.files import read_train_state
 
     record = read_train_state(args.load)[1].get("model")
     if not isinstance(record, dict):

@@ -108,7 +108,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     if job.load_fallback and not job.load:
         raise ValueError("--load-fallback needs --load DIR")
     if job.load:
-        from megatron_hetero.checkpoint.save_load import check_loadable
+        from megatron_hetero.checkpoint.loadable import check_loadable
         from megatron_hetero.checkpoint.pretrained import check_converted, is_converted
 
         (check_converted if is_converted(job.load) else check_loadable)(job.load, layout, job)

@@ -60,13 +60,14 @@ def saved(tmp_path_factory, megatron_compat):
 def test_layout_of_checkpoint_and_global_keys(saved):
     root, _ = saved
     from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER, read_train_state
 
-    marker = (root / ckpt.TRACKER).read_text().splitlines()
+    marker = (root / TRACKER).read_text().splitlines()
     assert (
         marker[0] == "2"
-        and marker[1] == "sha256 " + hashlib.sha256((root / "iter_0000002" / ckpt.STATE_FILE).read_bytes()).hexdigest()
+        and marker[1] == "sha256 " + hashlib.sha256((root / "iter_0000002" / STATE_FILE).read_bytes()).hexdigest()
     )
-    d, state = ckpt.read_train_state(root)
+    d, state = read_train_state(root)
     assert d == root / "iter_0000002"
     assert sorted(p.name for p in d.iterdir()) == ["language", "layout.yaml", "rng", "train_state.json", "vision"]
     assert state["iteration"] == 2 and state["consumed_samples"] == 16
@@ -331,9 +332,9 @@ def test_frozen_modules_resume_and_unfreeze(tmp_path):
     root = tmp_path / "s1"
     full = losses(run_job(stage1, 2, JOB))
     run_job(stage1, 2, dataclasses.replace(JOB, train_iters=2, save=str(root), save_interval=2))
-    from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint.files import read_train_state
 
-    _, state = ckpt.read_train_state(root)
+    _, state = read_train_state(root)
     assert state["modules"]["language"]["optimizer"] is None and state["modules"]["vision"]["optimizer"] == "adam"
     assert losses(run_job(stage1, 2, dataclasses.replace(JOB, load=str(root)))) == full[2:]
     stage2 = {**stage1, "modules": {"vision": {"dp": 2, "frozen": True}, "language": {"tp": 2}}}

@@ -142,7 +142,7 @@ def test_ranks_read_through_the_restricted_unpickler(base, tmp_path, monkeypatch
     """Past the launcher's checks (skipped here), the ranks' own reads refuse a crafted `.metadata`;
     a sharded-object file added (and forged into the manifest) is never read."""
     from megatron_hetero.runtime.launcher import RankFailure
-    from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint import loadable
 
     root = _copy(base, tmp_path)
     marker = tmp_path / "PAYLOAD_RAN"
@@ -158,7 +158,7 @@ def test_ranks_read_through_the_restricted_unpickler(base, tmp_path, monkeypatch
     md.storage_meta.modules = [Payload(marker)]
     (d / "rng" / ".metadata").write_bytes(pickle.dumps(md))
     _reseal(root)
-    monkeypatch.setattr(ckpt, "read_torch_files", lambda d, state: None)
+    monkeypatch.setattr(loadable, "read_torch_files", lambda d, state: None)
     with pytest.raises(RankFailure) as info:
         run_job(COLOC_TP2, 2, dataclasses.replace(JOB, load=str(root)))
     assert f"checkpoint file {d / 'rng' / '.metadata'} is refused: it names builtins.exec" in str(info.value)
@@ -174,7 +174,7 @@ def _flip(path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.checkpoint.save_load import check_loadable
+    from megatron_hetero.checkpoint.loadable import check_loadable
 
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     files = sorted(p.relative_to(base) for p in base.rglob("*") if p.is_file() and "iter_0000001" not in p.parts)
@@ -253,6 +253,7 @@ def test_killed_save_leaves_the_previous_checkpoint(base, tmp_path, monkeypatch,
     from megatron_hetero.runtime.launcher import RankFailure
     from megatron_hetero.checkpoint import save_load as ckpt
     from megatron_hetero.checkpoint import files as cf
+    from megatron_hetero.checkpoint.loadable import check_loadable
 
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     roots = {}
@@ -277,11 +278,11 @@ def test_killed_save_leaves_the_previous_checkpoint(base, tmp_path, monkeypatch,
                 match=r"the newest save, .*iter_0000003\.saving, is incomplete.*"
                 r"pass --load-fallback",
             ):
-                ckpt.check_loadable(root, layout, JOB)
-            assert ckpt.check_loadable(root, layout, dataclasses.replace(JOB, load_fallback=True)) == 2
+                check_loadable(root, layout, JOB)
+            assert check_loadable(root, layout, dataclasses.replace(JOB, load_fallback=True)) == 2
         else:
             assert (root / "iter_0000003" / cf.STATE_FILE).is_file()
-            assert ckpt.check_loadable(root, layout, JOB) == 2
+            assert check_loadable(root, layout, JOB) == 2
     capsys.readouterr()
     lay = _layout_file(tmp_path)
     incomplete = roots["files written"]

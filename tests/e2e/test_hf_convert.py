@@ -144,7 +144,8 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.runtime.topology import Topology
-    from megatron_hetero.checkpoint.save_load import load_checkpoint, read_train_state
+    from megatron_hetero.checkpoint.files import read_train_state
+    from megatron_hetero.checkpoint.save_load import load_checkpoint
     from megatron_hetero.training.setup import build_module
 
     ensure_global_memory_buffer()
