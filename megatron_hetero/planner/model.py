@@ -14,7 +14,7 @@ flag carry its name and help (`layout.flags`): the model flags every subcommand 
 - the cost model's workload (`workload`): one `planner.workload.ModelSpec` per module, sized from it;
 - the benchmarks' models: instances of it (`bench/planner.py`).
 
-A checkpoint records a LlavaSpec (`checkpoint.save_load.spec_record`; `LlavaSpec.from_record` reads
+A checkpoint records a LlavaSpec (`checkpoint.records.spec_record`; `LlavaSpec.from_record` reads
 it back). Pure: no torch (the planner and the CLI's parsers import it).
 """
 
