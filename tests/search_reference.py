@@ -15,7 +15,9 @@ from megatron_hetero.layout.degrees import Degrees
 from megatron_hetero.planner.cost import evaluate
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.heteropipe import PipelinePlan, StageCost, StagePlan, enumerate_pipelines
-from megatron_hetero.planner.search import SearchSpace, _chains, _layouts
+from megatron_hetero.planner.search_disjoint import _chains
+from megatron_hetero.planner.search_rows import _layouts
+from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import Candidate, Segment, Workload
 
 

@@ -1,11 +1,11 @@
 """The cost model against traces, term by term (`python -m megatron_hetero.bench.cost_check`).
 
-For each configuration of the planner benchmark (`bench/planner.py` CONFIGS) at one world size, the
-tiny model is trained with tracing on (`runtime/trace.py`, the job's `trace` file) for `warmup + iters`
-steps; each rank's spans are cut into steps at its optimizer spans and reduced to *exclusive* time
-per kind (a span's time minus the spans nested in it: the colocated boundary's backward holds the
-encoder's backward, the language phase holds the micro-batches). Measured terms, mean over ranks,
-median over the kept steps:
+For each configuration of the planner benchmark (`bench/planner_configs.py` CONFIGS) at one world
+size, the tiny model is trained with tracing on (`runtime/trace.py`, the job's `trace` file) for
+`warmup + iters` steps; each rank's spans are cut into steps at its optimizer spans and reduced to
+*exclusive* time per kind (a span's time minus the spans nested in it: the colocated boundary's
+backward holds the encoder's backward, the language phase holds the micro-batches). Measured terms,
+mean over ranks, median over the kept steps:
 
     compute   encoder-forward/backward + llm-forward/backward (TP and CP collectives run inside)
     boundary  colocated boundary calls
@@ -127,6 +127,8 @@ def traced_run(layout, model, steps: int, micro_batch_size: int, timeout: float 
 def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Optional[list] = None) -> dict[str, Any]:
     """Measure the configurations of `world` with traces, compare term by term (module docstring)."""
     from megatron_hetero.bench import planner as PL
+    from megatron_hetero.bench import candidate as CA
+    from megatron_hetero.bench import planner_configs as PC
     from megatron_hetero.compat import require_compat
     from megatron_hetero.planner import cost as C
     from megatron_hetero.planner import profile_fit as F
@@ -136,23 +138,23 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
 
     quiet_upstream_warnings()
     require_compat("bench.cost_check.run")
-    model = PL.BenchModel()
+    model = PC.BenchModel()
     spec = model.spec
     if profile is None:
         profile = F.fit_profile(T.measure(world, PL.bench_grid(), rounds=1, quiet_wait_s=0.0, tries=1))
     rows = []
-    for w, doc in configs if configs is not None else PL.CONFIGS:
+    for w, doc in configs if configs is not None else PC.CONFIGS:
         if w != world:
             continue
-        lay = PL.resolve(doc, w)
+        lay = PC.resolve(doc, w)
         trace, times = traced_run(lay, model, warmup + iters, model.micro_batch_size)
         meas = measured_terms(trace, times, warmup)
-        wl = workload(spec, model.global_batch_size, PL.cost_micro_batch(lay, spec, model.micro_batch_size))
-        mod = model_terms(C.evaluate(PL.candidate_for(lay, spec), wl, profile))
+        wl = workload(spec, model.global_batch_size, CA.cost_micro_batch(lay, spec, model.micro_batch_size))
+        mod = model_terms(C.evaluate(CA.candidate_for(lay, spec), wl, profile))
         rows.append(
             {
-                "layout": PL.describe(lay),
-                "kind": PL.kind_of(lay, spec),
+                "layout": PC.describe(lay),
+                "kind": CA.kind_of(lay, spec),
                 "measured": meas,
                 "model": mod,
                 "error": {t: (mod[t] - meas[t]) / meas["step"] for t in TERMS},

@@ -42,9 +42,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
-from megatron_hetero.bench.planner import BenchModel, _colo, candidate_for, describe, resolve
+from megatron_hetero.bench.candidate import candidate_for
+from megatron_hetero.bench.planner_configs import BenchModel, _colo, describe, resolve
 from megatron_hetero.planner import search as S
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, workload
+from megatron_hetero.planner import search_space as SP
 
 WORLD = 4
 
@@ -61,10 +63,10 @@ class E2EWorkload:
     why: str
     search_pp: tuple = (1, 2)
 
-    def space(self) -> S.SearchSpace:
+    def space(self) -> SP.SearchSpace:
         m = self.model
         enc_tp = tuple(t for t in (1, 2, 4) if t <= WORLD and m.encoder.num_attention_heads % t == 0)
-        return S.SearchSpace(
+        return SP.SearchSpace(
             placements=("colocated", "disjoint"),
             tp=(self.llm_tp,),
             cp=(self.llm_cp,),
@@ -422,7 +424,7 @@ def run(
 
 
 def _cost_mbs(layout, spec, mbs: int) -> int:
-    from megatron_hetero.bench.planner import cost_micro_batch
+    from megatron_hetero.bench.candidate import cost_micro_batch
 
     return cost_micro_batch(layout, spec, mbs)
 

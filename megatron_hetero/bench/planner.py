@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -36,166 +35,11 @@ from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import cost as C
 from megatron_hetero.planner import search as S
+from megatron_hetero.planner import search_space as SP
 from megatron_hetero.planner.hardware import Profile
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, flag_values, workload
-from megatron_hetero.planner.workload import Candidate, Segment
-
-WORLDS = (4, 8)
-
-
-@dataclass(frozen=True)
-class BenchModel:
-    """The benchmark's model (the model's description, `planner.model.LlavaSpec`: the tiny model
-    with 4 language-model layers, one `vision` encoder) and batch (train's flags)."""
-
-    spec: LlavaSpec = field(default_factory=lambda: LlavaSpec(num_layers=4))
-    global_batch_size: int = 16
-    micro_batch_size: int = 2
-
-    @property
-    def encoder(self) -> EncoderSpec:
-        (e,) = self.spec.encoders.values()
-        return e
-
-    def resized(self, **sizes) -> "BenchModel":
-        """This model with some of train's size flags changed (by dest: num_layers, encoder_tokens, ...)."""
-        from types import SimpleNamespace
-
-        from megatron_hetero.planner.model import spec_from_flags
-
-        unknown = set(sizes) - set(flag_values(self.spec, keep_none=True))
-        assert not unknown, f"not size flags: {sorted(unknown)}"
-        args = SimpleNamespace(**{**flag_values(self.spec, keep_none=True), **sizes})
-        return dataclasses.replace(self, spec=spec_from_flags(args))
-
-    def to_dict(self) -> dict:
-        """The model as train's flags (`planner.model.flag_values`) and the batch."""
-        return {
-            **flag_values(self.spec),
-            "global_batch_size": self.global_batch_size,
-            "micro_batch_size": self.micro_batch_size,
-        }
-
-    def job(self, train_iters: int):
-        from megatron_hetero.training.config import JobConfig
-
-        return JobConfig(
-            spec=self.spec,
-            global_batch_size=self.global_batch_size,
-            micro_batch_size=self.micro_batch_size,
-            train_iters=train_iters,
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Runtime layout / model -> cost model candidate / workload
-# ---------------------------------------------------------------------------------------------
-def cost_micro_batch(layout: HeteroLayout, spec, micro_batch_size: int) -> int:
-    """The cost model's `Workload.micro_batch` (samples per replica of the largest language DP) of a
-    run with `train --micro-batch-size` (samples per rank of the first language module)."""
-    from megatron_hetero.models.llava import language_modules
-
-    langs = language_modules(layout, spec)
-    if layout.placement != "disjoint":
-        return micro_batch_size
-    samples = micro_batch_size * langs[0].dp  # one micro-batch of the disjoint schedule
-    top = max(m.dp for m in langs)
-    if samples % top:
-        raise ValueError(f"a micro-batch of {samples} samples does not split over dp({top})")
-    return samples // top
-
-
-def kind_of(layout: HeteroLayout, spec) -> str:
-    """'homogeneous' (colocated, every module on the same degrees), 'colocated' or 'disjoint'."""
-    if layout.placement == "disjoint":
-        return "disjoint"
-    degrees = {(m.tp, m.cp, m.pp, m.dp) for m in layout.modules}
-    return "homogeneous" if len(degrees) == 1 else "colocated"
-
-
-def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> Candidate:
-    """The cost model's candidate of what the runtime executes for `layout`. A homogeneous layout
-    runs on the colocated three-phase schedule, so it is costed as a colocated candidate."""
-    from megatron_hetero.models.llava import language_modules, segment_layers
-
-    langs = language_modules(layout, spec)
-    encs = [m for m in layout.modules if m.name in spec.encoders]
-    if len(encs) != 1:
-        raise ValueError(f"the cost model takes one encoder; the layout has {[m.name for m in encs]}")
-    e = encs[0]
-    enc = Segment(e.par, spec.encoders[e.name].num_layers)
-    segs = tuple(Segment(m.par, segment_layers(m, spec).size) for m in langs)
-    if layout.placement == "disjoint":
-        return Candidate("disjoint", enc, segs, encoder_ranks=e.size)
-    return Candidate("colocated", enc, segs, offload=offload)
-
-
-# ---------------------------------------------------------------------------------------------
-# Configurations
-# ---------------------------------------------------------------------------------------------
-def _colo(enc: dict, llm: dict) -> dict:
-    return {"placement": "colocated", "modules": {"vision": enc, "language": llm}, "edges": ["vision -> language"]}
-
-
-def _dis(enc: dict, *llm: dict) -> dict:
-    if len(llm) == 1:
-        return {
-            "placement": "disjoint",
-            "modules": {"vision": enc, "language": llm[0]},
-            "edges": ["vision -> language"],
-        }
-    mods = {"vision": enc, "language_a": llm[0], "language_b": llm[1]}
-    return {"placement": "disjoint", "modules": mods, "edges": ["vision -> language_a", "language_a -> language_b"]}
-
-
-def _homo(d: dict) -> dict:
-    return _colo(dict(d), dict(d))
-
-
-#: (world, layout document); the benchmark model has 4 LLM layers (heads 4) and 2 encoder layers.
-CONFIGS: list[tuple[int, dict]] = [
-    # world 4
-    (4, _homo({"dp": 4})),
-    (4, _homo({"tp": 2, "dp": 2})),
-    (4, _homo({"pp": 2, "dp": 2})),
-    (4, _homo({"tp": 4})),
-    (4, _colo({"dp": 4}, {"tp": 2, "dp": 2})),
-    (4, _colo({"dp": 4}, {"pp": 2, "dp": 2})),
-    (4, _colo({"dp": 4}, {"cp": 2, "dp": 2})),
-    (4, _colo({"tp": 2, "dp": 2}, {"dp": 4})),
-    (4, _dis({"dp": 2}, {"dp": 2})),
-    (4, _dis({"dp": 2}, {"pp": 2})),
-    (4, _dis({"tp": 2}, {"tp": 2})),
-    (4, _dis({"pp": 2}, {"dp": 2})),
-    # world 8
-    (8, _homo({"dp": 8})),
-    (8, _homo({"tp": 2, "dp": 4})),
-    (8, _homo({"tp": 2, "pp": 2, "dp": 2})),
-    (8, _homo({"pp": 2, "dp": 4})),
-    (8, _colo({"dp": 8}, {"tp": 2, "pp": 2, "dp": 2})),
-    (8, _colo({"dp": 8}, {"tp": 2, "dp": 4})),
-    (8, _colo({"dp": 8}, {"cp": 2, "dp": 4})),
-    (8, _colo({"tp": 2, "dp": 4}, {"dp": 8})),
-    (8, _dis({"dp": 4}, {"tp": 2, "dp": 2})),
-    (8, _dis({"dp": 4}, {"dp": 4})),
-    (8, _dis({"dp": 4}, {"pp": 2, "dp": 2})),
-    (8, _dis({"dp": 2}, {"tp": 2, "layers": "0-1"}, {"tp": 2, "pp": 2, "layers": "2-3"})),
-    (8, _dis({"dp": 2}, {"tp": 2, "layers": "0-1"}, {"tp": 2, "dp": 2, "layers": "2-3"})),
-]
-
-
-def resolve(doc: dict, world: int) -> HeteroLayout:
-    from megatron_hetero.layout import layout_from_dict
-
-    return layout_from_dict(doc, world_size=world)
-
-
-def describe(layout: HeteroLayout) -> str:
-    parts = []
-    for m in layout.modules:
-        deg = "·".join(f"{k.upper()}{getattr(m, k)}" for k in ("tp", "cp", "pp", "dp") if getattr(m, k) > 1) or "DP1"
-        parts.append(f"{m.name} {deg}@{m.ranks}")
-    return ", ".join(parts)
+from megatron_hetero.bench.candidate import candidate_for, cost_micro_batch, kind_of
+from megatron_hetero.bench.planner_configs import CONFIGS, WORLDS, BenchModel, describe, resolve
+from megatron_hetero.planner.model import workload
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,10 +92,10 @@ def bench_grid():
     )
 
 
-def runtime_space(world: int, model: BenchModel) -> S.SearchSpace:
+def runtime_space(world: int, model: BenchModel) -> SP.SearchSpace:
     """The search space of the benchmark: the degrees the tiny model allows, layouts the runtime runs."""
     tps = tuple(t for t in (1, 2, 4, 8) if t <= world and model.spec.num_attention_heads % t == 0)
-    return S.SearchSpace(
+    return SP.SearchSpace(
         placements=("colocated", "disjoint"),
         tp=tps,
         cp=(1, 2),
@@ -270,7 +114,7 @@ def _key(layout: HeteroLayout) -> str:
     return json.dumps(layout.to_dict(), sort_keys=True)
 
 
-def search_pick(world: int, model: BenchModel, prof: Profile, top: int = 5) -> S.SearchResult:
+def search_pick(world: int, model: BenchModel, prof: Profile, top: int = 5) -> SP.SearchResult:
     """The search over the runtime's layouts of the benchmark model at `world` ranks."""
     wl = workload(model.spec, model.global_batch_size, model.micro_batch_size)
     return S.search(wl, prof, world, memory_limit=float("inf"), space=runtime_space(world, model), top=top)

@@ -310,7 +310,7 @@ def regime_markdown(rows: list) -> str:
 
 
 def _space(args):
-    from megatron_hetero.planner.search import SearchSpace
+    from megatron_hetero.planner.search_space import SearchSpace
 
     placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
     runtime = not (args.all_layouts or args.regime_table)  # the regime table studies the whole space

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from megatron_hetero.planner.hardware import Profile
-from megatron_hetero.planner.search import SearchSpace, search
+from megatron_hetero.planner.search import search
+from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import ModelSpec, Workload
 
 # Encoders: ViT-style, 1024 patches per image (448 px / 14 px patches), non-gated MLP 4h.

@@ -1,5 +1,6 @@
 """`megatron-hetero profile`, the planner benchmark and search -> train (planner/profile_fit.py,
-profiling/kernels.py, profiling/run.py, bench/planner.py, the runtime space of planner/search.py).
+profiling/kernels.py, profiling/run.py, bench/planner.py, bench/planner_configs.py, bench/candidate.py,
+the runtime space of planner/search.py).
 
 Timings are not asserted (they depend on the machine and on whatever else runs on it): the profile
 must fit and round-trip, the planner benchmark must produce its document, and every layout the
@@ -19,13 +20,17 @@ import yaml
 import search_reference as R
 from megatron_hetero import cli
 from megatron_hetero.bench import planner as B
+from megatron_hetero.bench import candidate as CA
+from megatron_hetero.bench import planner_configs as PC
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.planner import cost as C
 from megatron_hetero.planner import cost_terms as CT
 from megatron_hetero.planner import hardware as HW
 from megatron_hetero.planner import profile_fit as F
 from megatron_hetero.planner import search as S
+from megatron_hetero.planner import search_space as SP
 from megatron_hetero.planner import workload as W
+from megatron_hetero.planner.model import workload
 from megatron_hetero.profiling import run as T
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,11 +152,11 @@ def test_profile_json_with_extra_terms_round_trips(tmp_path) -> None:
 # cost model on a measured-style profile
 # ------------------------------------------------------------------------------------------
 def test_shared_profile_step_is_work_or_uncontended_critical_path() -> None:
-    model = B.BenchModel()
-    wl = B.workload(model.spec, model.global_batch_size, model.micro_batch_size)
+    model = PC.BenchModel()
+    wl = workload(model.spec, model.global_batch_size, model.micro_batch_size)
     shared, own = _synthetic(True), _synthetic(False)
-    for w, doc in B.CONFIGS:
-        cand = B.candidate_for(B.resolve(doc, w), model.spec)
+    for w, doc in PC.CONFIGS:
+        cand = CA.candidate_for(PC.resolve(doc, w), model.spec)
         a, b = C.evaluate(cand, wl, shared), C.evaluate(cand, wl, own)
         parts = a.compute + a.tp_comm + a.cp_comm + a.pp_comm + a.dp_comm + a.boundary + a.offload + a.optimizer
         assert a.bubble >= -1e-12 and parts + a.bubble == pytest.approx(a.total, rel=1e-12)
@@ -192,8 +197,8 @@ def test_shared_step_from_the_runnable_ranks() -> None:
 
 
 def test_overheads_land_where_the_runtime_does_the_work() -> None:
-    prof, model = _synthetic(False), B.BenchModel()
-    wl = B.workload(model.spec, model.global_batch_size, model.micro_batch_size)
+    prof, model = _synthetic(False), PC.BenchModel()
+    wl = workload(model.spec, model.global_batch_size, model.micro_batch_size)
     bare = HW.Profile(
         prof.layers, prof.links, prof.devices_per_node, prof.memory_bytes, prof.host_bandwidth, prof.collectives, "bare"
     )
@@ -225,20 +230,20 @@ def test_overheads_land_where_the_runtime_does_the_work() -> None:
 # layout <-> cost model mapping
 # ------------------------------------------------------------------------------------------
 def test_workload_and_candidate_mapping_is_consistent() -> None:
-    model = B.BenchModel()
+    model = PC.BenchModel()
     spec = model.spec
-    wl = B.workload(spec, model.global_batch_size, model.micro_batch_size)
+    wl = workload(spec, model.global_batch_size, model.micro_batch_size)
     assert (wl.llm.num_layers, wl.llm.hidden, wl.llm.heads, wl.llm.seq, wl.llm.vocab) == (4, 64, 4, 32, 128)
     assert (wl.encoder.num_layers, wl.encoder.hidden, wl.encoder.seq, wl.encoder.kind) == (2, 32, 8, "encoder")
     assert wl.llm.ffn_hidden == 4 * 64 and wl.dtype_bytes == 4 and not wl.distributed_optimizer
     assert wl.global_batch == 16 and wl.micro_batch == 2 and wl.image_tokens == 8
     kinds = set()
-    for w, doc in B.CONFIGS:
-        lay = B.resolve(doc, w)
-        cand = B.candidate_for(lay, spec)
-        kinds.add(B.kind_of(lay, spec))
+    for w, doc in PC.CONFIGS:
+        lay = PC.resolve(doc, w)
+        cand = CA.candidate_for(lay, spec)
+        kinds.add(CA.kind_of(lay, spec))
         assert cand.world_size == w == lay.world_size
-        wl_c = B.workload(spec, model.global_batch_size, B.cost_micro_batch(lay, spec, model.micro_batch_size))
+        wl_c = workload(spec, model.global_batch_size, CA.cost_micro_batch(lay, spec, model.micro_batch_size))
         # the cost model's micro-batch count is the runtime's: G / (dp of the first language module * mbs)
         assert W.check_candidate(cand, wl_c) == model.global_batch_size // (model.micro_batch_size * cand.llm[0].dp)
         assert S.train_micro_batch_size(cand, wl_c) == model.micro_batch_size
@@ -253,7 +258,7 @@ def test_workload_and_candidate_mapping_is_consistent() -> None:
             assert cand.placement == "colocated"  # homogeneous layouts run on the colocated schedule
             assert cand.to_layout() == lay
     assert kinds == {"homogeneous", "colocated", "disjoint"}
-    assert sum(1 for w, _ in B.CONFIGS if w == 4) >= 10 and sum(1 for w, _ in B.CONFIGS if w == 8) >= 10
+    assert sum(1 for w, _ in PC.CONFIGS if w == 4) >= 10 and sum(1 for w, _ in PC.CONFIGS if w == 8) >= 10
 
 
 # ------------------------------------------------------------------------------------------
@@ -276,9 +281,9 @@ def _runtime_accepts(layout, job) -> None:
 
 @pytest.mark.parametrize("world", [4, 6, 8])
 def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
-    model = B.BenchModel(global_batch_size=24 if world == 6 else 16)
+    model = PC.BenchModel(global_batch_size=24 if world == 6 else 16)
     spec = model.spec
-    wl = B.workload(spec, model.global_batch_size, model.micro_batch_size)
+    wl = workload(spec, model.global_batch_size, model.micro_batch_size)
     space = B.runtime_space(world, model)
     cands = [c for _, c in R.brute_force(wl, _synthetic(True), world, float("inf"), space)]
     assert {c.placement for c in cands} == {"colocated", "disjoint"}
@@ -306,7 +311,7 @@ def test_every_runtime_candidate_is_accepted_by_train(world) -> None:
             _synthetic(True),
             world,
             float("inf"),
-            S.SearchSpace(
+            SP.SearchSpace(
                 tp=space.tp, cp=space.cp, pp=(1, 2, 3), encoder_tp=space.encoder_tp, encoder_pp=(1, 2), offload=(False,)
             ),
         )
@@ -323,7 +328,7 @@ def test_runtime_space_vectorized_search_equals_brute_force(world, prune) -> Non
     enc = W.ModelSpec("vision", 4, 1024, 4096, 16, 256, kind="encoder")
     llm = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
     wl = W.Workload(enc, llm, global_batch=48, micro_batch=1)
-    space = S.SearchSpace(
+    space = SP.SearchSpace(
         tp=(1, 2, 4),
         cp=(1, 2),
         pp=(1, 2, 3, 4),
@@ -345,8 +350,8 @@ def test_runtime_space_vectorized_search_equals_brute_force(world, prune) -> Non
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_search_equals_brute_force_on_measured_style_profiles(shared) -> None:
-    model = B.BenchModel()
-    wl = B.workload(model.spec, model.global_batch_size, model.micro_batch_size)
+    model = PC.BenchModel()
+    wl = workload(model.spec, model.global_batch_size, model.micro_batch_size)
     prof = _synthetic(shared)
     space = B.runtime_space(8, model)
     res = S.search(wl, prof, 8, float("inf"), space, top=5)
@@ -449,7 +454,7 @@ def test_search_out_yaml_trains_directly(tmp_path, capsys, megatron_compat) -> N
 # ------------------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
 def test_planner_benchmark_smoke(tmp_path) -> None:
-    configs = [(4, B._homo({"dp": 4})), (4, B._dis({"dp": 2}, {"dp": 2}))]
+    configs = [(4, PC._homo({"dp": 4})), (4, PC._dis({"dp": 2}, {"dp": 2}))]
     doc = B.run(
         tmp_path,
         iters=2,

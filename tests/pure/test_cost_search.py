@@ -34,6 +34,7 @@ from megatron_hetero.planner import hardware as HW
 from megatron_hetero.planner import heteropipe as H
 from megatron_hetero.planner import presets as PR
 from megatron_hetero.planner import search as S
+from megatron_hetero.planner import search_space as SP
 from megatron_hetero.planner import workload as W
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def prof(hw) -> HW.Profile:
 
 SMALL_ENC = W.ModelSpec("vision", 6, 1024, 4096, 16, 256, kind="encoder")
 SMALL_LLM = W.ModelSpec("language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True)
-SMALL_SPACE = S.SearchSpace(tp=(1, 2, 4), cp=(1, 2), pp=(1, 2, 3, 4), encoder_tp=(1, 2), encoder_pp=(1, 2))
+SMALL_SPACE = SP.SearchSpace(tp=(1, 2, 4), cp=(1, 2), pp=(1, 2, 3, 4), encoder_tp=(1, 2), encoder_pp=(1, 2))
 TINYLLAMA = W.ModelSpec("tinyllama", 22, 2048, 5632, 32, 2048, vocab=32000, gated=True)
 SEED_STRATEGIES = [Degrees(tp=1, dp=4), Degrees(tp=2, dp=2), Degrees(tp=4, dp=1)]
 #: `_candidates()` on the H100 description, images_per_sample=2 (the homogeneous and disjoint ones,
@@ -576,13 +577,13 @@ def test_memory_limit_excludes_candidates(prof) -> None:
 def test_two_segment_llm_is_searched(prof) -> None:
     # an LLM whose best split uses two different TP/DP segments can only be reached with max_segments=2
     wl = W.Workload(SMALL_ENC, SMALL_LLM, global_batch=32)
-    space = S.SearchSpace(
+    space = SP.SearchSpace(
         placements=("disjoint",), tp=(1, 2, 4), cp=(1,), pp=(1, 2), encoder_tp=(1, 2), encoder_pp=(1,)
     )
     res = S.search(wl, prof, 10, None, space, top=500, prune=False)
     segs = {len(r.candidate.llm) for r in res.ranked}
     assert segs == {1, 2}
-    one = S.search(wl, prof, 10, None, S.SearchSpace(**{**space.__dict__, "max_segments": 1}), top=5)
+    one = S.search(wl, prof, 10, None, SP.SearchSpace(**{**space.__dict__, "max_segments": 1}), top=5)
     assert all(len(r.candidate.llm) == 1 for r in one.ranked)
     assert res.best.breakdown.total <= one.best.breakdown.total
 
@@ -619,7 +620,7 @@ def test_search_input_errors(prof) -> None:
     with pytest.raises(ValueError, match="world size"):
         S.search(wl, prof, 0)
     with pytest.raises(ValueError, match="unknown placements"):
-        S.search(wl, prof, 8, space=S.SearchSpace(placements=("sideways",)))
+        S.search(wl, prof, 8, space=SP.SearchSpace(placements=("sideways",)))
     with pytest.raises(ValueError, match="positive integer"):
         W.ModelSpec("x", 0, 1, 1, 1, 1)
 

@@ -348,6 +348,7 @@ def test_cost_prices_expert_memory_and_dispatch():
 
 def test_search_picks_ep_when_experts_do_not_fit():
     from megatron_hetero.planner import search as S
+    from megatron_hetero.planner import search_space as SP
     from megatron_hetero.planner.cost import evaluate
 
     W, prof, enc, moe = _cost_setup()
@@ -355,7 +356,7 @@ def test_search_picks_ep_when_experts_do_not_fit():
         "language", 8, 2048, 5632, 16, 2048, vocab=32000, gated=True, num_experts=64, moe_topk=2, moe_ffn_hidden=5632
     )
     wl = W.Workload(encoder=enc, llm=big, global_batch=64)
-    space = S.SearchSpace(placements=("colocated",), tp=(1, 2), cp=(1,), pp=(1, 2), encoder_tp=(1,), encoder_pp=(1,))
+    space = SP.SearchSpace(placements=("colocated",), tp=(1, 2), cp=(1,), pp=(1, 2), encoder_tp=(1,), encoder_pp=(1,))
     ep1 = evaluate(
         W.Candidate("colocated", W.Segment.of(1, 1, 1, 8, enc.num_layers), (W.Segment.of(1, 1, 1, 8, big.num_layers),)),
         wl,

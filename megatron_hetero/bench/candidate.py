@@ -1,0 +1,48 @@
+"""A runtime layout as the cost model sees it: the `Candidate` of what the runtime executes for a layout,
+its kind (homogeneous, colocated, disjoint) and the cost model's micro-batch of a `train` run.
+"""
+
+from __future__ import annotations
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.planner.workload import Candidate, Segment
+
+
+def cost_micro_batch(layout: HeteroLayout, spec, micro_batch_size: int) -> int:
+    """The cost model's `Workload.micro_batch` (samples per replica of the largest language DP) of a
+    run with `train --micro-batch-size` (samples per rank of the first language module)."""
+    from megatron_hetero.models.llava import language_modules
+
+    langs = language_modules(layout, spec)
+    if layout.placement != "disjoint":
+        return micro_batch_size
+    samples = micro_batch_size * langs[0].dp  # one micro-batch of the disjoint schedule
+    top = max(m.dp for m in langs)
+    if samples % top:
+        raise ValueError(f"a micro-batch of {samples} samples does not split over dp({top})")
+    return samples // top
+
+
+def kind_of(layout: HeteroLayout, spec) -> str:
+    """'homogeneous' (colocated, every module on the same degrees), 'colocated' or 'disjoint'."""
+    if layout.placement == "disjoint":
+        return "disjoint"
+    degrees = {(m.tp, m.cp, m.pp, m.dp) for m in layout.modules}
+    return "homogeneous" if len(degrees) == 1 else "colocated"
+
+
+def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> Candidate:
+    """The cost model's candidate of what the runtime executes for `layout`. A homogeneous layout
+    runs on the colocated three-phase schedule, so it is costed as a colocated candidate."""
+    from megatron_hetero.models.llava import language_modules, segment_layers
+
+    langs = language_modules(layout, spec)
+    encs = [m for m in layout.modules if m.name in spec.encoders]
+    if len(encs) != 1:
+        raise ValueError(f"the cost model takes one encoder; the layout has {[m.name for m in encs]}")
+    e = encs[0]
+    enc = Segment(e.par, spec.encoders[e.name].num_layers)
+    segs = tuple(Segment(m.par, segment_layers(m, spec).size) for m in langs)
+    if layout.placement == "disjoint":
+        return Candidate("disjoint", enc, segs, encoder_ranks=e.size)
+    return Candidate("colocated", enc, segs, offload=offload)
