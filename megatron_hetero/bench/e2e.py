@@ -1,7 +1,7 @@
 """`megatron-hetero bench e2e`: is a step faster with a heterogeneous layout than with the homogeneous
 one, and what does the plugin itself cost? Everything measured in one run, in one process tree.
 
-Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`):
+Two workloads of the tiny LLaVA family on WORLD ranks (`WORKLOADS`, `bench/e2e_workloads.py`):
   inherited-tp: the language model's layout is fixed at TP2 (the workload's constraint: on a real
       cluster its parameters and optimizer state would not fit one device; here the constraint is
       imposed on the search space) and the encoder is sizeable (many image tokens); in the
@@ -37,108 +37,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.bench.candidate import candidate_for
-from megatron_hetero.bench.planner_configs import BenchModel, _colo, describe, resolve
+from megatron_hetero.bench.planner_configs import describe, resolve
 from megatron_hetero.planner import search as S
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, workload
-from megatron_hetero.planner import search_space as SP
-
-WORLD = 4
-
-
-@dataclass(frozen=True)
-class E2EWorkload:
-    """A workload: the model, the language model's fixed degrees, its homogeneous layout."""
-
-    name: str
-    model: BenchModel
-    llm_tp: int
-    llm_cp: int
-    homogeneous: dict  # layout document
-    why: str
-    search_pp: tuple = (1, 2)
-
-    def space(self) -> SP.SearchSpace:
-        m = self.model
-        enc_tp = tuple(t for t in (1, 2, 4) if t <= WORLD and m.encoder.num_attention_heads % t == 0)
-        return SP.SearchSpace(
-            placements=("colocated", "disjoint"),
-            tp=(self.llm_tp,),
-            cp=(self.llm_cp,),
-            pp=self.search_pp,
-            encoder_tp=enc_tp,
-            encoder_cp=(1,),
-            encoder_pp=(1, 2),
-            offload=(False,),
-            runtime=True,
-        )
-
-
-WORKLOADS = (
-    E2EWorkload(
-        "inherited-tp",
-        BenchModel(
-            LlavaSpec(
-                num_layers=2,
-                hidden_size=64,
-                num_attention_heads=4,
-                seq_length=160,
-                vocab_size=128,
-                encoders={
-                    "vision": EncoderSpec(
-                        num_layers=8, hidden_size=64, num_attention_heads=4, tokens=128, feature_dim=48
-                    )
-                },
-            ),
-            global_batch_size=16,
-            micro_batch_size=2,
-        ),
-        llm_tp=2,
-        llm_cp=1,
-        homogeneous=_colo({"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}),
-        why="language model fixed at TP2 (its memory); the encoder (128 image tokens, 8 layers) inherits TP2",
-    ),
-    E2EWorkload(
-        "long-context",
-        BenchModel(
-            LlavaSpec(
-                num_layers=2,
-                hidden_size=64,
-                num_attention_heads=4,
-                seq_length=256,
-                vocab_size=128,
-                encoders={
-                    "vision": EncoderSpec(
-                        num_layers=8, hidden_size=64, num_attention_heads=4, tokens=64, feature_dim=48
-                    )
-                },
-            ),
-            global_batch_size=16,
-            micro_batch_size=2,
-        ),
-        llm_tp=1,
-        llm_cp=2,
-        homogeneous=_colo({"tp": 2, "dp": 2}, {"cp": 2, "dp": 2}),
-        why="language model needs CP2 (sequence 256); the encoder's 64 tokens (8 layers) take no CP, so the homogeneous "
-        "layout gives it the language model's 2-way group as TP",
-    ),
-)
-
-
-def quick_workloads() -> tuple:
-    """Smaller models for `--quick` (the smoke test): the same layouts and constraints."""
-    out = []
-    for w in WORKLOADS:
-        m = dataclasses.replace(w.model.resized(encoder_num_layers=2, num_layers=2), global_batch_size=8)
-        if w.name == "inherited-tp":
-            m = m.resized(encoder_tokens=64, seq_length=80)
-        out.append(dataclasses.replace(w, model=m))
-    return tuple(out)
+from megatron_hetero.bench.e2e_workloads import WORLD, E2EWorkload, WORKLOADS, quick_workloads
 
 
 def quick_grid():

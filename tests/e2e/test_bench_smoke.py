@@ -67,14 +67,14 @@ def test_bench_e2e_quick(tmp_path, capsys):
     import math
 
     from megatron_hetero import cli
-    from megatron_hetero.bench import e2e
+    from megatron_hetero.bench import e2e_workloads
 
     assert cli.main(["bench", "e2e", "--quick", "--iters", "1", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "e2e.json").read_text())
     assert "speed-up vs homogeneous" in capsys.readouterr().out
-    assert doc["benchmark"] == "e2e" and doc["quick"] and doc["world_size"] == e2e.WORLD
-    assert set(doc["workloads"]) == {w.name for w in e2e.WORKLOADS}
-    for w in e2e.WORKLOADS:
+    assert doc["benchmark"] == "e2e" and doc["quick"] and doc["world_size"] == e2e_workloads.WORLD
+    assert set(doc["workloads"]) == {w.name for w in e2e_workloads.WORKLOADS}
+    for w in e2e_workloads.WORKLOADS:
         rows = {c["kind"]: c for c in doc["cases"] if c["workload"] == w.name}
         assert set(rows) == {"homogeneous", "colocated", "disjoint"}, rows.keys()
         base = rows["homogeneous"]
