@@ -44,6 +44,7 @@ from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.bench.candidate import candidate_for
 from megatron_hetero.bench.planner_configs import describe, resolve
 from megatron_hetero.planner import search as S
+from megatron_hetero.planner.model import workload
 from megatron_hetero.bench.e2e_workloads import WORLD, E2EWorkload, WORKLOADS, quick_workloads
 
 
