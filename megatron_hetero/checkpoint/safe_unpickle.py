@@ -22,7 +22,7 @@ the ranks, checkpoint inspect) goes through this module instead:
 `load` is `dist_checkpointing.load` with the two strategies below; during it the torch_dist strategy's
 reader factory returns `SafeFileSystemReader` (a scoped swap of that one module attribute, undone on
 exit; the compat table's entry `fix.checkpoint_reader`, which checks the Megatron-core version and whose
-spots tests/test_compat.py checks). Problems are ValueErrors naming the file.
+spots tests/ranks/test_compat.py checks). Problems are ValueErrors naming the file.
 """
 
 from __future__ import annotations

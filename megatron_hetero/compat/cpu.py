@@ -15,7 +15,7 @@ forward/backward with TP, SP, PP (1F1B via ``get_forward_backward_func``) and CP
 :mod:`megatron_hetero.models.cp_attention`), Megatron ``DistributedDataParallel`` and the
 non-distributed fp32 Megatron optimizer, ``CLIPViTModel``, and ``dist_checkpointing.save`` (torch_dist
 format; loading needs nothing); see
-``tests/test_compat.py``. The stand-ins themselves live in :mod:`.torch_on_cpu`; the entries, by the
+``tests/ranks/test_compat.py``. The stand-ins themselves live in :mod:`.torch_on_cpu`; the entries, by the
 subsystem they redirect, in :mod:`.cpu_rng`, :mod:`.cpu_layers`, :mod:`.cpu_training`, :mod:`.cpu_moe` and
 :mod:`.cpu_checkpoint` (built with :mod:`.cpu_entry`). Every entry was checked to be needed by one of those cases. Not covered
 (they still fail on CPU): the distributed optimizer and fp16/bf16 optimizers

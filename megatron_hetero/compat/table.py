@@ -10,7 +10,7 @@ Each entry (:class:`Patch`) records
 * ``targets``: the Megatron-core versions it was written for (checked against
   ``megatron.core.package_info.__version__`` before anything is patched: :func:`check_targets`);
 * ``spots``: the upstream objects it wraps, replaces or relies on, with their kind, the parameters
-  it relies on and the upstream text that makes it necessary (``tests/test_compat.py`` checks every
+  it relies on and the upstream text that makes it necessary (``tests/ranks/test_compat.py`` checks every
   one against the installed Megatron-core/torch, so an upgrade names the patch that lost its target);
 * ``removal``: when it can be deleted;
 * ``apply``: how :func:`megatron_hetero.compat.apply_compat` (or the Megatron-LM launcher) installs it,
@@ -152,7 +152,7 @@ def check_targets(patches: Iterable[Patch], version: Optional[str] = None) -> st
         f"{' and '.join(supported) or 'no single version'} here: patch {first.name!r} ({first.spot.split(':')[0]}) "
         f"was written for megatron-core {', '.join(first.targets)}{rest}. Nothing was patched. Install a "
         f"supported megatron-core, or port the compat table: check every patched spot against {found} "
-        f"(tests/test_compat.py::test_every_patched_spot_exists) and add {found} to the targets of the "
+        f"(tests/ranks/test_compat.py::test_every_patched_spot_exists) and add {found} to the targets of the "
         f"patches that still apply (megatron_hetero/compat/)"
     )
 
