@@ -319,6 +319,24 @@ def _default_clip(args: list[str]) -> list[str]:
     return args[:i] + args[i + 2 :]
 
 
+def _default_clip_args(script: str) -> list[str]:
+    base = VLM if script == "pretrain_vlm.py" else GPT
+    return _default_clip(_with(base, micro_batch_size="2", global_batch_size="8"))
+
+
+@pytest.fixture(scope="module")
+def clip_references(trees):
+    """script -> the unpatched script with Megatron's default clipping, run once per script on first use."""
+    cache: dict[str, Run] = {}
+
+    def get(script: str) -> Run:
+        if script not in cache:
+            cache[script] = _unpatched(trees, script, _default_clip_args(script))
+        return cache[script]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "script, extra, nproc, what",
     [
@@ -353,13 +371,12 @@ def _default_clip(args: list[str]) -> list[str]:
     ],
     ids=["vlm-colocated", "vlm-disjoint", "gpt-segments"],
 )
-def test_default_clip_grad_clips_by_the_whole_models_norm(trees, script, extra, nproc, what):
+def test_default_clip_grad_clips_by_the_whole_models_norm(trees, clip_references, script, extra, nproc, what):
     """Megatron's default --clip-grad 1.0 with clipping engaged (the unpatched script's grad norm
     exceeds 1.0 at every iteration): the layout run clips by the norm over every module's gradients,
     as the unpatched script's one optimizer does, so losses, validation and the logged grad norm match."""
-    base = VLM if script == "pretrain_vlm.py" else GPT
-    args = _default_clip(_with(base, micro_batch_size="2", global_batch_size="8"))
-    ref = _unpatched(trees, script, args)
+    args = _default_clip_args(script)
+    ref = clip_references(script)
     ref_norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(ref.out)}
     assert sorted(ref_norms) == [1, 2, 3] and min(ref_norms.values()) > 1.0, ref_norms  # clipping engaged
     run = torchrun(trees["patched"] / script, args + ITERS + extra, nproc=nproc)
