@@ -71,6 +71,17 @@ GPT = (
 )
 ITERS = ["--train-iters", "3"]
 EDGE = ["--hetero-edge", "vision->language"]
+# one GPT cut into two segments on disjoint islands: layers 0-1 TP2 on ranks 0-1, layers 2-3 DP2 on ranks 2-3
+GPT_SEGMENTS = [
+    "--hetero-placement",
+    "disjoint",
+    "--hetero-module",
+    "language_a:tp=2,layers=0-1",
+    "--hetero-module",
+    "language_b:dp=2,layers=2-3",
+    "--hetero-edge",
+    "language_a->language_b",
+]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.Ee+-]+) \|")
 VALID = re.compile(r"validation loss at (iteration \d+(?: on \w+ set)?) \| lm loss value: ([0-9.Ee+-]+) \|")
 RTOL = 1e-5
@@ -256,18 +267,7 @@ def test_gpt_segments_with_their_own_tp_dp_match(trees, gpt_reference):
     unpatched TP1·DP2 run: training and validation losses."""
     run = torchrun(
         trees["patched"] / "pretrain_gpt.py",
-        GPT
-        + ITERS
-        + [
-            "--hetero-placement",
-            "disjoint",
-            "--hetero-module",
-            "language_a:tp=2,layers=0-1",
-            "--hetero-module",
-            "language_b:dp=2,layers=2-3",
-            "--hetero-edge",
-            "language_a->language_b",
-        ],
+        GPT + ITERS + GPT_SEGMENTS,
         nproc=4,
     )
     assert "language_a tp2·pp1·dp1@0-1, language_b tp1·pp1·dp2@2-3" in run.out, run.tail()
@@ -355,16 +355,7 @@ def clip_references(trees):
         ),
         (
             "pretrain_gpt.py",
-            [
-                "--hetero-placement",
-                "disjoint",
-                "--hetero-module",
-                "language_a:tp=2,layers=0-1",
-                "--hetero-module",
-                "language_b:dp=2,layers=2-3",
-                "--hetero-edge",
-                "language_a->language_b",
-            ],
+            GPT_SEGMENTS,
             4,
             "GPT segments TP2 @0-1 -> DP2 @2-3",
         ),
