@@ -8,7 +8,7 @@ import importlib
 from typing import Any, Callable, Tuple
 
 from ._patching import MARK
-from .table import CPU, MCORE_0_16_1, Patch, Spot
+from .table import CPU, MCORE_0_19, Patch, Spot
 from .torch_on_cpu import _TORCH_ON_CPU
 
 
@@ -40,7 +40,7 @@ def _redirect(name: str, module: str, spot: str, uses: Tuple[str, ...], removal:
         reason=CPU,
         spot=spot,
         action="torch -> _TorchOnCpu",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal=removal,
         spots=(_torch_in(module, *uses), *extra.pop("spots", ())),
         apply=_redirect_torch_in(module),

@@ -10,7 +10,7 @@ import functools
 from typing import List
 
 from ._patching import MARK, rebind_function, wrap_call, wrap_method
-from .table import CPU, MCORE_0_16_1, Patch, Spot
+from .table import CPU, MCORE_0_19, Patch, Spot
 from .torch_on_cpu import _tensor_cuda_is_identity
 from .cpu_entry import _redirect_torch_in, _MC, _EMB, _LM, _torch_in, _redirect
 
@@ -116,7 +116,7 @@ LAYER_PATCHES: List[Patch] = [
         "(the local spec's norm without apex)",
         action="build the torch norm from a config copy with sequence_parallel=False and tag its "
         "params sequence_parallel=True (finalize_model_grads all-reduces them over TP)",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when WrappedTorchNorm supports sequence parallelism (a GPU without apex hits the "
         "same assert; this entry is applied only without CUDA, as before)",
         spots=(
@@ -144,7 +144,7 @@ LAYER_PATCHES: List[Patch] = [
         "(torch.tensor(..., pin_memory=True).cuda(); RoPE slice for CP > 1)",
         action="torch -> _TorchOnCpu (drops pin_memory) and tensor.cuda() is the identity during the call "
         "(rebound in rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding)",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when get_pos_emb_on_this_cp_rank builds its index on pos_emb.device",
         spots=(
             _torch_in(f"{_EMB}.rope_utils", "pin_memory=True"),
@@ -164,7 +164,7 @@ LAYER_PATCHES: List[Patch] = [
         spot=f"{_LM}: LanguageModule.setup_embeddings_and_output_layer (weight.data.cuda(); tied embeddings "
         "with PP > 1)",
         action="tensor.cuda() is the identity during the call",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when the tied output layer stays on the device of the embedding weight",
         spots=(
             Spot(
@@ -181,7 +181,7 @@ LAYER_PATCHES: List[Patch] = [
         reason=CPU,
         spot=f"{_MC}.models.vision.clip_vit_model: CLIPViTModel.__init__ (torch.arange(...).cuda() for position_ids)",
         action="tensor.cuda() is the identity during the call",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when CLIPViTModel registers position_ids as a buffer on the model's device",
         spots=(
             Spot(

@@ -9,8 +9,8 @@ from typing import List
 import torch
 
 from ._patching import MARK
-from .table import CPU, MCORE_0_16_1, Patch, Spot
-from .cpu_entry import _redirect_torch_in, _MC, _torch_in, _redirect
+from .table import CPU, MCORE_0_19, Patch, Spot
+from .cpu_entry import _MC, _redirect
 
 
 def _moe_split_sizes_on_cpu() -> None:
@@ -40,7 +40,7 @@ MOE_PATCHES: List[Patch] = [
         spot=f"{_MC}.transformer.moe.moe_utils: maybe_move_tensor_to_cpu(as_numpy=True) leaves CPU tensors as "
         "tensors (alltoall dispatcher split sizes; all_to_all_single wants a sequence)",
         action="CPU tensors become numpy arrays when as_numpy (rebound in token_dispatcher)",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when maybe_move_tensor_to_cpu honours as_numpy for tensors already on the CPU",
         spots=(
             Spot(
@@ -67,22 +67,5 @@ MOE_PATCHES: List[Patch] = [
         "torch.cuda.current_device(); expert-bias buffers on it)",
         ("torch.cuda.current_device()",),
         "remove when TopKRouter keeps its weight and buffers on the device of its config/input",
-    ),
-    Patch(
-        name="cpu.moe_utils_and_experts",
-        reason=CPU,
-        spot=f"{_MC}.transformer.moe.moe_utils / experts: aux-loss tracker and expert buffers "
-        "(device='cuda', torch.cuda.current_device())",
-        action="torch -> _TorchOnCpu (in both modules)",
-        targets=MCORE_0_16_1,
-        removal="remove when the MoE aux-loss tracker and the expert modules allocate on the model's device",
-        spots=(
-            _torch_in(f"{_MC}.transformer.moe.moe_utils", 'device="cuda"'),
-            _torch_in(f"{_MC}.transformer.moe.experts", "torch.cuda.current_device()"),
-        ),
-        apply=lambda: (
-            _redirect_torch_in(f"{_MC}.transformer.moe.moe_utils")(),
-            _redirect_torch_in(f"{_MC}.transformer.moe.experts")(),
-        ),
     ),
 ]

@@ -12,7 +12,7 @@ from typing import List
 import torch
 
 from ._patching import rebind_function
-from .table import CPU, MCORE_0_16_1, Patch, Spot
+from .table import CPU, MCORE_0_19, Patch, Spot
 from .cpu_entry import _RNG, _redirect
 
 
@@ -62,7 +62,7 @@ RNG_PATCHES: List[Patch] = [
         reason=CPU,
         spot=f"{_RNG}: _get_cuda_rng_state, _set_cuda_rng_state",
         action="read/write the CPU generator state (the CUDA generator does not exist)",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when the RNG tracker keeps the states of the current device's generator (CPU included)",
         spots=(
             Spot(f"{_RNG}:_get_cuda_rng_state", params=("device", "clone", "graph_safe"), uses=("torch.cuda",)),
@@ -86,7 +86,7 @@ RNG_PATCHES: List[Patch] = [
         reason=CPU,
         spot=f"{_RNG}: CudaRNGStatesTracker.fork logs 'CPU RNG state changed within GPU RNG context'",
         action="logging filter drops that one message (on CPU the two generators are one)",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove with cpu.rng_tracker (or when fork() no longer compares the CPU generator)",
         spots=(
             Spot(

@@ -10,7 +10,7 @@ from typing import List
 import torch
 
 from ._patching import MARK, rebind_function, swapped, wrap_call
-from .table import CPU, MCORE_0_16_1, Patch, Spot
+from .table import CPU, MCORE_0_19, Patch, Spot
 from .torch_on_cpu import _tensor_type_reports_cuda
 from .cpu_entry import _MC, _redirect
 
@@ -88,7 +88,7 @@ TRAINING_PATCHES: List[Patch] = [
         spot=f"{_MC}.optimizer.optimizer: Float16OptimizerWithFloat16Params.__init__ accepts only parameters "
         "whose type() is torch.cuda.{Half,BFloat16,Float}Tensor (--bf16 mixed precision)",
         action="during __init__, tensor.type() names CPU float tensors by their CUDA type names",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when Float16OptimizerWithFloat16Params checks param.dtype (or accepts CPU tensor types)",
         spots=(
             Spot(
@@ -115,7 +115,7 @@ TRAINING_PATCHES: List[Patch] = [
         "param.grad.type() == 'torch.cuda.FloatTensor'",
         action="tensor.type() reports the CUDA type name during the call (rebound in clip_grads and "
         "optimizer.optimizer, which imported it by name)",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove when clip_grad_by_total_norm_fp32 checks grad.dtype instead of the CUDA type name",
         spots=(
             Spot(

@@ -1,13 +1,14 @@
-"""Fixes for Megatron-core 0.16.1 that act on every machine, GPU included (reason :data:`~.table.FIX`).
+"""Fixes for Megatron-core 0.19 that act on every machine, GPU included (reason :data:`~.table.FIX`).
 
 Not CPU-specific; each works around an upstream bug or limitation the project meets wherever it runs:
 
 * spots that read Megatron's *global* ``parallel_state`` groups although the model was built with
   ``pg_collection=`` (without ``initialize_model_parallel`` they fail, with it they would silently
   use the wrong group whenever two modules in one process have different layouts):
-  ``fix.loss_tp_group`` (applied once by :func:`apply_fixes`), ``fix.optimizer_param_groups_gather``
-  (:func:`param_groups_gathered_over`, scoped), ``fix.global_memory_buffer``
-  (:func:`ensure_global_memory_buffer`, a helper);
+  ``fix.optimizer_param_groups_gather`` (:func:`param_groups_gathered_over`, scoped),
+  ``fix.global_memory_buffer`` (:func:`ensure_global_memory_buffer`, a helper). (0.16.1 also needed
+  ``fix.loss_tp_group``: its vocab-parallel cross entropy read the global TP group; 0.19 passes the
+  model's ``tp_group``);
 * spots that fail without Transformer Engine: ``fix.clip_vit_norm`` (:func:`clip_vit_norm_kwargs`),
   ``fix.moe_router_without_te`` (:func:`ensure_moe_without_te`), and for Megatron-LM's ``LLaVAModel``
   ``fix.clip_vit_default_norm`` (:data:`NO_TE_PATCHES`, applied by the Megatron-LM launcher);
@@ -28,8 +29,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 
-from ._patching import wrap_method
-from .table import FIX, MCORE_0_16_1, Patch, Spot, check_targets
+from .table import FIX, MCORE_0_19, Patch, Spot, check_targets
 
 __all__ = [
     "FIXES",
@@ -50,85 +50,8 @@ _NORM_MARK = "__megatron_hetero_clip_vit_norm__"  # in table.WRAPPER_MARKS
 
 _MC = "megatron.core"
 _LM = f"{_MC}.models.common.language_module.language_module"
-_XENT = f"{_MC}.tensor_parallel.cross_entropy"
 _CLIP = f"{_MC}.models.vision.clip_vit_model"
 _DCP_TORCH = f"{_MC}.dist_checkpointing.strategies.torch"
-
-
-# --------------------------------------------------------------------------------------------
-# fix.loss_tp_group (applied by apply_fixes)
-# --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _cross_entropy_uses(tp_group):
-    """During the block, ``tensor_parallel.cross_entropy`` takes its TP group from ``tp_group``."""
-    module = importlib.import_module(_XENT)
-    names = (
-        "get_tensor_model_parallel_group",
-        "get_tensor_model_parallel_rank",
-        "get_tensor_model_parallel_world_size",
-    )
-    replacements = (
-        lambda *args, **kwargs: tp_group,
-        lambda *args, **kwargs: tp_group.rank(),
-        lambda *args, **kwargs: tp_group.size(),
-    )
-    saved = [getattr(module, name) for name in names]
-    for name, value in zip(names, replacements):
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in zip(names, saved):
-            setattr(module, name, value)
-
-
-def _loss_uses_model_tp_group() -> None:
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
-    def make(original):
-        @functools.wraps(original)
-        def compute_language_model_loss(self, labels, logits):
-            tp_group = getattr(getattr(self, "pg_collection", None), "tp", None)
-            if tp_group is None:
-                return original(self, labels, logits)
-            # _VocabParallelCrossEntropy communicates only in forward; backward is local.
-            with _cross_entropy_uses(tp_group):
-                return original(self, labels, logits)
-
-        return compute_language_model_loss
-
-    wrap_method(LanguageModule, "compute_language_model_loss", make)
-
-
-LOSS_TP_GROUP = Patch(
-    name="fix.loss_tp_group",
-    reason=FIX,
-    spot=f"{_LM}: LanguageModule.compute_language_model_loss -> tensor_parallel.vocab_parallel_cross_entropy "
-    "(tensor_parallel/cross_entropy.py: _VocabParallelCrossEntropy.forward reads "
-    "parallel_state.get_tensor_model_parallel_group/rank/world_size)",
-    action="during the call, those three names in tensor_parallel.cross_entropy return the model's "
-    "pg_collection.tp group",
-    targets=MCORE_0_16_1,
-    removal="remove when vocab_parallel_cross_entropy takes the TP group from the model's pg_collection",
-    spots=(
-        Spot(f"{_LM}:LanguageModule.compute_language_model_loss", "method", params=("self", "labels", "logits")),
-        Spot(
-            f"{_XENT}:_VocabParallelCrossEntropy.forward",
-            "staticmethod",
-            uses=(
-                "group=get_tensor_model_parallel_group()",
-                "get_tensor_model_parallel_rank()",
-                "get_tensor_model_parallel_world_size()",
-            ),
-        ),
-        Spot(f"{_XENT}:get_tensor_model_parallel_group"),
-        Spot(f"{_XENT}:get_tensor_model_parallel_rank"),
-        Spot(f"{_XENT}:get_tensor_model_parallel_world_size"),
-    ),
-    apply=_loss_uses_model_tp_group,
-)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +65,7 @@ PARAM_GROUPS_GATHER = Patch(
     "on the default (world) group (once for dense and once for expert parameters)",
     action="inside param_groups_gathered_over(group), a gather on the default group runs over `group` "
     "(this module's pipeline stage)",
-    targets=MCORE_0_16_1,
+    targets=MCORE_0_19,
     removal="remove when get_megatron_optimizer aligns param groups over a group from its pg_collection",
     spots=(
         Spot(
@@ -199,7 +122,7 @@ CHECKPOINT_READER = Patch(
     action="during each load of training/safe_unpickle.py, _get_filesystem_reader returns its "
     "SafeFileSystemReader (a CachedMetadataFileSystemReader whose read_metadata uses a restricted "
     "unpickler); undone on exit",
-    targets=MCORE_0_16_1,
+    targets=MCORE_0_19,
     removal="remove when Megatron-core's torch_dist load strategy takes a storage reader (or torch's "
     "FileSystemReader reads .metadata with a restricted unpickler)",
     spots=(
@@ -273,7 +196,7 @@ GLOBAL_MEMORY_BUFFER = Patch(
     "parallel_state.get_global_memory_buffer(), which only initialize_model_parallel creates",
     action="ensure_global_memory_buffer() creates it (parallel_state._set_global_memory_buffer) once per "
     "process for models built from explicit pg_collection groups",
-    targets=MCORE_0_16_1,
+    targets=MCORE_0_19,
     removal="remove when DotProductAttention allocates its buffer without Megatron's global parallel state",
     spots=(
         Spot(f"{_MC}.parallel_state:_set_global_memory_buffer", params=()),
@@ -310,7 +233,7 @@ CLIP_VIT_NORM = Patch(
     "build_module calls with config= and fails (upstream bug)",
     action="clip_vit_norm_kwargs() gives ln_pre_impl=ln_post_impl=WrappedTorchNorm when NORM_IMPL is "
     "torch.nn.LayerNorm (nothing with TE)",
-    targets=MCORE_0_16_1,
+    targets=MCORE_0_19,
     removal="remove when CLIPViTModel's default norm without TE accepts config= (e.g. WrappedTorchNorm)",
     spots=(
         Spot(f"{_CLIP}:NORM_IMPL", "value"),
@@ -351,7 +274,7 @@ MOE_WITHOUT_TE = Patch(
     "RouterGatingLinearFunction reads it unconditionally (NameError without TE; upstream bug)",
     action="ensure_moe_without_te() binds moe_utils.te_general_gemm = None when it is missing (the torch.mm "
     "path); nothing with TE",
-    targets=MCORE_0_16_1,
+    targets=MCORE_0_19,
     removal="remove when moe_utils binds te_general_gemm = None without TE",
     spots=(
         Spot(
@@ -382,7 +305,6 @@ def ensure_moe_without_te() -> None:
 #: The fixes :func:`megatron_hetero.compat.apply_compat` gates on every machine (and applies, where an
 #: entry has ``apply``; the others act where they are used).
 FIXES: List[Patch] = [
-    LOSS_TP_GROUP,
     PARAM_GROUPS_GATHER,
     CHECKPOINT_READER,
     GLOBAL_MEMORY_BUFFER,
@@ -445,7 +367,7 @@ NO_TE_PATCHES: List[Patch] = [
         spot=f"{_CLIP}: CLIPViTModel.__init__ default ln_pre_impl/ln_post_impl = torch.nn.LayerNorm, called "
         "with config= (fails without TE; Megatron-LM's LLaVAModel passes no norm)",
         action="default both to WrappedTorchNorm (when TE is absent)",
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal="remove with fix.clip_vit_norm (CLIPViTModel's default norm without TE accepts config=)",
         spots=CLIP_VIT_NORM.spots,
         apply=_clip_vit_torch_norm,

@@ -26,7 +26,7 @@ import torch
 
 from ._patching import MARK, rebind_function, wrap_call
 from .fixes import NO_TE_PATCHES, apply_megatron_lm_no_te_fixes
-from .table import CPU, MCORE_0_16_1, Patch, Spot, check_targets
+from .table import CPU, MCORE_0_19, Patch, Spot, check_targets
 from .torch_on_cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity
 
 __all__ = ["apply_megatron_lm_cpu_compat", "apply_megatron_lm_no_te_fixes", "MEGATRON_LM_PATCHES", "NO_TE_PATCHES"]
@@ -207,7 +207,7 @@ def _cpu(name: str, spot: str, action: str, removal: str, spots: Tuple[Spot, ...
         reason=CPU,
         spot=spot,
         action=action,
-        targets=MCORE_0_16_1,
+        targets=MCORE_0_19,
         removal=removal,
         spots=spots,
         apply=apply,

@@ -36,7 +36,7 @@ from ._patching import MARK
 __all__ = [
     "CPU",
     "FIX",
-    "MCORE_0_16_1",
+    "MCORE_0_19",
     "Patch",
     "Spot",
     "UnsupportedMegatronVersion",
@@ -52,8 +52,9 @@ CPU = "cpu"
 #: A fix of an upstream bug or limitation that acts on every machine, GPU included.
 FIX = "fix"
 
-#: The Megatron-core release every patch below was written (and measured) for.
-MCORE_0_16_1: Tuple[str, ...] = ("0.16.1",)
+#: The Megatron-core releases every patch below was written (and measured) for: 0.19.0 (Megatron-LM's
+#: core_v0.19.0 tree) and 0.19.2 (the registry's newest, what scripts/install.sh pins).
+MCORE_0_19: Tuple[str, ...] = ("0.19.*",)
 
 #: Markers other than MARK that our wrappers carry (followed through ``__wrapped__``).
 WRAPPER_MARKS = ("__megatron_hetero_clip_vit_norm__",)

@@ -118,6 +118,7 @@ def build_vlm_module(args: Any, m: ModuleLayout, pgs) -> torch.nn.Module:
     """Module `m` (`vision` or `language`) of Megatron's LLaVA on this rank, on the compute device."""
     from megatron.core.enums import ModelType
     from megatron.core.models.multimodal.llava_model import LLaVAModel
+    from megatron.core.transformer.spec_utils import get_submodules
 
     if args.padded_vocab_size % m.tp:
         raise ValueError(
@@ -137,7 +138,7 @@ def build_vlm_module(args: Any, m: ModuleLayout, pgs) -> torch.nn.Module:
         vision_transformer_layer_spec=vit_spec,
         drop_vision_class_token=args.disable_vision_class_token,
         vision_projection_config=proj_cfg,
-        vision_projection_layer_spec=deepcopy(lang_spec.submodules.mlp.submodules),
+        vision_projection_layer_spec=deepcopy(get_submodules(lang_spec.submodules.mlp)),
         vision_projection_type="mlp",
         parallel_output=True,
         language_position_embedding_type=args.position_embedding_type,

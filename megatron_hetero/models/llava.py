@@ -39,6 +39,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -220,7 +221,7 @@ def build_projector(
     """An encoder's projector: Megatron's MLP projector [.., enc.hidden_size] -> [.., llm_hidden] on the
     encoder module's TP group (column- then row-parallel)."""
     config = transformer_config(num_layers=1, hidden=llm_hidden, heads=enc.num_attention_heads, ffn=llm_hidden, m=m)
-    mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+    mlp = get_submodules(get_gpt_layer_local_spec().submodules.mlp)
     return MultimodalProjector(config, mlp, "mlp", input_size=enc.hidden_size, tp_group=pgs.tp)
 
 
@@ -439,7 +440,7 @@ class OutputModule(torch.nn.Module):
             num_layers=1, hidden=out.out_dim, heads=m.tp, ffn=out.hidden_size, m=m
         )  # heads unused
         self.config = config
-        mlp = get_gpt_layer_local_spec().submodules.mlp.submodules
+        mlp = get_submodules(get_gpt_layer_local_spec().submodules.mlp)
         self.head = MultimodalProjector(config, mlp, "mlp", input_size=llm_hidden, tp_group=pgs.tp)
         deterministic_init(
             self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()

@@ -170,10 +170,10 @@ class LlavaStageRunner(StageRunner):
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0 / self._loss_tokens], device=self.device))
-        tracker = get_moe_layer_wise_logging_tracker()
 
         def total() -> float:
-            t = tracker.get("load_balancing_loss")
+            # re-read each time: 0.19's call returns a fresh dict view of the metrics tracker
+            t = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
             return float(t["values"].sum()) if t is not None else 0.0
 
         before = total()

@@ -462,6 +462,9 @@ def test_cp_chunk_positions_is_megatron_layout(monkeypatch):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # get_pg_size/rank read the group
+    # 0.19 asks torch.distributed for the group's rank and size
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size())
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank())
 
     class _Group:
         def __init__(self, rank, size):
@@ -476,7 +479,7 @@ def test_cp_chunk_positions_is_megatron_layout(monkeypatch):
     seq = torch.arange(24).view(1, 24)
     for cp in (1, 2, 3):
         for rank in range(cp):
-            batch = get_batch_on_this_cp_rank({"tokens": seq.clone()}, cp_group=_Group(rank, cp))
+            batch = get_batch_on_this_cp_rank({"tokens": seq.clone()}, is_hybrid_cp=False, cp_group=_Group(rank, cp))
             expect = batch["tokens"][0]
             assert torch.equal(cp_chunk_positions(24, rank, cp), expect)
     with pytest.raises(ValueError, match="2\\*cp"):
@@ -712,8 +715,8 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
         compat.apply_compat()
     text = str(info.value)
     assert isinstance(info.value, RuntimeError)
-    assert "megatron-core 0.99.0 is installed" in text and "supports megatron-core 0.16.1" in text
-    assert "'fix.loss_tp_group'" in text and "Nothing was patched" in text
+    assert "megatron-core 0.99.0 is installed" in text and "supports megatron-core 0.19.*" in text
+    assert "'fix.optimizer_param_groups_gather'" in text and "Nothing was patched" in text
     for refused in (
         megatron_lm.apply_megatron_lm_cpu_compat,
         compat.apply_cpu_compat,
@@ -733,7 +736,7 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
                 pass
     assert calls == [] and not compat.compat_applied()
     # the same with the version supported: everything is applied, once
-    monkeypatch.setattr(package_info, "__version__", "0.16.1")
+    monkeypatch.setattr(package_info, "__version__", "0.19.2")
     compat.apply_compat()
     compat.apply_compat()
     assert compat.compat_applied()
@@ -748,9 +751,9 @@ def test_a_target_may_be_a_version_glob():
 
     from megatron_hetero.compat import fixes, table
 
-    entry = dataclasses.replace(fixes.LOSS_TP_GROUP, targets=("0.16.1", "0.19.*"))
+    entry = dataclasses.replace(fixes.PARAM_GROUPS_GATHER, targets=("0.16.1", "0.19.*"))
     assert table.check_targets([entry], "0.19.2") == "0.19.2" and table.check_targets([entry], "0.16.1") == "0.16.1"
-    with pytest.raises(table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.loss_tp_group"):
+    with pytest.raises(table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.optimizer_param_groups_gather"):
         table.check_targets([entry], "0.17.0")
     assert table.megatron_core_version() == __import__("importlib.metadata").metadata.version("megatron-core")
 
