@@ -29,6 +29,7 @@ from megatron_hetero.plan import (
     rank_of,
 )
 from megatron_hetero.plan.boundary import seq_chunks
+from megatron_cp import megatron_cp_positions
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUTS = REPO / "examples" / "layouts"
@@ -89,27 +90,6 @@ def test_colocated_fan_in_tp1_dp8_to_tp2_pp2_dp2() -> None:
     assert set(p.costs) == {"direct"} and p.recommended_mode == "direct"
 
 
-def _megatron_cp_positions(seq: int, cp: int, cp_rank: int) -> list[int]:
-    """Sequence positions Megatron's get_batch_on_this_cp_rank gives `cp_rank` (no process group)."""
-    import torch
-    from megatron.core import utils as mcore_utils
-
-    class _Group:
-        def size(self) -> int:
-            return cp
-
-        def rank(self) -> int:
-            return cp_rank
-
-    saved = mcore_utils.get_pg_size, mcore_utils.get_pg_rank
-    mcore_utils.get_pg_size, mcore_utils.get_pg_rank = (lambda g: g.size()), (lambda g: g.rank())
-    try:
-        out = mcore_utils.get_batch_on_this_cp_rank({"tokens": torch.arange(seq).view(1, seq)}, cp_group=_Group())
-    finally:
-        mcore_utils.get_pg_size, mcore_utils.get_pg_rank = saved
-    return out["tokens"][0].tolist()
-
-
 def _positions(blocks) -> list[int]:
     return [s for b in blocks for s in range(b.s0, b.s1)]
 
@@ -132,7 +112,7 @@ def test_disjoint_fan_out_cp2_destination() -> None:
     assert all(not p.local_copies(r) for r in range(6))
     # Each CP rank receives exactly the positions Megatron's own CP slicing gives it, in order.
     for r, cp_rank in ((2, 0), (3, 1), (4, 0), (5, 1)):
-        assert _positions(t.block for t in p.recvs(r)) == _megatron_cp_positions(8, 2, cp_rank)
+        assert _positions(t.block for t in p.recvs(r)) == megatron_cp_positions(8, 2, cp_rank)
     # The two TP replicas of the source share the sending evenly.
     assert p.bytes_sent_per_rank() == {0: 32, 1: 32}
     assert p.planned_bytes() == p.min_bytes_forward == 16 * 4
@@ -166,8 +146,8 @@ def test_cp_chunks_match_megatron(cp: int) -> None:
     )
     p = plan_boundary(layout, "a->b", BoundaryShape(batch=1, seq=seq, hidden=1))
     for c, r in enumerate(p.dst_ranks):
-        assert _positions(p.needs[r]) == _megatron_cp_positions(seq, cp, c)
-        assert _positions(t.block for t in p.recvs(r)) == _megatron_cp_positions(seq, cp, c)
+        assert _positions(p.needs[r]) == megatron_cp_positions(seq, cp, c)
+        assert _positions(t.block for t in p.recvs(r)) == megatron_cp_positions(seq, cp, c)
         assert seq_chunks(seq, cp, c) == (
             [(0, seq)] if cp == 1 else [(c * 3, c * 3 + 3), ((2 * cp - 1 - c) * 3, (2 * cp - c) * 3)]
         )
@@ -851,4 +831,4 @@ def test_cp_chunk_positions_are_the_plan_chunks() -> None:
     for cp in (1, 2, 3, 4):
         for c in range(cp):
             want = [s for a, b in seq_chunks(24, cp, c) for s in range(a, b)]
-            assert cp_chunk_positions(24, c, cp).tolist() == want == _megatron_cp_positions(24, cp, c)
+            assert cp_chunk_positions(24, c, cp).tolist() == want == megatron_cp_positions(24, cp, c)

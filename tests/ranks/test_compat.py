@@ -43,6 +43,7 @@ from megatron_hetero.compat import (
 )
 from megatron_hetero.models.cp_attention import cp_chunk_positions
 from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
+from megatron_cp import megatron_cp_positions
 
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
@@ -458,30 +459,10 @@ def test_device_helpers_on_cpu():
     compat.synchronize()  # no-op, must not touch CUDA
 
 
-def test_cp_chunk_positions_is_megatron_layout(monkeypatch):
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # get_pg_size/rank read the group
-    # 0.19 asks torch.distributed for the group's rank and size
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: group.size())
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: group.rank())
-
-    class _Group:
-        def __init__(self, rank, size):
-            self._rank, self._size = rank, size
-
-        def rank(self):
-            return self._rank
-
-        def size(self):
-            return self._size
-
-    seq = torch.arange(24).view(1, 24)
+def test_cp_chunk_positions_is_megatron_layout():
     for cp in (1, 2, 3):
         for rank in range(cp):
-            batch = get_batch_on_this_cp_rank({"tokens": seq.clone()}, is_hybrid_cp=False, cp_group=_Group(rank, cp))
-            expect = batch["tokens"][0]
-            assert torch.equal(cp_chunk_positions(24, rank, cp), expect)
+            assert cp_chunk_positions(24, rank, cp).tolist() == megatron_cp_positions(24, cp, rank)
     with pytest.raises(ValueError, match="2\\*cp"):
         cp_chunk_positions(30, 0, 4)
 
@@ -753,7 +734,9 @@ def test_a_target_may_be_a_version_glob():
 
     entry = dataclasses.replace(fixes.PARAM_GROUPS_GATHER, targets=("0.16.1", "0.19.*"))
     assert table.check_targets([entry], "0.19.2") == "0.19.2" and table.check_targets([entry], "0.16.1") == "0.16.1"
-    with pytest.raises(table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.optimizer_param_groups_gather"):
+    with pytest.raises(
+        table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.optimizer_param_groups_gather"
+    ):
         table.check_targets([entry], "0.17.0")
     assert table.megatron_core_version() == __import__("importlib.metadata").metadata.version("megatron-core")
 
