@@ -1,4 +1,4 @@
-"""The one layer that changes Megatron-core (0.16.1) where the project needs it, and the only code that
+"""The one layer that changes Megatron-core (0.19) where the project needs it, and the only code that
 asks torch about CUDA. Removable piece by piece: every patch is an entry of one table with the
 versions it targets, the upstream spots it relies on and its removal condition (:mod:`.table`).
 
@@ -14,7 +14,7 @@ Split by reason:
 * :mod:`.fixes` (reason ``fix``): ``FIXES``, upstream bugs and limitations worked around on every
   machine, GPU included (explicit ``pg_collection`` groups, no Transformer Engine, the checkpoint
   reader swap of ``training/safe_unpickle.py``), and the helpers ``ensure_global_memory_buffer``,
-  ``clip_vit_norm_kwargs``, ``ensure_moe_without_te``, ``param_groups_gathered_over``.
+  ``clip_vit_norm_kwargs``, ``param_groups_gathered_over``.
 * :mod:`.device` (no Megatron import, not a patch): ``get_device``, ``default_backend``,
   ``set_local_device``, ``synchronize``.
 
@@ -50,7 +50,6 @@ _LAZY = {
     "param_groups_gathered_over": "fixes",
     "clip_vit_norm_kwargs": "fixes",
     "ensure_global_memory_buffer": "fixes",
-    "ensure_moe_without_te": "fixes",
     "UnsupportedMegatronVersion": "table",
     "check_targets": "table",
     "every_patch": "catalog",

@@ -1,4 +1,4 @@
-"""Redirections that make Megatron-core 0.16.1 run on CPU with gloo (reason :data:`~.table.CPU`).
+"""Redirections that make Megatron-core 0.19 run on CPU with gloo (reason :data:`~.table.CPU`).
 
 :func:`apply_cpu_compat` (called by :func:`megatron_hetero.compat.apply_compat`) is the only entry
 point. It does nothing when CUDA is available, refuses a Megatron-core that is not a target of every

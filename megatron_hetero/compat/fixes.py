@@ -10,8 +10,9 @@ Not CPU-specific; each works around an upstream bug or limitation the project me
   ``fix.loss_tp_group``: its vocab-parallel cross entropy read the global TP group; 0.19 passes the
   model's ``tp_group``);
 * spots that fail without Transformer Engine: ``fix.clip_vit_norm`` (:func:`clip_vit_norm_kwargs`),
-  ``fix.moe_router_without_te`` (:func:`ensure_moe_without_te`), and for Megatron-LM's ``LLaVAModel``
-  ``fix.clip_vit_default_norm`` (:data:`NO_TE_PATCHES`, applied by the Megatron-LM launcher);
+  and for Megatron-LM's ``LLaVAModel`` ``fix.clip_vit_default_norm`` (:data:`NO_TE_PATCHES`, applied by
+  the Megatron-LM launcher). (0.16.1 also needed ``fix.moe_router_without_te``: its MoE router read
+  ``te_general_gemm``, unbound without TE; 0.19 binds it to None);
 * ``fix.checkpoint_reader``: the reader swap of ``training/safe_unpickle.py``
   (:func:`filesystem_reader_swapped`, scoped), so that a torch_dist checkpoint load runs no code
   from the checkpoint.
@@ -38,7 +39,6 @@ __all__ = [
     "apply_megatron_lm_no_te_fixes",
     "clip_vit_norm_kwargs",
     "ensure_global_memory_buffer",
-    "ensure_moe_without_te",
     "filesystem_reader_swapped",
     "fixes_applied",
     "param_groups_gathered_over",
@@ -186,7 +186,7 @@ def filesystem_reader_swapped(make_reader: Callable[[Any], Any]) -> Iterator[Non
 
 
 # --------------------------------------------------------------------------------------------
-# Helpers the model code calls (fix.global_memory_buffer, fix.clip_vit_norm, fix.moe_router_without_te)
+# Helpers the model code calls (fix.global_memory_buffer, fix.clip_vit_norm)
 # --------------------------------------------------------------------------------------------
 
 GLOBAL_MEMORY_BUFFER = Patch(
@@ -267,41 +267,6 @@ def clip_vit_norm_kwargs() -> Dict[str, Any]:
     return {"ln_pre_impl": WrappedTorchNorm, "ln_post_impl": WrappedTorchNorm}
 
 
-MOE_WITHOUT_TE = Patch(
-    name="fix.moe_router_without_te",
-    reason=FIX,
-    spot=f"{_MC}.transformer.moe.moe_utils: te_general_gemm is bound only when TE imports, but "
-    "RouterGatingLinearFunction reads it unconditionally (NameError without TE; upstream bug)",
-    action="ensure_moe_without_te() binds moe_utils.te_general_gemm = None when it is missing (the torch.mm "
-    "path); nothing with TE",
-    targets=MCORE_0_19,
-    removal="remove when moe_utils binds te_general_gemm = None without TE",
-    spots=(
-        Spot(
-            f"{_MC}.transformer.moe.moe_utils:RouterGatingLinearFunction.forward",
-            "staticmethod",
-            uses=("if te_general_gemm is not None",),
-        ),
-    ),
-    use="helper: ensure_moe_without_te() before building MoE layers (models/llava.py)",
-)
-
-
-def ensure_moe_without_te() -> None:
-    """Make Megatron's MoE router run without Transformer Engine.
-
-    Upstream bug (megatron/core/transformer/moe/moe_utils.py, 0.16.1): `te_general_gemm` is bound
-    only when TE imports, but `RouterGatingLinearFunction` reads it unconditionally (NameError
-    without TE). Without TE it must be None (the torch.mm path). With TE: no change
-    (``fix.moe_router_without_te``).
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    check_targets([MOE_WITHOUT_TE])
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 #: The fixes :func:`megatron_hetero.compat.apply_compat` gates on every machine (and applies, where an
 #: entry has ``apply``; the others act where they are used).
 FIXES: List[Patch] = [
@@ -309,7 +274,6 @@ FIXES: List[Patch] = [
     CHECKPOINT_READER,
     GLOBAL_MEMORY_BUFFER,
     CLIP_VIT_NORM,
-    MOE_WITHOUT_TE,
 ]
 
 

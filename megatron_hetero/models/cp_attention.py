@@ -1,6 +1,6 @@
 """Context-parallel core attention for Megatron-core's local (non-TE) layer spec.
 
-Megatron-core 0.16.1 only implements context parallelism inside ``TEDotProductAttention``; the
+Megatron-core (0.19, as 0.16.1) only implements context parallelism inside ``TEDotProductAttention``; the
 local ``DotProductAttention`` asserts ``context_parallel_size == 1``. This module is a drop-in
 ``core_attention`` that keeps Megatron's attention math (it *is* a ``DotProductAttention``) and
 adds CP by all-gathering K and V over the CP group:

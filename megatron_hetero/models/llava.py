@@ -43,7 +43,6 @@ from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.compat import ensure_moe_without_te
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.layout.validate import check_experts
 from megatron_hetero.models.architecture import check_architecture
@@ -335,8 +334,6 @@ class LanguageModule(torch.nn.Module):
             **arch,
         )
         self.config = config
-        if spec.num_experts:
-            ensure_moe_without_te()
         layer_spec = (
             get_gpt_layer_local_spec_with_cp(
                 num_experts=spec.num_experts, moe_grouped_gemm=False, normalization=spec.normalization

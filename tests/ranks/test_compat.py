@@ -705,7 +705,6 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
         fixes.apply_megatron_lm_no_te_fixes,
         compat.ensure_global_memory_buffer,
         compat.clip_vit_norm_kwargs,
-        compat.ensure_moe_without_te,
     ):
         if refused is compat.apply_cpu_compat and torch.cuda.is_available():
             continue  # a no-op with CUDA
