@@ -179,17 +179,19 @@ def test_free_port_and_argument_checks() -> None:
 
 
 def _compat_state() -> tuple[bool, bool]:
-    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.moe import moe_utils
 
-    from megatron_hetero.compat import cpu_compat_applied
+    from megatron_hetero.compat import compat_applied, cpu_compat_applied
     from megatron_hetero.compat._patching import MARK
 
-    return hasattr(vars(LanguageModule)["compute_language_model_loss"], MARK), cpu_compat_applied()
+    # a CPU redirection's marker on the Megatron function itself (cpu.moe_split_sizes_numpy)
+    patched = hasattr(moe_utils.maybe_move_tensor_to_cpu, MARK)
+    return compat_applied(), cpu_compat_applied() and patched
 
 
 @pytest.mark.timeout(60)
 def test_forked_ranks_inherit_the_session_compat() -> None:
-    """tests/conftest.py applies compat once in the pytest process; every forked rank sees it (the
-    pg_collection fix on every machine, the CPU redirects where there is no CUDA)."""
+    """tests/conftest.py applies compat once in the pytest process; every forked rank sees it (applied
+    on every machine, the CPU redirects where there is no CUDA)."""
     assert _compat_state() == (True, not torch.cuda.is_available())
     assert run_ranks(2, _compat_state, init_distributed=False) == [(True, not torch.cuda.is_available())] * 2
