@@ -730,7 +730,10 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
             continue  # a no-op with CUDA
         with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
             refused()
-    for scoped in (fixes.filesystem_reader_swapped(lambda d: None), fixes.param_groups_gathered_over(None)):
+    for scoped in (
+        fixes.checkpoint_reads_swapped(lambda d: None, lambda d: {}),
+        fixes.param_groups_gathered_over(None),
+    ):
         with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
             with scoped:
                 pass
@@ -753,7 +756,9 @@ def test_a_target_may_be_a_version_glob():
 
     entry = dataclasses.replace(fixes.PARAM_GROUPS_GATHER, targets=("0.16.1", "0.19.*"))
     assert table.check_targets([entry], "0.19.2") == "0.19.2" and table.check_targets([entry], "0.16.1") == "0.16.1"
-    with pytest.raises(table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.optimizer_param_groups_gather"):
+    with pytest.raises(
+        table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.optimizer_param_groups_gather"
+    ):
         table.check_targets([entry], "0.17.0")
     assert table.megatron_core_version() == __import__("importlib.metadata").metadata.version("megatron-core")
 
