@@ -149,7 +149,7 @@ def _weights_only_load(data: bytes, path: Path, what: str = "") -> Any:
     within it); ValueError naming the file."""
     import torch
 
-    label = f"checkpoint file {path}" + (f" ({what})" if what else "")
+    label, part = f"checkpoint file {path}", f"{what}: " if what else ""
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -160,9 +160,9 @@ def _weights_only_load(data: bytes, path: Path, what: str = "") -> Any:
             if m
             else next((ln.strip() for ln in text.splitlines() if "WeightsUnpickler error" in ln), text[:300])
         )
-        raise ValueError(f"{label} is refused: {why[:300]} (a crafted file: nothing of it was run)") from None
+        raise ValueError(f"{label} is refused: {part}{why[:300]} (a crafted file: nothing of it was run)") from None
     except Exception as exc:  # noqa: BLE001 - a damaged zip archive
-        raise ValueError(f"{label} is corrupt: {type(exc).__name__}: {str(exc)[:300]}") from None
+        raise ValueError(f"{label} is corrupt: {part}{type(exc).__name__}: {str(exc)[:300]}") from None
 
 
 def safe_torch_load(path: Path) -> Any:
@@ -211,9 +211,9 @@ def read_common_state(model_dir: str | Path, md=None) -> dict:
         with where.open("rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
-        span = f"its common state, bytes {info.offset}-{info.offset + info.length}"
+        span = f"its common state (bytes {info.offset}-{info.offset + info.length})"
         if len(data) != info.length:
-            raise ValueError(f"checkpoint file {where} is corrupt: {span} are past its end (truncated?)")
+            raise ValueError(f"checkpoint file {where} is corrupt: {span} ends past the file's end (truncated?)")
         loaded = _weights_only_load(data, where, span)
         if not (isinstance(loaded, list) and len(loaded) == 1):
             raise ValueError(f"checkpoint file {where} is refused: {span} is not a one-element list")
