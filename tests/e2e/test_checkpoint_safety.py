@@ -214,6 +214,44 @@ def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
     print(f"{len(files)} files, each with one flipped byte: an error naming it")
 
 
+def test_no_pickled_object_is_read_and_the_common_state_must_be_empty(base, tmp_path):
+    """Past the metadata checks: the load strategy refuses to be asked for a sharded object, the
+    reader refuses any bytes read (torch would decode it with weights_only=False), and a common state
+    that decodes safely but holds values is refused (ours is always empty)."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from megatron_hetero.checkpoint import safe_unpickle as su
+
+    d = base / "iter_0000002" / "vision"
+    with pytest.raises(ValueError, match=r"asked for pickled objects \['vision.x'\]; this build loads none"):
+        su.strategy().load({"x": ShardedObject("vision.x", None, (1,), (0,))}, d)
+    reader = su._reader_class()(str(d))
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    key = su.common_state_key()
+    index = next(i for i in md.storage_data if i.fqn == key)
+    size = torch.Size([0])
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex(key), size, index, size, size)
+    with pytest.raises(ValueError, match=r"asked for pickled objects \['common_state/shard_0_1'\]"):
+        reader.read_data(LoadPlan([item]), None)
+    assert su.read_common_state(d) == {}
+    folder = tmp_path / "vision"
+    shutil.copytree(d, folder)
+    blob = io.BytesIO()
+    torch.save([{"args": {"async_save": True}}], blob)
+    with (folder / md.storage_data[index].relative_path).open("ab") as f:
+        offset = f.tell()
+        f.write(blob.getvalue())
+    md.storage_data[index] = _StorageInfo(md.storage_data[index].relative_path, offset, len(blob.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ValueError, match=r"is refused: its common state is not empty \(\{'args'"):
+        su.read_common_state(folder)
+
+
 def test_damaged_marked_checkpoint_falls_back_only_when_asked(base, tmp_path):
     from megatron_hetero.checkpoint.files import select_checkpoint
 
