@@ -1,6 +1,7 @@
 """`--load` checked in the launching process, before any rank starts (`check_loadable`): the checkpoint
-to resume from, every file against the manifest, the `.metadata` / `common.pt` files through the
-restricted unpicklers, and the model, batch, data and schedule against this job.
+to resume from, every file against the manifest, each torch_dist folder's `.metadata` and common state
+(0.19's `common_state` bytes or 0.16.1's `common.pt`) through the restricted unpicklers, and the model,
+batch, data and schedule against this job.
 """
 
 from __future__ import annotations
@@ -23,16 +24,15 @@ def load_note(root: str | Path, fallback: bool) -> str | None:
 
 
 def read_torch_files(d: Path, state: dict) -> None:
-    """Read every `.metadata` and `common.pt` of checkpoint `d` the way the ranks will (restricted
-    unpicklers, `safe_unpickle`), so a crafted or damaged one stops the job before a rank starts."""
+    """Read every torch_dist folder of checkpoint `d` (each folder of a manifest entry named
+    `.metadata` or `common.pt`) the way the ranks will: metadata.json, `.metadata` and the common state
+    through the restricted unpicklers (`safe_unpickle.check_folder`), so a crafted or damaged file
+    stops the job before a rank starts."""
     from megatron_hetero.checkpoint import safe_unpickle
 
-    for rel in sorted(state.get("files", {})):
-        p = d / rel
-        if p.name == safe_unpickle.METADATA_FILE:
-            safe_unpickle.read_dcp_metadata(p.parent)
-        elif p.name == "common.pt":
-            safe_unpickle.safe_torch_load(p)
+    names = (safe_unpickle.METADATA_FILE, safe_unpickle.LEGACY_COMMON_FILE)
+    for folder in sorted({(d / rel).parent for rel in state.get("files", {}) if Path(rel).name in names}):
+        safe_unpickle.check_folder(folder)
 
 
 def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:

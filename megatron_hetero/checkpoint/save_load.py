@@ -26,8 +26,10 @@ offsets in the full tensor, DP/CP replicas by replica ids, and a segment adds it
 saved under any TP/PP/DP/CP and placement (colocated or disjoint, segmented or not) loads under any
 other layout of the same model.
 
-Only ShardedTensors go through `dist_checkpointing` (its common.pt stays empty); the non-tensor state
-(Adam's step counter, the scheduler, the data position) is in `train_state.json`, plain JSON. A save
+Only ShardedTensors go through `dist_checkpointing` (its common state stays empty: Megatron-core 0.19
+pickles it as one `common_state` bytes entry in rank 0's `.distcp` file, 0.16.1 into `common.pt`;
+checkpoints of both load); the non-tensor state (Adam's step counter, the scheduler, the data
+position) is in `train_state.json`, plain JSON. A save
 writes into `iter_N.saving/`; rank 0 writes the train state (with the manifest) after every rank
 finished its files (a barrier), renames the folder to `iter_N`, then replaces the marker (temp file +
 `os.replace`): a save killed at any point leaves the previous checkpoint as the one that loads
@@ -35,7 +37,7 @@ finished its files (a barrier), renames the folder to `iter_N`, then replaces th
 
 `check_loadable` (`checkpoint/loadable.py`, in the launching process, before any rank starts) picks the checkpoint, verifies
 every file against the manifest (size and sha256; there are no checksums in the torch_dist format
-itself), reads each `.metadata` and `common.pt` with the restricted unpicklers of `safe_unpickle`
+itself), reads each `.metadata` and common state with the restricted unpicklers of `safe_unpickle`
 (a crafted file is refused, nothing of it runs), and checks the model sizes, the optimizer, the batch
 and the schedule against this job: any problem is a ValueError naming the file (exit 2). The ranks
 load through the same restricted reads, after checking every tensor's shape against the metadata.
@@ -48,6 +50,7 @@ sharded state dicts `checkpoint/sharded.py`, the recorded model and data positio
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -91,6 +94,21 @@ def _writer_results_in_process() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+    _quiet_async_save_notice()
+
+
+class _AsyncSaveNotice(logging.Filter):
+    """Drops Megatron-core 0.19's "MCore's async save is deprecated" warning: its synchronous save runs
+    through the async writer and logs it once per process, though no save here is asynchronous."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("MCore's async save is deprecated")
+
+
+def _quiet_async_save_notice() -> None:
+    log = logging.getLogger("megatron.core.dist_checkpointing.strategies.torch")
+    if not any(isinstance(f, _AsyncSaveNotice) for f in log.filters):
+        log.addFilter(_AsyncSaveNotice())
 
 
 def _guard(what: str, fn, *args, **kwargs):

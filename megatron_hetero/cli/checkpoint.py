@@ -7,9 +7,9 @@ folder. Prints the iteration, consumed samples, the data position, the layout th
 saved under, whether every file matches the manifest, and each logical model's tensors with their
 global shapes and dtypes (model and optimizer state), and saves that did not complete. Runs no
 training and starts no process group. Reads like `train --load`: the manifest (sha256 of every file)
-first, then each `.metadata` with the restricted unpickler and `common.pt` with
-`torch.load(weights_only=True)` (`checkpoint.safe_unpickle`: a crafted file is refused, nothing of it
-runs). Exit 2 for a missing, corrupt or refused checkpoint, naming the file.
+first, then each `.metadata` with the restricted unpickler and the common state (0.19's `common_state`
+bytes or 0.16.1's `common.pt`) with `torch.load(weights_only=True)` (`checkpoint.safe_unpickle`: a
+crafted file is refused, nothing of it runs). Exit 2 for a missing, corrupt or refused checkpoint, naming the file.
 """
 
 from __future__ import annotations

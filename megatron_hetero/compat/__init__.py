@@ -13,7 +13,7 @@ Split by reason:
   the Megatron-LM launcher only (``apply_megatron_lm_cpu_compat()``).
 * :mod:`.fixes` (reason ``fix``): ``FIXES``, upstream bugs and limitations worked around on every
   machine, GPU included (explicit ``pg_collection`` groups, no Transformer Engine, the checkpoint
-  reader swap of ``training/safe_unpickle.py``), and the helpers ``ensure_global_memory_buffer``,
+  reader swaps of ``checkpoint/safe_unpickle.py``), and the helpers ``ensure_global_memory_buffer``,
   ``clip_vit_norm_kwargs``, ``param_groups_gathered_over``.
 * :mod:`.device` (no Megatron import, not a patch): ``get_device``, ``default_backend``,
   ``set_local_device``, ``synchronize``.

@@ -13,9 +13,9 @@ Not CPU-specific; each works around an upstream bug or limitation the project me
   and for Megatron-LM's ``LLaVAModel`` ``fix.clip_vit_default_norm`` (:data:`NO_TE_PATCHES`, applied by
   the Megatron-LM launcher). (0.16.1 also needed ``fix.moe_router_without_te``: its MoE router read
   ``te_general_gemm``, unbound without TE; 0.19 binds it to None);
-* ``fix.checkpoint_reader``: the reader swap of ``training/safe_unpickle.py``
-  (:func:`filesystem_reader_swapped`, scoped), so that a torch_dist checkpoint load runs no code
-  from the checkpoint.
+* ``fix.checkpoint_reader``: the reader and common-state swaps of ``checkpoint/safe_unpickle.py``
+  (:func:`checkpoint_reads_swapped`, scoped), so that a torch_dist checkpoint load (0.19's format or
+  0.16.1's, with ``common.pt``) runs no code from the checkpoint.
 
 :data:`FIXES` lists the entries :func:`megatron_hetero.compat.apply_compat` gates (and applies,
 where they have ``apply``); the scoped swaps and the helpers check their targets again when used.
@@ -37,9 +37,9 @@ __all__ = [
     "NO_TE_PATCHES",
     "apply_fixes",
     "apply_megatron_lm_no_te_fixes",
+    "checkpoint_reads_swapped",
     "clip_vit_norm_kwargs",
     "ensure_global_memory_buffer",
-    "filesystem_reader_swapped",
     "fixes_applied",
     "param_groups_gathered_over",
 ]
@@ -108,29 +108,34 @@ def param_groups_gathered_over(group):
 
 
 # --------------------------------------------------------------------------------------------
-# fix.checkpoint_reader (scoped; used by training/safe_unpickle.py)
+# fix.checkpoint_reader (scoped; used by checkpoint/safe_unpickle.py)
 # --------------------------------------------------------------------------------------------
 
-_CACHED_READER = f"{_MC}.dist_checkpointing.strategies.cached_metadata_filesystem_reader"
+_DCP_SERIALIZATION = f"{_MC}.dist_checkpointing.serialization"
+_DCP_COMMON = f"{_MC}.dist_checkpointing.strategies.common"
 
 CHECKPOINT_READER = Patch(
     name="fix.checkpoint_reader",
     reason=FIX,
     spot=f"{_DCP_TORCH}: TorchDistLoadShardedStrategy makes its reader with the module function "
-    "_get_filesystem_reader; torch's FileSystemReader.read_metadata reads .metadata with a plain "
-    "pickle.load (a crafted checkpoint runs code when it is loaded)",
-    action="during each load of training/safe_unpickle.py, _get_filesystem_reader returns its "
-    "SafeFileSystemReader (a CachedMetadataFileSystemReader whose read_metadata uses a restricted "
-    "unpickler); undone on exit",
+    "_get_filesystem_reader, and torch's FileSystemReader.read_metadata reads .metadata with a plain "
+    f"pickle.load; {_DCP_SERIALIZATION}: load reads the common state with load_common_state_dict, which "
+    "decodes the 'common_state' bytes entry through torch's DefaultLoadPlanner.load_bytes "
+    "(torch.load(weights_only=False)) or reads a legacy common.pt with torch.load's default (a crafted "
+    "checkpoint runs code when it is loaded)",
+    action="during each load of checkpoint/safe_unpickle.py, _get_filesystem_reader returns its "
+    "SafeFileSystemReader (a FileSystemReader whose read_metadata uses a restricted unpickler and whose "
+    "read_data refuses bytes entries) and load_common_state_dict is its read_common_state (common.pt or the "
+    "'common_state' bytes decoded with torch.load(weights_only=True)); undone on exit",
     targets=MCORE_0_19,
-    removal="remove when Megatron-core's torch_dist load strategy takes a storage reader (or torch's "
-    "FileSystemReader reads .metadata with a restricted unpickler)",
+    removal="remove when Megatron-core's torch_dist load takes a storage reader and decodes the common state "
+    "with weights_only=True (or torch's FileSystemReader reads .metadata with a restricted unpickler)",
     spots=(
-        Spot(f"{_DCP_TORCH}:_get_filesystem_reader", params=("checkpoint_dir", "cache_metadata")),
+        Spot(f"{_DCP_TORCH}:_get_filesystem_reader", params=("checkpoint_dir", "cache_metadata", "async_strategy")),
         Spot(
             f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load",
             "method",
-            params=("self", "sharded_state_dict", "checkpoint_dir"),
+            params=("self", "sharded_state_dict", "checkpoint_dir", "async_strategy"),
             uses=("_get_filesystem_reader(",),
         ),
         Spot(
@@ -142,47 +147,63 @@ CHECKPOINT_READER = Patch(
             f"{_DCP_TORCH}:TorchDistLoadShardedStrategy.load_sharded_metadata",
             "method",
             params=("self", "checkpoint_dir"),
+            uses=("_get_filesystem_reader(checkpoint_dir)",),
         ),
         Spot(
-            f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_common",
-            "method",
-            params=("self", "checkpoint_dir"),
+            f"{_DCP_SERIALIZATION}:load",
+            params=("sharded_state_dict", "checkpoint_dir", "sharded_strategy"),
+            uses=("load_common_state_dict(checkpoint_dir)", "sharded_strategy.load("),
         ),
         Spot(
-            f"{_MC}.dist_checkpointing.strategies.common:TorchCommonLoadStrategy.load_sharded_objects",
-            "method",
-            params=("self", "sharded_objects_state_dict", "checkpoint_dir"),
+            f"{_DCP_SERIALIZATION}:load_common_state_dict",
+            params=("checkpoint_dir",),
+            uses=(
+                'ShardedObject("common_state", None, (1,), (0,)).unique_key',
+                "storage_reader=_get_filesystem_reader(checkpoint_dir)",
+                "load_common(checkpoint_dir)",
+            ),
         ),
+        Spot(f"{_DCP_SERIALIZATION}:save", uses=('key="common_state"',)),
+        Spot(f"{_DCP_COMMON}:COMMON_STATE_FNAME", "value"),
+        Spot(f"{_DCP_COMMON}:load_common", uses=('torch.load(load_path, map_location="cpu")',)),
         Spot(
-            f"{_CACHED_READER}:CachedMetadataFileSystemReader.__init__",
+            "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner.load_bytes",
             "method",
-            params=("self", "path"),
-            uses=("self._cached_metadata = None",),
+            uses=("torch.load(value, weights_only=False)",),
         ),
-        Spot(f"{_CACHED_READER}:CachedMetadataFileSystemReader.read_metadata", "method", params=("self",)),
         Spot(
             "torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata",
             "method",
             uses=("pickle.load(", "self.load_id"),
         ),
+        Spot("torch.distributed.checkpoint.filesystem:FileSystemReader.read_data", "method", params=("self", "plan")),
     ),
-    use="scoped: filesystem_reader_swapped() during each load (training/safe_unpickle.py)",
+    use="scoped: checkpoint_reads_swapped() during each load (checkpoint/safe_unpickle.py)",
 )
 
 
 @contextlib.contextmanager
-def filesystem_reader_swapped(make_reader: Callable[[Any], Any]) -> Iterator[None]:
+def checkpoint_reads_swapped(
+    make_reader: Callable[[Any], Any], load_common_state: Callable[[Any], Dict[str, Any]]
+) -> Iterator[None]:
     """During the block, Megatron's torch_dist load strategy makes its checkpoint reader with
-    ``make_reader(checkpoint_dir)`` instead of ``strategies.torch._get_filesystem_reader`` (a swap of
-    that one module attribute, undone on exit; ``fix.checkpoint_reader``)."""
+    ``make_reader(checkpoint_dir)`` instead of ``strategies.torch._get_filesystem_reader``, and
+    ``dist_checkpointing.load`` reads the common state with ``load_common_state(checkpoint_dir)``
+    instead of ``serialization.load_common_state_dict`` (swaps of those two module attributes, undone
+    on exit; ``fix.checkpoint_reader``)."""
     check_targets([CHECKPOINT_READER])
     mtorch = importlib.import_module(_DCP_TORCH)
-    real = mtorch._get_filesystem_reader
-    mtorch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: make_reader(checkpoint_dir)
+    mser = importlib.import_module(_DCP_SERIALIZATION)
+    real_reader, real_common = mtorch._get_filesystem_reader, mser.load_common_state_dict
+    mtorch._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False, async_strategy="mcore": make_reader(
+        checkpoint_dir
+    )
+    mser.load_common_state_dict = load_common_state
     try:
         yield
     finally:
-        mtorch._get_filesystem_reader = real
+        mtorch._get_filesystem_reader = real_reader
+        mser.load_common_state_dict = real_common
 
 
 # --------------------------------------------------------------------------------------------

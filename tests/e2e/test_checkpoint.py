@@ -160,7 +160,6 @@ def _train_cli(*argv: str) -> subprocess.CompletedProcess:
     [
         "truncated .distcp",
         "truncated .metadata",
-        "truncated common.pt",
         "truncated train_state.json",
         "zeroed bytes in .distcp",
         "no marker",
@@ -177,7 +176,6 @@ def test_damaged_checkpoint_exits_2_naming_the_file(saved, tmp_path, damage):
     target = {
         "truncated .distcp": d / "language" / "__0_0.distcp",
         "truncated .metadata": d / "vision" / ".metadata",
-        "truncated common.pt": d / "language" / "common.pt",
         "truncated train_state.json": d / "train_state.json",
         "zeroed bytes in .distcp": d / "language" / "__1_0.distcp",
         "no marker": root / "latest_checkpointed_iteration.txt",
@@ -213,7 +211,7 @@ def test_damage_messages_name_the_file(saved, tmp_path, capsys):
 
     root = tmp_path / "copy"
     shutil.copytree(saved[0], root)
-    bad = root / "iter_0000002" / "language" / "__0_1.distcp"
+    bad = root / "iter_0000002" / "language" / "__1_0.distcp"
     bad.write_bytes(bad.read_bytes()[:100])
     layout = tmp_path / "l.yaml"
     layout.write_text(yaml.safe_dump(COLOC_TP2))
@@ -235,7 +233,7 @@ def test_in_rank_load_failure_names_the_directory(saved, tmp_path, monkeypatch):
 
     root = tmp_path / "copy"
     shutil.copytree(saved[0], root)
-    bad = root / "iter_0000002" / "language" / "__0_0.distcp"
+    bad = root / "iter_0000002" / "language" / "__1_0.distcp"  # rank 1's tensors (rank 0's also hold the common state)
     bad.write_bytes(bad.read_bytes()[:1000])
     monkeypatch.setattr(checkpoint_files, "verify_manifest", lambda d, state: None)
     with pytest.raises(RankFailure) as info:

@@ -74,38 +74,50 @@ def _craft(root: Path, kind: str, marker: Path) -> Path:
     """Put a payload into one file of iteration 2; returns the file. Checks the payload is live: a
     plain unpickle of what was written runs it."""
     import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from megatron_hetero.checkpoint.safe_unpickle import read_dcp_metadata
+    from megatron_hetero.checkpoint.safe_unpickle import common_state_key, read_dcp_metadata
 
     d = root / "iter_0000002"
-    if kind == "common.pt":
+    if kind == "common.pt":  # 0.16.1's common-state file, which Megatron 0.19 still reads first
         target = d / "language" / "common.pt"
         torch.save({"state": Payload(marker)}, target)
         torch.load(target, weights_only=False)
-    else:
-        target = d / "vision" / ".metadata"
-        md = read_dcp_metadata(target.parent)
-        if kind == ".metadata":  # the real metadata, a payload nested inside
-            md.storage_meta.modules = [Payload(marker)]
-        else:  # "object entry": one tensor turned into a pickled object read by torch.load(weights_only=False)
-            key = next(iter(md.state_dict_metadata))
-            md.state_dict_metadata[key] = BytesStorageMetadata()
-            blob = io.BytesIO()
-            torch.save(Payload(marker), blob)
-            (target.parent / "__9_0.distcp").write_bytes(blob.getvalue())
-            torch.load(io.BytesIO(blob.getvalue()), weights_only=False)
-        target.write_bytes(pickle.dumps(md))
-        if kind == ".metadata":
-            pickle.loads(target.read_bytes())
+        assert marker.read_text() == "payload ran"  # the crafted file is live
+        marker.unlink()
+        return target
+    md = read_dcp_metadata(d / "vision")
+    if kind == "common state":  # 0.19's common-state bytes, appended to their .distcp and pointed at
+        blob = io.BytesIO()
+        torch.save([{"state": Payload(marker)}], blob)
+        index = next(i for i in md.storage_data if i.fqn == common_state_key())
+        target = d / "vision" / md.storage_data[index].relative_path
+        offset = target.stat().st_size
+        with target.open("ab") as f:
+            f.write(blob.getvalue())
+        md.storage_data[index] = _StorageInfo(target.name, offset, len(blob.getvalue()))
+        torch.load(io.BytesIO(blob.getvalue()), weights_only=False)
+    elif kind == ".metadata":  # the real metadata, a payload nested inside
+        md.storage_meta.modules = [Payload(marker)]
+    else:  # "object entry": one tensor turned into a pickled object read by torch.load(weights_only=False)
+        key = next(k for k in md.state_dict_metadata if k != common_state_key())
+        md.state_dict_metadata[key] = BytesStorageMetadata()
+        blob = io.BytesIO()
+        torch.save(Payload(marker), blob)
+        (d / "vision" / "__9_0.distcp").write_bytes(blob.getvalue())
+        torch.load(io.BytesIO(blob.getvalue()), weights_only=False)
+    (d / "vision" / ".metadata").write_bytes(pickle.dumps(md))
+    if kind == ".metadata":
+        pickle.loads((d / "vision" / ".metadata").read_bytes())
     assert marker.read_text() == "payload ran"  # the crafted file is live
     marker.unlink()
-    return target
+    return target if kind == "common state" else d / "vision" / ".metadata"
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("forged", [True, False], ids=["manifest forged", "manifest stale"])
-@pytest.mark.parametrize("kind", [".metadata", "common.pt", "object entry"])
+@pytest.mark.parametrize("kind", [".metadata", "common state", "common.pt", "object entry"])
 def test_crafted_pickle_is_refused_and_does_not_run(base, tmp_path, capsys, kind, forged):
     from megatron_hetero.cli import main
 
@@ -121,14 +133,18 @@ def test_crafted_pickle_is_refused_and_does_not_run(base, tmp_path, capsys, kind
         assert f"checkpoint file {target} is refused" in err, err
         want = {
             ".metadata": "it names builtins.exec",
+            "common state": "is refused: its common state (bytes ",
             "common.pt": "it names exec",
-            "object entry": "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+            "object entry": "is a BytesStorageMetadata, not a tensor",
         }[kind]
-        assert want in err
-    else:
-        assert f"checkpoint file {target} is corrupt" in err or "not in the manifest" in err, err
+        assert want in err and (kind != "common state" or "it names exec" in err), err
+    # the common state's payload changed its .distcp and the .metadata pointing at it: a stale manifest names either
+    changed = [target, target.parent / ".metadata"] if kind == "common state" else [target]
+    if not forged:
+        assert any(f"checkpoint file {p} is corrupt" in err for p in changed) or "not in the manifest" in err, err
     assert main(["checkpoint", "inspect", str(root)]) == 2
-    assert str(target) in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert any(str(p) in err for p in (changed if not forged else [target])), err
     if forged:  # a crafted file that matches its manifest is not damage to fall back from: refused
         assert (
             main(["train", "--hetero-layout", layout, "--train-iters", "3", "--load", str(root), "--load-fallback"])
@@ -182,7 +198,6 @@ def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
     assert kinds == {
         ".distcp",
         ".metadata",
-        "common.pt",
         "metadata.json",
         "layout.yaml",
         "train_state.json",
@@ -197,6 +212,44 @@ def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
         assert str(root / rel) in str(info.value), (rel, str(info.value))
         shutil.rmtree(root)
     print(f"{len(files)} files, each with one flipped byte: an error naming it")
+
+
+def test_no_pickled_object_is_read_and_the_common_state_must_be_empty(base, tmp_path):
+    """Past the metadata checks: the load strategy refuses to be asked for a sharded object, the
+    reader refuses any bytes read (torch would decode it with weights_only=False), and a common state
+    that decodes safely but holds values is refused (ours is always empty)."""
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from megatron_hetero.checkpoint import safe_unpickle as su
+
+    d = base / "iter_0000002" / "vision"
+    with pytest.raises(ValueError, match=r"asked for pickled objects \['vision.x'\]; this build loads none"):
+        su.strategy().load({"x": ShardedObject("vision.x", None, (1,), (0,))}, d)
+    reader = su._reader_class()(str(d))
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    key = su.common_state_key()
+    index = next(i for i in md.storage_data if i.fqn == key)
+    size = torch.Size([0])
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex(key), size, index, size, size)
+    with pytest.raises(ValueError, match=r"asked for pickled objects \['common_state/shard_0_1'\]"):
+        reader.read_data(LoadPlan([item]), None)
+    assert su.read_common_state(d) == {}
+    folder = tmp_path / "vision"
+    shutil.copytree(d, folder)
+    blob = io.BytesIO()
+    torch.save([{"args": {"async_save": True}}], blob)
+    with (folder / md.storage_data[index].relative_path).open("ab") as f:
+        offset = f.tell()
+        f.write(blob.getvalue())
+    md.storage_data[index] = _StorageInfo(md.storage_data[index].relative_path, offset, len(blob.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ValueError, match=r"is refused: its common state is not empty \(\{'args'"):
+        su.read_common_state(folder)
 
 
 def test_damaged_marked_checkpoint_falls_back_only_when_asked(base, tmp_path):

@@ -710,7 +710,10 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
             continue  # a no-op with CUDA
         with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
             refused()
-    for scoped in (fixes.filesystem_reader_swapped(lambda d: None), fixes.param_groups_gathered_over(None)):
+    for scoped in (
+        fixes.checkpoint_reads_swapped(lambda d: None, lambda d: {}),
+        fixes.param_groups_gathered_over(None),
+    ):
         with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
             with scoped:
                 pass
