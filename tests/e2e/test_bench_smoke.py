@@ -1,5 +1,7 @@
 """The boundary benchmark runs end to end (tiny shape, one iteration) and its byte ratios hold:
-direct mode moves exactly the minimum, the leader path more. Times are not asserted."""
+direct mode moves exactly the minimum, the leader path more; upstream's ColocatedBridgeCommunicator
+(Megatron-core 0.19) runs the colocated cases it accepts, delivers the same tensors as ours and moves
+its analytic bytes (the same minimum), and names its refusals. Times are not asserted."""
 
 from __future__ import annotations
 
@@ -10,6 +12,21 @@ import pytest
 
 from megatron_hetero.bench import boundary as bench
 
+#: upstream's refusals by case (its ValueError text), the cases it accepts run
+REFUSALS = {
+    "colocated equal-dp TP2·DP4 -> CP2·DP4": "dest CP must be 1",
+    "colocated fan-in DP8 -> TP2·PP2·DP2": "dest PP must be 1",
+    f"colocated fan-out TP4·DP2 -> DP8, batch {bench.UNEVEN_BATCH}": "is not divisible by fan_out scale=4",
+}
+
+
+def _upstream_bytes(row: dict, doc: dict) -> int:
+    """Upstream's all-gathers: fan-in forward, fan-out backward; every rank receives factor - 1 pieces
+    of the smaller side's local tensor (its destination rows x the whole sequence x hidden, fp32)."""
+    shape, mods = doc["shape"], next(c for c in bench.CASES if c[0] == row["case"])[1]["modules"]
+    rows = row["batch"] // max(m.get("dp", 1) for m in mods.values())
+    return bench.WORLD * (row["factor"] - 1) * rows * shape["seq"] * shape["hidden"] * 4
+
 
 @pytest.mark.timeout(300)
 def test_bench_boundary_smoke(tmp_path):
@@ -17,12 +34,29 @@ def test_bench_boundary_smoke(tmp_path):
     assert json.loads((tmp_path / "boundary.json").read_text()) == doc
     assert len(doc["cases"]) == len(bench.CASES)
     for row in doc["cases"]:
-        assert row["time_s"] > 0 and row["plain_send_s"] > 0
-        if row["mode"] == "direct":
-            assert row["bytes_moved"] == row["min_bytes"], row
+        up = row["upstream"]
+        if row["refusal"] is not None:  # ours refuses only the uneven fan-out, as upstream does
+            assert (
+                row["batch"] == bench.UNEVEN_BATCH and "not divisible by destination language dp(8)" in row["refusal"]
+            )
         else:
-            assert row["bytes_moved"] > row["min_bytes"], row
-    assert "| case | mode |" in bench.table(doc)
+            assert row["time_s"] > 0 and row["plain_send_s"] > 0 and row["delivers_expected"], row
+            if row["mode"] == "direct":
+                assert row["bytes_moved"] == row["min_bytes"], row
+            else:
+                assert row["bytes_moved"] > row["min_bytes"], row
+        if row["placement"] == "disjoint":
+            assert up["refusal"].startswith("Grids must have same rank offset: src=0, dest="), row
+        elif row["case"] in REFUSALS:
+            assert REFUSALS[row["case"]] in up["refusal"], row
+        else:
+            assert up["refusal"] is None and up["same_as_ours"], row
+            assert up["bytes_moved"] == up["analytic_bytes"] == _upstream_bytes(row, doc) == row["min_bytes"], row
+            assert up["time_s"] > 0 and up["time_ratio_ours_upstream"] > 0
+    assert sum(r["upstream"]["refusal"] is None for r in doc["cases"]) == 5
+    text = bench.table(doc)
+    assert "| case | mode |" in text and "| case | ours moved | upstream moved |" in text
+    assert "refuses: dest CP must be 1 for ColocatedBridgeCommunicator, got 2" in text
 
 
 @pytest.mark.timeout(300)
