@@ -1,7 +1,7 @@
-"""Megatron-LM's own training scripts (tag core_v0.16.1) with the plugin's patches (docs/megatron-lm.md).
+"""Megatron-LM's own training scripts (tag core_v0.19.0) with the plugin's patches (docs/megatron-lm.md).
 
 Needs a Megatron-LM tree: `MEGATRON_LM=/path/to/Megatron-LM` (the parts its scripts import are
-enough, e.g. the vendored `shared/vendor/megatron-lm-core_v0.16.1`); skipped with the reason
+enough, e.g. the vendored `shared/vendor/megatron-lm-core_v0.19.0`); skipped with the reason
 otherwise. The tree is copied to a temporary folder and patched there (the patches must apply and
 reverse cleanly); every run is a real `torchrun` on CPU/gloo, 2 ranks (4 where the layout needs
 them), 3 iterations of a tiny LLaVA or GPT (fp32, no dropout, constant learning rate, --clip-grad 0),
@@ -29,13 +29,13 @@ from typing import Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TAG = "core_v0.16.1"
+TAG = "core_v0.19.0"
 PATCHES = sorted((REPO / "patches" / "megatron-lm" / TAG).glob("*.patch"))
 TREE_ENV = os.environ.get("MEGATRON_LM")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not TREE_ENV, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.16.1 to run these"),
+    pytest.mark.skipif(not TREE_ENV, reason=f"set MEGATRON_LM to a Megatron-LM tree at {TAG} to run these"),
 ]
 if TREE_ENV and not (Path(TREE_ENV) / "pretrain_vlm.py").is_file():
     pytestmark.append(pytest.mark.skip(reason=f"MEGATRON_LM={TREE_ENV} holds no pretrain_vlm.py"))

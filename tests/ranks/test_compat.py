@@ -619,17 +619,17 @@ def test_every_patched_spot_exists():
 
 
 def _megatron_lm_spot_problems(tree: str) -> list:
-    import sys
+    from megatron_hetero.megatron_lm.run import use_tree
 
+    use_tree(tree)  # as the Megatron-LM launcher does (this is a forked rank: nothing leaks back)
     from megatron_hetero.compat import megatron_lm, table
 
-    sys.path.append(tree)  # as the Megatron-LM launcher does (this is a forked rank: nothing leaks back)
     megatron_lm._triton_stub()
     return [p for e in [*megatron_lm.MEGATRON_LM_PATCHES, *megatron_lm.NO_TE_PATCHES] for p in table.patch_problems(e)]
 
 
 @pytest.mark.skipif(
-    not MEGATRON_LM_TREE, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.16.1 to check the Megatron-LM spots"
+    not MEGATRON_LM_TREE, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.19.0 to check the Megatron-LM spots"
 )
 def test_every_megatron_lm_patched_spot_exists():
     (problems,) = run_ranks(1, _megatron_lm_spot_problems, MEGATRON_LM_TREE, init_distributed=False)
@@ -753,7 +753,9 @@ def test_a_target_may_be_a_version_glob():
 
     entry = dataclasses.replace(fixes.PARAM_GROUPS_GATHER, targets=("0.16.1", "0.19.*"))
     assert table.check_targets([entry], "0.19.2") == "0.19.2" and table.check_targets([entry], "0.16.1") == "0.16.1"
-    with pytest.raises(table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.optimizer_param_groups_gather"):
+    with pytest.raises(
+        table.UnsupportedMegatronVersion, match="0.17.0 is installed.*fix.optimizer_param_groups_gather"
+    ):
         table.check_targets([entry], "0.17.0")
     assert table.megatron_core_version() == __import__("importlib.metadata").metadata.version("megatron-core")
 
