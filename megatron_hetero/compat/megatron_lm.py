@@ -1,5 +1,5 @@
 """Opt-in CPU redirections (reason :data:`~.table.CPU`) for Megatron-LM's *training* package (``megatron.training``, the tree a
-user checks out, tag ``core_v0.16.1``), on top of the Megatron-core set in :mod:`.cpu`.
+user checks out, tag ``core_v0.19.0``), on top of the Megatron-core set in :mod:`.cpu`.
 
 Nothing here is applied on import. :func:`apply_megatron_lm_cpu_compat` is called by
 ``megatron_hetero.megatron_lm.run`` (the launcher that runs a Megatron-LM script, patched or not)
@@ -10,7 +10,8 @@ lists every entry with its upstream spot (each was checked to be needed by runni
 on CPU; docs/compat.md lists them).
 
 Requires the tree's ``megatron/training`` importable (the launcher appends the tree to the END of
-``sys.path``, so the pip Megatron-core wins in the merged ``megatron`` namespace package).
+``sys.path``, so the pip Megatron-core wins in the merged ``megatron`` namespace package, and binds
+``megatron.training`` to the tree's package: ``megatron_lm.run.use_tree``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from ._patching import MARK, rebind_function, swapped, wrap_call
+from ._patching import MARK, rebind_function, wrap_call
 from .fixes import NO_TE_PATCHES, apply_megatron_lm_no_te_fixes
 from .table import CPU, MCORE_0_19, Patch, Spot, check_targets
 from .torch_on_cpu import _CudaOnCpu, _TorchOnCpu, _tensor_cuda_is_identity
@@ -184,18 +185,6 @@ def _cuda_identity_in(module_name: str, attr: str):
     return apply
 
 
-def _torch_on_cpu_during(module_name: str, attr: str):
-    """The module's global name ``torch`` is the CPU redirect while ``attr`` runs (the module's other
-    functions keep the real torch)."""
-
-    def apply() -> None:
-        module = importlib.import_module(module_name)
-        redirect = _TorchOnCpu()
-        rebind_function([module_name], attr, lambda fn: wrap_call(fn, lambda: swapped(module, "torch", redirect)))
-
-    return apply
-
-
 def _broadcast_data_on_cpu() -> None:
     _redirect_torch("megatron.core.tensor_parallel.data", _TorchOnCpu())()
     rebind_function(
@@ -225,7 +214,7 @@ def _cpu(name: str, spot: str, action: str, removal: str, spots: Tuple[Spot, ...
     )
 
 
-#: Megatron-LM (tag core_v0.16.1, the tree matching megatron-core 0.16.1) spots redirected without
+#: Megatron-LM (tag core_v0.19.0, the tree matching megatron-core 0.19) spots redirected without
 #: CUDA (reason CPU). Their targets are Megatron-core versions: the launcher runs the tree's
 #: ``megatron.training`` against the pip Megatron-core, and the tree's tag is checked by
 #: ``megatron_hetero.megatron_lm.tree``.
@@ -385,21 +374,6 @@ MEGATRON_LM_PATCHES: List[Patch] = [
             Spot("pretrain_gpt", "source", uses=("batch[key].cuda(non_blocking=True)",)),
         ),
         _cuda_identity_in(f"{_MC}.pipeline_parallel.schedules", "forward_step"),
-    ),
-    _cpu(
-        "megatron_lm.batch_on_tp_rank",
-        f"{_MC}.utils: get_batch_on_this_tp_rank (pretrain_gpt.get_batch; receive buffers on "
-        "torch.cuda.current_device() on TP ranks other than 0)",
-        "torch -> CPU redirect during the call",
-        "remove when get_batch_on_this_tp_rank allocates on the device of the TP group's backend",
-        (
-            Spot(
-                f"{_MC}.utils:get_batch_on_this_tp_rank",
-                params=("batch",),
-                uses=("device=torch.cuda.current_device()",),
-            ),
-        ),
-        _torch_on_cpu_during(_MC + ".utils", "get_batch_on_this_tp_rank"),
     ),
     _cpu(
         "megatron_lm.llava_sound_device",

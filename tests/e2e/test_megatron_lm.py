@@ -175,15 +175,17 @@ def assert_losses(
     assert run.rc == 0, f"{what} failed (rc {run.rc}):\n{run.tail()}"
     assert sorted(run.losses) == sorted(ref), f"{what}: iterations {sorted(run.losses)} vs {sorted(ref)}\n{run.tail()}"
     worst = max(abs(run.losses[i] - ref[i]) / abs(ref[i]) for i in ref)
+    worst_abs = max(abs(run.losses[i] - ref[i]) for i in ref)
     assert worst <= rtol, f"{what}: losses {run.losses} vs reference {ref} (largest rel. diff {worst:.2e})"
     if ref_valid is not None:
         assert sorted(run.valid) == sorted(ref_valid), f"{what}: validation {run.valid} vs {ref_valid}\n{run.tail()}"
         worst_v = max(abs(run.valid[k] - ref_valid[k]) / abs(ref_valid[k]) for k in ref_valid)
         assert worst_v <= rtol, f"{what}: validation {run.valid} vs reference {ref_valid} ({worst_v:.2e})"
         worst = max(worst, worst_v)
+        worst_abs = max(worst_abs, max(abs(run.valid[k] - ref_valid[k]) for k in ref_valid))
     print(
-        f"{what}: largest relative loss difference {worst:.2e} over iterations {sorted(ref)}"
-        + (f" and {len(ref_valid)} validation lines" if ref_valid else "")
+        f"{what}: largest relative loss difference {worst:.2e} (absolute {worst_abs:.2e}) over iterations "
+        f"{sorted(ref)}" + (f" and {len(ref_valid)} validation lines" if ref_valid else "")
     )
     return worst
 
