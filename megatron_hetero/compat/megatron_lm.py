@@ -1,5 +1,5 @@
 """Opt-in CPU redirections (reason :data:`~.table.CPU`) for Megatron-LM's *training* package (``megatron.training``, the tree a
-user checks out, tag ``core_v0.16.1``), on top of the Megatron-core set in :mod:`.cpu`.
+user checks out, tag ``core_v0.19.0``), on top of the Megatron-core set in :mod:`.cpu`.
 
 Nothing here is applied on import. :func:`apply_megatron_lm_cpu_compat` is called by
 ``megatron_hetero.megatron_lm.run`` (the launcher that runs a Megatron-LM script, patched or not)
@@ -10,7 +10,8 @@ lists every entry with its upstream spot (each was checked to be needed by runni
 on CPU; docs/compat.md lists them).
 
 Requires the tree's ``megatron/training`` importable (the launcher appends the tree to the END of
-``sys.path``, so the pip Megatron-core wins in the merged ``megatron`` namespace package).
+``sys.path``, so the pip Megatron-core wins in the merged ``megatron`` namespace package, and binds
+``megatron.training`` to the tree's package: ``megatron_lm.run.use_tree``).
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ def _allow_no_cuda() -> None:
 
 def _device_arch_zero() -> None:
     rebind_function(
-        ["megatron.training.utils", "megatron.training.arguments"], "get_device_arch_version", lambda fn: lambda: 0
+        ["megatron.training.utils.common_utils", "megatron.training.utils", "megatron.training.arguments"],
+        "get_device_arch_version",
+        lambda fn: lambda: 0,
     )
 
 
@@ -173,10 +176,6 @@ def _compile_helpers_prebuilt() -> None:
         return compile_helpers
 
     rebind_function(["megatron.core.datasets.utils"], "compile_helpers", make)
-
-
-def _fused_kernels_noop() -> None:
-    rebind_function(["megatron.legacy.fused_kernels"], "load", lambda fn: lambda *a, **k: None)
 
 
 def _cuda_identity_in(module_name: str, attr: str):
@@ -215,7 +214,7 @@ def _cpu(name: str, spot: str, action: str, removal: str, spots: Tuple[Spot, ...
     )
 
 
-#: Megatron-LM (tag core_v0.16.1, the tree matching megatron-core 0.16.1) spots redirected without
+#: Megatron-LM (tag core_v0.19.0, the tree matching megatron-core 0.19) spots redirected without
 #: CUDA (reason CPU). Their targets are Megatron-core versions: the launcher runs the tree's
 #: ``megatron.training`` against the pip Megatron-core, and the tree's tag is checked by
 #: ``megatron_hetero.megatron_lm.tree``.
@@ -238,7 +237,7 @@ MEGATRON_LM_PATCHES: List[Patch] = [
         (
             Spot(
                 f"{_TR}.initialize:initialize_megatron",
-                params=("extra_args_provider", "args_defaults", "ignore_unknown_args", "allow_no_cuda"),
+                params=("allow_no_cuda",),
                 uses=('assert torch.cuda.is_available(), "Megatron requires CUDA."',),
             ),
             Spot(f"{_TR}.training:initialize_megatron"),
@@ -266,12 +265,12 @@ MEGATRON_LM_PATCHES: List[Patch] = [
     ),
     _cpu(
         "megatron_lm.utils",
-        f"{_TR}.utils: get_batch_on_this_tp_rank, report_memory, "
-        "reduce_max_stat_across_model_parallel_group (device=torch.cuda.current_device())",
+        f"{_TR}.utils.common_utils: report_memory, reduce_max_stat_across_model_parallel_group, "
+        "logical_and_across_model_parallel_group (device=torch.cuda.current_device())",
         "torch -> CPU redirect with one device",
-        "remove when megatron.training.utils allocates on the batch's device",
-        (Spot(f"{_TR}.utils:torch", "torch", uses=("torch.cuda.current_device()",)),),
-        _redirect_torch(f"{_TR}.utils"),
+        "remove when megatron.training.utils allocates its statistics on the current device (CPU included)",
+        (Spot(f"{_TR}.utils.common_utils:torch", "torch", uses=("torch.cuda.current_device()",)),),
+        _redirect_torch(f"{_TR}.utils.common_utils"),
     ),
     _cpu(
         "megatron_lm.checkpointing",
@@ -304,7 +303,12 @@ MEGATRON_LM_PATCHES: List[Patch] = [
         "returns 0 (rebound in utils and arguments)",
         "remove when validate_args asks the architecture only of a GPU",
         (
-            Spot(f"{_TR}.utils:get_device_arch_version", params=(), uses=("torch.cuda.get_device_properties",)),
+            Spot(
+                f"{_TR}.utils.common_utils:get_device_arch_version",
+                params=(),
+                uses=("torch.cuda.get_device_properties",),
+            ),
+            Spot(f"{_TR}.utils:get_device_arch_version"),
             Spot(f"{_TR}.arguments:get_device_arch_version"),
         ),
         _device_arch_zero,
@@ -316,14 +320,6 @@ MEGATRON_LM_PATCHES: List[Patch] = [
         "remove when compile_helpers skips make where helpers_cpp is prebuilt",
         (Spot(f"{_MC}.datasets.utils:compile_helpers", params=(), uses=('command = ["make"',)),),
         _compile_helpers_prebuilt,
-    ),
-    _cpu(
-        "megatron_lm.fused_kernels",
-        "megatron.legacy.fused_kernels: load runs nvcc -V",
-        "no-op",
-        "remove when Megatron-LM stops loading the legacy fused kernels without CUDA",
-        (Spot("megatron.legacy.fused_kernels:load", params=("args",), uses=("cpp_extension.CUDA_HOME",)),),
-        _fused_kernels_noop,
     ),
     _cpu(
         "megatron_lm.get_model_cuda",
@@ -340,20 +336,59 @@ MEGATRON_LM_PATCHES: List[Patch] = [
         _cuda_identity_in(f"{_TR}.training", "get_model"),
     ),
     _cpu(
-        "megatron_lm.evaluate_cuda",
-        f"{_TR}.training: evaluate (total_loss_dict tensors .cuda(); --eval-iters > 0)",
-        "tensor.cuda() is the identity during the call",
-        "remove when evaluate keeps its loss tensors on the device of the losses",
-        (Spot(f"{_TR}.training:evaluate", uses=(".cuda()",)),),
-        _cuda_identity_in(f"{_TR}.training", "evaluate"),
+        "megatron_lm.dist_utils",
+        f"{_TR}.models.dist_utils: prepare_existing_model_chunks_for_distributed_training "
+        "(model_module.cuda(torch.cuda.current_device())), _ddp_wrap (torch.cuda.Stream for DDP); "
+        "the config-container model builder pretrain_gpt.py uses",
+        "torch -> CPU redirect with one device",
+        "remove when the model builders place the model and its DDP stream on the device they run on",
+        (Spot(f"{_TR}.models.dist_utils:torch", "torch", uses=("torch.cuda.Stream()", "torch.cuda.current_device()")),),
+        _redirect_torch(f"{_TR}.models.dist_utils"),
     ),
     _cpu(
-        "megatron_lm.batch_cuda",
-        f"{_TR}.utils: get_batch_on_this_tp_rank (tensor.cuda())",
+        "megatron_lm.prepare_chunks_cuda",
+        f"{_TR}.models.dist_utils: prepare_existing_model_chunks_for_distributed_training (model_module.cuda(...))",
         "tensor.cuda() is the identity during the call",
-        "remove when get_batch_on_this_tp_rank moves the batch to the current device (CPU included)",
-        (Spot(f"{_TR}.utils:get_batch_on_this_tp_rank", uses=('data["tokens"].cuda(non_blocking=True)',)),),
-        _cuda_identity_in(f"{_TR}.utils", "get_batch_on_this_tp_rank"),
+        "remove when the model builders move the model to the current device only where it is a GPU",
+        (
+            Spot(
+                f"{_TR}.models.dist_utils:prepare_existing_model_chunks_for_distributed_training",
+                params=("model_list", "transformer_config", "pg_collection"),
+                uses=("model_module.cuda(torch.cuda.current_device())",),
+            ),
+        ),
+        _cuda_identity_in(f"{_TR}.models.dist_utils", "prepare_existing_model_chunks_for_distributed_training"),
+    ),
+    _cpu(
+        "megatron_lm.forward_step_cuda",
+        f"{_MC}.pipeline_parallel.schedules: forward_step calls the script's forward_step_func, whose "
+        "get_batch moves the batch with tensor.cuda() (pretrain_gpt.get_batch on TP rank 0)",
+        "tensor.cuda() is the identity during the call",
+        "remove when pretrain_gpt.get_batch moves the batch to the current device (CPU included)",
+        (
+            Spot(
+                f"{_MC}.pipeline_parallel.schedules:forward_step",
+                params=("forward_step_func", "data_iterator", "model"),
+                uses=("forward_step_func(data_iterator, model",),
+            ),
+            Spot("pretrain_gpt", "source", uses=("batch[key].cuda(non_blocking=True)",)),
+        ),
+        _cuda_identity_in(f"{_MC}.pipeline_parallel.schedules", "forward_step"),
+    ),
+    _cpu(
+        "megatron_lm.llava_sound_device",
+        f"{_MC}.models.multimodal.llava_model: LLaVAModel.forward (an encoder without sound clips makes its "
+        "empty sound embeddings on torch.cuda.current_device())",
+        "torch -> CPU redirect",
+        "remove when LLaVAModel.forward makes the empty sound embeddings on the images' device",
+        (
+            Spot(
+                f"{_MC}.models.multimodal.llava_model:torch",
+                "torch",
+                uses=("device = torch.cuda.current_device()",),
+            ),
+        ),
+        _redirect_torch(f"{_MC}.models.multimodal.llava_model", _TorchOnCpu()),
     ),
     _cpu(
         "megatron_lm.broadcast_data",

@@ -1,6 +1,6 @@
 """Megatron-LM's own training scripts with per-module layouts (docs/megatron-lm.md).
 
-The patches in ``patches/megatron-lm/core_v0.16.1/`` make ``pretrain_vlm.py`` hand over to
+The patches in ``patches/megatron-lm/core_v0.19.0/`` make ``pretrain_vlm.py`` hand over to
 :func:`pretrain_vlm` and ``pretrain_gpt.py`` to :func:`pretrain_gpt` when a ``--hetero-*`` flag is
 given; everything else stays upstream's. ``driver.py`` holds what both share.
 Floor: training (imports models/runtime/plan/layout/compat; only the CLI imports it).

@@ -6,9 +6,10 @@ layout's modules) go through, in order:
   1. parse Megatron's arguments (with the script's extra arguments and the `--hetero-*` flags),
      resolve and validate the layout against the world size and the Megatron features used (exit 2
      with the reason on every rank, before any process group or model exists);
-  2. `initialize_megatron` as `pretrain()` does (Megatron's global state: arguments, tokenizer,
-     timers, seeds; its global parallel state follows Megatron's own `--tensor-model-parallel-size`
-     etc., the *reference* layout), then `set_jit_fusion_options`;
+  2. `parse_and_validate_args` and `initialize_megatron` as the script's `__main__` and `pretrain()`
+     do (Megatron's global state: arguments, tokenizer, timers, seeds; its global parallel state
+     follows Megatron's own `--tensor-model-parallel-size` etc., the *reference* layout), then
+     `set_jit_fusion_options`;
   3. weights: `--hetero-init reference` (default) builds Megatron's own model with the script's
      model provider on the reference layout (exactly what the unpatched script would start from),
      gathers each parameter over the reference TP group and keeps this rank's shard of each module
@@ -211,17 +212,16 @@ def pretrain_with_layout(
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{PREFIX}: invalid input: {exc}", file=sys.stderr, flush=True)
         return 2
-    from megatron.training import get_args
+    from megatron.training.arguments import parse_and_validate_args
     from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
 
-    initialize_megatron(
-        extra_args_provider=chain(extra_args_provider, add_megatron_lm_args),
-        args_defaults=args_defaults or {},
-        get_embedding_ranks=get_embedding_ranks,
-        get_position_embedding_ranks=get_position_embedding_ranks,
+    args = parse_and_validate_args(
+        extra_args_provider=chain(extra_args_provider, add_megatron_lm_args), args_defaults=args_defaults or {}
     )
-    set_jit_fusion_options()
-    args = get_args()
+    initialize_megatron(
+        get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks
+    )
+    set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
     layout = layout_from_args(args, dist.get_world_size())
     _train(model, args, layout, train_valid_test_datasets_provider, model_provider)
     return 0

@@ -3,7 +3,8 @@
 The patches live in the source tree at `patches/megatron-lm/<tag>/*.patch` (unified diffs, `-p1`).
 A tree is recognised by the SHA-256 of the files the patches touch: each file matches either the
 tag's pristine content or its patched content; anything else is an unsupported (or locally
-modified) tree. Pure file inspection; applying runs `patch -p1` (or `git apply` where `patch` is
+modified) tree; a tree at a tag an earlier release supported (`RETIRED`) is named with the release it
+needs. Pure file inspection; applying runs `patch -p1` (or `git apply` where `patch` is
 missing) in the tree.
 """
 
@@ -18,16 +19,34 @@ from typing import Optional
 
 #: tag -> file -> (sha256 pristine, sha256 patched)
 SUPPORTED: dict[str, dict[str, tuple[str, str]]] = {
-    "core_v0.16.1": {
+    "core_v0.19.0": {
         "pretrain_vlm.py": (
-            "0eb84b159e94ccb6b5c38803debcec27c05323ed2bef50b3b4d04a06cb3e644d",
-            "8b529555c511a2732045fdf4fe627bb2f4327d70c68291a36f22f9d91c6437f9",
+            "ce3f700023c0415ab9d54a6831231131a403ec69848e2f3235220d39ec96e36d",
+            "4793bd5e0bc49f75f2b2b938b665057c2c304f48e272cf4a0a6b8daba2686e4f",
         ),
         "pretrain_gpt.py": (
-            "5a5b8fe909610892146e4d2ef5b303bd9b73bb31dfc96d73f2d0afb8937d4b22",
-            "800463ff6090835fcab947cccb08465ffa4bf692b26bb8636324fe998da5b55a",
+            "7283c4aeb5a00c694bbf2930527a184fc0d5f607f548c74707c71cc240d05fae",
+            "3687a7b69b40bb0e38bda7c5b38f98678dd7d7d46c7aaff8442aabbc614db474",
         ),
     }
+}
+
+#: Tags an earlier release supported, recognised only to say so: tag -> (file -> (sha256 pristine,
+#: sha256 patched by that release), the release and Megatron-core it needs).
+RETIRED: dict[str, tuple[dict[str, tuple[str, str]], str]] = {
+    "core_v0.16.1": (
+        {
+            "pretrain_vlm.py": (
+                "0eb84b159e94ccb6b5c38803debcec27c05323ed2bef50b3b4d04a06cb3e644d",
+                "8b529555c511a2732045fdf4fe627bb2f4327d70c68291a36f22f9d91c6437f9",
+            ),
+            "pretrain_gpt.py": (
+                "5a5b8fe909610892146e4d2ef5b303bd9b73bb31dfc96d73f2d0afb8937d4b22",
+                "800463ff6090835fcab947cccb08465ffa4bf692b26bb8636324fe998da5b55a",
+            ),
+        },
+        "megatron-hetero 0.1.0 with megatron-core 0.16.1",
+    ),
 }
 
 
@@ -102,6 +121,14 @@ def check_tree(path: str | Path) -> TreeStatus:
             st.reason = (
                 f"{', '.join(bad)} match neither {tag} nor its patched version (locally modified?); "
                 f"supported tags: {', '.join(SUPPORTED)}"
+            )
+            return st
+    for tag, (files, needs) in RETIRED.items():
+        if all(_sha256(root / name) in hashes for name, hashes in files.items()):
+            st.reason = (
+                f"{root} is Megatron-LM at {tag}, which this megatron-hetero no longer supports (it runs on "
+                f"megatron-core 0.19; supported tags: {', '.join(SUPPORTED)}): use {needs} for it, "
+                f"or check out {' or '.join(SUPPORTED)}"
             )
             return st
     st.reason = (

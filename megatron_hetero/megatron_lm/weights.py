@@ -51,9 +51,9 @@ class ReferenceSource:
         from megatron.core.enums import ModelType
         from megatron.training import get_args
         from megatron.training.training import setup_model_and_optimizer
-        from megatron.training.utils import unwrap_model
+        from megatron.core.utils import unwrap_model
 
-        chunks, optimizer, scheduler = setup_model_and_optimizer(model_provider, ModelType.encoder_or_decoder)
+        chunks, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder, model_provider)
         if len(chunks) != 1:
             raise ValueError("the reference model must have one chunk (no virtual pipeline)")
         model = unwrap_model(chunks)[0]
@@ -180,7 +180,7 @@ def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: d
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
     from megatron.training.checkpointing import save_checkpoint
-    from megatron.training.utils import unwrap_model
+    from megatron.core.utils import unwrap_model
 
     from megatron_hetero.compat.device import get_device
 

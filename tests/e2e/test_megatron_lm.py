@@ -1,7 +1,7 @@
-"""Megatron-LM's own training scripts (tag core_v0.16.1) with the plugin's patches (docs/megatron-lm.md).
+"""Megatron-LM's own training scripts (tag core_v0.19.0) with the plugin's patches (docs/megatron-lm.md).
 
 Needs a Megatron-LM tree: `MEGATRON_LM=/path/to/Megatron-LM` (the parts its scripts import are
-enough, e.g. the vendored `shared/vendor/megatron-lm-core_v0.16.1`); skipped with the reason
+enough, e.g. the vendored `shared/vendor/megatron-lm-core_v0.19.0`); skipped with the reason
 otherwise. The tree is copied to a temporary folder and patched there (the patches must apply and
 reverse cleanly); every run is a real `torchrun` on CPU/gloo, 2 ranks (4 where the layout needs
 them), 3 iterations of a tiny LLaVA or GPT (fp32, no dropout, constant learning rate, --clip-grad 0),
@@ -29,13 +29,13 @@ from typing import Optional
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TAG = "core_v0.16.1"
+TAG = "core_v0.19.0"
 PATCHES = sorted((REPO / "patches" / "megatron-lm" / TAG).glob("*.patch"))
 TREE_ENV = os.environ.get("MEGATRON_LM")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not TREE_ENV, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.16.1 to run these"),
+    pytest.mark.skipif(not TREE_ENV, reason=f"set MEGATRON_LM to a Megatron-LM tree at {TAG} to run these"),
 ]
 if TREE_ENV and not (Path(TREE_ENV) / "pretrain_vlm.py").is_file():
     pytestmark.append(pytest.mark.skip(reason=f"MEGATRON_LM={TREE_ENV} holds no pretrain_vlm.py"))
@@ -175,15 +175,17 @@ def assert_losses(
     assert run.rc == 0, f"{what} failed (rc {run.rc}):\n{run.tail()}"
     assert sorted(run.losses) == sorted(ref), f"{what}: iterations {sorted(run.losses)} vs {sorted(ref)}\n{run.tail()}"
     worst = max(abs(run.losses[i] - ref[i]) / abs(ref[i]) for i in ref)
+    worst_abs = max(abs(run.losses[i] - ref[i]) for i in ref)
     assert worst <= rtol, f"{what}: losses {run.losses} vs reference {ref} (largest rel. diff {worst:.2e})"
     if ref_valid is not None:
         assert sorted(run.valid) == sorted(ref_valid), f"{what}: validation {run.valid} vs {ref_valid}\n{run.tail()}"
         worst_v = max(abs(run.valid[k] - ref_valid[k]) / abs(ref_valid[k]) for k in ref_valid)
         assert worst_v <= rtol, f"{what}: validation {run.valid} vs reference {ref_valid} ({worst_v:.2e})"
         worst = max(worst, worst_v)
+        worst_abs = max(worst_abs, max(abs(run.valid[k] - ref_valid[k]) for k in ref_valid))
     print(
-        f"{what}: largest relative loss difference {worst:.2e} over iterations {sorted(ref)}"
-        + (f" and {len(ref_valid)} validation lines" if ref_valid else "")
+        f"{what}: largest relative loss difference {worst:.2e} (absolute {worst_abs:.2e}) over iterations "
+        f"{sorted(ref)}" + (f" and {len(ref_valid)} validation lines" if ref_valid else "")
     )
     return worst
 

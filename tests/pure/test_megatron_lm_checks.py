@@ -170,3 +170,36 @@ def test_script_data_that_runs_code_is_refused_unless_trusted(tmp_path, capsys):
     assert capsys.readouterr().out == ""  # only rank 0 says it
     check_script_data(argparse.Namespace(**ns), rank=0)
     assert "--trust-dataset-code: running the code" in capsys.readouterr().out
+
+
+def _fake_tree(root, vlm: bytes, gpt: bytes):
+    (root / "megatron" / "training").mkdir(parents=True)
+    (root / "megatron" / "training" / "training.py").write_text("")
+    (root / "pretrain_vlm.py").write_bytes(vlm)
+    (root / "pretrain_gpt.py").write_bytes(gpt)
+    return root
+
+
+def test_check_names_a_tag_an_earlier_release_supported(tmp_path, monkeypatch, capsys):
+    """A tree at a retired tag (core_v0.16.1: megatron-core 0.16.1, which this version refuses) is
+    named with the release it needs, and `check` exits 2; an unknown tree says which tags work."""
+    import hashlib
+
+    from megatron_hetero.cli import main
+    from megatron_hetero.megatron_lm import tree
+
+    assert list(tree.SUPPORTED) == ["core_v0.19.0"] and "core_v0.16.1" in tree.RETIRED
+    assert all(tree.patch_files(tag) for tag in tree.SUPPORTED)
+    sha = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    _, needs = tree.RETIRED["core_v0.16.1"]
+    fake = {"pretrain_vlm.py": (sha(b"vlm 0.16.1"), "-"), "pretrain_gpt.py": ("-", sha(b"gpt 0.16.1 patched"))}
+    monkeypatch.setitem(tree.RETIRED, "core_v0.16.1", (fake, needs))
+    old = _fake_tree(tmp_path / "old", b"vlm 0.16.1", b"gpt 0.16.1 patched")
+    st = tree.check_tree(old)
+    assert not st.supported and "core_v0.16.1" in st.reason and "megatron-hetero 0.1.0" in st.reason
+    assert "megatron-core 0.16.1" in st.reason and "core_v0.19.0" in st.reason
+    assert main(["megatron-lm", "check", str(old)]) == 2
+    assert main(["megatron-lm", "check", str(old), "--apply"]) == 2
+    assert "core_v0.16.1" in capsys.readouterr().err
+    other = _fake_tree(tmp_path / "other", b"something", b"else")
+    assert "match no supported tag (core_v0.19.0)" in tree.check_tree(other).reason

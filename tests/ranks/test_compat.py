@@ -600,17 +600,17 @@ def test_every_patched_spot_exists():
 
 
 def _megatron_lm_spot_problems(tree: str) -> list:
-    import sys
+    from megatron_hetero.megatron_lm.run import use_tree
 
+    use_tree(tree)  # as the Megatron-LM launcher does (this is a forked rank: nothing leaks back)
     from megatron_hetero.compat import megatron_lm, table
 
-    sys.path.append(tree)  # as the Megatron-LM launcher does (this is a forked rank: nothing leaks back)
     megatron_lm._triton_stub()
     return [p for e in [*megatron_lm.MEGATRON_LM_PATCHES, *megatron_lm.NO_TE_PATCHES] for p in table.patch_problems(e)]
 
 
 @pytest.mark.skipif(
-    not MEGATRON_LM_TREE, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.16.1 to check the Megatron-LM spots"
+    not MEGATRON_LM_TREE, reason="set MEGATRON_LM to a Megatron-LM tree at core_v0.19.0 to check the Megatron-LM spots"
 )
 def test_every_megatron_lm_patched_spot_exists():
     (problems,) = run_ranks(1, _megatron_lm_spot_problems, MEGATRON_LM_TREE, init_distributed=False)
