@@ -1,4 +1,4 @@
-"""megatron_hetero.compat: Megatron-core 0.16.1 on CPU/gloo, against homogeneous references; and the
+"""megatron_hetero.compat: Megatron-core 0.19 on CPU/gloo, against homogeneous references; and the
 compat table itself (every patched spot still exists upstream, the version gate refuses an untargeted
 Megatron-core, compat is applied at the entry points only).
 
