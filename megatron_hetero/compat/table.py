@@ -122,8 +122,10 @@ class UnsupportedMegatronVersion(RuntimeError):
 
 
 def megatron_core_version() -> str:
-    """``megatron.core.package_info.__version__`` of the installed Megatron-core."""
-    return importlib.import_module("megatron.core.package_info").__version__
+    """The release of the installed Megatron-core: ``megatron.core.package_info.__version__`` without
+    its local label (Megatron-core appends ``+<git hash>`` when its files sit inside any git work tree,
+    e.g. a ``.venv`` in a clone, or a Megatron-LM checkout: ``0.19.2+3987f83`` is release 0.19.2)."""
+    return importlib.import_module("megatron.core.package_info").__version__.split("+", 1)[0]
 
 
 def targets_version(patch: Patch, version: str) -> bool:

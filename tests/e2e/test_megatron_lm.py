@@ -263,17 +263,18 @@ def test_patched_gpt_without_hetero_flags_is_upstream(trees, gpt_reference):
     assert (gpt.losses, gpt.valid) == (gpt_reference.losses, gpt_reference.valid)
 
 
-def test_gpt_segments_with_their_own_tp_dp_match(trees, gpt_reference):
+def test_gpt_segments_with_their_own_tp_dp_match(trees, clip_references):
     """One GPT cut into two segments on disjoint islands: layers 0-1 TP2 on ranks 0-1, layers 2-3 DP2
     on ranks 2-3 (4 micro-batches of 2 samples, split over language_b's DP ranks), against the
-    unpatched TP1·DP2 run: training and validation losses."""
+    unpatched TP1·DP2 run, with Megatron's default --clip-grad 1.0 engaged: training and validation
+    losses and the logged grad norm (the norm over both segments' gradients)."""
+    ref = clip_references("pretrain_gpt.py")
     run = torchrun(
-        trees["patched"] / "pretrain_gpt.py",
-        GPT + ITERS + GPT_SEGMENTS,
-        nproc=4,
+        trees["patched"] / "pretrain_gpt.py", _default_clip_args("pretrain_gpt.py") + ITERS + GPT_SEGMENTS, nproc=4
     )
     assert "language_a tp2·pp1·dp1@0-1, language_b tp1·pp1·dp2@2-3" in run.out, run.tail()
-    assert_losses(run, gpt_reference.losses, RTOL, "GPT: segments TP2 @0-1 -> DP2 @2-3", gpt_reference.valid)
+    assert_losses(run, ref.losses, RTOL, "GPT: segments TP2 @0-1 -> DP2 @2-3, default --clip-grad 1.0", ref.valid)
+    assert_grad_norms(run, ref)
 
 
 def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
@@ -285,31 +286,35 @@ def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
     assert_losses(run, reference.losses, 1e-6, "homogeneous layout as --hetero-* flags", reference.valid)
 
 
-@pytest.mark.parametrize("language", ["tp=2"])
-def test_colocated_heterogeneous_layout_matches(trees, reference, language):
-    run = torchrun(
-        trees["patched"] / "pretrain_vlm.py",
-        VLM + ITERS + ["--hetero-module", "vision:dp=2", "--hetero-module", f"language:{language}"] + EDGE,
-    )
-    assert_losses(run, reference.losses, RTOL, f"colocated vision DP2 + language {language.upper()}", reference.valid)
+def test_colocated_heterogeneous_layout_matches(trees, clip_references):
+    """vision DP2 + language TP2 colocated on 2 ranks, Megatron's default --clip-grad 1.0 engaged:
+    losses, validation and the logged grad norm of the unpatched TP1·DP2 run."""
+    ref = clip_references("pretrain_vlm.py")
+    extra = ["--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"] + EDGE
+    run = torchrun(trees["patched"] / "pretrain_vlm.py", _default_clip_args("pretrain_vlm.py") + ITERS + extra)
+    assert_losses(run, ref.losses, RTOL, "colocated vision DP2 + language TP2, default --clip-grad 1.0", ref.valid)
+    assert_grad_norms(run, ref)
 
 
-def test_disjoint_fan_in_at_world_4_matches(trees):
+def test_disjoint_fan_in_at_world_4_matches(trees, clip_references):
     """vision DP2 on ranks 0-1 -> language TP2 on ranks 2-3 (global batch 8, micro-batch size 2: 4
     micro-batches of 2 samples, one per vision DP rank, joined on the language side), against the
-    unpatched TP1·DP2 run of the same batch."""
-    args = _with(VLM, micro_batch_size="2", global_batch_size="8")
-    ref = _unpatched(trees, "pretrain_vlm.py", args)
+    unpatched TP1·DP2 run of the same batch, with Megatron's default --clip-grad 1.0 engaged (the two
+    islands clip by one norm over both modules' gradients)."""
+    ref = clip_references("pretrain_vlm.py")
     run = torchrun(
         trees["patched"] / "pretrain_vlm.py",
-        args
+        _default_clip_args("pretrain_vlm.py")
         + ITERS
         + ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"]
         + EDGE,
         nproc=4,
     )
     assert "vision tp1·pp1·dp2@0-1, language tp2·pp1·dp1@2-3" in run.out, run.tail()
-    assert_losses(run, ref.losses, RTOL, "disjoint vision DP2 @0-1 -> language TP2 @2-3", ref.valid)
+    assert_losses(
+        run, ref.losses, RTOL, "disjoint vision DP2 @0-1 -> language TP2 @2-3, default --clip-grad 1.0", ref.valid
+    )
+    assert_grad_norms(run, ref)
 
 
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| grad norm: ([0-9.Ee+-]+) \|")
@@ -339,41 +344,11 @@ def clip_references(trees):
     return get
 
 
-@pytest.mark.parametrize(
-    "script, extra, nproc, what",
-    [
-        (
-            "pretrain_vlm.py",
-            ["--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"] + EDGE,
-            2,
-            "colocated vision DP2, language TP2",
-        ),
-        (
-            "pretrain_vlm.py",
-            ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"]
-            + EDGE,
-            4,
-            "disjoint vision DP2 @0-1 -> language TP2 @2-3",
-        ),
-        (
-            "pretrain_gpt.py",
-            GPT_SEGMENTS,
-            4,
-            "GPT segments TP2 @0-1 -> DP2 @2-3",
-        ),
-    ],
-    ids=["vlm-colocated", "vlm-disjoint", "gpt-segments"],
-)
-def test_default_clip_grad_clips_by_the_whole_models_norm(trees, clip_references, script, extra, nproc, what):
-    """Megatron's default --clip-grad 1.0 with clipping engaged (the unpatched script's grad norm
-    exceeds 1.0 at every iteration): the layout run clips by the norm over every module's gradients,
-    as the unpatched script's one optimizer does, so losses, validation and the logged grad norm match."""
-    args = _default_clip_args(script)
-    ref = clip_references(script)
+def assert_grad_norms(run: Run, ref: Run) -> None:
+    """The layout run logs the unpatched run's grad norm at every iteration (to the log line's 3
+    decimals), and that norm exceeds 1.0 everywhere: Megatron's default clipping is engaged."""
     ref_norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(ref.out)}
     assert sorted(ref_norms) == [1, 2, 3] and min(ref_norms.values()) > 1.0, ref_norms  # clipping engaged
-    run = torchrun(trees["patched"] / script, args + ITERS + extra, nproc=nproc)
-    assert_losses(run, ref.losses, RTOL, f"default --clip-grad 1.0: {what}", ref.valid)
     norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(run.out)}
     assert norms.keys() == ref_norms.keys() and all(abs(norms[i] - ref_norms[i]) <= 2e-3 for i in norms), (
         norms,

@@ -743,6 +743,19 @@ def test_a_target_may_be_a_version_glob():
     assert table.megatron_core_version() == __import__("importlib.metadata").metadata.version("megatron-core")
 
 
+def test_the_version_ignores_megatron_cores_git_label(monkeypatch):
+    """Megatron-core appends ``+<git hash>`` to its version inside a git work tree; the gate reads the release."""
+    from megatron.core import package_info
+
+    from megatron_hetero.compat import table
+
+    monkeypatch.setattr(package_info, "__version__", "0.19.2+3987f83")
+    assert table.megatron_core_version() == "0.19.2"
+    monkeypatch.setattr(package_info, "__version__", "0.16.1+abc")
+    with pytest.raises(table.UnsupportedMegatronVersion, match="megatron-core 0.16.1 is installed"):
+        table.check_targets(compat.FIXES)
+
+
 def test_library_code_assumes_compat_was_applied(monkeypatch):
     from megatron_hetero.training.setup import JobConfig
     from megatron_hetero.training.trainer import prepare_rank
