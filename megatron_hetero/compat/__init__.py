@@ -81,6 +81,9 @@ def apply_compat() -> None:
         return
     import torch
 
+    from .startup import import_megatron_core
+
+    import_megatron_core()  # first: its fused kernels compile on first call, not at import
     from .cpu import PATCHES, apply_cpu_compat
     from .fixes import FIXES, apply_fixes
     from .table import check_targets

@@ -411,6 +411,9 @@ def apply_megatron_lm_cpu_compat() -> None:
     :data:`MEGATRON_LM_PATCHES`; with CUDA only the former. Every set's targets are checked before
     it is applied. Idempotent."""
     global _APPLIED
+    from .startup import import_megatron_core
+
+    import_megatron_core()  # first: its fused kernels compile on first call, not at import
     apply_megatron_lm_no_te_fixes()
     if _APPLIED or torch.cuda.is_available():
         return

@@ -49,6 +49,9 @@ def run_script(script: str, argv: Sequence[str]) -> None:
     script = os.path.abspath(script)
     if not os.path.isfile(script):
         raise ValueError(f"no such script: {script}")
+    from megatron_hetero.compat.startup import import_megatron_core
+
+    import_megatron_core()  # before the tree's megatron.training imports it (compat.startup)
     use_tree(os.path.dirname(script))
     from megatron_hetero.compat.megatron_lm import apply_megatron_lm_cpu_compat
 

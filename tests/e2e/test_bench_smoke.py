@@ -11,6 +11,7 @@ import json
 import pytest
 
 from megatron_hetero.bench import boundary as bench
+from megatron_hetero.runtime.launcher import RankFailure
 
 #: upstream's refusals by case (its ValueError text), the cases it accepts run
 REFUSALS = {
@@ -28,9 +29,22 @@ def _upstream_bytes(row: dict, doc: dict) -> int:
     return bench.WORLD * (row["factor"] - 1) * rows * shape["seq"] * shape["hidden"] * 4
 
 
-@pytest.mark.timeout(300)
+def _store_dropped(exc: RankFailure) -> bool:
+    """Every rank failed because the rendezvous store's TCP connection broke while gloo created a
+    group (`DistNetworkError: Broken pipe`): seen once in CI on 2 loaded cores after 8 layouts' worth
+    of groups, never from the code under test."""
+    return all("DistNetworkError: Broken pipe" in text for _, text in exc.failures)
+
+
+@pytest.mark.timeout(420)
 def test_bench_boundary_smoke(tmp_path):
-    doc = bench.run(tmp_path, batch=8, seq=16, hidden=8, iters=1)
+    try:
+        doc = bench.run(tmp_path, batch=8, seq=16, hidden=8, iters=1)
+    except RankFailure as exc:  # one more try for that one failure only, with a new store and port
+        if not _store_dropped(exc):
+            raise
+        print(f"test_bench_boundary_smoke: the store connection broke, running once more:\n{exc}")
+        doc = bench.run(tmp_path, batch=8, seq=16, hidden=8, iters=1)
     assert json.loads((tmp_path / "boundary.json").read_text()) == doc
     assert len(doc["cases"]) == len(bench.CASES)
     for row in doc["cases"]:
