@@ -47,6 +47,14 @@ def _float16_optimizer_on_cpu() -> None:
         cls.__init__ = wrap_call(cls.__init__, _cuda_type_names)
 
 
+def _distributed_optimizer_on_cpu() -> None:
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if not hasattr(cls.__init__, MARK):
+        cls.__init__ = wrap_call(cls.__init__, _cuda_type_names)
+
+
 #: TRAINING_PATCHES: a part of :data:`.cpu.PATCHES` (reason CPU).
 TRAINING_PATCHES: List[Patch] = [
     _redirect(
@@ -99,6 +107,30 @@ TRAINING_PATCHES: List[Patch] = [
             ),
         ),
         apply=_float16_optimizer_on_cpu,
+    ),
+    Patch(
+        name="cpu.distributed_optimizer_type_names",
+        reason=CPU,
+        spot=f"{_MC}.optimizer.distrib_optimizer: DistributedOptimizer.__init__ and "
+        "_build_model_and_main_param_groups accept only parameters whose type() is "
+        "torch.cuda.{Half,BFloat16,Float}Tensor (--use-distributed-optimizer)",
+        action="during __init__, tensor.type() names CPU float tensors by their CUDA type names",
+        targets=MCORE_0_19,
+        removal="remove when DistributedOptimizer checks param.dtype (or accepts CPU tensor types)",
+        spots=(
+            Spot(
+                f"{_MC}.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+                "method",
+                params=("self", "optimizer", "config", "grad_scaler", "init_state_fn"),
+                uses=('param.type() in ["torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor"]',),
+            ),
+            Spot(
+                f"{_MC}.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+                "method",
+                uses=('model_param.type() == "torch.cuda.FloatTensor"',),
+            ),
+        ),
+        apply=_distributed_optimizer_on_cpu,
     ),
     _redirect(
         "cpu.clip_grads",
