@@ -60,3 +60,8 @@ class OptimConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.use_distributed_optimizer and self.optimizer != "adam":
+            raise ValueError(
+                f"--use-distributed-optimizer needs --optimizer adam, got {self.optimizer} (Megatron's "
+                f"DistributedOptimizer supports Adam-style optimizers only)"
+            )

@@ -35,6 +35,8 @@ class ModuleState:
         self.module = module
         self.pgs = pgs
         self.trainable = any(p.requires_grad for p in module.parameters())
+        #: whether the optimizer (if any) is Megatron's DistributedOptimizer (checkpoints ask)
+        self.distributed_optimizer = optim.use_distributed_optimizer
         self.ddp: Optional[DistributedDataParallel] = None
         self.optimizer = None
         #: of the last `step`: the learning rate it ran at, and this module's gradient norm (before
