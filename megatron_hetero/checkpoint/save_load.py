@@ -22,7 +22,10 @@ GLOBAL layer index: Megatron's `sharded_state_dict` with `non_homogeneous_layers
 layer numbered across pipeline stages (`layers.{layer_number - 1}`), TP shards are described by their
 offsets in the full tensor, DP/CP replicas by replica ids, and a segment adds its first layer
 (`layers: A-B` -> +A). Optimizer state keys are the model keys under `optimizer.state.<name>.`
-(non-distributed Megatron optimizer), so Adam moments reshard with the parameters. So a checkpoint
+(the distributed optimizer's too: Megatron's `fully_reshardable` format gathers its shards into the
+same per-parameter tensors, plus `optimizer.state.param.<name>`, its fp32 main weights, which a
+distributed optimizer loading a non-distributed checkpoint takes from the model's weights instead), so
+Adam moments reshard with the parameters. So a checkpoint
 saved under any TP/PP/DP/CP and placement (colocated or disjoint, segmented or not) loads under any
 other layout of the same model.
 

@@ -46,11 +46,13 @@ class ModuleState:
         if self.trainable:
             config = self._config(module)
             distributed = optim.use_distributed_optimizer
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
             self.ddp = DistributedDataParallel(
                 config,
-                DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed),
+                ddp_config,
                 module,
                 pg_collection=pgs,
+                full_param_layout=self._param_layout(module, pgs, ddp_config) if distributed else None,
             )
             opt_pgs = pgs
             if getattr(module, "frozen", False) and pgs.pp.size() > 1:
@@ -80,6 +82,17 @@ class ModuleState:
                     pg_collection=opt_pgs,
                     use_gloo_process_groups=False,
                 )
+
+    @staticmethod
+    def _param_layout(module: torch.nn.Module, pgs: ProcessGroupCollection, ddp_config: DistributedDataParallelConfig):
+        """The distributed optimizer's layout of the module's flat parameter buffers, as Megatron's DDP
+        would compute it itself (one bucket: no --overlap-grad-reduce; padded for the DP x CP group)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        return DistributedOptimizer.compute_full_param_layout(
+            params, None, pgs.dp_cp.size(), ddp_config, expert_data_parallel_world_size=pgs.expt_dp.size()
+        )
 
     @staticmethod
     def _config(module: torch.nn.Module):
