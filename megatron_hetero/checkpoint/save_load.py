@@ -22,7 +22,10 @@ GLOBAL layer index: Megatron's `sharded_state_dict` with `non_homogeneous_layers
 layer numbered across pipeline stages (`layers.{layer_number - 1}`), TP shards are described by their
 offsets in the full tensor, DP/CP replicas by replica ids, and a segment adds its first layer
 (`layers: A-B` -> +A). Optimizer state keys are the model keys under `optimizer.state.<name>.`
-(non-distributed Megatron optimizer), so Adam moments reshard with the parameters. So a checkpoint
+(the distributed optimizer's too: Megatron's `fully_reshardable` format gathers its shards into the
+same per-parameter tensors, plus `optimizer.state.param.<name>`, its fp32 main weights, which a
+distributed optimizer loading a non-distributed checkpoint takes from the model's weights instead), so
+Adam moments reshard with the parameters. So a checkpoint
 saved under any TP/PP/DP/CP and placement (colocated or disjoint, segmented or not) loads under any
 other layout of the same model.
 
@@ -73,6 +76,8 @@ from megatron_hetero.checkpoint.records import spec_record, data_position
 from megatron_hetero.checkpoint.sharded import (
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
+    pop_main_params,
+    put_main_params,
     _common_steps,
     _put_common_steps,
     _rng_sharded_state_dict,
@@ -198,6 +203,8 @@ def save_checkpoint(
                 "layout_modules": mods,
                 "frozen": {m: layout.module(m).frozen for m in mods},
                 "optimizer": job.optim.optimizer if any("common_steps" in r for r in recs) else None,
+                # its state then holds the fp32 main weights too (`optimizer.state.param.*`)
+                "distributed_optimizer": bool(job.optim.use_distributed_optimizer),
                 "common_steps": steps[0] if steps else {},
                 "scheduler": sched,
                 "scheduler_config": job.schedule.scheduler_config(job.optim.lr, job.train_iters),
@@ -245,6 +252,7 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
         same_frozen = set(saved.get("frozen", {}).values()) == {layout.module(m).frozen for m in logical[name]}
         sd: dict = {}
         rests: dict[str, dict] = {}
+        popped: dict[str, list] = {}
         for mod_name in logical[name]:
             st = states.get(mod_name)
             if st is None:
@@ -253,6 +261,9 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
             sd[f"{mod_name}.model"] = model_sd
             if st.optimizer is not None and saved.get("optimizer") and same_frozen:
                 opt_sd, rest = optimizer_sharded_state_dict(st, model_sd, is_loading=True)
+                if st.distributed_optimizer and not saved.get("distributed_optimizer"):
+                    # saved by the non-distributed optimizer: the main weights are the model's
+                    popped[mod_name] = pop_main_params(opt_sd)
                 sd[f"{mod_name}.optimizer"] = opt_sd
                 rests[mod_name] = rest
         flat = {}
@@ -274,6 +285,9 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 raise ValueError(
                     f"checkpoint {d / name}: module {mod_name} missing {missing[:5]}, unexpected {unexpected[:5]}"
                 )
+            if mod_name in popped:
+                by_key = {v.key: model[k] for k, v in sd[f"{mod_name}.model"].items()}
+                put_main_params(loaded[f"{mod_name}.optimizer"], popped[mod_name], by_key)
             if mod_name in rests:
                 rest = rests[mod_name]
                 dict_list_map_inplace(lambda v: v.unwrap() if isinstance(v, LocalNonpersistentObject) else v, rest)

@@ -61,9 +61,57 @@ def _split_sharded(sd: dict) -> tuple[dict, dict]:
 
 
 def optimizer_sharded_state_dict(state, model_sd: dict, is_loading: bool) -> tuple[dict, dict]:
-    """(ShardedTensors of the optimizer state, the rest: param groups and the common step counter)."""
-    osd = state.optimizer.sharded_state_dict(model_sd, is_loading, metadata={"chained_optim_avoid_prefix": True})
+    """(ShardedTensors of the optimizer state, the rest: param groups and the common step counter).
+
+    A distributed optimizer's state goes in Megatron's `fully_reshardable` format: on save each
+    module's DP x CP shards are all-gathered over that group and cut into one tensor per parameter
+    and state (`optimizer.state.exp_avg.<global key>`, the same keys as the non-distributed
+    optimizer's, plus `optimizer.state.param.<global key>`: the fp32 main weights), so it reshards
+    under any layout; on load each rank reads the whole tensors of its parameters and keeps its shard."""
+    metadata: dict = {"chained_optim_avoid_prefix": True}
+    if state.distributed_optimizer:
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        if is_loading:
+            from megatron_hetero.compat.fixes import materialize_distributed_optimizer_state
+
+            materialize_distributed_optimizer_state(state.optimizer)
+    osd = state.optimizer.sharded_state_dict(model_sd, is_loading, metadata=metadata)
     return _split_sharded(osd)
+
+
+MAIN_PARAM_PREFIX = "optimizer.state.param."
+
+
+def pop_main_params(opt_sd: dict) -> list[tuple[tuple, str]]:
+    """Take the distributed optimizer's fp32 main weights (`optimizer.state.param.<key>`) out of a load
+    request, for a checkpoint saved without the distributed optimizer (which holds none: in fp32 they
+    are the model's weights). Returns (path in `opt_sd` of the dict that held it, the model's global
+    key) of each, for :func:`put_main_params`."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    out: list[tuple[tuple, str]] = []
+
+    def walk(d: dict, path: tuple) -> None:
+        for k in list(d):
+            v = d[k]
+            if isinstance(v, dict):
+                walk(v, path + (k,))
+            elif isinstance(v, ShardedBase) and v.key.startswith(MAIN_PARAM_PREFIX):
+                del d[k]
+                out.append((path + (k,), v.key[len(MAIN_PARAM_PREFIX) :]))
+
+    walk(opt_sd, ())
+    return out
+
+
+def put_main_params(loaded_opt: dict, popped: list[tuple[tuple, str]], model: dict) -> None:
+    """Put back what :func:`pop_main_params` took: each main weight is a copy of the loaded model
+    tensor of its global key (`model`: global key -> tensor)."""
+    for path, key in popped:
+        d = loaded_opt
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = model[key].detach().clone()
 
 
 def _common_steps(rest: dict) -> dict[str, float]:
@@ -74,9 +122,21 @@ def _common_steps(rest: dict) -> dict[str, float]:
     inners = rest.items() if rest and all(isinstance(k, int) for k in rest) else [("", rest)]
     for tag, inner in inners:
         step = inner.get("state", {}).get("common_step")
+        if step is None:  # a distributed optimizer keeps it in its param groups (one value)
+            steps = {g["step"] for g in _distributed_param_groups(inner) if g.get("step") is not None}
+            assert len(steps) <= 1, f"param groups disagree on Adam's step: {sorted(steps)}"
+            step = steps.pop() if steps else None
         if step is not None:
             out[str(tag)] = float(step.item() if isinstance(step, torch.Tensor) else step)
     return out
+
+
+def _distributed_param_groups(inner: dict) -> list:
+    """The param groups of a distributed optimizer's non-sharded state (`{'optimizer': {'param_groups':
+    [...]}, 'param_state_sharding_type': ...}`); empty for the other optimizers'."""
+    if "param_state_sharding_type" not in inner:
+        return []
+    return inner.get("optimizer", {}).get("param_groups", [])
 
 
 def _put_common_steps(rest: dict, steps: dict[str, float]) -> None:
@@ -84,7 +144,12 @@ def _put_common_steps(rest: dict, steps: dict[str, float]) -> None:
 
     for tag, step in steps.items():
         inner = rest if tag == "" else rest[int(tag)]
-        inner.setdefault("state", {})["common_step"] = torch.tensor(step, dtype=torch.float32)
+        groups = _distributed_param_groups(inner)
+        if groups:
+            for g in groups:
+                g["step"] = step
+        else:
+            inner.setdefault("state", {})["common_step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def _rng_sharded_state_dict(rank: int, world: int) -> dict:

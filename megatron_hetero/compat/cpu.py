@@ -13,14 +13,13 @@ Megatron calls.
 The set is what a Megatron-core ``GPTModel`` (local spec, explicit ``pg_collection``) needs for
 forward/backward with TP, SP, PP (1F1B via ``get_forward_backward_func``) and CP (with
 :mod:`megatron_hetero.models.cp_attention`), Megatron ``DistributedDataParallel`` and the
-non-distributed fp32 Megatron optimizer, ``CLIPViTModel``, and ``dist_checkpointing.save`` (torch_dist
+Megatron optimizers (fp32, the float16 wrapper of ``--bf16``, and the ``DistributedOptimizer`` of
+``--use-distributed-optimizer``), ``CLIPViTModel``, and ``dist_checkpointing.save`` (torch_dist
 format; loading needs nothing); see
 ``tests/ranks/test_compat.py``. The stand-ins themselves live in :mod:`.torch_on_cpu`; the entries, by the
 subsystem they redirect, in :mod:`.cpu_rng`, :mod:`.cpu_layers`, :mod:`.cpu_training`, :mod:`.cpu_moe` and
 :mod:`.cpu_checkpoint` (built with :mod:`.cpu_entry`). Every entry was checked to be needed by one of those cases. Not covered
-(they still fail on CPU): the distributed optimizer and fp16/bf16 optimizers
-(``param.type() == 'torch.cuda.*'`` checks in ``optimizer/optimizer.py`` and
-``optimizer/distrib_optimizer.py``), CUDA graphs, the upstream bridge communicator, and
+(they still fail on CPU): CUDA graphs, the upstream bridge communicator, and
 interleaved (VPP) schedules were not verified (on gloo they need ``batch_p2p_comm=False``).
 
 Side effect to know: on CPU the "CUDA" generator is the CPU generator, so

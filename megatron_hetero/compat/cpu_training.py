@@ -9,9 +9,9 @@ from typing import List
 
 import torch
 
-from ._patching import MARK, rebind_function, swapped, wrap_call
+from ._patching import MARK, rebind_function, swapped, wrap_call, wrap_method
 from .table import CPU, MCORE_0_19, Patch, Spot
-from .torch_on_cpu import _tensor_type_reports_cuda
+from .torch_on_cpu import _tensor_cuda_is_identity, _tensor_type_reports_cuda
 from .cpu_entry import _MC, _redirect
 
 
@@ -45,6 +45,22 @@ def _float16_optimizer_on_cpu() -> None:
     cls = opt.Float16OptimizerWithFloat16Params
     if not hasattr(cls.__init__, MARK):
         cls.__init__ = wrap_call(cls.__init__, _cuda_type_names)
+
+
+def _distributed_optimizer_on_cpu() -> None:
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if not hasattr(cls.__init__, MARK):
+        cls.__init__ = wrap_call(cls.__init__, _cuda_type_names)
+
+
+def _distributed_optimizer_gather_on_cpu() -> None:
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    wrap_method(
+        dopt.DistributedOptimizer, "get_parameter_state_dp_zero", lambda fn: wrap_call(fn, _tensor_cuda_is_identity)
+    )
 
 
 #: TRAINING_PATCHES: a part of :data:`.cpu.PATCHES` (reason CPU).
@@ -99,6 +115,58 @@ TRAINING_PATCHES: List[Patch] = [
             ),
         ),
         apply=_float16_optimizer_on_cpu,
+    ),
+    Patch(
+        name="cpu.distributed_optimizer_type_names",
+        reason=CPU,
+        spot=f"{_MC}.optimizer.distrib_optimizer: DistributedOptimizer.__init__ and "
+        "_build_model_and_main_param_groups accept only parameters whose type() is "
+        "torch.cuda.{Half,BFloat16,Float}Tensor (--use-distributed-optimizer)",
+        action="during __init__, tensor.type() names CPU float tensors by their CUDA type names",
+        targets=MCORE_0_19,
+        removal="remove when DistributedOptimizer checks param.dtype (or accepts CPU tensor types)",
+        spots=(
+            Spot(
+                f"{_MC}.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+                "method",
+                params=("self", "optimizer", "config", "grad_scaler", "init_state_fn"),
+                uses=('param.type() in ["torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor"]',),
+            ),
+            Spot(
+                f"{_MC}.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+                "method",
+                uses=('model_param.type() == "torch.cuda.FloatTensor"',),
+            ),
+        ),
+        apply=_distributed_optimizer_on_cpu,
+    ),
+    _redirect(
+        "cpu.distrib_optimizer",
+        f"{_MC}.optimizer.distrib_optimizer",
+        f"{_MC}.optimizer.distrib_optimizer: DistributedOptimizer.load_state_dict, get_parameter_state_dp_zero "
+        "(state shards and gather buffers on torch.cuda.current_device(); the distributed optimizer's "
+        "checkpoint state, save and load)",
+        ("device=torch.cuda.current_device()",),
+        "remove when the distributed optimizer allocates its state on the parameters' device",
+    ),
+    Patch(
+        name="cpu.distrib_optimizer_gather",
+        reason=CPU,
+        spot=f"{_MC}.optimizer.distrib_optimizer: DistributedOptimizer.get_parameter_state_dp_zero moves each "
+        "DP shard to the GPU with send_tensor.cuda() before gathering it (the fully_reshardable checkpoint "
+        "format, save)",
+        action="tensor.cuda() is the identity during the call",
+        targets=MCORE_0_19,
+        removal="remove when the gather sends from the device of the data-parallel group's backend",
+        spots=(
+            Spot(
+                f"{_MC}.optimizer.distrib_optimizer:DistributedOptimizer.get_parameter_state_dp_zero",
+                "method",
+                params=("self", "use_gloo_comm", "empty_data", "return_on_all_ranks"),
+                uses=("send_tensor = send_tensor.cuda()",),
+            ),
+        ),
+        apply=_distributed_optimizer_gather_on_cpu,
     ),
     _redirect(
         "cpu.clip_grads",

@@ -15,7 +15,11 @@ Not CPU-specific; each works around an upstream bug or limitation the project me
   ``te_general_gemm``, unbound without TE; 0.19 binds it to None);
 * ``fix.checkpoint_reader``: the reader and common-state swaps of ``checkpoint/safe_unpickle.py``
   (:func:`checkpoint_reads_swapped`, scoped), so that a torch_dist checkpoint load (0.19's format or
-  0.16.1's, with ``common.pt``) runs no code from the checkpoint.
+  0.16.1's, with ``common.pt``) runs no code from the checkpoint;
+* ``fix.distributed_optimizer_fresh_state`` (:mod:`.fix_distopt`): a fresh ``DistributedOptimizer``
+  with torch's Adam cannot describe its state for a checkpoint load
+  (:func:`materialize_distributed_optimizer_state`, a helper), and ``fix.distributed_optimizer_load_step``:
+  nor load the per-parameter state it describes.
 
 :data:`FIXES` lists the entries :func:`megatron_hetero.compat.apply_compat` gates (and applies,
 where they have ``apply``); the scoped swaps and the helpers check their targets again when used.
@@ -31,6 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List
 import torch
 
 from .table import FIX, MCORE_0_19, Patch, Spot, check_targets
+from .fix_distopt import DISTOPT_FRESH_STATE, DISTOPT_LOAD_STEP, materialize_distributed_optimizer_state
 
 __all__ = [
     "FIXES",
@@ -41,6 +46,7 @@ __all__ = [
     "clip_vit_norm_kwargs",
     "ensure_global_memory_buffer",
     "fixes_applied",
+    "materialize_distributed_optimizer_state",
     "param_groups_gathered_over",
 ]
 
@@ -295,6 +301,8 @@ FIXES: List[Patch] = [
     CHECKPOINT_READER,
     GLOBAL_MEMORY_BUFFER,
     CLIP_VIT_NORM,
+    DISTOPT_FRESH_STATE,
+    DISTOPT_LOAD_STEP,
 ]
 
 

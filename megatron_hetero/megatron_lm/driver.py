@@ -110,7 +110,6 @@ def chain(*providers: Optional[Callable]) -> Callable:
 REFUSED = {
     "fp16": "--fp16",
     "bf16": "--bf16",
-    "use_distributed_optimizer": "--use-distributed-optimizer",
     "sequence_parallel": "--sequence-parallel",
     "swiglu": "--swiglu",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
@@ -151,6 +150,29 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
             "must stay 1 (they give the reference layout the weights start from; each module's "
             "own degrees come from the layout)"
         )
+    for attr, flag in (
+        ("overlap_grad_reduce", "--overlap-grad-reduce"),
+        ("overlap_param_gather", "--overlap-param-gather"),
+    ):
+        if getattr(args, attr, False):
+            raise ValueError(
+                f"{flag} is not supported with a layout: the layout's schedules reduce each module's "
+                f"gradients after the module's last backward of the step and gather its parameters in "
+                f"the optimizer step, with no overlap (drop {flag}; the losses are the same without it)"
+            )
+    if getattr(args, "use_distributed_optimizer", False):
+        if args.optimizer != "adam":
+            raise ValueError(
+                f"--use-distributed-optimizer needs --optimizer adam, got {args.optimizer} (Megatron's "
+                f"DistributedOptimizer supports Adam-style optimizers only)"
+            )
+        if args.load or args.save:
+            raise ValueError(
+                "--use-distributed-optimizer with --load/--save is not supported with a layout: the "
+                "checkpoint goes through Megatron's own model and optimizer on the reference layout "
+                "per parameter, and the distributed optimizer's state is held per DP shard (train "
+                "without --use-distributed-optimizer to save or load, or use megatron-hetero train)"
+            )
     if args.optimizer not in ("adam", "sgd"):
         raise ValueError(f"--optimizer {args.optimizer} is not supported with a layout (adam or sgd)")
     if args.load and args.ckpt_format != "torch":
@@ -252,6 +274,7 @@ def _train(
             adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,  # by the whole model's norm (runtime/optimizer_step.py)
+            use_distributed_optimizer=bool(args.use_distributed_optimizer),  # per module's DP x CP group
         )
         states, schedulers = {}, {}
         for m in layout.modules:

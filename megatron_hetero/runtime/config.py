@@ -39,6 +39,16 @@ class OptimConfig:
         "bf16 parameters and compute, fp32 main weights in the optimizer (Megatron's mixed precision)",
         group="training",
     )
+    # Megatron's DistributedOptimizer per module: each module's optimizer state (Adam moments, and the
+    # fp32 main weights under --bf16) is sharded over the module's own DP x CP group; gradients are
+    # reduce-scattered and the updated parameters all-gathered over that group instead of one
+    # all-reduce (`runtime.module_state`)
+    use_distributed_optimizer: bool = flag_field(
+        False,
+        "shard each module's optimizer state over the module's own DP x CP group (Megatron's distributed "
+        "optimizer: reduce-scatter of gradients, all-gather of parameters); the losses do not change",
+        group="training",
+    )
     # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it
     # from its --min-lr: `training.lr_schedule.LRSchedule.min_lr`)
     min_lr: float = 0.0
@@ -50,3 +60,8 @@ class OptimConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.use_distributed_optimizer and self.optimizer != "adam":
+            raise ValueError(
+                f"--use-distributed-optimizer needs --optimizer adam, got {self.optimizer} (Megatron's "
+                f"DistributedOptimizer supports Adam-style optimizers only)"
+            )

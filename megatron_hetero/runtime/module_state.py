@@ -1,6 +1,14 @@
 """Per-module training state on one rank: the module wrapped in Megatron DDP on the module's own
 groups, its own Megatron optimizer, and gradient finalisation over the module's own DP x CP group.
 
+With `OptimConfig.use_distributed_optimizer` the module's optimizer is Megatron's DistributedOptimizer
+over the module's DP x CP group: DDP reduce-scatters the gradients over that group (each DP x CP rank
+keeps the gradient shard of its part of the flat buffer), the optimizer updates only that shard of the
+fp32 parameters (so the Adam moments are 1/(dp x cp) of the module's), and the updated parameters are
+all-gathered over the same group. Its gradient norm is reduced over the module's whole rank set
+(`pgs.intra_dist_opt`: tp x cp x dp x pp), so every rank of the module holds the whole module's norm,
+as with the non-distributed optimizer.
+
 A frozen module (no trainable parameter on this rank) gets no DDP wrapper and no optimizer: it holds
 no gradient buffer and no optimizer state, and its step is a no-op.
 """
@@ -27,6 +35,8 @@ class ModuleState:
         self.module = module
         self.pgs = pgs
         self.trainable = any(p.requires_grad for p in module.parameters())
+        #: whether the optimizer (if any) is Megatron's DistributedOptimizer (checkpoints ask)
+        self.distributed_optimizer = optim.use_distributed_optimizer
         self.ddp: Optional[DistributedDataParallel] = None
         self.optimizer = None
         #: of the last `step`: the learning rate it ran at, and this module's gradient norm (before
@@ -35,16 +45,24 @@ class ModuleState:
         self.last_grad_norm: Optional[float] = None
         if self.trainable:
             config = self._config(module)
+            distributed = optim.use_distributed_optimizer
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
             self.ddp = DistributedDataParallel(
-                config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module, pg_collection=pgs
+                config,
+                ddp_config,
+                module,
+                pg_collection=pgs,
+                full_param_layout=self._param_layout(module, pgs, ddp_config) if distributed else None,
             )
             opt_pgs = pgs
             if getattr(module, "frozen", False) and pgs.pp.size() > 1:
                 # A frozen encoder trains only its projector, on its last stage; the frozen stages
-                # build no optimizer, so Megatron's grad-norm all-reduce over mp = tp x pp would wait
-                # for them forever. Over the last stage's TP group it is the same norm.
+                # build no optimizer, so Megatron's grad-norm all-reduce over mp = tp x pp (the
+                # distributed optimizer's over the whole module) would wait for them forever. Over
+                # the last stage's TP (x DP x CP) group it is the same norm.
                 opt_pgs = copy.copy(pgs)
                 opt_pgs.mp = pgs.tp
+                opt_pgs.intra_dist_opt = pgs.tp_dp_cp
             with param_groups_gathered_over(pgs.tp_dp_cp):
                 self.optimizer = get_megatron_optimizer(
                     OptimizerConfig(
@@ -58,11 +76,23 @@ class ModuleState:
                         min_lr=optim.min_lr,
                         bf16=optim.bf16,
                         params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
+                        use_distributed_optimizer=distributed,
                     ),
                     [self.ddp],
                     pg_collection=opt_pgs,
                     use_gloo_process_groups=False,
                 )
+
+    @staticmethod
+    def _param_layout(module: torch.nn.Module, pgs: ProcessGroupCollection, ddp_config: DistributedDataParallelConfig):
+        """The distributed optimizer's layout of the module's flat parameter buffers, as Megatron's DDP
+        would compute it itself (one bucket: no --overlap-grad-reduce; padded for the DP x CP group)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        return DistributedOptimizer.compute_full_param_layout(
+            params, None, pgs.dp_cp.size(), ddp_config, expert_data_parallel_world_size=pgs.expt_dp.size()
+        )
 
     @staticmethod
     def _config(module: torch.nn.Module):
@@ -127,6 +157,23 @@ class ModuleState:
                 for st in inner.state.values():
                     out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
         return out
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this module's optimizer state on this rank: the per-parameter tensors of the torch
+        optimizer inside the Megatron one (Adam's two moments; SGD without momentum holds none),
+        without the step counters. With the distributed optimizer these cover only this rank's shard
+        of the module's DP x CP group (0 before the first step: the state is created lazily)."""
+        total = 0
+        if self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = getattr(opt, "optimizer", None)
+                for st in inner.state.values() if inner is not None else ():
+                    total += sum(
+                        v.numel() * v.element_size()
+                        for k, v in st.items()
+                        if k != "step" and isinstance(v, torch.Tensor)
+                    )
+        return total
 
     def resident_bytes(self) -> int:
         """Bytes of this module's state whose storage is allocated right now (offload frees it)."""

@@ -9,7 +9,9 @@ so the step is spread over the world:
 1. every rank prepares the gradients of the modules it serves (`prepare_grads`: the main gradients,
    unscaling and the non-finite check of mixed precision) and computes each module's gradient norm
    (`get_grad_norm`: over the module's own gradient-statistics group, so every rank of the module
-   holds the module's whole norm);
+   holds the module's whole norm: TP x PP for Megatron's non-distributed optimizer, whose DP replicas
+   hold the same reduced gradients; the module's whole rank set, TP x CP x DP x PP, for the
+   distributed one, whose DP x CP ranks each hold a disjoint shard of them: `pgs.intra_dist_opt`);
 2. ONE all-reduce (sum) over the world of `[non-finite count, squared norm of each module]`, each
    module's squared norm contributed by one rank of it (TP 0, DP x CP 0, its last pipeline stage: the
    one stage sure to hold an optimizer); the global norm is the square root of the sum, the same on

@@ -189,11 +189,28 @@ class Topology:
                     group_desc=f"{m.name}:{name}",
                 ),
             )
+        # The distributed optimizer's gradient-statistics group: every rank of the module (one
+        # optimizer instance). Without pipelining that is tp_dp_cp; only pipelined modules create it.
+        whole = ("tp", "cp", "dp", "pp")
+        if m.pp > 1:
+            intra_dist_opt = _named(
+                f"{m.name}:intra_dist_opt",
+                grid.get_rank_enum(list(whole)),
+                timeout,
+                grid.create_pg,
+                list(whole),
+                timeout=timeout,
+                group_desc=f"{m.name}:intra_dist_opt",
+            )
+            mg.groups.append(intra_dist_opt)
+        else:
+            intra_dist_opt = found["tp_dp_cp"]
         if member:
             pgs = ProcessGroupCollection(**found)
             # One distributed-optimizer instance: the partial DP group is the whole DP x CP group.
             pgs.intra_dp_cp = found["dp_cp"]
             pgs.intra_expt_dp = found["expt_dp"]
+            pgs.intra_dist_opt = intra_dist_opt
             mg.pgs = pgs
 
     def serves(self, name: str) -> bool:

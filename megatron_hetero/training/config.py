@@ -140,7 +140,17 @@ def train_flag_fields() -> list[dataclasses.Field]:
         flags_of(JobConfig, ["train_iters"])
         + flags_of(
             OptimConfig,
-            ["lr", "optimizer", "weight_decay", "clip_grad", "bf16", "adam_beta1", "adam_beta2", "adam_eps"],
+            [
+                "lr",
+                "optimizer",
+                "weight_decay",
+                "clip_grad",
+                "bf16",
+                "use_distributed_optimizer",
+                "adam_beta1",
+                "adam_beta2",
+                "adam_eps",
+            ],
         )
         + flags_of(LlavaSpec, ["seed"])
         + flags_of(LRSchedule)

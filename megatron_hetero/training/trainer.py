@@ -197,6 +197,8 @@ def train_rank(
                 "loss_parts": res.loss_parts,
                 "aux_loss": getattr(res, "aux_loss", None),
                 "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+                # this rank's optimizer state by module (ModuleState.optimizer_state_bytes)
+                "optimizer_state_bytes": {n: s.optimizer_state_bytes() for n, s in states.items()},
             }
             if job.eval_interval and ((it + 1) % job.eval_interval == 0 or it + 1 == job.train_iters):
                 ev = evaluate(schedule, eval_iters_of(job, schedule.runner), topo.rank)

@@ -110,12 +110,21 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
         (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
         (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
         (dict(train_iters=None), "--train-iters is required"),
+        (dict(overlap_grad_reduce=True), "--overlap-grad-reduce is not supported with a layout"),
+        (dict(use_distributed_optimizer=True, overlap_param_gather=True), "--overlap-param-gather is not supported"),
+        (dict(use_distributed_optimizer=True, save="ckpt"), "--use-distributed-optimizer with --load/--save"),
+        (dict(use_distributed_optimizer=True, load="ckpt"), "--use-distributed-optimizer with --load/--save"),
+        (dict(use_distributed_optimizer=True, optimizer="sgd"), "--use-distributed-optimizer needs --optimizer adam"),
     ],
 )
 def test_common_refusals_name_the_flag(kw, message):
     with pytest.raises(ValueError) as info:
         check_common(_args(**kw), _layout(SEGMENTS))
     assert message in str(info.value)
+
+
+def test_the_distributed_optimizer_is_accepted():
+    check_common(_args(use_distributed_optimizer=True), _layout(SEGMENTS))
 
 
 def test_vlm_refuses_segments_and_uneven_pipeline_splits():
