@@ -112,7 +112,6 @@ REFUSED = {
     "bf16": "--bf16",
     "use_distributed_optimizer": "--use-distributed-optimizer",
     "sequence_parallel": "--sequence-parallel",
-    "swiglu": "--swiglu",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
     "num_experts": "--num-experts",
