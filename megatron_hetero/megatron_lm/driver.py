@@ -137,6 +137,12 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
             raise ValueError(
                 f"module {m.name}: ep={m.ep}; expert parallelism is not supported with Megatron-LM scripts and a layout"
             )
+        if m.recompute is not None:
+            raise ValueError(
+                f"module {m.name}: a layout's own recompute is for megatron-hetero train; with "
+                f"Megatron-LM's scripts recompute is the whole model's (--recompute-granularity, "
+                f"--recompute-method, --recompute-num-layers)"
+            )
         if args.num_attention_heads % m.tp:
             raise ValueError(
                 f"module {m.name}: --num-attention-heads {args.num_attention_heads} is not divisible by tp({m.tp})"
