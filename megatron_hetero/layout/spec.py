@@ -57,6 +57,40 @@ class RankRange:
         return cls(start, end)
 
 
+#: Megatron's `recompute_granularity` and `recompute_method` values.
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron's activation recompute of one module's transformer layers: TransformerConfig's
+    `recompute_granularity` (full: whole layers, selective: core attention), `recompute_method`
+    (uniform: chunks of `num_layers` layers, block: the first `num_layers` layers of each stage) and
+    `recompute_num_layers`. Changes memory and time, never the results. Checked by
+    `validate.check_recompute` (Megatron's rules)."""
+
+    granularity: str
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+
+    def config_kwargs(self) -> dict:
+        """The TransformerConfig fields."""
+        return {
+            "recompute_granularity": self.granularity,
+            "recompute_method": self.method,
+            "recompute_num_layers": self.num_layers,
+        }
+
+    def to_dict(self) -> dict:
+        d: dict = {"granularity": self.granularity}
+        if self.method is not None:
+            d["method"] = self.method
+        if self.num_layers is not None:
+            d["num_layers"] = self.num_layers
+        return d
+
+
 @dataclass(frozen=True)
 class ModuleLayout:
     """One module's parallel layout.
@@ -66,6 +100,7 @@ class ModuleLayout:
     `ranks` is the module's global rank range; `None` until resolved by validation.
     `layers` optionally names the slice of a model this module holds (a pipeline segment).
     `role` optionally names the module's role explicitly (`role: language`; see `plan/roles.py`).
+    `recompute` optionally sets the module's own activation recompute (else the job's, if any).
     """
 
     name: str
@@ -79,6 +114,7 @@ class ModuleLayout:
     frozen: bool = False
     layers: Optional[RankRange] = None
     role: Optional[str] = None
+    recompute: Optional[Recompute] = None
 
     @property
     def size(self) -> int:
@@ -186,5 +222,7 @@ class HeteroLayout:
                 d["layers"] = str(m.layers)
             if m.role is not None:
                 d["role"] = m.role
+            if m.recompute is not None:
+                d["recompute"] = m.recompute.to_dict()
             mods[m.name] = d
         return {"placement": self.placement, "modules": mods, "edges": [f"{e.src} -> {e.dst}" for e in self.edges]}

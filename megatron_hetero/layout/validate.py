@@ -10,7 +10,17 @@ from typing import Optional
 
 from megatron_hetero.layout.degrees import DEGREE_KEYS
 from megatron_hetero.layout.graph import topological_order
-from megatron_hetero.layout.spec import PLACEMENTS, ROLES, Edge, HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.spec import (
+    PLACEMENTS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    ROLES,
+    Edge,
+    HeteroLayout,
+    ModuleLayout,
+    RankRange,
+    Recompute,
+)
 
 
 def _check_degrees(m: ModuleLayout) -> None:
@@ -182,6 +192,8 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
         _check_degrees(m)
         if not isinstance(m.frozen, bool):
             raise ValueError(f"module {m.name}: frozen must be true or false, got {m.frozen!r}")
+        if m.recompute is not None:
+            check_recompute(m.recompute, f"module {m.name}: recompute")
     if layout.placement == "colocated":
         modules = _resolve_colocated(layout.modules, world_size)
     else:
@@ -189,3 +201,18 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
     resolved = HeteroLayout(placement=layout.placement, modules=tuple(modules), edges=tuple(layout.edges))
     _check_edges(resolved)  # after the per-module arithmetic, which is the more basic error
     return resolved
+
+
+def check_recompute(r: Recompute, where: str) -> None:
+    """Megatron's rules for activation recompute (`TransformerConfig.__post_init__`), as ValueError
+    naming `where`: full needs a method (uniform or block) and num_layers >= 1; selective takes neither."""
+    if r.granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"{where}: granularity {r.granularity!r} must be one of {list(RECOMPUTE_GRANULARITIES)}")
+    if r.granularity == "selective":
+        if r.method is not None or r.num_layers is not None:
+            raise ValueError(f"{where}: granularity selective takes no method or num_layers (Megatron's rule)")
+        return
+    if r.method not in RECOMPUTE_METHODS:
+        raise ValueError(f"{where}: granularity full needs method {' or '.join(RECOMPUTE_METHODS)}, got {r.method!r}")
+    if isinstance(r.num_layers, bool) or not isinstance(r.num_layers, int) or r.num_layers < 1:
+        raise ValueError(f"{where}: granularity full needs num_layers >= 1, got {r.num_layers!r}")

@@ -1,8 +1,9 @@
 """Layout documents: the YAML file contract and the equivalent `--hetero-module` flag strings.
 
 YAML keys: `placement: colocated|disjoint`, `modules: {NAME: {tp, cp, pp, dp, ep, expt_tp,
-ranks: "A-B", frozen: bool, layers: "A-B",
-role: language}}`, `edges: ["vision -> language", ...]`.
+ranks: "A-B", frozen: bool, layers: "A-B", role: language,
+recompute: {granularity: full|selective, method: uniform|block, num_layers: N}}}`,
+`edges: ["vision -> language", ...]`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any, Optional
 import yaml
 
 from megatron_hetero.layout.degrees import DEGREE_KEYS
-from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange, Recompute
 from megatron_hetero.layout.validate import resolve_layout
 
-MODULE_KEYS = set(DEGREE_KEYS) | {"ranks", "frozen", "layers", "role"}
+MODULE_KEYS = set(DEGREE_KEYS) | {"ranks", "frozen", "layers", "role", "recompute"}
+RECOMPUTE_KEYS = ("granularity", "method", "num_layers")
 TOP_KEYS = {"placement", "modules", "edges"}
 
 
@@ -60,7 +62,26 @@ def module_from_dict(name: str, spec: Any) -> ModuleLayout:
         kwargs["role"] = str(spec["role"]).strip()
     if "frozen" in spec:
         kwargs["frozen"] = _as_bool(spec["frozen"], f"module {name}: frozen")
+    if spec.get("recompute") is not None:
+        kwargs["recompute"] = recompute_from_dict(spec["recompute"], f"module {name}: recompute")
     return ModuleLayout(name=str(name), **kwargs)
+
+
+def recompute_from_dict(spec: Any, where: str) -> Recompute:
+    """A module's `recompute: {granularity, method, num_layers}` mapping (values checked by validation)."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"{where}: expected a mapping of {list(RECOMPUTE_KEYS)}, got {spec!r}")
+    unknown = sorted(set(map(str, spec)) - set(RECOMPUTE_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed keys are {list(RECOMPUTE_KEYS)}")
+    if spec.get("granularity") is None:
+        raise ValueError(f"{where}: granularity (full or selective) is required")
+    num = spec.get("num_layers")
+    return Recompute(
+        granularity=str(spec["granularity"]).strip(),
+        method=None if spec.get("method") is None else str(spec["method"]).strip(),
+        num_layers=None if num is None else _as_int(num, f"{where}: num_layers"),
+    )
 
 
 def layout_from_dict(doc: Any, world_size: Optional[int] = None) -> HeteroLayout:

@@ -111,7 +111,6 @@ REFUSED = {
     "fp16": "--fp16",
     "bf16": "--bf16",
     "sequence_parallel": "--sequence-parallel",
-    "swiglu": "--swiglu",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
     "num_experts": "--num-experts",
@@ -136,6 +135,12 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
         if m.ep != 1:
             raise ValueError(
                 f"module {m.name}: ep={m.ep}; expert parallelism is not supported with Megatron-LM scripts and a layout"
+            )
+        if m.recompute is not None:
+            raise ValueError(
+                f"module {m.name}: a layout's own recompute is for megatron-hetero train; with "
+                f"Megatron-LM's scripts recompute is the whole model's (--recompute-granularity, "
+                f"--recompute-method, --recompute-num-layers)"
             )
         if args.num_attention_heads % m.tp:
             raise ValueError(

@@ -11,8 +11,17 @@ concatenated along the parameter's `partition_dim`, keyed by the parameter's nam
 
 `copy_into` keeps this rank's shard of each tensor (`chunk(tp)[tp_rank]` along `partition_dim`;
 layer numbers shifted by the stage's offset when the module is pipelined); `copy_optimizer_state`
-does the same for the module's optimizer. Megatron's QKV and (non-GLU) MLP layouts are plain chunks
+does the same for the module's optimizer. Megatron's QKV and non-gated MLP layouts are plain chunks
 along the partition dimension, which is what Megatron's own TP resharding assumes.
+
+Gated MLPs (`--swiglu`, `gated_linear_unit`) are not: each TP rank's `linear_fc1` weight (and bias)
+is its shard of the gate projection followed by its shard of the up projection, `[gate_r; up_r]`
+along dim 0 (`MLP.forward` chunks the fc1 output in two: silu of the first half times the second).
+Megatron's own `sharded_state_dict` of the MLP (`apply_swiglu_sharded_factory`) therefore stores the
+two halves as separate fragments of the global tensor: gate shards at fragments 0..tp-1, up shards at
+tp..2tp-1. The full tensors here follow that global layout, `[gate; up]`, whatever the TP: gathering
+splits every rank's piece in its two halves (`_join`) and sharding cuts gate and up separately
+(`_split`), so TP a -> TP b keeps each rank's gate and up rows matched.
 """
 
 from __future__ import annotations
@@ -28,6 +37,45 @@ _LAYER = re.compile(r"^((?:language_model\.)?decoder\.layers\.)(\d+)(\..*)$")
 
 def _partition(p: torch.Tensor) -> Optional[int]:
     return int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None
+
+
+def gated_names(model: torch.nn.Module) -> frozenset[str]:
+    """Names (as `model.named_parameters()` gives them) of the `linear_fc1` weights and biases of the
+    gated MLPs in `model` (Megatron's `MLP` with `config.gated_linear_unit`: `--swiglu`)."""
+    from megatron.core.transformer.mlp import MLP
+
+    out = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, MLP) and getattr(mod.config, "gated_linear_unit", False):
+            for p_name, _ in mod.linear_fc1.named_parameters(recurse=False):
+                out.add(".".join(x for x in (mod_name, "linear_fc1", p_name) if x))
+    return frozenset(out)
+
+
+def _join(parts: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
+    """The full tensor from the TP ranks' pieces `parts` (in TP-rank order) along `dim`; `gated`:
+    each piece is `[gate_r; up_r]` and the full tensor is `[gate_0..gate_n-1; up_0..up_n-1]`."""
+    if not gated:
+        return torch.cat(parts, dim=dim)
+    halves = [_halves(t, dim) for t in parts]
+    return torch.cat([g for g, _ in halves] + [u for _, u in halves], dim=dim)
+
+
+def _split(full: torch.Tensor, dim: int, tp: int, tp_rank: int, gated: bool) -> torch.Tensor:
+    """TP rank `tp_rank`'s piece of `full` at `tp` (the inverse of `_join`)."""
+    if not gated:
+        return full.chunk(tp, dim=dim)[tp_rank]
+    gate, up = _halves(full, dim)
+    return torch.cat([gate.chunk(tp, dim=dim)[tp_rank], up.chunk(tp, dim=dim)[tp_rank]], dim=dim)
+
+
+def _halves(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if t.shape[dim] % 2:
+        raise ValueError(
+            f"a gated linear_fc1 tensor of shape {tuple(t.shape)} has an odd size {t.shape[dim]} along dim {dim}"
+        )
+    gate, up = t.chunk(2, dim=dim)
+    return gate, up
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -63,22 +111,23 @@ class ReferenceSource:
             for p, st in inner.state.items():
                 opt_state[id(p)] = st
 
-        def gather(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+        def gather(t: torch.Tensor, dim: Optional[int], gated: bool) -> torch.Tensor:
             t = t.detach()
             if dim is not None and tp > 1:
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 dist.all_gather(parts, t.contiguous(), group=tp_group)
-                t = torch.cat(parts, dim=dim)
+                t = _join(parts, dim, gated)
             return t.cpu().clone()
 
         full, state = {}, {}
+        gated = gated_names(model)
         for name, p in model.named_parameters():
             dim = _partition(p)
-            full[name] = gather(p, dim)
+            full[name] = gather(p, dim, name in gated)
             st = opt_state.get(id(p))
             if st:
                 state[name] = {
-                    k: gather(v, dim)
+                    k: gather(v, dim, name in gated)
                     if isinstance(v, torch.Tensor) and v.shape == p.shape
                     else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in sorted(st.items())
@@ -115,9 +164,13 @@ def _layer_offset(model: torch.nn.Module, first_layer: int = 0) -> int:
     return first_layer + decoder.layers[0].layer_number - 1
 
 
-def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str) -> torch.Tensor:
+def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str, gated: bool = False) -> torch.Tensor:
+    """This TP rank's piece of the full tensor `full` of parameter `p` (shape-checked); `gated`: a
+    gated `linear_fc1` tensor (`[gate; up]`, see the module docstring)."""
     dim = _partition(p)
-    t = full.chunk(tp, dim=dim)[tp_rank] if dim is not None and tp > 1 else full
+    if gated and dim is not None and dim != 0:
+        raise ValueError(f"{what}: a gated linear_fc1 tensor partitioned along dim {dim}, expected 0")
+    t = _split(full, dim, tp, tp_rank, gated) if dim is not None and tp > 1 else full
     if tuple(t.shape) != tuple(p.shape):
         raise ValueError(
             f"{what}: reference shape {tuple(full.shape)} gives shard {tuple(t.shape)} at tp={tp}, "
@@ -132,9 +185,10 @@ def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs, first_layer:
     `first_layer`: the whole model's index of the module's first decoder layer (a segment's start)."""
     tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
     offset = _layer_offset(model, first_layer)
+    gated = gated_names(model)
     for name, p in model.named_parameters():
         full = source.tensor(_global_name(name, offset))
-        p.copy_(_shard(full, p, tp, tp_rank, f"parameter {name}").to(p.dtype))
+        p.copy_(_shard(full, p, tp, tp_rank, f"parameter {name}", name in gated).to(p.dtype))
 
 
 @torch.no_grad()
@@ -146,6 +200,7 @@ def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSou
     tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
     offset = _layer_offset(model, first_layer)
     by_id = {id(p): (n, p) for n, p in model.named_parameters()}
+    gated = gated_names(model)
     done = 0
     for inner in _inner_optimizers(optimizer):
         for group in inner.param_groups:
@@ -156,7 +211,7 @@ def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSou
                     continue
                 inner.state[p] = {
                     k: (
-                        _shard(v, mp, tp, tp_rank, f"optimizer state {k} of {name}").to(p.device).clone()
+                        _shard(v, mp, tp, tp_rank, f"optimizer state {k} of {name}", name in gated).to(p.device).clone()
                         if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0
                         else (v.to(p.device).clone() if isinstance(v, torch.Tensor) else v)
                     )
@@ -192,6 +247,7 @@ def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: d
     inner = _inner_optimizers(optimizer)
     ref_opt = {id(p): o for o in inner for g in o.param_groups for p in g["params"]}
     mine = {n: (dict(s.module.named_parameters()), s) for n, s in states.items()}
+    gated = gated_names(ref)  # pp 1 everywhere: the modules' names are the reference model's
 
     def full_from_module(name: str, ref_p: torch.Tensor, get) -> torch.Tensor:
         """`get(param, state)` -> this module rank's local tensor; returns the full tensor on every rank."""
@@ -207,15 +263,15 @@ def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: d
             if dim is not None and m.tp > 1:
                 parts = [torch.empty_like(local) for _ in range(m.tp)]
                 dist.all_gather(parts, local, group=st.pgs.tp)
-                local = torch.cat(parts, dim=dim)
+                local = _join(parts, dim, name in gated)
             if dist.get_rank() == m.offset:
                 out.copy_(local)
         dist.broadcast(out, src=m.offset)
         return out
 
-    def shard(full: torch.Tensor, ref_p: torch.Tensor) -> torch.Tensor:
+    def shard(full: torch.Tensor, ref_p: torch.Tensor, name: str) -> torch.Tensor:
         dim = _partition(ref_p)
-        return full.chunk(ref_tp, dim=dim)[ref_rank] if dim is not None and ref_tp > 1 else full
+        return _split(full, dim, ref_tp, ref_rank, name in gated) if dim is not None and ref_tp > 1 else full
 
     def adam(key: str):
         def get(p, st):
@@ -229,13 +285,13 @@ def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: d
         return get
 
     for name, rp in ref.named_parameters():
-        rp.data.copy_(shard(full_from_module(name, rp, lambda p, st: p.detach()), rp))
+        rp.data.copy_(shard(full_from_module(name, rp, lambda p, st: p.detach()), rp, name))
         o = ref_opt.get(id(rp))
         trained = rp.requires_grad and o is not None
         if not trained:
             continue
         for key in ("exp_avg", "exp_avg_sq"):
-            t = shard(full_from_module(name, rp, adam(key)), rp)
+            t = shard(full_from_module(name, rp, adam(key)), rp, name)
             if getattr(o, "defaults", {}).get("betas") is None:
                 break  # not Adam (SGD keeps no such state)
             o.state.setdefault(rp, {})[key] = t.clone()

@@ -56,6 +56,7 @@ class ClipEncoderModule(torch.nn.Module):
             heads=enc.num_attention_heads,
             ffn=enc.ffn_hidden_size,
             m=m,
+            recompute=True,
             layernorm_epsilon=enc.norm_epsilon,
             activation_func=activation(enc.activation),
             bias_activation_fusion=False,

@@ -113,10 +113,15 @@ def transformer_config(
     ffn: Optional[int],
     m: ModuleLayout,
     dtype: torch.dtype = torch.float32,
+    recompute: bool = False,
     **extra,
 ) -> TransformerConfig:
     """Megatron config of one module on its own layout (fp32, no dropout, per-token loss: gradients
-    are summed, not averaged, over DP x CP because the loss is already normalised globally)."""
+    are summed, not averaged, over DP x CP because the loss is already normalised globally);
+    `recompute`: a transformer block's config, which takes the module's activation recompute
+    (`m.recompute`, Megatron's recompute fields) if it has one."""
+    if recompute and m.recompute is not None:
+        extra = {**m.recompute.config_kwargs(), **extra}
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -250,7 +255,12 @@ class EncoderModule(torch.nn.Module):
         self.pp_rank, self.pp_size = pgs.pp.rank(), m.pp
         self.first, self.last = self.pp_rank == 0, self.pp_rank == m.pp - 1
         config = transformer_config(
-            num_layers=enc.num_layers, hidden=enc.hidden_size, heads=enc.num_attention_heads, ffn=None, m=m
+            num_layers=enc.num_layers,
+            hidden=enc.hidden_size,
+            heads=enc.num_attention_heads,
+            ffn=None,
+            m=m,
+            recompute=True,
         )
         layer_spec = get_gpt_layer_local_spec()
         layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
@@ -331,6 +341,7 @@ class LanguageModule(torch.nn.Module):
             heads=spec.num_attention_heads,
             ffn=spec.ffn_hidden_size,
             m=m,
+            recompute=True,
             **arch,
         )
         self.config = config

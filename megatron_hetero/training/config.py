@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field, flags_of
+from megatron_hetero.layout.spec import Recompute
 from megatron_hetero.planner.model import LlavaSpec
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.training.lr_schedule import LRSchedule
@@ -44,6 +45,22 @@ class JobConfig:
     # the loop and the optimizer (its learning-rate schedule: `schedule`)
     train_iters: int = flag_field(5, group="training")
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # activation recompute of every module's transformer layers (Megatron's flags; `recompute`); a
+    # module's own `recompute:` in the layout file takes precedence
+    recompute_granularity: Optional[str] = flag_field(
+        None,
+        "activation recompute of every module's transformer layers: full (whole layers) or selective "
+        "(core attention); a module's `recompute:` in the layout file overrides it",
+        group="training",
+        choices=["full", "selective"],
+    )
+    recompute_method: Optional[str] = flag_field(
+        None,
+        "with full: uniform (chunks of --recompute-num-layers layers) or block (that many layers per stage)",
+        group="training",
+        choices=["uniform", "block"],
+    )
+    recompute_num_layers: Optional[int] = flag_field(None, "layers per recompute unit (full)", group="training")
     # the runtime: its flags are the layout's (`layout.args.add_hetero_args`: --hetero-offload-encoder,
     # --hetero-comm-timeout), a Megatron-LM extra_args_provider
     offload_encoder: bool = False
@@ -129,6 +146,16 @@ class LaunchFlags:
     launch_timeout: float = flag_field(3600.0, "seconds before hung ranks are killed", group="launch")
 
 
+def job_recompute(job: JobConfig) -> Optional[Recompute]:
+    """The job's whole-model recompute (its --recompute-* flags), None without --recompute-granularity;
+    ValueError for a method or layer count without a granularity (the values: `validate.check_recompute`)."""
+    if job.recompute_granularity is None:
+        if job.recompute_method is not None or job.recompute_num_layers is not None:
+            raise ValueError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+        return None
+    return Recompute(job.recompute_granularity, job.recompute_method, job.recompute_num_layers)
+
+
 def train_flag_fields() -> list[dataclasses.Field]:
     """The fields of `train`'s own flags in --help order, after the shared model flags
     (`cli.model_flags`), the architecture's (`cli.arch_flags`) and the data's (`cli.data`), before the
@@ -158,6 +185,9 @@ def train_flag_fields() -> list[dataclasses.Field]:
             JobConfig,
             [
                 "override_opt_param_scheduler",
+                "recompute_granularity",
+                "recompute_method",
+                "recompute_num_layers",
                 "eval_interval",
                 "eval_iters",
                 "save",

@@ -67,6 +67,9 @@ def recorded_spec(args: Any, spec):
 # JobConfig's fields that take the value of their train flag as it is
 _JOB_FLAGS = (
     "train_iters",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
     "save",
     "save_interval",
     "load",

@@ -6,9 +6,12 @@ batch configuration is rejected with a ValueError in the launching process.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.spec import HeteroLayout, Recompute
+from megatron_hetero.layout.validate import check_recompute
 from megatron_hetero.models.llava import (
     EncoderModule,
     LanguageModule,
@@ -20,7 +23,7 @@ from megatron_hetero.models.llava import (
 )
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plans
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.training.config import JobConfig, job_recompute
 
 
 def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
@@ -30,6 +33,9 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     job.schedule.validate(job.optim.lr, job.train_iters)
     if spec.bf16 != job.optim.bf16:
         raise ValueError("--bf16 must set both the model's and the optimizer's precision")
+    recompute = job_recompute(job)
+    if recompute is not None:
+        check_recompute(recompute, "--recompute-granularity/--recompute-method/--recompute-num-layers")
     if spec.bf16 and (job.save or job.load):
         raise ValueError(
             "--bf16 with --save/--load is not supported yet (the checkpoint holds fp32 models and "
@@ -114,11 +120,16 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         (check_converted if is_converted(job.load) else check_loadable)(job.load, layout, job)
 
 
-def build_module(name: str, layout: HeteroLayout, spec: LlavaSpec, pgs) -> torch.nn.Module:
-    """The module `name` for this rank's stage, on the compute device."""
+def build_module(
+    name: str, layout: HeteroLayout, spec: LlavaSpec, pgs, recompute: Optional[Recompute] = None
+) -> torch.nn.Module:
+    """The module `name` for this rank's stage, on the compute device; `recompute`: the job's
+    activation recompute, for a module whose layout sets none of its own."""
     from megatron_hetero.compat.device import get_device
 
     m = layout.module(name)
+    if m.recompute is None and recompute is not None:
+        m = m.replace(recompute=recompute)
     if name in spec.encoders and spec.encoders[name].kind == "clip":
         from megatron_hetero.models.clip_encoder import ClipEncoderModule
 
@@ -159,5 +170,6 @@ def build_states(plan: RankPlan, job: JobConfig, topo) -> dict[str, ModuleState]
     for m in plan.layout.modules:
         if plan.serves(m.name):
             pgs = topo.pg_collection(m.name)
-            states[m.name] = ModuleState(m.name, build_module(m.name, plan.layout, job.spec, pgs), pgs, optim)
+            module = build_module(m.name, plan.layout, job.spec, pgs, job_recompute(job))
+            states[m.name] = ModuleState(m.name, module, pgs, optim)
     return states

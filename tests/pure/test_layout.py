@@ -447,7 +447,7 @@ def test_error_unknown_keys() -> None:
     _raises(
         {"modules": {"vision": {"tp": 1, "dpp": 2}}},
         "module vision: unknown keys ['dpp']; allowed keys are "
-        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']",
+        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'recompute', 'role', 'tp']",
     )
     _raises(
         {"modules": {"vision": {"tp": 1}}, "edge": ["a->b"]},
@@ -524,7 +524,7 @@ def test_error_document_shape() -> None:
     _raises(
         {"modules": {"vision": [1]}},
         "module vision: expected a mapping of ['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', "
-        "'ranks', 'role', 'tp'], got [1]",
+        "'ranks', 'recompute', 'role', 'tp'], got [1]",
     )
     _raises(
         {"placement": "mixed", "modules": {"vision": {}}},
@@ -670,7 +670,7 @@ def test_flag_errors() -> None:
     assert err(["vision:tp="]) == "module vision: tp must be a positive integer, got ''"
     assert err(["vision:size=2"]) == (
         "module vision: unknown keys ['size']; allowed keys are "
-        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'role', 'tp']"
+        "['cp', 'dp', 'ep', 'expt_tp', 'frozen', 'layers', 'pp', 'ranks', 'recompute', 'role', 'tp']"
     )
     assert (
         err(["vision:dp=8", "language:tp=2,pp=2,dp=3"])
@@ -984,3 +984,62 @@ def test_role_key_round_trips_and_is_validated() -> None:
     _raises(
         {"modules": {"vision": {"role": "encoder"}}}, "module vision: role must be one of ['language'], got 'encoder'"
     )
+
+
+# -- a module's own activation recompute ------------------------------------------------------------
+def test_recompute_key_parses_and_round_trips():
+    from megatron_hetero.layout.spec import Recompute
+    from megatron_hetero.layout.yaml_io import dump_layout, layout_from_dict
+
+    import yaml
+
+    doc = {
+        "modules": {
+            "vision": {"dp": 2},
+            "language": {"tp": 2, "recompute": {"granularity": "full", "method": "uniform", "num_layers": 1}},
+        },
+        "edges": ["vision -> language"],
+    }
+    layout = layout_from_dict(doc, 2)
+    assert layout.module("language").recompute == Recompute("full", "uniform", 1)
+    assert layout.module("vision").recompute is None
+    assert Recompute("full", "uniform", 1).config_kwargs() == {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
+    assert layout_from_dict(yaml.safe_load(dump_layout(layout)), 2) == layout
+    sel = layout_from_dict({"modules": {"language": {"recompute": {"granularity": "selective"}}}}, 1)
+    assert sel.module("language").recompute == Recompute("selective")
+
+
+@pytest.mark.parametrize(
+    "recompute, message",
+    [
+        ("full", "module language: recompute: expected a mapping"),
+        ({"granularity": "full", "layers": 1}, "unknown keys ['layers']"),
+        ({"method": "uniform"}, "granularity (full or selective) is required"),
+        ({"granularity": "partial"}, "granularity 'partial' must be one of ['full', 'selective']"),
+        ({"granularity": "full", "num_layers": 1}, "granularity full needs method uniform or block, got None"),
+        ({"granularity": "full", "method": "uniform"}, "granularity full needs num_layers >= 1, got None"),
+        ({"granularity": "full", "method": "uniform", "num_layers": "two"}, "num_layers must be a positive integer"),
+        ({"granularity": "selective", "method": "block"}, "granularity selective takes no method or num_layers"),
+    ],
+)
+def test_bad_recompute_is_a_value_error(recompute, message):
+    from megatron_hetero.layout.yaml_io import layout_from_dict
+
+    with pytest.raises(ValueError) as info:
+        layout_from_dict({"modules": {"language": {"recompute": recompute}}}, 1)
+    assert message in str(info.value)
+
+
+def test_job_recompute_flags():
+    from megatron_hetero.layout.spec import Recompute
+    from megatron_hetero.training.config import JobConfig, job_recompute
+
+    assert job_recompute(JobConfig()) is None
+    job = JobConfig(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert job_recompute(job) == Recompute("full", "block", 2)
+    with pytest.raises(ValueError, match="need --recompute-granularity full"):
+        job_recompute(JobConfig(recompute_num_layers=1))

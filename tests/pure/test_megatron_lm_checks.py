@@ -127,6 +127,15 @@ def test_the_distributed_optimizer_is_accepted():
     check_common(_args(use_distributed_optimizer=True), _layout(SEGMENTS))
 
 
+def test_swiglu_is_accepted_and_a_modules_own_recompute_is_refused():
+    check_common(_args(swiglu=True), _layout(SEGMENTS))  # the gated fc1 is resharded (weights.py)
+    own = {**SEGMENTS, "language_b": {**SEGMENTS["language_b"], "recompute": {"granularity": "selective"}}}
+    with pytest.raises(ValueError) as info:
+        check_common(_args(), _layout(own))
+    assert "module language_b: a layout's own recompute is for megatron-hetero train" in str(info.value)
+    assert "--recompute-granularity" in str(info.value)
+
+
 def test_vlm_refuses_segments_and_uneven_pipeline_splits():
     with pytest.raises(ValueError, match="exactly the modules 'vision' and 'language'"):
         check_vlm(_args(), _layout(SEGMENTS))
