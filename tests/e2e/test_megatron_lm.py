@@ -3,9 +3,10 @@
 Needs a Megatron-LM tree: `MEGATRON_LM=/path/to/Megatron-LM` (the parts its scripts import are
 enough, e.g. the vendored `shared/vendor/megatron-lm-core_v0.19.0`); skipped with the reason
 otherwise. The tree is copied to a temporary folder and patched there (the patches must apply and
-reverse cleanly); every run is a real `torchrun` on CPU/gloo, 2 ranks (4 where the layout needs
-them), 3 iterations of a tiny LLaVA or GPT (fp32, no dropout, constant learning rate, --clip-grad 0),
-each script through `python -m megatron_hetero.megatron_lm.run` (the CPU redirections for Megatron-LM).
+reverse cleanly); every run is on CPU/gloo, 2 ranks (4 where the layout needs them), forked from one
+process by `tests/megatron_fork.py` with torchrun's environment (one test runs torchrun itself), 3
+iterations of a tiny LLaVA or GPT (fp32, no dropout, constant learning rate, --clip-grad 0), each
+script through `python -m megatron_hetero.megatron_lm.run` (the CPU redirections for Megatron-LM).
 
 Compared: the "lm loss" of Megatron's own log lines (6 significant digits; Megatron averages the
 second line over iterations 1-2 because its first line does not reset the accumulators, and the
@@ -105,27 +106,33 @@ class Run:
         return self.out[-4000:]
 
 
-def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 400) -> Run:
+def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 400, real: bool = False) -> Run:
+    """`script` with `args` on `nproc` CPU ranks through `megatron_hetero.megatron_lm.run`: forked from
+    one process that imported everything once (`tests/megatron_fork.py`: the same rendezvous
+    environment and the same launcher code per rank, minutes less of start-up over the file), or with
+    `real`, under torchrun itself."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it with TP > 1 (its examples set it)
-    for _ in range(3):  # another process may take the free port before torchrun binds it: a new port
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "megatron_hetero.megatron_lm.run",
-            str(script),
-            *args,
-        ]
+    for _ in range(3):  # another process may take the free port before the store binds it: a new port
+        if real:
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(_free_port()),
+                "-m",
+                "megatron_hetero.megatron_lm.run",
+            ]
+        else:
+            cmd = [sys.executable, str(REPO / "tests" / "megatron_fork.py"), str(nproc)]
+        cmd += [str(script), *args]
         run = Run(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout))
         if run.rc == 0 or "EADDRINUSE" not in run.out:
             break
@@ -253,7 +260,7 @@ def test_check_command_reports_and_applies(tmp_path):
 
 # -- end to end: torchrun on CPU ---------------------------------------------------------------------
 def test_patched_scripts_without_hetero_flags_are_upstream(trees, reference):
-    run = torchrun(trees["patched"] / "pretrain_vlm.py", VLM + ITERS)
+    run = torchrun(trees["patched"] / "pretrain_vlm.py", VLM + ITERS, real=True)  # torchrun itself, once
     assert run.rc == 0 and (run.losses, run.valid) == (reference.losses, reference.valid), (
         f"patched VLM {run.losses} vs {reference.losses}\n{run.tail()}"
     )
@@ -344,7 +351,10 @@ def _default_clip(args: list[str]) -> list[str]:
 #: MLP (the language side is TP2 there and starts from the TP1 reference's weights, so each TP rank's
 #: linear_fc1 must get its own gate and up rows, weights.py; with a plain chunk of [gate; up] the
 #: colocated case misses by 3.5e-4) and full activation recompute (changes memory, never the losses).
-PRODUCTION = "--swiglu --recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+PRODUCTION = (
+    "--use-distributed-optimizer --swiglu --recompute-granularity full --recompute-method uniform "
+    "--recompute-num-layers 1"
+).split()
 
 
 def _default_clip_args(script: str) -> list[str]:
