@@ -787,8 +787,9 @@ def test_the_cli_applies_compat_and_reports_a_refusal(monkeypatch, capsys):
 
 
 def test_apply_compat_is_called_at_the_entry_points_only():
-    """The CLI, the Megatron-LM launcher, the benchmark scripts' main, tests/conftest.py; library code
-    asserts (require_compat) instead."""
+    """The CLI, the Megatron-LM launcher, the benchmark scripts' main, tests/conftest.py, and the two
+    test programs that start processes of their own (the fork runner for Megatron-LM's scripts, the
+    fresh-process import check); library code asserts (require_compat) instead."""
     repo = Path(__file__).resolve().parents[2]
     calls = sorted(
         f"{p.relative_to(repo)}:{line.strip()}"
@@ -803,4 +804,6 @@ def test_apply_compat_is_called_at_the_entry_points_only():
         "megatron_hetero/cli/__init__.py",
         "megatron_hetero/megatron_lm/run.py",
         "tests/conftest.py",
+        "tests/e2e/test_fresh_process_imports.py",
+        "tests/megatron_fork.py",
     ], "\n".join(calls)
