@@ -76,8 +76,11 @@ from megatron_hetero.checkpoint.records import spec_record, data_position
 from megatron_hetero.checkpoint.sharded import (
     model_sharded_state_dict,
     optimizer_sharded_state_dict,
+    MAIN_PARAM_PREFIX,
+    MIXED_MAIN_PARAM_PREFIX,
     pop_main_params,
     put_main_params,
+    rename_main_params,
     _common_steps,
     _put_common_steps,
     _rng_sharded_state_dict,
@@ -245,6 +248,7 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     logical = logical_models(layout)
+    mixed = job.optim.bf16  # the checkpoint's precision is this job's (check_loadable compares the models)
     for name in sorted(logical):
         saved = state["modules"][name]
         # Optimizer state moves with the parameters only if the same parameters train (a changed
@@ -261,8 +265,17 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
             sd[f"{mod_name}.model"] = model_sd
             if st.optimizer is not None and saved.get("optimizer") and same_frozen:
                 opt_sd, rest = optimizer_sharded_state_dict(st, model_sd, is_loading=True)
-                if st.distributed_optimizer and not saved.get("distributed_optimizer"):
-                    # saved by the non-distributed optimizer: the main weights are the model's
+                saved_distributed = bool(saved.get("distributed_optimizer"))
+                if mixed and st.distributed_optimizer != saved_distributed:
+                    # --bf16/--fp16: both optimizers saved the fp32 main weights, under their own keys
+                    src, dst = (
+                        (MAIN_PARAM_PREFIX, MIXED_MAIN_PARAM_PREFIX)
+                        if st.distributed_optimizer
+                        else (MIXED_MAIN_PARAM_PREFIX, MAIN_PARAM_PREFIX)
+                    )
+                    rename_main_params(opt_sd, src, dst)
+                elif st.distributed_optimizer and not saved_distributed:
+                    # fp32, saved by the non-distributed optimizer: the main weights are the model's
                     popped[mod_name] = pop_main_params(opt_sd)
                 sd[f"{mod_name}.optimizer"] = opt_sd
                 rests[mod_name] = rest

@@ -30,11 +30,6 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     job.schedule.validate(job.optim.lr, job.train_iters)
     if spec.bf16 != job.optim.bf16:
         raise ValueError("--bf16 must set both the model's and the optimizer's precision")
-    if spec.bf16 and (job.save or job.load):
-        raise ValueError(
-            "--bf16 with --save/--load is not supported yet (the checkpoint holds fp32 models and "
-            "the non-mixed-precision optimizer state); train in fp32 to keep checkpoints"
-        )
     if not isinstance(job.save_interval, int) or job.save_interval < 0:
         raise ValueError(f"--save-interval must be >= 0, got {job.save_interval!r}")
     if job.save_interval and not job.save:
