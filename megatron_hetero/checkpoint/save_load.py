@@ -71,6 +71,7 @@ from megatron_hetero.checkpoint.files import (
     write_train_state,
 )
 from megatron_hetero.runtime.faults import fault_point, named_collective
+from megatron_hetero.runtime.loss_scale import rank_loss_scaler
 from megatron_hetero.checkpoint.keys import logical_models
 from megatron_hetero.checkpoint.records import spec_record, data_position
 from megatron_hetero.checkpoint.sharded import (
@@ -227,6 +228,9 @@ def save_checkpoint(
             "model": spec_record(job.spec),
             "modules": models,
         }
+        scaler = rank_loss_scaler(states)
+        if scaler is not None:  # --fp16: the whole model's one loss scale (the same on every rank)
+            state["loss_scaler"] = scaler.record()
         state_sha = write_train_state(d, state)  # adds the manifest and its own checksum
         _reached("state written")
         publish(root, iteration, d, state_sha, reached=_reached)
@@ -309,6 +313,9 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 st.optimizer.load_state_dict(rest)
             if mod_name in schedulers and saved.get("scheduler"):
                 restore_scheduler(schedulers[mod_name], saved["scheduler"])
+    scaler = rank_loss_scaler(states)
+    if scaler is not None and state.get("loss_scaler") is not None:  # --fp16 (check_loadable compared the models)
+        scaler.restore(state["loss_scaler"])
     same_layout = state.get("layout_dict") == layout.to_dict() and state.get("world_size") == dist.get_world_size()
     if same_layout and (d / RNG_DIR).is_dir():
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -7,11 +7,20 @@ moments. Reference: the uninterrupted 3-step run. Resumed at step 2 under the sa
 loss is bitwise the uninterrupted one's (with the non-distributed optimizer and with the distributed
 one, which reads the main weights the other saved: taking them from the bf16 model weights instead
 would not be bitwise); resumed under a disjoint layout it is within bf16 noise of it.
+
+fp16 (`--fp16 --initial-loss-scale 4096 --hysteresis 1`): reference, the fp32 run; the first two
+losses agree within fp16 noise (a loss scale that were not applied, or not undone, would change the
+second loss by ~1e-2 relative: the first step lowers it by 1.7%). An inf written into the vision
+module's gradients on rank 0 alone at step 2 skips step 2 on every rank and module (every
+parameter after it is what it was before it) and halves the loss scale on every rank (rank 1's vision
+replica and both language replicas saw no inf themselves: the flag is agreed over the world); the
+checkpoint saved after step 3 holds the halved scale.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -35,6 +44,13 @@ BF16 = dataclasses.replace(
 # one by up to 5.9e-5 relative after 3 bf16 steps (bf16 rounding of another reduction order); resumed
 # from this checkpoint the disjoint step-3 loss is bitwise, from a language-TP2 one 1.1e-5 off.
 BF16_LAYOUT_TOL = 1e-4
+FP16 = dataclasses.replace(
+    _FP32,
+    spec=dataclasses.replace(_FP32.spec, fp16=True),
+    optim=dataclasses.replace(_FP32.optim, fp16=True, initial_loss_scale=4096.0, hysteresis=1),
+)
+# Measured: fp16 losses within 6e-5 relative of fp32 over 3 steps (colocated and disjoint)
+FP16_TOL = 5e-4
 
 
 def _same_params(a: list[dict], b: list[dict]) -> bool:
@@ -71,3 +87,71 @@ def test_bf16_checkpoint_resumes_bitwise_and_under_another_layout(tmp_path):
     diff = max_loss_rel_diff(disjoint, full[2:])
     print(f"resumed disjoint {disjoint}: rel. diff {diff:.1e}")
     assert diff <= BF16_LAYOUT_TOL, (disjoint, full[2:])
+
+
+def _inject_inf_and_watch(monkeypatch, out_dir, module: str, rank: int, step: int) -> None:
+    """In the ranks forked after this: after each module's gradient reduction (one per step), write
+    the module's parameter checksum and its optimizer's loss scale(r) to `out_dir/<rank>.jsonl`; on
+    `rank`, at `step`, put an inf into `module`'s reduced gradients first."""
+    import torch.distributed as dist
+
+    from megatron_hetero.runtime.module_state import ModuleState
+
+    original = ModuleState.finalize_grads
+    calls: dict[str, int] = {}
+
+    def finalize_grads(self) -> None:
+        original(self)
+        calls[self.name] = calls.get(self.name, 0) + 1
+        if self.ddp is None:
+            return
+        if self.name == module and dist.get_rank() == rank and calls[self.name] == step:
+            self.ddp.buffers[0].grad_data[0] = float("inf")
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        line = {
+            "module": self.name,
+            "step": calls[self.name],
+            "checksum": float(sum(p.detach().double().sum() for p in self.module.parameters())),
+            "shares_scaler": all(o.grad_scaler is self.loss_scaler for o in inner),
+            "scales": [float(o.get_loss_scale().item()) for o in inner],  # what this step unscales by
+        }
+        with open(out_dir / f"{dist.get_rank()}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    monkeypatch.setattr(ModuleState, "finalize_grads", finalize_grads)
+
+
+@pytest.mark.timeout(300)
+def test_fp16_losses_and_one_loss_scale_skipped_everywhere(tmp_path, monkeypatch):
+    ref = losses(run_job(COLOC, 2, dataclasses.replace(_FP32, train_iters=2)))
+    watch = tmp_path / "watch"
+    watch.mkdir()
+    _inject_inf_and_watch(monkeypatch, watch, "vision", rank=0, step=2)
+    root = tmp_path / "run"
+    per_rank = run_job(COLOC, 2, dataclasses.replace(FP16, save=str(root)))
+    got = losses(per_rank)
+    diff = max_loss_rel_diff(got[:2], ref)
+    print(f"fp16 {got} vs fp32 {ref}: rel. diff {diff:.1e}")
+    assert diff <= FP16_TOL, (got, ref)
+    for r, result in enumerate(per_rank):
+        recs = result["records"]
+        scales = [x["loss_scale"] for x in recs]
+        print(f"rank {r}: skipped {[x['skipped'] for x in recs]}, loss scale after each step {scales}")
+        assert [x["skipped"] for x in recs] == [False, True, False]
+        assert scales == [4096.0, 2048.0, 2048.0]  # window 1000: no growth; hysteresis 1: halved at once
+        lines = [json.loads(t) for t in (watch / f"{r}.jsonl").read_text().splitlines()]
+        assert {x["module"] for x in lines} == {"vision", "language"}
+        for name in ("vision", "language"):
+            sums = [x["checksum"] for x in lines if x["module"] == name]
+            assert len(sums) == 3 and sums[0] != sums[1], (r, name, sums)  # step 1 updated it
+            assert sums[1] == sums[2], (r, name, sums)  # step 2 did not
+        assert all(x["shares_scaler"] for x in lines)
+        # every module's optimizer unscaled step 3 by the halved scale, on every rank
+        assert [x["scales"] for x in lines if x["step"] == 3] == [[2048.0], [2048.0]], lines
+    saved = json.loads(next(root.glob("iter_*/train_state.json")).read_text())
+    assert saved["loss_scaler"] == {"scale": 2048.0, "growth_tracker": 1, "hysteresis_tracker": 0}
+    # a resume continues from the saved scale (a fresh scaler would start from 4096 again)
+    resumed = run_job(
+        COLOC, 2, dataclasses.replace(FP16, train_iters=4, load=str(root), override_opt_param_scheduler=True)
+    )
+    assert [[x["loss_scale"] for x in r["records"]] for r in resumed] == [[2048.0], [2048.0]]
