@@ -175,6 +175,9 @@ def save_checkpoint(
                 opt_sd, rest = optimizer_sharded_state_dict(st, model_sd, is_loading=False)
                 sd[f"{mod_name}.optimizer"] = opt_sd
                 rec["common_steps"] = _common_steps(rest)
+                # Adam builds its state at its first step: under --fp16 every step so far may have been
+                # skipped (non-finite gradients at the first loss scales), leaving none to save
+                rec["stateless"] = job.optim.optimizer == "adam" and not rec["common_steps"]
             if mod_name in schedulers:
                 rec["scheduler"] = schedulers[mod_name].state_dict()
             per_module[mod_name] = rec
@@ -210,6 +213,8 @@ def save_checkpoint(
                 # its state then holds the fp32 main weights too (`optimizer.state.param.*`)
                 "distributed_optimizer": bool(job.optim.use_distributed_optimizer),
                 "common_steps": steps[0] if steps else {},
+                # no optimizer state saved (every step skipped so far): a resume starts it afresh
+                "optimizer_stateless": any(r.get("stateless") for r in recs),
                 "scheduler": sched,
                 "scheduler_config": job.schedule.scheduler_config(job.optim.lr, job.train_iters),
             }
@@ -267,7 +272,12 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 continue
             model_sd = model_sharded_state_dict(st, layout, job.spec)
             sd[f"{mod_name}.model"] = model_sd
-            if st.optimizer is not None and saved.get("optimizer") and same_frozen:
+            if (
+                st.optimizer is not None
+                and saved.get("optimizer")
+                and same_frozen
+                and not saved.get("optimizer_stateless")
+            ):
                 opt_sd, rest = optimizer_sharded_state_dict(st, model_sd, is_loading=True)
                 saved_distributed = bool(saved.get("distributed_optimizer"))
                 if mixed and st.distributed_optimizer != saved_distributed:
@@ -302,6 +312,11 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 raise ValueError(
                     f"checkpoint {d / name}: module {mod_name} missing {missing[:5]}, unexpected {unexpected[:5]}"
                 )
+            if st.optimizer is not None and mod_name not in rests:
+                # a fresh optimizer: its fp32 main weights (--bf16, --fp16) from the loaded model weights,
+                # as Megatron-LM's load does without optimizer state (exact for a module that never
+                # stepped; a module frozen before kept no main weights)
+                st.optimizer.reload_model_params()
             if mod_name in popped:
                 by_key = {v.key: model[k] for k, v in sd[f"{mod_name}.model"].items()}
                 put_main_params(loaded[f"{mod_name}.optimizer"], popped[mod_name], by_key)

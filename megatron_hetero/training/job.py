@@ -152,12 +152,15 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "grad_norm_per_module",
             "loss_parts",
             "aux_loss",
+            "loss_scale",  # --fp16
             "eval_loss",
             "eval_accuracy",
             "eval_samples",
         ):
             if rec.get(key) is not None:
                 merged[key] = rec[key]
+        if rec.get("skipped"):  # non-finite gradients: no module stepped
+            merged["skipped"] = True
         if "tokens" in rec:
             merged["tokens_per_s"] = rec["tokens"] / step if step > 0 else 0.0
         merged["memory_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}

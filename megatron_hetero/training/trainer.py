@@ -181,7 +181,7 @@ def train_rank(
             run_collective("start-of-iteration barrier over the world", topo.rank, dist.barrier)
             t0 = time.perf_counter()
             res = schedule.step(it)
-            for sch in schedulers.values():
+            for sch in schedulers.values() if not res.skipped else ():  # as Megatron-LM: a skipped step keeps the rate
                 sch.step(increment=1)
             dt = time.perf_counter() - t0
             grad_norm, per_module, lr = module_stats(plan, states)
