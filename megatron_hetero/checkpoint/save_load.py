@@ -76,6 +76,7 @@ from megatron_hetero.checkpoint.keys import logical_models
 from megatron_hetero.checkpoint.records import spec_record, data_position
 from megatron_hetero.checkpoint.sharded import (
     model_sharded_state_dict,
+    optimizer_is_stateless,
     optimizer_sharded_state_dict,
     MAIN_PARAM_PREFIX,
     MIXED_MAIN_PARAM_PREFIX,
@@ -171,13 +172,14 @@ def save_checkpoint(
             model_sd = model_sharded_state_dict(st, layout, job.spec)
             sd.update({f"{mod_name}.model.{k}": v for k, v in model_sd.items()})
             rec: dict[str, Any] = {}
-            if st.optimizer is not None:
+            if st.optimizer is not None and optimizer_is_stateless(st, job.optim.optimizer):
+                # Adam builds its state at its first step: under --fp16 every step so far may have been
+                # skipped (non-finite gradients at the first loss scales), leaving none to save
+                rec["common_steps"], rec["stateless"] = {}, True
+            elif st.optimizer is not None:
                 opt_sd, rest = optimizer_sharded_state_dict(st, model_sd, is_loading=False)
                 sd[f"{mod_name}.optimizer"] = opt_sd
                 rec["common_steps"] = _common_steps(rest)
-                # Adam builds its state at its first step: under --fp16 every step so far may have been
-                # skipped (non-finite gradients at the first loss scales), leaving none to save
-                rec["stateless"] = job.optim.optimizer == "adam" and not rec["common_steps"]
             if mod_name in schedulers:
                 rec["scheduler"] = schedulers[mod_name].state_dict()
             per_module[mod_name] = rec
@@ -257,7 +259,9 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     logical = logical_models(layout)
-    mixed = job.optim.bf16  # the checkpoint's precision is this job's (check_loadable compares the models)
+    mixed = (
+        job.optim.bf16 or job.optim.fp16
+    )  # the checkpoint's precision is this job's (check_loadable compares the models)
     for name in sorted(logical):
         saved = state["modules"][name]
         # Optimizer state moves with the parameters only if the same parameters train (a changed
