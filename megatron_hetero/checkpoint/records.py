@@ -12,6 +12,8 @@ def spec_record(spec) -> dict:
     """The model sizes a checkpoint must agree on (not the random seed: it only drives the synthetic data)."""
     d = dataclasses.asdict(spec)
     d.pop("seed", None)
+    if not d.get("fp16"):
+        d.pop("fp16", None)  # the records of checkpoints before --fp16 existed (bf16 and fp32) stay as they were
     from megatron_hetero.models.architecture import drop_default_architecture
 
     drop_default_architecture(d)  # the tiny GPT's record stays what checkpoints before these options hold

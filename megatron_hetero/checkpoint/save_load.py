@@ -71,13 +71,18 @@ from megatron_hetero.checkpoint.files import (
     write_train_state,
 )
 from megatron_hetero.runtime.faults import fault_point, named_collective
+from megatron_hetero.runtime.loss_scale import rank_loss_scaler
 from megatron_hetero.checkpoint.keys import logical_models
 from megatron_hetero.checkpoint.records import spec_record, data_position
 from megatron_hetero.checkpoint.sharded import (
     model_sharded_state_dict,
+    optimizer_is_stateless,
     optimizer_sharded_state_dict,
+    MAIN_PARAM_PREFIX,
+    MIXED_MAIN_PARAM_PREFIX,
     pop_main_params,
     put_main_params,
+    rename_main_params,
     _common_steps,
     _put_common_steps,
     _rng_sharded_state_dict,
@@ -167,7 +172,11 @@ def save_checkpoint(
             model_sd = model_sharded_state_dict(st, layout, job.spec)
             sd.update({f"{mod_name}.model.{k}": v for k, v in model_sd.items()})
             rec: dict[str, Any] = {}
-            if st.optimizer is not None:
+            if st.optimizer is not None and optimizer_is_stateless(st, job.optim.optimizer):
+                # Adam builds its state at its first step: under --fp16 every step so far may have been
+                # skipped (non-finite gradients at the first loss scales), leaving none to save
+                rec["common_steps"], rec["stateless"] = {}, True
+            elif st.optimizer is not None:
                 opt_sd, rest = optimizer_sharded_state_dict(st, model_sd, is_loading=False)
                 sd[f"{mod_name}.optimizer"] = opt_sd
                 rec["common_steps"] = _common_steps(rest)
@@ -206,6 +215,8 @@ def save_checkpoint(
                 # its state then holds the fp32 main weights too (`optimizer.state.param.*`)
                 "distributed_optimizer": bool(job.optim.use_distributed_optimizer),
                 "common_steps": steps[0] if steps else {},
+                # no optimizer state saved (every step skipped so far): a resume starts it afresh
+                "optimizer_stateless": any(r.get("stateless") for r in recs),
                 "scheduler": sched,
                 "scheduler_config": job.schedule.scheduler_config(job.optim.lr, job.train_iters),
             }
@@ -224,6 +235,9 @@ def save_checkpoint(
             "model": spec_record(job.spec),
             "modules": models,
         }
+        scaler = rank_loss_scaler(states)
+        if scaler is not None:  # --fp16: the whole model's one loss scale (the same on every rank)
+            state["loss_scaler"] = scaler.record()
         state_sha = write_train_state(d, state)  # adds the manifest and its own checksum
         _reached("state written")
         publish(root, iteration, d, state_sha, reached=_reached)
@@ -245,6 +259,9 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     logical = logical_models(layout)
+    mixed = (
+        job.optim.bf16 or job.optim.fp16
+    )  # the checkpoint's precision is this job's (check_loadable compares the models)
     for name in sorted(logical):
         saved = state["modules"][name]
         # Optimizer state moves with the parameters only if the same parameters train (a changed
@@ -259,10 +276,24 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 continue
             model_sd = model_sharded_state_dict(st, layout, job.spec)
             sd[f"{mod_name}.model"] = model_sd
-            if st.optimizer is not None and saved.get("optimizer") and same_frozen:
+            if (
+                st.optimizer is not None
+                and saved.get("optimizer")
+                and same_frozen
+                and not saved.get("optimizer_stateless")
+            ):
                 opt_sd, rest = optimizer_sharded_state_dict(st, model_sd, is_loading=True)
-                if st.distributed_optimizer and not saved.get("distributed_optimizer"):
-                    # saved by the non-distributed optimizer: the main weights are the model's
+                saved_distributed = bool(saved.get("distributed_optimizer"))
+                if mixed and st.distributed_optimizer != saved_distributed:
+                    # --bf16/--fp16: both optimizers saved the fp32 main weights, under their own keys
+                    src, dst = (
+                        (MAIN_PARAM_PREFIX, MIXED_MAIN_PARAM_PREFIX)
+                        if st.distributed_optimizer
+                        else (MIXED_MAIN_PARAM_PREFIX, MAIN_PARAM_PREFIX)
+                    )
+                    rename_main_params(opt_sd, src, dst)
+                elif st.distributed_optimizer and not saved_distributed:
+                    # fp32, saved by the non-distributed optimizer: the main weights are the model's
                     popped[mod_name] = pop_main_params(opt_sd)
                 sd[f"{mod_name}.optimizer"] = opt_sd
                 rests[mod_name] = rest
@@ -285,6 +316,11 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 raise ValueError(
                     f"checkpoint {d / name}: module {mod_name} missing {missing[:5]}, unexpected {unexpected[:5]}"
                 )
+            if st.optimizer is not None and mod_name not in rests:
+                # a fresh optimizer: its fp32 main weights (--bf16, --fp16) from the loaded model weights,
+                # as Megatron-LM's load does without optimizer state (exact for a module that never
+                # stepped; a module frozen before kept no main weights)
+                st.optimizer.reload_model_params()
             if mod_name in popped:
                 by_key = {v.key: model[k] for k, v in sd[f"{mod_name}.model"].items()}
                 put_main_params(loaded[f"{mod_name}.optimizer"], popped[mod_name], by_key)
@@ -296,6 +332,9 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 st.optimizer.load_state_dict(rest)
             if mod_name in schedulers and saved.get("scheduler"):
                 restore_scheduler(schedulers[mod_name], saved["scheduler"])
+    scaler = rank_loss_scaler(states)
+    if scaler is not None and state.get("loss_scaler") is not None:  # --fp16 (check_loadable compared the models)
+        scaler.restore(state["loss_scaler"])
     same_layout = state.get("layout_dict") == layout.to_dict() and state.get("world_size") == dist.get_world_size()
     if same_layout and (d / RNG_DIR).is_dir():
         rank, world = dist.get_rank(), dist.get_world_size()

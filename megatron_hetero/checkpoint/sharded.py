@@ -79,6 +79,18 @@ def optimizer_sharded_state_dict(state, model_sd: dict, is_loading: bool) -> tup
     return _split_sharded(osd)
 
 
+def optimizer_is_stateless(state, optimizer_name: str) -> bool:
+    """Adam that never stepped on this module: its per-parameter state is built at the first step,
+    which under --fp16 may not have come yet (every step so far skipped for non-finite gradients).
+    Such an optimizer has nothing to save (Megatron's distributed optimizer cannot even describe it:
+    its `state_dict` asserts one common step). The same on every rank of the module (skips are
+    agreed over the world). SGD keeps no state: never stateless in this sense."""
+    if optimizer_name != "adam" or state.optimizer is None:
+        return False
+    inner = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
+    return all(len(o.optimizer.state) == 0 for o in inner if getattr(o, "optimizer", None) is not None)
+
+
 MAIN_PARAM_PREFIX = "optimizer.state.param."
 
 
@@ -104,6 +116,33 @@ def pop_main_params(opt_sd: dict) -> list[tuple[tuple, str]]:
     return out
 
 
+MIXED_MAIN_PARAM_PREFIX = "optimizer.state.fp32_param."
+
+
+def rename_main_params(opt_sd: dict, src: str, dst: str) -> int:
+    """Ask a load for the fp32 main weights under another optimizer's keys: Megatron's mixed-precision
+    (--bf16/--fp16) non-distributed optimizer keeps them as `optimizer.state.fp32_param.<key>`
+    (:data:`MIXED_MAIN_PARAM_PREFIX`), the distributed one's `fully_reshardable` state as
+    `optimizer.state.param.<key>` (:data:`MAIN_PARAM_PREFIX`); the tensors are the same (one fp32
+    tensor per parameter, sharded like the model's). Rewrites the key of every request under `src`
+    to `dst` in place; returns how many."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    n = 0
+
+    def walk(d) -> None:
+        nonlocal n
+        for v in d.values() if isinstance(d, dict) else d:
+            if isinstance(v, (dict, list)):
+                walk(v)
+            elif isinstance(v, ShardedBase) and v.key.startswith(src):
+                v.key = dst + v.key[len(src) :]
+                n += 1
+
+    walk(opt_sd)
+    return n
+
+
 def put_main_params(loaded_opt: dict, popped: list[tuple[tuple, str]], model: dict) -> None:
     """Put back what :func:`pop_main_params` took: each main weight is a copy of the loaded model
     tensor of its global key (`model`: global key -> tensor)."""
@@ -121,7 +160,7 @@ def _common_steps(rest: dict) -> dict[str, float]:
     out = {}
     inners = rest.items() if rest and all(isinstance(k, int) for k in rest) else [("", rest)]
     for tag, inner in inners:
-        step = inner.get("state", {}).get("common_step")
+        step = _torch_optimizer_state(inner).get("state", {}).get("common_step")
         if step is None:  # a distributed optimizer keeps it in its param groups (one value)
             steps = {g["step"] for g in _distributed_param_groups(inner) if g.get("step") is not None}
             assert len(steps) <= 1, f"param groups disagree on Adam's step: {sorted(steps)}"
@@ -129,6 +168,16 @@ def _common_steps(rest: dict) -> dict[str, float]:
         if step is not None:
             out[str(tag)] = float(step.item() if isinstance(step, torch.Tensor) else step)
     return out
+
+
+def _torch_optimizer_state(inner: dict) -> dict:
+    """The torch optimizer's state dict inside one Megatron optimizer's non-sharded state: the fp32
+    optimizer's state is that dict itself; the mixed-precision wrapper's (--bf16, --fp16) is under
+    `optimizer`, beside its fp32 main weights (`fp32_from_fp16_params`) and loss scaler (`grad_scaler`).
+    A distributed optimizer's has no per-parameter state here (:func:`_distributed_param_groups`)."""
+    if "param_state_sharding_type" not in inner and isinstance(inner.get("optimizer"), dict):
+        return inner["optimizer"]
+    return inner
 
 
 def _distributed_param_groups(inner: dict) -> list:
@@ -149,7 +198,9 @@ def _put_common_steps(rest: dict, steps: dict[str, float]) -> None:
             for g in groups:
                 g["step"] = step
         else:
-            inner.setdefault("state", {})["common_step"] = torch.tensor(step, dtype=torch.float32)
+            _torch_optimizer_state(inner).setdefault("state", {})["common_step"] = torch.tensor(
+                step, dtype=torch.float32
+            )
 
 
 def _rng_sharded_state_dict(rank: int, world: int) -> dict:

@@ -63,6 +63,12 @@ def _distributed_optimizer_gather_on_cpu() -> None:
     )
 
 
+def _grad_scaler_load_on_cpu() -> None:
+    from megatron.core.optimizer import grad_scaler as gs
+
+    wrap_method(gs.DynamicGradScaler, "load_state_dict", lambda fn: wrap_call(fn, _tensor_cuda_is_identity))
+
+
 #: TRAINING_PATCHES: a part of :data:`.cpu.PATCHES` (reason CPU).
 TRAINING_PATCHES: List[Patch] = [
     _redirect(
@@ -139,6 +145,32 @@ TRAINING_PATCHES: List[Patch] = [
             ),
         ),
         apply=_distributed_optimizer_on_cpu,
+    ),
+    _redirect(
+        "cpu.grad_scaler",
+        f"{_MC}.optimizer.grad_scaler",
+        f"{_MC}.optimizer.grad_scaler: MegatronGradScaler / DynamicGradScaler.__init__ (the loss scale and its "
+        "factors as device='cuda' tensors; --fp16)",
+        ("device='cuda'",),
+        "remove when Megatron's grad scalers keep the loss scale on a configured device",
+    ),
+    Patch(
+        name="cpu.grad_scaler_load",
+        reason=CPU,
+        spot=f"{_MC}.optimizer.grad_scaler: DynamicGradScaler.load_state_dict moves the saved scale with "
+        "state_dict['scale'].cuda(torch.cuda.current_device()) (--fp16, resuming a checkpoint)",
+        action="tensor.cuda() is the identity during the call",
+        targets=MCORE_0_19,
+        removal="remove when the grad scaler loads its scale onto a configured device",
+        spots=(
+            Spot(
+                f"{_MC}.optimizer.grad_scaler:DynamicGradScaler.load_state_dict",
+                "method",
+                params=("self", "state_dict"),
+                uses=("state_dict['scale'].cuda(torch.cuda.current_device())",),
+            ),
+        ),
+        apply=_grad_scaler_load_on_cpu,
     ),
     _redirect(
         "cpu.distrib_optimizer",

@@ -56,7 +56,7 @@ from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec  # 
 
 def dtype_of(spec: LlavaSpec) -> torch.dtype:
     """The dtype of parameters and of every tensor between stages and modules."""
-    return torch.bfloat16 if spec.bf16 else torch.float32
+    return torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
 
 
 def moe_kwargs(spec: LlavaSpec, m: ModuleLayout) -> dict:

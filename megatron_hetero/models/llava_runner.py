@@ -169,7 +169,11 @@ class LlavaStageRunner(StageRunner):
             return run()
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([1.0 / self._loss_tokens], device=self.device))
+        from megatron_hetero.runtime.loss_scale import loss_scale_of
+
+        # times the whole model's loss scale under --fp16, as the loss itself (runtime.loss_scale)
+        scale = 1.0 / self._loss_tokens * loss_scale_of(self.states)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([scale], device=self.device))
 
         def total() -> float:
             # re-read each time: 0.19's call returns a fresh dict view of the metrics tracker

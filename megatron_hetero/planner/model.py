@@ -117,6 +117,8 @@ class LlavaSpec:
     # Megatron's --bf16 (`runtime.config.OptimConfig.bf16` carries the flag: it sets both): bf16
     # parameters and compute (the optimizer keeps fp32 main weights)
     bf16: bool = False
+    # Megatron's --fp16 (`runtime.config.OptimConfig.fp16` carries the flag): fp16 parameters and compute
+    fp16: bool = False
     # Language-model architecture (Megatron's TransformerConfig / GPTModel options; the defaults are
     # the original tiny GPT; a Llama/Qwen2-style model: RMSNorm, swiglu, rope, no linear biases,
     # grouped-query attention, QKV bias for Qwen2, tied embeddings for the small Qwen2 models).

@@ -45,6 +45,7 @@ from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.boundary import Boundary
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.faults import fault_point
+from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.offload import Offloader
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
@@ -110,6 +111,8 @@ class ColocatedSchedule:
         first = step * self.plan.global_batch
         for s in self.states.values():
             s.zero_grad()
+        # --fp16: every backward starts from the loss times the whole model's one loss scale (1.0 otherwise)
+        self._loss_scale = loss_scale_of(self.states)
         self._io: dict[str, tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # encoder -> (stage input, output)
         self._received: dict[str, torch.Tensor] = {}  # encoder -> pipeline input of this stage
         self._out_grad: dict[str, torch.Tensor] = {}  # encoder -> received gradient of this stage's output
@@ -242,7 +245,8 @@ class ColocatedSchedule:
         assert isinstance(out, LossSum), f"output module {a.module} returned no loss"
         self._loss_sums.setdefault(a.module, []).append(out.loss_sum.detach())
         if out.loss_sum.requires_grad:
-            torch.autograd.backward(out.loss_sum / self.runner.loss_tokens(first // self.plan.global_batch))
+            loss = out.loss_sum / self.runner.loss_tokens(first // self.plan.global_batch)
+            torch.autograd.backward(loss * self._loss_scale)
 
     def _output_boundary(self, a: BoundaryCall) -> None:
         """The language model -> output module edge: forward from the concatenated phase-2a outputs of
@@ -294,14 +298,17 @@ class ColocatedSchedule:
         encoders = set(plan.roles.encoders)
         lang_out = self._lang_out
         # The output modules' gradient of this stage's hidden states (phase 2b), scaled as the loss sum.
+        scale = self._loss_scale
         head_grad = None
         if not a.forward_only and self._lang_leaf is not None:
             g = self._lang_leaf.grad
-            head_grad = (g if g is not None else torch.zeros_like(self._lang_leaf)) * loss_tokens
+            head_grad = (g if g is not None else torch.zeros_like(self._lang_leaf)) * loss_tokens / scale
         # The loss sum is divided by the step's loss tokens in Megatron's backward (grad_scale_func),
-        # which also scales the MoE load-balancing loss's gradient (per-token convention).
+        # which also scales the MoE load-balancing loss's gradient (per-token convention); under --fp16
+        # it is multiplied by the loss scale there too, as Megatron's optimizer.scale_loss would (the
+        # output modules' gradient above carries the scale already, hence its division).
         config = self.lang.module.config
-        config.grad_scale_func = lambda t: t / loss_tokens
+        config.grad_scale_func = lambda t: t / loss_tokens * scale
 
         def forward_step(data_iterator, model):
             i = next(data_iterator)

@@ -4,6 +4,7 @@ optimizer settings every module's optimizer is built with. Pure: no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field
@@ -39,6 +40,31 @@ class OptimConfig:
         "bf16 parameters and compute, fp32 main weights in the optimizer (Megatron's mixed precision)",
         group="training",
     )
+    # fp16 parameters and compute with Megatron's loss scaler: ONE scale for the whole model on every
+    # rank (`runtime.loss_scale`; --fp16 sets the model's precision too: `LlavaSpec.fp16`)
+    fp16: bool = flag_field(
+        False,
+        "fp16 parameters and compute, fp32 main weights, the loss scaled by one (dynamic) loss scale for "
+        "the whole model (Megatron's mixed precision)",
+        group="training",
+    )
+    loss_scale: Optional[float] = flag_field(
+        None, "--fp16: a constant loss scale (a positive power of 2); default: the dynamic loss scale", group="training"
+    )
+    initial_loss_scale: float = flag_field(
+        2.0**32, "--fp16: the dynamic loss scale to start from (default 2**32)", group="training"
+    )
+    min_loss_scale: float = flag_field(
+        1.0, "--fp16: the dynamic loss scale's floor (default {default})", group="training"
+    )
+    loss_scale_window: float = flag_field(
+        1000,
+        "--fp16: double the loss scale after this many steps without inf/nan (default {default})",
+        group="training",
+    )
+    hysteresis: int = flag_field(
+        2, "--fp16: halve the loss scale after this many steps with inf/nan (default {default})", group="training"
+    )
     # Megatron's DistributedOptimizer per module: each module's optimizer state (Adam moments, and the
     # fp32 main weights under --bf16) is sharded over the module's own DP x CP group; gradients are
     # reduce-scattered and the updated parameters all-gathered over that group instead of one
@@ -60,6 +86,21 @@ class OptimConfig:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 exclude each other")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"--loss-scale must be > 0, got {self.loss_scale}")
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ValueError(
+                f"--min-loss-scale {self.min_loss_scale} and --initial-loss-scale {self.initial_loss_scale}: "
+                f"need 0 < min <= initial"
+            )
+        if not self.loss_scale_window >= 1:
+            raise ValueError(f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
+        if not isinstance(self.hysteresis, int) or self.hysteresis < 1:
+            raise ValueError(f"--hysteresis must be a positive integer, got {self.hysteresis!r}")
+        if self.loss_scale is not None and not self.fp16:
+            raise ValueError(f"--loss-scale {self.loss_scale} needs --fp16 (bf16 and fp32 train unscaled here)")
         if self.use_distributed_optimizer and self.optimizer != "adam":
             raise ValueError(
                 f"--use-distributed-optimizer needs --optimizer adam, got {self.optimizer} (Megatron's "

@@ -58,6 +58,7 @@ from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.faults import fault_point
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
+from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.runtime.optimizer_step import ModelStep, step_modules
 from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory, run_collective
 from megatron_hetero.runtime.trace import kind_of, wire_args
@@ -152,6 +153,8 @@ class DisjointSchedule:
         self._loss_sums: list[torch.Tensor] = []
         self._stage_losses: dict[int, torch.Tensor] = {}  # mb -> loss of a loss stage that also sends on
         self._loss_tokens = self.runner.loss_tokens(step)
+        # --fp16: the loss is multiplied by the whole model's one loss scale before backward (1.0 otherwise)
+        self._loss_scale = loss_scale_of(self.states)
         memory = {}
         if self.table is not None:
             tr, enc = self.config.tracer, self.plan.roles.is_encoder(self.name)
@@ -310,10 +313,10 @@ class DisjointSchedule:
         if isinstance(out, LossSum):
             self._loss_sums.append(out.loss_sum.detach())
             if out.output is not None:  # a loss stage that also feeds modules after it
-                self._stage_losses[mb] = out.loss_sum / self._loss_tokens
+                self._stage_losses[mb] = out.loss_sum / self._loss_tokens * self._loss_scale
                 out = out.output
             else:
-                out = out.loss_sum / self._loss_tokens
+                out = out.loss_sum / self._loss_tokens * self._loss_scale
         self._outputs[mb] = out
 
     def _backward(self, mb: int) -> None:

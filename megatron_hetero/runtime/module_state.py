@@ -16,7 +16,7 @@ no gradient buffer and no optimizer state, and its step is a no-op.
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -26,12 +26,25 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_hetero.compat.fixes import param_groups_gathered_over
 from megatron_hetero.runtime.config import OptimConfig
 
+if TYPE_CHECKING:
+    from megatron_hetero.runtime.loss_scale import LossScaler
+
 
 class ModuleState:
     """A module on this rank with its DDP wrapper and optimizer (or neither, if frozen)."""
 
-    def __init__(self, name: str, module: torch.nn.Module, pgs: ProcessGroupCollection, optim: OptimConfig) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: torch.nn.Module,
+        pgs: ProcessGroupCollection,
+        optim: OptimConfig,
+        loss_scaler: Optional["LossScaler"] = None,
+    ) -> None:
+        """`loss_scaler` (--fp16): this rank's one loss scaler, which the module's optimizer uses
+        instead of a scaler of its own (`runtime.loss_scale`); frozen modules keep it too."""
         self.name = name
+        self.loss_scaler = loss_scaler
         self.module = module
         self.pgs = pgs
         self.trainable = any(p.requires_grad for p in module.parameters())
@@ -75,13 +88,25 @@ class ModuleState:
                         clip_grad=optim.clip_grad,
                         min_lr=optim.min_lr,
                         bf16=optim.bf16,
-                        params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
+                        fp16=optim.fp16,
+                        params_dtype=torch.bfloat16 if optim.bf16 else torch.float16 if optim.fp16 else torch.float32,
+                        loss_scale=optim.loss_scale,
+                        initial_loss_scale=optim.initial_loss_scale,
+                        min_loss_scale=optim.min_loss_scale,
+                        loss_scale_window=optim.loss_scale_window,
+                        hysteresis=optim.hysteresis,
                         use_distributed_optimizer=distributed,
                     ),
                     [self.ddp],
                     pg_collection=opt_pgs,
                     use_gloo_process_groups=False,
                 )
+            if optim.fp16:
+                if loss_scaler is None:
+                    raise ValueError(f"module {name}: --fp16 needs the rank's loss scaler")
+                for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                    if getattr(opt, "grad_scaler", None) is not None:
+                        opt.grad_scaler = loss_scaler  # one scale for the whole model (runtime.loss_scale)
 
     @staticmethod
     def _param_layout(module: torch.nn.Module, pgs: ProcessGroupCollection, ddp_config: DistributedDataParallelConfig):

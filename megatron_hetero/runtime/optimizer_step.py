@@ -16,7 +16,11 @@ so the step is spread over the world:
    module's squared norm contributed by one rank of it (TP 0, DP x CP 0, its last pipeline stage: the
    one stage sure to hold an optimizer); the global norm is the square root of the sum, the same on
    every rank, whatever the layout;
-3. if any rank found non-finite gradients, no module steps (the step is skipped everywhere);
+3. under --fp16 every rank updates its one loss scaler (`runtime.loss_scale`) with that agreed
+   non-finite flag (the modules' optimizers unscaled their gradients by it, but their own update from
+   their module's flag alone is a no-op), so every rank's scale stays the same: a skip halves it (after
+   --hysteresis such steps) on every rank, --loss-scale-window clean steps double it everywhere;
+4. if any rank found non-finite gradients, no module steps (the step is skipped everywhere);
    otherwise, with `--clip-grad C > 0`, every module's gradients are scaled by min(1, C / (norm +
    1e-6)) (Megatron's `clip_grad_by_total_norm_fp32` with the global norm), and every optimizer steps
    (`step_with_ready_grads`).
@@ -36,6 +40,7 @@ import torch.distributed as dist
 from megatron.core.optimizer import clip_grads
 
 from megatron_hetero.compat.device import get_device
+from megatron_hetero.runtime.loss_scale import rank_loss_scaler
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.step import optimizer_what, run_collective
 
@@ -89,6 +94,9 @@ def step_modules(states: dict[str, ModuleState], names: Sequence[str], rank: int
     run_collective("global gradient norm all-reduce over the world", rank, dist.all_reduce, vec)
     for s in trained:
         s.last_grad_norm = norms[s.name]
+    scaler = rank_loss_scaler(states)
+    if scaler is not None:
+        scaler.agree(vec[0].item() > 0)
     if vec[0].item() > 0:
         return ModelStep(None, norms, skipped=True, clip_coeff=0.0)
     total = math.sqrt(float(vec[1:].sum())) if trained or vec[1:].any() else None

@@ -28,8 +28,13 @@ def format_line(total: int, recs: list[dict], global_batch: int) -> str:
     ]
     if last.get("lr") is not None:
         parts.append(f"learning rate: {last['lr']:.6E} |")
+    if last.get("loss_scale") is not None:  # --fp16, as Megatron logs it
+        parts.append(f"loss scale: {last['loss_scale']:.1f} |")
     if last.get("grad_norm") is not None:
         parts.append(f"grad norm: {last['grad_norm']:.4f} |")
+    skipped = sum(1 for r in recs if r.get("skipped"))
+    if skipped:
+        parts.append(f"number of skipped iterations: {skipped:3d} |")
     tokens = sum(r["tokens"] for r in recs)
     seconds = sum(r["step_time_s"] for r in recs)
     parts.append(f"tokens per second: {tokens / seconds if seconds > 0 else 0.0:.1f} |")

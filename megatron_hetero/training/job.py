@@ -49,7 +49,7 @@ def batch_from_args(args: Any, layout: HeteroLayout) -> tuple[int, int]:
 
 def recorded_spec(args: Any, spec):
     """`spec`, or, when `args.load` names a checkpoint and no model-size or architecture flag was
-    given, the model that checkpoint records (with this job's seed and bf16 choice)."""
+    given, the model that checkpoint records (with this job's seed and precision: --bf16, --fp16)."""
     import dataclasses
 
     from megatron_hetero.training.arch_args import arch_flags_given
@@ -61,7 +61,7 @@ def recorded_spec(args: Any, spec):
     record = read_train_state(args.load)[1].get("model")
     if not isinstance(record, dict):
         return spec
-    return dataclasses.replace(LlavaSpec.from_record(record, seed=spec.seed), bf16=spec.bf16)
+    return dataclasses.replace(LlavaSpec.from_record(record, seed=spec.seed), bf16=spec.bf16, fp16=spec.fp16)
 
 
 # JobConfig's fields that take the value of their train flag as it is
@@ -88,7 +88,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
     model (the sizes: `planner.model.spec_from_flags`; --seed and the MoE flags: LlavaSpec's fields;
     the architecture: `training.arch_args`; --load without size or architecture flags: the model the
     checkpoint records; the data: `models.caption_runner.caption_job_data`), the batch
-    (`batch_from_args`), the optimizer (OptimConfig's flags; --bf16 also sets the model's
+    (`batch_from_args`), the optimizer (OptimConfig's flags; --bf16 and --fp16 also set the model's
     precision), the schedule (LRSchedule's), the layout's runtime flags (--hetero-offload-encoder,
     --hetero-comm-timeout) and JobConfig's own. `progress` stays False (the CLI sets it when stdout is
     a terminal). ValueError for invalid sizes."""
@@ -114,8 +114,8 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
     spec = recorded
     spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
     optim = OptimConfig(**values(OptimConfig, args))
-    if optim.bf16:
-        spec = dataclasses.replace(spec, bf16=True)
+    if optim.bf16 or optim.fp16:
+        spec = dataclasses.replace(spec, bf16=optim.bf16, fp16=optim.fp16)
     job = values(JobConfig, args, _JOB_FLAGS)
     return JobConfig(
         spec=spec,
@@ -155,12 +155,15 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "grad_norm_per_module",
             "loss_parts",
             "aux_loss",
+            "loss_scale",  # --fp16
             "eval_loss",
             "eval_accuracy",
             "eval_samples",
         ):
             if rec.get(key) is not None:
                 merged[key] = rec[key]
+        if rec.get("skipped"):  # non-finite gradients: no module stepped
+            merged["skipped"] = True
         if "tokens" in rec:
             merged["tokens_per_s"] = rec["tokens"] / step if step > 0 else 0.0
         merged["memory_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}

@@ -36,11 +36,8 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     recompute = job_recompute(job)
     if recompute is not None:
         check_recompute(recompute, "--recompute-granularity/--recompute-method/--recompute-num-layers")
-    if spec.bf16 and (job.save or job.load):
-        raise ValueError(
-            "--bf16 with --save/--load is not supported yet (the checkpoint holds fp32 models and "
-            "the non-mixed-precision optimizer state); train in fp32 to keep checkpoints"
-        )
+    if spec.fp16 != job.optim.fp16:
+        raise ValueError("--fp16 must set both the model's and the optimizer's precision")
     if not isinstance(job.save_interval, int) or job.save_interval < 0:
         raise ValueError(f"--save-interval must be >= 0, got {job.save_interval!r}")
     if job.save_interval and not job.save:
@@ -149,14 +146,16 @@ def build_module(
             last_segment=langs[-1].name == name,
             last_segment_feeds_outputs=bool(layout.consumers(langs[-1].name)),
         )
-    if spec.bf16:
-        # Megatron's mixed precision: bf16 parameters and compute; the optimizer keeps fp32 main
-        # weights (OptimConfig.bf16). Initialised in fp32 (the same values in every layout), then cast.
-        mod = mod.to(torch.bfloat16)
+    if spec.bf16 or spec.fp16:
+        # Megatron's mixed precision: bf16 (fp16) parameters and compute; the optimizer keeps fp32 main
+        # weights (OptimConfig.bf16, .fp16). Initialised in fp32 (the same values in every layout), then cast.
+        dtype = torch.bfloat16 if spec.bf16 else torch.float16
+        mod = mod.to(dtype)
         for sub in mod.modules():
             cfg = getattr(sub, "config", None)
             if cfg is not None and hasattr(cfg, "pipeline_dtype"):
-                cfg.bf16, cfg.params_dtype, cfg.pipeline_dtype = True, torch.bfloat16, torch.bfloat16
+                cfg.bf16, cfg.fp16 = spec.bf16, spec.fp16
+                cfg.params_dtype, cfg.pipeline_dtype = dtype, dtype
     return mod.to(get_device())
 
 
@@ -165,11 +164,15 @@ def build_states(plan: RankPlan, job: JobConfig, topo) -> dict[str, ModuleState]
     on the module's groups of `topo`."""
     import dataclasses
 
+    from megatron_hetero.runtime.loss_scale import LossScaler
+
     optim = dataclasses.replace(job.optim, min_lr=job.schedule.min_lr)  # the param groups' floor (the scheduler's)
+    # --fp16: one loss scaler on this rank for every module it serves (runtime.loss_scale)
+    scaler = LossScaler(optim) if optim.fp16 else None
     states = {}
     for m in plan.layout.modules:
         if plan.serves(m.name):
             pgs = topo.pg_collection(m.name)
             module = build_module(m.name, plan.layout, job.spec, pgs, job_recompute(job))
-            states[m.name] = ModuleState(m.name, module, pgs, optim)
+            states[m.name] = ModuleState(m.name, module, pgs, optim, loss_scaler=scaler)
     return states

@@ -13,6 +13,7 @@ from megatron_hetero.compat import ensure_global_memory_buffer, require_compat, 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
+from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.step import run_collective
 from megatron_hetero.runtime.schedules import schedule_for
@@ -180,7 +181,7 @@ def train_rank(
             run_collective("start-of-iteration barrier over the world", topo.rank, dist.barrier)
             t0 = time.perf_counter()
             res = schedule.step(it)
-            for sch in schedulers.values():
+            for sch in schedulers.values() if not res.skipped else ():  # as Megatron-LM: a skipped step keeps the rate
                 sch.step(increment=1)
             dt = time.perf_counter() - t0
             grad_norm, per_module, lr = module_stats(plan, states)
@@ -197,6 +198,10 @@ def train_rank(
                 "loss_parts": res.loss_parts,
                 "aux_loss": getattr(res, "aux_loss", None),
                 "tokens_per_s": tokens / dt if dt > 0 else 0.0,
+                # non-finite gradients somewhere: no module stepped (runtime.optimizer_step)
+                "skipped": res.skipped,
+                # --fp16: the whole model's loss scale after the step (the next step's; None otherwise)
+                "loss_scale": loss_scale_of(states) if job.optim.fp16 else None,
                 # this rank's optimizer state by module (ModuleState.optimizer_state_bytes)
                 "optimizer_state_bytes": {n: s.optimizer_state_bytes() for n, s in states.items()},
             }
