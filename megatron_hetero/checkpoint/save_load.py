@@ -259,9 +259,9 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     logical = logical_models(layout)
-    mixed = (
-        job.optim.bf16 or job.optim.fp16
-    )  # the checkpoint's precision is this job's (check_loadable compares the models)
+    # the checkpoint's precision is this job's model's (check_loadable compares the models; the job's
+    # optimizer has the same precision: training.setup checks it; `convert` passes only the spec)
+    mixed = bool(job.spec.bf16 or job.spec.fp16)
     for name in sorted(logical):
         saved = state["modules"][name]
         # Optimizer state moves with the parameters only if the same parameters train (a changed

@@ -112,8 +112,10 @@ class LossScaler:
 
 
 def rank_loss_scaler(states: dict) -> Optional[LossScaler]:
-    """The loss scaler the ModuleStates of this rank share (None without --fp16)."""
-    scalers = {id(s.loss_scaler): s.loss_scaler for s in states.values() if s.loss_scaler is not None}
+    """The loss scaler the ModuleStates of this rank share (None without --fp16, and for states that
+    carry none: `convert` and its tests load checkpoints into plain module holders)."""
+    held = [getattr(s, "loss_scaler", None) for s in states.values()]
+    scalers = {id(sc): sc for sc in held if sc is not None}
     assert len(scalers) <= 1, "the modules of one rank hold different loss scalers"
     return next(iter(scalers.values()), None)
 
