@@ -268,7 +268,13 @@ def _torchrun_env(cell: Cell, work: Path) -> dict[str, str]:
 
 #: torchrun's summary of a failed worker: "rank: 1 (local_rank: 1)" ... "exitcode: -9".
 _TORCHRUN_ROOT = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-_OUR_FAILURE = re.compile(r"megatron-hetero train: failed: rank (\d+) on \S+ \(local rank \d+\): (.*)")
+#: Each failing rank's line; two ranks of one node write to the same log, and a long line can be cut by
+#: the other rank's (seen in CI: rank 0's message, then rank 1's whole line, then the rest of rank 0's),
+#: so a message also ends where the next rank's line starts.
+_OUR_FAILURE = re.compile(
+    r"megatron-hetero train: failed: rank (\d+) on \S+ \(local rank \d+\): (.*?)(?=megatron-hetero train: failed: rank |$)",
+    re.M,
+)
 
 
 def _run_torchrun(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, Any]:

@@ -208,3 +208,22 @@ def test_posting_on_a_dead_connection_names_edge_rank_and_peer():
         r"Connection closed by peer",
     ):
         _post(dead, "forward boundary payload to", "vision->language", 3, 1)
+
+
+def test_failure_lines_cut_by_another_ranks_line_are_each_read():
+    """Two ranks of one node share the log: rank 0's line cut by rank 1's whole line (as seen in CI)
+    still gives both ranks' messages."""
+    from megatron_hetero.bench.faults import _OUR_FAILURE
+
+    text = (
+        "megatron-hetero train: failed: rank 0 on n0 (local rank 0): BoundaryTimeout: edge vision->language: "
+        "gloo said bugs in the applica"
+        "megatron-hetero train: failed: rank 1 on n0 (local rank 1): BoundaryTimeout: edge vision->language\n"
+        "tion code\n"
+        "megatron-hetero train: failed: rank 3 on n1 (local rank 1): BoundaryTimeout: pipeline link\n"
+    )
+    assert dict(_OUR_FAILURE.findall(text)) == {
+        "0": "BoundaryTimeout: edge vision->language: gloo said bugs in the applica",
+        "1": "BoundaryTimeout: edge vision->language",
+        "3": "BoundaryTimeout: pipeline link",
+    }
