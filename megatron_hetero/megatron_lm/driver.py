@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -46,12 +45,15 @@ from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.megatron_lm import weights as weights_mod
 from megatron_hetero.megatron_lm.data_check import check_script_data
-from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog, print_last
+from megatron_hetero.megatron_lm.front_end import ScriptFrontEnd
+from megatron_hetero.megatron_lm.log import Evaluator, print_last
 from megatron_hetero.plan.rank_plan import rank_plan, rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.schedules import schedule_for
 from megatron_hetero.runtime.config import OptimConfig
 from megatron_hetero.runtime.module_state import ModuleState
+from megatron_hetero.training.loop import LoopSpec, run_loop
+from megatron_hetero.training.signals import ExitSignal
 
 PREFIX = "megatron-hetero megatron-lm"
 
@@ -312,37 +314,34 @@ def _train(
             + ", ".join(f"{m.name} tp{m.tp}·pp{m.pp}·dp{m.dp}@{m.ranks}" for m in layout.modules)
             + f", from iteration {start}"
         )
-        log, evaluator = IntervalLog(args), Evaluator(schedule, runner, states, args, start)
-        for it in range(start, args.train_iters):
-            dist.barrier()
-            t0 = time.perf_counter()
-            res = schedule.step(it)
-            for sched in schedulers.values():
-                sched.step(increment=args.global_batch_size)
-            log.add(it + 1, res.loss, (time.perf_counter() - t0) * 1000.0, _current_lr(states), res.grad_norm)
-            if source is not None and source.kept is not None:
-                source.kept[2].step(increment=args.global_batch_size)  # the reference scheduler follows
-                if (it + 1) % (args.save_interval or args.train_iters) == 0 or it + 1 == args.train_iters:
-                    weights_mod.save_reference_checkpoint(source, it + 1, states, layout, topo)
-            evaluator.after_iteration(it + 1)
-        evaluator.after_training(args.train_iters)
+        save = None
+        if source is not None and source.kept is not None:  # --save: Megatron's checkpoint of the reference model
+
+            def save(iteration: int) -> None:
+                weights_mod.save_reference_checkpoint(source, iteration, states, layout, topo)
+
+            schedulers = {**schedulers, "<reference>": source.kept[2]}  # the reference scheduler follows
+        front = ScriptFrontEnd(args, states, Evaluator(schedule, runner, states, args, start), save)
+        stop = ExitSignal(getattr(args, "exit_signal_handler", False)).install()
+        try:
+            run_loop(
+                schedule,
+                schedulers,
+                LoopSpec(
+                    start=start,
+                    train_iters=args.train_iters,
+                    scheduler_increment=args.global_batch_size,  # Megatron-LM's schedulers count samples
+                    save=args.save if save is not None else None,
+                    save_interval=args.save_interval,
+                    rank=topo.rank,
+                ),
+                front,
+                stop,
+            )
+        finally:
+            stop.restore()
         if hasattr(schedule, "close"):
             schedule.close()
         dist.barrier()
     finally:
         topo.destroy()
-
-
-def _current_lr(states) -> float:
-    """The learning rate the last step used (the first trained module's on this rank); the same on
-    every rank after an all-reduce of max (ranks without a trained module report 0)."""
-    lr = 0.0
-    for s in states.values():
-        if s.optimizer is not None:
-            lr = float(s.optimizer.param_groups[0]["lr"])
-            break
-    from megatron_hetero.compat.device import get_device
-
-    t = torch.tensor([lr], dtype=torch.float64).to(get_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -15,11 +14,10 @@ from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.runtime.topology import Topology
-from megatron_hetero.runtime.step import run_collective
 from megatron_hetero.runtime.schedules import schedule_for
 from megatron_hetero.runtime.trace import gather_trace
 from megatron_hetero.training.setup import JobConfig, build_states
-from megatron_hetero.training.signals import ExitSignal, finish_on_signal
+from megatron_hetero.training.signals import ExitSignal
 
 
 def prepare_rank(job: JobConfig) -> None:
@@ -119,6 +117,74 @@ def validation_line(iteration: int, ev: dict[str, Any]) -> str:
     return text
 
 
+class TrainFrontEnd:
+    """`megatron-hetero train`'s part of the one training loop (`training/loop.py`): its records
+    (whole-model and per-module grad norms, learning rate, memory, tokens per second, optimizer
+    state bytes), its iteration lines (`training/iteration_log.py`), its held-out evaluation
+    (`evaluate`, every --eval-interval and after the last iteration) and its checkpoint (`save`)."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        plan: RankPlan,
+        states: dict,
+        schedule,
+        log,
+        save: Callable[[int], Any],
+        step_hook: Optional[Callable[[int], Any]] = None,
+    ) -> None:
+        self.job, self.plan, self.states, self.schedule, self.log_ = job, plan, states, schedule, log
+        self.save_fn, self.step_hook = save, step_hook
+        self.tokens = job.global_batch_size * job.spec.seq_length
+
+    def record(self, iteration: int, res, seconds: float) -> dict[str, Any]:
+        job, states = self.job, self.states
+        grad_norm, per_module, lr = module_stats(self.plan, states)
+        rec = {
+            "iteration": iteration,
+            "loss": res.loss,
+            "step_time_s": seconds,
+            "memory": res.memory,
+            "consumed_samples": iteration * job.global_batch_size,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "grad_norm_per_module": per_module,
+            "tokens": self.tokens,
+            "loss_parts": res.loss_parts,
+            "aux_loss": getattr(res, "aux_loss", None),
+            "tokens_per_s": self.tokens / seconds if seconds > 0 else 0.0,
+            # non-finite gradients somewhere: no module stepped (runtime.optimizer_step)
+            "skipped": res.skipped,
+            # --fp16: the whole model's loss scale after the step (the next step's; None otherwise)
+            "loss_scale": loss_scale_of(states) if job.optim.fp16 else None,
+            # this rank's optimizer state by module (ModuleState.optimizer_state_bytes)
+            "optimizer_state_bytes": {n: s.optimizer_state_bytes() for n, s in states.items()},
+        }
+        if self.step_hook is not None:  # e.g. bench soak's resource probe; its value travels in the record
+            rec["probe"] = self.step_hook(iteration)
+        return rec
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.log_.record(rec)
+
+    def evaluate(self, iteration: int, rec: dict[str, Any]) -> None:
+        job = self.job
+        if not job.eval_interval or (iteration % job.eval_interval and iteration != job.train_iters):
+            return
+        rec.update(evaluate(self.schedule, eval_iters_of(job, self.schedule.runner), self.plan.rank))
+        log = self.log_
+        if log.write is not None:
+            prefix = "\r\033[K" if log.bar_shown else ""
+            log.bar_shown = False
+            log.write(prefix + validation_line(iteration, rec) + "\n")
+
+    def save(self, iteration: int) -> None:
+        self.save_fn(iteration)
+
+    def finish(self, iteration: int) -> None:
+        """Nothing more: the last iteration's evaluation ran in `evaluate`."""
+
+
 def train_rank(
     layout: HeteroLayout,
     job: JobConfig,
@@ -136,6 +202,7 @@ def train_rank(
     from megatron_hetero.checkpoint.save_load import load_checkpoint, save_checkpoint
     from megatron_hetero.training.iteration_log import IterationLog
     from megatron_hetero.training.lr_schedule import build_scheduler
+    from megatron_hetero.training.loop import LoopSpec, run_loop
 
     prepare_rank(job)
     stop = ExitSignal(job.exit_signal_handler).install()  # SIGTERM sets a flag (signals.py)
@@ -173,63 +240,32 @@ def train_rank(
             job.log_interval,
             job.progress,
         )
-        tokens = job.global_batch_size * job.spec.seq_length
-        records = []
-        last_saved = start if job.load else None
-        stopped = None
-        for it in range(start, job.train_iters):
-            run_collective("start-of-iteration barrier over the world", topo.rank, dist.barrier)
-            t0 = time.perf_counter()
-            res = schedule.step(it)
-            for sch in schedulers.values() if not res.skipped else ():  # as Megatron-LM: a skipped step keeps the rate
-                sch.step(increment=1)
-            dt = time.perf_counter() - t0
-            grad_norm, per_module, lr = module_stats(plan, states)
-            rec = {
-                "iteration": it + 1,
-                "loss": res.loss,
-                "step_time_s": dt,
-                "memory": res.memory,
-                "consumed_samples": (it + 1) * job.global_batch_size,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "grad_norm_per_module": per_module,
-                "tokens": tokens,
-                "loss_parts": res.loss_parts,
-                "aux_loss": getattr(res, "aux_loss", None),
-                "tokens_per_s": tokens / dt if dt > 0 else 0.0,
-                # non-finite gradients somewhere: no module stepped (runtime.optimizer_step)
-                "skipped": res.skipped,
-                # --fp16: the whole model's loss scale after the step (the next step's; None otherwise)
-                "loss_scale": loss_scale_of(states) if job.optim.fp16 else None,
-                # this rank's optimizer state by module (ModuleState.optimizer_state_bytes)
-                "optimizer_state_bytes": {n: s.optimizer_state_bytes() for n, s in states.items()},
-            }
-            if job.eval_interval and ((it + 1) % job.eval_interval == 0 or it + 1 == job.train_iters):
-                ev = evaluate(schedule, eval_iters_of(job, schedule.runner), topo.rank)
-                rec.update(ev)
-            if step_hook is not None:  # e.g. bench soak's resource probe; its value travels in the record
-                rec["probe"] = step_hook(it + 1)
-            records.append(rec)
-            log.record(rec)
-            if "eval_loss" in rec and log.write is not None:
-                prefix = "\r\033[K" if log.bar_shown else ""
-                log.bar_shown = False
-                log.write(prefix + validation_line(it + 1, rec) + "\n")
-            if job.save and job.save_interval and (it + 1) % job.save_interval == 0:
-                save_checkpoint(job.save, it + 1, layout, job, topo, states, schedulers)
-                last_saved = it + 1
-            # --exit-signal-handler: some rank got SIGTERM, every rank stops here (after the last step: just ends)
-            if it + 1 < job.train_iters and stop.agreed(topo.rank):
-                stopped = it + 1
-                if job.save and last_saved != stopped:
-                    save_checkpoint(job.save, stopped, layout, job, topo, states, schedulers)
-                finish_on_signal(stop, stopped, job.save, topo.rank, log.write)
-                break
-        if job.save and job.train_iters > start and last_saved != job.train_iters and stopped is None:
-            save_checkpoint(job.save, job.train_iters, layout, job, topo, states, schedulers)
+        front = TrainFrontEnd(
+            job,
+            plan,
+            states,
+            schedule,
+            log,
+            save=lambda it: save_checkpoint(job.save, it, layout, job, topo, states, schedulers),
+            step_hook=step_hook,
+        )
+        outcome = run_loop(
+            schedule,
+            schedulers,
+            LoopSpec(
+                start=start,
+                train_iters=job.train_iters,
+                scheduler_increment=1,  # train's schedulers count iterations (training/lr_schedule.py)
+                save=job.save,
+                save_interval=job.save_interval,
+                rank=topo.rank,
+            ),
+            front,
+            stop,
+            write=log.write,
+        )
         log.close()
-        out: dict[str, Any] = {"records": records}
+        out: dict[str, Any] = {"records": outcome.records}
         gather_trace(
             schedule.config.tracer,
             {

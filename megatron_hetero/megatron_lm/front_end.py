@@ -1,0 +1,62 @@
+"""The patched Megatron-LM scripts' part of the one training loop (`training/loop.py`): Megatron-LM's
+log line (`log.IntervalLog`), its evaluation schedule (`log.Evaluator`) and its checkpoint (Megatron's
+own `save_checkpoint` through the reference model: `weights.save_reference_checkpoint`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog
+
+
+class ScriptFrontEnd:
+    """Records carry the loss, the step time (ms), the learning rate after the step's scheduler step
+    (what Megatron-LM's `training_log` prints) and the whole model's grad norm."""
+
+    def __init__(
+        self, args: Any, states: dict, evaluator: Evaluator, save: Optional[Callable[[int], None]] = None
+    ) -> None:
+        self.args, self.states, self.evaluator, self.save_fn = args, states, evaluator, save
+        self.interval_log = IntervalLog(args)
+
+    def record(self, iteration: int, res, seconds: float) -> dict[str, Any]:
+        return {
+            "iteration": iteration,
+            "loss": res.loss,
+            "step_time_s": seconds,
+            "lr": current_lr(self.states),
+            "grad_norm": res.grad_norm,
+            "skipped": res.skipped,
+        }
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.interval_log.add(rec["iteration"], rec["loss"], rec["step_time_s"] * 1000.0, rec["lr"], rec["grad_norm"])
+
+    def evaluate(self, iteration: int, rec: dict[str, Any]) -> None:
+        self.evaluator.after_iteration(iteration)
+
+    def save(self, iteration: int) -> None:
+        if self.save_fn is None:
+            raise ValueError("--save is set but the run has no checkpoint writer")
+        self.save_fn(iteration)
+
+    def finish(self, iteration: int) -> None:
+        self.evaluator.after_training(iteration)
+
+
+def current_lr(states: dict) -> float:
+    """The learning rate of the first trained module on this rank after the step's scheduler step;
+    the same on every rank after an all-reduce of max (ranks without a trained module report 0)."""
+    from megatron_hetero.compat.device import get_device
+
+    lr = 0.0
+    for s in states.values():
+        if s.optimizer is not None:
+            lr = float(s.optimizer.param_groups[0]["lr"])
+            break
+    t = torch.tensor([lr], dtype=torch.float64).to(get_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
