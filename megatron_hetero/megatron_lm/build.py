@@ -63,6 +63,8 @@ def module_config(args: Any, m: ModuleLayout, num_layers: int):
     cfg.tensor_model_parallel_size = m.tp
     cfg.pipeline_model_parallel_size = m.pp
     cfg.context_parallel_size = m.cp
+    cfg.expert_model_parallel_size = m.ep
+    cfg.expert_tensor_parallel_size = m.expt_tp
     cfg.num_layers = num_layers
     # The schedules normalise the loss per token over the global batch and sum gradients over DP.
     cfg.calculate_per_token_loss = True

@@ -115,7 +115,6 @@ REFUSED = {
     "sequence_parallel": "--sequence-parallel",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
-    "num_experts": "--num-experts",
     "use_legacy_models": "--use-legacy-models",
     "mtp_num_layers": "--mtp-num-layers",
     "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
@@ -134,9 +133,10 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
                 f"module {m.name}: cp={m.cp}; context parallelism needs Transformer Engine attention "
                 f"in Megatron-LM's models, not supported with a layout (use cp=1)"
             )
-        if m.ep != 1:
+        if (m.ep != 1 or m.expt_tp != 1) and not getattr(args, "num_experts", None):
             raise ValueError(
-                f"module {m.name}: ep={m.ep}; expert parallelism is not supported with Megatron-LM scripts and a layout"
+                f"module {m.name}: ep={m.ep}, expt_tp={m.expt_tp}; expert parallelism needs a model with "
+                f"experts (--num-experts, pretrain_gpt.py)"
             )
         if m.recompute is not None:
             raise ValueError(

@@ -78,9 +78,42 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED_GPT.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with pretrain_gpt.py and a layout (yet)")
+    if getattr(args, "num_experts", None):
+        check_moe(args, layout)
     if args.save or args.load:
         raise ValueError(
             "--save/--load with pretrain_gpt.py and a layout are not supported yet (pretrain_vlm.py has them)"
+        )
+
+
+def check_moe(args: Any, layout: HeteroLayout) -> None:
+    """MoE (`--num-experts`) with a layout: each module's `ep` (and `expt_tp`) from the layout against
+    the experts (`layout.validate.check_experts`); the reference layout's own expert parallelism 1
+    (the weights start from it); ValueError naming the flag otherwise."""
+    from megatron_hetero.layout.validate import check_experts
+
+    check_experts(
+        layout, {m.name: args.num_experts for m in language_modules(layout)}, getattr(args, "distributed_backend", None)
+    )
+    if args.expert_model_parallel_size != 1:
+        raise ValueError(
+            f"--expert-model-parallel-size {args.expert_model_parallel_size}: with a layout Megatron's "
+            f"parallel flags give the reference layout the weights start from, which must have EP 1; each "
+            f"module's own ep comes from the layout (e.g. --hetero-module language:dp=2,ep=2)"
+        )
+    for m in language_modules(layout):
+        if m.tp > 1:
+            raise ValueError(
+                f"module {m.name}: tp({m.tp}) > 1 with --num-experts needs sequence parallelism (Megatron's "
+                f"TransformerConfig requires it for MoE with TP), not supported with a layout yet; use tp 1 "
+                f"(with dp or ep) on MoE modules"
+            )
+    if args.moe_grouped_gemm:
+        raise ValueError("--moe-grouped-gemm is not supported with a layout (the local spec's SequentialMLP experts)")
+    if args.save or args.load:
+        raise ValueError(
+            "--num-experts with --save/--load is not supported with pretrain_gpt.py and a layout (the "
+            "reference checkpoint does not gather expert weights across EP ranks yet)"
         )
 
 
@@ -123,11 +156,39 @@ class MegatronGptRunner(MegatronDataRunner):
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
         return (self.args.seq_length, rows, self.hidden), torch.float32
 
+    def aux_losses(self, step: int) -> dict[str, torch.Tensor]:
+        """Nothing reported (Megatron's log line shows the lm loss); with experts, Megatron's MoE loss
+        tracker is emptied at the end of every step (it accumulates per layer otherwise)."""
+        if getattr(self.args, "num_experts", None):
+            from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+            clear_aux_losses_tracker()
+        return {}
+
+    def _moe_loss_scale(self, samples: range) -> None:
+        """With experts: the gradient scale of the load-balancing loss, 1 / the global batch's loss
+        tokens (times the --fp16 loss scale). Under Megatron's per-token convention (the modules'
+        `calculate_per_token_loss`) the router multiplies the loss by its local token count, so its
+        gradient is weighted 1 / (micro-batches x DP), as in the unpatched script's per-micro-batch
+        mean (Megatron-core's `Router.attach_and_log_load_balancing_loss`). The colocated language
+        phase runs Megatron's own `forward_backward_func`, which sets the same value after the forward
+        (from `grad_scale_func`); the disjoint schedule's stages rely on this one (measured: 30 times
+        this scale moves the segments case's losses by 3.7e-4 while the colocated case stays exact)."""
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        from megatron_hetero.runtime.loss_scale import loss_scale_of
+
+        step = samples.start // self.plan.global_batch
+        scale = loss_scale_of(self.states) / self.loss_tokens(step)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([scale], device=self.device))
+
     def forward(
         self, module: str, samples: range, inputs: Mapping[str, torch.Tensor], stage_input: Optional[torch.Tensor]
     ) -> Union[torch.Tensor, LossSum]:
         b = self.batch(samples)
         gpt, model, me = self.states[module].module, self.states[module].model, self.plan.modules[module]
+        if getattr(self.args, "num_experts", None):
+            self._moe_loss_scale(samples)
         if not gpt.pre_process:
             if stage_input is not None:
                 gpt.set_input_tensor(stage_input)

@@ -23,6 +23,8 @@ VISION, LANGUAGE = "vision", "language"
 # -- validation (pure on parsed arguments; before any group or model) ------------------------------
 def check_vlm(args: Any, layout: HeteroLayout) -> None:
     """What `pretrain_vlm.py` needs beyond `driver.check_common`; ValueError naming the flag otherwise."""
+    if getattr(args, "num_experts", None):
+        raise ValueError("--num-experts is not supported with pretrain_vlm.py and a layout (pretrain_gpt.py has MoE)")
     names = set(layout.names)
     if names != {VISION, LANGUAGE}:
         raise ValueError(

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 _LAYER = re.compile(r"^((?:language_model\.)?decoder\.layers\.)(\d+)(\..*)$")
+_EXPERT = re.compile(r"(^|\.)(experts\.local_experts\.)(\d+)\.")
 
 
 def _partition(p: torch.Tensor) -> Optional[int]:
@@ -106,28 +107,37 @@ class ReferenceSource:
             raise ValueError("the reference model must have one chunk (no virtual pipeline)")
         model = unwrap_model(chunks)[0]
         tp_group, tp = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+        if any(is_expert(n) for n, _ in model.named_parameters()):
+            if ps.get_expert_model_parallel_world_size() != 1:
+                raise ValueError(
+                    "the reference layout must have --expert-model-parallel-size 1 (each module's own "
+                    "ep comes from the layout)"
+                )
+            # expert weights are sharded over the expert-TP group (Megatron's default: the TP size)
+            etp_group, etp = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
         opt_state: dict[int, dict] = {}
         for inner in _inner_optimizers(optimizer):
             for p, st in inner.state.items():
                 opt_state[id(p)] = st
 
-        def gather(t: torch.Tensor, dim: Optional[int], gated: bool) -> torch.Tensor:
+        def gather(t: torch.Tensor, dim: Optional[int], gated: bool, expert: bool) -> torch.Tensor:
             t = t.detach()
-            if dim is not None and tp > 1:
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(parts, t.contiguous(), group=tp_group)
+            size, group = (etp, etp_group) if expert else (tp, tp_group)
+            if dim is not None and size > 1:
+                parts = [torch.empty_like(t) for _ in range(size)]
+                dist.all_gather(parts, t.contiguous(), group=group)
                 t = _join(parts, dim, gated)
             return t.cpu().clone()
 
         full, state = {}, {}
         gated = gated_names(model)
         for name, p in model.named_parameters():
-            dim = _partition(p)
-            full[name] = gather(p, dim, name in gated)
+            dim, expert = _partition(p), is_expert(name)
+            full[name] = gather(p, dim, name in gated, expert)
             st = opt_state.get(id(p))
             if st:
                 state[name] = {
-                    k: gather(v, dim, name in gated)
+                    k: gather(v, dim, name in gated, expert)
                     if isinstance(v, torch.Tensor) and v.shape == p.shape
                     else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                     for k, v in sorted(st.items())
@@ -147,11 +157,37 @@ class ReferenceSource:
         self.full, self.state = {}, {}
 
 
-def _global_name(name: str, layer_offset: int) -> str:
+def _global_name(name: str, layer_offset: int, first_expert: int = 0) -> str:
+    """The whole model's name of this stage's parameter `name`: the layer index shifted by the stage's
+    `layer_offset`, and (MoE) the local expert index by this EP rank's `first_expert`."""
+    if first_expert and is_expert(name):
+        name = _EXPERT.sub(lambda mt: f"{mt.group(1)}{mt.group(2)}{int(mt.group(3)) + first_expert}.", name, count=1)
     m = _LAYER.match(name)
     if m is None or not layer_offset:
         return name
     return f"{m.group(1)}{int(m.group(2)) + layer_offset}{m.group(3)}"
+
+
+def is_expert(name: str) -> bool:
+    """Whether `name` is a parameter of one MoE expert (`...mlp.experts.local_experts.K...`)."""
+    return _EXPERT.search(name) is not None
+
+
+def _first_expert(model: torch.nn.Module, pgs) -> int:
+    """The global index of this EP rank's first expert: Megatron gives EP rank r experts
+    [r * E/ep, (r + 1) * E/ep) of each MoE layer (E: `config.num_moe_experts`)."""
+    ep = pgs.ep.size() if getattr(pgs, "ep", None) is not None else 1
+    if ep == 1:
+        return 0
+    cfg = next(m.config for m in model.modules() if getattr(m, "config", None) is not None)
+    return pgs.ep.rank() * (cfg.num_moe_experts // ep)
+
+
+def _tp_of(name: str, pgs) -> tuple[int, int]:
+    """(size, rank) of the tensor-parallel group parameter `name` is sharded over: the module's
+    expert-TP group for expert weights, its TP group otherwise."""
+    group = pgs.expt_tp if is_expert(name) and getattr(pgs, "expt_tp", None) is not None else pgs.tp
+    return group.size(), group.rank()
 
 
 def _layer_offset(model: torch.nn.Module, first_layer: int = 0) -> int:
@@ -183,11 +219,12 @@ def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str
 def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs, first_layer: int = 0) -> None:
     """Overwrite every parameter of `model` (one module on this rank) with its shard from `source`;
     `first_layer`: the whole model's index of the module's first decoder layer (a segment's start)."""
-    tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
     offset = _layer_offset(model, first_layer)
     gated = gated_names(model)
+    first_expert = _first_expert(model, pgs)
     for name, p in model.named_parameters():
-        full = source.tensor(_global_name(name, offset))
+        full = source.tensor(_global_name(name, offset, first_expert))
+        tp, tp_rank = _tp_of(name, pgs)
         p.copy_(_shard(full, p, tp, tp_rank, f"parameter {name}", name in gated).to(p.dtype))
 
 

@@ -136,6 +136,42 @@ def test_swiglu_is_accepted_and_a_modules_own_recompute_is_refused():
     assert "--recompute-granularity" in str(info.value)
 
 
+MOE = dict(num_experts=4, expert_model_parallel_size=1, moe_grouped_gemm=False, distributed_backend="gloo")
+
+
+def test_gpt_moe_is_accepted_with_expert_parallel_modules():
+    layout = _layout({"language": {"dp": 2, "ep": 2}}, edges=(), placement="colocated", world=2)
+    check_gpt(_args(**MOE), layout)
+    check_common(_args(**MOE), layout)
+
+
+@pytest.mark.parametrize(
+    "kw, modules, message",
+    [
+        ({"num_experts": 3}, {"language": {"dp": 2, "ep": 2}}, r"ep\(2\) does not divide --num-experts 3"),
+        ({}, {"language": {"tp": 2}}, r"tp\(2\) > 1 with --num-experts needs sequence parallelism"),
+        ({"expert_model_parallel_size": 2}, {"language": {"dp": 2}}, "--expert-model-parallel-size 2: with a layout"),
+        ({"moe_grouped_gemm": True}, {"language": {"dp": 2}}, "--moe-grouped-gemm is not supported"),
+        ({"save": "/ckpt"}, {"language": {"dp": 2}}, "--num-experts with --save/--load is not supported"),
+    ],
+)
+def test_gpt_moe_refusals_name_the_reason(kw, modules, message):
+    layout = _layout(modules, edges=(), placement="colocated", world=2)
+    with pytest.raises(ValueError, match=message):
+        check_gpt(_args(**{**MOE, **kw}), layout)
+
+
+def test_expert_parallelism_without_experts_and_vlm_moe_are_refused():
+    layout = _layout({"language": {"dp": 2, "ep": 2}}, edges=(), placement="colocated", world=2)
+    with pytest.raises(ValueError, match=r"expert parallelism needs a model with experts \(--num-experts"):
+        check_common(_args(), layout)
+    vlm = _layout(
+        {"vision": {"dp": 2}, "language": {"dp": 2}}, edges=("vision -> language",), placement="colocated", world=2
+    )
+    with pytest.raises(ValueError, match="--num-experts is not supported with pretrain_vlm.py"):
+        check_vlm(_args(num_experts=4), vlm)
+
+
 def test_vlm_refuses_segments_and_uneven_pipeline_splits():
     with pytest.raises(ValueError, match="exactly the modules 'vision' and 'language'"):
         check_vlm(_args(), _layout(SEGMENTS))

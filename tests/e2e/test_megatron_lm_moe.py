@@ -1,0 +1,56 @@
+"""MoE in `pretrain_gpt.py` with a layout (docs/megatron-lm.md): Megatron's MoE layers (local spec,
+`SequentialMLP` experts, top-2 router with the load-balancing loss, alltoall dispatcher) with each
+module's own expert parallelism from the layout, against the unpatched script (one model, one
+optimizer, EP 1) from the same weights: expert k of the reference goes to EP rank k // (E / ep) of
+the module as its local expert k % (E / ep) (`weights.copy_into`).
+
+Needs a Megatron-LM tree (`MEGATRON_LM`); runs as `tests/e2e/test_megatron_lm.py` does (CPU/gloo,
+forked ranks, 3 iterations, fp32, dropout 0, Megatron's default --clip-grad 1.0)."""
+
+from __future__ import annotations
+
+from test_megatron_lm import (  # noqa: F401  (trees: the fixture, used by name)
+    GPT,
+    ITERS,
+    RTOL,
+    assert_grad_norms,
+    assert_losses,
+    pytestmark,
+    torchrun,
+    trees,
+    _default_clip,
+    _unpatched,
+    _with,
+)
+
+#: 4 experts, top-2, the load-balancing loss on (its gradient scale is what EP and DP must keep); no
+#: linear biases, as MoE models have them (Megatron 0.19's SequentialMLP with biases fails at TP 1: an
+#: in-place add on the view _ReduceFromModelParallelRegion returns)
+MOE = (
+    "--num-experts 4 --moe-router-topk 2 --moe-aux-loss-coeff 0.01 --moe-token-dispatcher-type alltoall "
+    "--disable-bias-linear"
+).split()
+
+
+def test_gpt_moe_with_expert_parallel_layouts_matches_unpatched(trees):  # noqa: F811
+    """The unpatched TP1·DP2 MoE GPT (EP 1) vs (a) one module DP2 with its experts over EP2 (each rank
+    holds 2 of the 4 experts of every layer) and (b) disjoint segments: layers 0-1 DP2·EP2 on ranks
+    0-1, layers 2-3 DP2 (all 4 experts on each rank) on ranks 2-3: training and validation losses and the logged grad norm."""
+    args = _default_clip(_with(GPT, micro_batch_size="2", global_batch_size="8")) + MOE
+    ref = _unpatched(trees, "pretrain_gpt.py", args)
+    one = torchrun(trees["patched"] / "pretrain_gpt.py", args + ITERS + ["--hetero-module", "language:dp=2,ep=2"])
+    assert_losses(one, ref.losses, RTOL, "GPT MoE: language DP2·EP2", ref.valid)
+    assert_grad_norms(one, ref)
+    segments = [
+        "--hetero-placement",
+        "disjoint",
+        "--hetero-module",
+        "language_a:dp=2,ep=2,layers=0-1",
+        "--hetero-module",
+        "language_b:dp=2,layers=2-3",
+        "--hetero-edge",
+        "language_a->language_b",
+    ]
+    seg = torchrun(trees["patched"] / "pretrain_gpt.py", args + ITERS + segments, nproc=4)
+    assert_losses(seg, ref.losses, RTOL, "GPT MoE: segments DP2·EP2 @0-1 -> DP2 @2-3", ref.valid)
+    assert_grad_norms(seg, ref)
