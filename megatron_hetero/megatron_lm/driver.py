@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.megatron_lm import precision
 from megatron_hetero.megatron_lm import weights as weights_mod
 from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog, print_last
@@ -51,6 +52,7 @@ from megatron_hetero.plan.rank_plan import rank_plan, rank_plans
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.schedules import schedule_for
 from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.runtime.module_state import ModuleState
 
 PREFIX = "megatron-hetero megatron-lm"
@@ -108,8 +110,6 @@ def chain(*providers: Optional[Callable]) -> Callable:
 # -- validation (pure on parsed arguments; before any group or model) ------------------------------
 #: Megatron flags no layout supports yet (attribute -> flag).
 REFUSED = {
-    "fp16": "--fp16",
-    "bf16": "--bf16",
     "sequence_parallel": "--sequence-parallel",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
@@ -149,6 +149,7 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
+    precision.check_precision(args)  # --bf16/--fp16 with --save/--load, --loss-scale without --fp16
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise ValueError(
             "with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
@@ -280,7 +281,9 @@ def _train(
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,  # by the whole model's norm (runtime/optimizer_step.py)
             use_distributed_optimizer=bool(args.use_distributed_optimizer),  # per module's DP x CP group
+            **precision.optim_fields(args),  # --bf16, --fp16 and the loss-scale flags
         )
+        scaler = precision.loss_scaler(optim)  # --fp16: one loss scale for every module of the rank
         states, schedulers = {}, {}
         for m in layout.modules:
             if not topo.serves(m.name):
@@ -290,7 +293,7 @@ def _train(
             first = model.first_layer(layout, m)
             if source is not None:
                 weights_mod.copy_into(part, source, pgs, first_layer=first)
-            states[m.name] = ModuleState(m.name, part, pgs, optim)
+            states[m.name] = ModuleState(m.name, part, pgs, optim, loss_scaler=scaler)
             if source is not None and args.load:
                 weights_mod.copy_optimizer_state(part, states[m.name].optimizer, source, pgs, first_layer=first)
         if source is not None:
@@ -317,9 +320,10 @@ def _train(
             dist.barrier()
             t0 = time.perf_counter()
             res = schedule.step(it)
-            for sched in schedulers.values():
+            for sched in schedulers.values() if not res.skipped else ():  # Megatron: only after an update
                 sched.step(increment=args.global_batch_size)
-            log.add(it + 1, res.loss, (time.perf_counter() - t0) * 1000.0, _current_lr(states), res.grad_norm)
+            ms = (time.perf_counter() - t0) * 1000.0
+            log.add(it + 1, res.loss, ms, _current_lr(states), res.grad_norm, res.skipped, loss_scale_of(states))
             if source is not None and source.kept is not None:
                 source.kept[2].step(increment=args.global_batch_size)  # the reference scheduler follows
                 if (it + 1) % (args.save_interval or args.train_iters) == 0 or it + 1 == args.train_iters:
