@@ -72,6 +72,38 @@ def _launch(nproc: int, script: str, args: list[str], out: str) -> int:
     return first_failure or 0
 
 
+def _warm() -> None:
+    """Imports and probes every rank of every run repeats alike, done once here (fork inherits them):
+    the compiler stack that the ranks' first torch.compile'd kernel imports (~700 modules), the CPU's
+    vector instruction set (torch builds and loads a small C++ probe to find it), the models, datasets
+    and the plugin's driver."""
+    import importlib
+
+    for name in (
+        "torch._inductor.compile_fx",
+        "torch._inductor.codecache",
+        "megatron.core.models.multimodal.llava_model",
+        "megatron.core.models.gpt.gpt_model",
+        "torch._dynamo.backends.inductor",
+        "megatron.core.datasets.gpt_dataset",
+        "megatron.core.datasets.multimodal_dataset",
+        "megatron.core.datasets.blended_megatron_dataset_builder",
+        "megatron.core.models.mimo",
+        "megatron.core.models.multimodal.llava_spec",
+        "megatron.core.models.vision.vit_layer_specs",
+        "megatron.core.tokenizers.text.models",
+        "megatron_hetero.megatron_lm.vlm",
+        "megatron_hetero.megatron_lm.gpt",
+        "megatron_hetero.megatron_lm.runner",
+        "megatron_hetero.megatron_lm.build",
+        "megatron_hetero.runtime.schedules",
+    ):
+        importlib.import_module(name)
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.pick_vec_isa()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
@@ -80,6 +112,7 @@ def main(argv: list[str]) -> int:
         runs = json.load(f)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     megatron_fork._prepare(runs[0]["script"])
+    _warm()
     failed = False
     for i, r in enumerate(runs):
         t0 = time.monotonic()
