@@ -18,7 +18,8 @@ layout's modules) go through, in order:
   4. per module, the script's parts built from Megatron's arguments on the module's own
      `ProcessGroupCollection` (`runtime.topology.Topology`), wrapped in Megatron DDP with its own
      Megatron optimizer (`runtime.module_state.ModuleState`) and Megatron's learning-rate schedule
-     (`get_optimizer_param_scheduler`);
+     (`get_optimizer_param_scheduler`); with `--bf16`/`--fp16` in Megatron's precision, with one loss
+     scaler per rank for every module (`precision.py`);
   5. the project's schedule (colocated three-phase or disjoint 1F1B) drives the script's stage runner
      over Megatron's own train dataset, and each iteration prints Megatron's log line
      (`iteration N/ M | consumed samples | ... | lm loss: X |`); with `--eval-iters N` every
