@@ -23,6 +23,7 @@ import torch
 
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.megatron_lm.precision import to_model_dtype
 
 VISION_MODEL_TYPE = "clip"
 
@@ -165,4 +166,4 @@ def build_vlm_module(args: Any, m: ModuleLayout, pgs) -> torch.nn.Module:
             if not n.startswith("vision_projection."):
                 p.requires_grad_(False)
     model.model_type = ModelType.encoder_or_decoder
-    return model.to(get_device())
+    return to_model_dtype(model, args).to(get_device())  # --bf16/--fp16: as Float16Module casts it

@@ -18,7 +18,8 @@ layout's modules) go through, in order:
   4. per module, the script's parts built from Megatron's arguments on the module's own
      `ProcessGroupCollection` (`runtime.topology.Topology`), wrapped in Megatron DDP with its own
      Megatron optimizer (`runtime.module_state.ModuleState`) and Megatron's learning-rate schedule
-     (`get_optimizer_param_scheduler`);
+     (`get_optimizer_param_scheduler`); with `--bf16`/`--fp16` in Megatron's precision, with one loss
+     scaler per rank for every module (`precision.py`);
   5. the project's schedule (colocated three-phase or disjoint 1F1B) drives the script's stage runner
      over Megatron's own train dataset, and each iteration prints Megatron's log line
      (`iteration N/ M | consumed samples | ... | lm loss: X |`); with `--eval-iters N` every
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.megatron_lm import precision
 from megatron_hetero.megatron_lm import weights as weights_mod
 from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.front_end import ScriptFrontEnd
@@ -110,8 +112,6 @@ def chain(*providers: Optional[Callable]) -> Callable:
 # -- validation (pure on parsed arguments; before any group or model) ------------------------------
 #: Megatron flags no layout supports yet (attribute -> flag).
 REFUSED = {
-    "fp16": "--fp16",
-    "bf16": "--bf16",
     "sequence_parallel": "--sequence-parallel",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
@@ -151,6 +151,7 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
+    precision.check_precision(args)  # --bf16/--fp16 with --save/--load, --loss-scale without --fp16
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise ValueError(
             "with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
@@ -282,7 +283,9 @@ def _train(
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,  # by the whole model's norm (runtime/optimizer_step.py)
             use_distributed_optimizer=bool(args.use_distributed_optimizer),  # per module's DP x CP group
+            **precision.optim_fields(args),  # --bf16, --fp16 and the loss-scale flags
         )
+        scaler = precision.loss_scaler(optim)  # --fp16: one loss scale for every module of the rank
         states, schedulers = {}, {}
         for m in layout.modules:
             if not topo.serves(m.name):
@@ -292,7 +295,7 @@ def _train(
             first = model.first_layer(layout, m)
             if source is not None:
                 weights_mod.copy_into(part, source, pgs, first_layer=first)
-            states[m.name] = ModuleState(m.name, part, pgs, optim)
+            states[m.name] = ModuleState(m.name, part, pgs, optim, loss_scaler=scaler)
             if source is not None and args.load:
                 weights_mod.copy_optimizer_state(part, states[m.name].optimizer, source, pgs, first_layer=first)
         if source is not None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog
+from megatron_hetero.runtime.loss_scale import loss_scale_of
 
 
 class ScriptFrontEnd:
@@ -33,7 +34,15 @@ class ScriptFrontEnd:
         }
 
     def log(self, rec: dict[str, Any]) -> None:
-        self.interval_log.add(rec["iteration"], rec["loss"], rec["step_time_s"] * 1000.0, rec["lr"], rec["grad_norm"])
+        self.interval_log.add(
+            rec["iteration"],
+            rec["loss"],
+            rec["step_time_s"] * 1000.0,
+            rec["lr"],
+            rec["grad_norm"],
+            rec["skipped"],
+            loss_scale_of(self.states),  # --fp16: the whole model's scale after the step (1.0 otherwise)
+        )
 
     def evaluate(self, iteration: int, rec: dict[str, Any]) -> None:
         self.evaluator.after_iteration(iteration)

@@ -27,6 +27,7 @@ import torch
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout
 from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout
+from megatron_hetero.megatron_lm.precision import to_model_dtype
 from megatron_hetero.megatron_lm.runner import MegatronDataRunner
 from megatron_hetero.plan.roles import language_modules, roles
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
@@ -137,7 +138,7 @@ def build_gpt_segment(args: Any, layout: HeteroLayout, m: ModuleLayout, pgs, mod
     if m.frozen:
         for p in model.parameters():
             p.requires_grad_(False)
-    return model.to(get_device())
+    return to_model_dtype(model, args).to(get_device())  # --bf16/--fp16: as Float16Module casts it
 
 
 class MegatronGptRunner(MegatronDataRunner):
@@ -151,10 +152,10 @@ class MegatronGptRunner(MegatronDataRunner):
         return (self.plan.roles.last_language,)
 
     def edge_tensor(self, edge: Edge) -> EdgeTensor:
-        return EdgeTensor(seq=self.args.seq_length, hidden=self.hidden)
+        return EdgeTensor(seq=self.args.seq_length, hidden=self.hidden, dtype=self.dtype)
 
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
-        return (self.args.seq_length, rows, self.hidden), torch.float32
+        return (self.args.seq_length, rows, self.hidden), self.dtype
 
     def aux_losses(self, step: int) -> dict[str, torch.Tensor]:
         """Nothing reported (Megatron's log line shows the lm loss); with experts, Megatron's MoE loss

@@ -21,40 +21,76 @@ import torch.distributed as dist
 
 class IntervalLog:
     """Megatron's `training_log` accumulation: losses are averaged over the iterations since the last
-    printed line; the first iteration of a run is printed without resetting the accumulators (so the
-    next line averages from it too, as upstream does)."""
+    printed line that updated the model (a skipped iteration's loss is left out, and the line has no
+    `lm loss` field until some iteration of the run updated it); the first iteration of a run is
+    printed without resetting the accumulators (so the next line averages from it too, as upstream
+    does). Skipped iterations (non-finite gradients under --fp16: no module stepped) are counted, and
+    so are the skipped ones whose loss was not finite ("nan iterations")."""
 
     def __init__(self, args) -> None:
         self.args, self.first = args, True
-        self.loss_sum, self.iters, self.ms = 0.0, 0, 0.0
+        self.loss_sum: Optional[float] = None  # None: no iteration of the run has updated the model yet
+        self.advanced, self.skipped, self.nan, self.ms = 0, 0, 0, 0.0
 
-    def add(self, iteration: int, loss: float, ms: float, lr: float, grad_norm: Optional[float] = None) -> None:
-        self.loss_sum += loss
-        self.iters += 1
+    def add(
+        self,
+        iteration: int,
+        loss: float,
+        ms: float,
+        lr: float,
+        grad_norm: Optional[float] = None,
+        skipped: bool = False,
+        loss_scale: float = 1.0,
+    ) -> None:
+        """One iteration: its loss, time, the learning rate and grad norm it logs, whether non-finite
+        gradients skipped its update, and the loss scale after it (1.0 without --fp16)."""
+        if skipped:
+            self.skipped += 1
+            self.nan += int(not math.isfinite(loss))
+        else:
+            self.advanced += 1
+            self.loss_sum = (self.loss_sum or 0.0) + loss
         self.ms += ms
         if iteration % self.args.log_interval == 0 or self.first:
-            avg = self.loss_sum / max(1, self.iters)
-            print_last(log_line(iteration, self.args, self.ms / max(1, self.iters), lr, avg, grad_norm))
+            total = max(1, self.advanced + self.skipped)
+            avg = None if self.loss_sum is None else self.loss_sum / max(1, self.advanced)
+            line = log_line(
+                iteration, self.args, self.ms / total, lr, avg, grad_norm, loss_scale, self.skipped, self.nan
+            )
+            print_last(line)
             if not self.first:
-                self.loss_sum, self.iters, self.ms = 0.0, 0, 0.0
+                self.loss_sum = None if self.loss_sum is None else 0.0
+                self.advanced, self.skipped, self.nan, self.ms = 0, 0, 0, 0.0
         self.first = False
 
 
-def log_line(iteration: int, args, ms: float, lr: float, loss: float, grad_norm: Optional[float] = None) -> str:
-    """Megatron's `training_log` line (the fields this loop has; `grad_norm`: the whole model's norm of
-    the iteration, before clipping, as Megatron prints it)."""
+def log_line(
+    iteration: int,
+    args,
+    ms: float,
+    lr: float,
+    loss: Optional[float],
+    grad_norm: Optional[float] = None,
+    loss_scale: float = 1.0,
+    skipped: int = 0,
+    nan: int = 0,
+) -> str:
+    """Megatron's `training_log` line (the fields this loop has; `loss`: None leaves the field out, as
+    before any update; `grad_norm`: the whole model's norm of the iteration, before clipping, as
+    Megatron prints it, None on a skipped iteration; `loss_scale`: after the step)."""
     ts = time.strftime("%Y-%m-%d %H:%M:%S")
     s = f" [{ts}] iteration {iteration:8d}/{args.train_iters:8d} |"
     s += f" consumed samples: {iteration * args.global_batch_size:12d} |"
     s += f" elapsed time per iteration (ms): {ms:.1f} |"
     s += f" learning rate: {lr:.6E} |"
     s += f" global batch size: {args.global_batch_size:5d} |"
-    s += f" lm loss: {loss:.6E} |"
-    s += " loss scale: 1.0 |"
+    if loss is not None and loss >= 0.0:  # as Megatron: not before any update, nor a NaN average
+        s += f" lm loss: {loss:.6E} |"
+    s += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         s += f" grad norm: {grad_norm:.3f} |"
-    s += " number of skipped iterations:   0 |"
-    s += f" number of nan iterations: {0 if math.isfinite(loss) else 1:3d} |"
+    s += f" number of skipped iterations: {skipped:3d} |"
+    s += f" number of nan iterations: {nan:3d} |"
     return s
 
 

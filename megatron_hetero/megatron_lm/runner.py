@@ -21,6 +21,7 @@ import torch
 
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
+from megatron_hetero.megatron_lm.precision import model_dtype
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
@@ -61,6 +62,8 @@ class MegatronDataRunner(StageRunner):
         self.datasets = build_datasets(datasets_provider)
         self.split = "train"
         self.hidden = args.hidden_size
+        #: the model's dtype (--bf16, --fp16): what crosses edges and pipeline stages, the image input
+        self.dtype = model_dtype(args)
         self._tokens: dict[tuple[str, int], int] = {}
 
     @property
@@ -124,12 +127,12 @@ class MegatronVlmRunner(MegatronDataRunner):
         return ("language",)
 
     def edge_tensor(self, edge: Edge) -> EdgeTensor:
-        return EdgeTensor(seq=self.img_seq, hidden=self.hidden)
+        return EdgeTensor(seq=self.img_seq, hidden=self.hidden, dtype=self.dtype)
 
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
         if module == "vision":
             raise AssertionError("the vision module runs on one pipeline stage")
-        return (self.args.decoder_seq_length, rows, self.hidden), torch.float32
+        return (self.args.decoder_seq_length, rows, self.hidden), self.dtype
 
     def forward(
         self, module: str, samples: range, inputs: Mapping[str, torch.Tensor], stage_input: Optional[torch.Tensor]
@@ -137,7 +140,9 @@ class MegatronVlmRunner(MegatronDataRunner):
         b = self.batch(samples)
         model = self.states[module].model
         if module == "vision":
-            emb, _ = model(b["image"], b["tokens"], b["position_ids"], None, b["labels"], b["loss_mask"])
+            # the first stage's float input in the model's dtype, as Float16Module converts it (the
+            # loss masks' 0/1 are the same in any dtype)
+            emb, _ = model(b["image"].to(self.dtype), b["tokens"], b["position_ids"], None, b["labels"], b["loss_mask"])
             return emb.transpose(0, 1).contiguous()  # [rows, img_seq, h]
         llava = self.states[module].module
         if llava.pre_process:

@@ -78,6 +78,9 @@ class OptimConfig:
     # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it
     # from its --min-lr: `training.lr_schedule.LRSchedule.min_lr`)
     min_lr: float = 0.0
+    # gradients accumulated and reduced in fp32 (Megatron's --accumulate-allreduce-grads-in-fp32, which
+    # its validate_args sets for bf16); False: in the parameters' dtype (Megatron's fp16 default)
+    grad_reduce_in_fp32: bool = True
 
     def validate(self) -> None:
         if self.optimizer not in ("adam", "sgd"):

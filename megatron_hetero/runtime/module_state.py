@@ -59,7 +59,9 @@ class ModuleState:
         if self.trainable:
             config = self._config(module)
             distributed = optim.use_distributed_optimizer
-            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distributed)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=optim.grad_reduce_in_fp32, use_distributed_optimizer=distributed
+            )
             self.ddp = DistributedDataParallel(
                 config,
                 ddp_config,

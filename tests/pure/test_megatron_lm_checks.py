@@ -105,7 +105,9 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(bf16=True), "--bf16 is not supported with a layout"),
+        (dict(bf16=True, save="ckpt"), "--bf16 with --save/--load is not supported with a layout yet"),
+        (dict(fp16=True, load="ckpt"), "--fp16 with --save/--load is not supported with a layout yet"),
+        (dict(bf16=True, loss_scale=1024.0), "--loss-scale 1024.0 needs --fp16 with a layout"),
         (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
         (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
         (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
@@ -125,6 +127,11 @@ def test_common_refusals_name_the_flag(kw, message):
 
 def test_the_distributed_optimizer_is_accepted():
     check_common(_args(use_distributed_optimizer=True), _layout(SEGMENTS))
+
+
+def test_bf16_and_fp16_are_accepted():
+    check_common(_args(bf16=True, use_distributed_optimizer=True), _layout(SEGMENTS))
+    check_common(_args(fp16=True, loss_scale=1024.0), _layout(SEGMENTS))  # the e2e runs: test_megatron_lm_precision
 
 
 def test_swiglu_is_accepted_and_a_modules_own_recompute_is_refused():

@@ -1,0 +1,126 @@
+"""Run several Megatron-LM script runs one after the other, each on its own N ranks forked from ONE
+process that imported everything once: `tests/megatron_fork.py` for a batch of runs.
+
+    python tests/megatron_fork_batch.py RUNS.json
+
+RUNS.json: a list of `{"nproc": N, "script": PATH, "args": [...], "out": PATH}`; every run's ranks
+write their stdout and stderr to its `out` file, and its exit code (as `megatron_fork.py` gives it)
+is appended to the batch's stdout as `run I: rc N`. The scripts must come from trees whose
+`megatron/training` is the same (a pristine tree and its patched copy: the patches touch only the
+scripts' `__main__` blocks): the first run's tree is imported here, each rank adds its own script's
+tree (`megatron_lm.run.run_script`). This process never initialises torch.distributed, so every run
+starts from the same imported, untouched state. Exit code: 0 when every run's was 0, else 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import megatron_fork
+
+
+def _launch(nproc: int, script: str, args: list[str], out: str) -> int:
+    """One run on `nproc` forked ranks (their output to `out`); its exit code, as megatron_fork's."""
+    port = megatron_fork._free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids: dict[int, int] = {}
+    with open(out, "w") as log:
+        for rank in range(nproc):
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    os.setpgid(0, 0)
+                    os.dup2(log.fileno(), 1)
+                    os.dup2(log.fileno(), 2)
+                    code = megatron_fork._rank(rank, nproc, port, script, args)
+                finally:
+                    for stream in (sys.stdout, sys.stderr):
+                        try:
+                            stream.flush()
+                        except Exception:  # noqa: BLE001
+                            pass
+                    os._exit(code)
+            pids[pid] = rank
+    first_failure, deadline = None, None
+    while pids:
+        if deadline is not None and time.monotonic() > deadline:
+            for pid in pids:
+                for kill in (lambda p: os.killpg(p, signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
+                    try:
+                        kill(pid)
+                    except OSError:
+                        pass
+            for pid in list(pids):
+                os.waitpid(pid, 0)
+            break
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        if pids.pop(pid, None) is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and first_failure is None:
+            first_failure = code if code > 0 else 1
+            deadline = time.monotonic() + megatron_fork.GRACE_S
+    return first_failure or 0
+
+
+def _warm() -> None:
+    """Imports and probes every rank of every run repeats alike, done once here (fork inherits them):
+    the compiler stack that the ranks' first torch.compile'd kernel imports (~700 modules), the CPU's
+    vector instruction set (torch builds and loads a small C++ probe to find it), the models, datasets
+    and the plugin's driver."""
+    import importlib
+
+    for name in (
+        "torch._inductor.compile_fx",
+        "torch._inductor.codecache",
+        "megatron.core.models.multimodal.llava_model",
+        "megatron.core.models.gpt.gpt_model",
+        "torch._dynamo.backends.inductor",
+        "megatron.core.datasets.gpt_dataset",
+        "megatron.core.datasets.multimodal_dataset",
+        "megatron.core.datasets.blended_megatron_dataset_builder",
+        "megatron.core.models.mimo",
+        "megatron.core.models.multimodal.llava_spec",
+        "megatron.core.models.vision.vit_layer_specs",
+        "megatron.core.tokenizers.text.models",
+        "megatron_hetero.megatron_lm.vlm",
+        "megatron_hetero.megatron_lm.gpt",
+        "megatron_hetero.megatron_lm.runner",
+        "megatron_hetero.megatron_lm.build",
+        "megatron_hetero.runtime.schedules",
+    ):
+        importlib.import_module(name)
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.pick_vec_isa()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        runs = json.load(f)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    megatron_fork._prepare(runs[0]["script"])
+    _warm()
+    failed = False
+    for i, r in enumerate(runs):
+        t0 = time.monotonic()
+        rc = _launch(int(r["nproc"]), r["script"], list(r["args"]), r["out"])
+        print(f"run {i}: rc {rc} in {time.monotonic() - t0:.1f} s", flush=True)
+        failed |= rc != 0
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
