@@ -163,8 +163,9 @@ def test_sequence_parallel_lets_experts_use_tp_with_ep():
     ref = _run(world1_doc(job), 1, job)
     aux = [r["aux_loss"] for r in got[0]["records"]], [r["aux_loss"] for r in ref[0]["records"]]
     loss, norm = max_loss_rel_diff(losses(got), losses(ref)), max_loss_rel_diff(_norms(got), _norms(ref))
-    print(f"MoE TP2·DP2·EP2 with SP vs world 1: loss {loss:.1e}, grad norm {norm:.1e}, aux {aux[0]} vs {aux[1]}")
-    assert aux[1][0] > 0 and max(loss, norm, max_loss_rel_diff(*aux)) <= TOL, (loss, norm, aux)
+    da = max_loss_rel_diff(*aux)
+    print(f"MoE TP2·DP2·EP2 with SP vs world 1: loss {loss:.1e}, grad norm {norm:.1e}, aux loss {da:.1e} ({aux[1]})")
+    assert aux[1][0] > 0 and max(loss, norm, da) <= TOL, (loss, norm, aux)
 
 
 def test_sequence_parallel_refusals():
@@ -183,3 +184,27 @@ def test_sequence_parallel_refusals():
     bad_cp = dataclasses.replace(SP, spec=LlavaSpec(num_layers=2, seq_length=20))
     with pytest.raises(ValueError, match=r"module language: --sequence-parallel .*not divisible by cp\*tp = 8"):
         validate_job(layout_from_dict(doc, world_size=8), bad_cp)
+
+
+def test_train_flag_sets_sequence_parallel_and_bad_input_exits_2(capsys, monkeypatch):
+    """`train --sequence-parallel` (Megatron's flag name) reaches the job; an invalid combination exits 2
+    with the module named, before any rank starts."""
+    from megatron_hetero import cli
+    from megatron_hetero.layout.args import layout_from_args
+    from megatron_hetero.runtime import launcher
+    from megatron_hetero.training.job import job_from_args
+
+    argv = ["train", "--hetero-module", "vision:dp=4", "--hetero-module", "language:tp=4"]
+    argv += ["--hetero-edge", "vision->language", "--train-iters", "1"]
+    for extra, want in (([], False), (["--sequence-parallel"], True)):
+        args = cli.build_parser().parse_args(argv + extra)
+        assert job_from_args(args, layout_from_args(args, world_size=None)).sequence_parallel is want
+
+    def no_ranks(*a, **k):  # pragma: no cover - reaching it is the failure
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(launcher, "run_ranks", no_ranks)
+    rc = cli.main(argv + ["--sequence-parallel", "--seq-length", "30"])
+    _, err = capsys.readouterr()
+    assert rc == 2, err
+    assert "module language: --sequence-parallel" in err and "cp*tp = 4" in err, err
