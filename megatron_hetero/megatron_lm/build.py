@@ -67,6 +67,8 @@ def module_config(args: Any, m: ModuleLayout, num_layers: int):
     cfg.expert_model_parallel_size = m.ep
     cfg.expert_tensor_parallel_size = m.expt_tp
     cfg.num_layers = num_layers
+    # --sequence-parallel: Megatron's SP in the modules with tp > 1 (as Megatron ignores it at tp 1)
+    cfg.sequence_parallel = bool(getattr(args, "hetero_sequence_parallel", False)) and m.tp > 1
     # The schedules normalise the loss per token over the global batch and sum gradients over DP.
     cfg.calculate_per_token_loss = True
     return cfg

@@ -112,7 +112,6 @@ def chain(*providers: Optional[Callable]) -> Callable:
 # -- validation (pure on parsed arguments; before any group or model) ------------------------------
 #: Megatron flags no layout supports yet (attribute -> flag).
 REFUSED = {
-    "sequence_parallel": "--sequence-parallel",
     "virtual_pipeline_model_parallel_size": "--num-layers-per-virtual-pipeline-stage",
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
     "use_legacy_models": "--use-legacy-models",
@@ -237,7 +236,7 @@ def pretrain_with_layout(
     """Train the script's model with the layout of the `--hetero-*` flags; returns the exit code
     (2: invalid input, printed as one paragraph before any process group or model exists)."""
     try:
-        parse_and_validate(model, extra_args_provider, args_defaults or {})
+        given, _ = parse_and_validate(model, extra_args_provider, args_defaults or {})
     except ValueError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{PREFIX}: invalid input: {exc}", file=sys.stderr, flush=True)
@@ -252,6 +251,7 @@ def pretrain_with_layout(
         get_embedding_ranks=get_embedding_ranks, get_position_embedding_ranks=get_position_embedding_ranks
     )
     set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
+    args.hetero_sequence_parallel = bool(given.sequence_parallel)  # validation drops it at the world's tp 1
     layout = layout_from_args(args, dist.get_world_size())
     _train(model, args, layout, train_valid_test_datasets_provider, model_provider)
     return 0

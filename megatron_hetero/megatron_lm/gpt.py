@@ -16,6 +16,11 @@ provider to :func:`pretrain_gpt`; the shared driver (`driver.py`) does the rest 
     `--data-path`, ...), typed as `get_batch_on_this_tp_rank` types it; between segments the hidden
     states `[rows, seq, h]` cross the edge (the next segment's first stage takes them back as
     Megatron's `[seq, rows, h]` through `set_input_tensor`); the loss is `pretrain_gpt.loss_func`'s.
+  * `--sequence-parallel`: Megatron's SP in every module with tp > 1 (`build.module_config`): between
+    its pipeline stages each TP rank sends `[seq/tp, rows, h]`; a segment's end all-gathers its shards
+    over its TP group, so the edge carries the whole sequence (backward: the replicated gradient,
+    each TP rank keeps its chunk), and a receiving segment with SP keeps its own chunk (backward:
+    all-gathered over its TP group). Megatron's own embedding scatters and output layer gathers.
 """
 
 from __future__ import annotations
@@ -67,6 +72,11 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
             f"{[f'{a} -> {b}' for a, b in want]}; the layout has {[str(e) for e in layout.edges]}"
         )
     for m in segs:
+        if getattr(args, "sequence_parallel", False) and m.tp > 1 and args.seq_length % m.tp:
+            raise ValueError(
+                f"module {m.name}: --sequence-parallel shards --seq-length {args.seq_length} over tp({m.tp}), "
+                f"which does not divide it"
+            )
         if segment_layers(args, m) % m.pp:
             raise ValueError(f"module {m.name}: {segment_layers(args, m)} layers do not split over pp({m.pp})")
     stages = sum(m.pp for m in segs)
@@ -105,9 +115,9 @@ def check_moe(args: Any, layout: HeteroLayout) -> None:
     for m in language_modules(layout):
         if m.tp > 1:
             raise ValueError(
-                f"module {m.name}: tp({m.tp}) > 1 with --num-experts needs sequence parallelism (Megatron's "
-                f"TransformerConfig requires it for MoE with TP), not supported with a layout yet; use tp 1 "
-                f"(with dp or ep) on MoE modules"
+                f"module {m.name}: tp({m.tp}) > 1 with --num-experts is not supported with pretrain_gpt.py and "
+                f"a layout yet (Megatron's TransformerConfig needs --sequence-parallel for MoE with TP; "
+                f"megatron-hetero train runs it); use tp 1 (with dp or ep) on MoE modules"
             )
     if args.moe_grouped_gemm:
         raise ValueError("--moe-grouped-gemm is not supported with a layout (the local spec's SequentialMLP experts)")
@@ -138,6 +148,8 @@ def build_gpt_segment(args: Any, layout: HeteroLayout, m: ModuleLayout, pgs, mod
     if m.frozen:
         for p in model.parameters():
             p.requires_grad_(False)
+    if model.config.sequence_parallel and pgs.tp.rank() == 0 and pgs.dp.rank() == 0 and pp_rank == 0:
+        print(f"megatron-hetero megatron-lm: module {m.name}: sequence parallelism over tp({m.tp})", flush=True)
     return to_model_dtype(model, args).to(get_device())  # --bf16/--fp16: as Float16Module casts it
 
 
@@ -155,7 +167,14 @@ class MegatronGptRunner(MegatronDataRunner):
         return EdgeTensor(seq=self.args.seq_length, hidden=self.hidden, dtype=self.dtype)
 
     def stage_tensor(self, module: str, rows: int) -> tuple[tuple[int, ...], torch.dtype]:
-        return (self.args.seq_length, rows, self.hidden), self.dtype
+        seq = self.args.seq_length
+        if self._sequence_parallel(module):
+            seq //= self.states[module].pgs.tp.size()  # this TP rank's shard (Megatron's P2P shape)
+        return (seq, rows, self.hidden), self.dtype
+
+    def _sequence_parallel(self, module: str) -> bool:
+        s = self.states.get(module)
+        return s is not None and bool(s.module.config.sequence_parallel)
 
     def aux_losses(self, step: int) -> dict[str, torch.Tensor]:
         """Nothing reported (Megatron's log line shows the lm loss); with experts, Megatron's MoE loss
@@ -193,9 +212,14 @@ class MegatronGptRunner(MegatronDataRunner):
         if not gpt.pre_process:
             if stage_input is not None:
                 gpt.set_input_tensor(stage_input)
-            elif inputs:  # the previous segment's hidden states, [rows, seq, h]
+            elif inputs:  # the previous segment's hidden states, [rows, seq, h] (whole: see below)
                 (x,) = inputs.values()
-                gpt.set_input_tensor(x.transpose(0, 1).contiguous())
+                x = x.transpose(0, 1).contiguous()
+                if self._sequence_parallel(module):  # this TP rank's chunk; backward all-gathers over TP
+                    from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+
+                    x = scatter_to_sequence_parallel_region(x, group=self.states[module].pgs.tp)
+                gpt.set_input_tensor(x)
         out = model(
             b["tokens"],
             b["position_ids"],
@@ -205,7 +229,17 @@ class MegatronGptRunner(MegatronDataRunner):
         )
         if gpt.post_process:
             return self.loss_sum(out, b["loss_mask"])
-        return out.transpose(0, 1).contiguous() if me.coord.pp == me.pp - 1 else out  # a segment's end crosses an edge
+        if me.coord.pp != me.pp - 1:
+            return out
+        # a segment's end crosses an edge with the whole sequence: under SP all-gathered over TP first
+        # (backward: each TP rank keeps its chunk of the replicated gradient)
+        if self._sequence_parallel(module):
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            out = gather_from_sequence_parallel_region(
+                out, tensor_parallel_output_grad=False, group=self.states[module].pgs.tp
+            )
+        return out.transpose(0, 1).contiguous()
 
 
 GPT = ScriptModel(

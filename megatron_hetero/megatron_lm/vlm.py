@@ -25,6 +25,11 @@ def check_vlm(args: Any, layout: HeteroLayout) -> None:
     """What `pretrain_vlm.py` needs beyond `driver.check_common`; ValueError naming the flag otherwise."""
     if getattr(args, "num_experts", None):
         raise ValueError("--num-experts is not supported with pretrain_vlm.py and a layout (pretrain_gpt.py has MoE)")
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError(
+            "--sequence-parallel is not supported with pretrain_vlm.py and a layout: Megatron's LLaVAModel "
+            "needs Transformer Engine attention for sequence parallelism (megatron-hetero train has it)"
+        )
     names = set(layout.names)
     if names != {VISION, LANGUAGE}:
         raise ValueError(

@@ -13,6 +13,17 @@ TransformerConfig fields, the dtype and the synthetic data's shape from it).
   layers, with the context-parallel attention of `compat` so CP works without Transformer Engine.
   The first segment's first stage builds its input: text embeddings of the whole sequence, cut to
   this CP rank's load-balanced chunks, with the encoders' tokens put at their placeholder positions.
+- Sequence parallelism (`sequence_parallel`, train's `--sequence-parallel`): a language module with
+  tp > 1 is built with Megatron's `sequence_parallel=True`, so between its layers (and between its
+  pipeline stages) each TP rank holds `[s_local/tp, b, h]` (s_local: this CP rank's positions). The
+  first stage's input is assembled whole (text embeddings, encoder tokens at their placeholders) and
+  then scattered along the sequence over the module's TP group (`to_sequence_shards`, Megatron's
+  `scatter_to_sequence_parallel_region`; its backward all-gathers the gradient, so every TP replica
+  hands the full gradient back to the encoders' boundary); hidden states that leave the module (a
+  segment's end, the output heads' span) are all-gathered over TP first (`from_sequence_shards`;
+  backward: each TP rank keeps its own chunk of the replicated gradient). So every tensor between
+  modules stays full-sequence and TP-replicated. Encoders, projectors and output heads keep SP off
+  (Megatron-LM's LLaVA does the same for the vision model and its projector).
 
 - Mixture of experts: with `num_experts` the language model's MLPs are Megatron MoE layers (local
   spec, `SequentialMLP` experts, top-k router with the load-balancing auxiliary loss, alltoall token
@@ -38,6 +49,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -151,9 +166,12 @@ def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout
     return mods
 
 
-def validate_model(layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str] = None) -> None:
+def validate_model(
+    layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str] = None, sequence_parallel: bool = False
+) -> None:
     """The model's checks against the layout that need the model's sizes (experts, output modules);
-    ValueError with the arithmetic, before any group exists."""
+    ValueError with the arithmetic, before any group exists. `sequence_parallel`: the job's
+    --sequence-parallel (Megatron's MoE layers need it for tp > 1 with ep > 1)."""
     who = plan_roles.roles(layout)
     langs = set(who.language)
     if spec.num_experts is not None and (
@@ -166,10 +184,10 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str]
     check_architecture(layout, spec, langs)
     for name in langs:
         m = layout.module(name)
-        if spec.num_experts and m.ep > 1 and m.tp > 1:
+        if spec.num_experts and m.ep > 1 and m.tp > 1 and not sequence_parallel:
             raise ValueError(
                 f"module {name}: ep({m.ep}) with tp({m.tp}) > 1 needs sequence parallelism in Megatron's "
-                "MoE layers, which this model does not use; use tp 1 with ep > 1 (or ep 1)"
+                "MoE layers: add --sequence-parallel, or use tp 1 with ep > 1 (or ep 1)"
             )
     for name in who.outputs:
         if name not in spec.outputs:
@@ -198,6 +216,21 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str]
             raise ValueError(
                 f"module {lm.name}: cp({lm.cp}) > 1 with output module {name}: the output positions "
                 "would be spread over CP ranks; use cp 1 on the language model"
+            )
+
+
+def check_sequence_parallel(layout: HeteroLayout, spec: LlavaSpec) -> None:
+    """`--sequence-parallel`'s checks (ValueError naming the module, before any group exists): each
+    language module with tp > 1 shards its local sequence (seq_length / cp) over tp."""
+    for name in plan_roles.roles(layout).language:
+        m = layout.module(name)
+        if m.tp == 1:
+            continue  # Megatron ignores --sequence-parallel at tp 1
+        if spec.seq_length % (m.cp * m.tp):
+            raise ValueError(
+                f"module {name}: --sequence-parallel shards each CP rank's {spec.seq_length} // cp({m.cp}) "
+                f"positions over tp({m.tp}): --seq-length {spec.seq_length} is not divisible by "
+                f"cp*tp = {m.cp * m.tp}"
             )
 
 
@@ -320,7 +353,9 @@ class LanguageModule(torch.nn.Module):
         first_segment: bool,
         last_segment: bool,
         last_segment_feeds_outputs: bool = False,
+        sequence_parallel: bool = False,
     ) -> None:
+        """`sequence_parallel`: the job's --sequence-parallel (on only where tp > 1, as in Megatron)."""
         super().__init__()
         layers = segment_layers(m, spec)
         n_layers = layers.size
@@ -342,9 +377,11 @@ class LanguageModule(torch.nn.Module):
             ffn=spec.ffn_hidden_size,
             m=m,
             recompute=True,
+            sequence_parallel=sequence_parallel and m.tp > 1,
             **arch,
         )
         self.config = config
+        self.tp_group = pgs.tp
         layer_spec = (
             get_gpt_layer_local_spec_with_cp(
                 num_experts=spec.num_experts, moe_grouped_gemm=False, normalization=spec.normalization
@@ -362,6 +399,8 @@ class LanguageModule(torch.nn.Module):
             share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
             position_embedding_type=spec.position_embedding_type,
             rotary_base=spec.rotary_base,
+            # the first stage scatters its assembled input itself (`embed`), as Megatron's LLaVA does
+            scatter_embedding_sequence_parallel=False,
             pg_collection=pgs,
         )
         self.model_type = self.gpt.model_type  # what Megatron's schedules look up on the wrapped model
@@ -395,7 +434,25 @@ class LanguageModule(torch.nn.Module):
                 p.requires_grad_(False)
 
     def _keep_hidden(self, module, args, output) -> None:
-        self.last_hidden = output  # [s_local, b, h] after the final layer norm; carries the graph
+        # [s_local, b, h] after the final layer norm (gathered over TP under SP); carries the graph
+        self.last_hidden = self.from_sequence_shards(output)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return bool(self.config.sequence_parallel)
+
+    def to_sequence_shards(self, x: torch.Tensor) -> torch.Tensor:
+        """[s_local, b, h], the same on every TP rank -> this TP rank's [s_local/tp, b, h] under sequence
+        parallelism (no communication forward; backward all-gathers the gradient over TP); x otherwise."""
+        return scatter_to_sequence_parallel_region(x, group=self.tp_group) if self.sequence_parallel else x
+
+    def from_sequence_shards(self, x: torch.Tensor) -> torch.Tensor:
+        """This TP rank's [s_local/tp, b, h] -> [s_local, b, h] on every TP rank under sequence parallelism
+        (all-gather over TP forward; backward: the gradient, the same on every TP rank, cut to this
+        rank's chunk, no communication); x otherwise."""
+        if not self.sequence_parallel:
+            return x
+        return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.tp_group)
 
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
@@ -406,7 +463,8 @@ class LanguageModule(torch.nn.Module):
 
     def embed(self, tokens: torch.Tensor, encoder_tokens: dict[str, torch.Tensor]) -> torch.Tensor:
         """Decoder input [s_local, b, h]: text embeddings at this CP rank's positions, with each
-        encoder's tokens ([b, n_local, h], the boundary's output for this CP rank) at its placeholders."""
+        encoder's tokens ([b, n_local, h], the boundary's output for this CP rank) at its placeholders;
+        under sequence parallelism then this TP rank's [s_local/tp, b, h] of it (`to_sequence_shards`)."""
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
         emb = self.gpt.embedding(input_ids=tokens, position_ids=pos)  # [s, b, h]
@@ -423,7 +481,7 @@ class LanguageModule(torch.nn.Module):
                     f"{self.cp_rank}, its chunks hold {where.numel()} placeholders"
                 )
             local = local.index_copy(0, where, got.transpose(0, 1).to(local.dtype))
-        return local
+        return self.to_sequence_shards(local)
 
     def set_input_tensor(self, tensor) -> None:
         """Megatron's pipeline schedules hand a non-first stage its input here."""
@@ -431,7 +489,8 @@ class LanguageModule(torch.nn.Module):
 
     def forward(self, hidden: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden: [s_local, b, h] decoder input on the first stage (None elsewhere); returns [s_local, b, h], or the per-token loss
-        [b, s_local] on the last stage (labels at this CP rank's positions)."""
+        [b, s_local] on the last stage (labels at this CP rank's positions). Under sequence parallelism
+        the hidden states are this TP rank's [s_local/tp, b, h] (the loss is over all of s_local)."""
         return self.gpt(None, None, None, decoder_input=hidden, labels=labels)
 
 

@@ -6,7 +6,10 @@ Tensors crossing edges are `[rows, tokens, hidden]`: encoder tokens (from the pr
 language segments, the hidden states of this CP rank's positions; from the language model to its
 output modules, its final hidden states over the span of text positions the output heads read
 (`output_span`; each head takes its own positions from it); between pipeline stages Megatron's
-`[seq, rows, hidden]`.
+`[seq, rows, hidden]`, under sequence parallelism (`--sequence-parallel`, a language module with
+tp > 1) this TP rank's `[seq/tp, rows, hidden]` (Megatron's P2P shape); tensors crossing edges stay
+full-sequence and TP-replicated (the language module gathers over TP before a tensor leaves it and
+scatters after one enters: `LanguageModule.from_sequence_shards` / `to_sequence_shards`).
 
 Losses: the language loss (per-token cross entropy) and each output head's loss (squared error
 against a deterministic target, mean over `out_dim`, summed over tokens) are loss sums normalised
@@ -100,7 +103,12 @@ class LlavaStageRunner(StageRunner):
         if module in spec.encoders:
             enc = spec.encoders[module]
             return (enc.tokens, rows, enc.hidden_size), dtype_of(spec)
-        return (spec.seq_length // self.plan.modules[module].cp, rows, spec.hidden_size), dtype_of(spec)
+        me = self.plan.modules[module]
+        seq = spec.seq_length // me.cp
+        state = self.states.get(module)
+        if state is not None and getattr(state.module, "sequence_parallel", False):
+            seq //= self.plan.layout.module(module).tp  # this TP rank's sequence shard (Megatron's P2P shape)
+        return (seq, rows, spec.hidden_size), dtype_of(spec)
 
     def model(self, module: str) -> torch.nn.Module:
         return self.states[module].model
@@ -142,10 +150,12 @@ class LlavaStageRunner(StageRunner):
             lang.set_input_tensor(stage_input)
         elif inputs:  # the previous language segment's hidden states, [rows, seq, hidden]
             (x,) = inputs.values()
-            lang.set_input_tensor(x.transpose(0, 1).contiguous())
+            lang.set_input_tensor(lang.to_sequence_shards(x.transpose(0, 1).contiguous()))
         if not lang.last_stage:
             out = self._with_aux(lang, me, len(samples), lambda: model(hidden, None))
-            return out.transpose(0, 1).contiguous() if me.last_stage else out  # a segment's end crosses an edge
+            if me.last_stage:  # a segment's end crosses an edge: the whole sequence, [rows, seq, hidden]
+                return lang.from_sequence_shards(out).transpose(0, 1).contiguous()
+            return out
         idx = lang.cp_positions()
         labels = b["labels"][:, idx].to(self.device)
         mask = b["loss_mask"][:, idx].to(self.device)
@@ -182,7 +192,9 @@ class LlavaStageRunner(StageRunner):
 
         before = total()
         result = run()
-        if me.coord.tp == 0:
+        # TP replicas route the same tokens, so TP rank 0 counts them; under sequence parallelism each TP
+        # rank routes its own shard and holds its part of the loss (summed over the world below)
+        if me.coord.tp == 0 or lang.sequence_parallel:
             local_tokens = rows * self.spec.seq_length // me.cp
             self._aux += (total() - before) * self.spec.moe_aux_loss_coeff * local_tokens / self._loss_tokens
         return result

@@ -335,6 +335,7 @@ class ColocatedSchedule:
             return out.loss_sum, loss_func
 
         pp_ranks = dist.get_process_group_ranks(self.lang.pgs.pp)
+        tp = self.lang.pgs.tp.size()
         run_collective(
             f"module {name}: {'1F1B pipeline' if lm.pp > 1 else 'forward-backward'} of {a.micro_batches} "
             f"micro-batches over its PP group (ranks {pp_ranks})",
@@ -344,7 +345,8 @@ class ColocatedSchedule:
                 data_iterator=iter(range(a.micro_batches)),
                 model=[runner.model(name)],
                 num_microbatches=a.micro_batches,
-                seq_length=runner.stage_tensor(name, mbs)[0][0] * lm.cp,
+                # Megatron's whole sequence: its P2P shapes divide by cp (and by tp under SP) themselves
+                seq_length=runner.stage_tensor(name, mbs)[0][0] * lm.cp * (tp if config.sequence_parallel else 1),
                 micro_batch_size=mbs,
                 forward_only=a.forward_only,
                 **self.schedule_kwargs,

@@ -141,10 +141,21 @@ class ModuleState:
 
     def finalize_grads(self) -> None:
         """Reduce gradients over this module's own DP x CP group (summed: the loss is normalised by the
-        global token count already). With untied embeddings and no sequence parallelism that is the
-        whole of Megatron's `finalize_model_grads` (its embedding and layer-norm all-reduces are no-ops)."""
+        global token count already); then, under sequence parallelism (the module's config), sum the
+        gradients of the parameters in the sequence-parallel region (layer norms, row-parallel biases:
+        Megatron tags them `sequence_parallel`) over the module's TP group, one all-reduce of their
+        flattened main grads, with Megatron-core's own function (`finalize_model_grads` runs the same
+        two in this order). With untied embeddings that is the whole of Megatron's
+        `finalize_model_grads` (its embedding all-reduces are no-ops)."""
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
+            config = self._config(self.module)
+            if getattr(config, "sequence_parallel", False) and self.pgs.tp.size() > 1:
+                from megatron.core.distributed.finalize_model_grads import (
+                    _allreduce_non_tensor_model_parallel_grads,
+                )
+
+                _allreduce_non_tensor_model_parallel_grads([self.ddp], config, self.pgs.tp)
 
     def step(self) -> None:
         """This module's optimizer alone (clipped by its own norm): the profiler times it. Training

@@ -61,6 +61,14 @@ class JobConfig:
         choices=["uniform", "block"],
     )
     recompute_num_layers: Optional[int] = flag_field(None, "layers per recompute unit (full)", group="training")
+    # Megatron's sequence parallelism on every language module with tp > 1 (the encoders and their
+    # projectors, and output heads, keep it off, as Megatron-LM's LLaVA does): `models.llava`
+    sequence_parallel: bool = flag_field(
+        False,
+        "sequence parallelism (Megatron's) in every language module with tp > 1: activations outside the TP "
+        "regions sharded along the sequence over the module's TP group; ignored at tp 1",
+        group="training",
+    )
     # the runtime: its flags are the layout's (`layout.args.add_hetero_args`: --hetero-offload-encoder,
     # --hetero-comm-timeout), a Megatron-LM extra_args_provider
     offload_encoder: bool = False
@@ -194,6 +202,7 @@ def train_flag_fields() -> list[dataclasses.Field]:
                 "recompute_granularity",
                 "recompute_method",
                 "recompute_num_layers",
+                "sequence_parallel",
                 "eval_interval",
                 "eval_iters",
                 "save",

@@ -70,6 +70,7 @@ _JOB_FLAGS = (
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",
+    "sequence_parallel",
     "save",
     "save_interval",
     "load",

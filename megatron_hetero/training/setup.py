@@ -17,6 +17,7 @@ from megatron_hetero.models.llava import (
     LanguageModule,
     LlavaSpec,
     OutputModule,
+    check_sequence_parallel,
     data_config,
     language_modules,
     validate_model,
@@ -69,7 +70,12 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             )
     from megatron_hetero.compat import default_backend
 
-    validate_model(layout, spec, default_backend())  # experts (ep, expt_tp) and output modules
+    if not isinstance(job.sequence_parallel, bool):
+        raise ValueError(f"--sequence-parallel is a switch (True/False), got {job.sequence_parallel!r}")
+    # experts (ep, expt_tp) and output modules
+    validate_model(layout, spec, default_backend(), sequence_parallel=job.sequence_parallel)
+    if job.sequence_parallel:
+        check_sequence_parallel(layout, spec)
     for name in spec.encoders:
         if name not in layout.names:
             raise ValueError(f"encoder {name} has no module in the layout (modules are {layout.names})")
@@ -118,10 +124,16 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
 
 
 def build_module(
-    name: str, layout: HeteroLayout, spec: LlavaSpec, pgs, recompute: Optional[Recompute] = None
+    name: str,
+    layout: HeteroLayout,
+    spec: LlavaSpec,
+    pgs,
+    recompute: Optional[Recompute] = None,
+    sequence_parallel: bool = False,
 ) -> torch.nn.Module:
     """The module `name` for this rank's stage, on the compute device; `recompute`: the job's
-    activation recompute, for a module whose layout sets none of its own."""
+    activation recompute, for a module whose layout sets none of its own; `sequence_parallel`: the
+    job's --sequence-parallel (language modules with tp > 1 only: `models.llava`)."""
     from megatron_hetero.compat.device import get_device
 
     m = layout.module(name)
@@ -145,6 +157,7 @@ def build_module(
             first_segment=langs[0].name == name,
             last_segment=langs[-1].name == name,
             last_segment_feeds_outputs=bool(layout.consumers(langs[-1].name)),
+            sequence_parallel=sequence_parallel,
         )
     if spec.bf16 or spec.fp16:
         # Megatron's mixed precision: bf16 (fp16) parameters and compute; the optimizer keeps fp32 main
@@ -173,6 +186,6 @@ def build_states(plan: RankPlan, job: JobConfig, topo) -> dict[str, ModuleState]
     for m in plan.layout.modules:
         if plan.serves(m.name):
             pgs = topo.pg_collection(m.name)
-            module = build_module(m.name, plan.layout, job.spec, pgs, job_recompute(job))
+            module = build_module(m.name, plan.layout, job.spec, pgs, job_recompute(job), job.sequence_parallel)
             states[m.name] = ModuleState(m.name, module, pgs, optim, loss_scaler=scaler)
     return states
