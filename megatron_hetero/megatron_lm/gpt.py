@@ -78,10 +78,6 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED_GPT.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with pretrain_gpt.py and a layout (yet)")
-    if args.save or args.load:
-        raise ValueError(
-            "--save/--load with pretrain_gpt.py and a layout are not supported yet (pretrain_vlm.py has them)"
-        )
 
 
 def build_gpt_segment(args: Any, layout: HeteroLayout, m: ModuleLayout, pgs, model_provider: Callable):
