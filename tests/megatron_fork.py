@@ -69,6 +69,12 @@ def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int
     from megatron_hetero.megatron_lm.run import run_script
 
     torch.set_num_threads(1)
+    if "--async-save" not in args:
+        # torch_dist saves: the writer's results in this process, not in a spawn-mode Manager, which
+        # outlives a rank that leaves with os._exit and keeps this process's output pipe open
+        from megatron_hetero.checkpoint.save_load import _writer_results_in_process
+
+        _writer_results_in_process()
     try:
         run_script(script, args)
         return 0

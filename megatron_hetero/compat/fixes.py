@@ -36,6 +36,7 @@ import torch
 
 from .table import FIX, MCORE_0_19, Patch, Spot, check_targets
 from .fix_distopt import DISTOPT_FRESH_STATE, DISTOPT_LOAD_STEP, materialize_distributed_optimizer_state
+from .fix_megatron_lm_ckpt import MEGATRON_LM_DISTOPT_LOAD
 
 __all__ = [
     "FIXES",
@@ -365,7 +366,8 @@ NO_TE_PATCHES: List[Patch] = [
         spots=CLIP_VIT_NORM.spots,
         apply=_clip_vit_torch_norm,
         use="applied once by apply_megatron_lm_no_te_fixes() (the Megatron-LM launcher, every machine)",
-    )
+    ),
+    MEGATRON_LM_DISTOPT_LOAD,  # --load torch_dist with --use-distributed-optimizer (fix_megatron_lm_ckpt.py)
 ]
 
 

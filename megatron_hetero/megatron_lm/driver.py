@@ -13,7 +13,7 @@ layout's modules) go through, in order:
   3. weights: `--hetero-init reference` (default) builds Megatron's own model with the script's
      model provider on the reference layout (exactly what the unpatched script would start from),
      gathers each parameter over the reference TP group and keeps this rank's shard of each module
-     (`weights.py`); `--load DIR` (torch format) reads the per-rank files instead;
+     (`weights.py`); `--load DIR` (torch or torch_dist) loads Megatron's checkpoint into that model first;
      `--hetero-init module` keeps each module's own Megatron initialisation;
   4. per module, the script's parts built from Megatron's arguments on the module's own
      `ProcessGroupCollection` (`runtime.topology.Topology`), wrapped in Megatron DDP with its own
@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
-from megatron_hetero.megatron_lm import precision
+from megatron_hetero.megatron_lm import checkpoints, precision
 from megatron_hetero.megatron_lm import weights as weights_mod
 from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.front_end import ScriptFrontEnd
@@ -124,6 +124,10 @@ REFUSED = {
 }
 
 
+#: the --ckpt-format values --load/--save take with a layout
+CKPT_FORMATS = ("torch", "torch_dist")
+
+
 def check_common(args: Any, layout: HeteroLayout) -> None:
     """Megatron features every script's layout run supports; ValueError naming the flag otherwise."""
     for m in layout.modules:
@@ -173,23 +177,14 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
                 f"--use-distributed-optimizer needs --optimizer adam, got {args.optimizer} (Megatron's "
                 f"DistributedOptimizer supports Adam-style optimizers only)"
             )
-        if args.load or args.save:
-            raise ValueError(
-                "--use-distributed-optimizer with --load/--save is not supported with a layout: the "
-                "checkpoint goes through Megatron's own model and optimizer on the reference layout "
-                "per parameter, and the distributed optimizer's state is held per DP shard (train "
-                "without --use-distributed-optimizer to save or load, or use megatron-hetero train)"
-            )
     if args.optimizer not in ("adam", "sgd"):
         raise ValueError(f"--optimizer {args.optimizer} is not supported with a layout (adam or sgd)")
-    if args.load and args.ckpt_format != "torch":
+    if (args.load or args.save) and args.ckpt_format not in CKPT_FORMATS:
         raise ValueError(
-            f"--load with a layout reads --ckpt-format torch checkpoints (Megatron's own "
-            f"load_checkpoint on the layout of Megatron's parallel flags); got {args.ckpt_format}"
+            f"--ckpt-format {args.ckpt_format} is not supported with a layout and --load/--save (torch or "
+            f"torch_dist: Megatron's own load_checkpoint/save_checkpoint on the layout of Megatron's parallel flags)"
         )
     if args.save:
-        if args.ckpt_format != "torch":
-            raise ValueError(f"--save with a layout writes --ckpt-format torch checkpoints; got {args.ckpt_format}")
         if args.hetero_init != "reference":
             raise ValueError(
                 "--save with a layout needs --hetero-init reference (the checkpoint is written "
@@ -319,9 +314,10 @@ def _train(
         )
         save = None
         if source is not None and source.kept is not None:  # --save: Megatron's checkpoint of the reference model
+            first = {m.name: model.first_layer(layout, m) for m in layout.modules}
 
             def save(iteration: int) -> None:
-                weights_mod.save_reference_checkpoint(source, iteration, states, layout, topo)
+                checkpoints.save_reference_checkpoint(source, iteration, states, first)
 
             schedulers = {**schedulers, "<reference>": source.kept[2]}  # the reference scheduler follows
         front = ScriptFrontEnd(args, states, Evaluator(schedule, runner, states, args, start), save)

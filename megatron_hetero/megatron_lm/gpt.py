@@ -91,10 +91,6 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
             raise ValueError(f"{flag} is not supported with pretrain_gpt.py and a layout (yet)")
     if getattr(args, "num_experts", None):
         check_moe(args, layout)
-    if args.save or args.load:
-        raise ValueError(
-            "--save/--load with pretrain_gpt.py and a layout are not supported yet (pretrain_vlm.py has them)"
-        )
 
 
 def check_moe(args: Any, layout: HeteroLayout) -> None:

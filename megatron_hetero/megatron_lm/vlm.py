@@ -50,6 +50,10 @@ def check_vlm(args: Any, layout: HeteroLayout) -> None:
             )
         if m.ep != 1 or m.layers is not None:
             raise ValueError(f"module {m.name}: ep/layers are not supported with pretrain_vlm.py")
+    if (args.save or args.load) and args.ckpt_format != "torch":
+        raise ValueError(
+            f"pretrain_vlm.py takes only --ckpt-format torch (its model provider asserts it); got {args.ckpt_format}"
+        )
     if vis.pp != 1:
         raise ValueError(
             f"module vision: pp={vis.pp}; Megatron's LLaVA vision encoder runs on one pipeline stage (pp=1)"
@@ -57,11 +61,6 @@ def check_vlm(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in {"use_packed_sequence": "--use-packed-sequence", "pixel_shuffle": "--pixel-shuffle"}.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
-    if args.save and any(m.pp != 1 for m in (vis, lang)):
-        raise ValueError(
-            "--save with a layout needs pp=1 in every module (the checkpoint is written on the "
-            "reference layout, Megatron's parallel flags)"
-        )
     dec_layers = args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers
     if dec_layers % lang.pp:
         raise ValueError(f"module language: {dec_layers} decoder layers do not split over pp({lang.pp})")

@@ -7,7 +7,10 @@ initialisation and, with `--load DIR`, Megatron's own `load_checkpoint` (weights
 learning-rate scheduler, RNG, iteration) of a checkpoint saved by a run with that layout. Each
 tensor-parallel parameter and its optimizer state are all-gathered over the reference TP group and
 concatenated along the parameter's `partition_dim`, keyed by the parameter's name in the whole model
-(`language_model.decoder.layers.3.mlp.linear_fc1.weight`, ...).
+(`language_model.decoder.layers.3.mlp.linear_fc1.weight`, ...). With Megatron's
+DistributedOptimizer (`--use-distributed-optimizer`) each parameter's moments are first joined over
+the reference DP group (`optimizer_state.adam_state`: an all-reduce, sum, of each rank's range).
+The way back, `--save`, is `checkpoints.save_reference_checkpoint`.
 
 `copy_into` keeps this rank's shard of each tensor (`chunk(tp)[tp_rank]` along `partition_dim`;
 layer numbers shifted by the stage's offset when the module is pipelined); `copy_optimizer_state`
@@ -31,6 +34,14 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_hetero.megatron_lm.optimizer_state import (
+    MOMENTS,
+    adam_state,
+    ensure_distributed_state,
+    is_distributed,
+    set_adam_state,
+)
 
 _LAYER = re.compile(r"^((?:language_model\.)?decoder\.layers\.)(\d+)(\..*)$")
 _EXPERT = re.compile(r"(^|\.)(experts\.local_experts\.)(\d+)\.")
@@ -134,7 +145,7 @@ class ReferenceSource:
         for name, p in model.named_parameters():
             dim, expert = _partition(p), is_expert(name)
             full[name] = gather(p, dim, name in gated, expert)
-            st = opt_state.get(id(p))
+            st = opt_state.get(id(p)) or adam_state(optimizer, p)  # distributed: over the reference DP group
             if st:
                 state[name] = {
                     k: gather(v, dim, name in gated, expert)
@@ -236,6 +247,8 @@ def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSou
         return 0
     tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
     offset = _layer_offset(model, first_layer)
+    if is_distributed(optimizer):
+        return _copy_distributed_state(model, optimizer, source, pgs, first_layer)
     by_id = {id(p): (n, p) for n, p in model.named_parameters()}
     gated = gated_names(model)
     done = 0
@@ -258,82 +271,21 @@ def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSou
     return done
 
 
-def _owner(name: str) -> str:
-    return "language" if name.startswith("language_model.") else "vision"
-
-
-@torch.no_grad()
-def save_reference_checkpoint(source: ReferenceSource, iteration: int, states: dict, layout, topo) -> None:
-    """Write a `--ckpt-format torch` checkpoint of the *reference* layout (Megatron's parallel flags)
-    with Megatron's own `save_checkpoint`: every module's parameters and Adam state are gathered over
-    the module's TP group, broadcast from the module's first rank to every rank, and this rank's
-    reference TP shard is put into the kept reference model and optimizer. The unpatched script
-    resumes from it (`--load`). Modules must have pp 1 (checked before training)."""
-    from megatron.core import parallel_state as ps
-    from megatron.training import get_args
-    from megatron.training.checkpointing import save_checkpoint
-    from megatron.core.utils import unwrap_model
-
-    from megatron_hetero.compat.device import get_device
-
-    assert source.kept is not None, "the reference model was not kept"
-    chunks, optimizer, scheduler = source.kept
-    ref = unwrap_model(chunks)[0]
-    ref_tp, ref_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    dev = get_device()
-    inner = _inner_optimizers(optimizer)
-    ref_opt = {id(p): o for o in inner for g in o.param_groups for p in g["params"]}
-    mine = {n: (dict(s.module.named_parameters()), s) for n, s in states.items()}
-    gated = gated_names(ref)  # pp 1 everywhere: the modules' names are the reference model's
-
-    def full_from_module(name: str, ref_p: torch.Tensor, get) -> torch.Tensor:
-        """`get(param, state)` -> this module rank's local tensor; returns the full tensor on every rank."""
-        m = layout.module(_owner(name))
-        dim = _partition(ref_p)
-        shape = list(ref_p.shape)
-        if dim is not None:
-            shape[dim] *= ref_tp
-        out = torch.empty(shape, dtype=ref_p.dtype, device=dev)
-        if m.name in mine:
-            params, st = mine[m.name]
-            local = get(params[name], st).to(dev).contiguous()
-            if dim is not None and m.tp > 1:
-                parts = [torch.empty_like(local) for _ in range(m.tp)]
-                dist.all_gather(parts, local, group=st.pgs.tp)
-                local = _join(parts, dim, name in gated)
-            if dist.get_rank() == m.offset:
-                out.copy_(local)
-        dist.broadcast(out, src=m.offset)
-        return out
-
-    def shard(full: torch.Tensor, ref_p: torch.Tensor, name: str) -> torch.Tensor:
-        dim = _partition(ref_p)
-        return _split(full, dim, ref_tp, ref_rank, name in gated) if dim is not None and ref_tp > 1 else full
-
-    def adam(key: str):
-        def get(p, st):
-            if st.optimizer is None:
-                return torch.zeros_like(p)
-            for o in _inner_optimizers(st.optimizer):
-                if p in o.state:
-                    return o.state[p][key]
-            return torch.zeros_like(p)
-
-        return get
-
-    for name, rp in ref.named_parameters():
-        rp.data.copy_(shard(full_from_module(name, rp, lambda p, st: p.detach()), rp, name))
-        o = ref_opt.get(id(rp))
-        trained = rp.requires_grad and o is not None
-        if not trained:
+def _copy_distributed_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs, first_layer: int) -> int:
+    """`copy_optimizer_state` for a module with Megatron's DistributedOptimizer: each DP rank writes its
+    range of every parameter's moments (`optimizer_state.set_adam_state`); the parameters are written
+    again after the optimizer's state is created (that step moves them)."""
+    if ensure_distributed_state(optimizer):
+        copy_into(model, source, pgs, first_layer)
+    tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
+    offset = _layer_offset(model, first_layer)
+    gated = gated_names(model)
+    done = 0
+    for name, p in model.named_parameters():
+        st = source.state.get(_global_name(name, offset))
+        if not st or not all(k in st for k in MOMENTS):
             continue
-        for key in ("exp_avg", "exp_avg_sq"):
-            t = shard(full_from_module(name, rp, adam(key)), rp, name)
-            if getattr(o, "defaults", {}).get("betas") is None:
-                break  # not Adam (SGD keeps no such state)
-            o.state.setdefault(rp, {})[key] = t.clone()
-        if rp in o.state:
-            o.state[rp]["step"] = torch.tensor(float(iteration))
-    args = get_args()
-    args.consumed_train_samples = iteration * args.global_batch_size
-    save_checkpoint(iteration, chunks, optimizer, scheduler, 0)
+        full = {k: _shard(st[k], p, tp, tp_rank, f"optimizer state {k} of {name}", name in gated) for k in MOMENTS}
+        step = st.get("step", source.iteration)
+        done += set_adam_state(optimizer, p, full, float(step.item() if isinstance(step, torch.Tensor) else step))
+    return done

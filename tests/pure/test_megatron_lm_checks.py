@@ -92,7 +92,6 @@ def test_segments_are_accepted_and_count_their_layers():
             5,
             "module language_a: 3 layers do not split over pp(2)",
         ),
-        (_args(save="/tmp/x"), SEGMENTS, ("language_a -> language_b",), 4, "--save/--load with pretrain_gpt.py"),
         (_args(sft=True), SEGMENTS, ("language_a -> language_b",), 4, "--sft is not supported"),
     ],
 )
@@ -114,8 +113,9 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
         (dict(train_iters=None), "--train-iters is required"),
         (dict(overlap_grad_reduce=True), "--overlap-grad-reduce is not supported with a layout"),
         (dict(use_distributed_optimizer=True, overlap_param_gather=True), "--overlap-param-gather is not supported"),
-        (dict(use_distributed_optimizer=True, save="ckpt"), "--use-distributed-optimizer with --load/--save"),
-        (dict(use_distributed_optimizer=True, load="ckpt"), "--use-distributed-optimizer with --load/--save"),
+        (dict(save="ckpt", ckpt_format="zarr"), "--ckpt-format zarr is not supported with a layout and --load/--save"),
+        (dict(load="ckpt", ckpt_format="torch_dcp"), "--ckpt-format torch_dcp is not supported with a layout"),
+        (dict(save="ckpt", hetero_init="module"), "--save with a layout needs --hetero-init reference"),
         (dict(use_distributed_optimizer=True, optimizer="sgd"), "--use-distributed-optimizer needs --optimizer adam"),
     ],
 )
@@ -132,6 +132,13 @@ def test_the_distributed_optimizer_is_accepted():
 def test_bf16_and_fp16_are_accepted():
     check_common(_args(bf16=True, use_distributed_optimizer=True), _layout(SEGMENTS))
     check_common(_args(fp16=True, loss_scale=1024.0), _layout(SEGMENTS))  # the e2e runs: test_megatron_lm_precision
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_gpt_segments_save_and_load_are_accepted_with_the_distributed_optimizer(fmt):
+    args = _args(save="ckpt", load="ckpt", ckpt_format=fmt, use_distributed_optimizer=True)
+    check_gpt(args, _layout(SEGMENTS, ("language_a -> language_b",)))
+    check_common(args, _layout(SEGMENTS))
 
 
 def test_swiglu_is_accepted_and_a_modules_own_recompute_is_refused():
@@ -264,3 +271,12 @@ def test_check_names_a_tag_an_earlier_release_supported(tmp_path, monkeypatch, c
     assert "core_v0.16.1" in capsys.readouterr().err
     other = _fake_tree(tmp_path / "other", b"something", b"else")
     assert "match no supported tag (core_v0.19.0)" in tree.check_tree(other).reason
+
+
+def test_vlm_saves_with_a_pipelined_language_model_but_only_in_torch_format():
+    vlm = _layout(
+        {"vision": {"dp": 2}, "language": {"pp": 2}}, edges=("vision -> language",), placement="colocated", world=2
+    )
+    check_vlm(_args(decoder_num_layers=2, save="ckpt"), vlm)  # every stage's parameters reach the reference
+    with pytest.raises(ValueError, match=r"pretrain_vlm.py takes only --ckpt-format torch .*got torch_dist"):
+        check_vlm(_args(decoder_num_layers=2, save="ckpt", ckpt_format="torch_dist"), vlm)
