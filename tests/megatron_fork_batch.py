@@ -2,6 +2,7 @@
 process that imported everything once: `tests/megatron_fork.py` for a batch of runs.
 
     python tests/megatron_fork_batch.py RUNS.json
+    python tests/megatron_fork_batch.py --serve     (one run per JSON line on stdin: `serve`)
 
 RUNS.json: a list of `{"nproc": N, "script": PATH, "args": [...], "out": PATH}`; every run's ranks
 write their stdout and stderr to its `out` file, and its exit code (as `megatron_fork.py` gives it)
@@ -23,8 +24,9 @@ import time
 import megatron_fork
 
 
-def _launch(nproc: int, script: str, args: list[str], out: str) -> int:
-    """One run on `nproc` forked ranks (their output to `out`); its exit code, as megatron_fork's."""
+def _launch(nproc: int, script: str, args: list[str], out: str, env: dict | None = None) -> int:
+    """One run on `nproc` forked ranks (their output to `out`, their environment `env` when given);
+    its exit code, as megatron_fork's."""
     port = megatron_fork._free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -36,6 +38,9 @@ def _launch(nproc: int, script: str, args: list[str], out: str) -> int:
                 code = 1
                 try:
                     os.setpgid(0, 0)
+                    if env is not None:
+                        os.environ.clear()
+                        os.environ.update(env)
                     os.dup2(log.fileno(), 1)
                     os.dup2(log.fileno(), 2)
                     code = megatron_fork._rank(rank, nproc, port, script, args)
@@ -104,7 +109,32 @@ def _warm() -> None:
     cpu_vec_isa.pick_vec_isa()
 
 
+def serve(requests, replies) -> int:
+    """`--serve`: one run per JSON line read from `requests` (`{"nproc", "script", "args", "out",
+    "env"}`: the environment the run's ranks get), its exit code written to `replies` as one JSON
+    line (`{"rc": N, "seconds": S}`), until `requests` ends. The first request's tree is imported and
+    warmed once (as for a batch); the test suite keeps one such process for all its script runs
+    (`tests/e2e/test_megatron_lm.py` `torchrun`)."""
+    warmed = False
+    for line in requests:
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if not warmed:
+            os.environ.update(r.get("env") or {})
+            megatron_fork._prepare(r["script"])
+            _warm()
+            warmed = True
+        t0 = time.monotonic()
+        rc = _launch(int(r["nproc"]), r["script"], list(r["args"]), r["out"], r.get("env"))
+        replies.write(json.dumps({"rc": rc, "seconds": round(time.monotonic() - t0, 1)}) + "\n")
+        replies.flush()
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv == ["--serve"]:
+        return serve(sys.stdin, sys.stdout)
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2

@@ -19,13 +19,17 @@ GPT segments) run with Megatron's default --clip-grad 1.0 (engaged: the referenc
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -106,11 +110,72 @@ class Run:
         return self.out[-4000:]
 
 
+class ForkServer:
+    """One `tests/megatron_fork_batch.py --serve` process for every forked script run of the test
+    session (the Megatron-LM test files share it through `torchrun`): it imports torch, Megatron-core,
+    the tree's training package and the tokenizers once, and forks each run's ranks from that state
+    (each rank gets the run's own environment), instead of one fresh `megatron_fork.py` per run (about
+    8 s of CPU each on the 2-core machines). A run past its timeout kills the server (the next run
+    starts a new one) and raises `subprocess.TimeoutExpired`, as `subprocess.run` would."""
+
+    def __init__(self) -> None:
+        self.proc: Optional[subprocess.Popen] = None
+        self.errors: Optional[Path] = None
+
+    def _start(self, env: dict) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            fd, name = tempfile.mkstemp(prefix="megatron-fork-server-", suffix=".err")
+            self.errors = Path(name)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(REPO / "tests" / "megatron_fork_batch.py"), "--serve"],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=fd,
+                text=True,
+                start_new_session=True,
+            )
+            os.close(fd)
+            atexit.register(self.stop)
+        return self.proc
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def run(self, nproc: int, script: Path, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+        proc = self._start(env)
+        fd, out = tempfile.mkstemp(prefix="megatron-fork-run-", suffix=".log")
+        os.close(fd)
+        request = {"nproc": nproc, "script": str(script), "args": [str(a) for a in args], "out": out, "env": env}
+        cmd = ["megatron_fork_batch --serve", str(nproc), str(script), *map(str, args)]
+        try:
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            if not ready:
+                self.stop()
+                raise subprocess.TimeoutExpired(cmd, timeout, output=Path(out).read_text(errors="replace"))
+            line = proc.stdout.readline()
+            text = Path(out).read_text(errors="replace")
+        finally:
+            Path(out).unlink(missing_ok=True)
+        if not line:  # the server itself died: its own error output says why
+            self.stop()
+            return subprocess.CompletedProcess(cmd, 1, text, self.errors.read_text(errors="replace"))
+        return subprocess.CompletedProcess(cmd, int(json.loads(line)["rc"]), text, "")
+
+
+FORK_SERVER = ForkServer()
+
+
 def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 400, real: bool = False) -> Run:
     """`script` with `args` on `nproc` CPU ranks through `megatron_hetero.megatron_lm.run`: forked from
-    one process that imported everything once (`tests/megatron_fork.py`: the same rendezvous
-    environment and the same launcher code per rank, minutes less of start-up over the file), or with
-    `real`, under torchrun itself."""
+    the session's fork server, which imported everything once (`ForkServer`: the same rendezvous
+    environment and the same launcher code per rank as `tests/megatron_fork.py`, minutes less of
+    start-up over the suite), or with `real`, under torchrun itself."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -130,10 +195,10 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 400, 
                 "-m",
                 "megatron_hetero.megatron_lm.run",
             ]
+            cmd += [str(script), *args]
+            run = Run(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout))
         else:
-            cmd = [sys.executable, str(REPO / "tests" / "megatron_fork.py"), str(nproc)]
-        cmd += [str(script), *args]
-        run = Run(subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout))
+            run = Run(FORK_SERVER.run(nproc, script, args, env, timeout))
         if run.rc == 0 or "EADDRINUSE" not in run.out:
             break
     return run
