@@ -21,6 +21,19 @@ flattened moments (Megatron's `DistributedOptimizer._get_model_param_range_map` 
 `_get_main_param_and_optimizer_states`, its per-parameter views): `adam_state` joins them with a sum
 over the optimizer's data-parallel group (zeros outside each rank's range: exact), and
 `set_adam_state` writes each rank's range back.
+
+With `--bf16`/`--fp16` the parameters go over the wire in their half precision (2 bytes an element),
+then each parameter's fp32 main weight (`optimizer_state.main_weight`: the module optimizer's, not the
+half-precision parameter cast up; joined over the DP group like the moments with the distributed
+optimizer) and the moments in fp32, the same way (TP all-gather, broadcast from the source), into the
+reference optimizer's main weights (`set_main_weight`). The --fp16 loss scale is not sent: every rank
+holds the same one (`runtime.loss_scale`) and copies it into the reference optimizer's grad scaler,
+which Megatron saves as the checkpoint's `grad_scaler`.
+
+MoE: a module with `ep` > 1 holds on EP rank r its local experts K, the model's experts
+`K + r * (E / ep)` (`weights._first_expert`); their names in `_holdings` carry the global index, so the
+source of each expert is the lowest rank of the EP rank that holds it, and its pieces are gathered
+over the module's expert-TP group (`pgs.expt_tp`) instead of its TP group.
 """
 
 from __future__ import annotations

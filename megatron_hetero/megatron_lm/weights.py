@@ -12,9 +12,14 @@ DistributedOptimizer (`--use-distributed-optimizer`) each parameter's moments ar
 the reference DP group (`optimizer_state.adam_state`: an all-reduce, sum, of each rank's range).
 The way back, `--save`, is `checkpoints.save_reference_checkpoint`.
 
+With `--bf16`/`--fp16` the reference optimizer's fp32 main weights are gathered the same way
+(`ReferenceSource.main`; `optimizer_state.main_weight`), and with `--fp16` its grad scaler's state is
+kept (`ReferenceSource.grad_scaler`, for the rank's loss scaler: `precision.restore_loss_scale`).
+
 `copy_into` keeps this rank's shard of each tensor (`chunk(tp)[tp_rank]` along `partition_dim`;
 layer numbers shifted by the stage's offset when the module is pipelined); `copy_optimizer_state`
-does the same for the module's optimizer. Megatron's QKV and non-gated MLP layouts are plain chunks
+does the same for the module's optimizer (moments, step and fp32 main weights; experts by their global
+index, over the module's expert-TP group). Megatron's QKV and non-gated MLP layouts are plain chunks
 along the partition dimension, which is what Megatron's own TP resharding assumes.
 
 Gated MLPs (`--swiglu`, `gated_linear_unit`) are not: each TP rank's `linear_fc1` weight (and bias)
