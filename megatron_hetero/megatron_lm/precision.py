@@ -18,7 +18,10 @@ What the unpatched script does, and where the layout run does the same:
     rank, updated once per step with the non-finite flag agreed over the world
     (`runtime.optimizer_step`); a non-finite gradient anywhere skips the step on every module, the
     learning-rate schedule does not advance (Megatron's `train_step` steps it only after a successful
-    update), and the log line counts it (`log.IntervalLog`).
+    update), and the log line counts it (`log.IntervalLog`);
+  * checkpoints (`--save`/`--load`): the fp32 main weights, the moments keyed by them and (--fp16)
+    the loss scale go through the reference optimizer (`checkpoints.py`, `weights.py`,
+    :func:`restore_loss_scale`), as Megatron's own mixed-precision optimizer saves them.
 
 Activations crossing module boundaries and between pipeline stages go over the wire in the module
 dtype (2 bytes per element with bf16/fp16; `runner.py`, `gpt.py`). Nothing of this module itself
