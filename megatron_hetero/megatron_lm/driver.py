@@ -154,7 +154,7 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
-    precision.check_precision(args)  # --bf16/--fp16 with --save/--load, --loss-scale without --fp16
+    precision.check_precision(args)  # --loss-scale without --fp16
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise ValueError(
             "with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
@@ -281,6 +281,8 @@ def _train(
             **precision.optim_fields(args),  # --bf16, --fp16 and the loss-scale flags
         )
         scaler = precision.loss_scaler(optim)  # --fp16: one loss scale for every module of the rank
+        if source is not None and args.load:  # --fp16: the checkpoint's loss scale (Megatron's grad_scaler)
+            precision.restore_loss_scale(scaler, source.grad_scaler)
         states, schedulers = {}, {}
         for m in layout.modules:
             if not topo.serves(m.name):

@@ -7,6 +7,15 @@ every parameter's flattened moments, reached through Megatron's own per-paramete
 shard's tensors). `adam_state` reads a parameter's whole moments from either (for the distributed
 one: an all-reduce, sum, of the zero-padded ranges over the optimizer's data-parallel group, exact as
 the ranges are disjoint); `set_adam_state` writes them (each rank its range; no communication).
+
+Mixed precision (`--bf16`/`--fp16`): Megatron's optimizer then updates fp32 *main* weights kept apart
+from the half-precision model parameters, and keys Adam's state by them. The plain one
+(`Float16OptimizerWithFloat16Params`) holds each model parameter's whole main weight
+(`fp32_from_float16_groups`, reached through the handle it sets, `param.main_param`), its torch
+optimizer's `state[main]` the moments; the distributed one holds each DP rank's range of it (the
+`"param"` entry of its per-parameter view). `main_weight` reads a parameter's whole fp32 main weight
+(distributed: the same all-reduce as the moments), `set_main_weight` writes it; both say None/False
+where the optimizer keeps no separate one (fp32 parameters: the model parameter is the main weight).
 """
 
 from __future__ import annotations
@@ -56,6 +65,67 @@ def _local_range(opt, p: torch.Tensor) -> Optional[tuple[int, int]]:
     return (int(r.start), int(r.end)) if r.end > r.start else None
 
 
+def _mixed_precision_main(optimizer, p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fp32 main weight that Megatron's plain mixed-precision optimizer keeps for half-precision
+    model parameter `p` (the handle `Float16OptimizerWithFloat16Params` sets, `p.main_param`), or None
+    (fp32 `p`, no such optimizer, `p` not trained)."""
+    if optimizer is None or p.dtype == torch.float32:
+        return None
+    outer = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not any(hasattr(o, "fp32_from_float16_groups") for o in outer):
+        return None
+    main = getattr(p, "main_param", None)
+    if not isinstance(main, torch.Tensor) or main.dtype != torch.float32 or main.shape != p.shape:
+        return None
+    return main
+
+
+def state_key(optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The tensor the torch optimizer's state of model parameter `p` is keyed by: its fp32 main weight
+    under Megatron's plain mixed-precision optimizer, `p` itself otherwise."""
+    main = _mixed_precision_main(optimizer, p)
+    return main if main is not None else p
+
+
+def main_weight(optimizer, p: torch.Tensor) -> Optional[torch.Tensor]:
+    """This rank's whole (TP-local) fp32 main weight of half-precision model parameter `p` (see the
+    module docstring): the plain optimizer's copy, or with a DistributedOptimizer each DP rank's range
+    joined by an all-reduce (sum) over its data-parallel group (a collective there, as `adam_state`).
+    None where the optimizer keeps no separate main weight (fp32 `p`; no optimizer)."""
+    opt = _owning_distopt(optimizer, p)
+    if opt is None:
+        main = _mixed_precision_main(optimizer, p)
+        return main.detach() if main is not None else None
+    if p.dtype == torch.float32:
+        return None  # the distributed optimizer's main shard is a view of the fp32 parameter
+    rng = _local_range(opt, p)
+    flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+    if rng is not None:
+        flat[rng[0] : rng[1]] = opt._get_main_param_and_optimizer_states(p)["param"].detach().view(-1)
+    dist.all_reduce(flat, group=opt.data_parallel_group)
+    return flat.view(p.shape)
+
+
+def set_main_weight(optimizer, p: torch.Tensor, full: torch.Tensor) -> bool:
+    """Write the whole (TP-local) fp32 main weight `full` of model parameter `p` into `optimizer` (the
+    plain optimizer's copy, or this DP rank's range of the distributed one's; no communication).
+    Returns whether anything was written (False: fp32 `p`, or none of `p` on this DP rank)."""
+    opt = _owning_distopt(optimizer, p)
+    if opt is None:
+        main = _mixed_precision_main(optimizer, p)
+        if main is None:
+            return False
+        main.data.copy_(full.reshape(main.shape))
+        return True
+    if p.dtype == torch.float32:
+        return False
+    rng = _local_range(opt, p)
+    if rng is None:
+        return False
+    opt._get_main_param_and_optimizer_states(p)["param"].data.copy_(full.reshape(-1)[rng[0] : rng[1]])
+    return True
+
+
 def adam_state(optimizer, p: torch.Tensor) -> dict[str, Any]:
     """This rank's whole (TP-local) optimizer state of model parameter `p`: the torch optimizer's state
     of `p` (Megatron's plain optimizer), or, with a DistributedOptimizer, each DP rank's range of every
@@ -63,9 +133,10 @@ def adam_state(optimizer, p: torch.Tensor) -> dict[str, Any]:
     every rank of that group calls it for the same `p` in the same order. {} when `p` has no state yet."""
     opt = _owning_distopt(optimizer, p)
     if opt is None:
+        key = state_key(optimizer, p)
         for inner in _inner_optimizers(optimizer):
-            if p in inner.state:
-                return dict(inner.state[p])
+            if key in inner.state:
+                return dict(inner.state[key])
         return {}
     rng = _local_range(opt, p)
     local = opt._get_main_param_and_optimizer_states(p) if rng is not None else {}
@@ -101,19 +172,21 @@ def is_distributed(optimizer) -> bool:
 
 def set_adam_state(optimizer, p: torch.Tensor, full: dict[str, torch.Tensor], step: float) -> bool:
     """Write the whole (TP-local) moments `full` of model parameter `p` into `optimizer`: its torch
-    state (plain Megatron optimizer; created where missing) or, with a DistributedOptimizer, this DP
+    state (plain Megatron optimizer, keyed by `p`'s fp32 main weight under mixed precision; created
+    where missing, in the dtype of that key) or, with a DistributedOptimizer, this DP
     rank's range of each flattened moment (no communication; `ensure_distributed_state` first).
     Returns whether anything was written (False: SGD, or none of `p` on this DP rank)."""
     opt = _owning_distopt(optimizer, p)
     if opt is None:
+        key_p = state_key(optimizer, p)
         for inner in _inner_optimizers(optimizer):
-            if not any(p is q for g in inner.param_groups for q in g["params"]):
+            if not any(key_p is q for g in inner.param_groups for q in g["params"]):
                 continue
             if inner.defaults.get("betas") is None:
                 return False  # not Adam (SGD keeps no such state)
-            st = inner.state.setdefault(p, {})
+            st = inner.state.setdefault(key_p, {})
             for key in MOMENTS:
-                st[key] = full[key].to(p.device, p.dtype).clone()
+                st[key] = full[key].to(key_p.device, key_p.dtype).clone()
             st["step"] = torch.tensor(float(step))
             return True
         return False

@@ -18,7 +18,10 @@ What the unpatched script does, and where the layout run does the same:
     rank, updated once per step with the non-finite flag agreed over the world
     (`runtime.optimizer_step`); a non-finite gradient anywhere skips the step on every module, the
     learning-rate schedule does not advance (Megatron's `train_step` steps it only after a successful
-    update), and the log line counts it (`log.IntervalLog`).
+    update), and the log line counts it (`log.IntervalLog`);
+  * checkpoints (`--save`/`--load`): the fp32 main weights, the moments keyed by them and (--fp16)
+    the loss scale go through the reference optimizer (`checkpoints.py`, `weights.py`,
+    :func:`restore_loss_scale`), as Megatron's own mixed-precision optimizer saves them.
 
 Activations crossing module boundaries and between pipeline stages go over the wire in the module
 dtype (2 bytes per element with bf16/fp16; `runner.py`, `gpt.py`). Nothing of this module itself
@@ -27,7 +30,7 @@ goes over the wire.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -40,17 +43,11 @@ def model_dtype(args: Any) -> torch.dtype:
 
 
 def check_precision(args: Any) -> None:
-    """What a layout run refuses of Megatron's precision flags (ValueError naming the flag)."""
-    bf16, fp16 = bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))
-    if (bf16 or fp16) and (args.save or args.load):
-        flag = "--bf16" if bf16 else "--fp16"
-        raise ValueError(
-            f"{flag} with --save/--load is not supported with a layout yet: the checkpoint goes "
-            f"through Megatron's own model and optimizer on the reference layout, whose mixed-precision "
-            f"optimizer keeps the fp32 main weights apart from the model's {flag[2:]} parameters "
-            f"(fp32_from_fp16_params), which the resharding does not carry yet (megatron-hetero train "
-            f"saves and loads {flag})"
-        )
+    """What a layout run refuses of Megatron's precision flags (ValueError naming the flag). `--bf16` and
+    `--fp16` take `--save`/`--load`: the checkpoint carries the fp32 main weights, the moments and the
+    loss scale (`checkpoints.save_reference_checkpoint`, `weights.copy_optimizer_state`,
+    :func:`restore_loss_scale`)."""
+    fp16 = bool(getattr(args, "fp16", False))
     loss_scale = getattr(args, "loss_scale", None)
     if loss_scale is not None and not fp16:
         raise ValueError(
@@ -82,6 +79,22 @@ def loss_scaler(optim: OptimConfig):
     from megatron_hetero.runtime.loss_scale import LossScaler
 
     return LossScaler(optim) if optim.fp16 else None
+
+
+def restore_loss_scale(scaler, grad_scaler_state: Optional[dict]) -> None:
+    """--fp16 with --load: set the rank's one loss scaler from the reference optimizer's grad scaler
+    as Megatron's `load_checkpoint` left it (the checkpoint's `grad_scaler`: scale, growth and
+    hysteresis trackers; `weights.ReferenceSource.grad_scaler`). Nothing without either."""
+    if scaler is None or not grad_scaler_state:
+        return
+    sd = grad_scaler_state
+    scale = sd.get("scale")
+    rec = {
+        "scale": float(scale.item()) if isinstance(scale, torch.Tensor) else scale,
+        "growth_tracker": sd.get("growth_tracker"),
+        "hysteresis_tracker": sd.get("hysteresis_tracker"),
+    }
+    scaler.restore(rec)  # a constant scaler (--loss-scale) keeps the flag's value
 
 
 def to_model_dtype(model: torch.nn.Module, args: Any) -> torch.nn.Module:

@@ -12,9 +12,14 @@ DistributedOptimizer (`--use-distributed-optimizer`) each parameter's moments ar
 the reference DP group (`optimizer_state.adam_state`: an all-reduce, sum, of each rank's range).
 The way back, `--save`, is `checkpoints.save_reference_checkpoint`.
 
+With `--bf16`/`--fp16` the reference optimizer's fp32 main weights are gathered the same way
+(`ReferenceSource.main`; `optimizer_state.main_weight`), and with `--fp16` its grad scaler's state is
+kept (`ReferenceSource.grad_scaler`, for the rank's loss scaler: `precision.restore_loss_scale`).
+
 `copy_into` keeps this rank's shard of each tensor (`chunk(tp)[tp_rank]` along `partition_dim`;
 layer numbers shifted by the stage's offset when the module is pipelined); `copy_optimizer_state`
-does the same for the module's optimizer. Megatron's QKV and non-gated MLP layouts are plain chunks
+does the same for the module's optimizer (moments, step and fp32 main weights; experts by their global
+index, over the module's expert-TP group). Megatron's QKV and non-gated MLP layouts are plain chunks
 along the partition dimension, which is what Megatron's own TP resharding assumes.
 
 Gated MLPs (`--swiglu`, `gated_linear_unit`) are not: each TP rank's `linear_fc1` weight (and bias)
@@ -40,7 +45,10 @@ from megatron_hetero.megatron_lm.optimizer_state import (
     adam_state,
     ensure_distributed_state,
     is_distributed,
+    main_weight,
     set_adam_state,
+    set_main_weight,
+    state_key,
 )
 
 _LAYER = re.compile(r"^((?:language_model\.)?decoder\.layers\.)(\d+)(\..*)$")
@@ -101,8 +109,19 @@ def _inner_optimizers(optimizer) -> list:
 class ReferenceSource:
     """Full tensors of Megatron's own model (and optimizer state) on the reference layout."""
 
-    def __init__(self, full: dict[str, torch.Tensor], state: dict[str, dict[str, Any]], iteration: int) -> None:
+    def __init__(
+        self,
+        full: dict[str, torch.Tensor],
+        state: dict[str, dict[str, Any]],
+        iteration: int,
+        main: Optional[dict[str, torch.Tensor]] = None,
+        grad_scaler: Optional[dict] = None,
+    ) -> None:
         self.full, self.state, self.iteration = full, state, iteration
+        #: --bf16/--fp16: each parameter's fp32 main weight, as the reference optimizer holds it
+        self.main: dict[str, torch.Tensor] = main or {}
+        #: --fp16: the reference optimizer's grad scaler state (Megatron's checkpoint's `grad_scaler`)
+        self.grad_scaler = grad_scaler
         self.kept: Optional[tuple] = None  # (model chunks, optimizer, scheduler) when kept for --save
 
     @classmethod
@@ -126,10 +145,6 @@ class ReferenceSource:
                 )
             # expert weights are sharded over the expert-TP group (Megatron's default: the TP size)
             etp_group, etp = ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size()
-        opt_state: dict[int, dict] = {}
-        for inner in _inner_optimizers(optimizer):
-            for p, st in inner.state.items():
-                opt_state[id(p)] = st
 
         def gather(t: torch.Tensor, dim: Optional[int], gated: bool, expert: bool) -> torch.Tensor:
             t = t.detach()
@@ -140,12 +155,15 @@ class ReferenceSource:
                 t = _join(parts, dim, gated)
             return t.cpu().clone()
 
-        full, state = {}, {}
+        full, state, main = {}, {}, {}
         gated = gated_names(model)
         for name, p in model.named_parameters():
             dim, expert = _partition(p), is_expert(name)
             full[name] = gather(p, dim, name in gated, expert)
-            st = opt_state.get(id(p)) or adam_state(optimizer, p)  # distributed: over the reference DP group
+            mw = main_weight(optimizer, p)  # --bf16/--fp16; distributed: over the reference DP group
+            if mw is not None:
+                main[name] = gather(mw, dim, name in gated, expert)
+            st = adam_state(optimizer, p)  # distributed: over the reference DP group
             if st:
                 state[name] = {
                     k: gather(v, dim, name in gated, expert)
@@ -154,7 +172,7 @@ class ReferenceSource:
                     for k, v in sorted(st.items())
                 }
         iteration = int(get_args().iteration or 0)
-        src = cls(full, state, iteration)
+        src = cls(full, state, iteration, main, grad_scaler_state(optimizer))
         if keep:
             src.kept = (chunks, optimizer, scheduler)
         return src
@@ -165,7 +183,26 @@ class ReferenceSource:
         return self.full[name]
 
     def release(self) -> None:
-        self.full, self.state = {}, {}
+        self.full, self.state, self.main = {}, {}, {}
+
+
+def grad_scalers(optimizer) -> list:
+    """The grad scalers of the Megatron optimizers inside `optimizer` (chained or not; --fp16)."""
+    if optimizer is None:
+        return []
+    outer = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.grad_scaler for o in outer if getattr(o, "grad_scaler", None) is not None]
+
+
+def grad_scaler_state(optimizer) -> Optional[dict]:
+    """A copy of the state of the (first) grad scaler in `optimizer` (Megatron's chained optimizers
+    share one scale), or None without one."""
+    scalers = grad_scalers(optimizer)
+    if not scalers:
+        return None
+    return {
+        k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in scalers[0].state_dict().items()
+    }
 
 
 def _global_name(name: str, layer_offset: int, first_expert: int = 0) -> str:
@@ -242,47 +279,62 @@ def copy_into(model: torch.nn.Module, source: ReferenceSource, pgs, first_layer:
 @torch.no_grad()
 def copy_optimizer_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs, first_layer: int = 0) -> int:
     """Give `optimizer` (the module's Megatron optimizer) the reference optimizer's state of each
-    parameter, sharded as the parameter is; returns how many parameters got state."""
-    if not source.state:
+    parameter, sharded as the parameter is: its Adam moments and step, and with --bf16/--fp16 its fp32
+    main weight (`source.main`; the module's own optimizer started its main weights from the
+    half-precision parameters). Expert weights are found by their global expert index and sharded
+    over the module's expert-TP group (as `copy_into`). Returns how many parameters got moments."""
+    if not source.state and not source.main:
         return 0
-    tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
-    offset = _layer_offset(model, first_layer)
     if is_distributed(optimizer):
         return _copy_distributed_state(model, optimizer, source, pgs, first_layer)
-    by_id = {id(p): (n, p) for n, p in model.named_parameters()}
+    offset = _layer_offset(model, first_layer)
+    first_expert = _first_expert(model, pgs)
     gated = gated_names(model)
+    inner_of = {id(q): o for o in _inner_optimizers(optimizer) for g in o.param_groups for q in g["params"]}
     done = 0
-    for inner in _inner_optimizers(optimizer):
-        for group in inner.param_groups:
-            for p in group["params"]:
-                name, mp = by_id[id(p)]
-                st = source.state.get(_global_name(name, offset))
-                if st is None:
-                    continue
-                inner.state[p] = {
-                    k: (
-                        _shard(v, mp, tp, tp_rank, f"optimizer state {k} of {name}", name in gated).to(p.device).clone()
-                        if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0
-                        else (v.to(p.device).clone() if isinstance(v, torch.Tensor) else v)
-                    )
-                    for k, v in st.items()
-                }
-                done += 1
+    for name, p in model.named_parameters():
+        gname = _global_name(name, offset, first_expert)
+        tp, tp_rank = _tp_of(name, pgs)
+        if gname in source.main:
+            set_main_weight(
+                optimizer, p, _shard(source.main[gname], p, tp, tp_rank, f"main weight of {name}", name in gated)
+            )
+        st = source.state.get(gname)
+        key = state_key(optimizer, p)
+        inner = inner_of.get(id(key))
+        if st is None or inner is None:
+            continue
+        inner.state[key] = {
+            k: (
+                _shard(v, p, tp, tp_rank, f"optimizer state {k} of {name}", name in gated).to(key.device).clone()
+                if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.dim() > 0
+                else (v.to(key.device).clone() if isinstance(v, torch.Tensor) else v)
+            )
+            for k, v in st.items()
+        }
+        done += 1
     return done
 
 
 def _copy_distributed_state(model: torch.nn.Module, optimizer, source: ReferenceSource, pgs, first_layer: int) -> int:
     """`copy_optimizer_state` for a module with Megatron's DistributedOptimizer: each DP rank writes its
-    range of every parameter's moments (`optimizer_state.set_adam_state`); the parameters are written
-    again after the optimizer's state is created (that step moves them)."""
+    range of every parameter's moments and fp32 main weight (`optimizer_state.set_adam_state`,
+    `set_main_weight`); the parameters are written again after the optimizer's state is created (that
+    step moves them)."""
     if ensure_distributed_state(optimizer):
         copy_into(model, source, pgs, first_layer)
-    tp, tp_rank = pgs.tp.size(), pgs.tp.rank()
     offset = _layer_offset(model, first_layer)
+    first_expert = _first_expert(model, pgs)
     gated = gated_names(model)
     done = 0
     for name, p in model.named_parameters():
-        st = source.state.get(_global_name(name, offset))
+        gname = _global_name(name, offset, first_expert)
+        tp, tp_rank = _tp_of(name, pgs)
+        if gname in source.main:
+            set_main_weight(
+                optimizer, p, _shard(source.main[gname], p, tp, tp_rank, f"main weight of {name}", name in gated)
+            )
+        st = source.state.get(gname)
         if not st or not all(k in st for k in MOMENTS):
             continue
         full = {k: _shard(st[k], p, tp, tp_rank, f"optimizer state {k} of {name}", name in gated) for k in MOMENTS}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from test_megatron_lm import GPT, GPT_SEGMENTS, GRAD_NORM, RTOL, Run, torchrun, trees  # noqa: F401
+from test_megatron_lm import EDGE, GPT, GPT_SEGMENTS, GRAD_NORM, RTOL, VLM, Run, torchrun, trees  # noqa: F401
 from test_megatron_lm import pytestmark as _megatron_lm_marks
 
 pytestmark = list(_megatron_lm_marks)  # slow; skipped with the reason without MEGATRON_LM
@@ -114,3 +114,79 @@ def test_gpt_segments_torch_dist_distributed_optimizer_both_ways(trees, tmp_path
         GPT + DISTOPT + TORCH_DIST + ["--train-iters", "4", "--load", str(h2), "--override-opt_param-scheduler"],
     )
     assert_resumed_like(back, ref, [3, 4], "unpatched GPT resumed from the segments run's torch_dist checkpoint")
+
+
+#: --bf16 with Megatron's plain mixed-precision optimizer (fp32 main weights apart from the bf16 params)
+BF16 = ["--bf16", "--use-cpu-initialization"]
+#: disjoint on 2 ranks: vision @0 -> language @1 (the image embeddings cross the islands in bf16). In
+#: bf16 this layout's step is the unpatched one's to the log line (docs/megatron-lm.md, Mixed precision);
+#: a colocated layout's is not (one bf16 step of vision DP2 + language PP2 from the unpatched iteration-2
+#: checkpoint: the next loss 4.7e-5 off the unpatched step's, a checkpoint of its own resumes bitwise).
+VLM_DISJOINT = ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=1", "--hetero-module", "language:dp=1"]
+VLM_DISJOINT += EDGE
+
+
+def test_vlm_bf16_checkpoint_both_ways(trees, tmp_path):  # noqa: F811
+    """pretrain_vlm.py --bf16, torch format: the unpatched TP1·DP2 run's iteration-1 checkpoint (bf16
+    weights, fp32 main weights `fp32_from_fp16_params`, Adam moments keyed by them) resumes in the
+    disjoint vision @0 -> language @1 with the unpatched run's losses; the layout run's iteration-2
+    checkpoint (each module's fp32 main weights and moments gathered into the reference optimizer)
+    resumes in the unpatched script with them too."""
+    ref = torchrun(
+        trees["pristine"] / "pretrain_vlm.py",
+        VLM + BF16 + ["--train-iters", "4", "--save", str(tmp_path / "u"), "--save-interval", "1"],
+    )
+    assert ref.rc == 0 and sorted(ref.losses) == [1, 2, 3, 4], ref.tail()
+    u1 = at_iteration(tmp_path / "u", 1, tmp_path / "u1")
+    resume = ["--load", str(u1), "--override-opt_param-scheduler"]
+    hetero = torchrun(
+        trees["patched"] / "pretrain_vlm.py",
+        VLM
+        + BF16
+        + ["--train-iters", "3", "--save", str(tmp_path / "h"), "--save-interval", "2"]
+        + resume
+        + VLM_DISJOINT,
+    )
+    assert "from iteration 1" in hetero.out, hetero.tail()
+    what = "VLM bf16 vision @0 -> language @1 resumed from the unpatched checkpoint"
+    assert_resumed_like(hetero, ref, [2, 3], what)
+    assert hetero.valid["iteration 2"] == pytest.approx(ref.valid["iteration 2"], rel=RTOL), (hetero.valid, ref.valid)
+    h2 = at_iteration(tmp_path / "h", 2, tmp_path / "h2")
+    back = torchrun(
+        trees["pristine"] / "pretrain_vlm.py",
+        VLM + BF16 + ["--train-iters", "4", "--load", str(h2), "--override-opt_param-scheduler"],
+    )
+    assert_resumed_like(back, ref, [3, 4], "unpatched VLM bf16 resumed from the layout run's checkpoint")
+
+
+def test_gpt_moe_expert_parallel_checkpoint_both_ways(trees, tmp_path):  # noqa: F811
+    """pretrain_gpt.py MoE (4 experts, top 2; test_megatron_lm_moe's flags), torch_dist: the unpatched
+    TP1·DP2 run's (EP 1) iteration-1 checkpoint resumes in one module `language:dp=2,ep=2` (EP rank r
+    holds experts 2r, 2r+1 of every layer as its local experts 0, 1: weights and Adam moments) with the
+    unpatched run's losses and grad norms, and the layout's iteration-2 checkpoint (each expert gathered
+    from the EP rank that holds it) resumes in the unpatched script with them too."""
+    from test_megatron_lm import _default_clip, _with
+    from test_megatron_lm_moe import MOE
+
+    args = _default_clip(_with(GPT, micro_batch_size="2", global_batch_size="8")) + MOE
+    ref = torchrun(
+        trees["pristine"] / "pretrain_gpt.py",
+        args + ["--train-iters", "4", "--save", str(tmp_path / "u"), "--save-interval", "1"],
+    )
+    assert ref.rc == 0 and sorted(ref.losses) == [1, 2, 3, 4], ref.tail()
+    u1 = at_iteration(tmp_path / "u", 1, tmp_path / "u1")
+    hetero = torchrun(
+        trees["patched"] / "pretrain_gpt.py",
+        args
+        + ["--train-iters", "3", "--save", str(tmp_path / "h"), "--save-interval", "2"]
+        + ["--load", str(u1), "--override-opt_param-scheduler", "--hetero-module", "language:dp=2,ep=2"],
+    )
+    assert "language tp1·pp1·dp2@0-1, from iteration 1" in hetero.out, hetero.tail()
+    assert_resumed_like(hetero, ref, [2, 3], "GPT MoE language DP2·EP2 resumed from the unpatched checkpoint")
+    assert hetero.valid["iteration 2"] == pytest.approx(ref.valid["iteration 2"], rel=RTOL), (hetero.valid, ref.valid)
+    h2 = at_iteration(tmp_path / "h", 2, tmp_path / "h2")
+    back = torchrun(
+        trees["pristine"] / "pretrain_gpt.py",
+        args + ["--train-iters", "4", "--load", str(h2), "--override-opt_param-scheduler"],
+    )
+    assert_resumed_like(back, ref, [3, 4], "unpatched GPT MoE resumed from the DP2·EP2 run's checkpoint")

@@ -104,8 +104,6 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(bf16=True, save="ckpt"), "--bf16 with --save/--load is not supported with a layout yet"),
-        (dict(fp16=True, load="ckpt"), "--fp16 with --save/--load is not supported with a layout yet"),
         (dict(bf16=True, loss_scale=1024.0), "--loss-scale 1024.0 needs --fp16 with a layout"),
         (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
         (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
@@ -134,6 +132,13 @@ def test_bf16_and_fp16_are_accepted():
     check_common(_args(fp16=True, loss_scale=1024.0), _layout(SEGMENTS))  # the e2e runs: test_megatron_lm_precision
 
 
+@pytest.mark.parametrize("kw", [dict(bf16=True, save="ckpt", load="ckpt"), dict(fp16=True, load="ckpt")])
+def test_bf16_and_fp16_are_accepted_with_save_and_load(kw):
+    """The checkpoint carries the fp32 main weights and the loss scale (test_megatron_lm_checkpoints)."""
+    check_common(_args(**kw), _layout(SEGMENTS))
+    check_common(_args(**kw, use_distributed_optimizer=True), _layout(SEGMENTS))
+
+
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_gpt_segments_save_and_load_are_accepted_with_the_distributed_optimizer(fmt):
     args = _args(save="ckpt", load="ckpt", ckpt_format=fmt, use_distributed_optimizer=True)
@@ -157,6 +162,7 @@ def test_gpt_moe_is_accepted_with_expert_parallel_modules():
     layout = _layout({"language": {"dp": 2, "ep": 2}}, edges=(), placement="colocated", world=2)
     check_gpt(_args(**MOE), layout)
     check_common(_args(**MOE), layout)
+    check_gpt(_args(**MOE, save="ckpt", load="ckpt"), layout)  # experts gathered by their EP holder
 
 
 @pytest.mark.parametrize(
@@ -166,7 +172,6 @@ def test_gpt_moe_is_accepted_with_expert_parallel_modules():
         ({}, {"language": {"tp": 2}}, r"tp\(2\) > 1 with --num-experts is not supported with pretrain_gpt.py"),
         ({"expert_model_parallel_size": 2}, {"language": {"dp": 2}}, "--expert-model-parallel-size 2: with a layout"),
         ({"moe_grouped_gemm": True}, {"language": {"dp": 2}}, "--moe-grouped-gemm is not supported"),
-        ({"save": "/ckpt"}, {"language": {"dp": 2}}, "--num-experts with --save/--load is not supported"),
     ],
 )
 def test_gpt_moe_refusals_name_the_reason(kw, modules, message):
