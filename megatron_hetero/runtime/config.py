@@ -92,10 +92,13 @@ class OptimConfig:
         "--overlap-grad-reduce: parameters (elements) per gradient bucket (default: Megatron's, max(4e7, 1e6 x DP))",
         group="training",
     )
-    # Megatron's --overlap-param-gather: refused (validate says why)
+    # Megatron's --overlap-param-gather (with the distributed optimizer and --overlap-grad-reduce): the
+    # optimizer step leaves the parameter all-gather to DDP's forward pre-hooks of the next forward;
+    # the end of training gathers first (`ModuleState.gather_params`; no checkpoints: training.setup)
     overlap_param_gather: bool = flag_field(
         False,
-        "not supported by train yet (refused; the parameters are all-gathered in the optimizer step)",
+        "--use-distributed-optimizer --overlap-grad-reduce: all-gather each module's updated parameters "
+        "bucket by bucket in the next forward (DDP's forward pre-hooks) instead of in the optimizer step",
         group="training",
     )
     # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it
@@ -135,12 +138,10 @@ class OptimConfig:
                 )
             if not isinstance(self.ddp_bucket_size, int) or self.ddp_bucket_size < 1:
                 raise ValueError(f"--ddp-bucket-size must be a positive integer, got {self.ddp_bucket_size!r}")
-        if self.overlap_param_gather:
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
             raise ValueError(
-                "--overlap-param-gather is not supported by train yet: the distributed optimizer's parameter "
-                "all-gather runs in the optimizer step (deferring it to forward pre-hooks of the next step "
-                "would need evaluation, checkpoint saves and the whole-model step to gather first, as "
-                "Megatron-LM's training loop does); drop the flag, the losses are the same without it"
+                "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
+                "Megatron: the parameters it gathers are the distributed optimizer's shards)"
             )
         if self.use_distributed_optimizer and self.optimizer != "adam":
             raise ValueError(

@@ -77,6 +77,8 @@ class ModuleState:
                 # max(4e7, 1e6 x DP); DDP itself makes stages after the first one bucket
                 ddp_config.bucket_size = optim.ddp_bucket_size or max(40_000_000, 1_000_000 * pgs.dp_cp.size())
                 bucket_size = ddp_config.bucket_size if pgs.pp.rank() == 0 else None
+                if optim.overlap_param_gather:
+                    ddp_config.overlap_param_gather = True  # DDP registers its forward pre-hooks
             self.ddp = DistributedDataParallel(
                 config,
                 ddp_config,
@@ -161,6 +163,14 @@ class ModuleState:
         if when and self.ddp is not None and self.ddp.ddp_config.overlap_grad_reduce:
             return self.ddp.no_sync()
         return contextlib.nullcontext()
+
+    def gather_params(self) -> None:
+        """--overlap-param-gather: all-gather the parameters updated by the last optimizer step now
+        (at the end of training; Megatron-LM's `force_param_sync`); else nothing."""
+        if self.ddp is not None and self.ddp.ddp_config.overlap_param_gather:
+            self.optimizer.prepare_model_params_for_param_sync()
+            with torch.no_grad():
+                self.ddp.start_param_sync(force_sync=True)
 
     def zero_grad(self) -> None:
         if self.ddp is not None:

@@ -103,26 +103,49 @@ def traced_train_rank(layout, job):
 
         cls.step = step
 
+    gathers: list[dict] = []  # parameter all-gathers: forced (gather_params) or not, in the optimizer step or not
+    start_param = Group.start_param_sync
+
+    def start_param_sync(self, *a, force_sync=False, **k):
+        gathers.append({"force": force_sync, "in_step": where.get("opt_step", False), "step": where["step"]})
+        return start_param(self, *a, force_sync=force_sync, **k)
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opt_step = DistributedOptimizer.step_with_ready_grads
+
+    def step_with_ready_grads(self, *a, **k):
+        where["opt_step"] = True
+        try:
+            return opt_step(self, *a, **k)
+        finally:
+            where["opt_step"] = False
+
+    Group.start_param_sync, DistributedOptimizer.step_with_ready_grads = start_param_sync, step_with_ready_grads
     Group.start_grad_sync, Group.register_grad_ready = start_grad_sync, register_grad_ready
     DistributedDataParallel.finish_grad_sync = finish_grad_sync
     wrap_step(colocated.ColocatedSchedule)
     wrap_step(disjoint.DisjointSchedule)
     out = train_rank(layout, job, collect_params=True)
-    out["launches"], out["ready"], out["bucket_groups"] = launches, ready, groups
+    out["launches"], out["ready"], out["bucket_groups"], out["gathers"] = launches, ready, groups, gathers
     return out
 
 
-def _run(case: str, distributed: bool, overlap: bool) -> list[dict]:
-    key = (case, distributed, overlap)
+def _optim(distributed: bool, overlap: bool, gather: bool = False) -> OptimConfig:
+    return dataclasses.replace(
+        BASE,
+        use_distributed_optimizer=distributed,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=gather,
+        ddp_bucket_size=BUCKET if overlap else None,
+    )
+
+
+def _run(case: str, distributed: bool, overlap: bool, gather: bool = False) -> list[dict]:
+    key = (case, distributed, overlap, gather)
     if key not in _RUNS:
         doc, world, eval_interval = CASES[case]
-        optim = dataclasses.replace(
-            BASE,
-            use_distributed_optimizer=distributed,
-            overlap_grad_reduce=overlap,
-            ddp_bucket_size=BUCKET if overlap else None,
-        )
-        job = JobConfig(train_iters=ITERS, optim=optim, eval_interval=eval_interval)
+        job = JobConfig(train_iters=ITERS, optim=_optim(distributed, overlap, gather), eval_interval=eval_interval)
         layout = layout_from_dict(doc, world_size=world)
         validate_job(layout, job)
         _RUNS[key] = run_ranks(world, traced_train_rank, layout, job, timeout=180)
@@ -190,12 +213,53 @@ def test_overlap_gives_the_losses_norms_and_parameters_of_the_run_without_it(cas
         assert set(r["bucket_groups"]) == {1} and not r["ready"]
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_overlap_param_gather_defers_the_all_gather_to_the_next_forward(case):
+    """--overlap-param-gather (with the distributed optimizer and --overlap-grad-reduce): the optimizer
+    step gathers nothing; DDP's forward pre-hooks all-gather each bucket in the next forward (of the
+    next step, or of the evaluation after step 2, whose loss is the reference's); the parameters after
+    the last step (gathered by `gather_params`) are the reference's."""
+    ref, on = _run(case, True, True), _run(case, True, True, gather=True)
+    dl = max_loss_rel_diff(losses(on), losses(ref))
+    dn = max_loss_rel_diff(_records(on, "grad_norm"), _records(ref, "grad_norm"))
+    dp = _param_diff(on, ref)
+    print(f"{case}, --overlap-param-gather: losses rel. diff {dl:.1e}, grad norms {dn:.1e}, parameters {dp:.1e}")
+    assert dl <= TOL and dn <= TOL and dp <= TOL, (losses(on), losses(ref))
+    if CASES[case][2]:
+        assert max_loss_rel_diff(_records(on, "eval_loss"), _records(ref, "eval_loss")) <= TOL
+    for rank, (r, plain) in enumerate(zip(on, ref)):
+        groups = sum(r["bucket_groups"][: len(r["bucket_groups"]) // ITERS])
+        assert plain["gathers"] and all(g["in_step"] and not g["force"] for g in plain["gathers"])
+        assert not any(g["in_step"] for g in r["gathers"]), rank  # the optimizer step gathers nothing
+        hooks = [g for g in r["gathers"] if not g["force"]]
+        assert len(hooks) >= ITERS * groups, (rank, len(hooks), groups)  # every bucket, every forward
+        assert sum(g["force"] for g in r["gathers"]) == groups  # once at the end: gather_params
+
+
+@pytest.mark.parametrize("kw", [dict(save="ckpt"), dict(load="ckpt")], ids=["save", "load"])
+def test_overlap_with_the_distributed_optimizer_refuses_checkpoints(kw):
+    """The distributed optimizer's checkpoint of a module in several buckets does not resume (saved at
+    iteration 2 under DISJOINT with --overlap-grad-reduce, resumed without it: 4.826 for the third
+    loss, 4.682 uninterrupted), so the combination is refused before any rank starts."""
+    layout = layout_from_dict(DISJOINT, world_size=3)
+    with pytest.raises(ValueError, match="--overlap-grad-reduce with --use-distributed-optimizer and --save/--load"):
+        validate_job(layout, JobConfig(optim=_optim(True, True), **kw))
+    if "save" in kw:  # without the distributed optimizer it checkpoints (resumed exactly, measured once)
+        validate_job(layout, JobConfig(optim=_optim(False, True), **kw))
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
         (dict(ddp_bucket_size=1000), "--ddp-bucket-size 1000 needs --overlap-grad-reduce"),
         (dict(overlap_grad_reduce=True, ddp_bucket_size=0), "--ddp-bucket-size must be a positive integer"),
-        (dict(overlap_param_gather=True), "--overlap-param-gather is not supported by train"),
+        (dict(overlap_param_gather=True), "--overlap-param-gather needs --use-distributed-optimizer"),
+        (
+            dict(overlap_param_gather=True, overlap_grad_reduce=True),
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce",
+        ),
+        (dict(overlap_param_gather=True, use_distributed_optimizer=True), "and --overlap-grad-reduce"),
     ],
 )
 def test_bad_overlap_flags_are_refused(kw, message):
