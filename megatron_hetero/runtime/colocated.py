@@ -20,6 +20,7 @@ The schedule knows no model: the stage runner builds inputs and runs each stage'
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -128,13 +129,17 @@ class ColocatedSchedule:
                 resident_memory(self.states) if self._moves_state or not memory else dict(next(iter(memory.values())))
             )
 
-        for phase, actions in self.plan.colocated.phases:
-            for a in actions:
-                if isinstance(a, LanguagePhase):
-                    read("phase2")
-                self._run(a, first)
-            if phase in ("phase 1", "phase 3"):
-                read(phase.replace(" ", ""))
+        with contextlib.ExitStack() as no_sync:
+            if not train:  # --overlap-grad-reduce: evaluation's backward launches no reduction
+                for s in self.states.values():
+                    no_sync.enter_context(s.no_sync())
+            for phase, actions in self.plan.colocated.phases:
+                for a in actions:
+                    if isinstance(a, LanguagePhase):
+                        read("phase2")
+                    self._run(a, first)
+                if phase in ("phase 1", "phase 3"):
+                    read(phase.replace(" ", ""))
         counted = {
             m
             for m in self.runner.loss_modules()
@@ -309,6 +314,11 @@ class ColocatedSchedule:
         # output modules' gradient above carries the scale already, hence its division).
         config = self.lang.module.config
         config.grad_scale_func = lambda t: t / loss_tokens * scale
+        # --overlap-grad-reduce: Megatron's schedule runs every backward but the last micro-batch's
+        # inside the module's no_sync (evaluation: the whole step is inside it already, see `step`)
+        overlap = self._train and self.lang.ddp is not None and self.lang.ddp.ddp_config.overlap_grad_reduce
+        if overlap:
+            config.no_sync_func = self.lang.ddp.no_sync
 
         def forward_step(data_iterator, model):
             i = next(data_iterator)
@@ -353,3 +363,5 @@ class ColocatedSchedule:
             ),
         )
         config.grad_scale_func = None
+        if overlap:
+            config.no_sync_func = None

@@ -75,6 +75,32 @@ class OptimConfig:
         "optimizer: reduce-scatter of gradients, all-gather of parameters); the losses do not change",
         group="training",
     )
+    # Megatron's --overlap-grad-reduce per module: DDP's backward hooks launch each bucket's asynchronous
+    # reduction (all-reduce, or reduce-scatter with the distributed optimizer) during the module's last
+    # backward of the step; every earlier backward runs inside the module's `ddp.no_sync()` (the
+    # schedules), and `ModuleState.finalize_grads` waits for them (`runtime.module_state`)
+    overlap_grad_reduce: bool = flag_field(
+        False,
+        "reduce each module's gradient buckets asynchronously during its last backward of the step "
+        "(Megatron DDP's overlap); the losses do not change",
+        group="training",
+    )
+    # Megatron's --ddp-bucket-size (elements per gradient bucket; Megatron's default when unset:
+    # max(40M, 1M x the module's DP size), one bucket for the tiny model)
+    ddp_bucket_size: Optional[int] = flag_field(
+        None,
+        "--overlap-grad-reduce: parameters (elements) per gradient bucket (default: Megatron's, max(4e7, 1e6 x DP))",
+        group="training",
+    )
+    # Megatron's --overlap-param-gather (with the distributed optimizer and --overlap-grad-reduce): the
+    # optimizer step leaves the parameter all-gather to DDP's forward pre-hooks of the next forward;
+    # the end of training gathers first (`ModuleState.gather_params`; no checkpoints: training.setup)
+    overlap_param_gather: bool = flag_field(
+        False,
+        "--use-distributed-optimizer --overlap-grad-reduce: all-gather each module's updated parameters "
+        "bucket by bucket in the next forward (DDP's forward pre-hooks) instead of in the optimizer step",
+        group="training",
+    )
     # the floor of a decaying learning-rate schedule (param groups carry it; the job's schedule sets it
     # from its --min-lr: `training.lr_schedule.LRSchedule.min_lr`)
     min_lr: float = 0.0
@@ -104,6 +130,19 @@ class OptimConfig:
             raise ValueError(f"--hysteresis must be a positive integer, got {self.hysteresis!r}")
         if self.loss_scale is not None and not self.fp16:
             raise ValueError(f"--loss-scale {self.loss_scale} needs --fp16 (bf16 and fp32 train unscaled here)")
+        if self.ddp_bucket_size is not None:
+            if not self.overlap_grad_reduce:
+                raise ValueError(
+                    f"--ddp-bucket-size {self.ddp_bucket_size} needs --overlap-grad-reduce (without it each "
+                    f"module's gradients are reduced as one bucket after its last backward)"
+                )
+            if not isinstance(self.ddp_bucket_size, int) or self.ddp_bucket_size < 1:
+                raise ValueError(f"--ddp-bucket-size must be a positive integer, got {self.ddp_bucket_size!r}")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise ValueError(
+                "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
+                "Megatron: the parameters it gathers are the distributed optimizer's shards)"
+            )
         if self.use_distributed_optimizer and self.optimizer != "adam":
             raise ValueError(
                 f"--use-distributed-optimizer needs --optimizer adam, got {self.optimizer} (Megatron's "

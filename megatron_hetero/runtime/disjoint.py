@@ -158,6 +158,9 @@ class DisjointSchedule:
         memory = {}
         if self.table is not None:
             tr, enc = self.config.tracer, self.plan.roles.is_encoder(self.name)
+            # --overlap-grad-reduce: every backward of this stage but the step's last one runs inside the
+            # module's no_sync (evaluation: every one), so DDP launches the reductions in the last one
+            backwards_left = sum(isinstance(a, Backward) for a in self.table.actions)
             for item in self.table.batches():
                 if isinstance(item, tuple):
                     with tr.span(
@@ -179,7 +182,9 @@ class DisjointSchedule:
                         lambda: f"{self.stage} {item.short()}",
                         lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb},
                     ):
-                        self._backward(item.mb)
+                        backwards_left -= 1
+                        with self.state.no_sync(when=backwards_left > 0 or not train):
+                            self._backward(item.mb)
                 else:  # pragma: no cover - the tables hold only these
                     raise AssertionError(f"unknown action {item!r}")
             assert not self._outputs and not self._inputs, "a micro-batch was not finished"

@@ -9,12 +9,20 @@ all-gathered over the same group. Its gradient norm is reduced over the module's
 (`pgs.intra_dist_opt`: tp x cp x dp x pp), so every rank of the module holds the whole module's norm,
 as with the non-distributed optimizer.
 
+With `OptimConfig.overlap_grad_reduce` (Megatron's --overlap-grad-reduce) DDP splits the gradients into
+buckets of `ddp_bucket_size` elements (Megatron's default without it) and its backward hooks launch each
+bucket's asynchronous reduction as soon as the bucket's gradients are complete, during the module's last
+backward of the step: the schedules run every earlier backward inside `no_sync()`, and `finalize_grads`
+waits for the launched reductions (Megatron launches them there itself in the first step, where it
+counts each parameter's gradients). Without it nothing changes: one bucket, reduced in `finalize_grads`.
+
 A frozen module (no trainable parameter on this rank) gets no DDP wrapper and no optimizer: it holds
 no gradient buffer and no optimizer state, and its step is a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import TYPE_CHECKING, Optional
 
@@ -62,12 +70,21 @@ class ModuleState:
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=optim.grad_reduce_in_fp32, use_distributed_optimizer=distributed
             )
+            bucket_size = None  # one bucket, reduced after the last backward (finalize_grads)
+            if optim.overlap_grad_reduce:
+                ddp_config.overlap_grad_reduce = True
+                # Megatron's resolution (training.py resolve_ddp_bucket_size): --ddp-bucket-size, or
+                # max(4e7, 1e6 x DP); DDP itself makes stages after the first one bucket
+                ddp_config.bucket_size = optim.ddp_bucket_size or max(40_000_000, 1_000_000 * pgs.dp_cp.size())
+                bucket_size = ddp_config.bucket_size if pgs.pp.rank() == 0 else None
+                if optim.overlap_param_gather:
+                    ddp_config.overlap_param_gather = True  # DDP registers its forward pre-hooks
             self.ddp = DistributedDataParallel(
                 config,
                 ddp_config,
                 module,
                 pg_collection=pgs,
-                full_param_layout=self._param_layout(module, pgs, ddp_config) if distributed else None,
+                full_param_layout=self._param_layout(module, pgs, ddp_config, bucket_size) if distributed else None,
             )
             opt_pgs = pgs
             if getattr(module, "frozen", False) and pgs.pp.size() > 1:
@@ -111,14 +128,20 @@ class ModuleState:
                         opt.grad_scaler = loss_scaler  # one scale for the whole model (runtime.loss_scale)
 
     @staticmethod
-    def _param_layout(module: torch.nn.Module, pgs: ProcessGroupCollection, ddp_config: DistributedDataParallelConfig):
+    def _param_layout(
+        module: torch.nn.Module,
+        pgs: ProcessGroupCollection,
+        ddp_config: DistributedDataParallelConfig,
+        bucket_size: Optional[int] = None,
+    ):
         """The distributed optimizer's layout of the module's flat parameter buffers, as Megatron's DDP
-        would compute it itself (one bucket: no --overlap-grad-reduce; padded for the DP x CP group)."""
+        would compute it itself (`bucket_size` None: one bucket, no --overlap-grad-reduce; buckets padded
+        for the DP x CP group)."""
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         params = [p for p in module.parameters() if p.requires_grad]
         return DistributedOptimizer.compute_full_param_layout(
-            params, None, pgs.dp_cp.size(), ddp_config, expert_data_parallel_world_size=pgs.expt_dp.size()
+            params, bucket_size, pgs.dp_cp.size(), ddp_config, expert_data_parallel_world_size=pgs.expt_dp.size()
         )
 
     @staticmethod
@@ -133,6 +156,21 @@ class ModuleState:
     def model(self) -> torch.nn.Module:
         """What the schedule runs: the DDP wrapper when trainable (its hooks fill main_grad)."""
         return self.ddp if self.ddp is not None else self.module
+
+    def no_sync(self, when: bool = True):
+        """The context of a backward that must not launch this module's gradient reduction: DDP's
+        `no_sync()` under --overlap-grad-reduce when `when`; else (frozen, no overlap) nothing."""
+        if when and self.ddp is not None and self.ddp.ddp_config.overlap_grad_reduce:
+            return self.ddp.no_sync()
+        return contextlib.nullcontext()
+
+    def gather_params(self) -> None:
+        """--overlap-param-gather: all-gather the parameters updated by the last optimizer step now
+        (at the end of training; Megatron-LM's `force_param_sync`); else nothing."""
+        if self.ddp is not None and self.ddp.ddp_config.overlap_param_gather:
+            self.optimizer.prepare_model_params_for_param_sync()
+            with torch.no_grad():
+                self.ddp.start_param_sync(force_sync=True)
 
     def zero_grad(self) -> None:
         if self.ddp is not None:

@@ -265,6 +265,8 @@ def train_rank(
             write=log.write,
         )
         log.close()
+        for s in states.values():  # --overlap-param-gather: the last step's parameters, gathered
+            s.gather_params()
         out: dict[str, Any] = {"records": outcome.records}
         gather_trace(
             schedule.config.tracer,
