@@ -161,16 +161,22 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
             "must stay 1 (they give the reference layout the weights start from; each module's "
             "own degrees come from the layout)"
         )
-    for attr, flag in (
-        ("overlap_grad_reduce", "--overlap-grad-reduce"),
-        ("overlap_param_gather", "--overlap-param-gather"),
+    if getattr(args, "overlap_param_gather", False):
+        raise ValueError(
+            "--overlap-param-gather is not supported with Megatron-LM's scripts and a layout yet (megatron-hetero "
+            "train has it): each module's parameters are gathered in the optimizer step (drop the flag; the "
+            "losses are the same without it)"
+        )
+    if (
+        getattr(args, "overlap_grad_reduce", False)
+        and getattr(args, "use_distributed_optimizer", False)
+        and (args.save or args.load)
     ):
-        if getattr(args, attr, False):
-            raise ValueError(
-                f"{flag} is not supported with a layout: the layout's schedules reduce each module's "
-                f"gradients after the module's last backward of the step and gather its parameters in "
-                f"the optimizer step, with no overlap (drop {flag}; the losses are the same without it)"
-            )
+        raise ValueError(
+            "--overlap-grad-reduce with --use-distributed-optimizer and --save/--load is not supported with a "
+            "layout yet (a distributed optimizer over several gradient buckets is not checkpointed across "
+            "layouts yet); drop --overlap-grad-reduce for runs that save or load"
+        )
     if getattr(args, "use_distributed_optimizer", False):
         if args.optimizer != "adam":
             raise ValueError(
@@ -278,6 +284,8 @@ def _train(
             adam_eps=args.adam_eps,
             clip_grad=args.clip_grad,  # by the whole model's norm (runtime/optimizer_step.py)
             use_distributed_optimizer=bool(args.use_distributed_optimizer),  # per module's DP x CP group
+            overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),  # DDP's bucket overlap
+            ddp_bucket_size=getattr(args, "ddp_bucket_size", None),
             **precision.optim_fields(args),  # --bf16, --fp16 and the loss-scale flags
         )
         scaler = precision.loss_scaler(optim)  # --fp16: one loss scale for every module of the rank

@@ -357,6 +357,22 @@ def test_gpt_segments_with_their_own_tp_dp_match(trees, clip_references):
     assert_grad_norms(run, ref)
 
 
+def test_gpt_segments_with_overlap_grad_reduce_match(trees, clip_references):
+    """The segments case with --overlap-grad-reduce (buckets of 20,000 parameters: several per module,
+    each reduced during the module's last backward of the step, `runtime/module_state.py`) against
+    the same unpatched run without it: the same losses and grad norms (the overlap changes when the
+    reductions run, not what they compute)."""
+    ref = clip_references("pretrain_gpt.py")
+    overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+    run = torchrun(
+        trees["patched"] / "pretrain_gpt.py",
+        _default_clip_args("pretrain_gpt.py") + overlap + ITERS + GPT_SEGMENTS,
+        nproc=4,
+    )
+    assert_losses(run, ref.losses, RTOL, "GPT: segments with --overlap-grad-reduce", ref.valid)
+    assert_grad_norms(run, ref)
+
+
 def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
     run = torchrun(
         trees["patched"] / "pretrain_vlm.py",
