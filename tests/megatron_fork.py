@@ -110,13 +110,24 @@ def main(argv: list[str]) -> int:
                 os.setpgid(0, 0)  # its own group: the kill below reaches its workers too
                 code = _rank(rank, nproc, port, script, args)
             finally:
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:  # noqa: BLE001
-                        pass
+                flush_std()
                 os._exit(code)
         pids[pid] = rank
+    return wait_ranks(pids)
+
+
+def flush_std() -> None:
+    """Flush stdout and stderr before a forked rank's `os._exit` (which skips Python's own flush)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def wait_ranks(pids: dict[int, int]) -> int:
+    """Wait for the forked ranks `pids` (pid -> rank): 0 when all exit 0, else the first failure's
+    exit code; the ranks still running GRACE_S after a failure are killed (process group first)."""
     first_failure: int | None = None
     deadline: float | None = None
     while pids:
@@ -137,9 +148,8 @@ def main(argv: list[str]) -> int:
         if pid == 0:
             time.sleep(0.05)
             continue
-        if pid not in pids:
+        if pids.pop(pid, None) is None:
             continue
-        pids.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and first_failure is None:
             first_failure = code if code > 0 else 1

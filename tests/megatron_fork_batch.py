@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -45,36 +44,10 @@ def _launch(nproc: int, script: str, args: list[str], out: str, env: dict | None
                     os.dup2(log.fileno(), 2)
                     code = megatron_fork._rank(rank, nproc, port, script, args)
                 finally:
-                    for stream in (sys.stdout, sys.stderr):
-                        try:
-                            stream.flush()
-                        except Exception:  # noqa: BLE001
-                            pass
+                    megatron_fork.flush_std()
                     os._exit(code)
             pids[pid] = rank
-    first_failure, deadline = None, None
-    while pids:
-        if deadline is not None and time.monotonic() > deadline:
-            for pid in pids:
-                for kill in (lambda p: os.killpg(p, signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
-                    try:
-                        kill(pid)
-                    except OSError:
-                        pass
-            for pid in list(pids):
-                os.waitpid(pid, 0)
-            break
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            time.sleep(0.05)
-            continue
-        if pids.pop(pid, None) is None:
-            continue
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0 and first_failure is None:
-            first_failure = code if code > 0 else 1
-            deadline = time.monotonic() + megatron_fork.GRACE_S
-    return first_failure or 0
+    return megatron_fork.wait_ranks(pids)
 
 
 def _warm() -> None:
