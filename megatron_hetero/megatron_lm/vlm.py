@@ -24,7 +24,12 @@ VISION, LANGUAGE = "vision", "language"
 def check_vlm(args: Any, layout: HeteroLayout) -> None:
     """What `pretrain_vlm.py` needs beyond `driver.check_common`; ValueError naming the flag otherwise."""
     if getattr(args, "num_experts", None):
-        raise ValueError("--num-experts is not supported with pretrain_vlm.py and a layout (pretrain_gpt.py has MoE)")
+        raise ValueError(
+            "--num-experts is not supported with pretrain_vlm.py and a layout: the unpatched script cannot build "
+            "it either (megatron-core 0.19's LLaVA projector takes the MLP submodules of the language layer "
+            "spec, which with experts are MoESubmodules: AttributeError 'linear_fc1'); pretrain_gpt.py and "
+            "megatron-hetero train have MoE"
+        )
     if getattr(args, "sequence_parallel", False):
         raise ValueError(
             "--sequence-parallel is not supported with pretrain_vlm.py and a layout: Megatron's LLaVAModel "
