@@ -1,0 +1,179 @@
+"""The planner's memory model (`planner/memory.py`) against the modules `megatron-hetero train`
+builds: every rank's parameter count per module stage (all, experts, trainable) equals the count of
+the module's own parameters, over layouts and model variants (TP, PP, EP, disjoint, frozen
+encoders, a CLIP encoder, GQA/RMSNorm/SwiGLU/no biases/rope, tied embeddings, MoE)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+
+from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.models.llava import LlavaSpec
+from megatron_hetero.planner.memory import stage_params
+from megatron_hetero.planner.model import EncoderSpec
+from megatron_hetero.runtime.launcher import run_ranks
+
+LLAMA = LlavaSpec(
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    position_embedding_type="rope",
+    num_query_groups=2,
+    num_layers=4,
+)
+CLIP = EncoderSpec(kind="clip", patch_size=2, tokens=4, feature_dim=12, num_layers=1)
+
+
+def _counts(doc: dict, spec: LlavaSpec) -> dict:
+    """Module -> (predicted, counted) (all, expert, trainable) parameters on this rank."""
+    from megatron_hetero.models.llava import _is_expert
+    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.training.setup import JobConfig, build_module
+    from megatron_hetero.training.trainer import prepare_rank
+
+    prepare_rank(JobConfig(spec=spec, global_batch_size=4, micro_batch_size=1, train_iters=1))
+    layout = layout_from_dict(doc, world_size=dist.get_world_size())
+    topo = Topology.build(layout)
+    out = {}
+    try:
+        for m in layout.modules:
+            if dist.get_rank() not in m.rank_range.ranks():
+                continue
+            pgs = topo.pg_collection(m.name)
+            mod = build_module(m.name, layout, spec, pgs)
+            params = list(mod.named_parameters())
+            counted = (
+                sum(p.numel() for _, p in params),
+                sum(p.numel() for n, p in params if _is_expert(n)),
+                sum(p.numel() for _, p in params if p.requires_grad),
+            )
+            p = stage_params(layout, spec, m.name, pgs.pp.rank())
+            out[m.name] = ((p.total, p.expert, p.trainable), counted)
+    finally:
+        topo.destroy()
+    return out
+
+
+CASES = {
+    "colocated vision dp2 + language tp2": (
+        {"modules": {"vision": {"dp": 2}, "language": {"tp": 2}}, "edges": ["vision -> language"]},
+        LlavaSpec(),
+        2,
+    ),
+    "llama-style language pp2, frozen vision": (
+        {
+            "modules": {"vision": {"dp": 2, "frozen": True}, "language": {"pp": 2}},
+            "edges": ["vision -> language"],
+        },
+        LLAMA,
+        2,
+    ),
+    "disjoint clip @0 -> tied language tp2 @1-2": (
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"ranks": "0"}, "language": {"tp": 2, "ranks": "1-2"}},
+            "edges": ["vision -> language"],
+        },
+        dataclasses.replace(LlavaSpec(), encoders={"vision": CLIP}, untie_embeddings_and_output_weights=False),
+        3,
+    ),
+    "moe language dp2·ep2, segments": (
+        {
+            "placement": "disjoint",
+            "modules": {
+                "vision": {"ranks": "0"},
+                "language_a": {"dp": 2, "ep": 2, "layers": "0-0", "ranks": "1-2"},
+                "language_b": {"layers": "1-1", "ranks": "3"},
+            },
+            "edges": ["vision -> language_a", "language_a -> language_b"],
+        },
+        dataclasses.replace(LlavaSpec(), num_experts=4, add_bias_linear=False),
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parameter_counts_match_the_built_modules(case):
+    doc, spec, world = CASES[case]
+    per_rank = run_ranks(world, _counts, doc, spec)
+    seen = 0
+    for rank, mods in enumerate(per_rank):
+        for name, (predicted, counted) in mods.items():
+            assert predicted == counted, (case, rank, name, predicted, counted)
+            seen += 1
+    assert seen >= world
+
+
+def _decoder_saved_bytes(spec: LlavaSpec, tp: int, sp: bool, recompute: str | None) -> tuple[int, int]:
+    """(measured, predicted) bytes autograd saves in one forward of the language decoder on this
+    rank (one sample, the distinct storages of the saved tensors that are not weights)."""
+    import torch
+
+    from megatron_hetero.layout.spec import Recompute
+    from megatron_hetero.planner.memory import ActivationFeatures, layer_activation_bytes, norm_activation_bytes
+    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.training.setup import JobConfig, build_module
+    from megatron_hetero.training.trainer import prepare_rank
+
+    prepare_rank(JobConfig(spec=spec, global_batch_size=4, micro_batch_size=1, train_iters=1))
+    doc = {"modules": {"vision": {"dp": tp}, "language": {"tp": tp}}, "edges": ["vision -> language"]}
+    layout = layout_from_dict(doc, world_size=dist.get_world_size())
+    topo = Topology.build(layout)
+    try:
+        r = Recompute(granularity="selective") if recompute == "selective" else None
+        mod = build_module("language", layout, spec, topo.pg_collection("language"), r, sequence_parallel=sp).train()
+        s, h = spec.seq_length, spec.hidden_size
+        x = torch.randn(s // tp if sp else s, 1, h, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+        weights = {p.untyped_storage().data_ptr() for p in mod.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights and t is not mask:
+                seen.setdefault(ptr, t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = mod.gpt.decoder(hidden_states=x, attention_mask=mask)
+        y.sum().backward()
+        seen.pop(mask.untyped_storage().data_ptr(), None)
+        feats = ActivationFeatures(dtype_bytes=4, sequence_parallel=sp and tp > 1, recompute=recompute)
+        per_layer = layer_activation_bytes(
+            s,
+            1,
+            h,
+            spec.ffn_hidden_size or 4 * h,
+            spec.num_attention_heads,
+            tp,
+            feats,
+            gated=spec.swiglu,
+            normalization=spec.normalization,
+            query_groups=spec.num_query_groups,
+        )
+        final = norm_activation_bytes(s, 1, h, tp, feats, spec.normalization)  # the decoder's final norm
+        return sum(seen.values()), spec.num_layers * per_layer + final
+    finally:
+        topo.destroy()
+
+
+LAYER_CASES = {
+    "gpt tp1": (LlavaSpec(), 1, False, None),
+    "gpt tp2": (LlavaSpec(), 2, False, None),
+    "gpt tp2 sp": (LlavaSpec(), 2, True, None),
+    "gpt 4 layers tp1 swiglu": (dataclasses.replace(LlavaSpec(), num_layers=4, swiglu=True), 1, False, None),
+    "llama tp2 sp selective": (dataclasses.replace(LLAMA, num_layers=2), 2, True, "selective"),
+    "llama tp1": (LLAMA, 1, False, None),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_layer_activation_bytes_match_what_autograd_saves(case):
+    spec, tp, sp, recompute = LAYER_CASES[case]
+    for measured, predicted in run_ranks(tp, _decoder_saved_bytes, spec, tp, sp, recompute):
+        print(f"{case}: measured {measured} bytes, predicted {predicted}")
+        assert abs(predicted - measured) <= 0.01 * measured, (case, measured, predicted)
