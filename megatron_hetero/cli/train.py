@@ -49,6 +49,7 @@ GROUPS = {
     "checkpoints": "checkpoints (Megatron-core dist_checkpointing; movable between layouts)",
     "moe": "mixture of experts (language model; ep/expt_tp come from the layout)",
     "launch": "launch",
+    "logging": "logging (TensorBoard, W&B, throughput, memory; Megatron-LM's flags)",
 }
 
 
