@@ -73,7 +73,8 @@ class ActivationMeter:
 
     def __init__(self) -> None:
         self._stack: list[str] = []
-        self._weights: set[int] = set()
+        self._modules: list[torch.nn.Module] = []
+        self._weights: set[int] = set()  # the parameters' storages (read again at each `measure`: offload moves them)
         self._live: dict[tuple[int, int], list] = {}  # storage -> [module, bytes, references]
         self._current: dict[str, int] = defaultdict(int)
         self._total = 0
@@ -85,7 +86,7 @@ class ActivationMeter:
         """Count the tensors saved inside `module`'s forward (and its submodules', recomputed ones
         included) for `name`; its parameters are weights, never counted."""
         self.names.append(name)
-        self._weights.update(p.untyped_storage().data_ptr() for p in module.parameters())
+        self._modules.append(module)
         for sub in module.modules():
             sub.register_forward_pre_hook(lambda _m, _a, name=name: self._enter(name))
             sub.register_forward_hook(lambda _m, _a, _o: self._exit(), always_call=True)
@@ -101,7 +102,7 @@ class ActivationMeter:
             ptr, nbytes = _storage_key(t)
         except (RuntimeError, NotImplementedError):  # no storage (sparse, nested): not counted
             return t
-        if ptr in self._weights or nbytes == 0 or t.device.type == "meta":
+        if ptr in self._weights or nbytes == 0 or _is_weight(t):
             return t
         key = (ptr, nbytes)
         entry = self._live.get(key)
@@ -129,10 +130,15 @@ class ActivationMeter:
     def measure(self) -> Iterator[None]:
         """Count within the block; `peak` then holds this block's peak per module (0 for a module
         attached but saving nothing)."""
+        self._weights = {p.untyped_storage().data_ptr() for m in self._modules for p in m.parameters()}
         self.peak = {n: self._current.get(n, 0) for n in self.names}
         self.total_peak = self._total  # what an earlier block left saved (0 after its backward)
         with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
             yield
+
+    def live_bytes(self, name: str) -> int:
+        """Bytes saved inside `name`'s forward that autograd still holds now."""
+        return self._current.get(name, 0)
 
     def peaks(self) -> dict[str, int]:
         """The last block's peak bytes per module (`other`: saved outside every module, if any)."""
@@ -149,6 +155,11 @@ class _Saved:
 
     def __del__(self) -> None:
         self.meter._release(self.key)
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a transposed weight), is not an activation."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def _unpack(saved: Any) -> torch.Tensor:

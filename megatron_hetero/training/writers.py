@@ -207,8 +207,10 @@ class LogWriters:
 
 
 def job_config(job: Any) -> dict[str, Any]:
-    """The job's fields as plain JSON values (what a W&B run records as its config)."""
-    return json.loads(json.dumps(dataclasses.asdict(job), default=str))
+    """The job's fields (a dataclass's, or a namespace's such as Megatron's args) as plain JSON values:
+    what a W&B run records as its config."""
+    fields = dataclasses.asdict(job) if dataclasses.is_dataclass(job) else dict(vars(job))
+    return json.loads(json.dumps(fields, default=str))
 
 
 def open_writers(job: Any, rank: int, world_size: int) -> Optional[LogWriters]:

@@ -212,7 +212,7 @@ def test_line_and_records_carry_throughput_and_memory(run):
         assert f"activation peak bytes per rank: max {act} (rank " in line
 
 
-def test_activation_meter_counts_saved_tensors_by_hand(megatron_compat):
+def test_activation_meter_counts_saved_tensors_by_hand():
     """A linear layer then a ReLU on a [4, 8] input: autograd saves the input (4*8 floats; the weight
     is not an activation) and the ReLU's output (4*16 floats): 384 bytes at the peak, none after the
     backward; a second step measures the same."""
@@ -227,11 +227,11 @@ def test_activation_meter_counts_saved_tensors_by_hand(megatron_compat):
     for _ in range(2):
         with meter.measure():
             y = net(x)
-            assert meter._current["net"] == 4 * 8 * 4 + 4 * 16 * 4
+            assert meter.live_bytes("net") == 4 * 8 * 4 + 4 * 16 * 4
             y.sum().backward()
             del y
         assert meter.peaks() == {"net": 384} and meter.total_peak == 384
-        assert meter._current["net"] == 0  # the backward freed them
+        assert meter.live_bytes("net") == 0  # the backward freed them
 
 
 @pytest.mark.parametrize(
