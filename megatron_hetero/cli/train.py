@@ -27,6 +27,14 @@ and validated (`training.setup.validate_job`) before any rank starts (exit 2 wit
 micro-batch, boundary calls with bytes, communication batches and waits, gradient reduction,
 optimizer) and global rank 0 writes them as one Chrome/Perfetto trace (ui.perfetto.dev, or
 `megatron-hetero timeline FILE.json --out FILE.png`); it is the job's `trace` field.
+
+Logging (Megatron-LM's flags, `training.writers`, `training.run_stats`): `--tensorboard-dir DIR`
+[--tensorboard-log-interval N] [--log-validation-ppl-to-tensorboard] and `--wandb-project P`
+[--wandb-exp-name N] [--wandb-save-dir DIR] (offline unless WANDB_MODE says otherwise) write
+Megatron's scalars from the last rank; `--log-throughput` adds TFLOP/s per rank (Megatron's formula,
+per module: `training.throughput`) and `--log-memory` the resident state and activation peaks per
+rank (`training.memory_log`) to the lines and the --log-jsonl records. A missing package or a
+folder that cannot be made exits 2 before any rank starts.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ GROUPS = {
     "checkpoints": "checkpoints (Megatron-core dist_checkpointing; movable between layouts)",
     "moe": "mixture of experts (language model; ep/expt_tp come from the layout)",
     "launch": "launch",
+    "logging": "logging (TensorBoard, W&B, throughput, memory; Megatron-LM's flags)",
 }
 
 

@@ -125,6 +125,43 @@ class JobConfig:
         "saves a checkpoint (with --save) and exits 0 (Megatron-LM's flag)",
         group="checkpoints",
     )
+    # TensorBoard and W&B (Megatron-LM's flags; `training/writers.py`): the last rank writes Megatron's
+    # scalars every tensorboard_log_interval iterations; W&B offline unless WANDB_MODE says otherwise
+    tensorboard_dir: Optional[str] = flag_field(
+        None,
+        "write TensorBoard scalars here (the last rank; needs the tensorboard package)",
+        metavar="DIR",
+        group="logging",
+    )
+    tensorboard_log_interval: int = flag_field(
+        1, "write the TensorBoard / W&B scalars every N iterations (default {default})", metavar="N", group="logging"
+    )
+    log_validation_ppl_to_tensorboard: bool = flag_field(
+        False, "also write the validation perplexity (lm loss validation ppl)", group="logging"
+    )
+    wandb_project: Optional[str] = flag_field(
+        None,
+        "log the same scalars to a W&B run of this project (the last rank; offline unless WANDB_MODE is set; "
+        "needs the wandb package)",
+        metavar="NAME",
+        group="logging",
+    )
+    wandb_exp_name: Optional[str] = flag_field(None, "the W&B run's name", metavar="NAME", group="logging")
+    wandb_save_dir: Optional[str] = flag_field(
+        None, "where the W&B run is written (default: --save DIR/wandb)", metavar="DIR", group="logging"
+    )
+    # --log-throughput: TFLOP/s per rank by Megatron's formula, per module (`training/throughput.py`);
+    # --log-memory: resident state and activation peaks per rank (`training/memory_log.py`)
+    log_throughput: bool = flag_field(
+        False,
+        "TFLOP/s per rank (Megatron's formula, per module and for the whole model) in lines and records",
+        group="logging",
+    )
+    log_memory: bool = flag_field(
+        False,
+        "per-rank resident state (params, grads, optimizer) and peak activation bytes, measured, in lines and records",
+        group="logging",
+    )
     # --trace FILE: every rank records its spans, global rank 0 writes the merged trace there (train:
     # the absolute path)
     trace: Optional[str] = flag_field(
@@ -168,7 +205,7 @@ def train_flag_fields() -> list[dataclasses.Field]:
     """The fields of `train`'s own flags in --help order, after the shared model flags
     (`cli.model_flags`), the architecture's (`cli.arch_flags`) and the data's (`cli.data`), before the
     layout's (`layout.args`): the loop, the optimizer, the seed and the schedule; evaluation;
-    checkpoints; mixture of experts; launch; the trace."""
+    checkpoints; mixture of experts; launch; logging; the trace."""
     from megatron_hetero.planner.model import MOE_FLAGS
 
     return (
@@ -219,5 +256,18 @@ def train_flag_fields() -> list[dataclasses.Field]:
         + flags_of(LaunchFlags, ["nproc_per_node", "log_jsonl"])
         + flags_of(JobConfig, ["log_interval"])
         + flags_of(LaunchFlags, ["launch_timeout"])
+        + flags_of(
+            JobConfig,
+            [
+                "log_throughput",
+                "log_memory",
+                "tensorboard_dir",
+                "tensorboard_log_interval",
+                "log_validation_ppl_to_tensorboard",
+                "wandb_project",
+                "wandb_exp_name",
+                "wandb_save_dir",
+            ],
+        )
         + flags_of(JobConfig, ["trace"])
     )

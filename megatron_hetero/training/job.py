@@ -80,6 +80,14 @@ _JOB_FLAGS = (
     "eval_interval",
     "eval_iters",
     "exit_signal_handler",
+    "tensorboard_dir",
+    "tensorboard_log_interval",
+    "log_validation_ppl_to_tensorboard",
+    "wandb_project",
+    "wandb_exp_name",
+    "wandb_save_dir",
+    "log_throughput",
+    "log_memory",
 )
 
 
@@ -160,6 +168,13 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "eval_loss",
             "eval_accuracy",
             "eval_samples",
+            # --log-throughput, --log-memory, the writers (training/run_stats.py): already the world's
+            "iteration_time_s",
+            "tflops_per_rank",
+            "tflops_per_rank_per_module",
+            "state_bytes",
+            "activation_peak_bytes",
+            "activation_peak_bytes_total",
         ):
             if rec.get(key) is not None:
                 merged[key] = rec[key]

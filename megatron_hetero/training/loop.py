@@ -14,7 +14,8 @@ every module, one clip coefficient, non-finite gradients skipping the step on ev
      (Megatron-LM's `train_step` steps it only after a successful update);
   4. the front end's record of the iteration (its statistics: loss, grad norm, learning rate, ...),
      then its log line;
-  5. the front end's evaluation (at its `--eval-interval`; it may add to the record);
+  5. the front end's evaluation (at its `--eval-interval`; it may add to the record), then the
+     record to the writers (`training/writers.py`: TensorBoard, W&B; None: none, the scripts' case);
   6. a checkpoint every `save_interval` iterations (with `save`);
   7. with `--exit-signal-handler`: the world agrees whether some rank got SIGTERM
      (`training/signals.py`); if so, a checkpoint of this iteration (with `save`, unless just
@@ -64,6 +65,14 @@ class FrontEnd(Protocol):
         ...
 
 
+class RecordWriter(Protocol):
+    """Where the records go besides the lines (`training.writers.LogWriters`)."""
+
+    def write(self, rec: dict[str, Any]) -> None:
+        """Write iteration `rec["iteration"]`'s figures."""
+        ...
+
+
 @dataclass(frozen=True)
 class LoopSpec:
     """The loop's numbers: iterations [start, train_iters); `scheduler_increment` per iteration
@@ -95,9 +104,11 @@ def run_loop(
     front: FrontEnd,
     stop: ExitSignal,
     write: Optional[Callable[[str], None]] = None,
+    writers: Optional[RecordWriter] = None,
 ) -> LoopOutcome:
     """Iterations [spec.start, spec.train_iters) (see the module docstring); `write`: where rank 0's
-    stop line goes (None: stdout). Collective over the world."""
+    stop line goes (None: stdout); `writers`: what each iteration's record goes to after its
+    evaluation (on the ranks that write: the caller opens and closes it). Collective over the world."""
     out = LoopOutcome()
     last_saved: Optional[int] = spec.start if spec.start else None
     for it in range(spec.start, spec.train_iters):
@@ -111,6 +122,8 @@ def run_loop(
         out.records.append(rec)
         front.log(rec)
         front.evaluate(it + 1, rec)
+        if writers is not None:
+            writers.write(rec)
         if spec.save and spec.save_interval and (it + 1) % spec.save_interval == 0:
             front.save(it + 1)
             last_saved = it + 1

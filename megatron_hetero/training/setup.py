@@ -56,6 +56,9 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         raise ValueError(f"--eval-interval must be >= 0, got {job.eval_interval!r}")
     if job.eval_iters is not None and (not isinstance(job.eval_iters, int) or job.eval_iters < 1):
         raise ValueError(f"--eval-iters must be a positive integer, got {job.eval_iters!r}")
+    from megatron_hetero.training.writers import check_logging
+
+    check_logging(job)  # --tensorboard-dir, --wandb-*: the packages and the folders
     if job.eval_iters is not None and not job.eval_interval:
         raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
     data_config(spec).validate()

@@ -16,6 +16,7 @@ from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.schedules import schedule_for
 from megatron_hetero.runtime.trace import gather_trace
+from megatron_hetero.training.run_stats import RunStats
 from megatron_hetero.training.setup import JobConfig, build_states
 from megatron_hetero.training.signals import ExitSignal
 
@@ -132,9 +133,11 @@ class TrainFrontEnd:
         log,
         save: Callable[[int], Any],
         step_hook: Optional[Callable[[int], Any]] = None,
+        stats: Optional[RunStats] = None,
     ) -> None:
+        """`stats`: the --log-throughput / --log-memory / writers' figures of each record (None: none)."""
         self.job, self.plan, self.states, self.schedule, self.log_ = job, plan, states, schedule, log
-        self.save_fn, self.step_hook = save, step_hook
+        self.save_fn, self.step_hook, self.stats = save, step_hook, stats
         self.tokens = job.global_batch_size * job.spec.seq_length
 
     def record(self, iteration: int, res, seconds: float) -> dict[str, Any]:
@@ -160,6 +163,8 @@ class TrainFrontEnd:
             # this rank's optimizer state by module (ModuleState.optimizer_state_bytes)
             "optimizer_state_bytes": {n: s.optimizer_state_bytes() for n, s in states.items()},
         }
+        if self.stats is not None:  # collective when active (training/run_stats.py)
+            rec.update(self.stats.fields(seconds))
         if self.step_hook is not None:  # e.g. bench soak's resource probe; its value travels in the record
             rec["probe"] = self.step_hook(iteration)
         return rec
@@ -203,10 +208,14 @@ def train_rank(
     from megatron_hetero.training.iteration_log import IterationLog
     from megatron_hetero.training.lr_schedule import build_scheduler
     from megatron_hetero.training.loop import LoopSpec, run_loop
+    from megatron_hetero.training.memory_log import ActivationMeter
+    from megatron_hetero.training.run_stats import MeteredSchedule
+    from megatron_hetero.training.writers import open_writers
 
     prepare_rank(job)
     stop = ExitSignal(job.exit_signal_handler).install()  # SIGTERM sets a flag (signals.py)
     topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
+    writers = None
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
         states = build_states(plan, job, topo)
@@ -233,6 +242,13 @@ def train_rank(
                 plan, states
             )
         schedule = make_schedule(plan, job, topo, states, runner=runner)
+        writers = open_writers(job, topo.rank, layout.world_size)  # the last rank's TensorBoard / W&B
+        meter = None
+        if job.log_memory:  # activation peaks of every training step (training/memory_log.py)
+            meter = ActivationMeter()
+            for n, s in states.items():
+                meter.attach(n, s.module)
+        stats = RunStats(job, plan, states, meter, writers=bool(job.tensorboard_dir or job.wandb_project))
         log = IterationLog(
             log_write if topo.rank == 0 else None,
             job.train_iters,
@@ -248,9 +264,10 @@ def train_rank(
             log,
             save=lambda it: save_checkpoint(job.save, it, layout, job, topo, states, schedulers),
             step_hook=step_hook,
+            stats=stats,
         )
         outcome = run_loop(
-            schedule,
+            MeteredSchedule(schedule, meter) if meter is not None else schedule,
             schedulers,
             LoopSpec(
                 start=start,
@@ -263,6 +280,7 @@ def train_rank(
             front,
             stop,
             write=log.write,
+            writers=writers,
         )
         log.close()
         for s in states.values():  # --overlap-param-gather: the last step's parameters, gathered
@@ -284,5 +302,7 @@ def train_rank(
             out["coords"] = {n: topo.coord(n).as_dict() for n in states}
         return out
     finally:
+        if writers is not None:
+            writers.close()
         stop.restore()
         topo.destroy()

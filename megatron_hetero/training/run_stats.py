@@ -1,0 +1,85 @@
+"""The per-iteration figures behind --log-throughput, --log-memory and the writers
+(`training/writers.py`), added to `train`'s records (`TrainFrontEnd.record`).
+
+Once per iteration, only when one of them is on, one all-gather over the world brings every rank's
+step time, resident state per module (`memory_log.state_bytes`) and, with --log-memory, activation
+peaks (`memory_log.ActivationMeter`) to every rank, so that rank 0's line, the last rank's writers and
+the merged --log-jsonl records show the same numbers. The fields:
+
+    iteration_time_s             the slowest rank's step time (the merged records' step_time_s)
+    tflops_per_rank              --log-throughput: the whole model's TFLOP/s per rank
+    tflops_per_rank_per_module   each module's (`training/throughput.py`)
+    state_bytes                  {rank: {module: {params, grads, optimizer}}} (--log-memory, or a writer)
+    activation_peak_bytes        --log-memory: {rank: {module: peak bytes of the step}}
+    activation_peak_bytes_total  --log-memory: {rank: the rank's peak over its modules at one moment}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from megatron_hetero.runtime.step import run_collective
+from megatron_hetero.training.memory_log import ActivationMeter, state_bytes
+from megatron_hetero.training.throughput import module_flops, tflops_per_rank
+
+
+class MeteredSchedule:
+    """A schedule whose training steps run inside the meter's `measure()` (evaluation steps do not);
+    everything else is the schedule's own."""
+
+    def __init__(self, schedule: Any, meter: ActivationMeter) -> None:
+        self.schedule, self.meter = schedule, meter
+
+    def step(self, it: int, train: bool = True) -> Any:
+        if not train:
+            return self.schedule.step(it, train=False)
+        with self.meter.measure():
+            return self.schedule.step(it)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.schedule, name)
+
+
+class RunStats:
+    """This rank's part of the figures (see the module docstring); `fields(seconds)` is collective
+    (every rank calls it once per iteration) when `active`, and returns {} otherwise."""
+
+    def __init__(self, job: Any, plan: Any, states: dict, meter: Optional[ActivationMeter], writers: bool) -> None:
+        self.job, self.plan, self.states, self.meter = job, plan, states, meter
+        self.layout = plan.layout
+        self.flops = module_flops(job.spec, self.layout, job.global_batch_size) if job.log_throughput else None
+        self.memory = bool(job.log_memory or writers)
+        self.active = bool(job.log_throughput or self.memory)
+
+    def _local(self, seconds: float) -> dict[str, Any]:
+        mine: dict[str, Any] = {"t": seconds}
+        if self.memory:
+            mine["state"] = {n: state_bytes(s) for n, s in self.states.items()}
+        if self.meter is not None:
+            mine["act"] = self.meter.peaks()
+            mine["act_total"] = self.meter.total_peak
+        return mine
+
+    def fields(self, seconds: float) -> dict[str, Any]:
+        if not self.active:
+            return {}
+        world: list = [None] * self.layout.world_size
+        run_collective(
+            "logging figures all-gather over the world",
+            self.plan.rank,
+            dist.all_gather_object,
+            world,
+            self._local(seconds),
+        )
+        t = max(w["t"] for w in world)
+        out: dict[str, Any] = {"iteration_time_s": t}
+        if self.flops is not None:
+            out["tflops_per_rank"], out["tflops_per_rank_per_module"] = tflops_per_rank(self.flops, self.layout, t)
+        if self.memory:
+            out["state_bytes"] = {str(r): w["state"] for r, w in enumerate(world)}
+        if self.meter is not None:
+            out["activation_peak_bytes"] = {str(r): w["act"] for r, w in enumerate(world)}
+            out["activation_peak_bytes_total"] = {str(r): w["act_total"] for r, w in enumerate(world)}
+        return out
