@@ -12,6 +12,9 @@ the merged --log-jsonl records show the same numbers. The fields:
     state_bytes                  {rank: {module: {params, grads, optimizer}}} (--log-memory, or a writer)
     activation_peak_bytes        --log-memory: {rank: {module: peak bytes of the step}}
     activation_peak_bytes_total  --log-memory: {rank: the rank's peak over its modules at one moment}
+    memory_bytes                 --log-memory: {rank: {predicted, measured, predicted_state,
+                                 predicted_activation}}: the memory model's state + activation peak
+                                 (`planner/memory.py`) beside the measured state + activation peak
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class RunStats:
         self.flops = module_flops(job.spec, self.layout, job.global_batch_size) if job.log_throughput else None
         self.memory = bool(job.log_memory or writers)
         self.active = bool(job.log_throughput or self.memory)
+        self.predicted = predicted_memory(job, self.layout) if meter is not None else None
 
     def _local(self, seconds: float) -> dict[str, Any]:
         mine: dict[str, Any] = {"t": seconds}
@@ -82,4 +86,41 @@ class RunStats:
         if self.meter is not None:
             out["activation_peak_bytes"] = {str(r): w["act"] for r, w in enumerate(world)}
             out["activation_peak_bytes_total"] = {str(r): w["act_total"] for r, w in enumerate(world)}
+        if self.predicted is not None and self.meter is not None:
+            out["memory_bytes"] = {
+                str(r): {
+                    "predicted": p["state"] + p["activation"],
+                    "measured": sum(sum(v.values()) for v in w["state"].values()) + w["act_total"],
+                    "predicted_state": p["state"],
+                    "predicted_activation": p["activation"],
+                }
+                for r, (p, w) in enumerate(zip(self.predicted, world))
+            }
         return out
+
+
+def predicted_memory(job: Any, layout: Any) -> list[dict[str, int]]:
+    """Per rank, the memory model's (`planner/memory.py`) state and activation-peak bytes of `job`."""
+    from megatron_hetero.planner.memory import StateFeatures, predicted_rank_bytes
+    from megatron_hetero.training.config import job_recompute
+
+    o = job.optim
+    features = StateFeatures(
+        precision="bf16" if o.bf16 else "fp16" if o.fp16 else "fp32",
+        optimizer=o.optimizer,
+        distributed_optimizer=o.use_distributed_optimizer,
+        grad_reduce_in_fp32=o.grad_reduce_in_fp32,
+    )
+    return [
+        predicted_rank_bytes(
+            layout,
+            job.spec,
+            r,
+            features,
+            job.global_batch_size,
+            job.micro_batch_size,
+            job.sequence_parallel,
+            job_recompute(job),
+        )
+        for r in range(layout.world_size)
+    ]

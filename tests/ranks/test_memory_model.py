@@ -177,3 +177,90 @@ def test_layer_activation_bytes_match_what_autograd_saves(case):
     for measured, predicted in run_ranks(tp, _decoder_saved_bytes, spec, tp, sp, recompute):
         print(f"{case}: measured {measured} bytes, predicted {predicted}")
         assert abs(predicted - measured) <= 0.01 * measured, (case, measured, predicted)
+
+
+def _job(**kw):
+    from megatron_hetero.runtime.module_state import OptimConfig
+    from megatron_hetero.training.setup import JobConfig
+
+    base = dict(
+        spec=LlavaSpec(num_layers=4),
+        global_batch_size=8,
+        micro_batch_size=1,
+        train_iters=1,
+        optim=OptimConfig(optimizer="adam", lr=1e-3),
+        log_memory=True,
+    )
+    return JobConfig(**{**base, **kw})
+
+
+#: the switched-on variant of every layout: the distributed optimizer and full recompute (uniform,
+#: 1 layer), with sequence parallelism where the language model has tp 2, bf16 on one layout
+ON = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+MEMORY_CASES = {
+    "colocated vision dp2 + language tp2": (
+        {"modules": {"vision": {"dp": 2}, "language": {"tp": 2}}, "edges": ["vision -> language"]},
+        2,
+        {},
+        {**ON, "sequence_parallel": True},
+    ),
+    "colocated vision dp2 + language pp2": (
+        {"modules": {"vision": {"dp": 2}, "language": {"pp": 2}}, "edges": ["vision -> language"]},
+        2,
+        {},
+        ON,
+    ),
+    "disjoint vision @0 -> language pp2 @1-2": (
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"ranks": "0"}, "language": {"pp": 2, "ranks": "1-2"}},
+            "edges": ["vision -> language"],
+        },
+        3,
+        {},
+        ON,
+    ),
+    "disjoint vision dp2 @0-1 -> language tp2 @2-3": (
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"tp": 2, "ranks": "2-3"}},
+            "edges": ["vision -> language"],
+        },
+        4,
+        {"micro_batch_size": 2},
+        {**ON, "sequence_parallel": True, "bf16": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("switched", [False, True], ids=["plain", "distributed-optimizer+recompute"])
+@pytest.mark.parametrize("case", MEMORY_CASES)
+def test_predicted_memory_matches_the_measured_within_10_percent(case, switched):
+    """`train --log-memory`'s records carry, per rank, the memory model's prediction (state +
+    activation peak, `planner/memory.py`) beside the measured bytes (the state's tensors and the
+    activation meter's peak over the step): within 10% on every rank, for each layout without and with
+    the distributed optimizer, full recompute (and SP where tp > 1, bf16 on one layout)."""
+    from megatron_hetero.runtime.module_state import OptimConfig
+
+    from parity import run_job
+
+    doc, world, kw, on = MEMORY_CASES[case]
+    extra = dict(kw)
+    if switched:
+        bf16 = on.get("bf16", False)
+        extra.update({k: v for k, v in on.items() if k != "bf16"})
+        extra["optim"] = OptimConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True, bf16=bf16)
+        if bf16:
+            extra["spec"] = dataclasses.replace(LlavaSpec(num_layers=4), bf16=True)
+    rec = run_job(doc, world, _job(**extra))[0]["records"][-1]
+    mem = rec["memory_bytes"]
+    assert sorted(mem, key=int) == [str(r) for r in range(world)]
+    for r, m in mem.items():
+        print(
+            f"{case} {'on' if switched else 'off'} rank {r}: predicted {m['predicted']} "
+            f"(state {m['predicted_state']}, activations {m['predicted_activation']}), measured {m['measured']} "
+            f"({m['predicted'] / m['measured'] - 1:+.3f})"
+        )
+        assert abs(m["predicted"] / m["measured"] - 1) <= 0.10, (case, switched, r, m)
+        acts = rec["activation_peak_bytes_total"][r]
+        assert abs(m["predicted_activation"] / acts - 1) <= 0.10, (case, switched, r, m, acts)
