@@ -2,6 +2,7 @@
 
     megatron-hetero plan LAYOUT.yaml [--world-size N] [--json] [--global-batch-size G]
         [--seq-length S] [--hidden-size H] [--dtype-bytes B] [--num-experts E]
+        [--memory [train's model, batch and feature flags: --bf16, --use-distributed-optimizer, ...]]
     megatron-hetero plan --hetero-module NAME:tp=..,dp=.. ... [--hetero-edge 'A->B'] [--hetero-placement P]
 
 The model flags give the shape crossing each edge (default: the smallest one every transform takes).
@@ -50,8 +51,33 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         flags_of(LlavaSpec, ["num_experts"]),
         help={"num_experts": "experts per MoE layer of the language model: checks ep against it and prints them"},
     )
+    _add_memory_flags(p)
     add_hetero_args(p)
     return p
+
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    """--memory and the flags of `train` that the memory model reads: the rest of the model's sizes,
+    the batch, the architecture, MoE, precision, optimizer, distributed optimizer, SP and recompute."""
+    from megatron_hetero.cli.arch_flags import add_arch_flags
+    from megatron_hetero.layout.flags import add_flags, flags_of
+    from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec
+    from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS
+    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.training.config import JobConfig
+
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also predict every rank's resident state and activation peak of a train step with these "
+        "flags (the memory model train --log-memory checks; --json: predicted_state_bytes, "
+        "predicted_activation_bytes per rank)",
+    )
+    add_model_flags(p, [n for n in MODEL_FLAGS if n not in ("global_batch_size", "seq_length", "hidden_size")])
+    add_arch_flags(p)
+    group = {"training": "train's features (for --memory)", "moe": "mixture of experts (for --memory)"}
+    add_flags(p, [f for f in flags_of(LlavaSpec, MOE_FLAGS) if f.name != "num_experts"], group)
+    add_flags(p, flags_of(OptimConfig, OPTIM_FLAGS) + flags_of(JobConfig, JOB_FLAGS), group)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,10 +98,23 @@ def run(args: argparse.Namespace) -> int:
         check_experts(layout, experts)
     hidden = value(args, MODEL_FLAGS["hidden_size"])  # the model's hidden size unless given
     shape = default_shape(layout, args.global_batch_size, args.seq_length, hidden, args.dtype_bytes)
+    memory = None
+    if args.memory:
+        from megatron_hetero.report.memory import memory_rows
+
+        memory = memory_rows(args, layout)
     if args.json:
-        print(json.dumps(layout_json(layout, shape, experts), indent=1))
+        doc = layout_json(layout, shape, experts)
+        if memory is not None:
+            for entry, row in zip(doc["ranks"], memory):
+                entry.update({k: v for k, v in row.items() if k != "rank"})
+        print(json.dumps(doc, indent=1))
     else:
         print(layout_text(layout, shape, experts))
+        if memory is not None:
+            from megatron_hetero.report.memory import memory_text
+
+            print(memory_text(memory))
     if args.draw:
         _draw(layout, shape, args.draw, quiet=args.json)
     return 0

@@ -311,3 +311,75 @@ def test_plan_moe_invalid_exits_2(capsys, argv, message) -> None:
         argv = [str(REPO / "examples" / "layouts" / "colocated_moe.yaml")] + argv
     rc, out, err = _run(capsys, "plan", *argv)
     assert rc == 2 and message in err, err
+
+
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1".split()
+MEMORY_FLAGS = (
+    "--hetero-placement disjoint --hetero-module vision:dp=2,ranks=0-1 --hetero-module language:tp=2,pp=2,ranks=2-5 "
+    "--hetero-edge vision->language --memory --num-layers 4 --global-batch-size 8 --micro-batch-size 2"
+).split()
+
+
+@pytest.mark.parametrize(
+    "features",
+    [[], ["--bf16", "--use-distributed-optimizer", "--sequence-parallel"] + RECOMPUTE],
+    ids=["fp32", "bf16-distopt-sp-recompute"],
+)
+def test_plan_memory_json_is_the_memory_model(capsys, features) -> None:
+    """`plan --memory --json` gives every rank the memory model's prediction for train with the same
+    flags (`planner.memory.predicted_rank_bytes`, which tests/ranks/test_memory_model.py holds against
+    what train measures); the features change it the way they should (bf16 halves parameter bytes,
+    the distributed optimizer shards Adam's state, SP and recompute shrink the activations: the next
+    test)."""
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.planner.memory import StateFeatures, predicted_rank_bytes
+    from megatron_hetero.layout.spec import Recompute
+
+    rc, out, _ = _run(capsys, "plan", *MEMORY_FLAGS, *features, "--json")
+    assert rc == 0
+    ranks = json.loads(out)["ranks"]
+    layout = layout_from_dict(
+        {
+            "placement": "disjoint",
+            "modules": {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"tp": 2, "pp": 2, "ranks": "2-5"}},
+            "edges": ["vision -> language"],
+        }
+    )
+    on = bool(features)
+    spec = LlavaSpec(num_layers=4, bf16=on)
+    state = StateFeatures(precision="bf16" if on else "fp32", distributed_optimizer=on)
+    recompute = Recompute("full", "uniform", 1) if on else None
+    for r, entry in enumerate(ranks):
+        want = predicted_rank_bytes(layout, spec, r, state, 8, 2, on, recompute)
+        assert (entry["predicted_state_bytes"], entry["predicted_activation_bytes"]) == (
+            want["state"],
+            want["activation"],
+        )
+        assert entry["predicted_state_bytes"] > 0 and entry["predicted_activation_bytes"] > 0
+
+
+def test_plan_memory_features_move_the_prediction(capsys) -> None:
+    def totals(*extra: str) -> list[tuple[int, int]]:
+        rc, out, _ = _run(capsys, "plan", *MEMORY_FLAGS, *extra, "--json")
+        assert rc == 0
+        return [(e["predicted_state_bytes"], e["predicted_activation_bytes"]) for e in json.loads(out)["ranks"]]
+
+    plain = totals()
+    for (s0, a0), (s1, a1) in zip(plain, totals("--use-distributed-optimizer")):
+        assert a1 == a0 and s1 <= s0  # vision DP2: Adam's 8 bytes per parameter over 2 ranks
+    assert totals("--use-distributed-optimizer")[0][0] < plain[0][0]
+    for (_, a0), (_, a1) in zip(plain, totals(*RECOMPUTE)):
+        assert a1 < a0
+    # bf16: half the parameter bytes, and 4 more optimizer bytes per parameter (the fp32 main weights)
+    rc, out, _ = _run(capsys, "plan", *MEMORY_FLAGS, "--json")
+    rc16, out16, _ = _run(capsys, "plan", *MEMORY_FLAGS, "--bf16", "--json")
+    for e32, e16 in zip(json.loads(out)["ranks"], json.loads(out16)["ranks"]):
+        for name, parts in e32["state"].items():
+            assert 2 * e16["state"][name]["params"] == parts["params"]
+            assert e16["state"][name]["optimizer"] == parts["optimizer"] * 12 // 8
+
+
+def test_plan_memory_bad_recompute_exits_2(capsys) -> None:
+    rc, _, err = _run(capsys, "plan", *MEMORY_FLAGS, "--recompute-method", "uniform")
+    assert rc == 2 and "--recompute-granularity" in err
