@@ -141,7 +141,7 @@ def test_overlap_param_gather_is_accepted_with_the_distributed_optimizer_and_ove
     check_common(
         _args(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True), _layout(SEGMENTS)
     )
-    # the overlap of gradient reduction (the e2e run: test_gpt_segments_with_overlap_grad_reduce_match)
+    # the overlap of gradient reduction (the e2e run: test_gpt_segments_with_overlap_grad_reduce_and_param_gather_match)
     check_common(_args(use_distributed_optimizer=True, overlap_grad_reduce=True), _layout(SEGMENTS))
     check_common(_args(overlap_grad_reduce=True, save="ckpt"), _layout(SEGMENTS))  # plain optimizer: saves
 
