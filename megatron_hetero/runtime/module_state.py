@@ -172,9 +172,9 @@ class ModuleState:
 
     def gather_params(self) -> None:
         """--overlap-param-gather: all-gather the parameters updated by the last optimizer step now
-        (at the end of training, before a checkpoint; Megatron-LM's `force_param_sync`): forward, one
-        synchronous all-gather per bucket of the module's updated shards over its DP x CP group, no
-        backward; the forward pre-hooks stay. Else nothing."""
+        (at the end of training, before a checkpoint; Megatron-LM's `force_param_sync`): one
+        synchronous all-gather per bucket of the module's updated shards over its DP x CP group (no
+        forward or backward runs); the forward pre-hooks stay. Else nothing."""
         if self.ddp is not None and self.ddp.ddp_config.overlap_param_gather:
             self.optimizer.prepare_model_params_for_param_sync()
             with torch.no_grad():
