@@ -13,6 +13,10 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and runs the script as `__main__` th
 `megatron_lm.run.run_script`, exactly as under torchrun; the script's own
 `torch.distributed.init_process_group` does the rendezvous.
 
+A test may instrument the ranks: `MEGATRON_FORK_PROBE=/path/to/probe.py` in the run's environment
+loads that file in each rank before the script and calls its `install()`, then after the script its
+`report()`, whose string the rank prints (the test reads it from the run's output).
+
 Exit code: 0 when every rank exits 0; otherwise the first failing rank's code, and once a rank fails
 the others get `GRACE_S` seconds, then are killed (as torchrun stops the group). Output: the ranks
 write to this process's stdout/stderr. Real torchrun stays covered by the tests that run it
@@ -75,6 +79,7 @@ def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int
         from megatron_hetero.checkpoint.save_load import _writer_results_in_process
 
         _writer_results_in_process()
+    probe = _load_probe(os.environ.get("MEGATRON_FORK_PROBE"))
     try:
         run_script(script, args)
         return 0
@@ -89,6 +94,23 @@ def _rank(rank: int, nproc: int, port: int, script: str, args: list[str]) -> int
     except BaseException:  # noqa: BLE001 - a rank's failure is printed, its exit code says it
         traceback.print_exc()
         return 1
+    finally:
+        if probe is not None:
+            sys.stdout.write(probe.report() + "\n")  # one write: the ranks share the output file
+            sys.stdout.flush()
+
+
+def _load_probe(path: str | None):
+    """The test's instrumentation module at `path` (installed), or None without one."""
+    if not path:
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("megatron_fork_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.install()
+    return module
 
 
 def main(argv: list[str]) -> int:

@@ -161,11 +161,12 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
             "must stay 1 (they give the reference layout the weights start from; each module's "
             "own degrees come from the layout)"
         )
-    if getattr(args, "overlap_param_gather", False):
+    if getattr(args, "overlap_param_gather", False) and not (
+        getattr(args, "use_distributed_optimizer", False) and getattr(args, "overlap_grad_reduce", False)
+    ):
         raise ValueError(
-            "--overlap-param-gather is not supported with Megatron-LM's scripts and a layout yet (megatron-hetero "
-            "train has it): each module's parameters are gathered in the optimizer step (drop the flag; the "
-            "losses are the same without it)"
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron: "
+            "the parameters it all-gathers in the next forward are the distributed optimizer's shards)"
         )
     if (
         getattr(args, "overlap_grad_reduce", False)
@@ -285,6 +286,8 @@ def _train(
             clip_grad=args.clip_grad,  # by the whole model's norm (runtime/optimizer_step.py)
             use_distributed_optimizer=bool(args.use_distributed_optimizer),  # per module's DP x CP group
             overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),  # DDP's bucket overlap
+            # the all-gather of the updated parameters in the next forward (DDP's forward pre-hooks)
+            overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
             ddp_bucket_size=getattr(args, "ddp_bucket_size", None),
             **precision.optim_fields(args),  # --bf16, --fp16 and the loss-scale flags
         )
@@ -349,6 +352,8 @@ def _train(
             )
         finally:
             stop.restore()
+        for state in states.values():  # --overlap-param-gather: the last step's parameters, gathered
+            state.gather_params()
         if hasattr(schedule, "close"):
             schedule.close()
         dist.barrier()

@@ -50,6 +50,8 @@ class ScriptFrontEnd:
     def save(self, iteration: int) -> None:
         if self.save_fn is None:
             raise ValueError("--save is set but the run has no checkpoint writer")
+        for s in self.states.values():  # --overlap-param-gather: the checkpoint reads the gathered parameters
+            s.gather_params()
         self.save_fn(iteration)
 
     def finish(self, iteration: int) -> None:

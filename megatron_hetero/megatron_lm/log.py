@@ -7,11 +7,13 @@ evaluation stopped), after training once more the next ones ("on validation set"
 `--eval-iters` batches of the test dataset ("on test set"). The loss is Megatron's: the sum of the
 per-token losses over all those batches divided by their loss-token count; each batch runs through
 the schedule with `train=False` (no gradient reduction, no optimizer step) with the models in eval
-mode (no dropout).
+mode (no dropout) and, under --overlap-param-gather, with each module's parameters all-gathered first
+and its forward pre-hooks off (`ModuleState.params_gathered`, as Megatron-LM's evaluation).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any, Optional
@@ -131,11 +133,14 @@ class Evaluator:
         self.runner.set_split(split)
         try:
             total, tokens = 0.0, 0
-            for b in range(first_batch, first_batch + self.args.eval_iters):
-                res = self.schedule.step(b, train=False)
-                n = self.runner.loss_tokens(b)
-                total += res.loss * n
-                tokens += n
+            with contextlib.ExitStack() as synced:
+                for s in self.states.values():  # --overlap-param-gather: the last step's parameters, hooks off
+                    synced.enter_context(s.params_gathered())
+                for b in range(first_batch, first_batch + self.args.eval_iters):
+                    res = self.schedule.step(b, train=False)
+                    n = self.runner.loss_tokens(b)
+                    total += res.loss * n
+                    tokens += n
         finally:
             self.runner.set_split("train")
             for m in modules:

@@ -16,6 +16,12 @@ backward of the step: the schedules run every earlier backward inside `no_sync()
 waits for the launched reductions (Megatron launches them there itself in the first step, where it
 counts each parameter's gradients). Without it nothing changes: one bucket, reduced in `finalize_grads`.
 
+With `OptimConfig.overlap_param_gather` as well (and the distributed optimizer) the optimizer step
+sends nothing: DDP's forward pre-hooks all-gather each bucket of updated parameter shards over the
+DP x CP group in the next forward, bucket by bucket (the next bucket's all-gather in flight while the
+current one computes). Forwards outside a training step (evaluation) and checkpoints gather first,
+synchronously (`params_gathered`, `gather_params`).
+
 A frozen module (no trainable parameter on this rank) gets no DDP wrapper and no optimizer: it holds
 no gradient buffer and no optimizer state, and its step is a no-op.
 """
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -166,11 +172,30 @@ class ModuleState:
 
     def gather_params(self) -> None:
         """--overlap-param-gather: all-gather the parameters updated by the last optimizer step now
-        (at the end of training; Megatron-LM's `force_param_sync`); else nothing."""
+        (at the end of training, before a checkpoint; Megatron-LM's `force_param_sync`): one
+        synchronous all-gather per bucket of the module's updated shards over its DP x CP group (no
+        forward or backward runs); the forward pre-hooks stay. Else nothing."""
         if self.ddp is not None and self.ddp.ddp_config.overlap_param_gather:
             self.optimizer.prepare_model_params_for_param_sync()
             with torch.no_grad():
                 self.ddp.start_param_sync(force_sync=True)
+
+    @contextlib.contextmanager
+    def params_gathered(self) -> Iterator[None]:
+        """--overlap-param-gather: the context of forwards that are not a training step's (evaluation):
+        DDP's forward pre-hooks removed and the parameters of the last optimizer step all-gathered
+        first (one synchronous all-gather per bucket over the module's DP x CP group; no backward
+        traffic), the hooks back on exit, as Megatron-LM's `disable_forward_pre_hook` /
+        `enable_forward_pre_hook` around its evaluation. Else (no overlap, frozen) nothing."""
+        if self.ddp is None or not self.ddp.ddp_config.overlap_param_gather:
+            yield
+            return
+        self.optimizer.prepare_model_params_for_param_sync()
+        self.ddp.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            self.ddp.enable_forward_pre_hook()
 
     def zero_grad(self) -> None:
         if self.ddp is not None:

@@ -171,12 +171,20 @@ class ForkServer:
 FORK_SERVER = ForkServer()
 
 
-def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 400, real: bool = False) -> Run:
+def torchrun(
+    script: Path,
+    args: list[str],
+    nproc: int = 2,
+    timeout: int = 400,
+    real: bool = False,
+    extra_env: Optional[dict] = None,
+) -> Run:
     """`script` with `args` on `nproc` CPU ranks through `megatron_hetero.megatron_lm.run`: forked from
     the session's fork server, which imported everything once (`ForkServer`: the same rendezvous
     environment and the same launcher code per rank as `tests/megatron_fork.py`, minutes less of
-    start-up over the suite), or with `real`, under torchrun itself."""
-    env = dict(os.environ)
+    start-up over the suite), or with `real`, under torchrun itself; `extra_env`: added to the ranks'
+    environment (e.g. `MEGATRON_FORK_PROBE`, forked runs only)."""
+    env = {**os.environ, **(extra_env or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it with TP > 1 (its examples set it)
@@ -357,20 +365,42 @@ def test_gpt_segments_with_their_own_tp_dp_match(trees, clip_references):
     assert_grad_norms(run, ref)
 
 
-def test_gpt_segments_with_overlap_grad_reduce_match(trees, clip_references):
-    """The segments case with --overlap-grad-reduce (buckets of 20,000 parameters: several per module,
-    each reduced during the module's last backward of the step, `runtime/module_state.py`) against
-    the same unpatched run without it: the same losses and grad norms (the overlap changes when the
-    reductions run, not what they compute)."""
-    ref = clip_references("pretrain_gpt.py")
-    overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
-    run = torchrun(
-        trees["patched"] / "pretrain_gpt.py",
-        _default_clip_args("pretrain_gpt.py") + overlap + ITERS + GPT_SEGMENTS,
-        nproc=4,
-    )
-    assert_losses(run, ref.losses, RTOL, "GPT: segments with --overlap-grad-reduce", ref.valid)
+#: counts each rank's parameter all-gathers by where they were dispatched (`tests/megatron_fork.py`)
+PARAM_GATHER_PROBE = {"MEGATRON_FORK_PROBE": str(REPO / "tests" / "e2e" / "param_gather_probe.py")}
+PROBE_LINE = re.compile(r"param-gather probe rank (\d+): (\{[^}]*\})")
+
+
+def _gathers(run: Run) -> dict[int, dict[str, int]]:
+    """rank -> the probe's counts of parameter all-gathers (hook, step, forced, other)."""
+    return {int(m.group(1)): json.loads(m.group(2)) for m in PROBE_LINE.finditer(run.out)}
+
+
+def test_gpt_segments_with_overlap_grad_reduce_and_param_gather_match(trees):
+    """The segments case with the distributed optimizer, --overlap-grad-reduce (buckets of 20,000
+    parameters: several per module, each reduced during the module's last backward of the step,
+    `runtime/module_state.py`) and --overlap-param-gather (the optimizer step all-gathers nothing;
+    each bucket's updated parameters are all-gathered by DDP's forward pre-hooks in the next forward;
+    before each evaluation and at the end synchronously) against the unpatched script with the same
+    flags: the same training and validation losses and grad norms. The probe counts every rank's
+    all-gathers: none in the optimizer step, several in forward pre-hooks, and forced ones (the
+    evaluations), in the layout run as in the unpatched one; the flag dropped, they would all be in the
+    optimizer step."""
+    overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000", "--overlap-param-gather"]
+    args = _default_clip_args("pretrain_gpt.py") + overlap + ITERS
+    ref = torchrun(trees["pristine"] / "pretrain_gpt.py", args, extra_env=PARAM_GATHER_PROBE)
+    assert ref.rc == 0 and sorted(ref.losses) == [1, 2, 3] and len(ref.valid) == 3, ref.tail()
+    run = torchrun(trees["patched"] / "pretrain_gpt.py", args + GPT_SEGMENTS, nproc=4, extra_env=PARAM_GATHER_PROBE)
+    assert_losses(run, ref.losses, RTOL, "GPT: segments with --overlap-grad-reduce --overlap-param-gather", ref.valid)
     assert_grad_norms(run, ref)
+    for what, r, world in (("unpatched", ref, 2), ("layout", run, 4)):
+        counts = _gathers(r)
+        print(f"{what}: parameter all-gathers per rank {counts}")
+        assert sorted(counts) == list(range(world)), r.tail()
+        for rank, c in counts.items():
+            assert c["step"] == 0 and c["other"] == 0, (what, rank, c)  # not in the optimizer step
+            # from the pre-hooks of the next forwards (steps 2 and 3 or the evaluation: >= 2 buckets
+            # each), and synchronously before the evaluations
+            assert c["hook"] >= 4 and c["forced"] >= 2, (what, rank, c)
 
 
 def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):

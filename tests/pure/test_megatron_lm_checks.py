@@ -113,7 +113,14 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
             dict(overlap_grad_reduce=True, use_distributed_optimizer=True, save="ckpt"),
             "--overlap-grad-reduce with --use-distributed-optimizer and --save/--load is not supported",
         ),
-        (dict(use_distributed_optimizer=True, overlap_param_gather=True), "--overlap-param-gather is not supported"),
+        (
+            dict(use_distributed_optimizer=True, overlap_param_gather=True),
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce",
+        ),
+        (
+            dict(overlap_grad_reduce=True, overlap_param_gather=True),
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce",
+        ),
         (dict(save="ckpt", ckpt_format="zarr"), "--ckpt-format zarr is not supported with a layout and --load/--save"),
         (dict(load="ckpt", ckpt_format="torch_dcp"), "--ckpt-format torch_dcp is not supported with a layout"),
         (dict(save="ckpt", hetero_init="module"), "--save with a layout needs --hetero-init reference"),
@@ -128,7 +135,13 @@ def test_common_refusals_name_the_flag(kw, message):
 
 def test_the_distributed_optimizer_is_accepted():
     check_common(_args(use_distributed_optimizer=True), _layout(SEGMENTS))
-    # the overlap of gradient reduction (the e2e run: test_gpt_segments_with_overlap_grad_reduce_match)
+
+
+def test_overlap_param_gather_is_accepted_with_the_distributed_optimizer_and_overlap_grad_reduce():
+    check_common(
+        _args(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True), _layout(SEGMENTS)
+    )
+    # the overlap of gradient reduction (the e2e run: test_gpt_segments_with_overlap_grad_reduce_and_param_gather_match)
     check_common(_args(use_distributed_optimizer=True, overlap_grad_reduce=True), _layout(SEGMENTS))
     check_common(_args(overlap_grad_reduce=True, save="ckpt"), _layout(SEGMENTS))  # plain optimizer: saves
 

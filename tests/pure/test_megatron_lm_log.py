@@ -55,3 +55,77 @@ def test_an_interval_averages_the_updated_iterations_only(lines):
     assert _field(third, "lm loss") == "4.000000E+00"  # (3 + 5) / 2 updated iterations, not / 3
     assert _field(third, "number of skipped iterations") == "1" and _field(third, "number of nan iterations") == "0"
     assert "elapsed time per iteration (ms): 30.0 |" in third
+
+
+class _State:
+    """A ModuleState's --overlap-param-gather side, recording the order of calls in `events`."""
+
+    def __init__(self, name: str, events: list) -> None:
+        import contextlib
+
+        import torch
+
+        self.name, self.events, self.module = name, events, torch.nn.Linear(1, 1)
+
+        @contextlib.contextmanager
+        def params_gathered():
+            events.append(f"{name}: gathered, hooks off")
+            yield
+            events.append(f"{name}: hooks on")
+
+        self.params_gathered = params_gathered
+
+    def gather_params(self) -> None:
+        self.events.append(f"{self.name}: gathered")
+
+
+class _Schedule:
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def step(self, b: int, train: bool = True):
+        self.events.append(f"eval step {b}" if not train else f"step {b}")
+        return argparse.Namespace(loss=4.0)
+
+
+class _Runner:
+    def has_split(self, split: str) -> bool:
+        return True
+
+    def set_split(self, split: str) -> None:
+        pass
+
+    def loss_tokens(self, b: int) -> int:
+        return 1
+
+
+def test_evaluation_runs_on_gathered_parameters_with_the_forward_pre_hooks_off(lines):
+    """--overlap-param-gather: every module's last-step parameters are all-gathered before the first
+    evaluation forward and its hooks come back after the last one (Megatron-LM's
+    disable_forward_pre_hook / enable_forward_pre_hook around `evaluate_and_print_results`)."""
+    events: list[str] = []
+    states = {n: _State(n, events) for n in ("vision", "language")}
+    args = argparse.Namespace(eval_iters=2, eval_interval=2)
+    evaluator = log_mod.Evaluator(_Schedule(events), _Runner(), states, args, start_iteration=0)
+    evaluator.after_iteration(1)
+    assert events == []  # not due: nothing gathered (the next forward's pre-hooks do it)
+    evaluator.after_iteration(2)
+    assert events == [
+        "vision: gathered, hooks off",
+        "language: gathered, hooks off",
+        "eval step 0",
+        "eval step 1",
+        "language: hooks on",
+        "vision: hooks on",
+    ]
+
+
+def test_a_checkpoint_is_written_from_gathered_parameters():
+    from megatron_hetero.megatron_lm.front_end import ScriptFrontEnd
+
+    events: list[str] = []
+    states = {n: _State(n, events) for n in ("vision", "language")}
+    args = argparse.Namespace(eval_iters=0, eval_interval=None, log_interval=1, train_iters=2, global_batch_size=4)
+    front = ScriptFrontEnd(args, states, None, save=lambda it: events.append(f"save {it}"))
+    front.save(2)
+    assert events == ["vision: gathered", "language: gathered", "save 2"]
