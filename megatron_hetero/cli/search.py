@@ -8,8 +8,11 @@
 
 The model: `train`'s model flags (cli/model_flags.py) with `train`'s defaults, costed as `train` runs
 it (fp32, Adam: `planner.model.workload`), so `search` plans what `train` with the same model
-flags trains, and `--out` trains directly. `--encoder`/`--llm` choose a large preset instead (bf16,
-distributed optimizer: the cost model's defaults), whose sizes the model flags override.
+flags trains, and `--out` trains directly. `--encoder`/`--llm` choose a large preset instead, priced as
+the production run train can run (the cost model's defaults: --bf16 --use-distributed-optimizer
+--sequence-parallel --recompute-granularity selective; memory from `planner.memory_terms`, the terms
+train's --log-memory prediction uses), whose sizes the model flags override; the printed train line
+carries those flags.
 Pure: no torch.
 """
 
@@ -216,7 +219,25 @@ def train_command(args, out: str, wl, micro_batch_size: int) -> str:
 
         words += [f"{option(f)} {getattr(args, dest(f))}" for f in size_flags() if getattr(args, dest(f)) is not None]
     words += [f"--global-batch-size {wl.global_batch} --micro-batch-size {micro_batch_size}"]
+    words += feature_flags(wl)
     return " ".join(words)
+
+
+def feature_flags(wl) -> list[str]:
+    """train's flags for the features the workload was priced with (precision, distributed optimizer,
+    SP, recompute): the run the printed line starts is the one the search priced."""
+    out = ["--bf16"] if wl.dtype_bytes == 2 else []
+    if wl.optimizer != "adam":
+        out.append(f"--optimizer {wl.optimizer}")
+    if wl.distributed_optimizer:
+        out.append("--use-distributed-optimizer")
+    if wl.sequence_parallel:
+        out.append("--sequence-parallel")
+    if wl.recompute == "selective":
+        out.append("--recompute-granularity selective")
+    elif wl.recompute == "full":
+        out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    return out
 
 
 def _params(n: float) -> str:

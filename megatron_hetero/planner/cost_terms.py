@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_hetero.planner.hardware import Profile, layer_flops
+from megatron_hetero.planner.memory_terms import layer_activation_bytes
 from megatron_hetero.planner.workload import ModelSpec, Workload
 
 
@@ -28,9 +29,15 @@ def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp, e
     tokens = np.asarray(samples, dtype=float) * spec.seq
     flops = layer_flops(tokens, spec.seq, spec.hidden, spec.flops_ffn, spec.gated) / (np.asarray(tp) * cpe)
     compute = prof.layer_time(spec.kind, flops)
+    tp_calls = 4.0  # the TP collectives of a layer: 2 in forward, 2 in backward
+    if wl.recompute == "full":  # the forward again before each backward: 4 passes' worth of 3
+        compute, tp_calls = compute * 4.0 / 3.0, 6.0
+    elif wl.recompute == "selective":  # the core attention's forward again (QK^T and AV: 4Tsh FLOPs)
+        attention = 4.0 * tokens * spec.seq * spec.hidden / (np.asarray(tp) * cpe)
+        compute = compute + prof.layer_model(spec.kind).b * attention
     dpn = prof.devices_per_node
     act = tokens / cpe * spec.hidden * wl.dtype_bytes
-    tpc = 4.0 * prof.layer_collective_time("all_reduce", act, tp, np.asarray(tp) > dpn)
+    tpc = tp_calls * prof.layer_collective_time("all_reduce", act, tp, np.asarray(tp) > dpn)
     if spec.shards:
         kv = 2.0 * tokens * spec.hidden / np.asarray(tp) * wl.dtype_bytes
         ring = 3.0 * prof.layer_collective_time("all_gather", kv, cp, np.asarray(tp) * cp > dpn)
@@ -73,15 +80,29 @@ def p2p_time(prof: Profile, wl: Workload, spec: ModelSpec, samples, cp, inter):
 
 
 def state_bytes(wl: Workload, params_rank, dp_group):
-    """Weights + fp32 grads + optimizer state of `params_rank` parameters."""
+    """Weights + fp32 grads + optimizer state of `params_rank` parameters (the bytes per parameter of
+    `planner.memory_terms.StateFeatures`: precision, optimizer, distributed optimizer over dp_group)."""
     opt = wl.optimizer_bytes / (np.asarray(dp_group, dtype=float) if wl.distributed_optimizer else 1.0)
     return np.asarray(params_rank, dtype=float) * (wl.weight_bytes + wl.grad_bytes + opt)
 
 
 def act_bytes(wl: Workload, spec: ModelSpec, samples, tp, cp, layers):
-    """Activations kept for backward by `layers` layers for one micro-batch."""
-    tokens = np.asarray(samples, dtype=float) * spec.seq / _cp_eff(spec, cp)
-    return np.asarray(layers, dtype=float) * tokens * spec.hidden * wl.activation_bytes / np.asarray(tp)
+    """Activations kept for backward by `layers` layers for one micro-batch of `samples` per
+    replica: `planner.memory_terms.layer_activation_bytes` (the bytes train's layers keep, measured:
+    tests/ranks/test_memory_model.py) under the workload's features (sequence parallelism on the
+    language model, recompute, the attention's scores); with full recompute each layer keeps its input
+    only (the one layer recomputed at a time during a backward is not counted)."""
+    tp = np.asarray(tp, dtype=float)
+    rows = np.asarray(samples, dtype=float)
+    tokens = spec.seq / _cp_eff(spec, cp)
+    sp = wl.sequence_parallel and spec.kind == "llm"
+    feats = wl.activation_features(sp)
+    if wl.recompute == "full":
+        per = tokens * rows * spec.hidden / (tp if sp else 1.0) * wl.dtype_bytes
+    else:
+        ffn = spec.moe_topk * spec.expert_ffn if spec.num_experts else spec.ffn_hidden  # a token's MLP width
+        per = layer_activation_bytes(tokens, rows, spec.hidden, ffn, spec.heads, tp, feats, gated=spec.gated)
+    return np.asarray(layers, dtype=float) * per
 
 
 def dp_time(prof: Profile, wl: Workload, params_rank, tp, cp, dp):

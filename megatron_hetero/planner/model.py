@@ -268,11 +268,10 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
         global_batch=global_batch,
         micro_batch=micro_batch,
         images_per_sample=1,
-        dtype_bytes=4,
-        weight_bytes=4.0,
-        grad_bytes=4.0,
-        optimizer_bytes=8.0,
+        dtype_bytes=4,  # train's defaults: fp32 Adam, no distributed optimizer, SP or recompute
         distributed_optimizer=False,
+        sequence_parallel=False,
+        recompute=None,
     )
 
 

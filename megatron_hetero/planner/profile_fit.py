@@ -298,7 +298,7 @@ def _fit_layer_collectives(prof: Profile, raw: dict[str, Any]) -> dict:
         if (s["tp"] > 1) == (s["cp"] > 1):
             continue
         spec = ModelSpec(s["kind"], 1, s["hidden"], s["ffn_hidden"], s["heads"], s["seq"], kind=s["kind"])
-        wl = Workload(spec, spec, global_batch=1, dtype_bytes=4)
+        wl = Workload(spec, spec, global_batch=1, dtype_bytes=4, recompute=None)
         compute = float(CT.layer_parts(prof, wl, spec, s["batch"], s["tp"], s["cp"])[0])
         tokens = s["batch"] * s["seq"]
         if s["tp"] > 1:
@@ -324,7 +324,7 @@ def _specs(s: dict) -> tuple[ModelSpec, Workload]:
         spec = ModelSpec("encoder", 1, s["hidden"], s["ffn_hidden"], s["heads"], s["seq"], kind="encoder")
         llm = ModelSpec("llm", 1, s["llm_hidden"], 4 * s["llm_hidden"], s["heads"], s["seq"], kind="llm")
     enc = spec if s["kind"] == "encoder" else ModelSpec("encoder", 1, 8, 32, 1, 1, kind="encoder")
-    return spec, Workload(enc, llm, global_batch=1, dtype_bytes=4)
+    return spec, Workload(enc, llm, global_batch=1, dtype_bytes=4, recompute=None)
 
 
 def layer_checks(prof: Profile, raw: dict[str, Any]) -> list[dict]:
@@ -332,7 +332,7 @@ def layer_checks(prof: Profile, raw: dict[str, Any]) -> list[dict]:
     out = []
     for s in raw["layers"]:
         spec = ModelSpec(s["kind"], 1, s["hidden"], s["ffn_hidden"], s["heads"], s["seq"], kind=s["kind"])
-        wl = Workload(spec, spec, global_batch=1, dtype_bytes=4)
+        wl = Workload(spec, spec, global_batch=1, dtype_bytes=4, recompute=None)
         est = float(sum(CT.layer_parts(prof, wl, spec, s["batch"], s["tp"], s["cp"])))
         out.append(
             {

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_hetero.layout.degrees import Degrees
+from megatron_hetero.planner.memory_terms import ActivationFeatures, StateFeatures
 
 PLACEMENT_KINDS = ("homogeneous", "colocated", "disjoint")
 
@@ -99,17 +100,54 @@ class Workload:
     micro_batch: int = 1
     images_per_sample: int = 1
     dtype_bytes: int = 2
-    weight_bytes: float = 2.0
-    grad_bytes: float = 4.0
-    optimizer_bytes: float = 12.0
+    # The features of the run being priced, as train's flags set them (`planner.memory_terms` turns
+    # them into bytes). The defaults are a production run train can run: --use-distributed-optimizer
+    # --sequence-parallel --recompute-granularity selective (which keeps no attention scores);
+    # `planner.model.workload` prices train's own defaults instead.
+    optimizer: str = "adam"
     distributed_optimizer: bool = True
-    activation_bytes: float = 34.0
+    sequence_parallel: bool = True
+    recompute: Optional[str] = "selective"  # None, "selective", or "full" (uniform, one layer per unit)
+    keeps_scores: bool = True  # Megatron-core's local attention keeps its softmax output (unless recomputed)
 
     def __post_init__(self):
         for key in ("global_batch", "micro_batch", "images_per_sample", "dtype_bytes"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"workload: {key} must be a positive integer, got {v!r}")
+        if self.dtype_bytes not in (2, 4):
+            raise ValueError(f"workload: dtype_bytes must be 2 (bf16) or 4 (fp32), got {self.dtype_bytes}")
+        _ = self.state_features  # ValueError for an unknown optimizer
+        self.activation_features(False)  # ValueError for an unknown recompute
+
+    @property
+    def state_features(self) -> StateFeatures:
+        return StateFeatures(
+            precision="fp32" if self.dtype_bytes == 4 else "bf16",
+            optimizer=self.optimizer,
+            distributed_optimizer=self.distributed_optimizer,
+        )
+
+    def activation_features(self, sequence_parallel: bool) -> ActivationFeatures:
+        """The activation features of a module (`sequence_parallel`: whether SP applies to it)."""
+        return ActivationFeatures(
+            dtype_bytes=self.dtype_bytes,
+            sequence_parallel=sequence_parallel,
+            recompute=self.recompute,
+            keeps_scores=self.keeps_scores,
+        )
+
+    @property
+    def weight_bytes(self) -> float:
+        return float(self.state_features.param_bytes)
+
+    @property
+    def grad_bytes(self) -> float:
+        return float(self.state_features.grad_bytes)
+
+    @property
+    def optimizer_bytes(self) -> float:
+        return float(self.state_features.optimizer_bytes)
 
     @property
     def image_tokens(self) -> int:
