@@ -34,8 +34,11 @@ MOE = (
 
 def test_gpt_moe_with_expert_parallel_layouts_matches_unpatched(trees):  # noqa: F811
     """The unpatched TP1·DP2 MoE GPT (EP 1) vs (a) one module DP2 with its experts over EP2 (each rank
-    holds 2 of the 4 experts of every layer) and (b) disjoint segments: layers 0-1 DP2·EP2 on ranks
-    0-1, layers 2-3 DP2 (all 4 experts on each rank) on ranks 2-3: training and validation losses and the logged grad norm."""
+    holds 2 of the 4 experts of every layer), (b) disjoint segments: layers 0-1 DP2·EP2 on ranks
+    0-1, layers 2-3 DP2 (all 4 experts on each rank) on ranks 2-3, and (c) one module TP2·DP2·EP2 on 4
+    ranks with --sequence-parallel (Megatron's MoE with TP dispatches each TP rank's sequence chunk;
+    the dense weights split over TP from the TP1 reference, the experts whole on each EP rank:
+    expt_tp 1, expert-DP 2): training and validation losses and the logged grad norm."""
     args = _default_clip(_with(GPT, micro_batch_size="2", global_batch_size="8")) + MOE
     ref = _unpatched(trees, "pretrain_gpt.py", args)
     one = torchrun(trees["patched"] / "pretrain_gpt.py", args + ITERS + ["--hetero-module", "language:dp=2,ep=2"])
@@ -54,3 +57,9 @@ def test_gpt_moe_with_expert_parallel_layouts_matches_unpatched(trees):  # noqa:
     seg = torchrun(trees["patched"] / "pretrain_gpt.py", args + ITERS + segments, nproc=4)
     assert_losses(seg, ref.losses, RTOL, "GPT MoE: segments DP2·EP2 @0-1 -> DP2 @2-3", ref.valid)
     assert_grad_norms(seg, ref)
+    tp2 = ["--sequence-parallel", "--hetero-module", "language:tp=2,dp=2,ep=2"]
+    run = torchrun(trees["patched"] / "pretrain_gpt.py", args + ITERS + tp2, nproc=4)
+    assert "module language: experts over expt_tp(1) x ep(2) x expt_dp(2), 2 per EP rank" in run.out, run.tail()
+    assert "module language: sequence parallelism over tp(2)" in run.out, run.tail()
+    assert_losses(run, ref.losses, RTOL, "GPT MoE: language TP2·DP2·EP2, --sequence-parallel", ref.valid)
+    assert_grad_norms(run, ref)

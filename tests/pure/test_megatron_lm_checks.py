@@ -169,13 +169,26 @@ def test_gpt_moe_is_accepted_with_expert_parallel_modules():
     check_gpt(_args(**MOE), layout)
     check_common(_args(**MOE), layout)
     check_gpt(_args(**MOE, save="ckpt", load="ckpt"), layout)  # experts gathered by their EP holder
+    # a module with tp > 1 and --sequence-parallel (the e2e run: TP2·DP2·EP2 in test_megatron_lm_moe)
+    tp2 = _layout({"language": {"tp": 2, "dp": 2, "ep": 2}}, edges=(), placement="colocated", world=4)
+    check_gpt(_args(**MOE, sequence_parallel=True, expert_tensor_parallel_size=1, seq_length=32), tp2)
 
 
 @pytest.mark.parametrize(
     "kw, modules, message",
     [
         ({"num_experts": 3}, {"language": {"dp": 2, "ep": 2}}, r"ep\(2\) does not divide --num-experts 3"),
-        ({}, {"language": {"tp": 2}}, r"tp\(2\) > 1 with --num-experts is not supported with pretrain_gpt.py"),
+        ({}, {"language": {"tp": 2}}, r"tp\(2\) > 1 with --num-experts needs --sequence-parallel"),
+        (
+            {"expert_tensor_parallel_size": 2, "sequence_parallel": True, "seq_length": 32},
+            {"language": {"tp": 2}},
+            r"--expert-tensor-parallel-size 2: with a layout .* the layout's expt_tp",
+        ),
+        (
+            {"sequence_parallel": True, "seq_length": 32},
+            {"language": {"tp": 2, "expt_tp": 2}},
+            r"expt_tp\(2\) > 1 needs NCCL",
+        ),
         ({"expert_model_parallel_size": 2}, {"language": {"dp": 2}}, "--expert-model-parallel-size 2: with a layout"),
         ({"moe_grouped_gemm": True}, {"language": {"dp": 2}}, "--moe-grouped-gemm is not supported"),
     ],
