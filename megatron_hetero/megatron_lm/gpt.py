@@ -31,7 +31,7 @@ import torch
 
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout
-from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout
+from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout, uneven_pp_flags
 from megatron_hetero.megatron_lm.precision import to_model_dtype
 from megatron_hetero.megatron_lm.runner import MegatronDataRunner
 from megatron_hetero.plan.roles import language_modules, roles
@@ -77,7 +77,7 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
                 f"module {m.name}: --sequence-parallel shards --seq-length {args.seq_length} over tp({m.tp}), "
                 f"which does not divide it"
             )
-        if segment_layers(args, m) % m.pp:
+        if segment_layers(args, m) % m.pp and not uneven_pp_flags(args):  # else driver.check_uneven_pipeline
             raise ValueError(f"module {m.name}: {segment_layers(args, m)} layers do not split over pp({m.pp})")
     stages = sum(m.pp for m in segs)
     if stages > 1 and not args.untie_embeddings_and_output_weights:

@@ -373,6 +373,23 @@ def test_gpt_segments_with_overlap_grad_reduce_match(trees, clip_references):
     assert_grad_norms(run, ref)
 
 
+def test_gpt_uneven_pipeline_split_matches(trees, clip_references):
+    """One module `language:pp=2` with --decoder-first-pipeline-num-layers 1: Megatron's uneven split
+    of the module's own pipeline (stage 0 layer 0, stage 1 layers 1-3, as Megatron's TransformerConfig
+    num_layers_in_first_pipeline_stage builds it; the reference layout stays PP 1), each stage's
+    weights copied from the reference at the offset Megatron gave its layers, against the unpatched
+    TP1·DP2 run: training and validation losses and grad norms (the production flags and the
+    reference of the segments case)."""
+    ref = clip_references("pretrain_gpt.py")
+    uneven = ["--decoder-first-pipeline-num-layers", "1", "--hetero-module", "language:pp=2"]
+    run = torchrun(trees["patched"] / "pretrain_gpt.py", _default_clip_args("pretrain_gpt.py") + ITERS + uneven)
+    assert "module language: pipeline stages hold [1, 3] layers" in run.out, run.tail()
+    for stage, layers in ((0, "0-0"), (1, "1-3")):
+        assert f"module language: pipeline stage {stage} holds layers {layers}" in run.out, run.tail()
+    assert_losses(run, ref.losses, RTOL, "GPT: language PP2 split 1 + 3 layers", ref.valid)
+    assert_grad_norms(run, ref)
+
+
 def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
     run = torchrun(
         trees["patched"] / "pretrain_vlm.py",

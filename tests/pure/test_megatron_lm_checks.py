@@ -9,7 +9,7 @@ import argparse
 import pytest
 
 from megatron_hetero.layout.yaml_io import layout_from_dict
-from megatron_hetero.megatron_lm.driver import check_common
+from megatron_hetero.megatron_lm.driver import check_common, check_uneven_pipeline, pipeline_split
 from megatron_hetero.megatron_lm.gpt import check_gpt, segment_layers
 from megatron_hetero.megatron_lm.vlm import check_vlm
 
@@ -304,3 +304,81 @@ def test_vlm_saves_with_a_pipelined_language_model_but_only_in_torch_format():
     check_vlm(_args(decoder_num_layers=2, save="ckpt"), vlm)  # every stage's parameters reach the reference
     with pytest.raises(ValueError, match=r"pretrain_vlm.py takes only --ckpt-format torch .*got torch_dist"):
         check_vlm(_args(decoder_num_layers=2, save="ckpt", ckpt_format="torch_dist"), vlm)
+
+
+@pytest.mark.parametrize(
+    "layers, pp, first, last, want",
+    [
+        (4, 2, 1, None, [1, 3]),
+        (4, 2, None, 1, [3, 1]),
+        (4, 2, 1, 3, [1, 3]),
+        (4, 3, 2, None, [2, 1, 1]),
+        (6, 4, 1, 1, [1, 2, 2, 1]),
+        (4, 2, None, None, [2, 2]),
+    ],
+)
+def test_uneven_pipeline_split_follows_megatron(layers, pp, first, last, want):
+    """Megatron's rule (`get_num_layers_to_build`): the first/last stage gets its flag's layers, the
+    middle stages the rest evenly."""
+    assert pipeline_split(layers, pp, first, last, "module language") == want
+
+
+@pytest.mark.parametrize(
+    "kw, modules, world, message",
+    [
+        (
+            dict(decoder_first_pipeline_num_layers=1),
+            {"language": {"dp": 2}},
+            2,
+            "--decoder-first-pipeline-num-layers 1: module language has pp(1); the flags split its own pipeline",
+        ),
+        (
+            dict(decoder_first_pipeline_num_layers=1),
+            {"language": {"pp": 3}},
+            3,
+            "the remaining 3 layers do not split evenly over its 2 middle stage(s) (3 % 2 = 1)",
+        ),
+        (
+            dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1),
+            {"language": {"pp": 2}},
+            2,
+            "2 layers are left for its 0 other stage(s), which must be 0",
+        ),
+        (
+            dict(decoder_last_pipeline_num_layers=4),
+            {"language": {"pp": 2}},
+            2,
+            "0 layers are left for its 1 other stage(s), which must get at least 1 each",
+        ),
+        (dict(decoder_first_pipeline_num_layers=0), {"language": {"pp": 2}}, 2, "needs at least 1 layer"),
+        (
+            dict(decoder_last_pipeline_num_layers=1),
+            SEGMENTS,
+            4,
+            "--decoder-last-pipeline-num-layers 1 is not supported with GPT segments: each segment's `layers:`",
+        ),
+    ],
+)
+def test_uneven_pipeline_refusals_name_the_flag(kw, modules, world, message):
+    placement = "disjoint" if modules is SEGMENTS else "colocated"
+    edges = ("language_a -> language_b",) if modules is SEGMENTS else ()
+    layout = _layout(modules, edges, placement=placement, world=world)
+    with pytest.raises(ValueError) as info:
+        check_gpt(_args(**kw), layout)
+        check_common(_args(**kw), layout)
+    assert message in str(info.value)
+
+
+def test_uneven_pipeline_is_accepted_on_the_language_module():
+    gpt = _layout({"language": {"pp": 2}}, edges=(), placement="colocated", world=2)
+    args = _args(decoder_first_pipeline_num_layers=1)
+    check_gpt(args, gpt)  # 4 layers over pp 2 need not divide evenly
+    check_common(args, gpt)
+    assert check_uneven_pipeline(args, gpt) == ("language", [1, 3])
+    assert check_uneven_pipeline(_args(), gpt) is None
+    vlm = _layout(
+        {"vision": {"dp": 3}, "language": {"pp": 3}}, edges=("vision -> language",), placement="colocated", world=3
+    )
+    args = _args(decoder_num_layers=5, decoder_last_pipeline_num_layers=1)
+    check_vlm(args, vlm)
+    assert check_uneven_pipeline(args, vlm) == ("language", [2, 2, 1])
