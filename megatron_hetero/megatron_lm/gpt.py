@@ -103,12 +103,14 @@ def check_moe(args: Any, layout: HeteroLayout) -> None:
     1 unless the layout says otherwise (Megatron's own default, the module's tp, is not implied), so
     `language:tp=2,dp=2,ep=2` is Megatron's `--tensor-model-parallel-size 2
     --expert-model-parallel-size 2 --expert-tensor-parallel-size 1` (experts whole on each EP rank,
-    expert-DP 2); Megatron's `--expert-tensor-parallel-size` itself names the reference layout's."""
+    expert-DP 2), and `expt_tp=2` gives Megatron's default at tp 2 (each expert's fc1/fc2 split over
+    expert TP from the reference, `weights.copy_into`); Megatron's `--expert-tensor-parallel-size`
+    itself names the reference layout's. Expert TP > 1 runs on gloo too: Megatron's all-gather of
+    uneven token counts over expert TP goes through compat's `cpu.gloo_uneven_all_gather`."""
     from megatron_hetero.layout.validate import check_experts
 
-    check_experts(
-        layout, {m.name: args.num_experts for m in language_modules(layout)}, getattr(args, "distributed_backend", None)
-    )
+    # no backend: expert TP on gloo works here (compat cpu.gloo_uneven_all_gather; not tried with train yet)
+    check_experts(layout, {m.name: args.num_experts for m in language_modules(layout)}, None)
     if args.expert_model_parallel_size != 1:
         raise ValueError(
             f"--expert-model-parallel-size {args.expert_model_parallel_size}: with a layout Megatron's "

@@ -475,11 +475,12 @@ def clip_references(trees):
     return get
 
 
-def assert_grad_norms(run: Run, ref: Run) -> None:
+def assert_grad_norms(run: Run, ref: Run, clip: float = 1.0) -> None:
     """The layout run logs the unpatched run's grad norm at every iteration (to the log line's 3
-    decimals), and that norm exceeds 1.0 everywhere: Megatron's default clipping is engaged."""
+    decimals), and that norm exceeds `clip` (the runs' --clip-grad, Megatron's default 1.0)
+    everywhere: the clipping is engaged."""
     ref_norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(ref.out)}
-    assert sorted(ref_norms) == [1, 2, 3] and min(ref_norms.values()) > 1.0, ref_norms  # clipping engaged
+    assert sorted(ref_norms) == [1, 2, 3] and min(ref_norms.values()) > clip, ref_norms  # clipping engaged
     norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(run.out)}
     assert norms.keys() == ref_norms.keys() and all(abs(norms[i] - ref_norms[i]) <= 2e-3 for i in norms), (
         norms,
