@@ -116,9 +116,36 @@ REFUSED = {
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
     "use_legacy_models": "--use-legacy-models",
     "mtp_num_layers": "--mtp-num-layers",
-    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
-    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
-    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+}
+
+#: Megatron's other pipeline-layout flags (attribute -> (flag, why a layout refuses it)); the uneven
+#: split of `--decoder-first/last-pipeline-num-layers` is supported (`check_uneven_pipeline`)
+PIPELINE_REFUSED = {
+    "num_layers_per_virtual_pipeline_stage": (
+        "--num-layers-per-virtual-pipeline-stage",
+        "virtual (interleaved) pipeline stages: each module's pipeline stage holds one model chunk (the "
+        "layout's schedules are 1F1B without interleaving)",
+    ),
+    "num_virtual_stages_per_pipeline_rank": (
+        "--num-virtual-stages-per-pipeline-rank",
+        "virtual (interleaved) pipeline stages: each module's pipeline stage holds one model chunk (the "
+        "layout's schedules are 1F1B without interleaving)",
+    ),
+    "pipeline_model_parallel_layout": (
+        "--pipeline-model-parallel-layout",
+        "it lays out Megatron's own pipeline, which stays PP 1 with a layout; split the language module's "
+        "own pipeline with --decoder-first/last-pipeline-num-layers, or cut GPT segments with `layers:`",
+    ),
+    "account_for_embedding_in_pipeline_split": (
+        "--account-for-embedding-in-pipeline-split",
+        "the embedding counted as a layer of Megatron's own pipeline split (PP 1 with a layout); use "
+        "--decoder-first-pipeline-num-layers on the language module's own pipeline",
+    ),
+    "account_for_loss_in_pipeline_split": (
+        "--account-for-loss-in-pipeline-split",
+        "the loss counted as a layer of Megatron's own pipeline split (PP 1 with a layout); use "
+        "--decoder-last-pipeline-num-layers on the language module's own pipeline",
+    ),
 }
 
 
@@ -243,6 +270,9 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
+    for attr, (flag, why) in PIPELINE_REFUSED.items():
+        if getattr(args, attr, None):
+            raise ValueError(f"{flag} is not supported with a layout: {why}")
     check_uneven_pipeline(args, layout)
     precision.check_precision(args)  # --loss-scale without --fp16
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:

@@ -5,6 +5,7 @@ in tests/e2e/test_megatron_lm.py."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -365,6 +366,24 @@ def test_uneven_pipeline_refusals_name_the_flag(kw, modules, world, message):
         check_gpt(_args(**kw), layout)
         check_common(_args(**kw), layout)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage is not supported"),
+        (dict(num_virtual_stages_per_pipeline_rank=2), "1F1B without interleaving"),
+        (dict(pipeline_model_parallel_layout="Et|tL"), "--pipeline-model-parallel-layout is not supported"),
+        (dict(account_for_embedding_in_pipeline_split=True), "use --decoder-first-pipeline-num-layers"),
+        (dict(account_for_loss_in_pipeline_split=True), "use --decoder-last-pipeline-num-layers"),
+    ],
+)
+def test_other_pipeline_layout_flags_are_refused_with_the_reason(kw, message):
+    """Checked on the parsed flags: `--num-layers-per-virtual-pipeline-stage` sets its own attribute
+    (Megatron derives virtual_pipeline_model_parallel_size from it only in validate_args)."""
+    layout = _layout({"language": {"pp": 2}}, edges=(), placement="colocated", world=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_common(_args(**kw), layout)
 
 
 def test_uneven_pipeline_is_accepted_on_the_language_module():
