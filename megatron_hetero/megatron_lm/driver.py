@@ -26,6 +26,12 @@ layout's modules) go through, in order:
      `--eval-interval` iterations (and after the last one) the same schedule runs N global batches of
      Megatron's validation dataset with `train=False` and prints Megatron's validation lines.
 
+`--decoder-first/last-pipeline-num-layers` split the one language module's own pipeline (its `pp`
+from the layout; Megatron's own pipeline stays PP 1, the reference's): `check_uneven_pipeline` checks
+the arithmetic, the driver moves the flags to `hetero_*` before the reference model is built, and
+`build.module_config` gives them to the module's config as Megatron's
+`num_layers_in_first/last_pipeline_stage`; the weights follow the offsets Megatron gives the layers.
+
 The loss is normalised per token over the global batch (Megatron's `--calculate-per-token-loss`);
 Megatron's default (a mean per micro-batch, averaged) is the same number when every micro-batch has
 the same count of loss tokens, as with mock data.

@@ -21,6 +21,8 @@ provider to :func:`pretrain_gpt`; the shared driver (`driver.py`) does the rest 
     over its TP group, so the edge carries the whole sequence (backward: the replicated gradient,
     each TP rank keeps its chunk), and a receiving segment with SP keeps its own chunk (backward:
     all-gathered over its TP group). Megatron's own embedding scatters and output layer gathers.
+  * MoE (`--num-experts`): each module's `ep` and `expt_tp` from the layout (`check_moe`); a module
+    with tp > 1 needs `--sequence-parallel`, as Megatron's MoE layer does.
 """
 
 from __future__ import annotations
