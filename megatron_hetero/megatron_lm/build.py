@@ -67,6 +67,13 @@ def module_config(args: Any, m: ModuleLayout, num_layers: int):
     cfg.expert_model_parallel_size = m.ep
     cfg.expert_tensor_parallel_size = m.expt_tp
     cfg.num_layers = num_layers
+    # --decoder-first/last-pipeline-num-layers: the module's own pipeline (the driver moved them off
+    # Megatron's arguments; `driver.check_uneven_pipeline` allows them on the one language module)
+    for attr, field in (
+        ("hetero_decoder_first_pipeline_num_layers", "num_layers_in_first_pipeline_stage"),
+        ("hetero_decoder_last_pipeline_num_layers", "num_layers_in_last_pipeline_stage"),
+    ):
+        setattr(cfg, field, getattr(args, attr, None) if m.pp > 1 else None)
     # --sequence-parallel: Megatron's SP in the modules with tp > 1 (as Megatron ignores it at tp 1)
     cfg.sequence_parallel = bool(getattr(args, "hetero_sequence_parallel", False)) and m.tp > 1
     # The schedules normalise the loss per token over the global batch and sum gradients over DP.
@@ -81,6 +88,8 @@ def _configs(args: Any, m: ModuleLayout):
     vision.num_layers = args.encoder_num_layers
     vision.first_pipeline_num_layers = None
     vision.last_pipeline_num_layers = None
+    vision.num_layers_in_first_pipeline_stage = None  # one stage (the language module's split is its own)
+    vision.num_layers_in_last_pipeline_stage = None
     vision.vision_model_type = VISION_MODEL_TYPE
     vision.context_parallel_size = 1
     vision.sequence_parallel = False
@@ -91,6 +100,8 @@ def _configs(args: Any, m: ModuleLayout):
     proj.sequence_parallel = False
     proj.tp_comm_overlap = False
     proj.pipeline_model_parallel_size = 1
+    proj.num_layers_in_first_pipeline_stage = None
+    proj.num_layers_in_last_pipeline_stage = None
     return lang, vision, proj
 
 

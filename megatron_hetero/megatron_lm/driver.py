@@ -26,6 +26,12 @@ layout's modules) go through, in order:
      `--eval-interval` iterations (and after the last one) the same schedule runs N global batches of
      Megatron's validation dataset with `train=False` and prints Megatron's validation lines.
 
+`--decoder-first/last-pipeline-num-layers` split the one language module's own pipeline (its `pp`
+from the layout; Megatron's own pipeline stays PP 1, the reference's): `check_uneven_pipeline` checks
+the arithmetic, the driver moves the flags to `hetero_*` before the reference model is built, and
+`build.module_config` gives them to the module's config as Megatron's
+`num_layers_in_first/last_pipeline_stage`; the weights follow the offsets Megatron gives the layers.
+
 The loss is normalised per token over the global batch (Megatron's `--calculate-per-token-loss`);
 Megatron's default (a mean per micro-batch, averaged) is the same number when every micro-batch has
 the same count of loss tokens, as with mock data.
@@ -116,16 +122,132 @@ REFUSED = {
     "decoder_tp_comm_overlap": "--decoder-tp-comm-overlap",
     "use_legacy_models": "--use-legacy-models",
     "mtp_num_layers": "--mtp-num-layers",
-    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
-    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
-    "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
-    "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
-    "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+}
+
+#: Megatron's other pipeline-layout flags (attribute -> (flag, why a layout refuses it)); the uneven
+#: split of `--decoder-first/last-pipeline-num-layers` is supported (`check_uneven_pipeline`)
+PIPELINE_REFUSED = {
+    "num_layers_per_virtual_pipeline_stage": (
+        "--num-layers-per-virtual-pipeline-stage",
+        "virtual (interleaved) pipeline stages: each module's pipeline stage holds one model chunk (the "
+        "layout's schedules are 1F1B without interleaving)",
+    ),
+    "num_virtual_stages_per_pipeline_rank": (
+        "--num-virtual-stages-per-pipeline-rank",
+        "virtual (interleaved) pipeline stages: each module's pipeline stage holds one model chunk (the "
+        "layout's schedules are 1F1B without interleaving)",
+    ),
+    "pipeline_model_parallel_layout": (
+        "--pipeline-model-parallel-layout",
+        "it lays out Megatron's own pipeline, which stays PP 1 with a layout; split the language module's "
+        "own pipeline with --decoder-first/last-pipeline-num-layers, or cut GPT segments with `layers:`",
+    ),
+    "account_for_embedding_in_pipeline_split": (
+        "--account-for-embedding-in-pipeline-split",
+        "the embedding counted as a layer of Megatron's own pipeline split (PP 1 with a layout); use "
+        "--decoder-first-pipeline-num-layers on the language module's own pipeline",
+    ),
+    "account_for_loss_in_pipeline_split": (
+        "--account-for-loss-in-pipeline-split",
+        "the loss counted as a layer of Megatron's own pipeline split (PP 1 with a layout); use "
+        "--decoder-last-pipeline-num-layers on the language module's own pipeline",
+    ),
 }
 
 
 #: the --ckpt-format values --load/--save take with a layout
 CKPT_FORMATS = ("torch", "torch_dist")
+
+#: Megatron's uneven pipeline split (attribute -> flag): with a layout, the language module's own
+#: pipeline (Megatron's --pipeline-model-parallel-size stays 1, the reference layout's)
+UNEVEN_PP = {
+    "decoder_first_pipeline_num_layers": "--decoder-first-pipeline-num-layers",
+    "decoder_last_pipeline_num_layers": "--decoder-last-pipeline-num-layers",
+}
+
+
+def uneven_pp_flags(args: Any) -> dict[str, int]:
+    """The uneven pipeline flags given ({flag: layers}); the driver moves them off Megatron's
+    arguments to `hetero_<attribute>` before the reference model is built (`pretrain_with_layout`)."""
+    out = {}
+    for attr, flag in UNEVEN_PP.items():
+        value = getattr(args, attr, None)
+        if value is None:
+            value = getattr(args, "hetero_" + attr, None)
+        if value is not None:
+            out[flag] = value
+    return out
+
+
+def decoder_layers(args: Any) -> int:
+    """The language model's decoder layers (`--decoder-num-layers`, else `--num-layers`)."""
+    return args.decoder_num_layers if getattr(args, "decoder_num_layers", None) is not None else args.num_layers
+
+
+def pipeline_split(num_layers: int, pp: int, first: Optional[int], last: Optional[int], who: str) -> list[int]:
+    """Layers per pipeline stage of a module with `pp` stages and `num_layers` layers, as Megatron
+    splits them (`TransformerConfig.num_layers_in_first_pipeline_stage` / `..._last_...`,
+    `get_num_layers_to_build`): `first` layers on stage 0 and `last` on stage pp-1 where given, the
+    rest evenly over the other (middle) stages. ValueError naming the flags, with the arithmetic."""
+    flags = " ".join(
+        f"{f} {v}"
+        for f, v in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last))
+        if v is not None
+    )
+    if first is None and last is None:
+        if num_layers % pp:
+            raise ValueError(f"{who}: {num_layers} layers do not split over pp({pp})")
+        return [num_layers // pp] * pp
+    if pp < 2:
+        raise ValueError(
+            f"{flags}: {who} has pp({pp}); the flags split its own pipeline, which needs pp > 1 (e.g. pp=2 "
+            f"on the module; Megatron's --pipeline-model-parallel-size stays 1 with a layout)"
+        )
+    for flag, v in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if v is not None and v < 1:
+            raise ValueError(f"{flag} {v}: a pipeline stage needs at least 1 layer")
+    middle = pp - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    if rest < 0 or (middle == 0 and rest) or (middle and rest < middle):
+        raise ValueError(
+            f"{flags}: {who} has {num_layers} layers over pp({pp}): {rest} layers are left for its "
+            f"{middle} other stage(s)" + (", which must get at least 1 each" if middle else ", which must be 0")
+        )
+    if middle and rest % middle:
+        raise ValueError(
+            f"{flags}: {who} has {num_layers} layers over pp({pp}): the remaining {rest} layers do not "
+            f"split evenly over its {middle} middle stage(s) ({rest} % {middle} = {rest % middle})"
+        )
+    even = rest // middle if middle else 0
+    return ([first] if first is not None else []) + [even] * middle + ([last] if last is not None else [])
+
+
+def check_uneven_pipeline(args: Any, layout: HeteroLayout) -> Optional[tuple[str, list[int]]]:
+    """--decoder-first/last-pipeline-num-layers with a layout: they split the one language module's
+    own pipeline (`pipeline_split`); refused with GPT segments, whose `layers:` already say which
+    layers each segment's pipeline holds (each segment splits its own evenly). Returns (module,
+    layers per stage) when the flags are given, else None; ValueError naming the flag."""
+    from megatron_hetero.plan.roles import language_modules
+
+    given = uneven_pp_flags(args)
+    if not given:
+        return None
+    flags = " ".join(f"{f} {v}" for f, v in given.items())
+    langs = language_modules(layout)
+    if len(langs) != 1 or langs[0].layers is not None:
+        raise ValueError(
+            f"{flags} is not supported with GPT segments: each segment's `layers:` already place the layers "
+            f"(its own pipeline splits them evenly); cut the model into segments where the stages should be"
+        )
+    m = langs[0]
+    split = pipeline_split(
+        decoder_layers(args),
+        m.pp,
+        given.get("--decoder-first-pipeline-num-layers"),
+        given.get("--decoder-last-pipeline-num-layers"),
+        f"module {m.name}",
+    )
+    return m.name, split
 
 
 def check_common(args: Any, layout: HeteroLayout) -> None:
@@ -154,6 +276,10 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
+    for attr, (flag, why) in PIPELINE_REFUSED.items():
+        if getattr(args, attr, None):
+            raise ValueError(f"{flag} is not supported with a layout: {why}")
+    check_uneven_pipeline(args, layout)
     precision.check_precision(args)  # --loss-scale without --fp16
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise ValueError(
@@ -254,6 +380,11 @@ def pretrain_with_layout(
     )
     set_jit_fusion_options(tp_size=args.tensor_model_parallel_size)
     args.hetero_sequence_parallel = bool(given.sequence_parallel)  # validation drops it at the world's tp 1
+    # The uneven pipeline flags split the language module's own pipeline (build.module_config), not the
+    # reference layout's (PP 1, where Megatron's TransformerConfig would refuse them).
+    for attr in UNEVEN_PP:
+        setattr(args, "hetero_" + attr, getattr(args, attr, None))
+        setattr(args, attr, None)
     layout = layout_from_args(args, dist.get_world_size())
     _train(model, args, layout, train_valid_test_datasets_provider, model_provider)
     return 0
@@ -295,12 +426,19 @@ def _train(
         if source is not None and args.load:  # --fp16: the checkpoint's loss scale (Megatron's grad_scaler)
             precision.restore_loss_scale(scaler, source.grad_scaler)
         states, schedulers = {}, {}
+        split = check_uneven_pipeline(args, layout)  # (module, layers per stage) or None
         for m in layout.modules:
             if not topo.serves(m.name):
                 continue
             pgs = topo.pg_collection(m.name)
             part = model.build(args, layout, m, pgs, model_provider)
             first = model.first_layer(layout, m)
+            if split is not None and m.name == split[0] and pgs.tp.rank() == 0 and pgs.dp.rank() == 0:
+                held = weights_mod.stage_layers(part, first)  # what Megatron built, the weights' offsets
+                print(
+                    f"{PREFIX}: module {m.name}: pipeline stage {pgs.pp.rank()} holds layers {held.start}-{held.stop - 1}",
+                    flush=True,
+                )
             if source is not None:
                 weights_mod.copy_into(part, source, pgs, first_layer=first)
             states[m.name] = ModuleState(m.name, part, pgs, optim, loss_scaler=scaler)
@@ -320,6 +458,8 @@ def _train(
                 sched.step(increment=start * args.global_batch_size)
         runner = model.runner(args, plan, states, datasets_provider)
         schedule = schedule_for(plan, RuntimeConfig(comm_timeout_s=args.hetero_comm_timeout), topo, states, runner)
+        if split is not None:
+            print_last(f"{PREFIX}: module {split[0]}: pipeline stages hold {split[1]} layers")
         print_last(
             f"{PREFIX}: training with {layout.placement} layout "
             + ", ".join(f"{m.name} tp{m.tp}·pp{m.pp}·dp{m.dp}@{m.ranks}" for m in layout.modules)

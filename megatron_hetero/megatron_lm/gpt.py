@@ -21,6 +21,8 @@ provider to :func:`pretrain_gpt`; the shared driver (`driver.py`) does the rest 
     over its TP group, so the edge carries the whole sequence (backward: the replicated gradient,
     each TP rank keeps its chunk), and a receiving segment with SP keeps its own chunk (backward:
     all-gathered over its TP group). Megatron's own embedding scatters and output layer gathers.
+  * MoE (`--num-experts`): each module's `ep` and `expt_tp` from the layout (`check_moe`); a module
+    with tp > 1 needs `--sequence-parallel`, as Megatron's MoE layer does.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout
-from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout
+from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout, uneven_pp_flags
 from megatron_hetero.megatron_lm.precision import to_model_dtype
 from megatron_hetero.megatron_lm.runner import MegatronDataRunner
 from megatron_hetero.plan.roles import language_modules, roles
@@ -77,7 +79,7 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
                 f"module {m.name}: --sequence-parallel shards --seq-length {args.seq_length} over tp({m.tp}), "
                 f"which does not divide it"
             )
-        if segment_layers(args, m) % m.pp:
+        if segment_layers(args, m) % m.pp and not uneven_pp_flags(args):  # else driver.check_uneven_pipeline
             raise ValueError(f"module {m.name}: {segment_layers(args, m)} layers do not split over pp({m.pp})")
     stages = sum(m.pp for m in segs)
     if stages > 1 and not args.untie_embeddings_and_output_weights:
@@ -96,24 +98,40 @@ def check_gpt(args: Any, layout: HeteroLayout) -> None:
 def check_moe(args: Any, layout: HeteroLayout) -> None:
     """MoE (`--num-experts`) with a layout: each module's `ep` (and `expt_tp`) from the layout against
     the experts (`layout.validate.check_experts`); the reference layout's own expert parallelism 1
-    (the weights start from it); ValueError naming the flag otherwise."""
+    (the weights start from it); a module with tp > 1 needs --sequence-parallel. ValueError naming the
+    flag otherwise.
+
+    A module's `expt_tp` is its Megatron `expert_tensor_parallel_size`, as in `megatron-hetero train`:
+    1 unless the layout says otherwise (Megatron's own default, the module's tp, is not implied), so
+    `language:tp=2,dp=2,ep=2` is Megatron's `--tensor-model-parallel-size 2
+    --expert-model-parallel-size 2 --expert-tensor-parallel-size 1` (experts whole on each EP rank,
+    expert-DP 2), and `expt_tp=2` gives Megatron's default at tp 2 (each expert's fc1/fc2 split over
+    expert TP from the reference, `weights.copy_into`); Megatron's `--expert-tensor-parallel-size`
+    itself names the reference layout's. Expert TP > 1 runs on gloo too: Megatron's all-gather of
+    uneven token counts over expert TP goes through compat's `cpu.gloo_uneven_all_gather`."""
     from megatron_hetero.layout.validate import check_experts
 
-    check_experts(
-        layout, {m.name: args.num_experts for m in language_modules(layout)}, getattr(args, "distributed_backend", None)
-    )
+    # no backend: expert TP on gloo works here (compat cpu.gloo_uneven_all_gather; not tried with train yet)
+    check_experts(layout, {m.name: args.num_experts for m in language_modules(layout)}, None)
     if args.expert_model_parallel_size != 1:
         raise ValueError(
             f"--expert-model-parallel-size {args.expert_model_parallel_size}: with a layout Megatron's "
             f"parallel flags give the reference layout the weights start from, which must have EP 1; each "
             f"module's own ep comes from the layout (e.g. --hetero-module language:dp=2,ep=2)"
         )
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    if etp not in (None, 1):
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp}: with a layout Megatron's parallel flags give the reference "
+            f"layout the weights start from (expert TP 1, as its TP 1); each module's own expert TP is the "
+            f"layout's expt_tp (e.g. --hetero-module language:tp=2,dp=2,ep=2,expt_tp=2)"
+        )
     for m in language_modules(layout):
-        if m.tp > 1:
+        if m.tp > 1 and not getattr(args, "sequence_parallel", False):
             raise ValueError(
-                f"module {m.name}: tp({m.tp}) > 1 with --num-experts is not supported with pretrain_gpt.py and "
-                f"a layout yet (Megatron's TransformerConfig needs --sequence-parallel for MoE with TP; "
-                f"megatron-hetero train runs it); use tp 1 (with dp or ep) on MoE modules"
+                f"module {m.name}: tp({m.tp}) > 1 with --num-experts needs --sequence-parallel (Megatron's MoE "
+                f"layer refuses to train with tensor parallelism but without sequence parallelism); add "
+                f"--sequence-parallel, or use tp 1 (with dp or ep) on MoE modules"
             )
     if args.moe_grouped_gemm:
         raise ValueError("--moe-grouped-gemm is not supported with a layout (the local spec's SequentialMLP experts)")
@@ -139,8 +157,15 @@ def build_gpt_segment(args: Any, layout: HeteroLayout, m: ModuleLayout, pgs, mod
     if m.frozen:
         for p in model.parameters():
             p.requires_grad_(False)
-    if model.config.sequence_parallel and pgs.tp.rank() == 0 and pgs.dp.rank() == 0 and pp_rank == 0:
-        print(f"megatron-hetero megatron-lm: module {m.name}: sequence parallelism over tp({m.tp})", flush=True)
+    if pgs.tp.rank() == 0 and pgs.dp.rank() == 0 and pp_rank == 0:
+        if model.config.sequence_parallel:
+            print(f"megatron-hetero megatron-lm: module {m.name}: sequence parallelism over tp({m.tp})", flush=True)
+        if getattr(args, "num_experts", None):
+            print(
+                f"megatron-hetero megatron-lm: module {m.name}: experts over expt_tp({m.expt_tp}) x ep({m.ep}) x "
+                f"expt_dp({m.stage_size // (m.expt_tp * m.ep)}), {args.num_experts // m.ep} per EP rank",
+                flush=True,
+            )
     return to_model_dtype(model, args).to(get_device())  # --bf16/--fp16: as Float16Module casts it
 
 

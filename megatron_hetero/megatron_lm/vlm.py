@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout
+from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout, uneven_pp_flags
 
 VISION, LANGUAGE = "vision", "language"
 
@@ -67,7 +67,7 @@ def check_vlm(args: Any, layout: HeteroLayout) -> None:
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
     dec_layers = args.decoder_num_layers if args.decoder_num_layers is not None else args.num_layers
-    if dec_layers % lang.pp:
+    if dec_layers % lang.pp and not uneven_pp_flags(args):  # else driver.check_uneven_pipeline
         raise ValueError(f"module language: {dec_layers} decoder layers do not split over pp({lang.pp})")
 
 

@@ -248,6 +248,15 @@ def _layer_offset(model: torch.nn.Module, first_layer: int = 0) -> int:
     return first_layer + decoder.layers[0].layer_number - 1
 
 
+def stage_layers(model: torch.nn.Module, first_layer: int = 0) -> range:
+    """The whole model's decoder layers this stage of `model` holds (as Megatron built them: its
+    layers' `layer_number`, which follows `get_transformer_layer_offset`, uneven splits included)."""
+    lm = getattr(model, "language_model", model)
+    decoder = getattr(lm, "decoder", None)
+    start = _layer_offset(model, first_layer)
+    return range(start, start + (len(decoder.layers) if decoder is not None else 0))
+
+
 def _shard(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int, what: str, gated: bool = False) -> torch.Tensor:
     """This TP rank's piece of the full tensor `full` of parameter `p` (shape-checked); `gated`: a
     gated `linear_fc1` tensor (`[gate; up]`, see the module docstring)."""

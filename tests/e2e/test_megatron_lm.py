@@ -403,6 +403,23 @@ def test_gpt_segments_with_overlap_grad_reduce_and_param_gather_match(trees):
             assert c["hook"] >= 4 and c["forced"] >= 2, (what, rank, c)
 
 
+def test_gpt_uneven_pipeline_split_matches(trees, clip_references):
+    """One module `language:pp=2` with --decoder-first-pipeline-num-layers 1: Megatron's uneven split
+    of the module's own pipeline (stage 0 layer 0, stage 1 layers 1-3, as Megatron's TransformerConfig
+    num_layers_in_first_pipeline_stage builds it; the reference layout stays PP 1), each stage's
+    weights copied from the reference at the offset Megatron gave its layers, against the unpatched
+    TP1·DP2 run: training and validation losses and grad norms (the production flags and the
+    reference of the segments case)."""
+    ref = clip_references("pretrain_gpt.py")
+    uneven = ["--decoder-first-pipeline-num-layers", "1", "--hetero-module", "language:pp=2"]
+    run = torchrun(trees["patched"] / "pretrain_gpt.py", _default_clip_args("pretrain_gpt.py") + ITERS + uneven)
+    assert "module language: pipeline stages hold [1, 3] layers" in run.out, run.tail()
+    for stage, layers in ((0, "0-0"), (1, "1-3")):
+        assert f"module language: pipeline stage {stage} holds layers {layers}" in run.out, run.tail()
+    assert_losses(run, ref.losses, RTOL, "GPT: language PP2 split 1 + 3 layers", ref.valid)
+    assert_grad_norms(run, ref)
+
+
 def test_homogeneous_layout_as_flags_matches_unpatched(trees, reference):
     run = torchrun(
         trees["patched"] / "pretrain_vlm.py",
@@ -488,11 +505,12 @@ def clip_references(trees):
     return get
 
 
-def assert_grad_norms(run: Run, ref: Run) -> None:
+def assert_grad_norms(run: Run, ref: Run, clip: float = 1.0) -> None:
     """The layout run logs the unpatched run's grad norm at every iteration (to the log line's 3
-    decimals), and that norm exceeds 1.0 everywhere: Megatron's default clipping is engaged."""
+    decimals), and that norm exceeds `clip` (the runs' --clip-grad, Megatron's default 1.0)
+    everywhere: the clipping is engaged."""
     ref_norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(ref.out)}
-    assert sorted(ref_norms) == [1, 2, 3] and min(ref_norms.values()) > 1.0, ref_norms  # clipping engaged
+    assert sorted(ref_norms) == [1, 2, 3] and min(ref_norms.values()) > clip, ref_norms  # clipping engaged
     norms = {int(m.group(1)): float(m.group(2)) for m in GRAD_NORM.finditer(run.out)}
     assert norms.keys() == ref_norms.keys() and all(abs(norms[i] - ref_norms[i]) <= 2e-3 for i in norms), (
         norms,

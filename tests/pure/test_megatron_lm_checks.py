@@ -5,11 +5,12 @@ in tests/e2e/test_megatron_lm.py."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
 from megatron_hetero.layout.yaml_io import layout_from_dict
-from megatron_hetero.megatron_lm.driver import check_common
+from megatron_hetero.megatron_lm.driver import check_common, check_uneven_pipeline, pipeline_split
 from megatron_hetero.megatron_lm.gpt import check_gpt, segment_layers
 from megatron_hetero.megatron_lm.vlm import check_vlm
 
@@ -182,13 +183,24 @@ def test_gpt_moe_is_accepted_with_expert_parallel_modules():
     check_gpt(_args(**MOE), layout)
     check_common(_args(**MOE), layout)
     check_gpt(_args(**MOE, save="ckpt", load="ckpt"), layout)  # experts gathered by their EP holder
+    # a module with tp > 1 and --sequence-parallel (the e2e run: TP2·DP2·EP2 in test_megatron_lm_moe)
+    tp2 = _layout({"language": {"tp": 2, "dp": 2, "ep": 2}}, edges=(), placement="colocated", world=4)
+    check_gpt(_args(**MOE, sequence_parallel=True, expert_tensor_parallel_size=1, seq_length=32), tp2)
+    # expert TP on gloo too (compat cpu.gloo_uneven_all_gather; `train` still asks for NCCL)
+    etp2 = _layout({"language": {"tp": 2, "dp": 2, "ep": 2, "expt_tp": 2}}, edges=(), placement="colocated", world=4)
+    check_gpt(_args(**MOE, sequence_parallel=True, seq_length=32), etp2)
 
 
 @pytest.mark.parametrize(
     "kw, modules, message",
     [
         ({"num_experts": 3}, {"language": {"dp": 2, "ep": 2}}, r"ep\(2\) does not divide --num-experts 3"),
-        ({}, {"language": {"tp": 2}}, r"tp\(2\) > 1 with --num-experts is not supported with pretrain_gpt.py"),
+        ({}, {"language": {"tp": 2}}, r"tp\(2\) > 1 with --num-experts needs --sequence-parallel"),
+        (
+            {"expert_tensor_parallel_size": 2, "sequence_parallel": True, "seq_length": 32},
+            {"language": {"tp": 2}},
+            r"--expert-tensor-parallel-size 2: with a layout .* the layout's expt_tp",
+        ),
         ({"expert_model_parallel_size": 2}, {"language": {"dp": 2}}, "--expert-model-parallel-size 2: with a layout"),
         ({"moe_grouped_gemm": True}, {"language": {"dp": 2}}, "--moe-grouped-gemm is not supported"),
     ],
@@ -304,3 +316,99 @@ def test_vlm_saves_with_a_pipelined_language_model_but_only_in_torch_format():
     check_vlm(_args(decoder_num_layers=2, save="ckpt"), vlm)  # every stage's parameters reach the reference
     with pytest.raises(ValueError, match=r"pretrain_vlm.py takes only --ckpt-format torch .*got torch_dist"):
         check_vlm(_args(decoder_num_layers=2, save="ckpt", ckpt_format="torch_dist"), vlm)
+
+
+@pytest.mark.parametrize(
+    "layers, pp, first, last, want",
+    [
+        (4, 2, 1, None, [1, 3]),
+        (4, 2, None, 1, [3, 1]),
+        (4, 2, 1, 3, [1, 3]),
+        (4, 3, 2, None, [2, 1, 1]),
+        (6, 4, 1, 1, [1, 2, 2, 1]),
+        (4, 2, None, None, [2, 2]),
+    ],
+)
+def test_uneven_pipeline_split_follows_megatron(layers, pp, first, last, want):
+    """Megatron's rule (`get_num_layers_to_build`): the first/last stage gets its flag's layers, the
+    middle stages the rest evenly."""
+    assert pipeline_split(layers, pp, first, last, "module language") == want
+
+
+@pytest.mark.parametrize(
+    "kw, modules, world, message",
+    [
+        (
+            dict(decoder_first_pipeline_num_layers=1),
+            {"language": {"dp": 2}},
+            2,
+            "--decoder-first-pipeline-num-layers 1: module language has pp(1); the flags split its own pipeline",
+        ),
+        (
+            dict(decoder_first_pipeline_num_layers=1),
+            {"language": {"pp": 3}},
+            3,
+            "the remaining 3 layers do not split evenly over its 2 middle stage(s) (3 % 2 = 1)",
+        ),
+        (
+            dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1),
+            {"language": {"pp": 2}},
+            2,
+            "2 layers are left for its 0 other stage(s), which must be 0",
+        ),
+        (
+            dict(decoder_last_pipeline_num_layers=4),
+            {"language": {"pp": 2}},
+            2,
+            "0 layers are left for its 1 other stage(s), which must get at least 1 each",
+        ),
+        (dict(decoder_first_pipeline_num_layers=0), {"language": {"pp": 2}}, 2, "needs at least 1 layer"),
+        (
+            dict(decoder_last_pipeline_num_layers=1),
+            SEGMENTS,
+            4,
+            "--decoder-last-pipeline-num-layers 1 is not supported with GPT segments: each segment's `layers:`",
+        ),
+    ],
+)
+def test_uneven_pipeline_refusals_name_the_flag(kw, modules, world, message):
+    placement = "disjoint" if modules is SEGMENTS else "colocated"
+    edges = ("language_a -> language_b",) if modules is SEGMENTS else ()
+    layout = _layout(modules, edges, placement=placement, world=world)
+    with pytest.raises(ValueError) as info:
+        check_gpt(_args(**kw), layout)
+        check_common(_args(**kw), layout)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage is not supported"),
+        (dict(num_virtual_stages_per_pipeline_rank=2), "1F1B without interleaving"),
+        (dict(pipeline_model_parallel_layout="Et|tL"), "--pipeline-model-parallel-layout is not supported"),
+        (dict(account_for_embedding_in_pipeline_split=True), "use --decoder-first-pipeline-num-layers"),
+        (dict(account_for_loss_in_pipeline_split=True), "use --decoder-last-pipeline-num-layers"),
+    ],
+)
+def test_other_pipeline_layout_flags_are_refused_with_the_reason(kw, message):
+    """Checked on the parsed flags: `--num-layers-per-virtual-pipeline-stage` sets its own attribute
+    (Megatron derives virtual_pipeline_model_parallel_size from it only in validate_args)."""
+    layout = _layout({"language": {"pp": 2}}, edges=(), placement="colocated", world=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_common(_args(**kw), layout)
+
+
+def test_uneven_pipeline_is_accepted_on_the_language_module():
+    gpt = _layout({"language": {"pp": 2}}, edges=(), placement="colocated", world=2)
+    args = _args(decoder_first_pipeline_num_layers=1)
+    check_gpt(args, gpt)  # 4 layers over pp 2 need not divide evenly
+    check_common(args, gpt)
+    assert check_uneven_pipeline(args, gpt) == ("language", [1, 3])
+    assert check_uneven_pipeline(_args(), gpt) is None
+    vlm = _layout(
+        {"vision": {"dp": 3}, "language": {"pp": 3}}, edges=("vision -> language",), placement="colocated", world=3
+    )
+    args = _args(decoder_num_layers=5, decoder_last_pipeline_num_layers=1)
+    check_vlm(args, vlm)
+    assert check_uneven_pipeline(args, vlm) == ("language", [2, 2, 1])
