@@ -311,11 +311,13 @@ def result_text(res, wl, prof) -> str:
 
 
 def regime_markdown(rows: list) -> str:
+    from megatron_hetero.planner.presets import paper_direction
+
     head = (
         "| encoder | LLM | context | GPUs | global batch | picked | configuration | step (s) | homogeneous (s) | "
-        "colocated (s) | disjoint (s) | gain vs homogeneous |"
+        "colocated (s) | disjoint (s) | gain vs homogeneous | paper's direction |"
     )
-    out = [head, "|" + "---|" * 12]
+    out = [head, "|" + "---|" * 13]
 
     def f(x):
         return "OOM" if x is None else f"{x:.2f}"
@@ -325,7 +327,7 @@ def regime_markdown(rows: list) -> str:
         out.append(
             f"| {r['encoder']} | {r['llm']} | {r['context'] // 1024}K | {r['gpus']} | {r['global_batch']} | "
             f"{r['picked'] or 'none fits'} | {r['layout'] or ''} | {f(r['step_s'])} | {f(r['homogeneous_s'])} | "
-            f"{f(r['colocated_s'])} | {f(r['disjoint_s'])} | {gain} |"
+            f"{f(r['colocated_s'])} | {f(r['disjoint_s'])} | {gain} | {paper_direction(r)} |"
         )
     return "\n".join(out)
 

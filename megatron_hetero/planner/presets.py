@@ -84,7 +84,39 @@ def regime_table(
                     space_size=res.space_size,
                     seconds=res.seconds,
                 )
+                row["breakdowns"] = {}
                 for kind, r in res.by_placement.items():
                     row[f"{kind}_s"] = r.breakdown.total
+                    row["breakdowns"][kind] = r.breakdown.to_dict()
                 rows.append(row)
     return rows
+
+
+#: the step's parts the regime comparison names (planner/workload.py CostBreakdown)
+PARTS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "boundary", "offload", "bubble", "optimizer")
+
+
+def paper_direction(row: dict) -> str:
+    """How a regime row compares with the directions of the paper this project comes from: colocated
+    heterogeneity for small (1B, 3B) encoders, disjoint for 6-12B encoders with a 120B LLM (no stated
+    direction for 6-12B encoders with a 14B or 70B LLM). Where the pick differs: the expected placement
+    does not fit, or its best layout's step is longer, mostly by the part named (its seconds over the
+    picked layout's)."""
+    if row["encoder"] in ("6B", "12B") and row["llm"] == "120B":
+        expected = "disjoint"
+    elif row["encoder"] in ("1B", "3B"):
+        expected = "colocated"
+    else:
+        return "no stated direction"
+    if row["picked"] == expected:
+        return "agrees"
+    if row["picked"] is None:
+        return "differs: nothing fits (memory)"
+    if row.get(f"{expected}_s") is None:
+        return f"differs: {expected} does not fit (memory)"
+    got, want = row["breakdowns"][row["picked"]], row["breakdowns"][expected]
+    part = max(PARTS, key=lambda k: want.get(k, 0.0) - got.get(k, 0.0))
+    return (
+        f"differs: {expected} {want['total'] - got['total']:.2f} s slower, mostly {part} "
+        f"(+{want.get(part, 0.0) - got.get(part, 0.0):.2f} s)"
+    )

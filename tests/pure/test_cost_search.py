@@ -764,3 +764,26 @@ def test_plan_modules_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules and 'torch.distributed' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_paper_direction_names_the_deciding_part() -> None:
+    """The regime table's comparison with the paper: agreement, a missing fit, or the part of the step
+    where the expected placement loses most."""
+    parts = {k: 0.0 for k in PR.PARTS}
+    row = {
+        "encoder": "12B",
+        "llm": "120B",
+        "picked": "colocated",
+        "disjoint_s": 11.0,
+        "breakdowns": {
+            "colocated": {**parts, "compute": 8.0, "bubble": 2.0, "total": 10.0},
+            "disjoint": {**parts, "compute": 8.5, "bubble": 2.5, "pp_comm": 0.0, "boundary": 0.0, "total": 11.0},
+        },
+    }
+    row["breakdowns"]["disjoint"]["compute"] = 8.2
+    row["breakdowns"]["disjoint"]["bubble"] = 2.8
+    assert PR.paper_direction(row) == "differs: disjoint 1.00 s slower, mostly bubble (+0.80 s)"
+    assert PR.paper_direction({**row, "picked": "disjoint"}) == "agrees"
+    assert PR.paper_direction({**row, "disjoint_s": None}) == "differs: disjoint does not fit (memory)"
+    assert PR.paper_direction({**row, "encoder": "1B", "picked": "colocated"}) == "agrees"
+    assert PR.paper_direction({**row, "llm": "14B"}) == "no stated direction"
