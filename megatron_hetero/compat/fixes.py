@@ -19,7 +19,8 @@ Not CPU-specific; each works around an upstream bug or limitation the project me
 * ``fix.distributed_optimizer_fresh_state`` (:mod:`.fix_distopt`): a fresh ``DistributedOptimizer``
   with torch's Adam cannot describe its state for a checkpoint load
   (:func:`materialize_distributed_optimizer_state`, a helper), and ``fix.distributed_optimizer_load_step``:
-  nor load the per-parameter state it describes.
+  nor load the per-parameter state it describes, and ``fix.distributed_optimizer_reshardable_buckets``:
+  nor save the state of a module in several gradient buckets at the right offsets.
 
 :data:`FIXES` lists the entries :func:`megatron_hetero.compat.apply_compat` gates (and applies,
 where they have ``apply``); the scoped swaps and the helpers check their targets again when used.
@@ -35,7 +36,12 @@ from typing import Any, Callable, Dict, Iterator, List
 import torch
 
 from .table import FIX, MCORE_0_19, Patch, Spot, check_targets
-from .fix_distopt import DISTOPT_FRESH_STATE, DISTOPT_LOAD_STEP, materialize_distributed_optimizer_state
+from .fix_distopt import (
+    DISTOPT_FRESH_STATE,
+    DISTOPT_LOAD_STEP,
+    DISTOPT_RESHARDABLE_BUCKETS,
+    materialize_distributed_optimizer_state,
+)
 from .fix_megatron_lm_ckpt import MEGATRON_LM_DISTOPT_LOAD
 
 __all__ = [
@@ -304,6 +310,7 @@ FIXES: List[Patch] = [
     CLIP_VIT_NORM,
     DISTOPT_FRESH_STATE,
     DISTOPT_LOAD_STEP,
+    DISTOPT_RESHARDABLE_BUCKETS,
 ]
 
 
