@@ -167,16 +167,6 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
             "train has it): each module's parameters are gathered in the optimizer step (drop the flag; the "
             "losses are the same without it)"
         )
-    if (
-        getattr(args, "overlap_grad_reduce", False)
-        and getattr(args, "use_distributed_optimizer", False)
-        and (args.save or args.load)
-    ):
-        raise ValueError(
-            "--overlap-grad-reduce with --use-distributed-optimizer and --save/--load is not supported with a "
-            "layout yet (a distributed optimizer over several gradient buckets is not checkpointed across "
-            "layouts yet); drop --overlap-grad-reduce for runs that save or load"
-        )
     if getattr(args, "use_distributed_optimizer", False):
         if args.optimizer != "adam":
             raise ValueError(
