@@ -67,8 +67,14 @@ def optimizer_sharded_state_dict(state, model_sd: dict, is_loading: bool) -> tup
     module's DP x CP shards are all-gathered over that group and cut into one tensor per parameter
     and state (`optimizer.state.exp_avg.<global key>`, the same keys as the non-distributed
     optimizer's, plus `optimizer.state.param.<global key>`: the fp32 main weights), so it reshards
-    under any layout; on load each rank reads the whole tensors of its parameters and keeps its shard."""
+    under any layout; on load each rank reads the whole tensors of its parameters and keeps its shard.
+    SGD's state is its momentum buffers (`optimizer.state.momentum_buffer.<global key>`), Adam's its two
+    moments (`exp_avg`, `exp_avg_sq`)."""
     metadata: dict = {"chained_optim_avoid_prefix": True}
+    if is_loading:
+        from megatron_hetero.compat.fixes import materialize_sgd_state
+
+        materialize_sgd_state(state.optimizer)  # SGD's momentum buffers (fix.sgd_load_state)
     if state.distributed_optimizer:
         metadata["distrib_optim_sharding_type"] = "fully_reshardable"
         if is_loading:
