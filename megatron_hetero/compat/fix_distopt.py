@@ -1,6 +1,8 @@
 """Fix entries (:data:`~.table.FIX`, a part of :data:`.fixes.FIXES`) for loading a checkpoint into a
 Megatron-core ``DistributedOptimizer`` with torch's Adam (no Transformer Engine or Apex): its
-per-parameter state holds a ``step`` tensor, which Megatron's checkpoint code does not expect.
+per-parameter state holds a ``step`` tensor, which Megatron's checkpoint code does not expect; and
+one for saving the ``fully_reshardable`` checkpoint of a ``DistributedOptimizer`` over several
+gradient buckets (any inner optimizer).
 
 * ``fix.distributed_optimizer_fresh_state``: ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` starts with ``state_dict()``, which reads
 Adam's step from every per-parameter state (``s["step"]``); a fresh optimizer has no state, and the
