@@ -86,12 +86,13 @@ def optimizer_sharded_state_dict(state, model_sd: dict, is_loading: bool) -> tup
 
 
 def optimizer_is_stateless(state, optimizer_name: str) -> bool:
-    """Adam that never stepped on this module: its per-parameter state is built at the first step,
-    which under --fp16 may not have come yet (every step so far skipped for non-finite gradients).
-    Such an optimizer has nothing to save (Megatron's distributed optimizer cannot even describe it:
-    its `state_dict` asserts one common step). The same on every rank of the module (skips are
-    agreed over the world). SGD keeps no state: never stateless in this sense."""
-    if optimizer_name != "adam" or state.optimizer is None:
+    """An optimizer that never stepped on this module: Adam builds its per-parameter state (moments,
+    step) and SGD its momentum buffers at the first step, which under --fp16 may not have come yet
+    (every step so far skipped for non-finite gradients). Such an optimizer has nothing to save
+    (Megatron's distributed optimizer cannot even describe it: its `state_dict` asserts one common
+    step), and a resume starts it afresh, as the uninterrupted run still has it. The same on every rank
+    of the module (skips are agreed over the world)."""
+    if optimizer_name not in ("adam", "sgd") or state.optimizer is None:
         return False
     inner = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
     return all(len(o.optimizer.state) == 0 for o in inner if getattr(o, "optimizer", None) is not None)

@@ -36,6 +36,8 @@ overwritten by the load (moments, fp32 main weights and step all come from the c
 
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 
 from ._patching import swapped, wrap_method
@@ -127,7 +129,7 @@ DISTOPT_LOAD_STEP = Patch(
 )
 
 
-def _buffer_coordinates(optimizer, state: dict | None) -> dict | None:
+def _buffer_coordinates(optimizer: Any, state: Optional[dict]) -> Optional[dict]:
     """``get_parameter_state_dp_zero``'s gathered state (per buffer and dtype: one tensor per state key,
     the buckets concatenated without their end padding) laid out like the DDP buffer: bucket ``b``'s
     unpadded elements at ``bucket.offset``, zeros in the padding. In place; returns ``state``."""
@@ -138,10 +140,11 @@ def _buffer_coordinates(optimizer, state: dict | None) -> dict | None:
             for key, compact in list(world.items()):
                 if not isinstance(compact, torch.Tensor):  # numel_unpadded
                     continue
-                if compact.numel() != buffer.numel_unpadded:
-                    raise ValueError(
-                        f"gathered {key!r} of buffer {gbuf_idx} has {compact.numel()} elements, the buffer "
-                        f"{buffer.numel_unpadded} unpadded ({len(buffer.buckets)} buckets)"
+                if compact.numel() != buffer.numel_unpadded:  # not the gather this fix was written for
+                    raise RuntimeError(
+                        f"fix.distributed_optimizer_reshardable_buckets: gathered {key!r} of buffer {gbuf_idx} has "
+                        f"{compact.numel()} elements, the buffer {buffer.numel_unpadded} unpadded "
+                        f"({len(buffer.buckets)} buckets)"
                     )
                 full = torch.zeros(buffer.numel, dtype=compact.dtype, device=compact.device)
                 start = 0
@@ -153,11 +156,11 @@ def _buffer_coordinates(optimizer, state: dict | None) -> dict | None:
     return state
 
 
-def _reshardable_in_buffer_coordinates(fn):
-    def wrapper(self, *args, **kwargs):
+def _reshardable_in_buffer_coordinates(fn: Callable) -> Callable:
+    def wrapper(self, *args: Any, **kwargs: Any) -> Any:
         gather = self.get_parameter_state_dp_zero  # bound (the class's, CPU wrapper included)
 
-        def in_buffer_coordinates(*a, **k):
+        def in_buffer_coordinates(*a: Any, **k: Any) -> Optional[dict]:
             return _buffer_coordinates(self, gather(*a, **k))
 
         with swapped(self, "get_parameter_state_dp_zero", in_buffer_coordinates):

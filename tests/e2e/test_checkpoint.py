@@ -154,6 +154,26 @@ def test_sgd_with_momentum_resumes_exactly(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_fp16_sgd_resumes_a_checkpoint_saved_before_any_step_succeeded(tmp_path):
+    """--fp16 --optimizer sgd, the steps skipped (--initial-loss-scale 2**32 overflows): SGD has no
+    momentum buffer yet, so the checkpoint of iteration 1 holds no optimizer state, and the resume
+    starts SGD afresh (the load asked for momentum buffers the checkpoint does not have) with the saved
+    loss scale: the uninterrupted run's second iteration."""
+    from megatron_hetero.checkpoint.files import STATE_FILE, iteration_dir, sha256_file, write_marker
+    from megatron_hetero.runtime.config import OptimConfig
+
+    optim = OptimConfig(optimizer="sgd", lr=0.5, fp16=True, initial_loss_scale=2.0**32)
+    job = JobConfig(spec=dataclasses.replace(JOB.spec, fp16=True), train_iters=2, optim=optim)
+    full = run_job(COLOC_TP2, 2, dataclasses.replace(job, save=str(tmp_path), save_interval=1))
+    write_marker(tmp_path, 1, sha256_file(iteration_dir(tmp_path, 1) / STATE_FILE))
+    state = json.loads((iteration_dir(tmp_path, 1) / STATE_FILE).read_text())
+    assert all(m["optimizer_stateless"] for m in state["modules"].values())
+    resumed = run_job(COLOC_TP2, 2, dataclasses.replace(job, load=str(tmp_path)))
+    want = [(x["skipped"], x["loss_scale"], x["loss"]) for x in full[0]["records"]]
+    assert want[0][0] and [(x["skipped"], x["loss_scale"], x["loss"]) for x in resumed[0]["records"]] == want[1:]
+
+
+@pytest.mark.timeout(300)
 def test_disjoint_segments_checkpoint_resumes_colocated(tmp_path):
     """The other direction: saved by segments on islands (world 3), resumed colocated TP2 (world 2)."""
     root = tmp_path / "seg"
