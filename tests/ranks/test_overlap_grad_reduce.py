@@ -15,10 +15,10 @@ never by `finish_grad_sync` itself (which is what Megatron does when the flag do
 none during evaluation. Skipping `no_sync` for an earlier micro-batch would launch the reduction there
 and make DDP's hook fail on the next micro-batch ("Cannot set grad twice").
 
-Checkpoints with the distributed optimizer: the colocated runs with it save at iteration 2 (with and
-without the flag: several buckets per module, or one); a resume under the same layout and buckets,
-from one bucket into several, and from several into one under the disjoint layout (vision DP2 -> DP1)
-gives the uninterrupted run's third loss and final evaluation.
+Checkpoints with the distributed optimizer: the colocated run with it and the flag saves at iteration 2
+(several buckets per module); a resume under the same layout and buckets, and one into a single bucket
+per module under the disjoint layout (vision DP2 -> DP1), gives the uninterrupted run's third loss and
+final evaluation.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ ITERS, BUCKET, TOL = 3, 20_000, 1e-6
 MICRO_BATCHES = 4  # of the language model's DP ranks (and of the disjoint vision rank) per step
 
 _RUNS: dict = {}
-_CKPT: dict[str, Path] = {}  # the root the colocated distributed-optimizer runs save under
+_CKPT: dict[str, Path] = {}  # the root the colocated run with the distributed optimizer and overlap saves under
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -160,8 +160,8 @@ def _run(case: str, distributed: bool, overlap: bool, gather: bool = False) -> l
     if key not in _RUNS:
         doc, world, eval_interval = CASES[case]
         job = JobConfig(train_iters=ITERS, optim=_optim(distributed, overlap, gather), eval_interval=eval_interval)
-        if case == "colocated" and distributed and not gather:  # saved at 2 (and 3) for the resume test
-            job = dataclasses.replace(job, save=str(_saved(overlap)), save_interval=2)
+        if case == "colocated" and distributed and overlap and not gather:  # saved at 2 (and 3): resumed below
+            job = dataclasses.replace(job, save=str(_CKPT["root"]), save_interval=2)
         layout = layout_from_dict(doc, world_size=world)
         validate_job(layout, job)
         _RUNS[key] = run_ranks(world, traced_train_rank, layout, job, timeout=180)
@@ -253,10 +253,6 @@ def test_overlap_param_gather_defers_the_all_gather_to_the_next_forward(case):
         assert sum(g["force"] for g in r["gathers"]) == groups  # once at the end: gather_params
 
 
-def _saved(overlap: bool) -> Path:
-    return _CKPT["root"] / ("several-buckets" if overlap else "one-bucket")
-
-
 def _rewind_to(root: Path, iteration: int) -> None:
     """Point the checkpoint marker back at `iteration` (a rollback by hand; the marker decides)."""
     from megatron_hetero.checkpoint.files import STATE_FILE, iteration_dir, sha256_file, write_marker
@@ -266,21 +262,22 @@ def _rewind_to(root: Path, iteration: int) -> None:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "saved_overlap, case, overlap, tol",
+    "case, overlap, tol",
     [
-        (True, "colocated", True, TOL),  # the same layout and buckets
-        (False, "colocated", True, TOL),  # one bucket -> several
-        (True, "disjoint", False, 1e-5),  # several -> one, under vision DP2 -> DP1
+        ("colocated", True, TOL),  # the same layout and buckets
+        ("disjoint", False, 1e-5),  # several buckets -> one, under vision DP2 -> DP1
     ],
-    ids=["same", "from-one-bucket", "disjoint-one-bucket"],
+    ids=["same", "disjoint-one-bucket"],
 )
-def test_distributed_optimizer_checkpoint_resumes_across_bucket_counts_and_layouts(saved_overlap, case, overlap, tol):
+def test_distributed_optimizer_checkpoint_resumes_across_bucket_counts_and_layouts(case, overlap, tol):
     """The distributed optimizer's `fully_reshardable` checkpoint of modules in several gradient
     buckets (Megatron's gather drops each bucket's end padding: fix.distributed_optimizer_reshardable_buckets)
     resumes to the uninterrupted run's state: its third loss and final evaluation. Without the fix
-    the saved moments of every parameter after a module's first bucket are its neighbours' (3e-2 off)."""
-    full = _run("colocated", True, saved_overlap)  # saved at iterations 2 and 3
-    root = _saved(saved_overlap)
+    the saved moments of every parameter after a module's first bucket are its neighbours' (3e-2 off).
+    The other way, one bucket -> several: test_megatron_lm_checkpoints.py (the unpatched script's
+    checkpoint resumed in the GPT segments with --overlap-grad-reduce)."""
+    full = _run("colocated", True, True)  # saved at iterations 2 and 3
+    root = _CKPT["root"]
     _rewind_to(root, 2)
     doc, world, _ = CASES[case]
     job = JobConfig(train_iters=ITERS, optim=_optim(True, overlap), eval_interval=2, load=str(root))
@@ -290,7 +287,7 @@ def test_distributed_optimizer_checkpoint_resumes_across_bucket_counts_and_layou
     dl = max_loss_rel_diff(losses(resumed), losses(full)[2:])
     de = max_loss_rel_diff(_records(resumed, "eval_loss"), _records(full, "eval_loss")[1:])
     print(
-        f"saved with {'several buckets' if saved_overlap else 'one bucket'}, resumed {case} overlap={overlap}: "
+        f"saved with several buckets, resumed {case} overlap={overlap}: "
         f"{losses(resumed)} vs {losses(full)[2:]}: rel. diff {dl:.1e}, evaluation {de:.1e}"
     )
     assert len(losses(resumed)) == 1 and dl <= tol, (losses(resumed), losses(full))
