@@ -67,8 +67,14 @@ def optimizer_sharded_state_dict(state, model_sd: dict, is_loading: bool) -> tup
     module's DP x CP shards are all-gathered over that group and cut into one tensor per parameter
     and state (`optimizer.state.exp_avg.<global key>`, the same keys as the non-distributed
     optimizer's, plus `optimizer.state.param.<global key>`: the fp32 main weights), so it reshards
-    under any layout; on load each rank reads the whole tensors of its parameters and keeps its shard."""
+    under any layout; on load each rank reads the whole tensors of its parameters and keeps its shard.
+    SGD's state is its momentum buffers (`optimizer.state.momentum_buffer.<global key>`), Adam's its two
+    moments (`exp_avg`, `exp_avg_sq`)."""
     metadata: dict = {"chained_optim_avoid_prefix": True}
+    if is_loading:
+        from megatron_hetero.compat.fixes import materialize_sgd_state
+
+        materialize_sgd_state(state.optimizer)  # SGD's momentum buffers (fix.sgd_load_state)
     if state.distributed_optimizer:
         metadata["distrib_optim_sharding_type"] = "fully_reshardable"
         if is_loading:
@@ -80,12 +86,13 @@ def optimizer_sharded_state_dict(state, model_sd: dict, is_loading: bool) -> tup
 
 
 def optimizer_is_stateless(state, optimizer_name: str) -> bool:
-    """Adam that never stepped on this module: its per-parameter state is built at the first step,
-    which under --fp16 may not have come yet (every step so far skipped for non-finite gradients).
-    Such an optimizer has nothing to save (Megatron's distributed optimizer cannot even describe it:
-    its `state_dict` asserts one common step). The same on every rank of the module (skips are
-    agreed over the world). SGD keeps no state: never stateless in this sense."""
-    if optimizer_name != "adam" or state.optimizer is None:
+    """An optimizer that never stepped on this module: Adam builds its per-parameter state (moments,
+    step) and SGD its momentum buffers at the first step, which under --fp16 may not have come yet
+    (every step so far skipped for non-finite gradients). Such an optimizer has nothing to save
+    (Megatron's distributed optimizer cannot even describe it: its `state_dict` asserts one common
+    step), and a resume starts it afresh, as the uninterrupted run still has it. The same on every rank
+    of the module (skips are agreed over the world)."""
+    if optimizer_name not in ("adam", "sgd") or state.optimizer is None:
         return False
     inner = getattr(state.optimizer, "chained_optimizers", [state.optimizer])
     return all(len(o.optimizer.state) == 0 for o in inner if getattr(o, "optimizer", None) is not None)

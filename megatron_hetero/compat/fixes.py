@@ -19,7 +19,10 @@ Not CPU-specific; each works around an upstream bug or limitation the project me
 * ``fix.distributed_optimizer_fresh_state`` (:mod:`.fix_distopt`): a fresh ``DistributedOptimizer``
   with torch's Adam cannot describe its state for a checkpoint load
   (:func:`materialize_distributed_optimizer_state`, a helper), and ``fix.distributed_optimizer_load_step``:
-  nor load the per-parameter state it describes.
+  nor load the per-parameter state it describes, and ``fix.distributed_optimizer_reshardable_buckets``:
+  nor save the state of a module in several gradient buckets at the right offsets;
+* ``fix.sgd_load_state``: Megatron's SGD optimizers cannot describe their momentum buffers for a
+  checkpoint load (:func:`materialize_sgd_state`, a helper).
 
 :data:`FIXES` lists the entries :func:`megatron_hetero.compat.apply_compat` gates (and applies,
 where they have ``apply``); the scoped swaps and the helpers check their targets again when used.
@@ -35,7 +38,12 @@ from typing import Any, Callable, Dict, Iterator, List
 import torch
 
 from .table import FIX, MCORE_0_19, Patch, Spot, check_targets
-from .fix_distopt import DISTOPT_FRESH_STATE, DISTOPT_LOAD_STEP, materialize_distributed_optimizer_state
+from .fix_distopt import (
+    DISTOPT_FRESH_STATE,
+    DISTOPT_LOAD_STEP,
+    DISTOPT_RESHARDABLE_BUCKETS,
+    materialize_distributed_optimizer_state,
+)
 from .fix_megatron_lm_ckpt import MEGATRON_LM_DISTOPT_LOAD
 
 __all__ = [
@@ -48,6 +56,7 @@ __all__ = [
     "ensure_global_memory_buffer",
     "fixes_applied",
     "materialize_distributed_optimizer_state",
+    "materialize_sgd_state",
     "param_groups_gathered_over",
 ]
 
@@ -295,6 +304,66 @@ def clip_vit_norm_kwargs() -> Dict[str, Any]:
     return {"ln_pre_impl": WrappedTorchNorm, "ln_post_impl": WrappedTorchNorm}
 
 
+# --------------------------------------------------------------------------------------------
+# fix.sgd_load_state (helper: checkpoint/sharded.py before a checkpoint load)
+# --------------------------------------------------------------------------------------------
+
+_OPT = f"{_MC}.optimizer"
+
+SGD_LOAD_STATE = Patch(
+    name="fix.sgd_load_state",
+    reason=FIX,
+    spot=f"{_OPT}: get_megatron_optimizer gives SGD init_state_fn=None, and FP32Optimizer / "
+    "Float16OptimizerWithFloat16Params.sharded_state_dict(is_loading=True) call self.init_state_fn(...) "
+    "(a checkpoint load of --optimizer sgd: TypeError 'NoneType' object is not callable)",
+    action="materialize_sgd_state(optimizer) gives each such optimizer an init_state_fn that creates SGD's "
+    "momentum buffers (zeros, where momentum != 0) for the load to fill, as Megatron's Adam one does the moments",
+    targets=MCORE_0_19,
+    removal="remove when get_megatron_optimizer gives SGD an init_state_fn (or sharded_state_dict skips a None one)",
+    spots=(
+        Spot(
+            f"{_OPT}:_get_megatron_optimizer_based_on_param_groups",
+            uses=('elif config.optimizer == "sgd":', "init_state_fn = None"),
+        ),
+        Spot(
+            f"{_OPT}.optimizer:FP32Optimizer.sharded_state_dict",
+            "method",
+            uses=("self.init_state_fn(self.optimizer, self.config)",),
+        ),
+        Spot(
+            f"{_OPT}.optimizer:Float16OptimizerWithFloat16Params.sharded_state_dict",
+            "method",
+            uses=("self.init_state_fn(self.optimizer, self.config)",),
+        ),
+    ),
+    use="helper: materialize_sgd_state() before a checkpoint load (checkpoint/sharded.py)",
+)
+
+
+def _sgd_init_state(opt: torch.optim.Optimizer, config: Any = None) -> None:
+    """SGD's per-parameter state as its step creates it: a momentum buffer (zeros here, which a load then
+    overwrites) for every parameter of a param group with momentum; none without momentum."""
+    for group in opt.param_groups:
+        if group.get("momentum", 0) == 0:
+            continue
+        for p in group["params"]:
+            if opt.state[p].get("momentum_buffer") is None:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
+
+
+def materialize_sgd_state(optimizer: Any) -> None:
+    """Give every Megatron optimizer around torch's SGD inside ``optimizer`` (chained or not) the
+    ``init_state_fn`` Megatron leaves None (:data:`SGD_LOAD_STATE`), so that its
+    ``sharded_state_dict(is_loading=True)`` describes the momentum buffers a checkpoint holds. Local: no
+    collective; Adam's optimizers and the distributed optimizer are left as they are."""
+    check_targets([SGD_LOAD_STATE])
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "init_state_fn", _sgd_init_state) is None and isinstance(
+            getattr(opt, "optimizer", None), torch.optim.SGD
+        ):
+            opt.init_state_fn = _sgd_init_state
+
+
 #: The fixes :func:`megatron_hetero.compat.apply_compat` gates on every machine (and applies, where an
 #: entry has ``apply``; the others act where they are used).
 FIXES: List[Patch] = [
@@ -304,6 +373,8 @@ FIXES: List[Patch] = [
     CLIP_VIT_NORM,
     DISTOPT_FRESH_STATE,
     DISTOPT_LOAD_STEP,
+    DISTOPT_RESHARDABLE_BUCKETS,
+    SGD_LOAD_STATE,
 ]
 
 

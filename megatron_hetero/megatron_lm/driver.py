@@ -294,16 +294,6 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron: "
             "the parameters it all-gathers in the next forward are the distributed optimizer's shards)"
         )
-    if (
-        getattr(args, "overlap_grad_reduce", False)
-        and getattr(args, "use_distributed_optimizer", False)
-        and (args.save or args.load)
-    ):
-        raise ValueError(
-            "--overlap-grad-reduce with --use-distributed-optimizer and --save/--load is not supported with a "
-            "layout yet (a distributed optimizer over several gradient buckets is not checkpointed across "
-            "layouts yet); drop --overlap-grad-reduce for runs that save or load"
-        )
     if getattr(args, "use_distributed_optimizer", False):
         if args.optimizer != "adam":
             raise ValueError(

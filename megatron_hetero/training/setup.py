@@ -41,13 +41,6 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         raise ValueError("--fp16 must set both the model's and the optimizer's precision")
     if not isinstance(job.save_interval, int) or job.save_interval < 0:
         raise ValueError(f"--save-interval must be >= 0, got {job.save_interval!r}")
-    if job.optim.overlap_grad_reduce and job.optim.use_distributed_optimizer and (job.save or job.load):
-        raise ValueError(
-            "--overlap-grad-reduce with --use-distributed-optimizer and --save/--load is not supported yet: "
-            "the distributed optimizer's checkpoint of a module split into several gradient buckets does not "
-            "resume to the same state (measured: 3% off in the next loss); drop --overlap-grad-reduce for "
-            "a run that saves or loads, the losses are the same without it"
-        )
     if job.save_interval and not job.save:
         raise ValueError(f"--save-interval {job.save_interval} needs --save DIR")
     if not isinstance(job.log_interval, int) or job.log_interval < 0:

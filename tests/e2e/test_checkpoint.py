@@ -1,6 +1,6 @@
 """Checkpoints (`checkpoint/save_load.py`): exact resume under the same layout, resume under other
 layouts (colocated <-> disjoint, TP -> DP, PP 1 -> 2, encoder to its own island, one language
-module -> pipeline segments) with Adam, damaged checkpoints rejected before training, and
+module -> pipeline segments) with Adam, SGD's momentum, damaged checkpoints rejected before training, and
 `checkpoint inspect`. fp32, tiny model, world <= 3. Killed saves, crafted and flipped files:
 test_checkpoint_safety.py."""
 
@@ -126,6 +126,51 @@ def test_resume_under_another_layout(saved, change):
     diff = max_loss_rel_diff(resumed, full[2:])
     print(f"{change}: max relative loss difference {diff:.2e}")
     assert diff <= 1e-5, (change, resumed, full[2:])
+
+
+@pytest.mark.timeout(300)
+def test_sgd_with_momentum_resumes_exactly(tmp_path):
+    """--optimizer sgd (Megatron's SGD: momentum 0.9): the checkpoint holds every parameter's momentum
+    buffer, and a resume loads it (fix.sgd_load_state: Megatron's SGD has no init_state_fn, so the load
+    failed with TypeError) to the uninterrupted run's losses, bitwise. Saved at 2 of 3 iterations, the
+    marker rolled back to 2 by hand (the marker decides)."""
+    from megatron_hetero.checkpoint import save_load as ckpt
+    from megatron_hetero.checkpoint.files import STATE_FILE, iteration_dir, read_train_state, sha256_file, write_marker
+    from megatron_hetero.runtime.config import OptimConfig
+
+    job = JobConfig(train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5))
+    root = tmp_path / "run"
+    full = losses(run_job(COLOC_TP2, 2, dataclasses.replace(job, save=str(root), save_interval=2)))
+    write_marker(root, 2, sha256_file(iteration_dir(root, 2) / STATE_FILE))
+    d, state = read_train_state(root)
+    assert state["iteration"] == 2 and state["modules"]["language"]["optimizer"] == "sgd"
+    shapes = ckpt.tensor_shapes(d / "language")
+    params = {k for k in shapes if not k.startswith("optimizer.")}
+    momenta = {k[len("optimizer.state.momentum_buffer.") :] for k in shapes if "momentum_buffer" in k}
+    assert momenta == params and len(params) > 10, (sorted(momenta ^ params)[:5], len(params))
+    resumed = losses(run_job(COLOC_TP2, 2, dataclasses.replace(job, load=str(root))))
+    print(f"SGD: resumed {resumed} vs {full[2:]}")
+    assert len(full) == 3 and resumed == full[2:]  # bitwise: the momentum buffers are the run's
+
+
+@pytest.mark.timeout(300)
+def test_fp16_sgd_resumes_a_checkpoint_saved_before_any_step_succeeded(tmp_path):
+    """--fp16 --optimizer sgd, the steps skipped (--initial-loss-scale 2**32 overflows): SGD has no
+    momentum buffer yet, so the checkpoint of iteration 1 holds no optimizer state, and the resume
+    starts SGD afresh (the load asked for momentum buffers the checkpoint does not have) with the saved
+    loss scale: the uninterrupted run's second iteration."""
+    from megatron_hetero.checkpoint.files import STATE_FILE, iteration_dir, sha256_file, write_marker
+    from megatron_hetero.runtime.config import OptimConfig
+
+    optim = OptimConfig(optimizer="sgd", lr=0.5, fp16=True, initial_loss_scale=2.0**32)
+    job = JobConfig(spec=dataclasses.replace(JOB.spec, fp16=True), train_iters=2, optim=optim)
+    full = run_job(COLOC_TP2, 2, dataclasses.replace(job, save=str(tmp_path), save_interval=1))
+    write_marker(tmp_path, 1, sha256_file(iteration_dir(tmp_path, 1) / STATE_FILE))
+    state = json.loads((iteration_dir(tmp_path, 1) / STATE_FILE).read_text())
+    assert all(m["optimizer_stateless"] for m in state["modules"].values())
+    resumed = run_job(COLOC_TP2, 2, dataclasses.replace(job, load=str(tmp_path)))
+    want = [(x["skipped"], x["loss_scale"], x["loss"]) for x in full[0]["records"]]
+    assert want[0][0] and [(x["skipped"], x["loss_scale"], x["loss"]) for x in resumed[0]["records"]] == want[1:]
 
 
 @pytest.mark.timeout(300)

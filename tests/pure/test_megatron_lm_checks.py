@@ -111,10 +111,6 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
         (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
         (dict(train_iters=None), "--train-iters is required"),
         (
-            dict(overlap_grad_reduce=True, use_distributed_optimizer=True, save="ckpt"),
-            "--overlap-grad-reduce with --use-distributed-optimizer and --save/--load is not supported",
-        ),
-        (
             dict(use_distributed_optimizer=True, overlap_param_gather=True),
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce",
         ),
@@ -145,6 +141,9 @@ def test_overlap_param_gather_is_accepted_with_the_distributed_optimizer_and_ove
     # the overlap of gradient reduction (the e2e run: test_gpt_segments_with_overlap_grad_reduce_and_param_gather_match)
     check_common(_args(use_distributed_optimizer=True, overlap_grad_reduce=True), _layout(SEGMENTS))
     check_common(_args(overlap_grad_reduce=True, save="ckpt"), _layout(SEGMENTS))  # plain optimizer: saves
+    # and with the distributed optimizer (test_gpt_segments_torch_dist_distributed_optimizer_both_ways)
+    for kw in (dict(save="ckpt"), dict(load="ckpt")):
+        check_common(_args(use_distributed_optimizer=True, overlap_grad_reduce=True, **kw), _layout(SEGMENTS))
 
 
 def test_bf16_and_fp16_are_accepted():
