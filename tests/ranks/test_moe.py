@@ -58,16 +58,11 @@ def test_expert_folding_must_divide_the_stage():
         _layout({"tp": 2, "pp": 2, "ep": 4})
 
 
-def test_expert_tp_needs_nccl():
-    layout = _layout({"dp": 4, "ep": 2, "expt_tp": 2})
-    with pytest.raises(ValueError, match=r"module language: expert tensor parallelism expt_tp\(2\) > 1 needs NCCL"):
-        check_experts(layout, {"language": 4}, backend="gloo")
-    check_experts(layout, {"language": 4}, backend="nccl")
-
-
 def test_valid_expert_layouts_pass():
-    check_experts(_layout({"dp": 4, "ep": 4}), {"language": 4}, backend="gloo")
-    check_experts(_layout({"pp": 2, "dp": 2, "ep": 2}, world=4), {"language": 8}, backend="gloo")
+    check_experts(_layout({"dp": 4, "ep": 4}), {"language": 4})
+    check_experts(_layout({"pp": 2, "dp": 2, "ep": 2}, world=4), {"language": 8})
+    # expert TP on any backend (gloo: compat's cpu.gloo_uneven_all_gather)
+    check_experts(_layout({"dp": 4, "ep": 2, "expt_tp": 2}), {"language": 4})
 
 
 # -- multi-rank parity ----------------------------------------------------------------------------------
@@ -240,11 +235,6 @@ def test_expert_gradients_reduce_over_expert_dp():
         (["language:dp=4,ep=4"], ["--num-experts", "6"], "module language: ep(4) does not divide --num-experts 6"),
         (["language:dp=4,ep=2"], [], "module language: ep(2) expt_tp(1) > 1 but the module has no experts"),
         (
-            ["language:dp=4,ep=2,expt_tp=2"],
-            ["--num-experts", "4"],
-            "module language: expert tensor parallelism expt_tp(2) > 1 needs NCCL",
-        ),
-        (
             ["language:dp=2,ep=4"],
             ["--num-experts", "4"],
             "module language: expert-tp(1)*ep(4)=4 does not divide tp(1)*cp(1)*dp(2)=2",
@@ -255,11 +245,6 @@ def test_expert_gradients_reduce_over_expert_dp():
 def test_train_rejects_invalid_expert_layouts_with_exit_2(capsys, monkeypatch, layout_flags, moe_flags, message):
     from megatron_hetero import cli
     from megatron_hetero.runtime import launcher
-
-    if "NCCL" in message:
-        import megatron_hetero.compat as compat
-
-        monkeypatch.setattr(compat, "default_backend", lambda: "gloo")
 
     def no_ranks(*a, **k):  # pragma: no cover - reaching it is the failure
         raise AssertionError("a rank was started")
@@ -284,6 +269,29 @@ def test_train_rejects_invalid_expert_layouts_with_exit_2(capsys, monkeypatch, l
     _, err = capsys.readouterr()
     assert rc == 2, err
     assert message in err, err
+
+
+def test_train_starts_expert_tp_on_gloo(capsys, monkeypatch):
+    """`language:tp=2,dp=2,ep=2,expt_tp=2` with --sequence-parallel on gloo passes validation and
+    reaches the ranks (it was refused as needing NCCL before compat's cpu.gloo_uneven_all_gather)."""
+    from megatron_hetero import cli
+    import megatron_hetero.compat as compat
+    from megatron_hetero.runtime import launcher
+
+    started: list[int] = []
+
+    def no_ranks(world, *a, **k):
+        started.append(world)
+        raise KeyboardInterrupt  # stop here: the CLI maps it to its own exit code
+
+    monkeypatch.setattr(compat, "default_backend", lambda: "gloo")
+    monkeypatch.setattr(launcher, "run_ranks", no_ranks)
+    argv = ["train", "--hetero-module", "vision:dp=4", "--hetero-module", "language:tp=2,dp=2,ep=2,expt_tp=2"]
+    argv += ["--hetero-edge", "vision->language", "--train-iters", "1", "--num-experts", "4", "--sequence-parallel"]
+    cli.main(argv)
+    _, err = capsys.readouterr()
+    assert started == [4], err
+    assert "NCCL" not in err, err
 
 
 # -- cost model and search (pure) ----------------------------------------------------------------------
