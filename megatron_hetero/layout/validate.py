@@ -39,13 +39,14 @@ def _check_degrees(m: ModuleLayout) -> None:
         raise ValueError(f"module {m.name}: role must be one of {list(ROLES)}, got {m.role!r}")
 
 
-def check_experts(layout: HeteroLayout, num_experts: dict[str, Optional[int]], backend: Optional[str] = None) -> None:
+def check_experts(layout: HeteroLayout, num_experts: dict[str, Optional[int]]) -> None:
     """The expert layout of every module against its model (ValueError with the arithmetic, before
     any group exists). `num_experts`: module -> its number of experts (None or 0: a dense module;
     modules not listed are dense). Rules: expt_tp*ep divides tp*cp*dp (Megatron's parallel folding,
     also checked by `resolve_layout`); ep divides the number of experts; ep or expt_tp > 1 only on a
-    module with experts; expert-TP > 1 needs NCCL (on gloo Megatron's expert-TP all-gather of uneven
-    token counts fails)."""
+    module with experts. Any backend: expert-TP > 1 runs on gloo too (Megatron's expert-TP all-gather
+    of uneven token counts goes through compat's `cpu.gloo_uneven_all_gather` there: each piece
+    padded to the largest, one equal all-gather, the padding cut)."""
     for m in layout.modules:
         n = num_experts.get(m.name) or 0
         if n and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -67,12 +68,6 @@ def check_experts(layout: HeteroLayout, num_experts: dict[str, Optional[int]], b
             raise ValueError(
                 f"module {m.name}: ep({m.ep}) does not divide --num-experts {n} "
                 f"({n} % {m.ep} = {n % m.ep}); each EP rank holds num_experts/ep experts"
-            )
-        if m.expt_tp > 1 and backend is not None and backend != "nccl":
-            raise ValueError(
-                f"module {m.name}: expert tensor parallelism expt_tp({m.expt_tp}) > 1 needs NCCL "
-                f"(backend here: {backend}; Megatron's expert-TP all-gather of uneven token counts "
-                f"fails on gloo); use expt_tp 1"
             )
 
 

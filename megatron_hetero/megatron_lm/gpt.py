@@ -111,8 +111,7 @@ def check_moe(args: Any, layout: HeteroLayout) -> None:
     uneven token counts over expert TP goes through compat's `cpu.gloo_uneven_all_gather`."""
     from megatron_hetero.layout.validate import check_experts
 
-    # no backend: expert TP on gloo works here (compat cpu.gloo_uneven_all_gather; not tried with train yet)
-    check_experts(layout, {m.name: args.num_experts for m in language_modules(layout)}, None)
+    check_experts(layout, {m.name: args.num_experts for m in language_modules(layout)})
     if args.expert_model_parallel_size != 1:
         raise ValueError(
             f"--expert-model-parallel-size {args.expert_model_parallel_size}: with a layout Megatron's "

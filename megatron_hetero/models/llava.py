@@ -166,9 +166,7 @@ def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout
     return mods
 
 
-def validate_model(
-    layout: HeteroLayout, spec: LlavaSpec, backend: Optional[str] = None, sequence_parallel: bool = False
-) -> None:
+def validate_model(layout: HeteroLayout, spec: LlavaSpec, sequence_parallel: bool = False) -> None:
     """The model's checks against the layout that need the model's sizes (experts, output modules);
     ValueError with the arithmetic, before any group exists. `sequence_parallel`: the job's
     --sequence-parallel (Megatron's MoE layers need it for tp > 1 with ep > 1)."""
@@ -180,7 +178,7 @@ def validate_model(
         raise ValueError(f"--moe-router-topk {spec.moe_router_topk} must be in 1..--num-experts {spec.num_experts}")
     if spec.moe_aux_loss_coeff < 0:
         raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {spec.moe_aux_loss_coeff}")
-    check_experts(layout, {n: spec.num_experts for n in langs}, backend)
+    check_experts(layout, {n: spec.num_experts for n in langs})
     check_architecture(layout, spec, langs)
     for name in langs:
         m = layout.module(name)

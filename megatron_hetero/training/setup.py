@@ -71,12 +71,10 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
                 f"module {m.name} is neither an encoder ({sorted(spec.encoders)}), an output module "
                 f"({sorted(spec.outputs)}) nor a language module"
             )
-    from megatron_hetero.compat import default_backend
-
     if not isinstance(job.sequence_parallel, bool):
         raise ValueError(f"--sequence-parallel is a switch (True/False), got {job.sequence_parallel!r}")
     # experts (ep, expt_tp) and output modules
-    validate_model(layout, spec, default_backend(), sequence_parallel=job.sequence_parallel)
+    validate_model(layout, spec, sequence_parallel=job.sequence_parallel)
     if job.sequence_parallel:
         check_sequence_parallel(layout, spec)
     for name in spec.encoders:
