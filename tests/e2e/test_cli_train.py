@@ -244,3 +244,23 @@ def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path):
         assert max(abs(a - b) / b for a, b in zip(runs[name], runs["fp32"])) < 1e-2, (runs[name], runs["fp32"])
     assert runs["bf16"] != runs["fp32"]  # it did compute in bf16
     # --bf16 with --save/--load: tests/ranks/test_mixed_precision.py
+
+
+@pytest.mark.timeout(120)
+def test_transformer_engine_impl_refused_without_cuda_or_te(capsys):
+    """--transformer-impl transformer_engine exits 2 with the reason before any rank starts where CUDA
+    or the transformer_engine package is missing (this CPU machine); in-process, no rank is forked."""
+    from megatron_hetero.cli import main
+    from megatron_hetero.compat import device
+
+    reason = device.transformer_engine_unavailable()
+    if reason is None:
+        pytest.skip("this machine has CUDA and transformer_engine: the GPU checks run the TE impl")
+    rc = main(
+        ["train", "--hetero-layout", str(LAYOUTS / "colocated_fan_in.yaml"), "--transformer-impl", "transformer_engine"]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 2, err[-2000:]
+    assert "--transformer-impl transformer_engine needs a CUDA GPU and the transformer-engine package" in err
+    assert "this machine has no CUDA GPU" in err or "no transformer_engine package" in err
+    assert "ranks (" not in out  # the start line is printed only once the job is valid
