@@ -264,3 +264,25 @@ def test_transformer_engine_impl_refused_without_cuda_or_te(capsys):
     assert "--transformer-impl transformer_engine needs a CUDA GPU and the transformer-engine package" in err
     assert "this machine has no CUDA GPU" in err or "no transformer_engine package" in err
     assert "ranks (" not in out  # the start line is printed only once the job is valid
+
+
+def test_transformer_engine_impl_keeps_the_cp_refusal():
+    """TE attention could run context parallelism, but only the local impl's core attention is
+    tried with cp > 1 here: the TE impl with cp > 1 is refused (on a GPU machine too)."""
+    import dataclasses
+
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.planner.model import LlavaSpec
+    from megatron_hetero.training.setup import JobConfig, validate_job
+
+    doc = {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 2}, "language": {"cp": 2}},
+        "edges": ["vision -> language"],
+    }
+    layout = layout_from_dict(doc, world_size=2)
+    job = JobConfig(spec=LlavaSpec(seq_length=64), global_batch_size=2, micro_batch_size=1)
+    validate_job(layout, job)  # the local impl runs cp 2
+    te = dataclasses.replace(job, spec=dataclasses.replace(job.spec, transformer_impl="transformer_engine"))
+    with pytest.raises(ValueError, match=r"module language: cp\(2\) > 1 with --transformer-impl transformer_engine"):
+        validate_job(layout, te)
