@@ -16,11 +16,13 @@
 # Prints one line per check, `gpu_check: NAME: ok|FAIL|skipped: detail`, writes the summary to
 # ${OUT:-.}/gpu_check.json and exits 1 if any check FAILed (0 otherwise; 2 for bad arguments).
 # Without a CUDA GPU every check is `skipped: no CUDA`. --dry-run installs and runs nothing (on a GPU
-# machine each line says what would run). Set-up: the Python is $GPU_CHECK_PYTHON, else .venv/bin/python
-# when it imports torch and megatron.core, else `scripts/install.sh test` makes .venv; then the gpu
-# extra's transformer-engine is tried (unless --no-install); where it cannot be installed the TE
-# parts say skipped with the reason and the rest still run. About 3 minutes on one H200 once
-# installed (each step has its own timeout; at most about 8 minutes).
+# machine each line says what would run). Set-up: the Python is $GPU_CHECK_PYTHON, else
+# .venv/bin/python, else python3, the first that imports torch and megatron.core; else
+# `scripts/install.sh test` makes .venv (a GPU with no usable Python after that FAILs every check).
+# Then the gpu extra's transformer-engine is tried (unless --no-install); where it cannot be
+# installed the TE parts say skipped with the reason and the rest still run. The checks take about
+# 3 minutes on one H200 once installed (each step has its own timeout; at most about 8 minutes);
+# installing torch and transformer-engine on a fresh machine comes on top.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
@@ -70,6 +72,7 @@ finish() {
   exit $?
 }
 skip_all() { local n; for n in "${WANT[@]}"; do report "$n" skipped "$1"; done; finish; }
+fail_all() { local n; for n in "${WANT[@]}"; do report "$n" FAIL "$1"; done; finish; }
 wants() { local n; for n in "${WANT[@]}"; do [ "$n" = "$1" ] && return 0; done; return 1; }
 
 # --- a Python and a GPU --------------------------------------------------------------------------
@@ -80,6 +83,7 @@ fi
 usable() { [ -n "$1" ] && "$1" -c 'import torch, megatron.core' >/dev/null 2>&1; }
 PY="${GPU_CHECK_PYTHON:-}"
 if [ -z "$PY" ] && usable "$REPO/.venv/bin/python"; then PY="$REPO/.venv/bin/python"; fi
+if [ -z "$PY" ] && usable "$(command -v python3 || true)"; then PY="$(command -v python3)"; fi
 cuda_of() { "$1" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0; }
 if [ -n "$PY" ]; then
   GPUS="$(cuda_of "$PY")"
@@ -97,7 +101,8 @@ if [ -z "$PY" ]; then
   if [ "$INSTALL" = 1 ] && timeout 900 bash scripts/install.sh test >"$WORK/install.log" 2>&1 && usable .venv/bin/python; then
     PY="$REPO/.venv/bin/python"
   else
-    skip_all "no Python with torch and megatron-core (scripts/install.sh test: $(tail -n 1 "$WORK/install.log" 2>/dev/null))"
+    # a GPU is there but nothing could run on it: not a pass
+    fail_all "set-up: no Python with torch and megatron-core (scripts/install.sh test: $(tail -n 1 "$WORK/install.log" 2>/dev/null | cut -c1-300))"
   fi
   GPUS="$(cuda_of "$PY")"
   [ "$GPUS" -ge 1 ] || skip_all "no CUDA (torch in $PY sees no GPU)"
