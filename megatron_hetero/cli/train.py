@@ -35,6 +35,10 @@ Megatron's scalars from the last rank; `--log-throughput` adds TFLOP/s per rank 
 per module: `training.throughput`) and `--log-memory` the resident state and activation peaks per
 rank (`training.memory_log`) to the lines and the --log-jsonl records. A missing package or a
 folder that cannot be made exits 2 before any rank starts.
+
+`--transformer-impl transformer_engine` (Megatron-LM's flag; default local) builds Megatron-core's
+Transformer Engine layer specs for the language model and the encoders (`models.layer_specs`); on a
+machine without CUDA or without the transformer_engine package it exits 2 with the reason.
 """
 
 from __future__ import annotations
@@ -77,6 +81,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_train_data_flags(p)
     add_flags(p, train_flag_fields(), GROUPS)
     add_hetero_args(p)
+    from megatron_hetero.planner.model import TRANSFORMER_IMPLS
+
+    p.add_argument(
+        "--transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        default="local",
+        help="Megatron-core's layer implementation for the language model and the encoders: local "
+        "(Megatron-core's own modules, the default) or transformer_engine (its Transformer Engine layer "
+        "specs; needs a CUDA GPU and the transformer-engine package: the gpu extra)",
+    )
     return p
 
 
@@ -102,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import sys
 
+    if args.transformer_impl != "local":
+        from megatron_hetero.compat.device import transformer_engine_unavailable
+
+        reason = transformer_engine_unavailable()
+        if reason:
+            raise ValueError(reason)  # exit 2 before any rank starts
     layout = layout_from_args(args, world_size=args.nproc_per_node)
     job = job_from_args(args, layout)
     job = dataclasses.replace(job, progress=bool(getattr(sys.stdout, "isatty", lambda: False)()))

@@ -10,7 +10,14 @@ from typing import Optional
 
 import torch
 
-__all__ = ["get_device", "default_backend", "set_local_device", "synchronize"]
+__all__ = [
+    "get_device",
+    "default_backend",
+    "set_local_device",
+    "synchronize",
+    "transformer_engine_unavailable",
+    "memory_allocated",
+]
 
 
 def get_device() -> torch.device:
@@ -40,3 +47,30 @@ def synchronize(device: Optional[torch.device] = None) -> None:
     device = get_device() if device is None else torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def memory_allocated(device: Optional[torch.device] = None) -> int:
+    """Bytes of device memory held by tensors on `device` (default: :func:`get_device`); 0 on CPU."""
+    device = get_device() if device is None else torch.device(device)
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def transformer_engine_unavailable() -> Optional[str]:
+    """Why Megatron's Transformer Engine layer specs cannot run in this process (None: they can).
+
+    Looks for the ``transformer_engine`` package without importing it (on a machine without CUDA
+    its import breaks ``import megatron.core``) and asks torch for a CUDA GPU; never initialises CUDA.
+    """
+    import importlib.util
+
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("no CUDA GPU")
+    if importlib.util.find_spec("transformer_engine") is None:
+        missing.append("no transformer_engine package")
+    if not missing:
+        return None
+    return (
+        "--transformer-impl transformer_engine needs a CUDA GPU and the transformer-engine package "
+        "(pip install megatron-hetero[gpu] on a GPU machine); this machine has " + " and ".join(missing)
+    )

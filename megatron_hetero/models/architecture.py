@@ -67,6 +67,7 @@ LANGUAGE_DEFAULTS = {
     "add_bias_linear": True,
     "add_qkv_bias": False,
     "untie_embeddings_and_output_weights": True,
+    "transformer_impl": "local",
 }
 ENCODER_DEFAULTS = {
     "kind": "linear",

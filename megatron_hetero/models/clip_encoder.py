@@ -18,14 +18,13 @@ checkpoint round trip returns every tensor of the original tower.
 from __future__ import annotations
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_hetero.compat import clip_vit_norm_kwargs
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.models.layer_specs import encoder_layer_spec
 
 
 def activation(name: str):
@@ -39,8 +38,16 @@ class ClipEncoderModule(torch.nn.Module):
     [b, tokens, llm_hidden]. One pipeline stage, cp 1; TP on the module's own TP group."""
 
     def __init__(
-        self, name: str, enc, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection, seed: int
+        self,
+        name: str,
+        enc,
+        llm_hidden: int,
+        m: ModuleLayout,
+        pgs: ProcessGroupCollection,
+        seed: int,
+        impl: str = "local",
     ) -> None:
+        """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
         super().__init__()
         from megatron_hetero.models.llava import build_projector, freeze_trunk, transformer_config
 
@@ -62,8 +69,7 @@ class ClipEncoderModule(torch.nn.Module):
             bias_activation_fusion=False,
             add_bias_linear=True,
         )
-        layer_spec = get_gpt_layer_local_spec()
-        layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+        layer_spec = encoder_layer_spec(impl)
         side = self.grid * self.patch
         self.vit = CLIPViTModel(
             config,

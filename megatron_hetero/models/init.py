@@ -50,10 +50,11 @@ def deterministic_init(
     for name, p in named_params:
         gname = global_name(name, layer_offset)
         leaf = name.rsplit(".", 1)[-1]
-        if "norm" in name.lower() and leaf == "weight":
+        # Transformer Engine fuses the pre-norm into the next linear: `linear_qkv.layer_norm_weight`
+        if ("norm" in name.lower() and leaf == "weight") or leaf == "layer_norm_weight":
             p.fill_(1.0)
             continue
-        if leaf == "bias" or ("norm" in name.lower() and leaf == "bias"):
+        if leaf in ("bias", "layer_norm_bias"):
             p.zero_()
             continue
         split = bool(getattr(p, "tensor_model_parallel", False)) and tp_size > 1

@@ -53,7 +53,6 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -63,7 +62,7 @@ from megatron_hetero.layout.validate import check_experts
 from megatron_hetero.models.architecture import check_architecture
 from megatron_hetero.models.cp_attention import cp_chunk_positions
 from megatron_hetero.models.init import deterministic_init
-from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
+from megatron_hetero.models.layer_specs import encoder_layer_spec, language_layer_spec
 from megatron_hetero.models.data import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec  # noqa: F401 (the model's description)
@@ -180,6 +179,14 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, sequence_parallel: boo
         raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {spec.moe_aux_loss_coeff}")
     check_experts(layout, {n: spec.num_experts for n in langs})
     check_architecture(layout, spec, langs)
+    if spec.transformer_impl != "local":
+        for name in langs:
+            if layout.module(name).cp > 1:
+                raise ValueError(
+                    f"module {name}: cp({layout.module(name).cp}) > 1 with --transformer-impl "
+                    f"{spec.transformer_impl} is not supported yet (context parallelism runs with the local "
+                    "impl's core attention); use --transformer-impl local or cp 1"
+                )
     for name in langs:
         m = layout.module(name)
         if spec.num_experts and m.ep > 1 and m.tp > 1 and not sequence_parallel:
@@ -271,8 +278,16 @@ class EncoderModule(torch.nn.Module):
     """One encoder stage: [b, n, feature] -> (trunk) -> [b, n, llm_hidden] on the last stage."""
 
     def __init__(
-        self, name: str, enc: EncoderSpec, llm_hidden: int, m: ModuleLayout, pgs: ProcessGroupCollection, seed: int
+        self,
+        name: str,
+        enc: EncoderSpec,
+        llm_hidden: int,
+        m: ModuleLayout,
+        pgs: ProcessGroupCollection,
+        seed: int,
+        impl: str = "local",
     ) -> None:
+        """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
         super().__init__()
         if m.cp != 1:
             raise ValueError(
@@ -293,8 +308,7 @@ class EncoderModule(torch.nn.Module):
             m=m,
             recompute=True,
         )
-        layer_spec = get_gpt_layer_local_spec()
-        layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+        layer_spec = encoder_layer_spec(impl)
         if self.first:
             self.patch_embed = torch.nn.Linear(enc.feature_dim, enc.hidden_size)
             self.position = torch.nn.Parameter(torch.empty(enc.tokens, enc.hidden_size))
@@ -380,13 +394,7 @@ class LanguageModule(torch.nn.Module):
         )
         self.config = config
         self.tp_group = pgs.tp
-        layer_spec = (
-            get_gpt_layer_local_spec_with_cp(
-                num_experts=spec.num_experts, moe_grouped_gemm=False, normalization=spec.normalization
-            )
-            if spec.num_experts
-            else get_gpt_layer_local_spec_with_cp(normalization=spec.normalization)
-        )
+        layer_spec = language_layer_spec(spec.transformer_impl, spec.num_experts, spec.normalization)
         self.gpt = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,

@@ -85,6 +85,10 @@ class OutputSpec:
     out_dim: int = 16
 
 
+# Megatron-LM's --transformer-impl choices (`LlavaSpec.transformer_impl`)
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
 @dataclass(frozen=True)
 class LlavaSpec:
     """Sizes of the whole model (Megatron flag names)."""
@@ -133,6 +137,9 @@ class LlavaSpec:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = True
+    # Megatron-LM's --transformer-impl: "local" (Megatron-core's own modules, the default) or
+    # "transformer_engine" (its TE layer specs: GPU machines only; `models.layer_specs`)
+    transformer_impl: str = "local"
 
     @classmethod
     def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":

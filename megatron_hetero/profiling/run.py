@@ -56,17 +56,30 @@ from megatron_hetero.profiling.kernels import (
 LAYERS_PER_BLOCK = 2
 
 
-def _rank_layers(cases: list[dict], iters: int, warmup: int, reps: int) -> tuple[list[list[float]], list[float]]:
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _rank_layers(
+    cases: list[dict],
+    iters: int,
+    warmup: int,
+    reps: int,
+    dtype: torch.dtype = torch.float32,
+    impl: str = "local",
+) -> tuple[list[list[float]], list[float]]:
+    """Per-layer forward + backward times of `cases` (and the solo case's). `dtype`: the layers'
+    parameters and activations (bf16 sets Megatron's bf16 too); `impl`: --transformer-impl's layer
+    spec (`models.layer_specs`); a case's optional `gated`: a swiglu MLP."""
+    import torch.nn.functional as F
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_hetero.compat import ensure_global_memory_buffer
     from megatron_hetero.compat.device import get_device, synchronize
     from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
     from megatron_hetero.layout.validate import resolve_layout
-    from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
+    from megatron_hetero.models.layer_specs import (
+        encoder_layer_spec,
+        get_gpt_layer_local_spec_with_cp,
+        language_layer_spec,
+    )
     from megatron_hetero.models.llava import transformer_config
     from megatron_hetero.runtime.topology import Topology
 
@@ -88,22 +101,28 @@ def _rank_layers(cases: list[dict], iters: int, warmup: int, reps: int) -> tuple
             pgs = topo.pg_collection("profile")
             for i in idx:
                 c = cases[i]
+                extra: dict[str, Any] = {"bf16": True} if dtype == torch.bfloat16 else {}
+                if c.get("gated"):
+                    extra.update(gated_linear_unit=True, activation_func=F.silu)
                 config = transformer_config(
                     num_layers=LAYERS_PER_BLOCK,
                     hidden=c["hidden"],
                     heads=c["heads"],
                     ffn=c["ffn_hidden"],
                     m=layout.module("profile"),
+                    dtype=dtype,
+                    **extra,
                 )
                 if c["kind"] == "llm":
-                    spec = get_gpt_layer_local_spec_with_cp()
+                    spec = (
+                        get_gpt_layer_local_spec_with_cp() if impl == "local" else language_layer_spec(impl, None, "")
+                    )
                 else:
-                    spec = get_gpt_layer_local_spec()
-                    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+                    spec = encoder_layer_spec(impl)
                 block = TransformerBlock(
                     config, spec, post_layer_norm=False, pre_process=True, post_process=False, pg_collection=pgs
                 ).to(device)
-                x = torch.randn(c["seq"] // cp, c["batch"], c["hidden"], device=device)
+                x = torch.randn(c["seq"] // cp, c["batch"], c["hidden"], device=device, dtype=dtype)
                 g = torch.randn_like(x)
 
                 def step() -> None:

@@ -121,6 +121,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
         args = copy.copy(args)
         args.vocab_size = recorded.vocab_size
     spec = recorded
+    spec = dataclasses.replace(spec, transformer_impl=getattr(args, "transformer_impl", "local"))
     spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
     optim = OptimConfig(**values(OptimConfig, args))
     if optim.bf16 or optim.fp16:

@@ -143,9 +143,9 @@ def build_module(
     if name in spec.encoders and spec.encoders[name].kind == "clip":
         from megatron_hetero.models.clip_encoder import ClipEncoderModule
 
-        mod = ClipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed)
+        mod = ClipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.encoders:
-        mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed)
+        mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.outputs:
         mod = OutputModule(name, spec.outputs[name], spec.hidden_size, m, pgs, spec.seed)
     else:

@@ -244,3 +244,45 @@ def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path):
         assert max(abs(a - b) / b for a, b in zip(runs[name], runs["fp32"])) < 1e-2, (runs[name], runs["fp32"])
     assert runs["bf16"] != runs["fp32"]  # it did compute in bf16
     # --bf16 with --save/--load: tests/ranks/test_mixed_precision.py
+
+
+@pytest.mark.timeout(120)
+def test_transformer_engine_impl_refused_without_cuda_or_te(capsys):
+    """--transformer-impl transformer_engine exits 2 with the reason before any rank starts where CUDA
+    or the transformer_engine package is missing (this CPU machine); in-process, no rank is forked."""
+    from megatron_hetero.cli import main
+    from megatron_hetero.compat import device
+
+    reason = device.transformer_engine_unavailable()
+    if reason is None:
+        pytest.skip("this machine has CUDA and transformer_engine: the GPU checks run the TE impl")
+    rc = main(
+        ["train", "--hetero-layout", str(LAYOUTS / "colocated_fan_in.yaml"), "--transformer-impl", "transformer_engine"]
+    )
+    out, err = capsys.readouterr()
+    assert rc == 2, err[-2000:]
+    assert "--transformer-impl transformer_engine needs a CUDA GPU and the transformer-engine package" in err
+    assert "this machine has no CUDA GPU" in err or "no transformer_engine package" in err
+    assert "ranks (" not in out  # the start line is printed only once the job is valid
+
+
+def test_transformer_engine_impl_keeps_the_cp_refusal():
+    """TE attention could run context parallelism, but only the local impl's core attention is
+    tried with cp > 1 here: the TE impl with cp > 1 is refused (on a GPU machine too)."""
+    import dataclasses
+
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.planner.model import LlavaSpec
+    from megatron_hetero.training.setup import JobConfig, validate_job
+
+    doc = {
+        "placement": "colocated",
+        "modules": {"vision": {"dp": 2}, "language": {"cp": 2}},
+        "edges": ["vision -> language"],
+    }
+    layout = layout_from_dict(doc, world_size=2)
+    job = JobConfig(spec=LlavaSpec(seq_length=64), global_batch_size=2, micro_batch_size=1)
+    validate_job(layout, job)  # the local impl runs cp 2
+    te = dataclasses.replace(job, spec=dataclasses.replace(job.spec, transformer_impl="transformer_engine"))
+    with pytest.raises(ValueError, match=r"module language: cp\(2\) > 1 with --transformer-impl transformer_engine"):
+        validate_job(layout, te)
