@@ -307,6 +307,11 @@ class RankActivations:
 
     per_module: dict[str, int]
     total: int
+    #: colocated: the encoders' activations held across phase 2, the largest of the language model's
+    #: (or a head's) in phase 2, the encoders' recompute in phase 3 (0 disjoint)
+    held: int = 0
+    phase2: int = 0
+    phase3: int = 0
 
 
 def rank_activation_bytes(
@@ -385,7 +390,7 @@ def rank_activation_bytes(
         if other:
             per["other"] = other
         phase2 = max(phase2, per[name] + other)
-    return RankActivations(per, held + max(phase2, phase3))
+    return RankActivations(per, held + max(phase2, phase3), held, phase2, phase3)
 
 
 def predicted_rank_bytes(
@@ -406,3 +411,28 @@ def predicted_rank_bytes(
             layout, spec, rank, global_batch, micro_batch, sequence_parallel, recompute
         ).total,
     }
+
+
+def rank_peak_bytes(
+    layout: HeteroLayout,
+    spec: LlavaSpec,
+    rank: int,
+    state: StateFeatures,
+    global_batch: int,
+    micro_batch: int,
+    sequence_parallel: bool = False,
+    recompute: Optional[Recompute] = None,
+    offload_encoders: bool = False,
+) -> int:
+    """The most device bytes rank `rank` holds at one moment of a step: state + activation peak,
+    except with --hetero-offload-encoder on a colocated layout, where the encoders' state leaves the
+    device for phase 2: max(all state + the encoders' held activations + their phase-3 recompute,
+    the other modules' state + the held activations + the phase-2 peak). (On CPU the "device" is the
+    host: only a GPU run measures this; `scripts/gpu_check.sh offload` measures the freed bytes.)"""
+    per_state = rank_state_bytes(layout, spec, rank, state)
+    acts = rank_activation_bytes(layout, spec, rank, global_batch, micro_batch, sequence_parallel, recompute)
+    total_state = total_bytes(per_state)
+    if not (offload_encoders and layout.placement == "colocated"):
+        return total_state + acts.total
+    enc_state = sum(sum(v.values()) for k, v in per_state.items() if k in spec.encoders)
+    return max(total_state + acts.held + acts.phase3, total_state - enc_state + acts.held + acts.phase2)

@@ -8,7 +8,13 @@ import dataclasses
 from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.planner.memory import StateFeatures, rank_activation_bytes, rank_state_bytes, total_bytes
+from megatron_hetero.planner.memory import (
+    StateFeatures,
+    rank_activation_bytes,
+    rank_peak_bytes,
+    rank_state_bytes,
+    total_bytes,
+)
 
 #: train's flags that decide the prediction beyond the model's sizes and architecture (plan takes them too)
 OPTIM_FLAGS = ("optimizer", "bf16", "fp16", "use_distributed_optimizer")
@@ -16,8 +22,10 @@ JOB_FLAGS = ("sequence_parallel", "recompute_granularity", "recompute_method", "
 
 
 def memory_rows(args: Any, layout: HeteroLayout) -> list[dict[str, Any]]:
-    """Per rank: {rank, predicted_state_bytes, predicted_activation_bytes, state (per module: params,
-    grads, optimizer)} for `train` with these flags on `layout`. ValueError for bad sizes or batches."""
+    """Per rank: {rank, predicted_state_bytes, predicted_activation_bytes, predicted_peak_bytes (the
+    most at one moment: less than their sum with --hetero-offload-encoder), state (per module: params,
+    grads, optimizer), activations (per module)} for `train` with these flags on `layout`. ValueError
+    for bad sizes or batches."""
     from megatron_hetero.layout.flags import values
     from megatron_hetero.layout.validate import check_recompute
     from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec, spec_from_flags
@@ -47,11 +55,16 @@ def memory_rows(args: Any, layout: HeteroLayout) -> list[dict[str, Any]]:
         acts = rank_activation_bytes(
             layout, spec, r, global_batch, micro_batch, bool(j["sequence_parallel"]), recompute
         )
+        offload = bool(getattr(args, "hetero_offload_encoder", False))
+        peak = rank_peak_bytes(
+            layout, spec, r, features, global_batch, micro_batch, bool(j["sequence_parallel"]), recompute, offload
+        )
         rows.append(
             {
                 "rank": r,
                 "predicted_state_bytes": total_bytes(state),
                 "predicted_activation_bytes": acts.total,
+                "predicted_peak_bytes": peak,
                 "state": state,
                 "activations": acts.per_module,
             }
@@ -65,8 +78,8 @@ def memory_text(rows: list[dict[str, Any]]) -> str:
     def mib(n: int) -> str:
         return f"{n / 2**20:10.3f}"
 
-    lines = ["predicted memory per rank (MiB): state (params + grads + optimizer), activation peak, total"]
+    lines = ["predicted memory per rank (MiB): state (params + grads + optimizer), activation peak, peak at one moment"]
     for row in rows:
         s, a = row["predicted_state_bytes"], row["predicted_activation_bytes"]
-        lines.append(f"  rank {row['rank']:>4}: {mib(s)} {mib(a)} {mib(s + a)}")
+        lines.append(f"  rank {row['rank']:>4}: {mib(s)} {mib(a)} {mib(row['predicted_peak_bytes'])}")
     return "\n".join(lines)

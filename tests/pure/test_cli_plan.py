@@ -383,3 +383,21 @@ def test_plan_memory_features_move_the_prediction(capsys) -> None:
 def test_plan_memory_bad_recompute_exits_2(capsys) -> None:
     rc, _, err = _run(capsys, "plan", *MEMORY_FLAGS, "--recompute-method", "uniform")
     assert rc == 2 and "--recompute-granularity" in err
+
+
+def test_plan_memory_peak_with_encoder_offload(capsys) -> None:
+    """Colocated with --hetero-offload-encoder: the encoders' state leaves the device for the language
+    phase, so the peak at one moment is below state + activation peak, by at most the encoders' state
+    (`planner.memory.rank_peak_bytes`); without offload the two are equal."""
+    flags = (
+        "--hetero-module vision:dp=2 --hetero-module language:tp=2 --hetero-edge vision->language --memory "
+        "--num-layers 4 --global-batch-size 8 --micro-batch-size 1 --encoder-num-layers 4 --json"
+    ).split()
+    rc, out, _ = _run(capsys, "plan", *flags)
+    rc_off, out_off, _ = _run(capsys, "plan", *flags, "--hetero-offload-encoder")
+    assert rc == rc_off == 0
+    for plain, off in zip(json.loads(out)["ranks"], json.loads(out_off)["ranks"]):
+        both = plain["predicted_state_bytes"] + plain["predicted_activation_bytes"]
+        assert plain["predicted_peak_bytes"] == both
+        enc = sum(plain["state"]["vision"].values())
+        assert both - enc <= off["predicted_peak_bytes"] < both
