@@ -109,7 +109,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from megatron_hetero.compat.device import default_backend
     from megatron_hetero.runtime.launcher import run_ranks
 
-    apply_compat()
+    apply_compat()  # this module run as a script is an entry point
     backend = default_backend()
     if backend != "nccl":
         raise SystemExit("gpu_preset: needs a CUDA GPU (a world-1 NCCL rank); none is present")

@@ -803,6 +803,7 @@ def test_apply_compat_is_called_at_the_entry_points_only():
         "megatron_hetero/bench/trace_overhead.py",
         "megatron_hetero/cli/__init__.py",
         "megatron_hetero/megatron_lm/run.py",
+        "megatron_hetero/profiling/gpu_preset.py",
         "tests/conftest.py",
         "tests/e2e/test_fresh_process_imports.py",
         "tests/megatron_fork.py",

@@ -233,31 +233,33 @@ MEMORY_CASES = {
 }
 
 
-@pytest.mark.parametrize("switched", [False, True], ids=["plain", "distributed-optimizer+recompute"])
+@pytest.mark.parametrize("switched", ["plain", "distributed-optimizer", "both"])
 @pytest.mark.parametrize("case", MEMORY_CASES)
 def test_predicted_memory_matches_the_measured_within_10_percent(case, switched):
     """`train --log-memory`'s records carry, per rank, the memory model's prediction (state +
     activation peak, `planner/memory.py`) beside the measured bytes (the state's tensors and the
-    activation meter's peak over the step): within 10% on every rank, for each layout without and with
-    the distributed optimizer, full recompute (and SP where tp > 1, bf16 on one layout)."""
+    activation meter's peak over the step): within 10% on every rank, for each layout plain, with the
+    distributed optimizer, and with it and full recompute (with SP where tp > 1, bf16 on one layout):
+    each switch off and on."""
     from megatron_hetero.runtime.module_state import OptimConfig
 
     from parity import run_job
 
     doc, world, kw, on = MEMORY_CASES[case]
     extra = dict(kw)
-    if switched:
-        bf16 = on.get("bf16", False)
+    distributed = switched in ("distributed-optimizer", "both")
+    bf16 = switched == "both" and on.get("bf16", False)
+    if switched == "both":
         extra.update({k: v for k, v in on.items() if k != "bf16"})
-        extra["optim"] = OptimConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True, bf16=bf16)
-        if bf16:
-            extra["spec"] = dataclasses.replace(LlavaSpec(num_layers=4), bf16=True)
+    extra["optim"] = OptimConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=distributed, bf16=bf16)
+    if bf16:
+        extra["spec"] = dataclasses.replace(LlavaSpec(num_layers=4), bf16=True)
     rec = run_job(doc, world, _job(**extra))[0]["records"][-1]
     mem = rec["memory_bytes"]
     assert sorted(mem, key=int) == [str(r) for r in range(world)]
     for r, m in mem.items():
         print(
-            f"{case} {'on' if switched else 'off'} rank {r}: predicted {m['predicted']} "
+            f"{case} {switched} rank {r}: predicted {m['predicted']} "
             f"(state {m['predicted_state']}, activations {m['predicted_activation']}), measured {m['measured']} "
             f"({m['predicted'] / m['measured'] - 1:+.3f})"
         )
