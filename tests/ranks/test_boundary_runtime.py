@@ -195,6 +195,9 @@ def _source_dies() -> str:
 
     layout = layout_from_dict(_lay("disjoint", {"dp": 1}, {"tp": 2}), world_size=3)
     bnd = Boundary(layout, "vision->language", batch=2, hidden=2, timeout_s=3)
+    # every rank has finished creating the boundary's groups (gloo connects their pairs then): a source
+    # dying during that creation resets the others' connections instead (seen once on 2 busy cores)
+    dist.barrier()
     if bnd.is_src:
         os._exit(9)  # dies before sending anything
     bnd(None)  # must raise BoundaryTimeout, not hang
