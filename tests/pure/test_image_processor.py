@@ -15,7 +15,6 @@ numpy array, as RGBA, and decoded the way energon decodes (webdataset's `torchrg
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -28,6 +27,8 @@ transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from megatron_hetero.models import image_processor as ip  # noqa: E402
+import sample_photos  # noqa: E402  (tests/sample_photos.py)
+from sample_photos import energon_decoded  # noqa: E402
 
 TOL = 1e-6
 CONFIGS = {
@@ -90,39 +91,11 @@ CONFIGS = {
 FIGURES: list[tuple[str, str, str, float]] = []
 
 
-def _photos() -> dict[str, Image.Image]:
-    """The two photographs of `sklearn.datasets.load_sample_images()`, read from the package's
-    files with PIL as that function reads them (without importing scikit-learn: seconds)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("sklearn")
-    assert spec is not None and spec.submodule_search_locations
-    folder = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "images"
-    out = {}
-    for name in ("china", "flower"):
-        with Image.open(folder / f"{name}.jpg") as im:
-            out[name] = im.convert("RGB")
-            out[name].load()
-    assert all(im.size == (640, 427) for im in out.values())
-    return out
-
-
-def _energon_decoded(pil: Image.Image) -> tuple[torch.Tensor, Image.Image]:
-    """(energon's default decoding of the image stored as PNG: float CHW in [0, 1], the PIL image
-    transformers would be given for the same file)."""
-    from webdataset.autodecode import imagehandler
-
-    buf = io.BytesIO()
-    pil.save(buf, format="PNG")
-    data = buf.getvalue()
-    return imagehandler("torchrgb")("sample.png", data), Image.open(io.BytesIO(data))
-
-
 def _inputs(photo: Image.Image) -> dict[str, tuple[object, Image.Image]]:
     """name -> (what our processor is given, what transformers is given)."""
     small = photo.resize((30, 20), Image.Resampling.BOX)
     odd = photo.resize((101, 77), Image.Resampling.BOX)
-    tensor, decoded = _energon_decoded(odd)
+    tensor, decoded = energon_decoded(odd)
     rgba = np.concatenate([np.asarray(odd), np.full((77, 101, 1), 200, np.uint8)], axis=2)
     return {
         "landscape 640x427": (photo, photo),
@@ -138,7 +111,7 @@ def _inputs(photo: Image.Image) -> dict[str, tuple[object, Image.Image]]:
 
 @pytest.fixture(scope="module")
 def photos() -> dict[str, Image.Image]:
-    return _photos()
+    return sample_photos.photos()
 
 
 def _reference(folder: Path, kind: str):
