@@ -10,6 +10,12 @@ Face's `CLIPVisionModel.last_hidden_state` (`features`). LLaVA's feature selecti
 drop the class token) leaves `tokens` patch features, which the projector (Megatron's
 `MultimodalProjector`, linear -> GELU -> linear) maps to the language model's hidden size.
 
+Pixels from the tower's own preprocessing (`models.image_processor`, which reads the Hugging Face
+`preprocessor_config.json`): `image_processor.to_patches(pixels, p)` gives exactly these features
+(`image` below undoes it with a reshape, so the convolution sees the processor's pixels bit for bit),
+and `pixel_features(pixels)` takes `[b, 3, H, W]` directly. Either way the patch embedding is the
+tower's own convolution; the data only reshapes.
+
 `ln_post` (Hugging Face's `post_layernorm`) is kept for the pooled class-token output (`pooled`):
 LLaVA does not use it, so it never trains (requires_grad False) but it is converted and saved so a
 checkpoint round trip returns every tensor of the original tower.
@@ -104,6 +110,18 @@ class ClipEncoderModule(torch.nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """[b, tokens, 3*p*p] -> the ViT's last hidden states [b, 1 + tokens, h] (class token first)."""
         return self.vit(self.image(x).contiguous())
+
+    def pixel_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[b, 3, H, W] pixel images (e.g. `image_processor.ImageProcessor.batch`, H = W = the tower's
+        image size) -> the ViT's last hidden states [b, 1 + tokens, h], as `features` gives for
+        `image_processor.to_patches(pixels, patch)`."""
+        side = self.grid * self.patch
+        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, side, side):
+            raise ValueError(
+                f"encoder {self.name}: pixels must be [b, 3, {side}, {side}] (the tower's image size), "
+                f"got {list(pixels.shape)}"
+            )
+        return self.vit(pixels.contiguous())
 
     def pooled(self, x: torch.Tensor) -> torch.Tensor:
         """Hugging Face's `pooler_output`: ln_post of the class token's last hidden state [b, h]."""
