@@ -57,8 +57,9 @@ layout the data path hands `ClipEncoderModule` (`[tokens, 3 * p * p]`, row-major
 flattened (channel, row, column), the layout of `energon_data.patchify`), which the encoder puts
 back together into the same pixels bit for bit before its own patch convolution.
 `caption_features(image, processor, patch)` is the drop-in for `energon_data.patchify` when a
-processor is configured; `check_fits(processor, image_size, where)` checks that the processor's
-output is the tower's input size.
+processor is configured, `caption_format(processor, patch)` the image fields of the caption data
+config it implies (in place of probing the data), and `check_fits(processor, image_size, where)`
+checks that the processor's output is the tower's input size.
 """
 
 from __future__ import annotations
@@ -502,6 +503,22 @@ def check_fits(processor: ImageProcessor, image_size: tuple[int, int], where: st
             f"{where}: {processor.source} gives {out[0]}x{out[1]} images; the encoder takes "
             f"{image_size[0]}x{image_size[1]}"
         )
+
+
+def caption_format(processor: ImageProcessor, patch: int) -> dict:
+    """The image fields of a caption data config (`CaptionDataConfig.image_size`, `channels`) that
+    `processor` implies: `dataclasses.replace(cfg, **caption_format(proc, cfg.patch_size))` in place
+    of probing the data (`energon_data.resolve_config`). ValueError when the output size depends on
+    the input or does not cut into `patch` x `patch` patches."""
+    out = processor.output_size
+    if out is None:
+        raise ValueError(
+            f"{processor.source}: the output size depends on the input (a shortest-edge resize without a center "
+            "crop); the encoder needs one image size"
+        )
+    if patch <= 0 or out[0] % patch or out[1] % patch:
+        raise ValueError(f"{processor.source}: its {out[0]}x{out[1]} images do not cut into {patch}x{patch} patches")
+    return {"image_size": (out[0], out[1]), "channels": 3}
 
 
 def caption_features(image: Any, processor: ImageProcessor, patch: int) -> torch.Tensor:

@@ -165,7 +165,20 @@ def test_batch_and_patches_round_trip(photos, tmp_path):
     back = feats.reshape(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, g * p, g * p)
     assert torch.equal(back, px)
     assert torch.equal(ip.caption_features(photos["flower"], proc, 8), feats[1])
+    # the same layout as the data path's own patches (energon_data.patchify), and a config that fits
+    from dataclasses import replace
+
+    from megatron_hetero.models.caption_config import CaptionDataConfig
+    from megatron_hetero.models.energon_data import patchify
+
+    cfg = replace(CaptionDataConfig(path="unused", patch_size=8), **ip.caption_format(proc, 8))
+    x = torch.rand(3, 32, 32)
+    assert torch.equal(patchify(x, cfg), ip.to_patches((x - 0.5) / 0.5, 8))
+    assert (cfg.image_tokens, cfg.feature_dim) == (16, 192)
     ip.check_fits(proc, (32, 32))
+    assert ip.caption_format(proc, 8) == {"image_size": (32, 32), "channels": 3}
+    with pytest.raises(ValueError, match="do not cut into 5x5 patches"):
+        ip.caption_format(proc, 5)
     with pytest.raises(ValueError, match=r"gives 32x32 images; the encoder takes 16x16"):
         ip.check_fits(proc, (16, 16))
     with pytest.raises(ValueError, match="depends on the input"):
