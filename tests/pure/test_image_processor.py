@@ -234,6 +234,8 @@ def test_bad_images_are_refused(photos):
         proc(torch.full((3, 8, 8), 0.3337))
     with pytest.raises(ValueError, match=r"values in \[0, 1\]"):
         proc(torch.full((3, 8, 8), 2.0))
+    with pytest.raises(ValueError, match=r"values in \[0, 1\]"):
+        proc(torch.full((3, 8, 8), float("nan")))
     with pytest.raises(ValueError, match="must be uint8"):
         proc(np.zeros((8, 8, 3), np.float32))
     with pytest.raises(ValueError, match="HxW, HxWx1, HxWx3 or HxWx4"):
