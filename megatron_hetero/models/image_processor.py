@@ -189,6 +189,7 @@ class ImageProcessor:
         x = np.asarray(pil, dtype=np.uint8)
         if self.crop is not None:
             x = center_crop(x, self.crop)
+        y: np.ndarray
         if self.rescale is not None:
             y = (x.astype(np.float64) * self.rescale).astype(np.float32)
         else:
