@@ -45,6 +45,15 @@ class CaptionDataConfig:
     )
     image_size: Optional[tuple[int, int]] = None
     channels: Optional[int] = None
+    # --image-processor: the tower's own preprocessing (models/image_processor.py) instead of `patchify`'s
+    # [-1, 1] scaling; it fixes image_size (its output size) and channels (3)
+    image_processor: Optional[str] = flag_field(
+        None,
+        "the vision tower's Hugging Face preprocessor_config.json (or the folder holding it): images are "
+        "preprocessed as the tower was pretrained (RGB, resize, center crop, rescale, normalise; CLIP and "
+        "SigLIP processors) instead of being scaled to [-1, 1]; its output size is the image size",
+        group="data",
+    )
     prompt: str = flag_field(
         "",
         "text between the image and the caption (not in the loss; default none)",
@@ -105,5 +114,5 @@ def data_flag_fields() -> list[dataclasses.Field]:
         flags_of(DataFlags, ["data_path"])
         + flags_of(CaptionDataConfig, ["tokenizer_model"])
         + flags_of(DataFlags, ["mock_data"])
-        + flags_of(CaptionDataConfig, ["patch_size", "prompt", "trust_code"])
+        + flags_of(CaptionDataConfig, ["patch_size", "image_processor", "prompt", "trust_code"])
     )

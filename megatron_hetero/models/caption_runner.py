@@ -200,6 +200,7 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
             image_size=(side, side) if clip else None,
             channels=3 if clip else None,
             prompt=value(args, fields["prompt"]),
+            image_processor=value(args, fields["image_processor"]),
         )
     )
     for flag, given, derived in (

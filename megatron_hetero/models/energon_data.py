@@ -10,7 +10,11 @@ What a sample becomes (the `models.data` contract, so `LlavaStageRunner` and the
     tokens = (H / p) * (W / p), feature_dim = C * p * p (the digits: 8x8 grey, p = 4 -> 4 tokens of
     16 features). `resolve_config` fills `image_size` and `channels` from the split's first samples
     (grey when all of the first 32 have R = G = B) unless given, and `caption_spec` puts the result
-    into the model's `LlavaSpec`.
+    into the model's `LlavaSpec`. With `--image-processor` (`CaptionDataConfig.image_processor`: the
+    vision tower's Hugging Face preprocessor_config.json) the image goes through the tower's own
+    preprocessing instead (`models.image_processor`: RGB, resize, center crop, rescale, normalise, the
+    pixels transformers' processor gives) and is cut into the same patches; the processor's output
+    size is `image_size` and `channels` is 3.
   * caption -> text: `[BOS] [PLACEHOLDER_ID] * tokens  prompt  caption  [EOS]  [PAD] ...`, cut or
     padded to seq_length + 1; the image placeholder span sits at the encoder's `offset` (= 1, right
     after BOS), as in `models.data`. `tokens` = the first seq_length, `labels` = the next token at
@@ -51,6 +55,7 @@ mode on unless trusted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections import OrderedDict
 from dataclasses import replace
@@ -61,6 +66,13 @@ import torch
 from megatron_hetero.models.caption_config import CaptionDataConfig
 from megatron_hetero.models.data import PLACEHOLDER_ID
 from megatron_hetero.models.dataset_trust import UntrustedDataset, check_dataset, secure_decoding
+from megatron_hetero.models.image_processor import (
+    ImageProcessor,
+    caption_features,
+    caption_format,
+    check_fits,
+    load_image_processor,
+)
 from megatron_hetero.models.tokenizer import CaptionTokenizer
 
 VOCAB_MULTIPLE = 128  # the model's vocabulary is the tokenizer's padded up to a multiple of this (Megatron's default)
@@ -127,8 +139,16 @@ def _next(it):
 
 def resolve_config(cfg: CaptionDataConfig, probe: int = 32) -> CaptionDataConfig:
     """`cfg` with `image_size` (the first sample's) and `channels` (1 if the first `probe` samples
-    of the split, in stored order, are all grey, else 3) filled in where None; validated."""
+    of the split, in stored order, are all grey, else 3) filled in where None; validated. With
+    `image_processor` the processor fixes both (its output size, RGB) and an `image_size` given
+    (a CLIP encoder's) must be that output size."""
     cfg.validate()
+    if cfg.image_processor:
+        proc = image_processor_of(cfg)
+        if cfg.image_size is not None:
+            check_fits(proc, tuple(cfg.image_size))
+        cfg = replace(cfg, **caption_format(proc, cfg.patch_size))
+        cfg.validate()
     if cfg.resolved():
         return cfg
     try:
@@ -157,6 +177,29 @@ def resolve_config(cfg: CaptionDataConfig, probe: int = 32) -> CaptionDataConfig
     out = replace(cfg, image_size=tuple(size), channels=cfg.channels or (1 if grey else 3))
     out.validate()
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _load_processor(path: str) -> ImageProcessor:
+    return load_image_processor(path)
+
+
+def image_processor_of(cfg: CaptionDataConfig) -> ImageProcessor:
+    """The processor of `cfg.image_processor` (read once per process); ValueError naming the flag."""
+    assert cfg.image_processor
+    try:
+        return _load_processor(str(cfg.image_processor))
+    except ValueError as exc:
+        raise ValueError(f"--image-processor {cfg.image_processor}: {exc}") from None
+
+
+def encoder_features(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
+    """One decoded image -> its encoder features [tokens, feature_dim]: through the tower's own
+    preprocessing when `cfg.image_processor` is set (`image_processor.caption_features`), else
+    `patchify`."""
+    if cfg.image_processor:
+        return caption_features(image, image_processor_of(cfg), cfg.patch_size)
+    return patchify(image, cfg)
 
 
 def patchify(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
@@ -304,7 +347,7 @@ class CaptionBatches:
                 image_tokens=self.cfg.image_tokens,
                 prompt=self.cfg.prompt,
             )
-            items.append((key, caption, patchify(image, self.cfg), t))
+            items.append((key, caption, encoder_features(image, self.cfg), t))
         win = {
             "tokens": torch.stack([t["tokens"] for *_, t in items]),
             "labels": torch.stack([t["labels"] for *_, t in items]),
@@ -388,7 +431,7 @@ def heldout_batch(
         "tokens": torch.stack([t["tokens"] for t in texts]),
         "labels": torch.stack([t["labels"] for t in texts]),
         "loss_mask": torch.stack([t["loss_mask"] for t in texts]),
-        "features": {encoder: torch.stack([patchify(s.image, c) for s in samples])},
+        "features": {encoder: torch.stack([encoder_features(s.image, c) for s in samples])},
         "keys": [str(s.__key__) for s in samples],
         "captions": [caption_text(s.caption) for s in samples],
     }

@@ -167,6 +167,77 @@ def test_format_and_model_sizes_come_from_the_data(cfg, tok):
     assert (p2.image_tokens, p2.feature_dim) == (16, 4)
 
 
+def _processor_config(path: Path, **cfg) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "preprocessor_config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_image_processor_flag_preprocesses_as_the_tower_was_trained(digits, tok, tmp_path):
+    """--image-processor: the processor fixes the format (its output size, RGB) and the features are its
+    pixels in patches. SigLIP at the digits' own 8x8 (mean = std = 0.5) is exactly the RGB [-1, 1]
+    scaling; a CLIP-style 16x16 upscale with CLIP's mean/std matches transformers' own processor."""
+    same = _processor_config(
+        tmp_path / "siglip8", image_processor_type="SiglipImageProcessor", size={"height": 8, "width": 8}
+    )
+    cfg = resolve_config(CaptionDataConfig(str(digits), seed=3, image_processor=same))
+    assert (cfg.image_size, cfg.channels, cfg.image_tokens, cfg.feature_dim) == ((8, 8), 3, 4, 48)
+    rgb = resolve_config(CaptionDataConfig(str(digits), seed=3, channels=3))
+    got, want = _batches(cfg, tok).step_batch(0), _batches(rgb, tok).step_batch(0)
+    assert got["keys"] == want["keys"] and torch.equal(got["tokens"], want["tokens"])
+    diff = float((got["features"]["vision"] - want["features"]["vision"]).abs().max())
+    assert diff <= 1e-6, diff
+
+    clip16 = dict(
+        image_processor_type="CLIPImageProcessor",
+        size={"shortest_edge": 16},
+        crop_size={"height": 16, "width": 16},
+        image_mean=[0.48145466, 0.4578275, 0.40821073],
+        image_std=[0.26862954, 0.26130258, 0.27577711],
+    )
+    up = resolve_config(
+        CaptionDataConfig(str(digits), seed=3, image_processor=_processor_config(tmp_path / "c", **clip16))
+    )
+    assert (up.image_size, up.image_tokens, up.feature_dim) == ((16, 16), 16, 48)
+    held = heldout_batch(up, tok, encoder="vision", seq_length=S + 12, limit=3)
+    assert held["features"]["vision"].shape == (3, 16, 48)
+    transformers = pytest.importorskip("transformers")
+    from megatron_hetero.models.energon_data import open_split
+    from megatron_hetero.models.image_processor import to_patches
+
+    hf = transformers.CLIPImageProcessor(**{k: v for k, v in clip16.items() if k != "image_processor_type"})
+    _, it = open_split(str(digits), "val")
+    images = [next(it).image for _ in range(3)]
+    ref = torch.stack(
+        [
+            to_patches(
+                hf((im * 255).round().to(torch.uint8).permute(1, 2, 0).numpy(), return_tensors="pt")["pixel_values"][0],
+                4,
+            )
+            for im in images
+        ]
+    )
+    assert float((held["features"]["vision"] - ref).abs().max()) <= 1e-6
+
+    for cfg_kw, match in (
+        (
+            {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 8}, "do_center_crop": False},
+            "depends on the input",
+        ),
+        ({"image_processor_type": "SiglipImageProcessor", "size": {"height": 10, "width": 10}}, "do not cut into 4x4"),
+        ({"image_processor_type": "LlavaNextImageProcessor"}, "not supported"),
+    ):
+        bad = _processor_config(tmp_path / f"bad{len(match)}", **cfg_kw)
+        with pytest.raises(ValueError, match=match):
+            resolve_config(CaptionDataConfig(str(digits), image_processor=bad))
+    with pytest.raises(ValueError, match="the encoder takes 8x8"):  # a CLIP encoder's image size is fixed
+        resolve_config(
+            CaptionDataConfig(
+                str(digits), image_size=(8, 8), image_processor=_processor_config(tmp_path / "c", **clip16)
+            )
+        )
+
+
 def test_patchify_cuts_row_major_patches():
     img = torch.arange(64, dtype=torch.float32).reshape(8, 8) / 63
     rgb = img.expand(3, 8, 8)

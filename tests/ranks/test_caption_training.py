@@ -10,6 +10,8 @@ differences are reduction order: TP all-reduces of partial matmuls, DP gradient 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_hetero.layout import layout_from_dict
@@ -169,6 +171,11 @@ def test_train_flags_to_caption_job_data(digits):
         _train_args("--data-path", digits, "--patch-size", "2", "--vocab-size", "512", "--encoder-tokens", "16"), base
     )
     assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim, spec.vocab_size) == (16, 4, 512)
+    proc = Path(digits).parent / "siglip16.json"  # the tower's own preprocessing fixes the image format
+    proc.write_text('{"image_processor_type": "SiglipImageProcessor", "size": {"height": 16, "width": 16}}')
+    spec, cfg = caption_job_data(_train_args("--data-path", digits, "--image-processor", str(proc)), base)
+    assert (cfg.image_processor, cfg.image_size, cfg.channels) == (str(proc), (16, 16), 3)
+    assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim) == (16, 48)
     for argv, match in (
         (("--data-path", digits, "--mock-data"), "give one"),
         (("--tokenizer-model", "t.json"), "applies to --data-path"),
