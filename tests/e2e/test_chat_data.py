@@ -109,6 +109,9 @@ def test_counts_images_and_answers(chat):
     assert set(kinds) == {"one", "two", "text"} and set(sizes) == {8, 16}
     assert any(len(set(s.meta["sizes"])) == 2 for s in splits["train"])  # two sizes in one conversation
     assert turns > TRAIN + VAL
+    n, it = open_chat_split(str(out), "train", shuffle=True, seed=1)  # one shuffled epoch: the same samples
+    shuffled = [next(it).__key__ for _ in range(n)]
+    assert sorted(shuffled) == sorted(s.__key__ for s in splits["train"]) != shuffled
 
 
 def test_deterministic_and_cli_errors(chat, tmp_path):
