@@ -275,11 +275,13 @@ def template_from_config(
             named = {e.get("name"): e.get("template") for e in t if isinstance(e, Mapping)}
             t = named.get("default")
             if t is None:
-                raise ValueError(f"{name}: chat_template is a list without a 'default' entry ({sorted(named)})")
+                raise ValueError(
+                    f"{name}: chat_template is a list without a 'default' entry ({sorted(map(str, named))})"
+                )
         if not isinstance(t, str) or not t:
             raise ValueError(f"{name}: no chat_template (and no chat_template.jinja beside it)")
         source = t
-    special = {}
+    special: dict[str, Any] = {}
     for k in SPECIAL_TOKEN_KEYS:
         v = _token_text(config.get(k))
         if v is not None:
