@@ -286,6 +286,9 @@ def template_from_config(
         v = _token_text(config.get(k))
         if v is not None:
             special[k] = v
+    for k in ("bos_token", "eos_token"):
+        if re.search(rf"\b{k}\b", source) and k not in special:
+            raise ValueError(f"{name}: the chat template uses {k} but the config defines none")
     extra = config.get("additional_special_tokens")
     if isinstance(extra, list):
         special["additional_special_tokens"] = [_token_text(v) for v in extra]

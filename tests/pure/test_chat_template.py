@@ -173,9 +173,9 @@ def test_same_ids_and_masks_as_transformers(folders):
     """Every conversation x style x span method: our ids and mask equal transformers'."""
     transformers = pytest.importorskip("transformers")
     compared = 0
+    hf_of = {k: transformers.AutoTokenizer.from_pretrained(str(f)) for k, f in folders.items()}
     for (style, tagged), folder in folders.items():
-        hf = transformers.AutoTokenizer.from_pretrained(str(folder))
-        hf_tagged = transformers.AutoTokenizer.from_pretrained(str(folders[style, True]))
+        hf, hf_tagged = hf_of[style, tagged], hf_of[style, True]
         tok = load_tokenizer(str(folder / "tokenizer.json"))
         template = load_chat_template(folder)
         image_id = tok.tokenizer.token_to_id("<image>")
@@ -276,6 +276,9 @@ def test_template_errors_are_value_errors(tmp_path):
         ChatTemplate("{% for %}").render([U("a")])
     with pytest.raises(ValueError, match="no chat_template"):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+        load_chat_template(tmp_path)
+    with pytest.raises(ValueError, match="uses eos_token but the config defines none"):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": MISTRAL, "bos_token": "<s>"}))
         load_chat_template(tmp_path)
     # a template that renders earlier turns differently once later turns exist: prefix method refused
     unstable = ChatTemplate(
