@@ -1,12 +1,16 @@
 """`megatron-hetero data`: build training data.
 
     megatron-hetero data digits --out DIR [--held-out 200] [--seed 0] [--train-shards 4] [--force]
+    megatron-hetero data digits --chat --out DIR [--samples 4000] [--val-samples 400] [--sizes 8,16] [...]
     megatron-hetero data check PATH [--trust-dataset-code] [--json]
 
 `digits` writes scikit-learn's bundled handwritten digits (1,797 8x8 grey images, nothing downloaded)
 as an energon-prepared WebDataset of captioning samples ("a handwritten seven"): a `train` split and
 a stratified held-out split (`val`, also registered as `test`), deterministic in --seed; `energon
 info DIR` and `energon lint DIR` accept it. Train on it with `megatron-hetero train --data-path DIR`.
+With `--chat` it writes conversations instead (`models.digits_chat`): multi-turn questions about one or
+two digit images at several sizes, and text-only arithmetic, as an energon crude dataset that
+`models.chat_data` reads (train and val; val's images are the held-out digits only).
 Needs the `data` extra (megatron-energon, scikit-learn, pillow, tokenizers).
 
 `check` reads an energon dataset (or metadataset) as data and lists what in it would run code
@@ -38,6 +42,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     d.add_argument("--train-shards", type=int, default=4, help="tar shards of the train split (default 4)")
     d.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.add_argument(
+        "--chat",
+        action="store_true",
+        help="write conversations (visual instruction data: questions about 1 or 2 digit images, text-only turns)",
+    )
+    d.add_argument("--samples", type=int, default=4000, help="--chat: conversations in train (default 4000)")
+    d.add_argument("--val-samples", type=int, default=400, help="--chat: conversations in val (default 400)")
+    d.add_argument(
+        "--sizes",
+        default="8,16",
+        help="--chat: image sizes in pixels, multiples of 8, comma-separated (default 8,16: upscaled digits)",
+    )
     c = kinds.add_parser("check", help="what in a dataset would run code (exit 2 unless --trust-dataset-code)")
     c.add_argument("path", help="an energon dataset folder or metadataset YAML")
     c.add_argument("--json", action="store_true", help="print the findings as JSON")
@@ -77,6 +93,41 @@ def add_trust_flag(parser) -> None:
     add_flags(parser, flags_of(CaptionDataConfig, ["trust_code"]))
 
 
+def run_chat(args: argparse.Namespace) -> int:
+    """`data digits --chat`: the conversation dataset of `models.digits_chat`."""
+    from megatron_hetero.models.digits_chat import write_digits_chat_dataset
+
+    try:
+        sizes = [int(x) for x in str(args.sizes).split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--sizes {args.sizes}: expected comma-separated integers such as 8,16") from None
+    try:
+        summary = write_digits_chat_dataset(
+            args.out,
+            samples=args.samples,
+            val_samples=args.val_samples,
+            held_out=args.held_out,
+            seed=args.seed,
+            sizes=sizes,
+            train_shards=args.train_shards,
+            force=args.force,
+        )
+    except RuntimeError as exc:
+        raise CommandFailed(str(exc)) from None
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    k = summary["kinds"]
+    print(
+        f"megatron-hetero data digits --chat: wrote {summary['path']}: train {summary['train']} conversations "
+        f"({len(summary['shards']) - 1} shards), val {summary['val']} (splits val and test; held-out digits); "
+        f"{k['one']} with one image, {k['two']} with two, {k['text']} text-only; image sizes "
+        f"{', '.join(f'{s}x{s}' for s in summary['sizes'])}; energon-prepared (CrudeWebdataset: read with "
+        f"megatron_hetero.models.chat_data)"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.data_command == "check":
         return run_check(args)
@@ -91,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
             found = False
         if not found:
             raise CommandFailed(f"{mod} is not installed: pip install 'megatron-hetero[data]'")
+    if args.chat:
+        return run_chat(args)
     try:
         summary = write_digits_dataset(
             args.out, held_out=args.held_out, seed=args.seed, train_shards=args.train_shards, force=args.force
