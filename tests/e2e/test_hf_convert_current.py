@@ -394,3 +394,35 @@ def test_inexpressible_model_is_refused_before_any_weight_is_read(current, tmp_p
     err = capsys.readouterr().err
     assert rc == 2 and all(w in err for w in words), err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.timeout(300)
+def test_train_load_trains_the_siglip_tower_but_not_its_head(current, tmp_path):
+    """`train --load` of the SigLIP + Llama 3.1 checkpoint, without model flags, under vision DP2
+    (trunk training: its post LayerNorm is part of the features) + language TP2 (frozen): two steps
+    with a finite, falling loss; the pooling head is outside the features and comes out bit-identical."""
+    from safetensors.torch import load_file
+
+    from megatron_hetero.cli import build_parser
+    from megatron_hetero.layout.args import layout_from_args
+    from megatron_hetero.training.job import job_from_args
+
+    from parity import run_job
+
+    layout_file = tmp_path / "layout.yaml"
+    layout_file.write_text(
+        "placement: colocated\nmodules:\n  vision: {dp: 2}\n  language: {tp: 2, frozen: true}\nedges: [vision -> language]\n"
+    )
+    argv = ["train", "--hetero-layout", str(layout_file), "--load", str(current.ckpts["a"])]
+    args = build_parser().parse_args(argv + ["--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-3"])
+    job = job_from_args(args, layout_from_args(args))
+    assert job.spec.encoders["vision"].kind == "siglip" and job.spec.rope_scaling
+    doc = _layout({"dp": 2}, {"tp": 2, "frozen": True})
+    per_rank = run_job(doc, 2, job)
+    loss = [r["loss"] for r in per_rank[0]["records"]]
+    assert len(loss) == 2 and loss[1] < loss[0] < 10, loss
+    params = per_rank[0]["params"]["vision"]
+    hf = load_file(current.hf["siglip"] / "model.safetensors")
+    head = [k for k in params if k.startswith("head.")]
+    assert len(head) == 11 and all(torch.equal(params[k], hf[f"vision_model.{k}"]) for k in head)
+    assert not torch.equal(params["ln_post.weight"], hf["vision_model.post_layernorm.weight"])
