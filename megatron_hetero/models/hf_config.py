@@ -93,8 +93,11 @@ def encoder_fields(cfg: dict, where: str = "--vision") -> dict:
     image, patch = v.get("image_size", 224), int(v.get("patch_size", 16 if siglip else 32))
     if not isinstance(image, int):
         raise UnsupportedModel(f"{where}: image_size {image!r}: Megatron's CLIPViTModel takes square images (one int)")
-    if image % patch:
+    if image % patch and not siglip:
         raise UnsupportedModel(f"{where}: image_size {image} is not a multiple of patch_size {patch}")
+    # SigLIP's "valid" patch convolution never reads the last image_size % patch_size rows and columns
+    # (so400m-patch14-384: 27 x 27 patches over 378 of the 384 pixels): the tower is the same over the
+    # (image // patch) * patch square, which is what the encoder is built for
     hidden, heads = int(_need(v, "hidden_size", where)), int(_need(v, "num_attention_heads", where))
     if hidden % heads:
         raise UnsupportedModel(f"{where}: hidden_size {hidden} is not divisible by num_attention_heads {heads}")
@@ -115,15 +118,28 @@ def encoder_fields(cfg: dict, where: str = "--vision") -> dict:
     return out
 
 
+def rope_theta(cfg: dict) -> float:
+    """The rotary base: `rope_theta`, or (transformers 5's config.json) `rope_parameters.rope_theta`."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return float(rp["rope_theta"])
+    return float(cfg.get("rope_theta", 10000.0))
+
+
 def rope_scaling_fields(cfg: dict, where: str) -> dict:
-    """`rope_scaling` / `rope_scaling_factor` of a config's `rope_scaling` (none, `default`, or
-    Llama 3.1's `llama3` with the parameters Megatron-core fixes); UnsupportedModel otherwise."""
-    rs = cfg.get("rope_scaling")
+    """`rope_scaling` / `rope_scaling_factor` of a config's `rope_scaling` (transformers 5:
+    `rope_parameters`): none, `default`, or Llama 3.1's `llama3` with the parameters Megatron-core
+    fixes; UnsupportedModel otherwise."""
+    rs = cfg["rope_parameters"] if "rope_parameters" in cfg else cfg.get("rope_scaling")
     if not rs:
         return {}
     if not isinstance(rs, dict):
         raise UnsupportedModel(f"{where}: rope_scaling {rs!r} is not a JSON object")
     kind = rs.get("rope_type", rs.get("type"))
+    if kind is None and "rope_parameters" in cfg:
+        raise UnsupportedModel(
+            f"{where}: rope_parameters {rs!r} has no rope_type (per-layer-type rope parameters are not supported)"
+        )
     if kind == "default":
         return {}
     if kind != "llama3":
@@ -190,7 +206,7 @@ def language_fields(cfg: dict, where: str = "--language") -> dict:
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         swiglu=True,
         position_embedding_type="rope",
-        rotary_base=float(cfg.get("rope_theta", 10000.0)),
+        rotary_base=float(rope_theta(cfg)),
         num_query_groups=groups if groups != heads else None,
         kv_channels=int(head_dim) if head_dim * heads != hidden else None,
         add_bias_linear=False,

@@ -2,7 +2,8 @@
 
 Tiny randomly initialised Hugging Face models are built here and saved as safetensors:
 
-* a `SiglipVisionModel` (gelu tanh, attention-pooling head) with a Llama 3.1-style LM (GQA, untied,
+* a `SiglipVisionModel` (gelu tanh, attention-pooling head; 18 x 18 images in 4 x 4 patches, whose
+  convolution never reads the last 2 rows and columns, as so400m-patch14-384's never reads 6) with a Llama 3.1-style LM (GQA, untied,
   rope base 5e5, `rope_scaling` llama3 factor 8, low 1, high 4, original context 8192: with head
   dim 8 two of the four rotary frequencies change; initialised with std 0.2 so that attention,
   and with it the positions, matter: without the mapping the logits would differ by 1.5e-2);
@@ -32,7 +33,10 @@ from megatron_hetero.cli import main  # noqa: E402
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 
 TOL = 1e-5
-B, S, IMG, PATCH, V = 2, 32, 16, 4, 64
+B, S, PATCH, V = 2, 32, 4, 64
+# SigLIP's image_size need not be a multiple of the patch (so400m-patch14-384: 27 x 27 patches over
+# 378 of 384 pixels): the towers here take 18 x 18 images, of which the 4 x 4 patches read 16 x 16
+SIGLIP_IMG = 18
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -49,7 +53,7 @@ def _vision_kwargs() -> dict:
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        image_size=IMG,
+        image_size=SIGLIP_IMG,
         patch_size=PATCH,
     )
 
@@ -134,7 +138,7 @@ def current(tmp_path_factory):
     _convert(hf["siglip"], hf["llama31"], ckpts["a"])
     _convert(hf["siglip_full"], hf["qwen25"], ckpts["b"], "--vision-feature-layer", "-2")
     g = torch.Generator().manual_seed(1)
-    pixels = torch.rand(B, 3, IMG, IMG, generator=g) * 2 - 1  # SigLIP's normalisation: [-1, 1]
+    pixels = torch.rand(B, 3, SIGLIP_IMG, SIGLIP_IMG, generator=g) * 2 - 1  # SigLIP's normalisation: [-1, 1]
     tokens = torch.randint(0, V, (B, S), generator=g)
     ref = {}
     with torch.no_grad():
@@ -155,8 +159,10 @@ def current(tmp_path_factory):
 
 
 def _patches(pixels: torch.Tensor) -> torch.Tensor:
-    """[b, 3, H, W] -> the data's encoder features [b, (H/p)*(W/p), 3*p*p] (models.energon_data.patchify)."""
-    b, c, g = pixels.shape[0], pixels.shape[1], IMG // PATCH
+    """[b, 3, H, W] -> the data's encoder features [b, g*g, 3*p*p] of its top-left g*p square, g = H // p
+    (models.energon_data.patchify)."""
+    b, c, g = pixels.shape[0], pixels.shape[1], pixels.shape[2] // PATCH
+    pixels = pixels[:, :, : g * PATCH, : g * PATCH]
     return pixels.reshape(b, c, g, PATCH, g, PATCH).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * PATCH * PATCH)
 
 
