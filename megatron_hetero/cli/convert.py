@@ -4,14 +4,16 @@
                                              [--seq-length N] [--vision-feature-layer K] --out DIR
     megatron-hetero convert checkpoint-to-hf DIR --out OUT
 
-hf-to-checkpoint: a CLIP vision tower (`CLIPVisionModel`, or a full `CLIPModel` whose vision tower
-is taken) and a Llama or Qwen2 causal LM, each a folder with config.json and *.safetensors, become
+hf-to-checkpoint: a CLIP or SigLIP vision tower (`CLIPVisionModel` / `SiglipVisionModel`, or a full
+`CLIPModel` / `SiglipModel` whose vision tower is taken) and a Llama (3.1+ rope scaling included)
+or Qwen2/Qwen2.5 causal LM, each a folder with config.json and *.safetensors, become
 a checkpoint `train --load DIR` starts from under any layout, without repeating model flags (the
 checkpoint records the model). --projector: LLaVA's `multi_modal_projector` weights (else the
 projector starts from the family's initialisation, as LLaVA stage 1 trains it). --seq-length: the
 training sequence length recorded with the model (default: the LM's max_position_embeddings, at
 most 2048, at least the image tokens + 64). --vision-feature-layer: LLaVA's vision_feature_layer
-(-1: the last layer's output; LLaVA-1.5 takes -2): the tower is cut after that layer (the layers
+(-1: the last layer's output, for SigLIP its last_hidden_state after the post LayerNorm; another
+layer k: Hugging Face's hidden_states[k]; LLaVA-1.5 takes -2): the tower is cut after that layer (the layers
 after it are not converted, so they do not come back from checkpoint-to-hf). A model the family cannot express is refused with the
 reason before any weight is read; a missing, unexpected or mis-shaped tensor is named with both
 shapes; both exit 2. Pickle files (*.bin, *.pt) are never read.
@@ -38,7 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     a = actions.add_parser(
         "hf-to-checkpoint", help="CLIP vision tower + Llama/Qwen2 LM -> a checkpoint for train --load"
     )
-    a.add_argument("--vision", required=True, metavar="HF_DIR", help="CLIPVisionModel or CLIPModel folder")
+    a.add_argument(
+        "--vision",
+        required=True,
+        metavar="HF_DIR",
+        help="CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel folder",
+    )
     a.add_argument("--language", required=True, metavar="HF_DIR", help="LlamaForCausalLM or Qwen2ForCausalLM folder")
     a.add_argument(
         "--projector", default=None, metavar="FILE", help="LLaVA multi_modal_projector safetensors (optional)"
@@ -79,14 +86,14 @@ def run(args: argparse.Namespace) -> int:
         enc = spec.encoders[convert.VISION]
         print(f"checkpoint {summary['directory']} (iteration 0, weights only)")
         print(
-            f"vision: CLIP ViT {enc.num_layers} layers, hidden {enc.hidden_size}, {enc.num_attention_heads} heads, "
+            f"vision: {enc.kind.upper()} ViT {enc.num_layers} layers, hidden {enc.hidden_size}, {enc.num_attention_heads} heads, "
             f"patch {enc.patch_size}, {enc.tokens} image tokens, {enc.activation}; "
             f"{summary['tensors']['vision']} tensors (projector {summary['projector']})"
         )
         print(
             f"language: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads, "
             f"{spec.num_query_groups or spec.num_attention_heads} query groups, vocab {spec.vocab_size}, rope base "
-            f"{spec.rotary_base:g}, qkv bias {'on' if spec.add_qkv_bias else 'off'}, embeddings "
+            f"{spec.rotary_base:g}{f' (llama3 scaling x{spec.rope_scaling_factor:g})' if spec.rope_scaling else ''}, qkv bias {'on' if spec.add_qkv_bias else 'off'}, embeddings "
             f"{'untied' if spec.untie_embeddings_and_output_weights else 'tied'}; "
             f"{summary['tensors']['language']} tensors; seq length {spec.seq_length}"
         )

@@ -193,6 +193,8 @@ def spec_from_hf(
             f"(valid: 1..{enc.num_layers} or -{enc.num_layers}..-1)"
         )
     enc = dataclasses.replace(enc, num_layers=keep)
+    if enc.kind == "siglip":  # -1: last_hidden_state (post LayerNorm); any other layer: hidden_states[k]
+        enc = dataclasses.replace(enc, post_norm=feature_layer == -1)
     lm = hf_config.language_fields(lcfg, f"--language {language}")
     if seq_length is None:
         seq_length = max(enc.tokens + 64, min(int(lcfg.get("max_position_embeddings", 2048)), 2048))
@@ -352,10 +354,10 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     verify_manifest(d, state)
     spec = LlavaSpec.from_record(state.get("model") or {})
     hf_config.check_hf_expressible(spec)
-    encoders = [n for n, e in spec.encoders.items() if e.kind == "clip"]
+    encoders = [n for n, e in spec.encoders.items() if e.kind in ("clip", "siglip")]
     if len(encoders) != 1 or len(spec.encoders) != 1:
         raise ValueError(
-            f"checkpoint {d}: expected one CLIP encoder, the model has {dict((n, e.kind) for n, e in spec.encoders.items())}"
+            f"checkpoint {d}: expected one CLIP or SigLIP encoder, the model has {dict((n, e.kind) for n, e in spec.encoders.items())}"
         )
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -395,7 +397,7 @@ def _layers_as_kept(cfg: Optional[dict], layers: int) -> Optional[dict]:
     --vision-feature-layer writes back as the shorter tower it is)."""
     if cfg is None:
         return None
-    inner = cfg.get("vision_config") if cfg.get("model_type") == "clip" else cfg
+    inner = cfg.get("vision_config") if cfg.get("model_type") in ("clip", "siglip") else cfg
     if isinstance(inner, dict) and inner.get("num_hidden_layers") != layers:
         inner["num_hidden_layers"] = layers
     return cfg

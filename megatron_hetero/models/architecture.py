@@ -1,5 +1,5 @@
 """The architecture options of the model family (language model: Megatron's `TransformerConfig` /
-`GPTModel` options; encoders: the tiny linear-patch trunk or a CLIP ViT) checked against each other
+`GPTModel` options; encoders: the tiny linear-patch trunk, a CLIP or a SigLIP ViT) checked against each other
 and the layout, before any process group exists. Pure: no torch."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ from megatron_hetero.layout.spec import HeteroLayout
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-ENCODER_KINDS = ("linear", "clip")
+ENCODER_KINDS = ("linear", "clip", "siglip")
 CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
+SIGLIP_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+VIT_KINDS = ("clip", "siglip")  # Megatron's CLIPViTModel: a square RGB image cut into patches
 
 
 def check_architecture(layout: HeteroLayout, spec, langs) -> None:
@@ -37,17 +39,18 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
     for name, enc in spec.encoders.items():
         if enc.kind not in ENCODER_KINDS:
             raise ValueError(f"encoder {name}: kind {enc.kind!r}, one of {ENCODER_KINDS}")
-        if enc.kind != "clip" or name not in layout.names:
+        if enc.kind not in VIT_KINDS or name not in layout.names:
             continue
         m = layout.module(name)
         if m.pp > 1:
             raise ValueError(f"encoder {name}: Megatron's CLIPViTModel runs on one pipeline stage; got pp({m.pp})")
-        if enc.activation not in CLIP_ACTIVATIONS:
-            raise ValueError(f"encoder {name}: activation {enc.activation!r}, one of {CLIP_ACTIVATIONS}")
+        acts = SIGLIP_ACTIVATIONS if enc.kind == "siglip" else CLIP_ACTIVATIONS
+        if enc.activation not in acts:
+            raise ValueError(f"encoder {name}: activation {enc.activation!r}, one of {acts} for a {enc.kind} encoder")
         side = round(enc.tokens**0.5)
         if enc.patch_size < 1 or side * side != enc.tokens or enc.feature_dim != 3 * enc.patch_size**2:
             raise ValueError(
-                f"encoder {name}: a CLIP encoder takes a square RGB image cut into patches: tokens "
+                f"encoder {name}: a {enc.kind.upper()} encoder takes a square RGB image cut into patches: tokens "
                 f"{enc.tokens} must be a square and feature_dim {enc.feature_dim} = 3 * patch_size**2 "
                 f"(patch_size {enc.patch_size})"
             )
@@ -62,6 +65,8 @@ LANGUAGE_DEFAULTS = {
     "swiglu": False,
     "position_embedding_type": "learned_absolute",
     "rotary_base": 10000.0,
+    "rope_scaling": False,
+    "rope_scaling_factor": 8.0,
     "num_query_groups": None,
     "kv_channels": None,
     "add_bias_linear": True,
@@ -75,6 +80,8 @@ ENCODER_DEFAULTS = {
     "ffn_hidden_size": None,
     "norm_epsilon": 1e-5,
     "activation": "quick_gelu",
+    "post_norm": False,
+    "pooling_head": False,
 }
 
 

@@ -1,5 +1,6 @@
-"""Tensor names and layouts: Hugging Face (CLIP vision tower, Llama/Qwen2, LLaVA projector) <-> the
-model family's modules (`ClipEncoderModule`, `LanguageModule`), whole (unsharded) tensors.
+"""Tensor names and layouts: Hugging Face (CLIP and SigLIP vision towers, Llama/Qwen2, LLaVA
+projector) <-> the model family's modules (`ClipEncoderModule`, `SiglipEncoderModule`,
+`LanguageModule`), whole (unsharded) tensors.
 
 What changes besides the names (Megatron-core's layouts, which its TP sharding and its checkpoint
 keys assume):
@@ -9,6 +10,9 @@ keys assume):
   * gate/up fusion: gate_proj, up_proj [ffn, h] -> linear_fc1 [2*ffn, h] = [gate; up] (Megatron's
     gated linear unit: act(first half) * second half).
   * CLIP's class_embedding [h] -> class_token [1, 1, h].
+  * SigLIP: no class token, no pre_layrnorm; the patch convolution's bias -> vit.conv1.bias;
+    post_layernorm -> ln_post; the attention-pooling head `head.*` keeps its names under `head.`
+    (torch's MultiheadAttention in both: in_proj_weight [3h, h] = [q; k; v]).
 Everything else is a rename. Both directions are exact (views and concatenations: a round trip
 returns bit-identical tensors).
 
@@ -71,18 +75,46 @@ def expected_language(spec) -> Shapes:
     return out
 
 
+def _siglip_head_shapes(h: int, f: int) -> Shapes:
+    """SigLIP's attention-pooling head, names under `head.` (no prefix)."""
+    return {
+        "probe": (1, 1, h),
+        "attention.in_proj_weight": (3 * h, h),
+        "attention.in_proj_bias": (3 * h,),
+        "attention.out_proj.weight": (h, h),
+        "attention.out_proj.bias": (h,),
+        "layernorm.weight": (h,),
+        "layernorm.bias": (h,),
+        "mlp.fc1.weight": (f, h),
+        "mlp.fc1.bias": (f,),
+        "mlp.fc2.weight": (h, f),
+        "mlp.fc2.bias": (h,),
+    }
+
+
 def expected_vision(enc) -> Shapes:
     h, f, p = enc.hidden_size, enc.ffn_hidden_size or 4 * enc.hidden_size, enc.patch_size
     P = VISION_PREFIX
-    out: Shapes = {
-        P + "embeddings.class_embedding": (h,),
-        P + "embeddings.patch_embedding.weight": (h, 3, p, p),
-        P + "embeddings.position_embedding.weight": (enc.tokens + 1, h),
-        P + "pre_layrnorm.weight": (h,),
-        P + "pre_layrnorm.bias": (h,),
-        P + "post_layernorm.weight": (h,),
-        P + "post_layernorm.bias": (h,),
-    }
+    if enc.kind == "siglip":
+        out: Shapes = {
+            P + "embeddings.patch_embedding.weight": (h, 3, p, p),
+            P + "embeddings.patch_embedding.bias": (h,),
+            P + "embeddings.position_embedding.weight": (enc.tokens, h),
+            P + "post_layernorm.weight": (h,),
+            P + "post_layernorm.bias": (h,),
+        }
+        if enc.pooling_head:
+            out.update({f"{P}head.{k}": v for k, v in _siglip_head_shapes(h, f).items()})
+    else:
+        out = {
+            P + "embeddings.class_embedding": (h,),
+            P + "embeddings.patch_embedding.weight": (h, 3, p, p),
+            P + "embeddings.position_embedding.weight": (enc.tokens + 1, h),
+            P + "pre_layrnorm.weight": (h,),
+            P + "pre_layrnorm.bias": (h,),
+            P + "post_layernorm.weight": (h,),
+            P + "post_layernorm.bias": (h,),
+        }
     for i in range(enc.num_layers):
         q = f"{P}encoder.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
@@ -119,8 +151,9 @@ def ignorable_language(name: str, spec) -> bool:
 
 
 def ignorable_vision(name: str, kept_layers: Optional[int] = None) -> bool:
-    """A full CLIPModel's text tower and heads, the position_ids buffer of old files, and the layers
-    after the LLaVA feature layer (index >= kept_layers) when the tower is cut there."""
+    """A full CLIPModel's / SiglipModel's text tower and heads (logit_scale, logit_bias), the
+    position_ids buffer of old files, and the layers after the LLaVA feature layer (index >=
+    kept_layers) when the tower is cut there."""
     if not name.startswith(VISION_PREFIX) or name.endswith("embeddings.position_ids"):
         return True
     m = re.match(re.escape(VISION_PREFIX) + r"encoder\.layers\.(\d+)\.", name)
@@ -237,11 +270,33 @@ _VISION_LAYER_RENAMES = (
 )
 
 
+_SIGLIP_RENAMES = (
+    ("embeddings.patch_embedding.weight", "vit.conv1.weight"),
+    ("embeddings.patch_embedding.bias", "vit.conv1.bias"),
+    ("embeddings.position_embedding.weight", "vit.position_embeddings.weight"),
+    ("post_layernorm.weight", "ln_post.weight"),
+    ("post_layernorm.bias", "ln_post.bias"),
+)
+
+
+def _tower_renames(enc) -> tuple[tuple[str, str], ...]:
+    """(Hugging Face name without the prefix, ours) of the tower's non-layer tensors."""
+    if enc.kind != "siglip":
+        return _VISION_RENAMES
+    f = enc.ffn_hidden_size or 4 * enc.hidden_size
+    head = (
+        tuple((f"head.{k}", f"head.{k}") for k in _siglip_head_shapes(enc.hidden_size, f)) if enc.pooling_head else ()
+    )
+    return _SIGLIP_RENAMES + head
+
+
 def vision_to_ours(get: Callable[[str], torch.Tensor], enc) -> dict[str, torch.Tensor]:
-    """`ClipEncoderModule` state-dict names (`vit.`..., `ln_post.`) of a CLIP vision tower."""
+    """`ClipEncoderModule` / `SiglipEncoderModule` state-dict names (`vit.`..., `ln_post.`, SigLIP's
+    `head.`) of a CLIP or SigLIP vision tower."""
     P, h, n = VISION_PREFIX, enc.hidden_size, enc.num_attention_heads
-    out = {ours: get(P + hf) for hf, ours in _VISION_RENAMES}
-    out["vit.class_token"] = get(P + "embeddings.class_embedding").reshape(1, 1, h)
+    out = {ours: get(P + hf) for hf, ours in _tower_renames(enc)}
+    if enc.kind != "siglip":
+        out["vit.class_token"] = get(P + "embeddings.class_embedding").reshape(1, 1, h)
     for i in range(enc.num_layers):
         q, o = f"{P}encoder.layers.{i}.", f"vit.decoder.layers.{i}."
         for kind in ("weight", "bias"):
@@ -258,8 +313,9 @@ def vision_to_ours(get: Callable[[str], torch.Tensor], enc) -> dict[str, torch.T
 
 def vision_to_hf(ours: dict[str, torch.Tensor], enc) -> dict[str, torch.Tensor]:
     P, h, n = VISION_PREFIX, enc.hidden_size, enc.num_attention_heads
-    out = {P + hf: ours[o] for hf, o in _VISION_RENAMES}
-    out[P + "embeddings.class_embedding"] = ours["vit.class_token"].reshape(h)
+    out = {P + hf: ours[o] for hf, o in _tower_renames(enc)}
+    if enc.kind != "siglip":
+        out[P + "embeddings.class_embedding"] = ours["vit.class_token"].reshape(h)
     for i in range(enc.num_layers):
         q, o = f"{P}encoder.layers.{i}.", f"vit.decoder.layers.{i}."
         for kind in ("weight", "bias"):

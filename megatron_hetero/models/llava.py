@@ -405,6 +405,8 @@ class LanguageModule(torch.nn.Module):
             share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
             position_embedding_type=spec.position_embedding_type,
             rotary_base=spec.rotary_base,
+            rope_scaling=spec.rope_scaling,
+            rope_scaling_factor=spec.rope_scaling_factor,
             # the first stage scatters its assembled input itself (`embed`), as Megatron's LLaVA does
             scatter_embedding_sequence_parallel=False,
             pg_collection=pgs,

@@ -71,7 +71,14 @@ class EncoderSpec:
     patch_size: int = 0  # clip: the patch side (features = 3 * patch_size**2 per token)
     ffn_hidden_size: Optional[int] = None  # clip: the MLP width (default 4 * hidden_size)
     norm_epsilon: float = 1e-5
-    activation: str = "quick_gelu"  # clip: quick_gelu or gelu
+    activation: str = "quick_gelu"  # clip: quick_gelu or gelu; siglip: gelu_pytorch_tanh or gelu
+    # "siglip": Megatron's CLIPViTModel siglip variant (patch convolution with bias, learned positions,
+    # no class token, no ln_pre, the same layers; `models.siglip_encoder`). post_norm: its features
+    # pass through the post LayerNorm (Hugging Face's last_hidden_state), else they are the last kept
+    # layer's output (hidden_states[k]) and the norm is only kept; pooling_head: the tower's
+    # attention-pooling head (`head.*`) is kept (never trains; the pooled output only)
+    post_norm: bool = False
+    pooling_head: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,10 @@ class LlavaSpec:
     swiglu: bool = False
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
+    # Megatron's --use-rope-scaling / --rope-scaling-factor: Llama 3.1+'s rope frequency scaling
+    # (low_freq_factor 1, high_freq_factor 4, original context 8192: what Megatron-core fixes)
+    rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     num_query_groups: Optional[int] = None
     kv_channels: Optional[int] = None
     add_bias_linear: bool = True

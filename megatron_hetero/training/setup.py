@@ -144,6 +144,10 @@ def build_module(
         from megatron_hetero.models.clip_encoder import ClipEncoderModule
 
         mod = ClipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
+    elif name in spec.encoders and spec.encoders[name].kind == "siglip":
+        from megatron_hetero.models.siglip_encoder import SiglipEncoderModule
+
+        mod = SiglipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.encoders:
         mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.outputs:

@@ -1,0 +1,178 @@
+"""A SigLIP vision encoder module: Megatron-core's `CLIPViTModel` siglip variant + the LLaVA projector.
+
+Input: the encoder features `[b, tokens, 3 * p * p]` the data produces (as for the CLIP encoder,
+`models.clip_encoder`: non-overlapping p x p patches in row-major order, each flattened as
+(channel, row, column)), put back together into the image `[b, 3, H, W]`. Megatron's
+`CLIPViTModel(model_subtype="siglip")` then computes: the patch convolution WITH bias, learned
+absolute positions over the patches (no class token), no `ln_pre`, the pre-norm LayerNorm layers
+(here with `activation`: Hugging Face's `gelu_pytorch_tanh`, gelu's tanh approximation), and its
+post LayerNorm. The post LayerNorm is taken out of the ViT and held here as `ln_post` (the same
+module: Megatron's forward runs it last, this module runs it at the same point), so that
+
+* with `post_norm` (a whole tower read at LLaVA's feature layer -1) the features are
+  `ln_post(ViT)`: Hugging Face's `SiglipVisionModel.last_hidden_state`, exactly Megatron's siglip
+  forward;
+* without it (a tower cut at another feature layer) they are the last kept layer's output, Hugging
+  Face's `hidden_states[k]`; `ln_post` is then kept for the round trip only and never trains.
+
+`head` (with `pooling_head`) holds SigLIP's attention-pooling head under Hugging Face's own names
+(`probe`, `attention` = torch's MultiheadAttention, `layernorm`, `mlp.fc1/fc2`): LLaVA does not use
+it, so it never trains, but it is converted, saved and written back (a round trip returns every
+tensor of the tower) and `pooled` computes Hugging Face's `pooler_output` with it.
+
+All `tokens` features go to the projector (Megatron's `MultimodalProjector`): there is no class
+token to drop.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_hetero.compat import clip_vit_norm_kwargs
+from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.models.layer_specs import encoder_layer_spec
+
+
+def siglip_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP activation of a Hugging Face `hidden_act` name (gelu_pytorch_tanh: gelu's tanh form)."""
+    table: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "gelu_pytorch_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+        "gelu": torch.nn.functional.gelu,
+    }
+    return table[name]
+
+
+class PoolingHeadMLP(torch.nn.Module):
+    """fc1 -> activation -> fc2 (the head's MLP, Hugging Face's names)."""
+
+    def __init__(self, hidden: int, ffn: int, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = torch.nn.Linear(hidden, ffn), torch.nn.Linear(ffn, hidden), act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class PoolingHead(torch.nn.Module):
+    """SigLIP's multi-head attention pooling: one learned query (`probe`) attends over the tokens,
+    then a pre-norm MLP with a residual; returns [b, h]."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, eps: float, act) -> None:
+        super().__init__()
+        self.probe = torch.nn.Parameter(torch.zeros(1, 1, hidden))
+        self.attention = torch.nn.MultiheadAttention(hidden, heads, batch_first=True)
+        self.layernorm = torch.nn.LayerNorm(hidden, eps=eps)
+        self.mlp = PoolingHeadMLP(hidden, ffn, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        query = self.probe.expand(x.shape[0], -1, -1)
+        pooled = self.attention(query, x, x, need_weights=False)[0]
+        pooled = pooled + self.mlp(self.layernorm(pooled))
+        return pooled[:, 0]
+
+
+class SiglipEncoderModule(torch.nn.Module):
+    """[b, tokens, 3*p*p] patch features -> SigLIP ViT (-> ln_post with `post_norm`) -> projector ->
+    [b, tokens, llm_hidden]. One pipeline stage, cp 1; TP on the module's own TP group."""
+
+    def __init__(
+        self,
+        name: str,
+        enc,
+        llm_hidden: int,
+        m: ModuleLayout,
+        pgs: ProcessGroupCollection,
+        seed: int,
+        impl: str = "local",
+    ) -> None:
+        """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
+        super().__init__()
+        from megatron_hetero.models.llava import build_projector, freeze_trunk, transformer_config
+
+        if m.cp != 1 or m.pp != 1:
+            raise ValueError(f"module {name}: a SigLIP encoder runs with pp 1 and cp 1, got {m.arithmetic()}")
+        self.name, self.frozen = name, m.frozen
+        self.first = self.last = True
+        self.patch = enc.patch_size
+        self.grid = round(enc.tokens**0.5)
+        self.post_norm = enc.post_norm
+        act = siglip_activation(enc.activation)
+        config = transformer_config(
+            num_layers=enc.num_layers,
+            hidden=enc.hidden_size,
+            heads=enc.num_attention_heads,
+            ffn=enc.ffn_hidden_size,
+            m=m,
+            recompute=True,
+            layernorm_epsilon=enc.norm_epsilon,
+            activation_func=act,
+            bias_activation_fusion=False,
+            add_bias_linear=True,
+        )
+        side = self.grid * self.patch
+        self.vit = CLIPViTModel(
+            config,
+            encoder_layer_spec(impl),
+            add_class_token=False,
+            class_token_len=0,
+            patch_dim=self.patch,
+            img_h=side,
+            img_w=side,
+            model_subtype="siglip",
+            pg_collection=pgs,
+            **clip_vit_norm_kwargs(),
+        )
+        # Megatron's post LayerNorm, run here (after the ViT, where its forward runs it) when post_norm
+        self.ln_post = self.vit.ln_post
+        self.vit.ln_post = None
+        ffn = enc.ffn_hidden_size or 4 * enc.hidden_size
+        if enc.pooling_head:
+            self.head = PoolingHead(enc.hidden_size, enc.num_attention_heads, ffn, enc.norm_epsilon, act)
+        self.projector = build_projector(enc, llm_hidden, m, pgs)
+        deterministic_init(
+            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
+        )
+        kept = [self.head] if enc.pooling_head else []
+        if not self.post_norm:
+            kept.append(self.ln_post)
+        for part in kept:  # outside LLaVA's features: never trains
+            for p in part.parameters():
+                p.requires_grad_(False)
+        if self.frozen:
+            freeze_trunk(self)
+
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def image(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, g*g, 3*p*p] patches (row-major, each (c, i, j)) -> [b, 3, g*p, g*p]."""
+        b, g, p = x.shape[0], self.grid, self.patch
+        return x.reshape(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, g * p, g * p)
+
+    def trunk(self, x: torch.Tensor) -> torch.Tensor:
+        """[b, tokens, 3*p*p] -> the last kept layer's output [b, tokens, h] (hidden_states[k])."""
+        return self.vit(self.image(x).contiguous())
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """What LLaVA's projector reads [b, tokens, h]: ln_post(trunk) with post_norm, else the trunk."""
+        h = self.trunk(x)
+        return self.ln_post(h) if self.post_norm else h
+
+    def pooled(self, x: torch.Tensor) -> torch.Tensor:
+        """Hugging Face's `pooler_output` [b, h]: the pooling head over ln_post(trunk)."""
+        if not hasattr(self, "head"):
+            raise ValueError(f"module {self.name}: this SigLIP tower has no pooling head")
+        return self.head(self.ln_post(self.trunk(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
+            h = self.features(x)
+        if self.frozen:
+            h = h.detach()
+        return self.projector(h.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
