@@ -14,6 +14,10 @@ and, if it builds or runs Megatron models,
     USES_MEGATRON = True                        `run_command` applies `megatron_hetero.compat` (once,
                                                 before `run`): the CLI is the entry point that does,
                                                 also for every rank under torchrun/srun
+    precheck(args) -> None                      optional: pure input checks (no torch) that
+                                                `run_command` runs BEFORE compat imports torch and
+                                                Megatron-core (~10 s of CPU here), so that input
+                                                fails at once (ValueError: exit 2)
 Importing a subcommand module must not import torch (the parser of every subcommand is built on
 each call); import domain code inside `run`. Shared flags: `cli.model_flags`.
 """
@@ -79,6 +83,9 @@ def run_command(name: str, args: argparse.Namespace) -> int:
     """Run subcommand `name` on parsed `args`, mapping exceptions to exit codes (see module docstring)."""
     mod = subcommand_modules()[name]
     try:
+        precheck = getattr(mod, "precheck", None)
+        if precheck is not None:
+            precheck(args)
         if getattr(mod, "USES_MEGATRON", False):
             from megatron_hetero.compat import UnsupportedMegatronVersion, apply_compat
             from megatron_hetero.training.job import quiet_upstream_warnings

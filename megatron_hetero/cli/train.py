@@ -94,6 +94,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
+def precheck(args: argparse.Namespace) -> None:
+    """The layout read and checked before torch and Megatron-core are imported (`run_command`): a bad
+    layout exits 2 within a second, on every rank under torchrun/srun, instead of after ~10 s of
+    imports. `run` reads it again (the same pure call) with the rest of the job."""
+    from megatron_hetero.layout.args import layout_from_args
+
+    layout_from_args(args, world_size=args.nproc_per_node)
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 

@@ -62,39 +62,33 @@ def test_train_cli_same_losses_heterogeneous_and_homogeneous(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_train_cli_rejects_bad_layout_before_starting(tmp_path):
+def test_train_cli_rejects_bad_layout_before_starting(tmp_path, capsys):
+    """A bad layout exits 2 before torch or Megatron-core is imported (`train.precheck`); a job the
+    layout cannot run (the batch) exits 2 before any rank starts."""
     bad = tmp_path / "bad.yaml"
     bad.write_text(
         "placement: colocated\nmodules:\n  vision: {dp: 8}\n  language: {tp: 2, pp: 2, dp: 3}\n"
         "edges: [vision -> language]\n"
     )
+    code = (
+        "import sys; from megatron_hetero.cli import main; rc = main(sys.argv[1:]); "
+        "print('imported torch' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_hetero.cli", "train", "--hetero-layout", str(bad)],
+        [sys.executable, "-c", code, "train", "--hetero-layout", str(bad)],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr
     assert "module language: tp(2)*cp(1)*pp(2)*dp(3)=12 != ranks 0-7 (8)" in proc.stderr
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_hetero.cli",
-            "train",
-            "--hetero-layout",
-            str(LAYOUTS / "colocated_fan_in.yaml"),
-            "--global-batch-size",
-            "6",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 2
-    assert "--global-batch-size 6 is not divisible by dp(8)" in proc.stderr
+    assert proc.stdout.strip() == "no torch"
+    from megatron_hetero.cli import main
+
+    rc = main(["train", "--hetero-layout", str(LAYOUTS / "colocated_fan_in.yaml"), "--global-batch-size", "6"])
+    assert rc == 2
+    assert "--global-batch-size 6 is not divisible by dp(8)" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(600)
