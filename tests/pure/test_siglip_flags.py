@@ -6,7 +6,6 @@ naming the flags. Pure: no torch."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import pytest
@@ -120,4 +119,3 @@ def test_rope_flags_build_the_language_model_a_llama31_config_describes() -> Non
     flags += " --rotary-base 500000 --group-query-attention --num-query-groups 2 --disable-bias-linear"
     got = _spec(*flags.split(), "--use-rope-scaling", "--rope-scaling-factor", "32")
     assert {k: getattr(got, k) for k in want} == want
-    assert "torch" not in sys.modules
