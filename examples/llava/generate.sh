@@ -43,7 +43,7 @@ PY
 }
 
 for stage in 1 2; do
-    $mh search "${model[@]}" --out "$out/stage$stage.yaml" > "$out/search_stage$stage.txt"
+    $mh search "${model[@]}" --out "$out/stage$stage.yaml" | grep -v '^(written to' > "$out/search_stage$stage.txt"
 done
 freeze "$out/stage1.yaml" vision language   # stage 1: only the projector (inside vision) trains
 freeze "$out/stage2.yaml" vision            # stage 2: the projector and the language model train
@@ -56,7 +56,7 @@ data=(--image-processor hf/clip-vit-large-patch14-336 --patch-size 14
       --global-batch-size 128 --micro-batch-size 4
       --use-distributed-optimizer --sequence-parallel --recompute-granularity selective
       --clip-grad 1.0 --weight-decay 0.0 --lr-decay-style cosine
-      --save-interval 500 --log-interval 10 --eval-interval 500 --log-throughput --log-memory)
+      --save-interval 500 --log-interval 10 --log-throughput --log-memory)
 # slurm reads the layout at the path the script will pass to train (examples/llava/...): from a
 # scratch folder where that path is $out, so OUT may be any folder.
 root="$PWD"; abs_out="$(cd "$out" && pwd)"; scratch="$(mktemp -d)"; trap 'rm -rf "$scratch"' EXIT
