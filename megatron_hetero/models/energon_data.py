@@ -22,34 +22,49 @@ What a sample becomes (the `models.data` contract, so `LlavaStageRunner` and the
     tokens and its EOS, which ends the caption), 0 for the prompt, BOS, placeholders and padding.
     A caption longer than the sequence is cut (then without EOS).
 
-Determinism across layouts. The samples of a run are ONE global stream, the same on every rank: the
-energon loader runs as rank 0 of a world of 1 (`WorkerConfig(rank=0, world_size=1, num_workers=0)`),
-so it knows no process group and no layout. Epoch e is the split shuffled with seed offset
-`seed * 1_000_003 + e` (`repeat=False`: each epoch is exactly a permutation of the split), and the
-stream is epoch 0, then epoch 1, ...; global sample i is sample i % N of epoch i // N (N samples in
-the split). Step t covers global samples [t*G, (t+1)*G). The stage runner asks `CaptionBatches.batch`
-for the global indices it needs (a module's DP rank d reads its rows of the step, whatever the
-layout), and `loss_tokens(step)` counts the caption tokens of the whole step. Cost: every rank reads,
-decodes, patchifies and tokenises the whole global batch of every step (G images and captions), not
-just its rows: for the 8x8 digits ~3 ms per sample (~20 ms per step of 8, measured on a busy 2-core
-machine, next to ~200 ms for the tiny model's step). For large images, decode once per node and
-share, or let each rank decode only its rows and all-reduce the loss-token count.
+Determinism across layouts. The samples of a run are ONE global stream, the same on every rank and
+for every layout: global sample i is sample i % N of epoch i // N (N samples in the split), and epoch
+e reads the split's stored positions (its shards in `split.yaml` order, each shard in tar order) in
+the order `epoch_order(N, seed, e, shuffle)`: `random.Random(seed * 1_000_003 + e).shuffle` of
+0..N-1, each epoch exactly a permutation of the split. Step t covers global samples [t*G, (t+1)*G).
+
+What each rank reads. The reader is random access (`IndexSource`: `models.caption_index` over
+energon's `.nv-meta/index.sqlite`; no process group, no layout). The stage runner asks `batch` for
+the global indices a module's DP rank needs, and gets a lazy `RowBatch`: an encoder's first stage
+reads `features`, so this rank decodes and patchifies exactly the images of its encoder rows; a
+language stage reads `tokens`/`labels`/`loss_mask`, so it tokenises exactly the captions of its
+language rows; a middle pipeline stage reads nothing. With --num-workers N > 0 a thread pool decodes
+the same rows of the next step while this one computes (values are pure functions of the global
+index: identical batches for any N). Decoded rows are kept for the current and the previous step.
+
+The loss-token count. `loss_tokens(step)`, the per-token normaliser every rank must agree on, is
+counted from the caption text of the whole step: G caption members read (tens of bytes each, no
+image read or decoded) and tokenised, each counted as `text_sample` masks it (`caption_loss_tokens`:
+the caption's tokens + EOS that fit after BOS, the placeholders and the prompt). Exact, deterministic,
+the same on every rank for any layout, and no communication; its cost is G tokenisations of short
+text per step per rank (for the digits ~1 ms per step of 8).
 
 Position (for checkpoints). Because the data is addressed by global index, the iteration number
 alone fixes the position; `state_dict()` is plain data (ints and strings, JSON-safe, no pickle):
     {"consumed": C, "epoch": C // N, "index_in_epoch": C % N, "samples_per_epoch": N,
-     "seed": ..., "split": ..., "shuffle": ...}
-where C is the number of global samples of the steps read so far (t*G after step t-1). On restore
-`load_state_dict` checks that seed, split, shuffle and N match (ValueError otherwise: other data)
-and pre-positions the reader by deterministic replay within the epoch: a new epoch-e loader
-reading C % N samples (at most one epoch; ~1,800 samples/s for the digits on one core). Energon's
-own savable loader state would skip the replay but is a pickle (never read: untrusted); replay restores
-exactly.
+     "seed": ..., "split": ..., "shuffle": ..., "order": "permutation"}
+where C is the number of global samples of the steps read so far. On restore `load_state_dict`
+checks that seed, split, shuffle, N (and `order`, when the position has it) match (ValueError
+otherwise: other data) and the reader is at C at once: one epoch permutation (~0.1 s per 100,000
+samples) and indexed lookups, nothing replayed. Energon's own savable loader state is a pickle and is
+never read.
 
-Trust. A dataset is data: every `open_split` first reads it as data (`models.dataset_trust`) and
-refuses one that names code (energon Python files and imports, pickle/torch.load-decoded members)
-unless the config says `trust_code` (`--trust-dataset-code`), and decodes with webdataset's secure
-mode on unless trusted.
+Datasets the index does not read (`caption_index.indexable`: a metadataset, another sample type, or
+a dataset that names code and runs under --trust-dataset-code) are read by `StreamSource`: energon's
+loader as rank 0 of 1, epoch e shuffled by energon with seed offset `epoch_seed(seed, e)`, a position
+reached by replay within the epoch, every sample's image decoded, no workers. The previous version of
+this module read every dataset that way (the order of a run on the digits changed with this reader).
+
+Trust. A dataset is data: every open first reads it as data (`models.dataset_trust`) and refuses one
+that names code (energon Python files and imports, pickle/torch.load-decoded members) unless the
+config says `trust_code` (`--trust-dataset-code`); the index reader decodes images only with PIL and
+captions only as UTF-8 text, and energon's loader decodes with webdataset's secure mode on unless
+trusted.
 """
 
 from __future__ import annotations
