@@ -42,7 +42,7 @@ counted from the caption text of the whole step: G caption members read (tens of
 image read or decoded) and tokenised, each counted as `text_sample` masks it (`caption_loss_tokens`:
 the caption's tokens + EOS that fit after BOS, the placeholders and the prompt). Exact, deterministic,
 the same on every rank for any layout, and no communication; its cost is G tokenisations of short
-text per step per rank (for the digits ~1 ms per step of 8).
+text per step per rank (for the digits ~4 ms per step of 8).
 
 Position (for checkpoints). Because the data is addressed by global index, the iteration number
 alone fixes the position; `state_dict()` is plain data (ints and strings, JSON-safe, no pickle):
