@@ -377,27 +377,35 @@ class StreamSource:
         self._epoch, self._next = epoch, 0
         return n
 
+    def _take(self) -> tuple[str, torch.Tensor, str]:
+        """The next sample energon gives, kept in the window (a step's rows come in any order)."""
+        s = _next(self._it)
+        out = (str(s.__key__), s.image, caption_text(s.caption))
+        self._cache[self._epoch * self.samples_per_epoch + self._next] = out
+        self._next += 1
+        while len(self._cache) > self.window:
+            self._cache.popitem(last=False)
+        return out
+
     def seek(self, index: int) -> None:
         """Make sample `index` the next one energon reads (replaying the epoch up to it)."""
         epoch, j = divmod(index, self.samples_per_epoch)
         if epoch != self._epoch or j < self._next:
             self._open(epoch)
         while self._next < j:
-            _next(self._it)
-            self._next += 1
+            self._take()
             self.replayed += 1
 
     def read(self, index: int) -> tuple[str, torch.Tensor, str]:
         if index in self._cache:
             return self._cache[index]
+        epoch, j = divmod(index, self.samples_per_epoch)
+        if epoch == self._epoch and self._next <= j:
+            while self._next <= j:  # reading ahead within the epoch is not a replay
+                out = self._take()
+            return out
         self.seek(index)
-        s = _next(self._it)
-        self._next += 1
-        out = (str(s.__key__), s.image, caption_text(s.caption))
-        self._cache[index] = out
-        while len(self._cache) > self.window:
-            self._cache.popitem(last=False)
-        return out
+        return self._take()
 
     def key(self, i: int) -> str:
         return self.read(i)[0]
@@ -603,9 +611,12 @@ class CaptionBatches:
         }
 
     def close(self) -> None:
+        """Stop the workers (pending decodes are dropped) and close this thread's file handles."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        if isinstance(self.source, IndexSource):
+            self.source.index.close()
 
     def state_dict(self) -> dict:
         n, c = self.source.samples_per_epoch, self.consumed

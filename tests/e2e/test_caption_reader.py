@@ -338,3 +338,24 @@ def test_resume_on_100k_samples_takes_well_under_a_second(tmp_path, tok):
         f"and read its first step in {resumed:.2f} s (energon replay: ~{j / 1800:.0f} s at 1,800 samples/s)"
     )
     assert resumed < 5.0, resumed
+
+
+def test_energon_stream_fallback_reads_a_step_in_any_order_without_replay(cfg, tok, monkeypatch):
+    """A dataset the index does not read goes through energon's loader (StreamSource): a step's rows
+    asked in any order, and the loss-token count, cost no replay; the rows are the whole step's."""
+    from megatron_hetero.models import energon_data
+    from megatron_hetero.models.energon_data import StreamSource
+
+    monkeypatch.setattr(energon_data, "indexable", lambda path: "forced for the test")
+    ref, data = _batches(cfg, tok), _batches(cfg, tok)
+    assert isinstance(data.source, StreamSource) and data.source.order == "energon-shuffle"
+    for step in range(3):
+        whole = ref.step_batch(step)
+        first = step * G
+        tail = data.batch(range(first + 4, first + G))["features"]["vision"]
+        head = data.batch(range(first, first + 4))["tokens"]
+        assert torch.equal(tail, whole["features"]["vision"][4:])
+        assert torch.equal(head, whole["tokens"][:4])
+        assert data.loss_tokens(step) == int(whole["loss_mask"].sum())
+    assert data.source.replayed == 0
+    assert data.state_dict()["order"] == "energon-shuffle"

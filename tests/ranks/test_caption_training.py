@@ -193,6 +193,8 @@ def test_train_flags_to_caption_job_data(digits):
     assert caption_job_data(_train_args("--mock-data"), base) == (base, None)
     spec, cfg = caption_job_data(_train_args("--data-path", digits, "--seed", "5"), base)
     assert cfg.resolved() and cfg.seed == 5 and cfg.path == digits and cfg.tokenizer_model is None
+    assert cfg.num_workers == 2  # Megatron's default
+    assert caption_job_data(_train_args("--data-path", digits, "--num-workers", "0"), base)[1].num_workers == 0
     assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim, spec.vocab_size) == (4, 16, 384)
     spec, cfg = caption_job_data(
         _train_args("--data-path", digits, "--patch-size", "2", "--vocab-size", "512", "--encoder-tokens", "16"), base
@@ -210,6 +212,7 @@ def test_train_flags_to_caption_job_data(digits):
         (("--data-path", digits, "--vocab-size", "100"), "smaller than the tokenizer"),
         (("--data-path", digits, "--patch-size", "3"), "not divisible by --patch-size 3"),
         (("--data-path", digits + "/nowhere"), "cannot open split 'train'"),
+        (("--data-path", digits, "--num-workers", "-1"), "--num-workers -1: must be >= 0"),
     ):
         with pytest.raises(ValueError, match=match):
             caption_job_data(_train_args(*argv), base)
