@@ -35,7 +35,8 @@ reads `features`, so this rank decodes and patchifies exactly the images of its 
 language stage reads `tokens`/`labels`/`loss_mask`, so it tokenises exactly the captions of its
 language rows; a middle pipeline stage reads nothing. With --num-workers N > 0 a thread pool decodes
 the same rows of the next step while this one computes (values are pure functions of the global
-index: identical batches for any N). Decoded rows are kept for the current and the previous step.
+index: identical batches for any N); before this process forks, the workers finish and end.
+Decoded rows are kept for the current and the previous step.
 
 The loss-token count. `loss_tokens(step)`, the per-token normaliser every rank must agree on, is
 counted from the caption text of the whole step: G caption members read (tens of bytes each, no
@@ -71,9 +72,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import random
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -429,6 +432,18 @@ def open_source(cfg: CaptionDataConfig, window: int = 64) -> "IndexSource | Stre
     return StreamSource(cfg, window=window)
 
 
+#: every CaptionBatches of this process, quiesced before a fork (the fork launcher forks ranks)
+_LIVE: "weakref.WeakSet[CaptionBatches]" = weakref.WeakSet()
+
+
+def _quiesce_all() -> None:
+    for b in list(_LIVE):
+        b.quiesce()
+
+
+os.register_at_fork(before=_quiesce_all)
+
+
 class RowBatch(Mapping):
     """The rows `samples` of one step, as `models.data.batch` gives them (tokens, labels, loss_mask
     [rows, S], features {encoder: [rows, tokens, feature_dim]}), built on first access of each key:
@@ -495,7 +510,8 @@ class CaptionBatches:
         if self.source.samples_per_epoch == 0:
             raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' is empty")
         self.num_workers = workers if isinstance(self.source, IndexSource) else 0
-        self._pool = ThreadPoolExecutor(self.num_workers, "caption-data") if self.num_workers else None
+        self._pool: Optional[ThreadPoolExecutor] = None  # started on the first prefetch
+        _LIVE.add(self)
         self._head = 1 + cfg.image_tokens + (len(tok.encode(cfg.prompt)) if cfg.prompt else 0)
         self._features: dict[int, Any] = {}  # global index -> features tensor, or a Future of it
         self._texts: dict[int, dict] = {}
@@ -545,10 +561,12 @@ class CaptionBatches:
     def _ahead(self, i: int, image: bool) -> None:
         """Submit the same row of the next step to the workers (images; captions are read by the
         caller: tokenisation stays on this thread)."""
-        if self._pool is None or not image:
+        if not self.num_workers or not image:
             return
         j = i + self.global_batch
         if j not in self._features:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_workers, "caption-data")
             self._features[j] = self._pool.submit(self._decode, j)
 
     def _touch(self, i: int) -> None:
@@ -609,6 +627,14 @@ class CaptionBatches:
             "keys": self.keys(step),
             "captions": [self.caption(i) for i in range(step * g, (step + 1) * g)],
         }
+
+    def quiesce(self) -> None:
+        """Let the submitted decodes finish and end the worker threads (a later prefetch starts new
+        ones): run before this process forks (`os.register_at_fork`), so a forked rank never
+        inherits a thread mid-decode holding a lock."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def close(self) -> None:
         """Stop the workers (pending decodes are dropped) and close this thread's file handles."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import sqlite3
 import struct
@@ -206,6 +207,18 @@ def test_workers_give_the_batches_of_no_workers(cfg, tok):
         # the workers decoded ahead: the next step's rows, no sample twice while it is kept
         assert len(threaded.image_reads) > len(plain.image_reads)
         assert set(plain.image_reads) <= set(threaded.image_reads)
+        # a fork (the launcher forks ranks) first lets the workers finish and end: the child inherits
+        # no thread mid-decode, and its reads are the same
+        threaded.batch(range(7 * G, 8 * G))["features"]
+        assert threaded._pool is not None
+        pid = os.fork()
+        if pid == 0:  # the child
+            same = torch.equal(
+                threaded.batch(range(8 * G, 9 * G))["features"]["vision"], plain.step_batch(8)["features"]["vision"]
+            )
+            os._exit(0 if same else 1)
+        assert threaded._pool is None
+        assert os.waitpid(pid, 0)[1] == 0
     finally:
         threaded.close()
 
