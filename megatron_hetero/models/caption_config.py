@@ -75,6 +75,14 @@ class CaptionDataConfig:
         group="data",
     )
     trusted: tuple[str, ...] = ()
+    # --num-workers (Megatron's flag and default): threads that decode the next step's images ahead
+    # (`energon_data.CaptionBatches`); the batches do not depend on it
+    num_workers: int = flag_field(
+        2,
+        "threads that decode the next step's images in the background on each rank (default {default}, as "
+        "Megatron's; 0: decode when a stage asks); the batches are the same for any value",
+        group="data",
+    )
 
     def resolved(self) -> bool:
         return self.image_size is not None and self.channels is not None
@@ -95,6 +103,8 @@ class CaptionDataConfig:
         return self.image_size
 
     def validate(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"--num-workers {self.num_workers}: must be >= 0")
         if self.patch_size < 1:
             raise ValueError(f"--patch-size {self.patch_size}: must be >= 1")
         if self.channels is not None and self.channels not in (1, 3):
@@ -114,5 +124,5 @@ def data_flag_fields() -> list[dataclasses.Field]:
         flags_of(DataFlags, ["data_path"])
         + flags_of(CaptionDataConfig, ["tokenizer_model"])
         + flags_of(DataFlags, ["mock_data"])
-        + flags_of(CaptionDataConfig, ["patch_size", "image_processor", "prompt", "trust_code"])
+        + flags_of(CaptionDataConfig, ["patch_size", "image_processor", "prompt", "trust_code", "num_workers"])
     )

@@ -3,8 +3,13 @@ captioning dataset (`models.energon_data.CaptionBatches`) instead of the synthet
 
 Everything else (encoder and language stages, edge and stage tensors, the loss) is LlavaStageRunner's
 own code; this class changes where a micro-batch's samples come from (`batch`) and the per-step
-normaliser (`loss_tokens`: the caption tokens of that step's whole global batch, which every rank can
-count because every rank reads the whole global batch, see energon_data's docstring).
+normaliser (`loss_tokens`: the caption tokens of that step's whole global batch).
+
+What each rank reads (energon_data's docstring): `batch(samples)` is a lazy `RowBatch`, so an encoder's
+first stage decodes the images of the rows its DP rank consumes (`features`), a language stage
+tokenises the captions of its rows (`tokens`, `labels`, `loss_mask`), and a middle pipeline stage reads
+nothing. `loss_tokens(step)` reads the caption text of the whole step (no image) on every rank; the
+count is exact and needs no communication.
 
 `caption_runner_factory(data, spec, global_batch)` is what a trainer plugs in:
     runner = factory(plan, states) if factory else None
@@ -201,6 +206,7 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
             channels=3 if clip else None,
             prompt=value(args, fields["prompt"]),
             image_processor=value(args, fields["image_processor"]),
+            num_workers=int(value(args, fields["num_workers"])),
         )
     )
     for flag, given, derived in (

@@ -361,9 +361,9 @@ def test_batches_are_addressed_by_global_sample_index(cfg, tok):
 def test_each_epoch_is_a_permutation_and_epochs_differ(cfg, tok):
     n = 1597
     data = _batches(cfg, tok, global_batch=1)
-    first = [data.stream.read(i)[0] for i in range(n)]
+    first = [data.source.key(i) for i in range(n)]
     assert len(set(first)) == n
-    nxt = [data.stream.read(i)[0] for i in range(n, n + 20)]
+    nxt = [data.source.key(i) for i in range(n, n + 20)]
     assert nxt != first[:20]
     assert len(set(nxt)) == 20
 
@@ -382,17 +382,19 @@ def test_position_is_plain_data_and_restores_exactly(cfg, tok):
         "seed": 3,
         "split": "train",
         "shuffle": True,
+        "order": "permutation",
     }
     expected = [a.step_batch(s)["keys"] for s in (3, 4)]
     b = _batches(cfg, tok)
     b.load_state_dict(state)
-    assert b.stream.replayed == 3 * G  # pre-positioned by deterministic replay
+    assert b.source.replayed == 0  # random access: positioned without reading a sample
     assert [b.step_batch(s)["keys"] for s in (3, 4)] == expected
-    # across an epoch boundary: position 1600 = epoch 1, sample 3 -> replays only 3
+    # across an epoch boundary: position 1600 = epoch 1, sample 3
     c, d = _batches(cfg, tok), _batches(cfg, tok)
     c.load_state_dict({**state, "consumed": 1600})
-    assert c.stream.replayed == 3
     assert c.step_batch(200)["keys"] == d.step_batch(200)["keys"]
+    with pytest.raises(ValueError, match="order"):
+        d.load_state_dict({**state, "order": "energon-shuffle"})
     with pytest.raises(ValueError, match="seed"):
         d.load_state_dict({**state, "seed": 99})
     with pytest.raises(ValueError, match="whole number of global batches"):

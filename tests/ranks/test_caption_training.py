@@ -1,11 +1,13 @@
 """The tiny LLaVA model trains on REAL image-caption data (the digits, energon shards) through the
 existing schedules, and the per-step losses do not depend on the layout.
 
-Every rank reads the same global sample stream (energon as rank 0 of 1) and keeps the rows its DP
-coordinate owns, by global sample index; `loss_tokens(step)` counts the caption tokens of the whole
-step. So a 2-rank colocated run (vision DP2 + language TP2, or vision TP2 + language DP2) sees the
-same samples at every step as the world-1 run, and the losses agree within 1e-5 relative (the
-differences are reduction order: TP all-reduces of partial matmuls, DP gradient sums).
+Every rank addresses the same global sample stream by global sample index and decodes only the rows
+its stages read (images of its encoder DP rank's rows, captions of its language DP rank's rows: each
+rank's decodes are counted and checked against the plan); `loss_tokens(step)` counts the caption
+tokens of the whole step from the caption text. So a 2-rank colocated run (vision DP2 + language TP2,
+or vision TP2 + language DP2) sees the same samples at every step as the world-1 run, and the losses
+agree within 1e-5 relative (the differences are reduction order: TP all-reduces of partial matmuls, DP
+gradient sums).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron_hetero.models.digits import write_digits_dataset
 from megatron_hetero.models.energon_data import CaptionDataConfig, caption_spec, resolve_config
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.plan.batch import dp_rows
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
@@ -70,10 +73,31 @@ def _caption_rank(layout, job, factory):
         losses, keys, tokens = [], [], []
         for it in range(job.train_iters):
             losses.append(schedule.step(it).loss)
-            win = runner.data.step_batch(it)  # the step just run (cached)
-            keys.append(win["keys"])
+            keys.append(runner.data.keys(it))  # the keys only: nothing more is decoded
             tokens.append(runner.loss_tokens(it))
-        return {"losses": losses, "keys": keys, "loss_tokens": tokens, "position": runner.data.state_dict()}
+        # the rows this rank's stages read, from its plan: images of its vision DP rank's rows on the
+        # vision's first stage, captions of its language DP rank's rows
+        end = job.train_iters * job.global_batch_size
+        want = {}
+        for name, kind in (("vision", "image"), ("language", "text")):
+            me = plan.modules.get(name)
+            rows = dp_rows(job.global_batch_size, me.dp, me.coord.dp) if me else range(0)
+            want[kind] = sorted(s * job.global_batch_size + r for s in range(job.train_iters) for r in rows)
+        runner.data.close()
+        got = {
+            "image": sorted(i for i in runner.data.image_reads if i < end),  # workers also decode step STEPS
+            "text": sorted(runner.data.text_reads),
+        }
+        ahead = [i for i in runner.data.image_reads if i >= end]
+        assert all(i < end + job.global_batch_size for i in ahead), ahead
+        return {
+            "losses": losses,
+            "keys": keys,
+            "loss_tokens": tokens,
+            "position": runner.data.state_dict(),
+            "reads": got,
+            "want": want,
+        }
     finally:
         topo.destroy()
 
@@ -120,6 +144,7 @@ def test_world1_trains_on_digits(setup):
     assert len({tuple(k) for k in ref["keys"]}) == STEPS
     assert ref["loss_tokens"] == [G * 4] * STEPS
     assert ref["position"]["consumed"] == STEPS * G and ref["position"]["samples_per_epoch"] == 1597
+    assert ref["reads"] == ref["want"] == {"image": list(range(STEPS * G)), "text": list(range(STEPS * G))}
 
 
 LAYOUTS = [
@@ -135,9 +160,11 @@ def test_layouts_see_the_same_samples_and_losses(setup, label, doc):
     cfg, spec, job = setup
     ref = _reference(cfg, spec, job)
     per_rank = _run(doc, 2, cfg, spec, job)
-    for r in per_rank:
+    for rank, r in enumerate(per_rank):
         assert r["keys"] == ref["keys"]  # the same global samples at every step, on every rank
         assert r["loss_tokens"] == ref["loss_tokens"]
+        assert r["reads"] == r["want"], f"rank {rank} decoded other rows than its stages read"
+        print(f"rank {rank}: decoded {len(r['reads']['image'])} images, {len(r['reads']['text'])} captions")
     got = per_rank[0]["losses"]
     assert all(r["losses"] == got for r in per_rank)
     rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref["losses"]))
@@ -166,6 +193,8 @@ def test_train_flags_to_caption_job_data(digits):
     assert caption_job_data(_train_args("--mock-data"), base) == (base, None)
     spec, cfg = caption_job_data(_train_args("--data-path", digits, "--seed", "5"), base)
     assert cfg.resolved() and cfg.seed == 5 and cfg.path == digits and cfg.tokenizer_model is None
+    assert cfg.num_workers == 2  # Megatron's default
+    assert caption_job_data(_train_args("--data-path", digits, "--num-workers", "0"), base)[1].num_workers == 0
     assert (spec.encoders["vision"].tokens, spec.encoders["vision"].feature_dim, spec.vocab_size) == (4, 16, 384)
     spec, cfg = caption_job_data(
         _train_args("--data-path", digits, "--patch-size", "2", "--vocab-size", "512", "--encoder-tokens", "16"), base
@@ -183,6 +212,7 @@ def test_train_flags_to_caption_job_data(digits):
         (("--data-path", digits, "--vocab-size", "100"), "smaller than the tokenizer"),
         (("--data-path", digits, "--patch-size", "3"), "not divisible by --patch-size 3"),
         (("--data-path", digits + "/nowhere"), "cannot open split 'train'"),
+        (("--data-path", digits, "--num-workers", "-1"), "--num-workers -1: must be >= 0"),
     ):
         with pytest.raises(ValueError, match=match):
             caption_job_data(_train_args(*argv), base)
