@@ -77,8 +77,25 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Optio
     return None
 
 
+#: Test files in the order the suite runs them: the slowest first (the SLURM cluster, then the
+#: end-to-end tier with Megatron-LM's scripts leading, then the multi-rank tier), the many short pure
+#: files last. Under scripts/test.sh's 2 workers (`--dist loadfile` hands out whole files in this order)
+#: the long files start early and the short ones fill the end, so neither worker idles at the tail.
+RUN_ORDER = ("cluster", "e2e/test_megatron_lm", "e2e", "ranks", "gpu", "pure")
+
+
+def run_rank(path: Path) -> int:
+    """The position of a test file's group in `RUN_ORDER` (files outside the tiers: last)."""
+    try:
+        rel = Path(path).resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return len(RUN_ORDER)
+    return next((i for i, prefix in enumerate(RUN_ORDER) if rel.startswith(prefix)), len(RUN_ORDER))
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: run_rank(item.path))  # stable: files and tests keep their order within a group
     for item in items:
         tier = tier_of(item.path)
         if tier is not None:
