@@ -1,11 +1,14 @@
 """Megatron-LM's architecture flags for the model family (`train`): a Llama/Qwen2-style language
-model and a CLIP vision encoder without a Hugging Face config.json.
+model and a CLIP or SigLIP vision encoder without a Hugging Face config.json.
 
     --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --position-embedding-type rope
     --rotary-base 500000 --group-query-attention --num-query-groups 2 --kv-channels D
     --add-qkv-bias --disable-bias-linear --share-embeddings-and-output-weights
+    --use-rope-scaling [--rope-scaling-factor 8]  (Llama 3.1+'s rope scaling; needs rope)
     --vision-model-type clip --patch-dim 14      (every encoder: CLIPViTModel; --encoder-tokens
                                                   patches, a square; features 3 * patch-dim**2)
+    --vision-model-type siglip --patch-dim 14    (its siglip variant: conv bias, no class token,
+                                                  gelu tanh, eps 1e-6, post LayerNorm, no head)
 
 The flags are declared once, on `training.arch_args.ArchFlags`. Every flag defaults to None
 (unset): the model family's defaults stay the tiny GPT's (LayerNorm, GELU, learned positions,

@@ -22,6 +22,12 @@ tensor of the tower) and `pooled` computes Hugging Face's `pooler_output` with i
 
 All `tokens` features go to the projector (Megatron's `MultimodalProjector`): there is no class
 token to drop.
+
+Pixels from the tower's own preprocessing (`models.image_processor`, a `SiglipImageProcessor`
+config): `pixel_features(pixels)` takes `[b, 3, S, S]` straight into the tower's convolution. S is
+the tower's Hugging Face `image_size`, which may exceed the g * p square the encoder is built for by
+up to p - 1 (so400m-patch14-384: 384 for 27 * 14 = 378): the "valid" stride-p convolution never
+reads those last rows and columns, so they are cut off first and the result is Hugging Face's.
 """
 
 from __future__ import annotations
@@ -161,7 +167,28 @@ class SiglipEncoderModule(torch.nn.Module):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """What LLaVA's projector reads [b, tokens, h]: ln_post(trunk) with post_norm, else the trunk."""
-        h = self.trunk(x)
+        return self._normed(self.trunk(x))
+
+    def pixel_features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[b, 3, S, S] pixel images (e.g. `image_processor.ImageProcessor.batch`; S from g * p, the
+        square the encoder is built for, to g * p + p - 1, the tower's image size whose last rows and
+        columns the convolution never reads) -> what `features` gives [b, tokens, h] (Hugging Face's
+        `last_hidden_state` with post_norm, else `hidden_states[k]`)."""
+        side = self.grid * self.patch
+        if (
+            pixels.dim() != 4
+            or pixels.shape[1] != 3
+            or pixels.shape[2] != pixels.shape[3]
+            or not side <= pixels.shape[2] < side + self.patch
+        ):
+            raise ValueError(
+                f"encoder {self.name}: pixels must be [b, 3, S, S] with {side} <= S <= {side + self.patch - 1} "
+                f"(the tower's image size: {self.grid} x {self.grid} patches of {self.patch}), got "
+                f"{list(pixels.shape)}"
+            )
+        return self._normed(self.vit(pixels[:, :, :side, :side].contiguous()))
+
+    def _normed(self, h: torch.Tensor) -> torch.Tensor:
         return self.ln_post(h) if self.post_norm else h
 
     def pooled(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,13 @@ Parameters per rank, counted as the runtime builds its modules (Megatron-core's 
   the first stage, GPT-style layers (LayerNorm, biases, MLP 4h unless given), the final LayerNorm and
   the projector (Megatron's MLP projector `h -> H -> H`, column- then row-parallel) on the last;
   `kind: clip`: Megatron's CLIPViTModel (patch convolution `3 p^2 h` without bias, class token,
-  `1 + tokens` positions, ln_pre), its layers, ln_post, and the projector;
+  `1 + tokens` positions, ln_pre), its layers, ln_post, and the projector; `kind: siglip`: its
+  siglip variant (patch convolution `3 p^2 h + h` with bias, `tokens` positions, no class token, no
+  ln_pre), its layers (MLP `ffn_hidden_size`), the post LayerNorm, with `pooling_head` SigLIP's
+  attention-pooling head (probe h, attention `4 h^2 + 4 h`, LayerNorm 2h, MLP `2 h f + f + h`), and
+  the projector. Frozen parameters (`encoder_frozen_params`: CLIP's ln_post, SigLIP's head and,
+  without `post_norm`, its post LayerNorm; every parameter but the projector's of a frozen
+  encoder) count in `total` only, never in `trainable`;
 * an output head: the MLP projector `H -> hidden -> out_dim`.
 
 State bytes of P parameters (N trainable, E of them expert parameters), Megatron's optimizer:
@@ -99,6 +105,26 @@ def _encoder_layer_params(enc: EncoderSpec, tp: int) -> int:
     ) + (2 * _norm(h, "LayerNorm") + _mlp(h, f, tp, False, True))
 
 
+def _pooling_head_params(enc: EncoderSpec) -> int:
+    """SigLIP's attention-pooling head (replicated over TP): the probe, torch's MultiheadAttention
+    (packed QKV and output projection, with biases), its LayerNorm and its MLP h -> f -> h."""
+    h = enc.hidden_size
+    f = enc.ffn_hidden_size or 4 * h
+    return h + (3 * h * h + 3 * h + h * h + h) + _norm(h, "LayerNorm") + (h * f + f + f * h + h)
+
+
+def encoder_frozen_params(enc: EncoderSpec) -> int:
+    """The parameters of an encoder that never train, even when the module trains (outside LLaVA's
+    features): CLIP's ln_post (the pooled output only); SigLIP's pooling head, and its post LayerNorm
+    when the features are read before it (no `post_norm`)."""
+    if enc.kind == "clip":
+        return _norm(enc.hidden_size, "LayerNorm")
+    if enc.kind == "siglip":
+        head = _pooling_head_params(enc) if enc.pooling_head else 0
+        return head + (0 if enc.post_norm else _norm(enc.hidden_size, "LayerNorm"))
+    return 0
+
+
 def _projector_params(h_in: int, h_out: int, tp: int) -> int:
     """Megatron's MLP projector h_in -> h_out -> h_out (column- then row-parallel, with biases)."""
     return (h_out // tp) * h_in + h_out // tp + h_out * (h_out // tp) + h_out
@@ -120,8 +146,7 @@ def stage_params(layout: HeteroLayout, spec: LlavaSpec, module: str, pp_rank: in
         enc = spec.encoders[module]
         last = pp_rank == m.pp - 1
         projector = _projector_params(enc.hidden_size, spec.hidden_size, m.tp) if last else 0
-        fixed = _norm(enc.hidden_size, "LayerNorm") if enc.kind == "clip" else 0  # ln_post never trains
-        return StageParams(total, 0, projector if m.frozen else total - fixed, 0)
+        return StageParams(total, 0, projector if m.frozen else total - encoder_frozen_params(enc), 0)
     if module in spec.outputs:
         out: OutputSpec = spec.outputs[module]
         t = m.tp
@@ -157,6 +182,10 @@ def _encoder_stage(enc: EncoderSpec, llm_hidden: int, m: ModuleLayout, pp_rank: 
     if enc.kind == "clip":
         embed = 3 * enc.patch_size**2 * h + h + (enc.tokens + 1) * h + _norm(h, "LayerNorm")
         return embed + layers + _norm(h, "LayerNorm") + _projector_params(h, llm_hidden, m.tp)
+    if enc.kind == "siglip":  # conv with bias, positions, no class token or ln_pre; post norm; head
+        embed = 3 * enc.patch_size**2 * h + h + enc.tokens * h
+        head = _pooling_head_params(enc) if enc.pooling_head else 0
+        return embed + layers + _norm(h, "LayerNorm") + head + _projector_params(h, llm_hidden, m.tp)
     total = layers
     if first:
         total += enc.feature_dim * h + h + enc.tokens * h
@@ -235,8 +264,9 @@ def stage_activation_bytes(
         last = pp_rank == m.pp - 1
         # the first stage's input features (the patch embedding's input; CLIP: the image's pixels)
         extra = enc.tokens * rows * enc.feature_dim * features.dtype_bytes if pp_rank == 0 else 0
-        if last:  # the final LayerNorm and the projector (its two linears' inputs and the GELU's)
-            extra += norm_activation_bytes(tokens, rows, h, 1, features) + _projector_act(
+        if last:  # the final LayerNorm (not a SigLIP tower read before its post norm) and the projector
+            normed = enc.kind != "siglip" or enc.post_norm
+            extra += (norm_activation_bytes(tokens, rows, h, 1, features) if normed else 0) + _projector_act(
                 enc, spec, rows, m.tp, features
             )
     elif module in spec.outputs:

@@ -25,6 +25,10 @@ class ArchFlags:
     swiglu: Optional[bool] = _arch("gated SiLU MLP (Llama/Qwen2)")
     position_embedding_type: Optional[str] = _arch(choices=["learned_absolute", "rope"])
     rotary_base: Optional[float] = _arch()
+    use_rope_scaling: Optional[bool] = _arch(
+        "Llama 3.1+'s rope frequency scaling (needs --position-embedding-type rope)"
+    )
+    rope_scaling_factor: Optional[float] = _arch("the rope scaling factor (default 8.0; needs --use-rope-scaling)")
     group_query_attention: Optional[bool] = _arch()
     num_query_groups: Optional[int] = _arch()
     kv_channels: Optional[int] = _arch("attention head dimension (default hidden/heads)")
@@ -33,9 +37,10 @@ class ArchFlags:
     share_embeddings_and_output_weights: Optional[bool] = _arch("tie the output layer to the input embeddings")
     untie_embeddings_and_output_weights: Optional[bool] = _arch("untied (the default here)")
     vision_model_type: Optional[str] = _arch(
-        "clip: Megatron's CLIPViTModel for every encoder (needs --patch-dim)", choices=["linear", "clip"]
+        "clip / siglip: Megatron's CLIPViTModel (its clip or siglip variant) for every encoder (needs --patch-dim)",
+        choices=["linear", "clip", "siglip"],
     )
-    patch_dim: Optional[int] = _arch("CLIP patch side (features per token: 3 * patch**2)")
+    patch_dim: Optional[int] = _arch("CLIP/SigLIP patch side (features per token: 3 * patch**2)")
 
     @classmethod
     def from_args(cls, args: Any) -> "ArchFlags":
@@ -63,9 +68,41 @@ def arch_flags_given(args: Any) -> bool:
     return ArchFlags.from_args(args).given()
 
 
+# What `--vision-model-type` sets on every encoder beside its kind, patch size and features: SigLIP
+# as Megatron-LM builds it for `--vision-model-type siglip` (gelu's tanh form, LayerNorm epsilon
+# 1e-6, the post LayerNorm on the features, no pooling head); CLIP keeps the EncoderSpec defaults
+# (quick-GELU, 1e-5, no post norm on the features).
+VIT_FIELDS: dict[str, dict[str, Any]] = {
+    "clip": {},
+    "siglip": {"activation": "gelu_pytorch_tanh", "norm_epsilon": 1e-6, "post_norm": True, "pooling_head": False},
+}
+
+
+def _rope_scaling(g: ArchFlags, spec) -> dict[str, Any]:
+    """The `rope_scaling` / `rope_scaling_factor` fields the flags set (ValueError when
+    contradictory); `spec`: the model with the other language-model flags applied."""
+    if g.rope_scaling_factor is not None and not g.use_rope_scaling:
+        raise ValueError(
+            f"--rope-scaling-factor {g.rope_scaling_factor} needs --use-rope-scaling (Llama 3.1's rope scaling)"
+        )
+    if not g.use_rope_scaling:
+        return {}
+    if spec.position_embedding_type != "rope":
+        raise ValueError(
+            f"--use-rope-scaling scales rotary positions: it needs --position-embedding-type rope "
+            f"(the model's is {spec.position_embedding_type})"
+        )
+    out: dict[str, Any] = {"rope_scaling": True}
+    if g.rope_scaling_factor is not None:
+        if not g.rope_scaling_factor >= 1:
+            raise ValueError(f"--rope-scaling-factor {g.rope_scaling_factor} must be >= 1")
+        out["rope_scaling_factor"] = float(g.rope_scaling_factor)
+    return out
+
+
 def apply_arch_args(args: Any, spec):
     """`spec` with the language-model and encoder architecture the flags in `args` set (and
-    --encoder-feature-dim, None when not given, checked against a CLIP encoder's)."""
+    --encoder-feature-dim, None when not given, checked against a CLIP or SigLIP encoder's)."""
     g = ArchFlags.from_args(args)
     if g.share_embeddings_and_output_weights and g.untie_embeddings_and_output_weights:
         raise ValueError("--share-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict")
@@ -77,22 +114,21 @@ def apply_arch_args(args: Any, spec):
     if g.share_embeddings_and_output_weights:
         lm["untie_embeddings_and_output_weights"] = False
     spec = dataclasses.replace(spec, **lm)
-    if g.vision_model_type == "clip":
+    spec = dataclasses.replace(spec, **_rope_scaling(g, spec))
+    kind = g.vision_model_type
+    if kind in VIT_FIELDS:
         if not g.patch_dim or g.patch_dim < 1:
-            raise ValueError("--vision-model-type clip needs --patch-dim P (>= 1)")
+            raise ValueError(f"--vision-model-type {kind} needs --patch-dim P (>= 1)")
         p = g.patch_dim
         if args.encoder_feature_dim not in (None, 3 * p * p):
             raise ValueError(
-                f"--encoder-feature-dim {args.encoder_feature_dim}: a CLIP encoder's features are "
+                f"--encoder-feature-dim {args.encoder_feature_dim}: a {kind.upper()} encoder's features are "
                 f"3 * --patch-dim**2 = {3 * p * p}"
             )
+        fields = dict(VIT_FIELDS[kind], kind=kind, patch_size=p, feature_dim=3 * p * p)
         spec = dataclasses.replace(
-            spec,
-            encoders={
-                n: dataclasses.replace(e, kind="clip", patch_size=p, feature_dim=3 * p * p)
-                for n, e in spec.encoders.items()
-            },
+            spec, encoders={n: dataclasses.replace(e, **fields) for n, e in spec.encoders.items()}
         )
     elif g.patch_dim is not None:
-        raise ValueError("--patch-dim applies to --vision-model-type clip")
+        raise ValueError("--patch-dim applies to --vision-model-type clip or siglip")
     return spec

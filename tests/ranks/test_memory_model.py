@@ -1,7 +1,7 @@
 """The planner's memory model (`planner/memory.py`) against the modules `megatron-hetero train`
 builds: every rank's parameter count per module stage (all, experts, trainable) equals the count of
 the module's own parameters, over layouts and model variants (TP, PP, EP, disjoint, frozen
-encoders, a CLIP encoder, GQA/RMSNorm/SwiGLU/no biases/rope, tied embeddings, MoE)."""
+encoders, a CLIP encoder, SigLIP encoders with and without their post norm and pooling head, GQA/RMSNorm/SwiGLU/no biases/rope, tied embeddings, MoE)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,20 @@ LLAMA = LlavaSpec(
     num_layers=4,
 )
 CLIP = EncoderSpec(kind="clip", patch_size=2, tokens=4, feature_dim=12, num_layers=1)
+# SigLIP: conv bias, no class token or ln_pre, the post norm (trains with post_norm), the pooling
+# head (never trains), an MLP width of its own
+SIGLIP = EncoderSpec(
+    kind="siglip",
+    patch_size=2,
+    tokens=4,
+    feature_dim=12,
+    num_layers=1,
+    ffn_hidden_size=48,
+    norm_epsilon=1e-6,
+    activation="gelu_pytorch_tanh",
+    post_norm=True,
+    pooling_head=True,
+)
 
 
 def _counts(doc: dict, spec: LlavaSpec) -> dict:
@@ -79,6 +93,26 @@ CASES = {
         },
         dataclasses.replace(LlavaSpec(), encoders={"vision": CLIP}, untie_embeddings_and_output_weights=False),
         3,
+    ),
+    "siglip tp2 (post norm, head), siglip cut before its post norm, frozen siglip": (
+        {
+            "modules": {
+                "vision": {"tp": 2},
+                "cut_vision": {"dp": 2},
+                "frozen_vision": {"dp": 2, "frozen": True},
+                "language": {"tp": 2},
+            },
+            "edges": ["vision -> language", "cut_vision -> language", "frozen_vision -> language"],
+        },
+        dataclasses.replace(
+            LlavaSpec(),
+            encoders={
+                "vision": SIGLIP,
+                "cut_vision": dataclasses.replace(SIGLIP, offset=5, post_norm=False, pooling_head=False),
+                "frozen_vision": dataclasses.replace(SIGLIP, offset=9),
+            },
+        ),
+        2,
     ),
     "moe language dp2·ep2, segments": (
         {
