@@ -108,6 +108,15 @@ class JobConfig:
         group="checkpoints",
     )
     no_load_rng: bool = flag_field(False, "on --load, do not restore the RNG states", group="checkpoints")
+    # Megatron-LM's --pretrained-checkpoint: where a job starts when --load holds no checkpoint yet
+    # (`training.job.resolve_pretrained`), so a requeued fine-tuning job resumes its own saves
+    pretrained_checkpoint: Optional[str] = flag_field(
+        None,
+        "when --load holds no checkpoint (or is not given): --finetune from this one (Megatron-LM's flag; a "
+        "requeued job then resumes from its own --load)",
+        metavar="DIR",
+        group="checkpoints",
+    )
     override_opt_param_scheduler: bool = flag_field(
         False,
         "on --load, use this job's learning-rate schedule instead of requiring the checkpoint's",
@@ -267,6 +276,7 @@ def train_flag_fields() -> list[dataclasses.Field]:
                 "finetune",
                 "no_load_optim",
                 "no_load_rng",
+                "pretrained_checkpoint",
             ],
         )
         + flags_of(LlavaSpec, MOE_FLAGS)

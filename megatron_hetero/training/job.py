@@ -153,6 +153,27 @@ def spec_differences(saved: LlavaSpec, now: LlavaSpec) -> list[tuple[str, str, A
     return sorted(out)
 
 
+def resolve_pretrained(args: Any) -> Any:
+    """Megatron-LM's `--pretrained-checkpoint DIR`: when `--load` is not given or holds no checkpoint
+    yet (no `latest_checkpointed_iteration.txt`), the job starts from DIR with `--finetune` (the
+    weights only); once `--load` holds a save of this job (a requeue), that one resumes. Returns
+    `args`, or a copy with `load` and `finetune` set."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if not pretrained:
+        return args
+    from pathlib import Path
+
+    from megatron_hetero.checkpoint.files import TRACKER
+
+    if args.load and (Path(args.load) / TRACKER).is_file():
+        return args
+    import copy
+
+    out = copy.copy(args)
+    out.load, out.finetune = pretrained, True
+    return out
+
+
 # JobConfig's fields that take the value of their train flag as it is
 _JOB_FLAGS = (
     "train_iters",
@@ -167,6 +188,7 @@ _JOB_FLAGS = (
     "finetune",
     "no_load_optim",
     "no_load_rng",
+    "pretrained_checkpoint",
     "override_opt_param_scheduler",
     "log_interval",
     "eval_interval",
@@ -201,6 +223,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
     from megatron_hetero.training.arch_args import apply_arch_args
     from megatron_hetero.training.lr_schedule import LRSchedule
 
+    args = resolve_pretrained(args)  # --pretrained-checkpoint: --load and --finetune
     global_batch_size, micro_batch_size = batch_from_args(args, layout)
     spec = spec_from_flags(args, layout)  # the sizes; then the seed and Megatron's MoE flags
     moe = {k: v for k, v in values(LlavaSpec, args, MOE_FLAGS).items() if v is not None}

@@ -108,3 +108,24 @@ def test_no_load_optim_resumes_the_weights_and_position_with_a_fresh_optimizer(s
     # the schedule afresh (Megatron-LM: --no-load-optim skips the scheduler too): the first run's rates
     assert [r["lr"] for r in fresh_optim] == pytest.approx([r["lr"] for r in first], rel=1e-12)
     assert [r["lr"] for r in resumed] != pytest.approx([r["lr"] for r in first], rel=1e-6)
+
+
+def test_pretrained_checkpoint_finetunes_until_load_holds_a_save(saved, tmp_path):
+    """Megatron-LM's --pretrained-checkpoint: with --load empty (a first job), the job is --finetune
+    --load PRETRAINED (and the recorded model); once --load holds a save (a requeued job), it resumes
+    that one."""
+    from megatron_hetero.cli import build_parser
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.training.job import job_from_args
+
+    root, _, _ = saved
+    layout = layout_from_dict(TP2, world_size=2)
+
+    def job(load: str):
+        argv = ["train", "--pretrained-checkpoint", str(root), "--load", load, "--global-batch-size", "4"]
+        return job_from_args(build_parser().parse_args(argv), layout)
+
+    first = job(str(tmp_path / "stage2"))
+    assert (first.load, first.finetune, first.spec.position_embedding_type) == (str(root), True, "rope")
+    again = job(str(root))  # holds a save: a resume of it
+    assert (again.load, again.finetune) == (str(root), False)
