@@ -5,10 +5,10 @@
 # H100 scripts today) and with train's tiny Llama-style model (RMSNorm, RoPE, SwiGLU, no biases) in
 # place of converted CLIP + Llama weights.
 #   stage 1: vision and language frozen, the projector trains; saves OUT/stage1
-#   stage 2: --load OUT/stage1 --override-opt-param-scheduler, language and projector train
+#   stage 2: --pretrained-checkpoint OUT/stage1 (--finetune from it: iteration 0, a fresh optimizer and
+#            schedule) at half stage 1's global batch, as LLaVA's 128 after 256; language and projector train
 # Usage: examples/llava/cpu_twin.sh [OUT]   (default bench-results/llava-twin; the digits need
-# `scripts/install.sh data`). Environment: STAGE1_ITERS (default 20), STAGE2_ITERS (default 40, counted
-# on from stage 1's), DIGITS (an existing `megatron-hetero data digits` folder; default OUT/digits).
+# `scripts/install.sh data`). Environment: STAGE1_ITERS (default 20), STAGE2_ITERS (default 40), DIGITS (an existing `megatron-hetero data digits` folder; default OUT/digits).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-bench-results/llava-twin}"
@@ -22,12 +22,12 @@ rm -rf "$out/stage1" "$out/stage2" "$out/stage1.jsonl" "$out/stage2.jsonl"
 model=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 172
        --normalization RMSNorm --position-embedding-type rope --swiglu --disable-bias-linear
        --encoder-num-layers 2 --encoder-hidden-size 32 --encoder-num-attention-heads 4)
-flags=(--data-path "$digits" --seq-length 16 --global-batch-size 40 --micro-batch-size 10
+flags=(--data-path "$digits" --seq-length 16 --micro-batch-size 10
        --use-distributed-optimizer --sequence-parallel --recompute-granularity selective
        --clip-grad 1.0 --weight-decay 0.0 --lr-decay-style cosine --log-interval 5 --save-interval 10)
 $mh train --hetero-layout examples/llava/twin_stage1.yaml "${model[@]}" "${flags[@]}" \
-    --lr 5e-3 --lr-warmup-iters "$((s1 / 10))" --train-iters "$s1" --save "$out/stage1" --log-jsonl "$out/stage1.jsonl"
+    --global-batch-size 40 --lr 5e-3 --lr-warmup-iters "$((s1 / 10))" --train-iters "$s1" --save "$out/stage1" --log-jsonl "$out/stage1.jsonl"
 $mh train --hetero-layout examples/llava/twin_stage2.yaml "${model[@]}" "${flags[@]}" \
-    --load "$out/stage1" --override-opt-param-scheduler \
-    --lr 2e-3 --lr-warmup-iters "$((s1 + s2 / 10))" --train-iters "$((s1 + s2))" --save "$out/stage2" --log-jsonl "$out/stage2.jsonl"
+    --pretrained-checkpoint "$out/stage1" --global-batch-size 20 \
+    --lr 2e-3 --lr-warmup-iters "$((s2 / 10))" --train-iters "$s2" --save "$out/stage2" --log-jsonl "$out/stage2.jsonl"
 echo "logs: $out/stage1.jsonl, $out/stage2.jsonl; checkpoints: $out/stage1, $out/stage2"

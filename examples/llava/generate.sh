@@ -16,8 +16,8 @@ mkdir -p "$out"
 # CLIP ViT-L/14-336 read at LLaVA-1.5's vision_feature_layer -2 (convert keeps 23 of its 24 layers),
 # 576 = (336/14)^2 image tokens; Llama-2-7B. The --encoder/--llm presets are overridden in every size:
 # they only switch the pricing to the production features (bf16, distributed optimizer, sequence
-# parallelism, selective recompute). Global batch 128 in both stages: stage 2 resumes stage 1's
-# checkpoint, and a resume refuses another global batch or sequence length (README: "Deviations").
+# parallelism, selective recompute). Searched at stage 2's global batch 128; stage 1 runs LLaVA's 256
+# on the same layout (stage 2 starts from stage 1's weights with --finetune: any batch).
 model=(--hardware h100_80gb --world-size 16 --encoder 1B --llm 14B
        --encoder-num-layers 23 --encoder-hidden-size 1024 --encoder-num-attention-heads 16
        --encoder-ffn-hidden-size 4096 --encoder-tokens 576
@@ -51,11 +51,11 @@ freeze "$out/stage1.yaml" vision language   # stage 1: only the projector (insid
 freeze "$out/stage2.yaml" vision            # stage 2: the projector and the language model train
 
 # The train flags. Paths are relative to the directory sbatch is called from (the repository root).
-# No model flags, no --bf16: --load of converted weights builds the recorded model and refuses both
-# (README: "Deviations"). --train-iters counts on from stage 1's checkpoint in stage 2.
+# No model flags: --load of converted weights builds the recorded model; --bf16 casts its fp32 weights.
+# Stage 2 is LLaVA's fine-tuning: --pretrained-checkpoint stage 1 (--finetune from it: iteration 0,
+# a fresh optimizer and schedule, batch 128; a requeued job resumes its own saves instead).
 data=(--image-processor hf/clip-vit-large-patch14-336 --patch-size 14
-      --tokenizer-model hf/Llama-2-7b-hf/tokenizer.json
-      --global-batch-size 128 --micro-batch-size 4
+      --tokenizer-model hf/Llama-2-7b-hf/tokenizer.json --bf16 --micro-batch-size 4
       --use-distributed-optimizer --sequence-parallel --recompute-granularity selective
       --clip-grad 1.0 --weight-decay 0.0 --lr-decay-style cosine
       --save-interval 500 --log-interval 10 --log-throughput --log-memory)
@@ -66,10 +66,10 @@ mkdir -p "$scratch/examples" && ln -s "$abs_out" "$scratch/examples/llava"
 slurm=(--nodes 2 --gpus-per-node 8 --time 04:00:00 --output logs/%x-%j.out --sbatch-option=--exclusive)
 (cd "$scratch" && PYTHONPATH="${PYTHONPATH:-$root}" $mh slurm "${slurm[@]}" --hetero-layout examples/llava/stage1.yaml --job-name llava-stage1 -- \
     --load ckpt/llava/pretrained --data-path data/llava-pretrain "${data[@]}" \
-    --lr 1e-3 --lr-warmup-iters 131 --train-iters 4362 \
+    --global-batch-size 256 --lr 1e-3 --lr-warmup-iters 66 --train-iters 2181 \
     --save ckpt/llava/stage1 --log-jsonl logs/stage1.jsonl) > "$out/stage1.sbatch"
 (cd "$scratch" && PYTHONPATH="${PYTHONPATH:-$root}" $mh slurm "${slurm[@]}" --hetero-layout examples/llava/stage2.yaml --job-name llava-stage2 -- \
-    --load ckpt/llava/stage1 --override-opt-param-scheduler --data-path data/llava-stage2 "${data[@]}" \
-    --lr 2e-5 --lr-warmup-iters 4518 --train-iters 9559 \
+    --pretrained-checkpoint ckpt/llava/stage1 --data-path data/llava-stage2 "${data[@]}" \
+    --global-batch-size 128 --lr 2e-5 --lr-warmup-iters 156 --train-iters 5197 \
     --save ckpt/llava/stage2 --log-jsonl logs/stage2.jsonl) > "$out/stage2.sbatch"
 echo "wrote $out/stage1.yaml $out/stage2.yaml $out/stage1.sbatch $out/stage2.sbatch"

@@ -35,32 +35,89 @@ def read_torch_files(d: Path, state: dict) -> None:
         safe_unpickle.check_folder(folder)
 
 
+PRECISION_FIELDS = ("bf16", "fp16")
+
+
+def model_differences(saved: object, now: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """'field: saved in the checkpoint, now now' for every field of the recorded model `saved` (a
+    `spec_record`) that differs from `now`, fields of `ignore` left out (a missing fp16 is False)."""
+    saved_d = dict(saved) if isinstance(saved, dict) else {}
+    now = dict(now)
+    for d in (saved_d, now):
+        d.setdefault("fp16", False)
+        for k in ignore:
+            d.pop(k, None)
+    return [
+        f"{k}: {saved_d.get(k)!r} in the checkpoint, {now.get(k)!r} now"
+        for k in sorted(set(now) | set(saved_d))
+        if saved_d.get(k) != now.get(k)
+    ]
+
+
+def weights_only(job) -> bool:
+    """--finetune: the checkpoint's model weights only (iteration 0, a fresh optimizer, scheduler,
+    data position and RNG)."""
+    return bool(getattr(job, "finetune", False))
+
+
+def loads_optimizer(job) -> bool:
+    """Whether `--load` restores the optimizer and its scheduler (not with --finetune or --no-load-optim)."""
+    return not (weights_only(job) or getattr(job, "no_load_optim", False))
+
+
+def loads_rng(job) -> bool:
+    """Whether `--load` restores the RNG states (not with --finetune or --no-load-rng)."""
+    return not (weights_only(job) or getattr(job, "no_load_rng", False))
+
+
 def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     """Everything about `--load` that can be checked before a rank starts; returns the iteration to
-    resume from. ValueError naming the file or the mismatch. With `job.load_fallback`, a checkpoint
-    before an incomplete or damaged newest one (`load_note` says which and why)."""
+    resume from (0 with --finetune). ValueError naming the file or the mismatch. With
+    `job.load_fallback`, a checkpoint before an incomplete or damaged newest one (`load_note` says
+    which and why).
+
+    A resume (no --finetune) continues the run exactly: the same model and precision (unless
+    --no-load-optim: the fp32 main weights then come from the loaded weights), the same global batch
+    (the data position is iteration x batch), the same data stream, and the checkpoint's learning-rate
+    schedule (unless --override-opt-param-scheduler or --no-load-optim). --finetune takes the weights
+    only: any batch, data, schedule, --train-iters and precision; the model must be the same (a rope
+    model may change --seq-length: it has no position table)."""
     d, state, note = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     read_torch_files(d, state)
     problems = []
     saved_spec, spec = state.get("model"), spec_record(job.spec)
-    if saved_spec != spec:
-        saved_d = saved_spec if isinstance(saved_spec, dict) else {}
-        diffs = [
-            f"{k}: {saved_d.get(k)!r} in the checkpoint, {spec.get(k)!r} now"
-            for k in sorted(set(spec) | set(saved_d))
-            if saved_d.get(k) != spec.get(k)
-        ]
-        problems.append("the model differs (" + "; ".join(diffs) + ")")
+    finetune, with_optim = weights_only(job), loads_optimizer(job)
+    ignore: tuple[str, ...] = () if with_optim else PRECISION_FIELDS
+    if finetune and spec.get("position_embedding_type") == "rope":
+        ignore += ("seq_length", "outputs")
+    diffs = model_differences(saved_spec, spec, ignore)
+    if diffs:
+        why = ""
+        if with_optim and not model_differences(saved_spec, spec, PRECISION_FIELDS):
+            why = (
+                "; the optimizer state (fp32 main weights, Adam moments, --fp16's loss scale) is the saved "
+                "precision's: pass --no-load-optim or --finetune to start it afresh in this one"
+            )
+        elif finetune and any(x.startswith("seq_length") for x in diffs):
+            why = "; --seq-length sizes the learned absolute position table (change it with a rope model only)"
+        problems.append("the model differs (" + "; ".join(diffs) + ")" + why)
     saved_models = state.get("modules", {})
     now = logical_models(layout)
-    if set(saved_models) != set(now):
+    if finetune:
+        if not set(now) <= set(saved_models):
+            problems.append(f"the checkpoint holds the models {sorted(saved_models)}, this layout has {sorted(now)}")
+    elif set(saved_models) != set(now):
         problems.append(f"the checkpoint holds the models {sorted(saved_models)}, this layout has {sorted(now)}")
+    if finetune:
+        if problems:
+            raise ValueError(f"--load {root} --finetune (iteration {it}, {d / STATE_FILE}): " + "; ".join(problems))
+        return 0
     if state.get("global_batch_size") != job.global_batch_size:
         problems.append(
             f"--global-batch-size {job.global_batch_size}, the checkpoint's data position is in "
-            f"batches of {state.get('global_batch_size')} (changing the batch size needs the data "
-            f"loader's sample position)"
+            f"batches of {state.get('global_batch_size')} (a resume continues at iteration {it} x the batch; "
+            f"pass --finetune to start from the weights at iteration 0)"
         )
     data = state.get("data", {})
     if data.get("next_sample") != it * state.get("global_batch_size", 0):
@@ -71,9 +128,12 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
             problems.append(f"the data differs: {key} {data.get(key)!r} in the checkpoint, {now_data.get(key)!r} now")
     for name in set(saved_models) & set(now):
         rec = saved_models[name]
-        if rec.get("optimizer") not in (None, job.optim.optimizer):
-            problems.append(f"model {name}: saved with --optimizer {rec.get('optimizer')}, now {job.optim.optimizer}")
-    if not getattr(job, "override_opt_param_scheduler", False):
+        if with_optim and rec.get("optimizer") not in (None, job.optim.optimizer):
+            problems.append(
+                f"model {name}: saved with --optimizer {rec.get('optimizer')}, now {job.optim.optimizer} "
+                "(pass --no-load-optim to start the optimizer afresh)"
+            )
+    if with_optim and not getattr(job, "override_opt_param_scheduler", False):
         from megatron_hetero.checkpoint.scheduler_state import schedule_mismatch
 
         current = job.schedule.scheduler_config(job.optim.lr, job.train_iters)

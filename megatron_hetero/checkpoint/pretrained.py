@@ -4,7 +4,9 @@ A checkpoint written by `megatron-hetero convert hf-to-checkpoint` (`convert.hf_
 `"origin": "convert"`) is a starting point, not a run to resume: it has no optimizer, scheduler,
 data position or RNG, so `check_loadable`'s resume checks (batch size, data position, schedule)
 do not apply. `check_converted` checks what does: the manifest (every file's bytes and sha256),
-the recorded model against this job's, and the logical models against the layout's. Loading
+the recorded model against this job's (not its precision: converted fp32 weights load into a
+`--bf16`/`--fp16` run, cast, the fresh optimizer's fp32 main weights taken from them; nor, for a
+rope model, its sequence length), and the logical models against the layout's. Loading
 then goes through `checkpoint.save_load.load_checkpoint` like any checkpoint (no optimizer state:
 the optimizers start fresh; iteration 0).
 """
@@ -35,14 +37,19 @@ def check_converted(root: str | Path, layout, job) -> int:
     verify_manifest(d, state)
     read_torch_files(d, state)  # the ranks' restricted unpicklers, here first: a bad file stops the job now
     problems = []
-    saved, now = state.get("model") or {}, spec_record(job.spec)
-    diffs = [
-        f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now"
-        for k in sorted(set(now) | set(saved))
-        if saved.get(k) != now.get(k)
-    ]
+    from megatron_hetero.checkpoint.loadable import PRECISION_FIELDS, model_differences
+
+    # the precision is the job's: the fp32 (or bf16) weights are cast into a --bf16/--fp16 model, whose
+    # fresh optimizer takes its fp32 main weights from them (as Megatron-LM's load without optimizer state)
+    ignore: tuple[str, ...] = PRECISION_FIELDS
+    now = spec_record(job.spec)
+    if now.get("position_embedding_type") == "rope":
+        ignore += ("seq_length", "outputs")  # no position table: the sequence length is the job's
+    diffs = model_differences(state.get("model"), now, ignore)
     if diffs:
-        problems.append("the model differs (" + "; ".join(diffs) + "); give no model flags to build the recorded one")
+        problems.append(
+            "the model differs (" + "; ".join(diffs) + "); give the recorded model's flags, or none to build it"
+        )
     models, have = set(state.get("modules", {})), set(logical_models(layout))
     if not have <= models:
         problems.append(f"the checkpoint holds the models {sorted(models)}, this layout has {sorted(have)}")

@@ -247,7 +247,11 @@ def save_checkpoint(
 
 def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: dict, schedulers: dict) -> int:
     """Load the latest checkpoint under `root` into this rank's modules, optimizers, schedulers (and
-    RNG, if saved under this very layout); returns its iteration. ValueError naming the directory."""
+    RNG, if saved under this very layout); returns its iteration. ValueError naming the directory.
+    `job.finetune`: the model weights only, returns 0; `job.no_load_optim`: no optimizer, scheduler
+    nor loss scale; `job.no_load_rng`: no RNG. A module whose optimizer starts afresh takes its fp32
+    main weights (--bf16/--fp16) from the loaded model weights, cast to the model's precision (a
+    checkpoint of another precision loads so: the model's weights are cast on load)."""
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
@@ -256,8 +260,13 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     from megatron_hetero.checkpoint.scheduler_state import restore_scheduler
 
     # the launcher's choice again (same files, same answer; the hashes are cached or quick)
+    from megatron_hetero.checkpoint.loadable import loads_optimizer, loads_rng, weights_only
+
     d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
-    it = state["iteration"]
+    # --finetune: the weights only, iteration 0; --no-load-optim: no optimizer nor scheduler state;
+    # --no-load-rng: no RNG state (Megatron-LM's flags)
+    it = 0 if weights_only(job) else state["iteration"]
+    with_optim, with_rng = loads_optimizer(job), loads_rng(job)
     logical = logical_models(layout)
     # the checkpoint's precision is this job's model's (check_loadable compares the models; the job's
     # optimizer has the same precision: training.setup checks it; `convert` passes only the spec)
@@ -278,6 +287,7 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
             sd[f"{mod_name}.model"] = model_sd
             if (
                 st.optimizer is not None
+                and with_optim
                 and saved.get("optimizer")
                 and same_frozen
                 and not saved.get("optimizer_stateless")
@@ -330,13 +340,15 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
                 merge(rest, loaded[f"{mod_name}.optimizer"])
                 _put_common_steps(rest, saved.get("common_steps", {}))
                 st.optimizer.load_state_dict(rest)
-            if mod_name in schedulers and saved.get("scheduler"):
+            if with_optim and mod_name in schedulers and saved.get("scheduler"):
                 restore_scheduler(schedulers[mod_name], saved["scheduler"])
     scaler = rank_loss_scaler(states)
-    if scaler is not None and state.get("loss_scaler") is not None:  # --fp16 (check_loadable compared the models)
+    if (
+        with_optim and scaler is not None and state.get("loss_scaler") is not None
+    ):  # --fp16 (check_loadable compared the models)
         scaler.restore(state["loss_scaler"])
     same_layout = state.get("layout_dict") == layout.to_dict() and state.get("world_size") == dist.get_world_size()
-    if same_layout and (d / RNG_DIR).is_dir():
+    if with_rng and same_layout and (d / RNG_DIR).is_dir():
         rank, world = dist.get_rank(), dist.get_world_size()
         rng_sd = _rng_sharded_state_dict(rank, world)
         loaded = _guard(f"checkpoint {d / RNG_DIR} cannot be loaded", safe_unpickle.load, rng_sd, d / RNG_DIR)

@@ -94,6 +94,29 @@ class JobConfig:
         "before it (and say so) instead of exiting 2",
         group="checkpoints",
     )
+    # Megatron-LM's --finetune / --no-load-optim / --no-load-rng (`checkpoint.loadable`)
+    finetune: bool = flag_field(
+        False,
+        "on --load, take the model weights only: start at iteration 0 with a fresh optimizer, learning-rate "
+        "schedule, data position and RNG (any --global-batch-size, --train-iters, schedule, data, precision)",
+        group="checkpoints",
+    )
+    no_load_optim: bool = flag_field(
+        False,
+        "on --load, do not restore the optimizer and its learning-rate scheduler (they start afresh; the fp32 "
+        "main weights come from the loaded weights)",
+        group="checkpoints",
+    )
+    no_load_rng: bool = flag_field(False, "on --load, do not restore the RNG states", group="checkpoints")
+    # Megatron-LM's --pretrained-checkpoint: where a job starts when --load holds no checkpoint yet
+    # (`training.job.resolve_pretrained`), so a requeued fine-tuning job resumes its own saves
+    pretrained_checkpoint: Optional[str] = flag_field(
+        None,
+        "when --load holds no checkpoint (or is not given): --finetune from this one (Megatron-LM's flag; a "
+        "requeued job then resumes from its own --load)",
+        metavar="DIR",
+        group="checkpoints",
+    )
     override_opt_param_scheduler: bool = flag_field(
         False,
         "on --load, use this job's learning-rate schedule instead of requiring the checkpoint's",
@@ -250,6 +273,10 @@ def train_flag_fields() -> list[dataclasses.Field]:
                 "exit_signal_handler",
                 "load",
                 "load_fallback",
+                "finetune",
+                "no_load_optim",
+                "no_load_rng",
+                "pretrained_checkpoint",
             ],
         )
         + flags_of(LlavaSpec, MOE_FLAGS)

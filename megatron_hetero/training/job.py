@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.roles import language_modules
-from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec, sizes_given, spec_from_flags
+from megatron_hetero.planner.model import ENCODER_FLAGS, MOE_FLAGS, LlavaSpec, spec_from_flags
 from megatron_hetero.training.config import JobConfig
 
 
@@ -48,20 +48,130 @@ def batch_from_args(args: Any, layout: HeteroLayout) -> tuple[int, int]:
 
 
 def recorded_spec(args: Any, spec):
-    """`spec`, or, when `args.load` names a checkpoint and no model-size or architecture flag was
-    given, the model that checkpoint records (with this job's seed and precision: --bf16, --fp16)."""
+    """`spec`, or, when `args.load` names a checkpoint that records its model, that model (with this
+    job's seed and precision: --bf16, --fp16). Model flags given next to --load (sizes, architecture,
+    MoE) must agree with the record: Megatron-LM users pass the full model flags, so a flag that says
+    what the checkpoint records is accepted and every flag not given is filled from the record
+    (`overlay_flags`); a given flag that differs is refused (ValueError naming its field and flag).
+    With --finetune or converted weights, a different --seq-length is a training choice when the
+    recorded model has no position table (rope): it is taken."""
     import dataclasses
 
-    from megatron_hetero.training.arch_args import arch_flags_given
-
-    if not args.load or sizes_given(args) or arch_flags_given(args):
+    if not args.load:
         return spec
     from megatron_hetero.checkpoint.files import read_train_state
 
-    record = read_train_state(args.load)[1].get("model")
+    state = read_train_state(args.load)[1]
+    record = state.get("model")
     if not isinstance(record, dict):
         return spec
-    return dataclasses.replace(LlavaSpec.from_record(record, seed=spec.seed), bf16=spec.bf16, fp16=spec.fp16)
+    saved = LlavaSpec.from_record(record, seed=spec.seed)
+    wanted = overlay_flags(args, saved)
+    from megatron_hetero.checkpoint.pretrained import ORIGIN
+
+    weights_only = bool(getattr(args, "finetune", False)) or state.get("origin") == ORIGIN
+    diffs = spec_differences(saved, wanted)
+    if weights_only and saved.position_embedding_type == "rope":
+        diffs = [d for d in diffs if d[0] != "seq_length" and not d[0].endswith(".offset")]
+    if diffs:
+        named = "; ".join(f"{field} ({flag}): {a!r} in the checkpoint, {b!r} given" for field, flag, a, b in diffs)
+        raise ValueError(
+            f"--load {args.load}: the model flags given differ from the checkpoint's model ({named}); "
+            "give the flags of the recorded model, or none (the record fills them)"
+        )
+    if wanted.seq_length != saved.seq_length:  # --finetune / converted weights of a rope model
+        saved = wanted
+    return dataclasses.replace(saved, bf16=spec.bf16, fp16=spec.fp16)
+
+
+def overlay_flags(args: Any, spec: LlavaSpec) -> LlavaSpec:
+    """`spec` with the model flags GIVEN in `args` applied on top (a flag not given keeps `spec`'s
+    value): the language model's sizes (--num-layers ...), every encoder's (--encoder-*), the MoE
+    flags (with --num-experts) and the architecture flags (`training.arch_args.apply_arch_args`).
+    Output heads keep their span before the end of the sequence (`spec_on_layout`)."""
+    import dataclasses
+
+    from megatron_hetero.layout.flags import flags_of, given, value
+    from megatron_hetero.planner.model import ENCODER_FLAGS, LANGUAGE_FLAGS, EncoderSpec
+    from megatron_hetero.training.arch_args import apply_arch_args
+
+    lang = {f.name: value(args, f) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS) if given(args, f)}
+    enc = {f.name: value(args, f) for f in flags_of(EncoderSpec, ENCODER_FLAGS) if given(args, f)}
+    out = dataclasses.replace(spec, **lang)
+    if enc:
+        out = dataclasses.replace(out, encoders={n: dataclasses.replace(e, **enc) for n, e in out.encoders.items()})
+    if args.num_experts is not None:
+        from megatron_hetero.layout.flags import values
+
+        out = dataclasses.replace(out, **{k: v for k, v in values(LlavaSpec, args, MOE_FLAGS).items() if v is not None})
+    if out.seq_length != spec.seq_length and out.outputs:
+        shift = out.seq_length - spec.seq_length
+        out = dataclasses.replace(
+            out, outputs={n: dataclasses.replace(o, offset=o.offset + shift) for n, o in out.outputs.items()}
+        )
+    return apply_arch_args(args, out)
+
+
+# the flag that sets a spec field, where it is not `--` + the field's name
+_FIELD_FLAGS = {
+    "add_bias_linear": "--disable-bias-linear",
+    "untie_embeddings_and_output_weights": "--share-embeddings-and-output-weights",
+    "rope_scaling": "--use-rope-scaling",
+}
+_ENCODER_FIELD_FLAGS = {"kind": "--vision-model-type", "patch_size": "--patch-dim"}
+
+
+def spec_differences(saved: LlavaSpec, now: LlavaSpec) -> list[tuple[str, str, Any, Any]]:
+    """(field, flag, saved value, value now) for every model field where `now` differs from `saved`
+    (encoder fields as `encoders.NAME.FIELD`), sorted by field; the precision (bf16, fp16) is not a
+    model field here (the job's own)."""
+    import dataclasses
+
+    out = []
+    for f in dataclasses.fields(LlavaSpec):
+        if f.name in ("seed", "bf16", "fp16", "encoders", "outputs"):
+            continue
+        a, b = getattr(saved, f.name), getattr(now, f.name)
+        if a != b:
+            out.append((f.name, _FIELD_FLAGS.get(f.name, "--" + f.name.replace("_", "-")), a, b))
+    for name in sorted(set(saved.encoders) | set(now.encoders)):
+        ea, eb = saved.encoders.get(name), now.encoders.get(name)
+        if ea is None or eb is None:
+            out.append((f"encoders.{name}", "the layout's modules", ea is not None, eb is not None))
+            continue
+        for f in dataclasses.fields(ea):
+            a, b = getattr(ea, f.name), getattr(eb, f.name)
+            if a != b:
+                flag = _ENCODER_FIELD_FLAGS.get(f.name, "--encoder-" + f.name.replace("_", "-"))
+                if f.name not in _ENCODER_FIELD_FLAGS and f.name not in ENCODER_FLAGS:
+                    flag = "--vision-model-type"
+                out.append((f"encoders.{name}.{f.name}", flag, a, b))
+    for name in sorted(set(saved.outputs) | set(now.outputs)):
+        oa, ob = saved.outputs.get(name), now.outputs.get(name)
+        if oa != ob:
+            out.append((f"outputs.{name}.offset", "--seq-length", oa, ob))
+    return sorted(out)
+
+
+def resolve_pretrained(args: Any) -> Any:
+    """Megatron-LM's `--pretrained-checkpoint DIR`: when `--load` is not given or holds no checkpoint
+    yet (no `latest_checkpointed_iteration.txt`), the job starts from DIR with `--finetune` (the
+    weights only); once `--load` holds a save of this job (a requeue), that one resumes. Returns
+    `args`, or a copy with `load` and `finetune` set."""
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if not pretrained:
+        return args
+    from pathlib import Path
+
+    from megatron_hetero.checkpoint.files import TRACKER
+
+    if args.load and (Path(args.load) / TRACKER).is_file():
+        return args
+    import copy
+
+    out = copy.copy(args)
+    out.load, out.finetune = pretrained, True
+    return out
 
 
 # JobConfig's fields that take the value of their train flag as it is
@@ -75,6 +185,10 @@ _JOB_FLAGS = (
     "save_interval",
     "load",
     "load_fallback",
+    "finetune",
+    "no_load_optim",
+    "no_load_rng",
+    "pretrained_checkpoint",
     "override_opt_param_scheduler",
     "log_interval",
     "eval_interval",
@@ -109,6 +223,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
     from megatron_hetero.training.arch_args import apply_arch_args
     from megatron_hetero.training.lr_schedule import LRSchedule
 
+    args = resolve_pretrained(args)  # --pretrained-checkpoint: --load and --finetune
     global_batch_size, micro_batch_size = batch_from_args(args, layout)
     spec = spec_from_flags(args, layout)  # the sizes; then the seed and Megatron's MoE flags
     moe = {k: v for k, v in values(LlavaSpec, args, MOE_FLAGS).items() if v is not None}

@@ -117,6 +117,13 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             raise ValueError(f"--save {job.save}: exists and is not a directory")
     if job.load_fallback and not job.load:
         raise ValueError("--load-fallback needs --load DIR")
+    for flag, on in (
+        ("--finetune", job.finetune),
+        ("--no-load-optim", job.no_load_optim),
+        ("--no-load-rng", job.no_load_rng),
+    ):
+        if on and not job.load:
+            raise ValueError(f"{flag} applies to --load DIR (none given)")
     if job.load:
         from megatron_hetero.checkpoint.loadable import check_loadable
         from megatron_hetero.checkpoint.pretrained import check_converted, is_converted

@@ -302,6 +302,35 @@ def test_mismatched_job_is_rejected_before_training(saved):
         validate_job(layout, dataclasses.replace(JOB, load=str(root), global_batch_size=16))
 
 
+def test_finetune_and_no_load_optim_relax_only_what_they_do_not_load(saved):
+    """A resume keeps the precision (its optimizer state is the saved precision's) and the batch (the
+    data position is iteration x batch); --no-load-optim lifts the precision's refusal, --finetune
+    (weights only, iteration 0) the batch's, the schedule's and --train-iters'; the model's shape
+    stays required: the learned position table's --seq-length is named. Checked before any rank."""
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.training.setup import validate_job
+
+    root, _ = saved
+    layout = layout_from_dict(COLOC_TP2, world_size=2)
+    bf16 = dataclasses.replace(
+        JOB, load=str(root), spec=dataclasses.replace(JOB.spec, bf16=True), optim=OptimConfig(bf16=True)
+    )
+    with pytest.raises(
+        ValueError, match=r"bf16: False in the checkpoint, True now\).*pass --no-load-optim or --finetune"
+    ):
+        validate_job(layout, bf16)
+    validate_job(layout, dataclasses.replace(bf16, no_load_optim=True))
+    with pytest.raises(ValueError, match=r"--global-batch-size 16.*pass --finetune"):
+        validate_job(layout, dataclasses.replace(JOB, load=str(root), global_batch_size=16, no_load_optim=True))
+    validate_job(layout, dataclasses.replace(bf16, finetune=True, global_batch_size=16, train_iters=1))
+    with pytest.raises(ValueError, match=r"--finetune .*seq_length: 32 in the checkpoint, 24 now.*position table"):
+        validate_job(layout, dataclasses.replace(JOB, load=str(root), finetune=True, spec=LlavaSpec(seq_length=24)))
+    with pytest.raises(ValueError, match=r"--no-load-rng applies to --load DIR"):
+        validate_job(layout, dataclasses.replace(JOB, no_load_rng=True))
+
+
 @pytest.mark.timeout(300)
 def test_cli_save_resume_and_inspect(tmp_path):
     layout = tmp_path / "l.yaml"

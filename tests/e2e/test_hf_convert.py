@@ -509,34 +509,86 @@ def test_vision_feature_layer_keeps_the_tower_up_to_it(converted, tmp_path):
     assert json.loads((back / "vision" / "config.json").read_text())["num_hidden_layers"] == 1
 
 
-def test_load_with_other_model_flags_names_every_difference(converted):
-    """Model flags next to --load of converted weights build that model instead; the checkpoint then
-    refuses it, naming each field that differs (architecture fields included)."""
+# the converted CLIP + Llama by Megatron-LM's flags, as a Megatron user passes them beside --load
+LLAMA_FLAGS = (
+    f"--num-layers 2 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --vocab-size 64 --seq-length {S} "
+    "--normalization RMSNorm --swiglu --position-embedding-type rope --rotary-base 500000 "
+    "--group-query-attention --num-query-groups 2 --disable-bias-linear --untie-embeddings-and-output-weights"
+).split()
+
+
+def test_load_with_agreeing_model_flags_builds_the_recorded_model(converted):
+    """Model flags next to --load of converted weights that agree with the recorded model are taken,
+    every field not given is filled from the record (the job's model is the one no flags build); a
+    given flag that differs is refused naming its field, its flag and both values."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.training.job import job_from_args
     from megatron_hetero.training.setup import validate_job
 
     layout = layout_from_dict(_layout({"dp": 2}, {"tp": 2}), world_size=2)
-    args = build_parser().parse_args(
-        [
-            "train",
-            "--load",
-            str(converted.ckpts["llama"]),
-            "--hidden-size",
-            "32",
-            "--vocab-size",
-            "64",
-            "--seq-length",
-            str(S),
-        ]
-    )
+    root = str(converted.ckpts["llama"])
+
+    def job(*flags: str):
+        return job_from_args(build_parser().parse_args(["train", "--load", root, *flags]), layout)
+
+    recorded = job().spec
+    assert recorded.normalization == "RMSNorm" and recorded.swiglu and recorded.num_query_groups == 2
+    for flags in (LLAMA_FLAGS, ["--swiglu", "--normalization", "RMSNorm"], ["--hidden-size", "32"]):
+        agreed = job(*flags)
+        assert agreed.spec == recorded, flags
+        validate_job(layout, agreed)
     with pytest.raises(
-        ValueError,
-        match=r"converted weights.*the model differs \(.*normalization: 'RMSNorm' in the "
-        r"checkpoint, None now.*swiglu: True in the checkpoint, None now",
+        ValueError, match=r"normalization \(--normalization\): 'RMSNorm' in the checkpoint, 'LayerNorm' given"
+    ) as err:
+        job(*LLAMA_FLAGS, "--normalization", "LayerNorm")
+    assert "swiglu" not in str(err.value) and "hidden_size" not in str(err.value), err.value
+    with pytest.raises(ValueError, match=r"hidden_size \(--hidden-size\): 32 in the checkpoint, 48 given"):
+        job("--swiglu", "--hidden-size", "48")
+    with pytest.raises(ValueError, match=r"encoders.vision.hidden_size \(--encoder-hidden-size\): 32 .*, 16 given"):
+        job("--encoder-hidden-size", "16")
+    # a rope model has no position table: converted weights train at another --seq-length
+    assert job("--seq-length", str(2 * S)).spec.seq_length == 2 * S
+
+
+@pytest.mark.timeout(300)
+def test_bf16_run_loads_the_converted_fp32_weights(converted, tmp_path):
+    """`train --bf16 --load CONVERTED` (fp32 weights recorded) trains LLaVA stage 1 (vision and language
+    frozen, the projector trains) one step on two layouts: the frozen weights are the converted fp32 ones cast
+    to bf16, bit for bit, and the first loss is the fp32 run's from the same weights within bf16's
+    precision (and the two layouts' within it too)."""
+    from megatron_hetero.cli import build_parser
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.training.job import job_from_args
+
+    from parity import full_params, run_job
+
+    root = str(converted.ckpts["llama"])
+    runs = {}
+    for name, doc, world, precision in (
+        ("fp32 world 1", _layout({"frozen": True}, {"frozen": True}), 1, []),
+        ("bf16 world 1", _layout({"frozen": True}, {"frozen": True}), 1, ["--bf16"]),
+        ("bf16 vision DP2, language TP2", _layout({"dp": 2, "frozen": True}, {"tp": 2, "frozen": True}), 2, ["--bf16"]),
     ):
-        validate_job(layout, job_from_args(args, layout))
+        argv = ["train", "--load", root, "--train-iters", "1", "--global-batch-size", "4", "--lr", "1e-3", *precision]
+        layout = layout_from_dict(doc, world_size=world)
+        job = job_from_args(build_parser().parse_args(argv), layout)
+        assert job.spec.bf16 == bool(precision) and job.spec.normalization == "RMSNorm"
+        per_rank = run_job(doc, world, job)
+        runs[name] = ([r["loss"] for r in per_rank[0]["records"]], full_params(per_rank))
+    ref_loss, ref_params = runs["fp32 world 1"]
+    for name in ("bf16 world 1", "bf16 vision DP2, language TP2"):
+        loss, params = runs[name]
+        rel = abs(loss[0] - ref_loss[0]) / abs(ref_loss[0])
+        print(f"{name}: first loss {loss[0]:.6f}, fp32 {ref_loss[0]:.6f}, relative difference {rel:.2e}")
+        assert all(x == x for x in loss) and rel <= 2e-2, (name, loss, ref_loss)
+        for k, ref in ref_params["language"].items():
+            if "linear_fc1" in k and "TP2" in name:
+                continue  # swiglu's fc1 shards hold [gate; up] of their own rows: not one cut of the full tensor
+            got = params["language"][k]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, ref.to(torch.bfloat16)), (name, k)
+    a, b = runs["bf16 world 1"][0][0], runs["bf16 vision DP2, language TP2"][0][0]
+    assert abs(a - b) <= 1e-2 * abs(a), (a, b)
 
 
 @pytest.mark.timeout(300)
