@@ -15,6 +15,8 @@ bash scripts/docs.sh .venv/bin/python
 workers="${MH_TEST_WORKERS:-2}"
 parallel=()
 if [ "$workers" != "0" ]; then
-  parallel=(-n "$workers" --dist loadfile)
+  # --no-loadscope-reorder: hand out files in tests/conftest.py's RUN_ORDER (slowest first); xdist's
+  # default reorders them by test count, which left the SLURM file (10 slow tests) to the very end
+  parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 fi
 exec .venv/bin/python -m pytest -q --durations=25 "${parallel[@]}" "$@"
