@@ -76,7 +76,7 @@ class CaptionDataConfig:
     )
     trusted: tuple[str, ...] = ()
     # --num-workers (Megatron's flag and default): threads that decode the next step's images ahead
-    # (`energon_data.CaptionBatches`); the batches do not depend on it
+    # (`caption_batches.CaptionBatches`); the batches do not depend on it
     num_workers: int = flag_field(
         2,
         "threads that decode the next step's images in the background on each rank (default {default}, as "

@@ -25,7 +25,7 @@ members as text; a field map naming any other member (a pickle, `.pth`) is refus
 ValueError, whatever `--trust-dataset-code` says (energon reads such a dataset when trusted).
 
 Threads: one sqlite connection and one file descriptor per shard per thread (`threading.local`),
-so worker threads (`energon_data.CaptionBatches`' prefetch) read concurrently without locks.
+so worker threads (`caption_batches.CaptionBatches`' prefetch) read concurrently without locks.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The stage runner for image-caption data: `LlavaStageRunner` with its samples from an energon
-captioning dataset (`models.energon_data.CaptionBatches`) instead of the synthetic `models.data`.
+captioning dataset (`models.caption_batches.CaptionBatches`) instead of the synthetic `models.data`.
 
 Everything else (encoder and language stages, edge and stage tensors, the loss) is LlavaStageRunner's
 own code; this class changes where a micro-batch's samples come from (`batch`) and the per-step
@@ -28,13 +28,9 @@ from megatron_hetero.layout.flags import default, value
 from megatron_hetero.models.caption_config import data_flag_fields
 from megatron_hetero.models.caption_eval import digit_hits
 from megatron_hetero.models.dataset_trust import check_dataset, trusted_message
-from megatron_hetero.models.energon_data import (
-    CaptionBatches,
-    CaptionDataConfig,
-    caption_spec,
-    heldout_batch,
-    resolve_config,
-)
+from megatron_hetero.models.caption_batches import CaptionBatches
+from megatron_hetero.models.caption_reader import heldout_batch
+from megatron_hetero.models.energon_data import CaptionDataConfig, caption_spec, resolve_config
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.models.tokenizer import load_tokenizer
@@ -140,7 +136,7 @@ class CaptionStageRunner(LlavaStageRunner):
 
 
 def read_heldout(cfg: CaptionDataConfig, tok, encoder: str, seq_length: int) -> dict:
-    """The whole held-out split (`HELDOUT_SPLIT`), stacked (`energon_data.heldout_batch`)."""
+    """The whole held-out split (`HELDOUT_SPLIT`), stacked (`caption_reader.heldout_batch`)."""
     out = heldout_batch(cfg, tok, encoder=encoder, seq_length=seq_length, split=HELDOUT_SPLIT)
     if not out["keys"]:
         raise ValueError(f"--data-path {cfg.path}: the held-out split '{HELDOUT_SPLIT}' is empty")

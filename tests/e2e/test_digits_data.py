@@ -23,11 +23,11 @@ from megatron_hetero.models.digits import (
     heldout_indices,
     write_digits_dataset,
 )
+from megatron_hetero.models.caption_batches import CaptionBatches
+from megatron_hetero.models.caption_reader import heldout_batch
 from megatron_hetero.models.energon_data import (
-    CaptionBatches,
     CaptionDataConfig,
     caption_spec,
-    heldout_batch,
     patchify,
     resolve_config,
     text_sample,
