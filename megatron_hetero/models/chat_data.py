@@ -22,8 +22,8 @@ samples have no image parts.
 
 `open_chat_split(path, split)` -> (number of samples, iterator of `ChatSample`): `conversation`
 (normalised `{role, content}` messages), `images` (float [3, H, W] tensors in [0, 1], energon's
-default decoding; images of one sample may differ in size) and `meta`. Every open first runs the same
-trust path as `models.energon_data.open_split`: `dataset_trust.check_dataset` (refuses a dataset naming
+default decoding; images of one sample may differ in size) and `meta`. It opens the split with
+`models.energon_data.open_split` and this module's cooker, so the same trust path runs first: `dataset_trust.check_dataset` (refuses a dataset naming
 code unless `trust_code`) and webdataset's secure decoding. The split is read as rank 0 of a world of 1,
 epoch seed `energon_data.epoch_seed(seed, epoch)`, like the caption data. A typed `VQASample`
 (question -> first answer) or `CaptioningSample` (image -> caption) dataset is read as one-turn
@@ -38,8 +38,7 @@ from typing import Any, Iterator, Optional
 
 from megatron_hetero.models.chat_template import normalize_messages
 from megatron_hetero.models.chat_tokens import IMAGE_MARKER
-from megatron_hetero.models.dataset_trust import check_dataset, secure_decoding
-from megatron_hetero.models.energon_data import _quiet, epoch_seed
+from megatron_hetero.models.energon_data import _quiet, open_split
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 _IMAGE_PART = re.compile(r"^(.*\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$")
@@ -146,34 +145,21 @@ def open_chat_split(
 ) -> tuple[int, Iterator[Any]]:
     """(number of samples, iterator of `ChatSample`) over one epoch of `split` (module docstring).
     `UntrustedDataset` (a ValueError) when the dataset names code and not `trust_code`."""
-    from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
-    from megatron.energon.errors import reraise_exception
-
-    check_dataset(path, trust=trust_code)
-    secure_decoding(trust_code)
-    wc = WorkerConfig(
-        rank=0, world_size=1, num_workers=0, seed_offset=epoch_seed(seed, epoch), global_error_handler=reraise_exception
-    )
     with _quiet():
         te = _task_encoder()
-        if shuffle:
-            ds = get_train_dataset(
-                path,
-                split_part=split,
-                worker_config=wc,
-                batch_size=None,
-                repeat=False,
-                shuffle_buffer_size=shuffle_buffer_size,
-                max_samples_per_sequence=max_samples_per_sequence,
-                task_encoder=te,
-            )
-        else:
-            ds = get_val_dataset(path, split_part=split, worker_config=wc, batch_size=None, task_encoder=te)
-        n, loader = len(ds), get_loader(ds)
+    n, it = open_split(
+        path,
+        split,
+        seed=seed,
+        epoch=epoch,
+        shuffle=shuffle,
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        trust_code=trust_code,
+        task_encoder=te,
+    )
 
     def samples() -> Iterator[Any]:
-        with _quiet():
-            it = iter(loader)
         while True:
             with _quiet():
                 try:

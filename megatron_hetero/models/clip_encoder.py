@@ -33,6 +33,13 @@ from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.layer_specs import encoder_layer_spec
 
 
+def patches_to_image(x: torch.Tensor, grid: int, patch: int) -> torch.Tensor:
+    """[b, g*g, 3*p*p] patches (row-major, each flattened (c, i, j)) -> the image [b, 3, g*p, g*p]: the
+    inverse of the data's patchify (`image_processor.to_patches`), a reshape without arithmetic."""
+    b, g, p = x.shape[0], grid, patch
+    return x.reshape(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, g * p, g * p)
+
+
 def activation(name: str):
     from megatron.core.activations import quick_gelu
 
@@ -103,9 +110,8 @@ class ClipEncoderModule(torch.nn.Module):
         return any(p.requires_grad for p in self.parameters())
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, g*g, 3*p*p] patches (row-major, each (c, i, j)) -> [b, 3, g*p, g*p]."""
-        b, g, p = x.shape[0], self.grid, self.patch
-        return x.reshape(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, g * p, g * p)
+        """[b, g*g, 3*p*p] patches -> [b, 3, g*p, g*p] (`patches_to_image`)."""
+        return patches_to_image(x, self.grid, self.patch)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """[b, tokens, 3*p*p] -> the ViT's last hidden states [b, 1 + tokens, h] (class token first)."""

@@ -66,17 +66,22 @@ def heldout_indices(targets: Sequence[int], held_out: int, seed: int) -> list[in
     return sorted(out)
 
 
-def _png(pixels) -> bytes:
+def digit_png(pixels, size: int = 8) -> bytes:
+    """An 8x8 digit (values 0..16) as a `size` x `size` 8-bit grey PNG (pixel repetition above 8)."""
     from PIL import Image
     import numpy as np
 
     img = np.round(np.asarray(pixels, dtype=np.float64) * 255.0 / 16.0).astype(np.uint8)
+    if size != img.shape[0]:
+        f = size // img.shape[0]
+        img = np.kron(img, np.ones((f, f), dtype=np.uint8))
     buf = io.BytesIO()
     Image.fromarray(img, "L").save(buf, "PNG")
     return buf.getvalue()
 
 
-def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+def add_tar_member(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+    """One member of a shard, with fixed metadata (mtime 0, mode 644): rebuilt shards are byte-identical."""
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 0, 0o644
     tf.addfile(info, io.BytesIO(data))
@@ -90,15 +95,16 @@ def _write_shards(folder: Path, indices: Sequence[int], images, targets, shards:
         name = f"shard-{s:06d}.tar"
         with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tf:
             for i in part:
-                _add(tf, f"{i:04d}.png", _png(images[i]))
-                _add(tf, f"{i:04d}.txt", digit_caption(int(targets[i])).encode())
+                add_tar_member(tf, f"{i:04d}.png", digit_png(images[i]))
+                add_tar_member(tf, f"{i:04d}.txt", digit_caption(int(targets[i])).encode())
         names.append(f"{folder.name}/{name}")
     return names
 
 
-def energon_prepare_command(out: Path) -> list[str]:
-    """The `energon prepare` call of this dataset, run with this interpreter."""
-    parts = [f"train:{TRAIN_DIR}/.*"] + [f"{s}:{HELDOUT_DIR}/.*" for s in HELDOUT_SPLITS]
+def energon_prepare(out: Path, split_parts: Sequence[str], sample_args: Sequence[str]) -> None:
+    """`energon prepare` of `out` with this interpreter, over any earlier index: the split parts
+    (`split:regex` of shard paths) and the sample-type flags; RuntimeError with energon's output if it
+    fails."""
     cmd = [
         sys.executable,
         "-c",
@@ -106,17 +112,17 @@ def energon_prepare_command(out: Path) -> list[str]:
         "prepare",
         str(out),
         "--non-interactive",
-        "--sample-type",
-        "CaptioningSample",
-        "--field-map",
-        json.dumps({"image": "png", "caption": "txt"}),
+        *sample_args,
         "--num-workers",
         "1",
         "--no-progress",
+        "--force-overwrite",
     ]
-    for p in parts:
+    for p in split_parts:
         cmd += ["--split-parts", p]
-    return cmd
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"energon prepare {out} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
 def write_digits_dataset(out, held_out: int = 200, seed: int = 0, train_shards: int = 4, force: bool = False) -> dict:
@@ -143,10 +149,11 @@ def write_digits_dataset(out, held_out: int = 200, seed: int = 0, train_shards: 
             old.unlink()
     train_tars = _write_shards(out / TRAIN_DIR, train, images, targets, train_shards)
     held_tars = _write_shards(out / HELDOUT_DIR, held, images, targets, 1)
-    cmd = energon_prepare_command(out) + ["--force-overwrite"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"energon prepare {out} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    energon_prepare(
+        out,
+        [f"train:{TRAIN_DIR}/.*"] + [f"{s}:{HELDOUT_DIR}/.*" for s in HELDOUT_SPLITS],
+        ["--sample-type", "CaptioningSample", "--field-map", json.dumps({"image": "png", "caption": "txt"})],
+    )
     return {
         "path": str(out),
         "train": len(train),

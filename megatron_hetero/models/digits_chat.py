@@ -32,15 +32,12 @@ energon in this process (`energon prepare` runs as a subprocess, as for `models.
 
 from __future__ import annotations
 
-import io
 import json
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from megatron_hetero.models.digits import DIGIT_WORDS, heldout_indices
+from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member, digit_png, energon_prepare, heldout_indices
 
 TRAIN_DIR, VAL_DIR = "train", "val"
 HELDOUT_SPLITS = ("val", "test")
@@ -131,25 +128,6 @@ def conversation_plan(pool: Sequence[int], targets, count: int, sizes: Sequence[
     return out
 
 
-def digit_png(pixels, size: int) -> bytes:
-    """An 8x8 digit (values 0..16) as a `size` x `size` 8-bit grey PNG (pixel repetition)."""
-    import numpy as np
-    from PIL import Image
-
-    img = np.round(np.asarray(pixels, dtype=np.float64) * 255.0 / 16.0).astype(np.uint8)
-    f = size // img.shape[0]
-    img = np.kron(img, np.ones((f, f), dtype=np.uint8))
-    buf = io.BytesIO()
-    Image.fromarray(img, "L").save(buf, "PNG")
-    return buf.getvalue()
-
-
-def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    tf.addfile(info, io.BytesIO(data))
-
-
 def _write_shards(folder: Path, records: list[dict], images, shards: int, offset: int) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("shard-*.tar"):
@@ -161,33 +139,11 @@ def _write_shards(folder: Path, records: list[dict], images, shards: int, offset
         with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tf:
             for j in range(lo, hi):
                 rec, key = records[j], f"{offset + j:06d}"
-                _add(tf, f"{key}.json", json.dumps(rec, sort_keys=True).encode())
+                add_tar_member(tf, f"{key}.json", json.dumps(rec, sort_keys=True).encode())
                 for part, d, size in zip(rec["images"], rec["digits"], rec["sizes"]):
-                    _add(tf, f"{key}.{part}", digit_png(images[d], size))
+                    add_tar_member(tf, f"{key}.{part}", digit_png(images[d], size))
         names.append(f"{folder.name}/{name}")
     return names
-
-
-def energon_prepare_command(out: Path) -> list[str]:
-    """The `energon prepare` call of this dataset (crude samples: a cooker reads them), with this interpreter."""
-    parts = [f"train:{TRAIN_DIR}/.*"] + [f"{s}:{VAL_DIR}/.*" for s in HELDOUT_SPLITS]
-    cmd = [
-        sys.executable,
-        "-c",
-        "import sys; from megatron.energon.cli.main import main; sys.exit(main())",
-        "prepare",
-        str(out),
-        "--non-interactive",
-        "--sample-type",
-        "CrudeWebdataset",
-        "--num-workers",
-        "1",
-        "--no-progress",
-        "--force-overwrite",
-    ]
-    for p in parts:
-        cmd += ["--split-parts", p]
-    return cmd
 
 
 def write_digits_chat_dataset(
@@ -230,9 +186,9 @@ def write_digits_chat_dataset(
     train_tars = _write_shards(out / TRAIN_DIR, train, images, train_shards, 0)
     val_tars = _write_shards(out / VAL_DIR, val, images, 1, samples)
     if prepare:
-        proc = subprocess.run(energon_prepare_command(out), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"energon prepare {out} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        # crude samples: our cooker reads them (`chat_data`)
+        parts = [f"train:{TRAIN_DIR}/.*"] + [f"{split}:{VAL_DIR}/.*" for split in HELDOUT_SPLITS]
+        energon_prepare(out, parts, ["--sample-type", "CrudeWebdataset"])
     recs = train + val
     return {
         "path": str(out),

@@ -82,11 +82,14 @@ def open_split(
     shuffle_buffer_size: int = 100,
     max_samples_per_sequence: int = 100,
     trust_code: bool = False,
+    task_encoder: Any = None,
 ):
     """(number of samples, iterator of single CaptioningSamples) over one epoch of `split`, read as
     rank 0 of 1 (no process group). shuffle False: the split's stored order. Every open checks the
     dataset first (`dataset_trust.check_dataset`: `UntrustedDataset` when it names code and not
-    `trust_code`) and sets webdataset's secure decoding unless `trust_code`."""
+    `trust_code`) and sets webdataset's secure decoding unless `trust_code`. `task_encoder`: an energon
+    task encoder of this package (e.g. `chat_data`'s cooker for crude datasets); None: energon's
+    default, which yields the dataset's own sample type."""
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
     from megatron.energon.errors import reraise_exception
 
@@ -96,6 +99,7 @@ def open_split(
     wc = WorkerConfig(
         rank=0, world_size=1, num_workers=0, seed_offset=epoch_seed(seed, epoch), global_error_handler=reraise_exception
     )  # a bad sample stops the run, never shifts indices
+    encoder = {} if task_encoder is None else {"task_encoder": task_encoder}
     with _quiet():
         if shuffle:
             ds = get_train_dataset(
@@ -106,9 +110,10 @@ def open_split(
                 repeat=False,
                 shuffle_buffer_size=shuffle_buffer_size,
                 max_samples_per_sequence=max_samples_per_sequence,
+                **encoder,
             )
         else:
-            ds = get_val_dataset(path, split_part=split, worker_config=wc, batch_size=None)
+            ds = get_val_dataset(path, split_part=split, worker_config=wc, batch_size=None, **encoder)
         return len(ds), iter(get_loader(ds))
 
 

@@ -41,6 +41,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.compat import clip_vit_norm_kwargs
 from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.models.clip_encoder import patches_to_image
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.layer_specs import encoder_layer_spec
 
@@ -157,9 +158,8 @@ class SiglipEncoderModule(torch.nn.Module):
         return any(p.requires_grad for p in self.parameters())
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, g*g, 3*p*p] patches (row-major, each (c, i, j)) -> [b, 3, g*p, g*p]."""
-        b, g, p = x.shape[0], self.grid, self.patch
-        return x.reshape(b, g, g, 3, p, p).permute(0, 3, 1, 4, 2, 5).reshape(b, 3, g * p, g * p)
+        """[b, g*g, 3*p*p] patches -> [b, 3, g*p, g*p] (`patches_to_image`)."""
+        return patches_to_image(x, self.grid, self.patch)
 
     def trunk(self, x: torch.Tensor) -> torch.Tensor:
         """[b, tokens, 3*p*p] -> the last kept layer's output [b, tokens, h] (hidden_states[k])."""
