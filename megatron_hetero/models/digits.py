@@ -125,6 +125,18 @@ def energon_prepare(out: Path, split_parts: Sequence[str], sample_args: Sequence
         raise RuntimeError(f"energon prepare {out} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
+def digits_split_parts() -> list[str]:
+    """The digits dataset's `energon prepare --split-parts`: train from its folder, every held-out
+    split from the held-out folder."""
+    return [f"train:{TRAIN_DIR}/.*"] + [f"{s}:{HELDOUT_DIR}/.*" for s in HELDOUT_SPLITS]
+
+
+def digits_sample_args(caption_ext: str = "txt") -> list[str]:
+    """The digits dataset's sample-type flags for `energon prepare`: a CaptioningSample of the png
+    member and the caption member with extension `caption_ext`."""
+    return ["--sample-type", "CaptioningSample", "--field-map", json.dumps({"image": "png", "caption": caption_ext})]
+
+
 def write_digits_dataset(out, held_out: int = 200, seed: int = 0, train_shards: int = 4, force: bool = False) -> dict:
     """Write the digits captioning dataset to `out` and prepare it for energon (see the module
     docstring). Returns a summary: path, samples per split, shards. ValueError if `out` holds files
@@ -149,11 +161,7 @@ def write_digits_dataset(out, held_out: int = 200, seed: int = 0, train_shards: 
             old.unlink()
     train_tars = _write_shards(out / TRAIN_DIR, train, images, targets, train_shards)
     held_tars = _write_shards(out / HELDOUT_DIR, held, images, targets, 1)
-    energon_prepare(
-        out,
-        [f"train:{TRAIN_DIR}/.*"] + [f"{s}:{HELDOUT_DIR}/.*" for s in HELDOUT_SPLITS],
-        ["--sample-type", "CaptioningSample", "--field-map", json.dumps({"image": "png", "caption": "txt"})],
-    )
+    energon_prepare(out, digits_split_parts(), digits_sample_args())
     return {
         "path": str(out),
         "train": len(train),

@@ -15,7 +15,6 @@ import io
 import json
 import pickle
 import shutil
-import subprocess
 import tarfile
 from pathlib import Path
 
@@ -29,7 +28,12 @@ from megatron_hetero.models.dataset_trust import (
     inspect_dataset,
     npy_cache_findings,
 )
-from megatron_hetero.models.digits import energon_prepare_command, write_digits_dataset
+from megatron_hetero.models.digits import (
+    digits_sample_args,
+    digits_split_parts,
+    energon_prepare,
+    write_digits_dataset,
+)
 
 TRAIN = [
     "train",
@@ -130,9 +134,7 @@ def _members(ext: str):
                         m = tarfile.TarInfo(m.name[:-3] + ext)
                         m.size = len(data)
                     tf.addfile(m, io.BytesIO(data))
-        cmd = energon_prepare_command(ds) + ["--force-overwrite"]
-        cmd[cmd.index("--field-map") + 1] = json.dumps({"image": "png", "caption": ext})
-        subprocess.run(cmd, check=True, capture_output=True)
+        energon_prepare(ds, digits_split_parts(), digits_sample_args(caption_ext=ext))
         return f"member *.{ext}"
 
     return craft
