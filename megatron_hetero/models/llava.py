@@ -61,6 +61,7 @@ from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.layout.validate import check_experts
 from megatron_hetero.models.architecture import check_architecture
 from megatron_hetero.models.cp_attention import cp_chunk_positions
+from megatron_hetero.models.image_tokens import gather_cp_chunks, place_by_mask
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.layer_specs import encoder_layer_spec, language_layer_spec
 from megatron_hetero.models.data import DataConfig, EncoderInput
@@ -114,7 +115,7 @@ def data_config(spec: LlavaSpec) -> DataConfig:
     return DataConfig(
         seq_length=spec.seq_length,
         vocab_size=spec.vocab_size,
-        encoders={n: EncoderInput(e.tokens, e.feature_dim, e.offset) for n, e in spec.encoders.items()},
+        encoders={n: EncoderInput(e.tokens, e.feature_dim, e.offset, e.max_tiles) for n, e in spec.encoders.items()},
         seed=spec.seed,
     )
 
@@ -178,6 +179,13 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, sequence_parallel: boo
     if spec.moe_aux_loss_coeff < 0:
         raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {spec.moe_aux_loss_coeff}")
     check_experts(layout, {n: spec.num_experts for n in langs})
+    for name, enc in spec.encoders.items():
+        if enc.max_tiles and name in layout.names and layout.module(name).pp > 1:
+            raise ValueError(
+                f"module {name}: variable image tokens (--encoder-max-tiles {enc.max_tiles}) run with the "
+                f"encoder on one pipeline stage (its stages would exchange a tile count known only from the "
+                f"data); got pp({layout.module(name).pp}); use pp 1 for {name}"
+            )
     check_architecture(layout, spec, langs)
     if spec.transformer_impl != "local":
         for name in langs:
@@ -376,7 +384,7 @@ class LanguageModule(torch.nn.Module):
         if spec.seq_length % (2 * m.cp) and m.cp > 1:
             raise ValueError(f"module {name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
         self.name, self.spec, self.frozen = name, spec, m.frozen
-        self.cp_rank, self.cp_size = pgs.cp.rank(), m.cp
+        self.cp_rank, self.cp_size, self.cp_group = pgs.cp.rank(), m.cp, pgs.cp
         pp_rank = pgs.pp.rank()
         self.first_stage = first_segment and pp_rank == 0
         self.last_stage = last_segment and pp_rank == m.pp - 1
@@ -469,16 +477,30 @@ class LanguageModule(torch.nn.Module):
         """Text positions this CP rank holds (Megatron's load-balanced chunks c and 2cp-1-c)."""
         return cp_chunk_positions(self.spec.seq_length, self.cp_rank, self.cp_size)
 
-    def embed(self, tokens: torch.Tensor, encoder_tokens: dict[str, torch.Tensor]) -> torch.Tensor:
+    def embed(
+        self,
+        tokens: torch.Tensor,
+        encoder_tokens: dict[str, torch.Tensor],
+        image_mask: Optional[dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """Decoder input [s_local, b, h]: text embeddings at this CP rank's positions, with each
         encoder's tokens ([b, n_local, h], the boundary's output for this CP rank) at its placeholders;
-        under sequence parallelism then this TP rank's [s_local/tp, b, h] of it (`to_sequence_shards`)."""
+        under sequence parallelism then this TP rank's [s_local/tp, b, h] of it (`to_sequence_shards`).
+        A variable encoder's tokens (`image_mask`: its placeholders [b, S]) go where its mask is set
+        (`models.image_tokens.place_by_mask`, after `gather_cp_chunks` with cp > 1)."""
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
         emb = self.gpt.embedding(input_ids=tokens, position_ids=pos)  # [s, b, h]
+        for name in sorted(image_mask or {}):
+            got = encoder_tokens[name]
+            if self.cp_size > 1:
+                got = gather_cp_chunks(got, self.cp_group, self.cp_size)
+            emb = place_by_mask(emb, got, image_mask[name].to(tokens.device), f"module {self.name}: encoder {name}")
         idx = self.cp_positions().to(tokens.device)
         local = emb.index_select(0, idx)
         for name, enc in self.spec.encoders.items():
+            if enc.max_tiles:
+                continue
             where = torch.nonzero((idx >= enc.offset) & (idx < enc.offset + enc.tokens)).flatten()
             got = encoder_tokens[name]
             if where.numel() == 0 and got.numel() == 0:  # this CP rank's chunks hold none of its placeholders

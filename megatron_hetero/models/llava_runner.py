@@ -27,6 +27,7 @@ import torch
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.models import data as data_mod
+from megatron_hetero.models import image_tokens
 from megatron_hetero.models.llava import LlavaSpec, OutputSpec, data_config, dtype_of
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
@@ -42,7 +43,8 @@ class LlavaStageRunner(StageRunner):
     def __init__(self, spec: LlavaSpec, plan: RankPlan, states: dict[str, ModuleState]) -> None:
         self.spec, self.plan, self.states = spec, plan, states
         self.dcfg = data_config(spec)
-        self._loss_tokens = data_mod.loss_tokens_per_sample(self.dcfg) * plan.global_batch
+        self.variable = {n for n, e in spec.encoders.items() if e.max_tiles}  # variable image tokens
+        self._loss_tokens: dict[int, int] = {}  # first sample of a step -> its loss tokens
         self.device = get_device()
         self._aux = torch.zeros((), dtype=torch.float64)
         self._langs = set(plan.roles.language)
@@ -80,10 +82,39 @@ class LlavaStageRunner(StageRunner):
         return {"aux_loss": out}
 
     def loss_tokens(self, step: int) -> int:
-        return self._loss_tokens  # the placeholder spans are the same for every sample
+        g = self.plan.global_batch
+        start = step * g + (EVAL_OFFSET if self.evaluating else 0)
+        if start not in self._loss_tokens:
+            self._loss_tokens = {start: data_mod.loss_tokens(self.dcfg, start, g)}  # one step at a time
+        return self._loss_tokens[start]
+
+    def image_tiles(self, samples: range) -> dict[str, list[int]]:
+        """Tiles per sample of the global samples `samples` for each variable encoder, from the data's
+        metadata (no image read): what sizes a boundary call of variable image tokens."""
+        start = samples.start + (EVAL_OFFSET if self.evaluating else 0)
+        return data_mod.image_tiles(self.dcfg, start, len(samples))
+
+    def call_samples(self, samples: range) -> range:
+        """The global samples of the boundary call that carries `samples`: the step's global batch
+        (colocated: one call per step) or their micro-batch (disjoint)."""
+        n = self.plan.global_batch if self.plan.layout.placement == "colocated" else self.plan.micro_batching.samples
+        first = samples.start // n * n
+        return range(first, first + n)
+
+    def edge_seq(self, edge: Edge, samples: range) -> Optional[int]:
+        """A variable encoder's edge: its call's longest tile run (`image_tokens.edge_seq`), a
+        multiple of 2*cp of the language model's CP (the boundary's chunking); else None (fixed)."""
+        if edge.src not in self.variable:
+            return None
+        dst_cp = self.plan.layout.module(edge.dst).cp
+        multiple = 2 * dst_cp if dst_cp > 1 else 1
+        tiles = self.image_tiles(samples)[edge.src]
+        return image_tokens.edge_seq(tiles, self.spec.encoders[edge.src].tokens, multiple)
 
     def edge_tensor(self, edge: Edge) -> EdgeTensor:
         spec = self.spec
+        if edge.src in self.variable:  # its length per boundary call: edge_seq
+            return EdgeTensor(seq=None, hidden=spec.hidden_size, dtype=dtype_of(spec))
         if edge.src in spec.encoders:
             enc = spec.encoders[edge.src]
             return EdgeTensor(
@@ -134,6 +165,14 @@ class LlavaStageRunner(StageRunner):
 
     def _encoder(self, module: str, samples: range, stage_input: Optional[torch.Tensor]) -> torch.Tensor:
         x = stage_input
+        if module in self.variable:  # [tiles, T, f] -> [tiles, T, h] -> the call's [rows, seq, h]
+            b = self.batch(samples)
+            x, tiles = b["features"][module].to(self.device, dtype_of(self.spec)), b["tiles"][module].tolist()
+            seq = self.edge_seq(Edge(module, self.plan.roles.first_language), self.call_samples(samples))
+            if not tiles or sum(tiles) == 0:  # text only: a zero tile keeps the module in the graph, times 0
+                y = self.states[module].model(x.new_zeros(1, *x.shape[1:]))
+                return image_tokens.pack_tiles(y[:0], tiles, seq) + 0 * y.sum()
+            return image_tokens.pack_tiles(self.states[module].model(x), tiles, seq)
         if x is None:  # the first stage reads this rank's features
             x = self.batch(samples)["features"][module].to(self.device, dtype_of(self.spec))
         return self.states[module].model(x)
@@ -145,14 +184,15 @@ class LlavaStageRunner(StageRunner):
         b = self.batch(samples)
         hidden = None
         if lang.first_stage:
-            hidden = lang.embed(b["tokens"].to(self.device), dict(inputs))
+            masks = {n: b["image_mask"][n] for n in self.variable} if self.variable else None
+            hidden = lang.embed(b["tokens"].to(self.device), dict(inputs), masks)
         elif stage_input is not None:
             lang.set_input_tensor(stage_input)
         elif inputs:  # the previous language segment's hidden states, [rows, seq, hidden]
             (x,) = inputs.values()
             lang.set_input_tensor(lang.to_sequence_shards(x.transpose(0, 1).contiguous()))
         if not lang.last_stage:
-            out = self._with_aux(lang, me, len(samples), lambda: model(hidden, None))
+            out = self._with_aux(lang, me, samples, lambda: model(hidden, None))
             if me.last_stage:  # a segment's end crosses an edge: the whole sequence, [rows, seq, hidden]
                 return lang.from_sequence_shards(out).transpose(0, 1).contiguous()
             return out
@@ -160,19 +200,19 @@ class LlavaStageRunner(StageRunner):
         labels = b["labels"][:, idx].to(self.device)
         mask = b["loss_mask"][:, idx].to(self.device)
         if self.evaluating:  # the same loss, from the logits the evaluation also reads
-            logits = self._with_aux(lang, me, len(samples), lambda: model(hidden, None))  # [b, s_local, V/tp]
+            logits = self._with_aux(lang, me, samples, lambda: model(hidden, None))  # [b, s_local, V/tp]
             # a copy first: Megatron's vocab-parallel cross entropy works in place on the logits
             self.eval_logits(module, logits.detach().clone(), labels, mask)
             per_token = lang.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
         else:
-            per_token = self._with_aux(lang, me, len(samples), lambda: model(hidden, labels))
+            per_token = self._with_aux(lang, me, samples, lambda: model(hidden, labels))
         out = None
         if self.plan.roles.outputs and me.last_stage and module == self.plan.roles.last_language:
             start, end = self.output_span()  # cp == 1 here (validated): positions are global
             out = lang.last_hidden[start:end].transpose(0, 1).contiguous()
         return LossSum((per_token * mask).sum(), mask.sum().to(torch.int), out)
 
-    def _with_aux(self, lang, me, rows: int, run):
+    def _with_aux(self, lang, me, samples: range, run):
         """Run a language stage's forward; with experts, set the scale of the load-balancing loss's
         gradient (1/loss tokens, the per-token convention) and account what it adds this micro-batch."""
         if not self.spec.num_experts:
@@ -182,7 +222,8 @@ class LlavaStageRunner(StageRunner):
         from megatron_hetero.runtime.loss_scale import loss_scale_of
 
         # times the whole model's loss scale under --fp16, as the loss itself (runtime.loss_scale)
-        scale = 1.0 / self._loss_tokens * loss_scale_of(self.states)
+        tokens = self.loss_tokens(samples.start // self.plan.global_batch)
+        scale = 1.0 / tokens * loss_scale_of(self.states)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([scale], device=self.device))
 
         def total() -> float:
@@ -195,8 +236,8 @@ class LlavaStageRunner(StageRunner):
         # TP replicas route the same tokens, so TP rank 0 counts them; under sequence parallelism each TP
         # rank routes its own shard and holds its part of the loss (summed over the world below)
         if me.coord.tp == 0 or lang.sequence_parallel:
-            local_tokens = rows * self.spec.seq_length // me.cp
-            self._aux += (total() - before) * self.spec.moe_aux_loss_coeff * local_tokens / self._loss_tokens
+            local_tokens = len(samples) * self.spec.seq_length // me.cp
+            self._aux += (total() - before) * self.spec.moe_aux_loss_coeff * local_tokens / tokens
         return result
 
 

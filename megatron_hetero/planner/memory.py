@@ -258,6 +258,7 @@ def stage_activation_bytes(
     m = layout.module(module)
     if module in spec.encoders:
         enc = spec.encoders[module]
+        rows *= max(1, enc.max_tiles)  # variable image tokens: the encoder's batch is tiles, at most K per sample
         h, heads, ffn = enc.hidden_size, enc.num_attention_heads, enc.ffn_hidden_size or 4 * enc.hidden_size
         tokens, layers, norm = enc.tokens + (1 if enc.kind == "clip" else 0), enc.num_layers // m.pp, "LayerNorm"
         gated, groups, kvc = False, None, None
@@ -316,7 +317,7 @@ def other_activation_bytes(
     tokens = spec.seq_length // m.cp
     out = 0
     if module == segs[0] and pp_rank == 0:
-        enc_tokens = sum(e.tokens for n, e in spec.encoders.items() if n in layout.names)
+        enc_tokens = sum(e.tokens * max(1, e.max_tiles) for n, e in spec.encoders.items() if n in layout.names)
         out += (tokens + enc_tokens) * rows * 8
         if layout.placement == "disjoint":
             out += enc_tokens * rows * spec.hidden_size * features.dtype_bytes
@@ -415,7 +416,7 @@ def rank_activation_bytes(
         other = in_flight * other_activation_bytes(layout, spec, name, mr.coord.pp, micro_batch, feats[name])
         if name == language_modules(layout)[0].name and mr.coord.pp == 0:  # the step's received encoder tokens
             share = global_batch // m.dp
-            enc_tokens = sum(e.tokens for n, e in spec.encoders.items() if n in layout.names)
+            enc_tokens = sum(e.tokens * max(1, e.max_tiles) for n, e in spec.encoders.items() if n in layout.names)
             other += share * enc_tokens * spec.hidden_size * feats[name].dtype_bytes
         if other:
             per["other"] = other

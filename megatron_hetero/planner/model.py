@@ -62,6 +62,17 @@ class EncoderSpec:
         group="encoder",
         given=True,
     )
+    # variable image tokens (`models.data`, `models.llava_runner`): K >= 1 tiles of `tokens` tokens each at
+    # most per sample (0..K per sample: text-only samples have none), placed by the sample's image mask
+    max_tiles: int = flag_field(
+        0,
+        "variable image tokens: each sample carries 0..K tiles (image crops) of --encoder-tokens tokens, "
+        "the synthetic data draws the count per sample (default {default}: every sample has exactly "
+        "--encoder-tokens tokens)",
+        flag="--encoder-max-tiles",
+        group="encoder",
+        given=True,
+    )
     offset: int = 1
     # "linear": the features go through a linear patch embedding + learned positions + a GPT-style
     # trunk (the default); "clip": Megatron's CLIPViTModel (patch convolution over the image the
@@ -177,7 +188,7 @@ class LlavaSpec:
 # model's sizes, then each encoder's. (The batch flags beside them are the job's:
 # `training.config.JobConfig`.)
 LANGUAGE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size")
-ENCODER_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "tokens", "feature_dim")
+ENCODER_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "tokens", "feature_dim", "max_tiles")
 MOE_FLAGS = ("num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_ffn_hidden_size")
 # sizes that must be >= 1 (ffn_hidden_size: None or a size, as Megatron takes it)
 _POSITIVE = {"num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "tokens", "feature_dim"}
@@ -201,6 +212,8 @@ def check_sizes(spec: LlavaSpec, encoder: EncoderSpec) -> None:
     ]:
         if f.name in _POSITIVE and v < 1:
             raise ValueError(f"{option(f)} must be >= 1, got {v}")
+    if encoder.max_tiles < 0:
+        raise ValueError(f"--encoder-max-tiles must be >= 0, got {encoder.max_tiles}")
     if encoder.hidden_size % encoder.num_attention_heads:
         raise ValueError(
             f"--encoder-hidden-size {encoder.hidden_size} is not divisible by "
@@ -238,7 +251,7 @@ def spec_on_layout(
         if m.name in who.language or m.name in who.outputs:
             continue
         encoders[m.name] = dataclasses.replace(encoder, offset=offset)
-        offset += encoder.tokens
+        offset += encoder.tokens * max(1, encoder.max_tiles)  # the span its placeholders may take
     outputs = {n: OutputSpec(tokens=4, offset=sizes.seq_length - 4 * (k + 1)) for k, n in enumerate(who.outputs)}
     return dataclasses.replace(sizes, encoders=encoders, outputs=outputs)
 
@@ -256,6 +269,11 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
         raise ValueError(f"the cost model takes one encoder; the model has {sorted(spec.encoders)}")
     ((name, e),) = spec.encoders.items()
     check_sizes(spec, e)
+    if e.max_tiles:
+        raise ValueError(
+            f"--encoder-max-tiles {e.max_tiles}: the cost model prices a fixed number of image tokens per "
+            "sample; plan with --encoder-tokens set to the tokens of a typical sample (tiles x tokens per tile)"
+        )
     h, eh = spec.hidden_size, e.hidden_size
     enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
     # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers

@@ -340,16 +340,22 @@ class Boundary:
         )
         return ph, seq
 
-    def planned_forward_phase(self, x: Optional[torch.Tensor]) -> tuple["Phase", int]:
-        """Direct mode, forward, for an edge with a fixed seq: the payload phase without a header
+    def planned_forward_phase(self, x: Optional[torch.Tensor], seq: Optional[int] = None) -> tuple["Phase", int]:
+        """Direct mode, forward, for an edge with a fixed seq (or the `seq` of this call, which every
+        rank knows from the data: variable image tokens): the payload phase without a header
         phase (both sides size their messages from the same plan; the source checks its tensor
         against it first). Used where several exchanges are posted as one batch (the disjoint
         schedule), since a header round inside a batch would hold back the batch's other messages."""
-        if self.seq is None:
+        seq = self.seq if seq is None else seq
+        if seq is None:
             raise ValueError(f"edge {self.edge}: a forward without headers needs the edge's fixed seq")
         if self.is_src:
-            self._check_source(x)
-        plan = self.plan_for(self.seq)
+            got = self._check_source(x)
+            if got != seq:
+                raise ValueError(
+                    f"edge {self.edge}: rank {self.rank} is sending a sequence of {got} where the call carries {seq}"
+                )
+        plan = self.plan_for(seq)
         ph = self._phase(
             plan,
             "forward",
@@ -357,7 +363,7 @@ class Boundary:
             plan.holds.get(self.rank, ()),
             plan.needs.get(self.rank, ()),
         )
-        return ph, self.seq
+        return ph, seq
 
     def backward_phase(self, grad_y: Optional[torch.Tensor], seq: int) -> "Phase":
         """Direct mode, backward (not yet on the wire): destination gradients back to every source

@@ -253,6 +253,10 @@ class DisjointSchedule:
         for c in comms:
             c.finish(c.phase)
 
+    def _edge_seq(self, b: Boundary, mb: int) -> Optional[int]:
+        """The edge's sequence length for micro-batch `mb` (None: the edge's fixed one)."""
+        return self.runner.edge_seq(b.edge, self.plan.micro_batching.rows(1, 0, mb, self._step))
+
     def _prepare(self, a) -> _Comm:
         """The messages of action `a` on this rank (see `_Comm`)."""
         mb, lk = a.mb, a.link
@@ -265,7 +269,7 @@ class DisjointSchedule:
                 return _Comm(a, where, Phase({self.next_rank: out}, {}, none, PIPELINE_TAG), lambda ph: None)
             assert out.shape[0] == self.dp_share, (out.shape, lk)
             fault_point("boundary-send", self.rank, self._iteration)
-            ph, self._seqs[(lk, mb)] = b.planned_forward_phase(out)
+            ph, self._seqs[(lk, mb)] = b.planned_forward_phase(out, self._edge_seq(b, mb))
             return _Comm(a, where, ph, lambda ph: ph.finish())
         if isinstance(a, SendAct):  # gradients of this stage's input leaves go back
             leaf = self._inputs[mb].pop(lk)
@@ -282,7 +286,7 @@ class DisjointSchedule:
                 ph = Phase({}, {self.prev_rank: buf}, lambda: buf, PIPELINE_TAG)
             else:
                 fault_point("boundary-recv", self.rank, self._iteration)
-                ph, self._seqs[(lk, mb)] = b.planned_forward_phase(None)
+                ph, self._seqs[(lk, mb)] = b.planned_forward_phase(None, self._edge_seq(b, mb))
 
             def store_input(ph: Phase) -> None:
                 self._inputs.setdefault(mb, {})[lk] = ph.finish().detach().requires_grad_(True)

@@ -26,9 +26,10 @@ from megatron_hetero.layout.spec import Edge
 class EdgeTensor:
     """What crosses an edge per sample: `seq` tokens of `hidden` features; `dst_seq`/`dst_offset`
     when the tokens are inserted into a longer destination sequence at positions
-    [dst_offset, dst_offset + seq) (image tokens at their placeholders)."""
+    [dst_offset, dst_offset + seq) (image tokens at their placeholders). `seq` None: the length
+    differs per boundary call (variable image tokens), `StageRunner.edge_seq` gives it."""
 
-    seq: int
+    seq: Optional[int]
     hidden: int
     dst_seq: Optional[int] = None
     dst_offset: int = 0
@@ -89,6 +90,12 @@ class StageRunner:
         raise NotImplementedError
 
     # -- optional, with defaults -----------------------------------------------------------------
+    def edge_seq(self, edge: Edge, samples: range) -> Optional[int]:
+        """The sequence length of `edge`'s tensor for the boundary call over the global samples
+        `samples` (the disjoint schedule: one micro-batch), the same on every rank (from the samples'
+        metadata, never from a tensor); None: the edge's fixed `edge_tensor(edge).seq`. Default: None."""
+        return None
+
     def aux_losses(self, step: int) -> dict[str, torch.Tensor]:
         """This rank's share of auxiliary terms that entered the gradient but not the reported loss
         (the MoE load-balancing loss), summed over the world by the schedule and reported in

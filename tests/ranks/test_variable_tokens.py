@@ -1,0 +1,77 @@
+"""Variable image tokens per sample (0..3 tiles of 4 tokens, text-only samples mixed in): loss and
+parameter parity of colocated and disjoint layouts (fan-in, Equal-DP, CP on the language model,
+pipeline stages) with the world-1 run of the same model and data (fp32, SGD)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_hetero.models import data as data_mod
+from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, data_config
+from megatron_hetero.runtime.module_state import OptimConfig
+from megatron_hetero.training.setup import JobConfig
+
+from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, run_job, world1_doc
+
+SPEC = LlavaSpec(seq_length=32, encoders={"vision": EncoderSpec(tokens=4, max_tiles=3, offset=1)})
+JOB = JobConfig(
+    spec=SPEC, global_batch_size=8, micro_batch_size=2, train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5)
+)
+EDGE = ["vision -> language"]
+CASES = [
+    (
+        "colocated: vision DP4 -> language TP2·DP2 (fan-in)",
+        "colocated",
+        {"vision": {"dp": 4}, "language": {"tp": 2, "dp": 2}},
+        4,
+    ),
+    ("colocated: vision DP2 -> language CP2", "colocated", {"vision": {"dp": 2}, "language": {"cp": 2}}, 2),
+    (
+        "disjoint: vision DP2 | language PP2",
+        "disjoint",
+        {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"pp": 2, "ranks": "2-3"}},
+        4,
+    ),
+    (
+        "disjoint: vision DP1 | language CP2",
+        "disjoint",
+        {"vision": {"ranks": "0-0"}, "language": {"cp": 2, "ranks": "1-2"}},
+        3,
+    ),
+]
+_REF: dict = {}
+
+
+def _reference():
+    if not _REF:
+        per_rank = run_job(world1_doc(JOB), 1, JOB)
+        _REF["losses"], _REF["params"] = losses(per_rank), full_params(per_rank)
+    return _REF["losses"], _REF["params"]
+
+
+def test_the_data_mixes_text_only_samples_and_tile_counts():
+    tiles = data_mod.image_tiles(data_config(SPEC), 0, JOB.global_batch_size * JOB.train_iters)["vision"]
+    assert set(tiles) == {0, 1, 2, 3}, tiles
+    # the disjoint micro-batches (2 samples) differ in their longest run, so their messages differ in size
+    assert len({max(tiles[i : i + 2]) for i in range(0, len(tiles), 2)}) > 1
+
+
+@pytest.mark.parametrize("label,placement,modules,world", CASES, ids=[c[0] for c in CASES])
+def test_variable_image_tokens_match_world_1(label, placement, modules, world):
+    ref_losses, ref_params = _reference()
+    per_rank = run_job({"placement": placement, "modules": modules, "edges": EDGE}, world, JOB)
+    dl = max_loss_rel_diff(losses(per_rank), ref_losses)
+    dp, where = max_param_rel_diff(full_params(per_rank), ref_params)
+    assert dl <= 1e-5, f"{label}: loss differs by {dl:.2e}: {losses(per_rank)} vs {ref_losses}"
+    assert dp <= 1e-5, f"{label}: parameter {where} differs by {dp:.2e} relative"
+
+
+def test_a_variable_encoder_on_two_pipeline_stages_is_refused():
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.training.setup import validate_job
+
+    layout = layout_from_dict(
+        {"placement": "colocated", "modules": {"vision": {"pp": 2}, "language": {"pp": 2}}, "edges": EDGE}, world_size=2
+    )
+    with pytest.raises(ValueError, match=r"vision: variable image tokens .* use pp 1"):
+        validate_job(layout, JOB)
