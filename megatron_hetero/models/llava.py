@@ -117,6 +117,8 @@ def data_config(spec: LlavaSpec) -> DataConfig:
         vocab_size=spec.vocab_size,
         encoders={n: EncoderInput(e.tokens, e.feature_dim, e.offset, e.max_tiles) for n, e in spec.encoders.items()},
         seed=spec.seed,
+        documents=spec.documents,
+        pack_documents=spec.pack_documents,
     )
 
 
@@ -482,14 +484,16 @@ class LanguageModule(torch.nn.Module):
         tokens: torch.Tensor,
         encoder_tokens: dict[str, torch.Tensor],
         image_mask: Optional[dict[str, torch.Tensor]] = None,
+        position_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Decoder input [s_local, b, h]: text embeddings at this CP rank's positions, with each
         encoder's tokens ([b, n_local, h], the boundary's output for this CP rank) at its placeholders;
         under sequence parallelism then this TP rank's [s_local/tp, b, h] of it (`to_sequence_shards`).
         A variable encoder's tokens (`image_mask`: its placeholders [b, S]) go where its mask is set
-        (`models.image_tokens.place_by_mask`, after `gather_cp_chunks` with cp > 1)."""
+        (`models.image_tokens.place_by_mask`, after `gather_cp_chunks` with cp > 1). `position_ids`
+        [b, S]: the text positions (packed documents: restarting after each EOD); default 0..S-1."""
         b, s = tokens.shape
-        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1)
+        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, -1) if position_ids is None else position_ids
         emb = self.gpt.embedding(input_ids=tokens, position_ids=pos)  # [s, b, h]
         for name in sorted(image_mask or {}):
             got = encoder_tokens[name]
@@ -517,11 +521,18 @@ class LanguageModule(torch.nn.Module):
         """Megatron's pipeline schedules hand a non-first stage its input here."""
         self.gpt.set_input_tensor(tensor)
 
-    def forward(self, hidden: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: Optional[torch.Tensor],
+        labels: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """hidden: [s_local, b, h] decoder input on the first stage (None elsewhere); returns [s_local, b, h], or the per-token loss
         [b, s_local] on the last stage (labels at this CP rank's positions). Under sequence parallelism
-        the hidden states are this TP rank's [s_local/tp, b, h] (the loss is over all of s_local)."""
-        return self.gpt(None, None, None, decoder_input=hidden, labels=labels)
+        the hidden states are this TP rank's [s_local/tp, b, h] (the loss is over all of s_local).
+        `attention_mask` [b, 1, S, S] bool (True: masked) over the whole sequence, e.g. packed
+        documents' block-diagonal causal mask (None: causal); the CP attention takes its own rows."""
+        return self.gpt(None, None, attention_mask, decoder_input=hidden, labels=labels)
 
 
 class OutputModule(torch.nn.Module):

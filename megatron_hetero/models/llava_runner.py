@@ -183,16 +183,17 @@ class LlavaStageRunner(StageRunner):
         lang, model, me = self.states[module].module, self.states[module].model, self.plan.modules[module]
         b = self.batch(samples)
         hidden = None
+        attention_mask, position_ids = self._document_masks(b["tokens"])
         if lang.first_stage:
             masks = {n: b["image_mask"][n] for n in self.variable} if self.variable else None
-            hidden = lang.embed(b["tokens"].to(self.device), dict(inputs), masks)
+            hidden = lang.embed(b["tokens"].to(self.device), dict(inputs), masks, position_ids)
         elif stage_input is not None:
             lang.set_input_tensor(stage_input)
         elif inputs:  # the previous language segment's hidden states, [rows, seq, hidden]
             (x,) = inputs.values()
             lang.set_input_tensor(lang.to_sequence_shards(x.transpose(0, 1).contiguous()))
         if not lang.last_stage:
-            out = self._with_aux(lang, me, samples, lambda: model(hidden, None))
+            out = self._with_aux(lang, me, samples, lambda: model(hidden, None, attention_mask))
             if me.last_stage:  # a segment's end crosses an edge: the whole sequence, [rows, seq, hidden]
                 return lang.from_sequence_shards(out).transpose(0, 1).contiguous()
             return out
@@ -200,17 +201,38 @@ class LlavaStageRunner(StageRunner):
         labels = b["labels"][:, idx].to(self.device)
         mask = b["loss_mask"][:, idx].to(self.device)
         if self.evaluating:  # the same loss, from the logits the evaluation also reads
-            logits = self._with_aux(lang, me, samples, lambda: model(hidden, None))  # [b, s_local, V/tp]
+            logits = self._with_aux(
+                lang, me, samples, lambda: model(hidden, None, attention_mask)
+            )  # [b, s_local, V/tp]
             # a copy first: Megatron's vocab-parallel cross entropy works in place on the logits
             self.eval_logits(module, logits.detach().clone(), labels, mask)
             per_token = lang.gpt.compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
         else:
-            per_token = self._with_aux(lang, me, samples, lambda: model(hidden, labels))
+            per_token = self._with_aux(lang, me, samples, lambda: model(hidden, labels, attention_mask))
         out = None
         if self.plan.roles.outputs and me.last_stage and module == self.plan.roles.last_language:
             start, end = self.output_span()  # cp == 1 here (validated): positions are global
             out = lang.last_hidden[start:end].transpose(0, 1).contiguous()
         return LossSum((per_token * mask).sum(), mask.sum().to(torch.int), out)
+
+    def _document_masks(self, tokens: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Megatron's --reset-attention-mask / --reset-position-ids on `tokens` [b, S] (EOD: the
+        vocabulary's last id), with Megatron-core's own `_get_ltor_masks_and_position_ids` per row:
+        (attention mask [b, 1, S, S] True where masked, or None: causal; position ids [b, S], or None)."""
+        spec = self.spec
+        if not (spec.reset_attention_mask or spec.reset_position_ids):
+            return None, None
+        from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+        rows = [
+            _get_ltor_masks_and_position_ids(
+                t, spec.vocab_size - 1, spec.reset_position_ids, spec.reset_attention_mask, True, True
+            )
+            for t in tokens
+        ]
+        mask = torch.stack([r[0] for r in rows]).to(self.device) if spec.reset_attention_mask else None
+        pos = torch.stack([r[2] for r in rows]).to(self.device) if spec.reset_position_ids else None
+        return mask, pos
 
     def _with_aux(self, lang, me, samples: range, run):
         """Run a language stage's forward; with experts, set the scale of the load-balancing loss's

@@ -159,6 +159,16 @@ class LlavaSpec:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = True
+    # Sequence packing (Megatron's --reset-position-ids / --reset-attention-mask with EOD-separated
+    # documents, `megatron.core.datasets.gpt_dataset`'s masks): attention stays inside each document
+    # and positions restart after every EOD token (`models.llava_runner`)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    # synthetic documents (`models.documents`): `documents` P >= 1 documents of at most seq_length // P
+    # tokens (EOD included) each; `pack_documents`: P of them per sequence, else one per sequence
+    # (the unpacked run of the same documents)
+    documents: int = 0
+    pack_documents: bool = True
     # Megatron-LM's --transformer-impl: "local" (Megatron-core's own modules, the default) or
     # "transformer_engine" (its TE layer specs: GPU machines only; `models.layer_specs`)
     transformer_impl: str = "local"

@@ -81,3 +81,31 @@ def test_mismatched_tiles_are_input_errors():
         pack_tiles(y, [3], seq=4)
     with pytest.raises(ValueError, match="image masks of"):
         place_by_mask(torch.zeros(8, 1, 4), torch.zeros(1, 2, 4), torch.ones(1, 8, dtype=torch.bool), "edge x")
+
+
+def test_a_packed_row_is_its_documents_one_after_the_other():
+    import dataclasses
+
+    from megatron_hetero.models.documents import document, eod_id
+
+    cfg = data_mod.DataConfig(
+        seq_length=64,
+        vocab_size=50,
+        encoders={"vision": data_mod.EncoderInput(tokens=2, feature_dim=6, offset=1, max_tiles=2)},
+        documents=4,
+    )
+    cfg.validate()
+    packed = data_mod.batch(cfg, 1, 2)
+    unpacked = data_mod.batch(dataclasses.replace(cfg, pack_documents=False), 4, 8)
+    for r in range(2):
+        docs = [document(cfg, j)["tokens"] for j in range(4 * (1 + r), 4 * (2 + r))]
+        joined = torch.cat(docs)
+        assert torch.equal(packed["tokens"][r, : len(joined)], joined)
+        assert (packed["tokens"][r, len(joined) :] == eod_id(cfg)).all()
+        assert packed["loss_mask"][r].sum() == unpacked["loss_mask"][4 * r : 4 * r + 4].sum()
+        assert packed["tiles"]["vision"][r] == unpacked["tiles"]["vision"][4 * r : 4 * r + 4].sum()
+    assert torch.equal(packed["features"]["vision"], unpacked["features"]["vision"])  # the same tiles, in order
+    assert data_mod.loss_tokens(cfg, 1, 2) == int(packed["loss_mask"].sum())
+    assert data_mod.image_tiles(cfg, 1, 2) == {"vision": packed["tiles"]["vision"].tolist()}
+    with pytest.raises(ValueError, match="give it --encoder-max-tiles"):
+        dataclasses.replace(cfg, encoders={"vision": data_mod.EncoderInput(2, 6, 1)}).validate()
