@@ -72,6 +72,12 @@ LANGUAGE_DEFAULTS = {
     "add_bias_linear": True,
     "add_qkv_bias": False,
     "untie_embeddings_and_output_weights": True,
+    # sequence packing and the synthetic documents (`models.documents`): not architecture, but fields
+    # whose defaults keep a record what checkpoints before them hold
+    "reset_position_ids": False,
+    "reset_attention_mask": False,
+    "documents": 0,
+    "pack_documents": True,
     "transformer_impl": "local",
 }
 ENCODER_DEFAULTS = {
@@ -82,6 +88,7 @@ ENCODER_DEFAULTS = {
     "activation": "quick_gelu",
     "post_norm": False,
     "pooling_head": False,
+    "max_tiles": 0,
 }
 
 
