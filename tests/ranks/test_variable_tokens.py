@@ -39,14 +39,26 @@ CASES = [
         3,
     ),
 ]
+# a variable vision encoder beside a fixed-token audio encoder, both fanned out to language DP2
+TWO = LlavaSpec(
+    seq_length=40,
+    encoders={
+        "vision": EncoderSpec(tokens=4, max_tiles=3, offset=1),
+        "audio": EncoderSpec(num_layers=1, tokens=4, feature_dim=12, offset=20),
+    },
+)
+JOB_TWO = JobConfig(
+    spec=TWO, global_batch_size=8, micro_batch_size=2, train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5)
+)
 _REF: dict = {}
 
 
-def _reference():
-    if not _REF:
-        per_rank = run_job(world1_doc(JOB), 1, JOB)
-        _REF["losses"], _REF["params"] = losses(per_rank), full_params(per_rank)
-    return _REF["losses"], _REF["params"]
+def _reference(job: JobConfig = JOB):
+    key = repr(job)
+    if key not in _REF:
+        per_rank = run_job(world1_doc(job), 1, job)
+        _REF[key] = (losses(per_rank), full_params(per_rank))
+    return _REF[key]
 
 
 def test_the_data_mixes_text_only_samples_and_tile_counts():
@@ -64,6 +76,16 @@ def test_variable_image_tokens_match_world_1(label, placement, modules, world):
     dp, where = max_param_rel_diff(full_params(per_rank), ref_params)
     assert dl <= 1e-5, f"{label}: loss differs by {dl:.2e}: {losses(per_rank)} vs {ref_losses}"
     assert dp <= 1e-5, f"{label}: parameter {where} differs by {dp:.2e} relative"
+
+
+def test_a_variable_and_a_fixed_encoder_fanned_out_in_disjoint_placement():
+    ref_losses, ref_params = _reference(JOB_TWO)
+    modules = {"vision": {"ranks": "0-0"}, "audio": {"ranks": "1-1"}, "language": {"dp": 2, "ranks": "2-3"}}
+    doc = {"placement": "disjoint", "modules": modules, "edges": ["vision -> language", "audio -> language"]}
+    per_rank = run_job(doc, 4, JOB_TWO)
+    dl = max_loss_rel_diff(losses(per_rank), ref_losses)
+    dp, where = max_param_rel_diff(full_params(per_rank), ref_params)
+    assert dl <= 1e-5 and dp <= 1e-5, (dl, dp, where)
 
 
 def test_a_variable_encoder_on_two_pipeline_stages_is_refused():
