@@ -36,6 +36,17 @@ def read_torch_files(d: Path, state: dict) -> None:
 
 
 PRECISION_FIELDS = ("bf16", "fp16")
+# where the data puts the encoders' tokens and how it packs sequences: no parameter depends on them, so a
+# run from the weights only (--finetune, converted weights) takes the job's (e.g. captions, then
+# conversations with a variable number of image tiles)
+DATA_FIELDS = (
+    "encoders.offset",
+    "encoders.max_tiles",
+    "documents",
+    "pack_documents",
+    "reset_position_ids",
+    "reset_attention_mask",
+)
 
 
 def model_differences(saved: object, now: dict, ignore: tuple[str, ...] = ()) -> list[str]:
@@ -46,6 +57,8 @@ def model_differences(saved: object, now: dict, ignore: tuple[str, ...] = ()) ->
     for d in (saved_d, now):
         d.setdefault("fp16", False)
         for k in ignore:
+            if k.startswith("encoders.") and isinstance(d.get("encoders"), dict):
+                d["encoders"] = {n: {f: v for f, v in e.items() if f != k[9:]} for n, e in d["encoders"].items()}
             d.pop(k, None)
     return [
         f"{k}: {saved_d.get(k)!r} in the checkpoint, {now.get(k)!r} now"
@@ -89,6 +102,8 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     saved_spec, spec = state.get("model"), spec_record(job.spec)
     finetune, with_optim = weights_only(job), loads_optimizer(job)
     ignore: tuple[str, ...] = () if with_optim else PRECISION_FIELDS
+    if finetune:
+        ignore += DATA_FIELDS
     if finetune and spec.get("position_embedding_type") == "rope":
         ignore += ("seq_length", "outputs")
     diffs = model_differences(saved_spec, spec, ignore)
