@@ -55,10 +55,8 @@ class DataConfig:
     pack_documents: bool = True
 
     def validate(self) -> None:
-        if self.documents:
-            from megatron_hetero.models.documents import validate_documents
-
-            return validate_documents(self)
+        if self.documents:  # EOD-separated documents: `models.synthetic.validate` checks them
+            return
         spans = sorted((e.offset, e.offset + e.span, n) for n, e in self.encoders.items())
         for n, e in self.encoders.items():
             if e.tokens < 1 or e.feature_dim < 1 or e.offset < 0 or e.max_tiles < 0:
@@ -121,12 +119,12 @@ def sample(cfg: DataConfig, index: int) -> dict:
 def batch(cfg: DataConfig, start: int, count: int) -> dict:
     """Samples [start, start+count) stacked on a leading batch dimension (a variable encoder's tiles
     concatenated: module docstring)."""
-    if cfg.documents:
-        from megatron_hetero.models.documents import document_rows
+    return stack(cfg, [sample(cfg, i) for i in range(start, start + count)])
 
-        items = document_rows(cfg, start, count)
-    else:
-        items = [sample(cfg, i) for i in range(start, start + count)]
+
+def stack(cfg: DataConfig, items: list[dict]) -> dict:
+    """Rows (`sample` dicts) stacked on a leading batch dimension, a variable encoder's tiles
+    concatenated (module docstring)."""
     var = variable_encoders(cfg)
     out = {
         "tokens": torch.stack([s["tokens"] for s in items]),
@@ -148,10 +146,6 @@ def batch(cfg: DataConfig, start: int, count: int) -> dict:
 def image_tiles(cfg: DataConfig, start: int, count: int) -> dict[str, list[int]]:
     """Tiles per sample of samples [start, start+count) for each variable encoder, without drawing
     any feature or text (what every rank reads to size a boundary message)."""
-    if cfg.documents:
-        from megatron_hetero.models.documents import document_tiles
-
-        return document_tiles(cfg, start, count)
     rows = [_start(cfg, i)[2] for i in range(start, start + count)]
     return {n: [r[n] for r in rows] for n in variable_encoders(cfg)}
 
@@ -168,10 +162,6 @@ def loss_tokens_per_sample(cfg: DataConfig) -> int:
 def loss_tokens(cfg: DataConfig, start: int, count: int) -> int:
     """Loss tokens of samples [start, start+count): the labels that are not placeholders (label k is
     text position k+1), from the tile counts alone."""
-    if cfg.documents:
-        from megatron_hetero.models.documents import document_loss_tokens
-
-        return document_loss_tokens(cfg, start, count)
     if not variable_encoders(cfg):
         return loss_tokens_per_sample(cfg) * count
     fixed = sum(len(range(max(e.offset, 1), e.offset + e.tokens)) for e in cfg.encoders.values() if not e.max_tiles)

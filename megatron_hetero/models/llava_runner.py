@@ -26,7 +26,7 @@ import torch
 
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
-from megatron_hetero.models import data as data_mod
+from megatron_hetero.models import synthetic
 from megatron_hetero.models import image_tokens
 from megatron_hetero.models.llava import LlavaSpec, OutputSpec, data_config, dtype_of
 from megatron_hetero.plan.rank_plan import RankPlan
@@ -56,7 +56,7 @@ class LlavaStageRunner(StageRunner):
     def batch(self, samples: range) -> dict:
         """The global samples `samples` (`models.data.batch`'s keys): the one place stages read data."""
         start = samples.start + (EVAL_OFFSET if self.evaluating else 0)
-        return data_mod.batch(self.dcfg, start, len(samples))
+        return synthetic.batch(self.dcfg, start, len(samples))
 
     def eval_logits(self, module: str, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
         """Evaluation hook of the loss stage: this rank's logits [rows, s_local, vocab/tp] (vocab-parallel
@@ -85,14 +85,14 @@ class LlavaStageRunner(StageRunner):
         g = self.plan.global_batch
         start = step * g + (EVAL_OFFSET if self.evaluating else 0)
         if start not in self._loss_tokens:
-            self._loss_tokens = {start: data_mod.loss_tokens(self.dcfg, start, g)}  # one step at a time
+            self._loss_tokens = {start: synthetic.loss_tokens(self.dcfg, start, g)}  # one step at a time
         return self._loss_tokens[start]
 
     def image_tiles(self, samples: range) -> dict[str, list[int]]:
         """Tiles per sample of the global samples `samples` for each variable encoder, from the data's
         metadata (no image read): what sizes a boundary call of variable image tokens."""
         start = samples.start + (EVAL_OFFSET if self.evaluating else 0)
-        return data_mod.image_tiles(self.dcfg, start, len(samples))
+        return synthetic.image_tiles(self.dcfg, start, len(samples))
 
     def call_samples(self, samples: range) -> range:
         """The global samples of the boundary call that carries `samples`: the step's global batch

@@ -12,6 +12,7 @@ import torch
 
 from megatron_hetero.layout.spec import HeteroLayout, Recompute
 from megatron_hetero.layout.validate import check_recompute
+from megatron_hetero.models import synthetic
 from megatron_hetero.models.llava import (
     EncoderModule,
     LanguageModule,
@@ -54,7 +55,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     check_logging(job)  # --tensorboard-dir, --wandb-*: the packages and the folders
     if job.eval_iters is not None and not job.eval_interval:
         raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
-    data_config(spec).validate()
+    synthetic.validate(data_config(spec))
     for name in ("global_batch_size", "micro_batch_size", "train_iters"):
         v = getattr(job, name)
         if not isinstance(v, int) or v < 1:

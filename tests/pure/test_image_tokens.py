@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_hetero.models import data as data_mod
+from megatron_hetero.models import synthetic
 from megatron_hetero.models.image_tokens import edge_seq, pack_tiles, place_by_mask
 
 CFG = data_mod.DataConfig(
@@ -94,9 +95,9 @@ def test_a_packed_row_is_its_documents_one_after_the_other():
         encoders={"vision": data_mod.EncoderInput(tokens=2, feature_dim=6, offset=1, max_tiles=2)},
         documents=4,
     )
-    cfg.validate()
-    packed = data_mod.batch(cfg, 1, 2)
-    unpacked = data_mod.batch(dataclasses.replace(cfg, pack_documents=False), 4, 8)
+    synthetic.validate(cfg)
+    packed = synthetic.batch(cfg, 1, 2)
+    unpacked = synthetic.batch(dataclasses.replace(cfg, pack_documents=False), 4, 8)
     for r in range(2):
         docs = [document(cfg, j)["tokens"] for j in range(4 * (1 + r), 4 * (2 + r))]
         joined = torch.cat(docs)
@@ -105,7 +106,7 @@ def test_a_packed_row_is_its_documents_one_after_the_other():
         assert packed["loss_mask"][r].sum() == unpacked["loss_mask"][4 * r : 4 * r + 4].sum()
         assert packed["tiles"]["vision"][r] == unpacked["tiles"]["vision"][4 * r : 4 * r + 4].sum()
     assert torch.equal(packed["features"]["vision"], unpacked["features"]["vision"])  # the same tiles, in order
-    assert data_mod.loss_tokens(cfg, 1, 2) == int(packed["loss_mask"].sum())
-    assert data_mod.image_tiles(cfg, 1, 2) == {"vision": packed["tiles"]["vision"].tolist()}
+    assert synthetic.loss_tokens(cfg, 1, 2) == int(packed["loss_mask"].sum())
+    assert synthetic.image_tiles(cfg, 1, 2) == {"vision": packed["tiles"]["vision"].tolist()}
     with pytest.raises(ValueError, match="give it --encoder-max-tiles"):
-        dataclasses.replace(cfg, encoders={"vision": data_mod.EncoderInput(2, 6, 1)}).validate()
+        synthetic.validate(dataclasses.replace(cfg, encoders={"vision": data_mod.EncoderInput(2, 6, 1)}))
