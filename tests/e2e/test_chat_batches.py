@@ -1,0 +1,236 @@
+"""Conversation training batches with image tiles (`models/chat_batches.py`) on a small digits
+conversation dataset (`write_digits_chat_dataset`, energon-prepared once per module).
+
+The expected values are computed here from the shards themselves (tarfile + PIL + json), not through
+the reader: tiles from each image's size, features from the decoded PNG, the loss mask from
+`tokenize_conversation` of the JSON's conversation.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_hetero.models.caption_config import CaptionDataConfig
+from megatron_hetero.models.caption_reader import epoch_order
+from megatron_hetero.models.chat_batches import (
+    ChatBatches,
+    chat_heldout,
+    is_chat_dataset,
+    resolve_chat_config,
+    tile_features,
+)
+from megatron_hetero.models.chat_default import CHATML_TEMPLATE, chat_template_for, default_chat_template
+from megatron_hetero.models.chat_tokens import tokenize_conversation, train_sample
+from megatron_hetero.models.digits_chat import write_digits_chat_dataset
+from megatron_hetero.models.energon_data import patchify
+from megatron_hetero.models.tokenizer import load_tokenizer
+
+G, SEQ, ENC = 8, 384, "vision"
+
+
+@pytest.fixture(scope="module")
+def ds(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("chat-batches")
+    write_digits_chat_dataset(out, samples=40, val_samples=10, train_shards=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(ds) -> dict[str, dict]:
+    """key -> {"json": doc, part: bytes} of every sample in the train and val shards."""
+    out: dict[str, dict] = {}
+    for tar in sorted(ds.glob("*/shard-*.tar")):
+        with tarfile.open(tar) as tf:
+            for m in tf.getmembers():
+                key, part = m.name.split(".", 1)
+                data = tf.extractfile(m).read()
+                out.setdefault(key, {})[part] = json.loads(data) if part == "json" else data
+    return out
+
+
+@pytest.fixture(scope="module")
+def cfg(ds):
+    return resolve_chat_config(CaptionDataConfig(str(ds), seed=5))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _batches(cfg, tok, seq=SEQ, workers=0) -> ChatBatches:
+    return ChatBatches(
+        cfg, tok, default_chat_template(), encoder=ENC, seq_length=seq, global_batch=G, num_workers=workers
+    )
+
+
+def _png(data: bytes) -> torch.Tensor:
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(rgb.transpose(2, 0, 1).copy())
+
+
+def _count_decodes(b: ChatBatches) -> list:
+    seen: list = []
+    real = b.source.index.image
+
+    def counting(pos, name):
+        seen.append((pos, name))
+        return real(pos, name)
+
+    b.source.index.image = counting
+    return seen
+
+
+def test_format_and_detection(cfg, ds):
+    assert cfg.image_size == (8, 8) and cfg.channels == 1  # grey digits, 8x8 tile
+    assert (cfg.image_tokens, cfg.feature_dim) == (4, 16)  # T = (8/4)^2, F = 1 * 4^2
+    assert is_chat_dataset(ds) and not is_chat_dataset(ds / "train")
+
+
+def test_tiles_masks_and_features_match_the_shards(cfg, tok, shards):
+    b = _batches(cfg, tok)
+    T = cfg.image_tokens
+    seen_16 = False
+    for step in range(2):
+        rows = range(step * G, (step + 1) * G)
+        batch = b.batch(rows)
+        feats, tiles = batch["features"][ENC], batch["tiles"][ENC]
+        assert batch["tokens"].shape == batch["labels"].shape == batch["loss_mask"].shape == (G, SEQ)
+        assert batch["image_mask"][ENC].dtype == torch.bool and batch["tokens"].dtype == torch.long
+        at = 0
+        for r, key in enumerate(b.keys(step)):
+            doc = shards[key]["json"]
+            want = [{8: 1, 16: 4}[s] for s in doc["sizes"]]
+            assert int(tiles[r]) == sum(want)  # nothing is cut at this length
+            assert int(batch["image_mask"][ENC][r].sum()) == sum(want) * T
+            for name, n in zip(doc["images"], want):
+                img = _png(shards[key][name])
+                got = feats[at : at + n]
+                # each tile is the patchified quarter (row-major): tile 0 top-left, tile 1 top-right
+                for k in range(n):
+                    y, x = divmod(k, img.shape[-1] // 8)
+                    quarter = img[:, 8 * y : 8 * y + 8, 8 * x : 8 * x + 8]
+                    assert torch.equal(got[k], patchify(quarter, cfg))
+                seen_16 |= n == 4
+                at += n
+        assert at == feats.shape[0] == int(tiles.sum()) and feats.shape[1:] == (T, cfg.feature_dim)
+    assert seen_16
+
+
+def test_loss_mask_is_the_assistant_tokens(cfg, tok, shards):
+    b = _batches(cfg, tok)
+    batch = b.batch(range(0, G))
+    tpl = default_chat_template()
+    for r, key in enumerate(b.keys(0)):
+        doc = shards[key]["json"]
+        ct = tokenize_conversation(doc["conversation"], [s * s // 16 for s in doc["sizes"]], tok, tpl)
+        mask = (ct.mask + [0] * (SEQ + 1))[1 : SEQ + 1]
+        assert batch["loss_mask"][r].tolist() == mask
+        picked = batch["labels"][r][batch["loss_mask"][r].bool()].tolist()
+        answers = "".join(m["content"] + "<|im_end|>" for m in doc["conversation"] if m["role"] == "assistant")
+        assert tok.tokenizer.decode(picked, skip_special_tokens=False) == answers
+
+
+def test_image_tiles_and_loss_tokens_decode_no_image(cfg, tok):
+    b = _batches(cfg, tok)
+    seen = _count_decodes(b)
+    rows = range(G, 2 * G)
+    tiles = b.image_tiles(rows)
+    loss = b.loss_tokens(1)
+    assert seen == [] and b.image_reads == []
+    batch = b.batch(rows)
+    assert loss == int(batch["loss_mask"].sum()) and b.loss_tokens(0) == int(b.batch(range(G))["loss_mask"].sum())
+    assert tiles == {ENC: batch["tiles"][ENC].tolist()} and seen == []  # tiles from the text, still no decode
+    part = b.batch(range(G + 2, G + 5))
+    part["features"]
+    assert sorted(b.image_reads) == [G + 2, G + 3, G + 4]  # exactly the rows asked for
+    assert len(seen) == sum(len(b.conversation(i)[2]) for i in range(G + 2, G + 5))
+
+
+def test_order_is_the_caption_permutation_and_rows_split_alike(cfg, tok):
+    b = _batches(cfg, tok)
+    n = b.source.samples_per_epoch
+    assert n == 40
+    for step in (0, 5):  # step 5 is in epoch 1
+        want = [b.source.index.key(epoch_order(n, 5, i // n, True)[i % n]) for i in range(step * G, (step + 1) * G)]
+        assert b.keys(step) == want
+    whole = b.batch(range(0, G))
+    halves = [_batches(cfg, tok).batch(range(0, 3)), _batches(cfg, tok).batch(range(3, G))]
+    for k in ("tokens", "labels", "loss_mask"):
+        assert torch.equal(whole[k], torch.cat([h[k] for h in halves]))
+    assert torch.equal(whole["features"][ENC], torch.cat([h["features"][ENC] for h in halves]))
+
+
+def test_cut_images_are_dropped_with_their_tiles(cfg, tok):
+    short = 100  # cuts some images (a ChatML turn spelled in bytes is ~40 tokens)
+    b = _batches(cfg, tok, seq=short, workers=1)
+    T, cut = cfg.image_tokens, 0
+    for step in range(5):
+        rows = range(step * G, (step + 1) * G)
+        batch = b.batch(rows)
+        tiles = batch["tiles"][ENC]
+        assert torch.equal(batch["image_mask"][ENC].sum(1), tiles * T)
+        assert batch["features"][ENC].shape[0] == int(tiles.sum())
+        assert b.image_tiles(rows)[ENC] == tiles.tolist()
+        cut += sum(len(b.conversation(i)[0].images) > len(b.conversation(i)[2]) for i in rows)
+    assert cut > 0
+    with pytest.raises(ValueError, match="too short for any image"):
+        _batches(cfg, tok, seq=T)
+
+
+def test_heldout_is_the_val_split_in_stored_order(cfg, tok, shards):
+    h = chat_heldout(cfg, tok, default_chat_template(), encoder=ENC, seq_length=SEQ, global_batch=4)
+    keys = [h.keys(s) for s in range(3)]
+    flat = [k for ks in keys for k in ks]
+    val = sorted(k for k in shards if int(k) >= 40)
+    assert flat[:10] == val and flat[10:] == val[:2]  # i mod N
+
+
+def test_train_sample_keeps_an_image_only_whole_in_tokens(tok):
+    tpl = default_chat_template()
+    ct = tokenize_conversation(
+        [{"role": "user", "content": "<image> hi"}, {"role": "assistant", "content": "one"}], [4], tok, tpl
+    )
+    start, n = ct.image_spans[0]
+    for seq, kept in ((start + n, 4), (start + n - 1, 0)):  # start+n-1: the last placeholder would be a label only
+        assert int(train_sample(ct, seq, tok.pad_id)["image_mask"].sum()) == kept
+
+
+def test_tile_features_of_any_size(cfg):
+    img = torch.rand(3, 16, 24)
+    f = tile_features(img, cfg)
+    assert f.shape == (6, 4, 16)  # 2 x 3 tiles, row-major
+    assert torch.equal(f[4], patchify(img[:, 8:16, 8:16], cfg))
+    assert tile_features(torch.rand(3, 12, 8), cfg).shape == (2, 4, 16)  # 12 rows: resized to 2 tiles
+
+
+def test_chat_template_choice(tmp_path, tok):
+    assert chat_template_for(None).source == CHATML_TEMPLATE
+    text = default_chat_template().render(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "one"}], add_generation_prompt=False
+    )
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\none<|im_end|>\n"
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert chat_template_for(str(tmp_path / "tokenizer.json")).source == CHATML_TEMPLATE  # no config: the default
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    assert chat_template_for(str(tmp_path / "tokenizer.json")).source == "{{ messages[0]['content'] }}"
+
+
+def test_markers_that_do_not_match_the_images_name_the_sample(cfg, tok):
+    from megatron_hetero.models.chat_batches import ChatRecord
+
+    b = _batches(cfg, tok)
+    bad = ChatRecord("k1", [{"role": "user", "content": "<image><image>"}, {"role": "assistant", "content": "x"}],
+                     ("img0.png",), ((8, 8),))  # fmt: skip
+    b.source.index.record = lambda pos: bad
+    with pytest.raises(ValueError, match=r"sample k1: .*2 <image> marker\(s\) but 1 image"):
+        b.image_tiles(range(0, 1))
