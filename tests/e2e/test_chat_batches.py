@@ -234,3 +234,68 @@ def test_markers_that_do_not_match_the_images_name_the_sample(cfg, tok):
     b.source.index.record = lambda pos: bad
     with pytest.raises(ValueError, match=r"sample k1: .*2 <image> marker\(s\) but 1 image"):
         b.image_tiles(range(0, 1))
+
+
+def test_chat_runner_switches_to_heldout_and_counts_answers(cfg, tok):
+    """One rank, no process group: the runner's data side (batch, loss_tokens, image_tiles, the
+    held-out switch) and its answer counting from the loss stage's logits."""
+    from types import SimpleNamespace
+
+    from megatron_hetero.layout.yaml_io import layout_from_dict
+    from megatron_hetero.models.chat_runner import ChatStageRunner, end_of_turn_ids
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.planner.model import EncoderSpec
+    from megatron_hetero.plan.rank_plan import rank_plan
+
+    doc = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
+    plan = rank_plan(layout_from_dict(doc, world_size=1), 0, G, 1, False)
+    spec = LlavaSpec(seq_length=SEQ, vocab_size=384, encoders={ENC: EncoderSpec(offset=1, tokens=4, feature_dim=16)})
+    one_rank = SimpleNamespace(pgs=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
+    runner = ChatStageRunner(spec, plan, {"language": one_rank}, _batches(cfg, tok))
+    assert tok.tokenizer.decode(runner.end_ids, skip_special_tokens=False) == "<|im_end|>"
+    assert runner.end_ids == end_of_turn_ids(tok, default_chat_template())
+    rows = range(G, 2 * G)
+    assert runner.image_tiles(rows) == runner.data.image_tiles(rows)
+    assert runner.loss_tokens(1) == runner.data.loss_tokens(1)
+    runner.set_eval(True)
+    held = runner.heldout()
+    assert runner.heldout_size() == 10
+    b = runner.batch(range(0, G))
+    assert runner.loss_tokens(0) == int(b["loss_mask"].sum()) == held.loss_tokens(0)
+    assert runner.image_tiles(range(0, G)) == held.image_tiles(range(0, G))
+    labels, mask = b["labels"], b["loss_mask"]
+    logits = torch.nn.functional.one_hot(labels, 384).float()  # a model that is always right
+    runner.eval_logits("language", logits, labels, mask)
+    hits, answers = runner.take_eval_counts()
+    want = sum(
+        sum(m["role"] == "assistant" for m in held.conversation(i)[0].messages) for i in range(G)
+    )  # nothing is cut at this length
+    assert hits == answers == want > 0
+    logits[0, :, :] = 0.0  # row 0 now predicts token 0 everywhere: its answers are wrong
+    runner.eval_logits("language", logits, labels, mask)
+    row0 = sum(m["role"] == "assistant" for m in held.conversation(0)[0].messages)
+    assert runner.take_eval_counts() == (want - row0, want) and runner.take_eval_counts() == (0, 0)
+    runner.set_eval(False)
+    assert runner.batch(range(0, G))["tokens"].equal(runner.data.batch(range(0, G))["tokens"])
+
+
+def test_spec_is_fitted_to_the_data(cfg, tok, shards):
+    import dataclasses
+
+    from megatron_hetero.models.chat_runner import chat_spec, max_sample_tiles
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.planner.model import EncoderSpec
+
+    want = max(sum({8: 1, 16: 4}[s] for s in shards[k]["json"]["sizes"]) for k in shards if int(k) < 40)
+    assert max_sample_tiles(cfg, 8) == want
+    if "max_tiles" not in {f.name for f in dataclasses.fields(EncoderSpec)}:  # the model side adds it on main
+
+        @dataclasses.dataclass(frozen=True)
+        class EncoderSpec(EncoderSpec):  # noqa: F811 (a stand-in with the field)
+            max_tiles: int = 0
+
+    spec = chat_spec(LlavaSpec(seq_length=SEQ, encoders={ENC: EncoderSpec(offset=1)}), cfg, tok, max_tiles=want)
+    enc = spec.encoders[ENC]
+    assert (enc.tokens, enc.feature_dim, enc.max_tiles, spec.vocab_size) == (4, 16, want, 384)
+    with pytest.raises(ValueError, match="too short for any image"):
+        chat_spec(LlavaSpec(seq_length=4, encoders={ENC: EncoderSpec(offset=1)}), cfg, tok, max_tiles=want)
