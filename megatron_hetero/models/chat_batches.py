@@ -175,7 +175,7 @@ def tile_features(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
 
 
 def resolve_chat_config(cfg: CaptionDataConfig, tile: int = DEFAULT_TILE, probe: int = 32) -> CaptionDataConfig:
-    """`cfg` for conversation data: `image_size` = (tile, tile) (so `cfg.image_tokens` is T and
+    """`cfg` for conversation data (`kind` "chat"): `image_size` = (tile, tile) (so `cfg.image_tokens` is T and
     `cfg.feature_dim` F) and `channels` (given, else 1 when the images of the split's first `probe`
     samples, stored order, are all grey, else 3; decodes those images). ValueError for an image
     processor (not supported with tiles), a tile side not divisible by the patch size, or a dataset
@@ -184,7 +184,7 @@ def resolve_chat_config(cfg: CaptionDataConfig, tile: int = DEFAULT_TILE, probe:
         raise ValueError("--image-processor: conversation data cuts images into tiles itself (not supported yet)")
     if tile < 1:
         raise ValueError(f"tile side {tile}: must be >= 1")
-    out = replace(cfg, image_size=(tile, tile))
+    out = replace(cfg, image_size=(tile, tile), kind="chat")
     out.validate()
     if out.channels is None:
         index = ChatIndex(cfg.path, cfg.split)

@@ -23,17 +23,26 @@ returns and resets this rank's (hits, answers); the trainer sums them over the w
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig
+from megatron_hetero.layout.flags import default, value
+from megatron_hetero.models.caption_config import CaptionDataConfig, data_flag_fields
 from megatron_hetero.models.caption_runner import gathered_eval_ids
-from megatron_hetero.models.chat_batches import ChatBatches, ChatIndex, chat_heldout, tiles_of
+from megatron_hetero.models.chat_batches import (
+    DEFAULT_TILE,
+    ChatBatches,
+    ChatIndex,
+    chat_heldout,
+    resolve_chat_config,
+    tiles_of,
+)
 from megatron_hetero.models.chat_default import chat_template_for
 from megatron_hetero.models.chat_eval import answer_hits
 from megatron_hetero.models.chat_template import ChatTemplate
 from megatron_hetero.models.chat_tokens import marker_tokenizer
+from megatron_hetero.models.dataset_trust import check_dataset
 from megatron_hetero.models.energon_data import VOCAB_MULTIPLE
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.models.llava_runner import LlavaStageRunner
@@ -175,3 +184,50 @@ def chat_runner_factory(
         return ChatStageRunner(spec, plan, states, batches, heldout=held)
 
     return make
+
+
+def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataConfig]:
+    """`train --data-path DIR` on a conversation dataset, in the launching process (as
+    `caption_runner.caption_job_data` for captions): the resolved config (`resolve_chat_config`: the
+    tile side `DEFAULT_TILE`, or a CLIP encoder's image side with its patch size and RGB; channels from
+    the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training sample has, the
+    tokenizer's vocabulary). ValueError for --mock-data with it, --image-processor or --data-prompt
+    (caption-only), a dataset that names code (conversation data runs none, even when trusted),
+    --encoder-tokens/--encoder-feature-dim that differ from the data's."""
+    fields = {f.name: f for f in data_flag_fields()}
+    path, tokenizer_model = str(args.data_path), value(args, fields["tokenizer_model"])
+    if args.mock_data:
+        raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
+    for name, flag in (("image_processor", "--image-processor"), ("prompt", "--data-prompt")):
+        if value(args, fields[name]):
+            raise ValueError(f"{flag}: applies to caption data; --data-path {path} holds conversations")
+    trust = value(args, fields["trust_code"])
+    if check_dataset(path, trust=trust):  # refused unless trusted; trusted, it would still not run
+        raise ValueError(f"--data-path {path}: the dataset names code; conversation data is read by index only")
+    clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
+    tile = round(clip.tokens**0.5) * clip.patch_size if clip else DEFAULT_TILE
+    patch = value(args, fields["patch_size"]) or default(fields["patch_size"])
+    cfg = resolve_chat_config(
+        CaptionDataConfig(
+            path=path,
+            tokenizer_model=tokenizer_model,
+            trust_code=trust,
+            seed=int(args.seed),
+            patch_size=clip.patch_size if clip else int(patch),
+            channels=3 if clip else None,
+            num_workers=int(value(args, fields["num_workers"])),
+        ),
+        tile=tile,
+    )
+    for flag, given, derived in (
+        ("--encoder-tokens", args.encoder_tokens, cfg.image_tokens),
+        ("--encoder-feature-dim", args.encoder_feature_dim, cfg.feature_dim),
+    ):
+        if given is not None and given != derived:
+            raise ValueError(
+                f"{flag} {given}: --data-path {path} gives {derived} per image tile ({tile}x{tile} tiles, "
+                f"{cfg.channels} channel(s), --patch-size {cfg.patch_size}); leave it out or change --patch-size"
+            )
+    tok = load_tokenizer(cfg.tokenizer_model)
+    max_tiles = max_sample_tiles(cfg, tile)
+    return chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size), cfg

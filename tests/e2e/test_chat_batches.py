@@ -299,3 +299,31 @@ def test_spec_is_fitted_to_the_data(cfg, tok, shards):
     assert (enc.tokens, enc.feature_dim, enc.max_tiles, spec.vocab_size) == (4, 16, want, 384)
     with pytest.raises(ValueError, match="too short for any image"):
         chat_spec(LlavaSpec(seq_length=4, encoders={ENC: EncoderSpec(offset=1)}), cfg, tok, max_tiles=want)
+
+
+def test_train_flags_on_a_conversation_dataset_pick_the_chat_runner(ds):
+    import dataclasses
+
+    from megatron_hetero import cli
+    from megatron_hetero.models.job_data import job_data, runner_factory
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.planner.model import EncoderSpec
+
+    if "max_tiles" not in {f.name for f in dataclasses.fields(EncoderSpec)}:  # the model side adds it on main
+
+        @dataclasses.dataclass(frozen=True)
+        class EncoderSpec(EncoderSpec):  # noqa: F811 (a stand-in with the field)
+            max_tiles: int = 0
+
+    spec = LlavaSpec(seq_length=SEQ, encoders={ENC: EncoderSpec(offset=1)})
+    parse = cli.build_parser().parse_args
+    got, data = job_data(parse(["train", "--data-path", str(ds), "--seq-length", str(SEQ)]), spec)
+    assert data.kind == "chat" and data.image_size == (8, 8) and data.channels == 1
+    enc = got.encoders[ENC]
+    assert (enc.tokens, enc.feature_dim, enc.max_tiles, got.vocab_size) == (4, 16, 8, 384)
+    assert runner_factory(data, got, G).__qualname__.startswith("chat_runner_factory")
+    assert job_data(parse(["train"]), spec) == (spec, None)  # no --data-path: the synthetic data
+    with pytest.raises(ValueError, match="--data-prompt: applies to caption data"):
+        job_data(parse(["train", "--data-path", str(ds), "--data-prompt", "x"]), spec)
+    with pytest.raises(ValueError, match="--encoder-tokens 9: .* gives 4 per image tile"):
+        job_data(parse(["train", "--data-path", str(ds), "--encoder-tokens", "9"]), spec)
