@@ -68,7 +68,13 @@ from megatron_hetero.models.caption_index import (
 from megatron_hetero.models.caption_reader import IndexSource
 from megatron_hetero.models.chat_data import conversation_of
 from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import ChatTokens, kept_images, tokenize_conversation, train_sample
+from megatron_hetero.models.chat_tokens import (
+    ChatTokens,
+    kept_images,
+    marker_tokenizer,
+    tokenize_conversation,
+    train_sample,
+)
 from megatron_hetero.models.dataset_trust import check_dataset
 from megatron_hetero.models.energon_data import patchify
 from megatron_hetero.models.tokenizer import CaptionTokenizer
@@ -273,6 +279,7 @@ class ChatBatches(CaptionBatches):
             source=source,
         )  # fmt: skip
         self.template = template
+        marker_tokenizer(tok.tokenizer)  # made once here, not first by a prefetch thread
         self._records: dict[int, tuple[ChatRecord, ChatTokens, list[int]]] = {}
         self._lock = threading.Lock()  # _records is also filled from the prefetch threads
 

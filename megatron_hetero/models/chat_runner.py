@@ -41,7 +41,7 @@ from megatron_hetero.models.chat_batches import (
 from megatron_hetero.models.chat_default import chat_template_for
 from megatron_hetero.models.chat_eval import answer_hits
 from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import marker_tokenizer
+from megatron_hetero.models.chat_tokens import marker_tokenizer, tokenize_conversation
 from megatron_hetero.models.dataset_trust import check_dataset
 from megatron_hetero.models.energon_data import VOCAB_MULTIPLE
 from megatron_hetero.models.llava import LlavaSpec
@@ -131,6 +131,32 @@ def max_sample_tiles(cfg: CaptionDataConfig, tile: int, split: Optional[str] = N
         index.close()
 
 
+def first_image_end(
+    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int, probe: int = 32
+) -> Optional[int]:
+    """The fewest sequence positions that keep an image: over the split's first `probe` samples with
+    images (stored order), the smallest end of a first image's placeholder run; None without images."""
+    index = ChatIndex(cfg.path, cfg.split)
+    ends: list[int] = []
+    try:
+        for pos in range(len(index)):
+            if len(ends) >= probe:
+                break
+            rec = index.record(pos)
+            if not rec.images:
+                continue
+            counts = [tiles_of(s, tile) * cfg.image_tokens for s in rec.sizes]
+            try:
+                ct = tokenize_conversation(rec.messages, counts, tok, template)
+            except ValueError as exc:
+                raise ValueError(f"sample {rec.key}: {exc}") from None
+            start, length = ct.image_spans[0]
+            ends.append(start + length)
+    finally:
+        index.close()
+    return min(ends) if ends else None
+
+
 def chat_spec(
     spec: LlavaSpec,
     cfg: CaptionDataConfig,
@@ -191,7 +217,8 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
     `caption_runner.caption_job_data` for captions): the resolved config (`resolve_chat_config`: the
     tile side `DEFAULT_TILE`, or a CLIP encoder's image side with its patch size and RGB; channels from
     the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training sample has, the
-    tokenizer's vocabulary). ValueError for --mock-data with it, --image-processor or --data-prompt
+    tokenizer's vocabulary). ValueError for a --seq-length that would cut every image
+    (`first_image_end`), --mock-data with it, --image-processor or --data-prompt
     (caption-only), a dataset that names code (conversation data runs none, even when trusted),
     --encoder-tokens/--encoder-feature-dim that differ from the data's."""
     fields = {f.name: f for f in data_flag_fields()}
@@ -229,5 +256,11 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
                 f"{cfg.channels} channel(s), --patch-size {cfg.patch_size}); leave it out or change --patch-size"
             )
     tok = load_tokenizer(cfg.tokenizer_model)
+    end = first_image_end(cfg, tok, chat_template_for(cfg.tokenizer_model), tile)
+    if end is not None and spec.seq_length < end:
+        raise ValueError(
+            f"--seq-length {spec.seq_length}: too short for the images of --data-path {path}: the first "
+            f"image of a sample ends at position {end} at the earliest (every image would be cut)"
+        )
     max_tiles = max_sample_tiles(cfg, tile)
     return chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size), cfg

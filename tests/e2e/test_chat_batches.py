@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -325,5 +326,7 @@ def test_train_flags_on_a_conversation_dataset_pick_the_chat_runner(ds):
     assert job_data(parse(["train"]), spec) == (spec, None)  # no --data-path: the synthetic data
     with pytest.raises(ValueError, match="--data-prompt: applies to caption data"):
         job_data(parse(["train", "--data-path", str(ds), "--data-prompt", "x"]), spec)
+    with pytest.raises(ValueError, match="--seq-length 12: too short for the images"):
+        job_data(parse(["train", "--data-path", str(ds), "--seq-length", "12"]), replace(spec, seq_length=12))
     with pytest.raises(ValueError, match="--encoder-tokens 9: .* gives 4 per image tile"):
         job_data(parse(["train", "--data-path", str(ds), "--encoder-tokens", "9"]), spec)
