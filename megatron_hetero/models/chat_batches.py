@@ -242,8 +242,9 @@ class ChatBatches(CaptionBatches):
     `batch(samples)` (lazy `ChatRowBatch`), `image_tiles(samples)`, `loss_tokens(step)`, `keys(step)`,
     `step_batch(step)` (a whole step: tests and tools), and CaptionBatches' `state_dict`/
     `load_state_dict`. `cfg` comes from `resolve_chat_config` (its `image_size` is the tile);
-    `template` renders the conversations. `image_reads` lists the global samples whose images were
-    decoded, `text_reads` those whose conversation was tokenised."""
+    `template` renders the conversations. `image_reads` lists the global samples whose features were
+    built (their kept images decoded; a text-only row decodes none), `text_reads` those whose
+    training sample was built (every sample's conversation is tokenised for `loss_tokens`)."""
 
     def __init__(
         self,
@@ -275,9 +276,14 @@ class ChatBatches(CaptionBatches):
             raise ValueError(f"global batch {global_batch}: must be >= 1")
         source = IndexSource(cfg, index=ChatIndex(cfg.path, cfg.split))
         super().__init__(
-            cfg, tok, encoder=encoder, seq_length=seq_length, global_batch=global_batch, num_workers=num_workers,
+            cfg,
+            tok,
+            encoder=encoder,
+            seq_length=seq_length,
+            global_batch=global_batch,
+            num_workers=num_workers,
             source=source,
-        )  # fmt: skip
+        )
         self.template = template
         marker_tokenizer(tok.tokenizer)  # made once here, not first by a prefetch thread
         self._records: dict[int, tuple[ChatRecord, ChatTokens, list[int]]] = {}

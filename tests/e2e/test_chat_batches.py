@@ -330,3 +330,23 @@ def test_train_flags_on_a_conversation_dataset_pick_the_chat_runner(ds):
         job_data(parse(["train", "--data-path", str(ds), "--seq-length", "12"]), replace(spec, seq_length=12))
     with pytest.raises(ValueError, match="--encoder-tokens 9: .* gives 4 per image tile"):
         job_data(parse(["train", "--data-path", str(ds), "--encoder-tokens", "9"]), spec)
+
+
+def test_workers_and_a_restored_position_give_the_same_batches(cfg, tok):
+    ref = _batches(cfg, tok)
+    ahead = _batches(cfg, tok, workers=2)
+    for step in range(3):
+        rows = range(step * G, (step + 1) * G)
+        assert torch.equal(ahead.batch(rows)["features"][ENC], ref.batch(rows)["features"][ENC])
+    assert set(range(3 * G, 4 * G)) <= set(ahead.image_reads)  # the next step's rows were decoded ahead
+    ahead.close()
+    state = ref.state_dict()
+    assert state["consumed"] == 3 * G and json.loads(json.dumps(state)) == state
+    back = _batches(cfg, tok)
+    back.load_state_dict(state)
+    rows = range(3 * G, 4 * G)
+    a, b = back.batch(rows), ref.batch(rows)
+    for k in ("tokens", "labels", "loss_mask"):
+        assert torch.equal(a[k], b[k])
+    assert torch.equal(a["features"][ENC], b["features"][ENC]) and torch.equal(a["tiles"][ENC], b["tiles"][ENC])
+    assert back.loss_tokens(3) == ref.loss_tokens(3)
