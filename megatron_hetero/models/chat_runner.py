@@ -167,13 +167,14 @@ def chat_spec(
 ) -> LlavaSpec:
     """`spec` (ONE encoder) fitted to conversation data: the encoder's `tokens` = T (per tile),
     `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode of
-    `planner.model.EncoderSpec`), and the vocabulary from the tokenizer (padded up to a multiple of
+    `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `models.data`
+    checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the vocabulary from the tokenizer (padded up to a multiple of
     128, or `vocab_size` if given and large enough). ValueError for another number of encoders, a
     --seq-length that holds no tile, or a `vocab_size` that is too small."""
     if len(spec.encoders) != 1:
         raise ValueError(f"conversation data feeds one image encoder; the layout has encoders {sorted(spec.encoders)}")
     ((name, enc),) = spec.encoders.items()
-    if spec.seq_length < cfg.image_tokens + 1:
+    if spec.seq_length < enc.offset + cfg.image_tokens:
         raise ValueError(
             f"--seq-length {spec.seq_length}: too short for any image (one tile is {cfg.image_tokens} tokens)"
         )
@@ -183,7 +184,7 @@ def chat_spec(
         raise ValueError(
             f"--vocab-size {vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens ({tok.name})"
         )
-    fits = spec.seq_length // cfg.image_tokens  # no sample can carry more tiles than its positions hold
+    fits = (spec.seq_length - enc.offset) // cfg.image_tokens  # the reserved span [offset, offset + K*T) fits
     enc = replace(enc, tokens=cfg.image_tokens, feature_dim=cfg.feature_dim, max_tiles=max(1, min(max_tiles, fits)))
     return replace(spec, vocab_size=vocab_size, encoders={name: enc})
 
