@@ -350,3 +350,32 @@ def test_workers_and_a_restored_position_give_the_same_batches(cfg, tok):
         assert torch.equal(a[k], b[k])
     assert torch.equal(a["features"][ENC], b["features"][ENC]) and torch.equal(a["tiles"][ENC], b["tiles"][ENC])
     assert back.loss_tokens(3) == ref.loss_tokens(3)
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_on_conversations_is_the_same_in_two_layouts(ds, tmp_path, capsys):
+    """`train --data-path` on the conversations (the model side's variable tiles): world 1 and a
+    disjoint world 2 give the same losses and held-out answer counts. Needs EncoderSpec.max_tiles."""
+    import dataclasses
+
+    from megatron_hetero.cli import main
+    from megatron_hetero.planner.model import EncoderSpec
+
+    if "max_tiles" not in {f.name for f in dataclasses.fields(EncoderSpec)}:
+        pytest.skip("the model side of variable image tiles (EncoderSpec.max_tiles) is not in this tree")
+    common = ["train", "--seq-length", "256", "--train-iters", "2", "--data-path", str(ds), "--eval-interval", "2"]
+    runs = {}
+    for name, placement, vision, language in (
+        ("one", "colocated", "vision:dp=1", "language:tp=1"),
+        ("disjoint", "disjoint", "vision:dp=1", "language:dp=1"),
+    ):
+        log = tmp_path / f"{name}.jsonl"
+        layout = ["--hetero-placement", placement, "--hetero-module", vision, "--hetero-module", language]
+        rc = main([*common, *layout, "--hetero-edge", "vision->language", "--log-jsonl", str(log)])
+        assert rc == 0, capsys.readouterr().err[-3000:]
+        runs[name] = [json.loads(line) for line in log.read_text().splitlines()]
+    one, two = runs["one"], runs["disjoint"]
+    assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two], rel=1e-6)
+    assert all(r["grad_norm_per_module"]["vision"] > 0 for r in one)  # the tiles reach the encoder
+    assert one[-1]["eval_loss"] == pytest.approx(two[-1]["eval_loss"], rel=1e-6)
+    assert one[-1]["eval_accuracy"] == two[-1]["eval_accuracy"]
