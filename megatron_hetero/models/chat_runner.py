@@ -33,6 +33,7 @@ from megatron_hetero.models.caption_runner import gathered_eval_ids
 from megatron_hetero.models.chat_batches import (
     DEFAULT_TILE,
     ChatBatches,
+    HELDOUT_SPLIT,
     ChatIndex,
     chat_heldout,
     resolve_chat_config,
@@ -166,11 +167,12 @@ def chat_spec(
     vocab_size: Optional[int] = None,
 ) -> LlavaSpec:
     """`spec` (ONE encoder) fitted to conversation data: the encoder's `tokens` = T (per tile),
-    `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode of
-    `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `models.data`
-    checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the vocabulary from the tokenizer (padded up to a multiple of
-    128, or `vocab_size` if given and large enough). ValueError for another number of encoders, a
-    --seq-length that holds no tile, or a `vocab_size` that is too small."""
+    `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode
+    of `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `models.data`
+    checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the
+    vocabulary from the tokenizer (padded up to a multiple of 128, or `vocab_size` if given and large
+    enough). ValueError for another number of encoders, a --seq-length that holds no tile, or a
+    `vocab_size` that is too small."""
     if len(spec.encoders) != 1:
         raise ValueError(f"conversation data feeds one image encoder; the layout has encoders {sorted(spec.encoders)}")
     ((name, enc),) = spec.encoders.items()
@@ -217,8 +219,8 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
     """`train --data-path DIR` on a conversation dataset, in the launching process (as
     `caption_runner.caption_job_data` for captions): the resolved config (`resolve_chat_config`: the
     tile side `DEFAULT_TILE`, or a CLIP encoder's image side with its patch size and RGB; channels from
-    the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training sample has, the
-    tokenizer's vocabulary). ValueError for a --seq-length that would cut every image
+    the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training or held-out
+    sample has, the tokenizer's vocabulary). ValueError for a --seq-length that would cut every image
     (`first_image_end`), --mock-data with it, --image-processor or --data-prompt
     (caption-only), a dataset that names code (conversation data runs none, even when trusted),
     --encoder-tokens/--encoder-feature-dim that differ from the data's."""
@@ -264,4 +266,8 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
             f"image of a sample ends at position {end} at the earliest (every image would be cut)"
         )
     max_tiles = max_sample_tiles(cfg, tile)
+    try:  # the held-out samples run through the same model
+        max_tiles = max(max_tiles, max_sample_tiles(cfg, tile, split=HELDOUT_SPLIT))
+    except ValueError:  # no held-out split: evaluation says so when asked for
+        pass
     return chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size), cfg
