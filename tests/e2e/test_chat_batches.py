@@ -95,6 +95,24 @@ def test_format_and_detection(cfg, ds):
     assert cfg.image_size == (8, 8) and cfg.channels == 1  # grey digits, 8x8 tile
     assert (cfg.image_tokens, cfg.feature_dim) == (4, 16)  # T = (8/4)^2, F = 1 * 4^2
     assert is_chat_dataset(ds) and not is_chat_dataset(ds / "train")
+    from megatron_hetero.models.chat_batches import ChatIndex
+
+    index = ChatIndex(ds, "train")  # without "sizes" in a JSON, the image headers give them (no decoding)
+    with_sizes = [index.record(pos) for pos in range(6)]
+    real = index.member
+
+    def without_sizes(pos: int, part: str) -> bytes:
+        data = real(pos, part)
+        if part != "json":
+            return data
+        doc = json.loads(data)
+        del doc["sizes"]
+        return json.dumps(doc).encode()
+
+    index.member = without_sizes
+    assert [index.record(pos) for pos in range(6)] == with_sizes
+    assert any(r.images for r in with_sizes)
+    index.close()
 
 
 def test_tiles_masks_and_features_match_the_shards(cfg, tok, shards):
