@@ -188,6 +188,7 @@ def resolve_chat_config(cfg: CaptionDataConfig, tile: int = DEFAULT_TILE, probe:
     this reader cannot read."""
     if cfg.image_processor:
         raise ValueError("--image-processor: conversation data cuts images into tiles itself (not supported yet)")
+    check_dataset(cfg.path, trust=cfg.trust_code)  # before any member is read: refused when it names code
     if tile < 1:
         raise ValueError(f"tile side {tile}: must be >= 1")
     out = replace(cfg, image_size=(tile, tile), kind="chat")
