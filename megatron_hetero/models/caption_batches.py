@@ -118,7 +118,10 @@ class CaptionBatches:
         seq_length: int,
         global_batch: int,
         num_workers: Optional[int] = None,
+        source: Optional[IndexSource] = None,
     ) -> None:
+        """`source`: the reader of global samples (default `open_source(cfg)`); `chat_batches` gives
+        an `IndexSource` over its conversation index."""
         if not cfg.resolved():
             raise ValueError("CaptionBatches needs a resolved config (resolve_config)")
         workers = cfg.num_workers if num_workers is None else num_workers
@@ -126,7 +129,7 @@ class CaptionBatches:
             raise ValueError(f"--num-workers {workers}: must be >= 0")
         self.cfg, self.tok, self.encoder = cfg, tok, encoder
         self.seq_length, self.global_batch = seq_length, global_batch
-        self.source = open_source(cfg, window=2 * global_batch)
+        self.source = open_source(cfg, window=2 * global_batch) if source is None else source
         if self.source.samples_per_epoch == 0:
             raise ValueError(f"--data-path {cfg.path}: split '{cfg.split}' is empty")
         self.num_workers = workers if isinstance(self.source, IndexSource) else 0

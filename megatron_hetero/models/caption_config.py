@@ -84,6 +84,10 @@ class CaptionDataConfig:
         group="data",
     )
 
+    # what the dataset holds: "caption" (image + caption: `caption_runner`) or "chat" (conversations with
+    # image tiles: `chat_runner`; `image_size` is then the tile); `job_data` picks it from the dataset
+    kind: str = "caption"
+
     def resolved(self) -> bool:
         return self.image_size is not None and self.channels is not None
 
@@ -103,6 +107,8 @@ class CaptionDataConfig:
         return self.image_size
 
     def validate(self) -> None:
+        if self.kind not in ("caption", "chat"):
+            raise ValueError(f"data kind {self.kind!r}: caption or chat")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers {self.num_workers}: must be >= 0")
         if self.patch_size < 1:

@@ -95,26 +95,15 @@ def indexable(path: Union[str, Path]) -> Optional[str]:
     return None
 
 
-class CaptionIndex:
-    """One split of a prepared captioning dataset, by position in its stored order (module docstring)."""
+class SplitIndex:
+    """One split of any `energon prepare`d WebDataset folder, by position in its stored order: the
+    shards of `split.yaml` (cross-checked against `.info.json` and `index.sqlite`), `key(p)`,
+    `parts(p)` (the member names) and `member(p, part)` (one member's bytes). What the members mean
+    is the subclass's business (`CaptionIndex`; `chat_batches.ChatIndex` for conversations)."""
 
     def __init__(self, path: Union[str, Path], split: str) -> None:
         self.path = Path(path)
-        why = indexable(self.path)
-        if why:
-            raise ValueError(f"--data-path {path}: cannot read by index: {why}")
         meta = self.path / META_DIR
-        fm = _read_yaml(meta / "dataset.yaml")["field_map"]
-        self.image_part, self.caption_part = str(fm["image"]), str(fm["caption"])
-        for field, part, allowed in (
-            ("image", self.image_part, IMAGE_EXTENSIONS),
-            ("caption", self.caption_part, TEXT_EXTENSIONS),
-        ):
-            if part.rsplit(".", 1)[-1].lower() not in allowed:
-                raise ValueError(
-                    f"--data-path {path}: field_map {field} <- '{part}': the index reader decodes {field}s "
-                    f"only from {sorted(allowed)} members"
-                )
         counts = json.loads((meta / ".info.json").read_text()).get("shard_counts")
         if not isinstance(counts, dict):
             raise ValueError(f"{meta / '.info.json'}: no shard_counts")
@@ -227,14 +216,63 @@ class CaptionIndex:
             )
         return buf[512:]
 
+    def parts(self, pos: int) -> list[str]:
+        """The member (part) names of split position `pos`, e.g. ['img0.png', 'json'] (sorted)."""
+        shard, i = self.locate(pos)
+        rows = (
+            self._db()
+            .execute(
+                "SELECT part_name FROM sample_parts WHERE tar_file_id = ? AND sample_index = ? ORDER BY part_name",
+                (self.tar_ids[shard], i),
+            )
+            .fetchall()
+        )
+        return [str(r[0]) for r in rows]
+
+
+def decode_image(data: bytes) -> torch.Tensor:
+    """An image member's bytes -> float RGB [3, H, W] in [0, 1] (energon's default image decoding:
+    PIL, `convert("RGB")`, /255)."""
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(rgb.transpose(2, 0, 1).copy())
+
+
+def image_size_of(data: bytes) -> tuple[int, int]:
+    """(H, W) of an image member from its header (PIL opens lazily: no pixel is decoded)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        w, h = img.size
+    return int(h), int(w)
+
+
+class CaptionIndex(SplitIndex):
+    """One split of a prepared captioning dataset, by position in its stored order (module docstring)."""
+
+    def __init__(self, path: Union[str, Path], split: str) -> None:
+        why = indexable(Path(path))
+        if why:
+            raise ValueError(f"--data-path {path}: cannot read by index: {why}")
+        fm = _read_yaml(Path(path) / META_DIR / "dataset.yaml")["field_map"]
+        self.image_part, self.caption_part = str(fm["image"]), str(fm["caption"])
+        for field, part, allowed in (
+            ("image", self.image_part, IMAGE_EXTENSIONS),
+            ("caption", self.caption_part, TEXT_EXTENSIONS),
+        ):
+            if part.rsplit(".", 1)[-1].lower() not in allowed:
+                raise ValueError(
+                    f"--data-path {path}: field_map {field} <- '{part}': the index reader decodes {field}s "
+                    f"only from {sorted(allowed)} members"
+                )
+        super().__init__(path, split)
+
     def caption(self, pos: int) -> str:
         return self.member(pos, self.caption_part).decode("utf-8")
 
     def image(self, pos: int) -> torch.Tensor:
         """Float RGB [3, H, W] in [0, 1] (energon's default image decoding)."""
-        import numpy as np
-        from PIL import Image
-
-        with Image.open(io.BytesIO(self.member(pos, self.image_part))) as img:
-            rgb = np.asarray(img.convert("RGB"), dtype=np.float32) / 255.0
-        return torch.from_numpy(rgb.transpose(2, 0, 1).copy())
+        return decode_image(self.member(pos, self.image_part))

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from megatron_hetero.models.caption_config import CaptionDataConfig
-from megatron_hetero.models.caption_index import CaptionIndex, indexable
+from megatron_hetero.models.caption_index import CaptionIndex, SplitIndex, indexable
 from megatron_hetero.models.dataset_trust import check_dataset, secure_decoding
 from megatron_hetero.models.energon_data import (
     _next,
@@ -53,9 +53,11 @@ class IndexSource:
     order = "permutation"
     replayed = 0  # never: kept for the same interface as StreamSource
 
-    def __init__(self, cfg: CaptionDataConfig) -> None:
+    def __init__(self, cfg: CaptionDataConfig, index: Optional[SplitIndex] = None) -> None:
+        """`index`: the split's index (default: `CaptionIndex` of cfg.path, cfg.split); the
+        conversation data (`chat_batches`) gives its own, with the same order."""
         self.cfg = cfg
-        self.index = CaptionIndex(cfg.path, cfg.split)
+        self.index = CaptionIndex(cfg.path, cfg.split) if index is None else index
         self.samples_per_epoch = len(self.index)
         self._orders: "OrderedDict[int, list[int]]" = OrderedDict()
         self._lock = threading.Lock()

@@ -101,38 +101,53 @@ class CaptionStageRunner(LlavaStageRunner):
 
     # -- caption accuracy ------------------------------------------------------------------------
     def eval_logits(self, module: str, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        from megatron_hetero.models.cp_attention import cp_chunk_positions
-
-        me, pgs = self.plan.modules[module], self.states[module].pgs
-        tp = pgs.tp.size()
-        if tp > 1:  # the vocabulary is split over TP: gather it (tiny: rows x seq x vocab)
-            parts = [torch.empty_like(logits) for _ in range(tp)]
-            dist.all_gather(parts, logits.contiguous(), group=pgs.tp)
-            logits = torch.cat(parts, dim=-1)
-        ids = logits.argmax(-1)
-        if me.cp > 1:  # every CP rank holds some positions: put the sequence together
-            seq = self.spec.seq_length
-            full = []
-            for t in (ids, labels, mask):
-                parts = [torch.empty_like(t) for _ in range(me.cp)]
-                dist.all_gather(parts, t.contiguous(), group=pgs.cp)
-                out = torch.zeros((t.shape[0], seq), dtype=t.dtype, device=t.device)
-                for c, part in enumerate(parts):
-                    out[:, cp_chunk_positions(seq, c, me.cp).to(t.device)] = part
-                full.append(out)
-            ids, labels, mask = full
-        if me.coord.tp != 0 or me.coord.cp != 0:
+        got = gathered_eval_ids(self, module, logits, labels, mask)
+        if got is None:
             return
-        self._counts[0] += digit_hits(ids.cpu(), labels.cpu(), mask.cpu(), self.data.tok)
+        logits, ids, labels, mask = got
+        self._counts[0] += digit_hits(ids, labels, mask, self.data.tok)
         self._counts[1] += ids.shape[0]
         if self.keep_eval_logits:
-            self.eval_record.append((logits.cpu(), labels.cpu(), mask.cpu()))
+            self.eval_record.append((logits, labels, mask))
 
     def take_eval_counts(self) -> tuple[int, int]:
         out, self._counts = tuple(self._counts), [0, 0]
         return out
+
+
+def gathered_eval_ids(
+    runner: LlavaStageRunner, module: str, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """What an evaluation counts from a loss stage's `eval_logits` (see `CaptionStageRunner`):
+    (logits with the whole vocabulary, greedy ids, labels, loss mask), the last three over the whole
+    sequence, on CPU, on the rank that counts (TP rank 0, CP rank 0 of the module); None on the others.
+    The vocabulary is gathered over TP and the positions over CP (collectives: every TP/CP rank of the
+    module calls this)."""
+    import torch.distributed as dist
+
+    from megatron_hetero.models.cp_attention import cp_chunk_positions
+
+    me, pgs = runner.plan.modules[module], runner.states[module].pgs
+    tp = pgs.tp.size()
+    if tp > 1:  # the vocabulary is split over TP: gather it (tiny: rows x seq x vocab)
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=pgs.tp)
+        logits = torch.cat(parts, dim=-1)
+    ids = logits.argmax(-1)
+    if me.cp > 1:  # every CP rank holds some positions: put the sequence together
+        seq = runner.spec.seq_length
+        full = []
+        for t in (ids, labels, mask):
+            parts = [torch.empty_like(t) for _ in range(me.cp)]
+            dist.all_gather(parts, t.contiguous(), group=pgs.cp)
+            out = torch.zeros((t.shape[0], seq), dtype=t.dtype, device=t.device)
+            for c, part in enumerate(parts):
+                out[:, cp_chunk_positions(seq, c, me.cp).to(t.device)] = part
+            full.append(out)
+        ids, labels, mask = full
+    if me.coord.tp != 0 or me.coord.cp != 0:
+        return None
+    return logits.cpu(), ids.cpu(), labels.cpu(), mask.cpu()
 
 
 def read_heldout(cfg: CaptionDataConfig, tok, encoder: str, seq_length: int) -> dict:

@@ -146,18 +146,32 @@ def tokenize_conversation(
     return ChatTokens(ids, mask, image_spans, text, spans, used)
 
 
+def kept_images(chat: ChatTokens, seq_length: int) -> int:
+    """How many of `chat`'s images `train_sample(chat, seq_length, ...)` keeps: the images before the
+    first whose placeholder run does not end within the first `seq_length` positions."""
+    k = 0
+    for start, length in chat.image_spans:
+        if start + length > seq_length:
+            break
+        k += 1
+    return k
+
+
 def train_sample(chat: ChatTokens, seq_length: int, pad_id: int) -> dict:
     """tokens, labels, loss_mask, image_mask [seq_length] of one conversation (module docstring).
-    The conversation is cut to seq_length + 1 tokens (an image run cut in the middle is dropped from
-    the end whole: its placeholders become padding) or padded with `pad_id`."""
+    The conversation is cut to seq_length + 1 tokens (an image run that does not lie whole within the
+    first seq_length positions, the `tokens`, is dropped from the end whole: its placeholders become
+    padding; so `image_mask` holds every kept image's whole run, `kept_images` counts them) or padded
+    with `pad_id`."""
     n = seq_length + 1
     ids, mask = list(chat.ids), list(chat.mask)
     is_image = [0] * len(ids)
-    for start, length in chat.image_spans:
-        if start + length > n:  # an image must be whole or absent
-            ids, mask, is_image = ids[:start], mask[:start], is_image[:start]
-            break
+    kept = kept_images(chat, seq_length)  # an image is whole in `tokens` or absent
+    for start, length in chat.image_spans[:kept]:
         is_image[start : start + length] = [1] * length
+    if kept < len(chat.image_spans):
+        start = chat.image_spans[kept][0]
+        ids, mask, is_image = ids[:start], mask[:start], is_image[:start]
     ids, mask, is_image = ids[:n], mask[:n], is_image[:n]
     pad = n - len(ids)
     ids += [pad_id] * pad

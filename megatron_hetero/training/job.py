@@ -210,7 +210,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
     flag it declares is there, with the default of the field that declares it: `cli.train`): the
     model (the sizes: `planner.model.spec_from_flags`; --seed and the MoE flags: LlavaSpec's fields;
     the architecture: `training.arch_args`; --load without size or architecture flags: the model the
-    checkpoint records; the data: `models.caption_runner.caption_job_data`), the batch
+    checkpoint records; the data: `models.job_data.job_data`: captions or conversations), the batch
     (`batch_from_args`), the optimizer (OptimConfig's flags; --bf16 and --fp16 also set the model's
     precision), the schedule (LRSchedule's), the layout's runtime flags (--hetero-offload-encoder,
     --hetero-comm-timeout) and JobConfig's own. `progress` stays False (the CLI sets it when stdout is
@@ -218,7 +218,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
     import dataclasses
 
     from megatron_hetero.layout.flags import values
-    from megatron_hetero.models.caption_runner import caption_job_data
+    from megatron_hetero.models.job_data import job_data
     from megatron_hetero.runtime.config import OptimConfig
     from megatron_hetero.training.arch_args import apply_arch_args
     from megatron_hetero.training.lr_schedule import LRSchedule
@@ -237,7 +237,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
         args.vocab_size = recorded.vocab_size
     spec = recorded
     spec = dataclasses.replace(spec, transformer_impl=getattr(args, "transformer_impl", "local"))
-    spec, data = caption_job_data(args, spec)  # (spec, None) without --data-path
+    spec, data = job_data(args, spec)  # (spec, None) without --data-path; captions or conversations
     optim = OptimConfig(**values(OptimConfig, args))
     if optim.bf16 or optim.fp16:
         spec = dataclasses.replace(spec, bf16=optim.bf16, fp16=optim.fp16)

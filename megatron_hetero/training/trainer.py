@@ -236,9 +236,9 @@ def train_rank(
             start = load_checkpoint(job.load, layout, job, topo, states, schedulers)
         runner = None
         if job.data is not None:
-            from megatron_hetero.models.caption_runner import caption_runner_factory
+            from megatron_hetero.models.job_data import runner_factory  # captions or conversations
 
-            runner = caption_runner_factory(job.data, job.spec, job.global_batch_size, heldout=bool(job.eval_interval))(
+            runner = runner_factory(job.data, job.spec, job.global_batch_size, heldout=bool(job.eval_interval))(
                 plan, states
             )
         schedule = make_schedule(plan, job, topo, states, runner=runner)

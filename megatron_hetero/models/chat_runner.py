@@ -1,0 +1,273 @@
+"""The stage runner for conversation data with image tiles: `LlavaStageRunner` with its samples from
+`models.chat_batches.ChatBatches` (a variable number of image tiles per sample).
+
+As for captions (`models.caption_runner.CaptionStageRunner`), this class changes where a
+micro-batch's samples come from (`batch`: the lazy `ChatRowBatch`, whose keys are the batch contract
+of `chat_batches`: tokens, labels, loss_mask, image_mask, features [n_tiles, T, F], tiles), the
+per-step normaliser (`loss_tokens`: the assistant tokens of the step's whole global batch, text only),
+and adds `image_tiles(samples)` ({encoder: tiles per row}, no image decoded), which every rank asks
+to size the encoder's boundary messages. The model side reads the variable-tiles mode from
+`EncoderSpec.max_tiles` (`chat_spec`).
+
+Evaluation (`set_eval(True)`): `batch`, `loss_tokens` and `image_tiles` read the held-out split
+(`chat_batches.chat_heldout`: stored order, global sample i is held-out sample i mod N), and the loss
+stage counts correct ANSWERS (`chat_eval.answer_hits`: teacher-forced, every token of an assistant
+answer the argmax, its closing end-of-turn marker not scored) on the ranks that count the loss
+(`caption_runner.gathered_eval_ids`: TP rank 0, CP rank 0 after the gathers). `take_eval_counts()`
+returns and resets this rank's (hits, answers); the trainer sums them over the world.
+
+`chat_runner_factory(data, spec, global_batch)` is what a trainer plugs in (as
+`caption_runner_factory`), `chat_job_data(...)` fits the spec to the data in the launching process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_hetero.layout.flags import default, value
+from megatron_hetero.models.caption_config import CaptionDataConfig, data_flag_fields
+from megatron_hetero.models.caption_runner import gathered_eval_ids
+from megatron_hetero.models.chat_batches import (
+    DEFAULT_TILE,
+    ChatBatches,
+    HELDOUT_SPLIT,
+    ChatIndex,
+    chat_heldout,
+    resolve_chat_config,
+    tiles_of,
+)
+from megatron_hetero.models.chat_default import chat_template_for
+from megatron_hetero.models.chat_eval import answer_hits
+from megatron_hetero.models.chat_template import ChatTemplate
+from megatron_hetero.models.chat_tokens import marker_tokenizer, tokenize_conversation
+from megatron_hetero.models.dataset_trust import check_dataset
+from megatron_hetero.models.energon_data import VOCAB_MULTIPLE
+from megatron_hetero.models.llava import LlavaSpec
+from megatron_hetero.models.llava_runner import LlavaStageRunner
+from megatron_hetero.models.tokenizer import CaptionTokenizer, load_tokenizer
+from megatron_hetero.plan.rank_plan import RankPlan
+from megatron_hetero.runtime.module_state import ModuleState
+
+
+def end_of_turn_ids(tok: CaptionTokenizer, template: ChatTemplate) -> list[int]:
+    """The token ids of the template's end-of-turn marker (its `eos_token`, e.g. ChatML's
+    `<|im_end|>`) as `tokenize_conversation` tokenises it; [] when the template names none."""
+    eos = template.eos_token
+    if not eos:
+        return []
+    mtok, _ = marker_tokenizer(tok.tokenizer)
+    return list(mtok.encode(eos, add_special_tokens=False).ids)
+
+
+class ChatStageRunner(LlavaStageRunner):
+    """`LlavaStageRunner` over conversation data with image tiles (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: LlavaSpec,
+        plan: RankPlan,
+        states: dict[str, ModuleState],
+        data: ChatBatches,
+        heldout: Optional[ChatBatches] = None,
+    ) -> None:
+        super().__init__(spec, plan, states)
+        if data.global_batch != plan.global_batch:
+            raise ValueError(f"conversation data global batch {data.global_batch} != plan's {plan.global_batch}")
+        self.data = data
+        self._heldout = heldout  # opened on first use unless given (see chat_runner_factory)
+        self.end_ids = end_of_turn_ids(data.tok, data.template)
+        self._counts = [0, 0]  # (correct answers, answers) of the evaluation so far on this rank
+
+    def heldout(self) -> ChatBatches:
+        """The held-out split's batches (`chat_batches.chat_heldout`), opened once."""
+        if self._heldout is None:
+            d = self.data
+            self._heldout = chat_heldout(
+                d.cfg, d.tok, d.template, encoder=d.encoder, seq_length=d.seq_length, global_batch=d.global_batch
+            )
+        return self._heldout
+
+    def heldout_size(self) -> int:
+        """Samples of the held-out split (one evaluation pass covers them once)."""
+        return self.heldout().source.samples_per_epoch
+
+    def _source(self) -> ChatBatches:
+        return self.heldout() if self.evaluating else self.data
+
+    def batch(self, samples: range):
+        return self._source().batch(samples)
+
+    def loss_tokens(self, step: int) -> int:
+        return self._source().loss_tokens(step)
+
+    def image_tiles(self, samples: range) -> dict[str, list[int]]:
+        """{encoder: tiles per row} of the global samples `samples`, no image decoded (= batch's tiles)."""
+        return self._source().image_tiles(samples)
+
+    # -- answer accuracy -------------------------------------------------------------------------
+    def eval_logits(self, module: str, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
+        got = gathered_eval_ids(self, module, logits, labels, mask)
+        if got is None:
+            return
+        _, ids, labels, mask = got
+        hits, answers = answer_hits(ids, labels, mask, self.end_ids)
+        self._counts[0] += hits
+        self._counts[1] += answers
+
+    def take_eval_counts(self) -> tuple[int, int]:
+        out, self._counts = tuple(self._counts), [0, 0]
+        return out
+
+
+def max_sample_tiles(cfg: CaptionDataConfig, tile: int, split: Optional[str] = None) -> int:
+    """The most tiles any sample of the split has (from the JSON sizes / image headers: no image is
+    decoded), before any cut at --seq-length."""
+    index = ChatIndex(cfg.path, split or cfg.split)
+    try:
+        return max((sum(tiles_of(s, tile) for s in index.record(p).sizes) for p in range(len(index))), default=0)
+    finally:
+        index.close()
+
+
+def first_image_end(
+    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int, probe: int = 32
+) -> Optional[int]:
+    """The fewest sequence positions that keep an image: over the split's first `probe` samples with
+    images (stored order), the smallest end of a first image's placeholder run; None without images."""
+    index = ChatIndex(cfg.path, cfg.split)
+    ends: list[int] = []
+    try:
+        for pos in range(len(index)):
+            if len(ends) >= probe:
+                break
+            rec = index.record(pos)
+            if not rec.images:
+                continue
+            counts = [tiles_of(s, tile) * cfg.image_tokens for s in rec.sizes]
+            try:
+                ct = tokenize_conversation(rec.messages, counts, tok, template)
+            except ValueError as exc:
+                raise ValueError(f"sample {rec.key}: {exc}") from None
+            start, length = ct.image_spans[0]
+            ends.append(start + length)
+    finally:
+        index.close()
+    return min(ends) if ends else None
+
+
+def chat_spec(
+    spec: LlavaSpec,
+    cfg: CaptionDataConfig,
+    tok: CaptionTokenizer,
+    *,
+    max_tiles: int,
+    vocab_size: Optional[int] = None,
+) -> LlavaSpec:
+    """`spec` (ONE encoder) fitted to conversation data: the encoder's `tokens` = T (per tile),
+    `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode
+    of `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `models.data`
+    checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the
+    vocabulary from the tokenizer (padded up to a multiple of 128, or `vocab_size` if given and large
+    enough). ValueError for another number of encoders, a --seq-length that holds no tile, or a
+    `vocab_size` that is too small."""
+    if len(spec.encoders) != 1:
+        raise ValueError(f"conversation data feeds one image encoder; the layout has encoders {sorted(spec.encoders)}")
+    ((name, enc),) = spec.encoders.items()
+    if spec.seq_length < enc.offset + cfg.image_tokens:
+        raise ValueError(
+            f"--seq-length {spec.seq_length}: too short for any image (one tile is {cfg.image_tokens} tokens)"
+        )
+    if vocab_size is None:
+        vocab_size = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif vocab_size < tok.vocab_size:
+        raise ValueError(
+            f"--vocab-size {vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens ({tok.name})"
+        )
+    fits = (spec.seq_length - enc.offset) // cfg.image_tokens  # the reserved span [offset, offset + K*T) fits
+    enc = replace(enc, tokens=cfg.image_tokens, feature_dim=cfg.feature_dim, max_tiles=max(1, min(max_tiles, fits)))
+    return replace(spec, vocab_size=vocab_size, encoders={name: enc})
+
+
+def chat_runner_factory(
+    data: CaptionDataConfig, spec: LlavaSpec, global_batch: int, heldout: bool = False
+) -> Callable[[RankPlan, dict[str, ModuleState]], ChatStageRunner]:
+    """A function (plan, states) -> ChatStageRunner for one rank. `data` comes from
+    `chat_batches.resolve_chat_config` and `spec` from `chat_spec`, both in the launching process.
+    `heldout`: open the held-out split first (as `caption_runner_factory`)."""
+    (encoder,) = spec.encoders
+
+    def make(plan: RankPlan, states: dict[str, ModuleState]) -> ChatStageRunner:
+        tok = load_tokenizer(data.tokenizer_model)
+        template = chat_template_for(data.tokenizer_model)
+        held = (
+            chat_heldout(data, tok, template, encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch)
+            if heldout
+            else None
+        )
+        batches = ChatBatches(
+            data, tok, template, encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch
+        )
+        return ChatStageRunner(spec, plan, states, batches, heldout=held)
+
+    return make
+
+
+def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataConfig]:
+    """`train --data-path DIR` on a conversation dataset, in the launching process (as
+    `caption_runner.caption_job_data` for captions): the resolved config (`resolve_chat_config`: the
+    tile side `DEFAULT_TILE`, or a CLIP encoder's image side with its patch size and RGB; channels from
+    the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training or held-out
+    sample has, the tokenizer's vocabulary). ValueError for a --seq-length that would cut every image
+    (`first_image_end`), --mock-data with it, --image-processor or --data-prompt
+    (caption-only), a dataset that names code (conversation data runs none, even when trusted),
+    --encoder-tokens/--encoder-feature-dim that differ from the data's."""
+    fields = {f.name: f for f in data_flag_fields()}
+    path, tokenizer_model = str(args.data_path), value(args, fields["tokenizer_model"])
+    if args.mock_data:
+        raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
+    for name, flag in (("image_processor", "--image-processor"), ("prompt", "--data-prompt")):
+        if value(args, fields[name]):
+            raise ValueError(f"{flag}: applies to caption data; --data-path {path} holds conversations")
+    trust = value(args, fields["trust_code"])
+    if check_dataset(path, trust=trust):  # refused unless trusted; trusted, it would still not run
+        raise ValueError(f"--data-path {path}: the dataset names code; conversation data is read by index only")
+    clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
+    tile = round(clip.tokens**0.5) * clip.patch_size if clip else DEFAULT_TILE
+    patch = value(args, fields["patch_size"]) or default(fields["patch_size"])
+    cfg = resolve_chat_config(
+        CaptionDataConfig(
+            path=path,
+            tokenizer_model=tokenizer_model,
+            trust_code=trust,
+            seed=int(args.seed),
+            patch_size=clip.patch_size if clip else int(patch),
+            channels=3 if clip else None,
+            num_workers=int(value(args, fields["num_workers"])),
+        ),
+        tile=tile,
+    )
+    for flag, given, derived in (
+        ("--encoder-tokens", args.encoder_tokens, cfg.image_tokens),
+        ("--encoder-feature-dim", args.encoder_feature_dim, cfg.feature_dim),
+    ):
+        if given is not None and given != derived:
+            raise ValueError(
+                f"{flag} {given}: --data-path {path} gives {derived} per image tile ({tile}x{tile} tiles, "
+                f"{cfg.channels} channel(s), --patch-size {cfg.patch_size}); leave it out or change --patch-size"
+            )
+    tok = load_tokenizer(cfg.tokenizer_model)
+    end = first_image_end(cfg, tok, chat_template_for(cfg.tokenizer_model), tile)
+    if end is not None and spec.seq_length < end:
+        raise ValueError(
+            f"--seq-length {spec.seq_length}: too short for the images of --data-path {path}: the first "
+            f"image of a sample ends at position {end} at the earliest (every image would be cut)"
+        )
+    max_tiles = max_sample_tiles(cfg, tile)
+    try:  # the held-out samples run through the same model
+        max_tiles = max(max_tiles, max_sample_tiles(cfg, tile, split=HELDOUT_SPLIT))
+    except ValueError:  # no held-out split: evaluation says so when asked for
+        pass
+    return chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size), cfg

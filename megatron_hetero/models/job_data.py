@@ -1,0 +1,39 @@
+"""Which real data `train --data-path DIR` reads, and the stage runner that reads it.
+
+`job_data(args, spec)`: a conversation dataset (`chat_batches.is_chat_dataset`: an energon crude
+dataset, as `megatron-hetero data digits --chat` writes) goes to `chat_runner.chat_job_data`, anything
+else (and no --data-path) to `caption_runner.caption_job_data`. `runner_factory(data, ...)` picks the
+runner of the resulting config's `kind` ("chat": `chat_runner.chat_runner_factory`, else
+`caption_runner.caption_runner_factory`). Both sides stay unaware of each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from megatron_hetero.models.caption_config import CaptionDataConfig
+from megatron_hetero.models.llava import LlavaSpec
+
+
+def job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[CaptionDataConfig]]:
+    """(spec fitted to the data, data config) for train's flags `args` (None: the synthetic data)."""
+    from megatron_hetero.models.chat_batches import is_chat_dataset
+
+    if getattr(args, "data_path", None) and is_chat_dataset(args.data_path):
+        from megatron_hetero.models.chat_runner import chat_job_data
+
+        return chat_job_data(args, spec)
+    from megatron_hetero.models.caption_runner import caption_job_data
+
+    return caption_job_data(args, spec)
+
+
+def runner_factory(data: CaptionDataConfig, spec: LlavaSpec, global_batch: int, heldout: bool = False) -> Callable:
+    """The (plan, states) -> stage runner function for `data` (a config from `job_data`)."""
+    if data.kind == "chat":
+        from megatron_hetero.models.chat_runner import chat_runner_factory
+
+        return chat_runner_factory(data, spec, global_batch, heldout=heldout)
+    from megatron_hetero.models.caption_runner import caption_runner_factory
+
+    return caption_runner_factory(data, spec, global_batch, heldout=heldout)
