@@ -70,7 +70,7 @@ import numpy as np
 
 from megatron_hetero.planner.cost import evaluate
 from megatron_hetero.planner.cost_terms import data_time, io_allreduce, io_flops, layer_parts
-from megatron_hetero.planner.hardware import AlphaBeta, LayerModel, Profile
+from megatron_hetero.planner.hardware import AlphaBeta, LayerModel, Profile, fit_alpha_beta, ring_factors
 from megatron_hetero.planner.search import search
 from megatron_hetero.planner.search_space import Ranked, SearchSpace
 from megatron_hetero.planner.workload import Candidate, Segment, Workload, check_candidate
@@ -87,6 +87,8 @@ RECORD_KEYS = (
     "measured_after_s",
     "kept",
 )
+#: the most candidates `rank_calibrated` asks the search for while filtering by the fixes
+MAX_RANKED = 4096
 #: the calibration's terms (`Calibration.factors` also holds "residual")
 TERMS = ("encoder", "llm", "comm", "optimizer")
 
@@ -522,6 +524,120 @@ def _optimizer_model(
     return _lm(model, measured / x), measured / x
 
 
+# --- what the current layout cannot tell: layers measured in-process at other degrees ----------
+@dataclass(frozen=True)
+class LayerCase:
+    """One transformer layer of a module measured in-process: forward + backward `seconds` of one
+    layer (the module's own sizes) on `samples` samples per replica, at degrees `tp`, `cp` (one of
+    them 1: a case with both above 1 cannot split TP from CP communication)."""
+
+    tp: int
+    cp: int
+    samples: float
+    seconds: float
+
+    def __post_init__(self):
+        for key in ("tp", "cp"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"layer case: {key} must be a positive integer, got {v!r}")
+        if self.tp > 1 and self.cp > 1:
+            raise ValueError(f"layer case: tp {self.tp} and cp {self.cp} together cannot tell TP from CP communication")
+        for key in ("samples", "seconds"):
+            v = float(getattr(self, key))
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"layer case: {key} must be positive, got {v}")
+
+
+def _with_layer_model(prof: Profile, kind: str, model: LayerModel) -> Profile:
+    return dataclasses.replace(prof, layers={**prof.layers, kind: model})
+
+
+def _scalar(x) -> float:
+    return float(np.asarray(x, dtype=float).reshape(-1)[0])
+
+
+def _curve(prof: Profile, kind: str, link: str, n: int) -> AlphaBeta:
+    """The in-layer cost curve of collective `kind` over `n` ranks on `link` the profile applies
+    (`Profile.layer_collective_time`): its in-layer table, else its collectives table, else the ring
+    formula on the link, as one alpha + bytes * beta."""
+    for table in (prof.layer_collectives, prof.collectives):
+        for size, ab in table.get(kind, {}).get(link, {}).items():
+            if int(size) == n:
+                return ab
+    hops, frac = ring_factors(kind, n)
+    ln = prof.links[link]
+    return AlphaBeta(alpha=_scalar(hops) * ln.alpha, beta=_scalar(frac) * ln.beta)
+
+
+def _fit_or_scale(base: AlphaBeta, points: list[tuple[float, float]]) -> AlphaBeta:
+    """alpha + x * beta through `points` (x, y): least squares with two distinct x or more, else
+    `base` scaled to the (mean) point: one size cannot split alpha from beta, so keep base's shape."""
+    ys = [max(y, 0.0) for _, y in points]
+    if len({x for x, _ in points}) >= 2:
+        a, b = fit_alpha_beta([x for x, _ in points], ys)
+        return AlphaBeta(alpha=a, beta=b)
+    x, y = points[0][0], sum(ys) / len(ys)
+    now = base.alpha + x * base.beta
+    s = y / now if now > 0 else 0.0
+    return AlphaBeta(alpha=base.alpha * s, beta=base.beta * s) if now > 0 else AlphaBeta(alpha=0.0, beta=y / x)
+
+
+def fold_layer_measurements(prof: Profile, wl: Workload, module: str, cases: Sequence[LayerCase]) -> Profile:
+    """`prof` with what in-process layer measurements of `module` ('encoder' or 'llm') tell:
+
+    - TP1·CP1 cases refit the module kind's layer model t = a + b * FLOPs (least squares with two
+      distinct sizes or more; one size scales the model, keeping its a/b split);
+    - TP>1 cases set the in-layer all-reduce over tp ranks (`Profile.layer_collectives`): per call,
+      (measured - the layer model's compute at that tp) / the layer's TP collectives (4; 6 with full
+      recompute), fitted per group size against bytes (one size scales the profile's curve there);
+    - CP>1 cases (modules that shard their sequence) likewise the ring's all-gather, adding back the
+      attention compute the cost model overlaps with it.
+
+    Fold before `calibrate`, onto the profile the run is calibrated from. ValueError for an unknown
+    module, no cases, or CP cases of a module that does not shard its sequence."""
+    if module not in ("encoder", "llm"):
+        raise ValueError(f"module must be 'encoder' or 'llm', got {module!r}")
+    if not cases:
+        raise ValueError("fold_layer_measurements: no layer cases")
+    spec = wl.encoder if module == "encoder" else wl.llm
+    if any(c.cp > 1 for c in cases) and not spec.shards:
+        raise ValueError(f"{module} does not shard its sequence over CP (it runs replicated): CP cases tell nothing")
+    # the layer model: compute = a * xa + b * xb (xa, xb: the probe models' times, recompute included)
+    xab = lambda p, c: _scalar(layer_parts(p, wl, spec, c.samples, c.tp, c.cp)[0])  # noqa: E731
+    solo = [c for c in cases if c.tp == 1 and c.cp == 1]
+    if solo:
+        pa, pb = (
+            _with_layer_model(prof, spec.kind, LayerModel(1.0, 0.0)),
+            _with_layer_model(prof, spec.kind, LayerModel(0.0, 1.0)),
+        )
+        pts = [(xab(pb, c) / xab(pa, c), c.seconds / xab(pa, c)) for c in solo]
+        cur = prof.layer_model(spec.kind)
+        ab = _fit_or_scale(AlphaBeta(cur.a, cur.b), pts)
+        prof = _with_layer_model(prof, spec.kind, LayerModel(ab.alpha, ab.beta))
+    tables = {k: {ln: dict(t) for ln, t in v.items()} for k, v in prof.layer_collectives.items()}
+    groups: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
+    b = prof.layer_model(spec.kind).b
+    for c in cases:
+        if c.tp == c.cp == 1:
+            continue
+        compute = xab(prof, c)
+        tokens = c.samples * spec.seq
+        if c.tp > 1:
+            calls = 6.0 if wl.recompute == "full" else 4.0
+            nbytes = tokens / (c.cp if spec.shards else 1) * spec.hidden * wl.dtype_bytes
+            key = ("all_reduce", "inter" if c.tp > prof.devices_per_node else "intra", c.tp)
+            groups.setdefault(key, []).append((nbytes, (c.seconds - compute) / calls))
+        else:
+            nbytes = 2.0 * tokens * spec.hidden * wl.dtype_bytes
+            overlap = b * 12.0 * tokens * spec.seq * spec.hidden / c.cp
+            key = ("all_gather", "inter" if c.cp > prof.devices_per_node else "intra", c.cp)
+            groups.setdefault(key, []).append((nbytes, (c.seconds - compute + overlap) / 3.0))
+    for (kind, link, n), pts in groups.items():
+        tables.setdefault(kind, {}).setdefault(link, {})[n] = _fit_or_scale(_curve(prof, kind, link, n), pts)
+    return dataclasses.replace(prof, layer_collectives=tables)
+
+
 # --- search under the run's constraints ---------------------------------------------------------
 def rank_calibrated(
     calib: Calibration,
@@ -538,17 +654,21 @@ def rank_calibrated(
     profile with the fixed tp/cp/pp in its space (`space_with_fixes`), then the rest of the fixes
     (`honours`); [(candidate, predicted step seconds)], fastest first. The search's ValueError when
     nothing fits."""
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
     fixes = fixes or {}
     sp = space_with_fixes(space, fixes, encoder_name, llm_name)
-    res = search(
-        wl, calib.profile, world_size, memory_limit=memory_limit, space=sp, top=max(top, 1) * (4 if fixes else 1)
-    )
-    out = [
-        (r.candidate, r.breakdown.total * calib.factors["residual"])
-        for r in res.ranked
-        if honours(r.candidate, fixes, encoder_name, llm_name)
-    ]
-    return out[:top]
+    k = top
+    while True:  # the fixes the space cannot hold filter the ranking: widen it until `top` honour them
+        res = search(wl, calib.profile, world_size, memory_limit=memory_limit, space=sp, top=k)
+        out = [
+            (r.candidate, r.breakdown.total * calib.factors["residual"])
+            for r in res.ranked
+            if honours(r.candidate, fixes, encoder_name, llm_name)
+        ]
+        if len(out) >= top or len(res.ranked) < k or k >= MAX_RANKED:
+            return out[:top]
+        k = min(4 * k, MAX_RANKED)
 
 
 # --- decisions ----------------------------------------------------------------------------------
@@ -691,6 +811,8 @@ def write_autotune(out_dir: Union[str, Path], records: Sequence[AutotuneRecord],
 
 __all__ = [
     "FIX_FIELDS",
+    "LayerCase",
+    "fold_layer_measurements",
     "RECORD_KEYS",
     "TERMS",
     "AutotuneRecord",

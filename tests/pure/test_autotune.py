@@ -97,6 +97,11 @@ def test_rank_calibrated_honours_fixes(prof):
     assert got[: len(want)] == want[: len(got)]
     c, p = got[0]
     assert p == pytest.approx(calib.predict(c, WL))
+    # a fix the space cannot hold (a dp) filters a ranking widened until `top` candidates honour it
+    rare = A.rank_calibrated(calib, WL, 8, {"language": {"dp": 1}}, space=space, top=3)
+    every = [(c, p) for c, p in A.rank_calibrated(calib, WL, 8, space=space, top=4096) if c.llm[0].dp == 1]
+    assert len(rare) == min(3, len(every)) > 0 and rare == every[: len(rare)]
+    assert A.rank_calibrated(calib, WL, 8, {"vision": {"dp": 3}}, space=space) == []  # none can
 
 
 # --- the trace ----------------------------------------------------------------------------------
@@ -229,6 +234,38 @@ def test_calibration_without_optimizer_model_or_boundary(prof):
     # the simulated profile's optimizer (none) is set to the measured time per parameter on the rank
     assert A.predicted_terms(cand, WL, calib.profile)["optimizer"] == pytest.approx(calib.measured["optimizer"])
     assert calib.factors["encoder"] == pytest.approx(1.0, rel=0.02)
+
+
+# --- layers measured in-process at other degrees ----------------------------------------------------
+def test_fold_layer_measurements_recovers_the_true_profile(prof):
+    from megatron_hetero.planner.cost_terms import layer_parts
+    from megatron_hetero.planner.hardware import AlphaBeta
+
+    true = dataclasses.replace(
+        prof,
+        layers={"default": prof.layers["default"], "llm": LayerModel(2e-4, 3 * prof.layers["default"].b)},
+        layer_collectives={
+            "all_reduce": {"intra": {2: AlphaBeta(5e-5, 4e-11)}},
+            "all_gather": {"intra": {2: AlphaBeta(1e-4, 5e-11)}},
+        },
+    )
+    layer = lambda p, samples, tp, cp: float(sum(layer_parts(p, WL, LLM, samples, tp, cp)))  # noqa: E731
+    cases = [A.LayerCase(tp, cp, n, layer(true, n, tp, cp)) for tp, cp in ((1, 1), (2, 1), (1, 2)) for n in (1, 4)]
+    folded = A.fold_layer_measurements(prof, WL, "llm", cases)
+    for tp, cp in ((1, 1), (2, 1), (1, 2)):
+        for n in (2, 8):  # other sizes than measured: the fitted lines
+            assert layer(folded, n, tp, cp) == pytest.approx(layer(true, n, tp, cp), rel=1e-6)
+    # one size: the profile's curve scaled to it (the measured point exactly)
+    one = A.fold_layer_measurements(
+        prof, WL, "llm", [A.LayerCase(1, 1, 2, layer(true, 2, 1, 1)), A.LayerCase(4, 1, 2, 0.05)]
+    )
+    assert layer(one, 2, 1, 1) == pytest.approx(layer(true, 2, 1, 1)) and layer(one, 2, 4, 1) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="does not shard"):
+        A.fold_layer_measurements(prof, WL, "encoder", [A.LayerCase(1, 2, 1, 1.0)])
+    with pytest.raises(ValueError, match="cannot tell TP from CP"):
+        A.LayerCase(2, 2, 1, 1.0)
+    with pytest.raises(ValueError, match="module must be"):
+        A.fold_layer_measurements(prof, WL, "audio", cases)
 
 
 # --- decisions ----------------------------------------------------------------------------------
