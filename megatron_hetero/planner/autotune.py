@@ -68,6 +68,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.yaml_io import dump_layout
 from megatron_hetero.planner.cost import evaluate
 from megatron_hetero.planner.cost_terms import data_time, io_allreduce, io_flops, layer_parts
 from megatron_hetero.planner.hardware import AlphaBeta, LayerModel, Profile, fit_alpha_beta, ring_factors
@@ -755,8 +757,9 @@ def after_switch(measured_before_s: float, measured_after_s: float, spread_s: fl
 # --- autotune.json ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AutotuneRecord:
-    """One decision of `autotune.json`. A stay has to_layout = from_layout, measured_after_s None and
-    kept True; `kept` says whether training goes on on `to_layout` (False: reverted)."""
+    """One decision of `autotune.json` (`RECORD_KEYS`). A stay has to_layout = from_layout,
+    measured_after_s None and kept True; a switch gets measured_after_s and kept from `settle`;
+    `kept` says whether training goes on on `to_layout` (False: reverted to from_layout)."""
 
     iteration: int
     from_layout: Any
@@ -766,46 +769,59 @@ class AutotuneRecord:
     measured_after_s: Optional[float] = None
     kept: bool = True
 
+    def settle(self, measured_after_s: float, spread_s: float) -> "AutotuneRecord":
+        """This switch once the new layout is measured: `kept` = `after_switch(measured_step_s,
+        measured_after_s, spread_s)`."""
+        kept = after_switch(self.measured_step_s, measured_after_s, spread_s)
+        return dataclasses.replace(self, measured_after_s=float(measured_after_s), kept=kept)
+
+    def line(self) -> str:
+        """The outcome as one log line."""
+        head = f"autotune at iteration {self.iteration}: "
+        if self.from_layout == self.to_layout:
+            return head + f"stayed on {self.from_layout} (measured {self.measured_step_s:.4g} s)"
+        text = f"{self.from_layout} -> {self.to_layout}: measured {self.measured_step_s:.4g} s, predicted "
+        text += f"{self.predicted_step_s:.4g} s" if self.predicted_step_s is not None else "n/a"
+        if self.measured_after_s is None:
+            return head + text + ", not measured yet"
+        return head + text + f", measured after {self.measured_after_s:.4g} s: " + ("kept" if self.kept else "reverted")
+
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in RECORD_KEYS}
 
 
 def record_of(iteration: int, current: Candidate, decision: Decision, measured_step_s: float) -> AutotuneRecord:
-    """The record of `decision` taken at `iteration` (a switch: measured_after_s and kept are set
-    with `dataclasses.replace` once the new layout is measured). Layouts are `Candidate.describe()`."""
+    """The record of `decision` taken at `iteration` with the current layout measured at
+    `measured_step_s` (a switch: `settle` it once the new layout is measured). Layouts are named by
+    `Candidate.describe()`."""
     to = decision.target if decision.switch and decision.target is not None else current
     return AutotuneRecord(
         iteration=int(iteration),
         from_layout=current.describe(),
         to_layout=to.describe(),
-        measured_step_s=float(measured_step_s),
+        measured_step_s=_positive("measured_step_s", measured_step_s),
         predicted_step_s=decision.predicted_step_s,
-        kept=True,
     )
 
 
-def autotune_document(records: Sequence[AutotuneRecord], chosen: Optional[str] = None) -> dict[str, Any]:
-    """The `autotune.json` object: {"decisions": [...RECORD_KEYS...]} (+ "chosen_layout": the YAML's file name)."""
-    doc: dict[str, Any] = {"decisions": [r.to_dict() for r in records]}
-    if chosen is not None:
-        doc["chosen_layout"] = chosen
-    return doc
+def autotune_document(records: Sequence[AutotuneRecord]) -> dict[str, Any]:
+    """The `autotune.json` object: {"decisions": [{RECORD_KEYS...}, ...]}."""
+    return {"decisions": [r.to_dict() for r in records]}
 
 
-def write_autotune(out_dir: Union[str, Path], records: Sequence[AutotuneRecord], chosen_layout=None) -> dict[str, Path]:
-    """Write `autotune.json` and, given the chosen `HeteroLayout`, `autotune-layout.yaml` (the
-    layout file's writer, `layout.yaml_io.dump_layout`) under `out_dir`; returns their paths."""
-    from megatron_hetero.layout.yaml_io import dump_layout
-
+def write_autotune(
+    out_dir: Union[str, Path], records: Sequence[AutotuneRecord], chosen_layout: Optional[HeteroLayout] = None
+) -> dict[str, Path]:
+    """Write `autotune.json` and, given the layout training goes on with, `autotune-layout.yaml`
+    (the layout file's own writer, `layout.yaml_io.dump_layout`) under `out_dir`; returns their
+    paths ('json', 'layout')."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths: dict[str, Path] = {}
+    paths = {"json": out / "autotune.json"}
+    paths["json"].write_text(json.dumps(autotune_document(records), indent=2) + "\n")
     if chosen_layout is not None:
         paths["layout"] = out / "autotune-layout.yaml"
         paths["layout"].write_text(dump_layout(chosen_layout))
-    paths["json"] = out / "autotune.json"
-    doc = autotune_document(records, paths["layout"].name if "layout" in paths else None)
-    paths["json"].write_text(json.dumps(doc, indent=2) + "\n")
     return paths
 
 

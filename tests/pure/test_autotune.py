@@ -322,8 +322,8 @@ def test_after_switch():
 # --- autotune.json ------------------------------------------------------------------------------
 def test_autotune_json_and_layout(tmp_path):
     d = A.decide(1.0, 0.02, CUR, [(OTHER, 0.8)])
-    switched = dataclasses.replace(A.record_of(10, CUR, d, 1.0), measured_after_s=1.3)
-    switched = dataclasses.replace(switched, kept=A.after_switch(1.0, switched.measured_after_s, 0.02))
+    switched = A.record_of(10, CUR, d, 1.0).settle(1.3, 0.02)
+    assert switched.line().endswith("measured after 1.3 s: reverted") and "\n" not in switched.line()
     stay = A.record_of(20, CUR, A.decide(1.0, 0.0, CUR, [(CUR, 1.0)]), 1.0)
     paths = A.write_autotune(tmp_path, [switched, stay], CUR.to_layout())
     doc = json.loads(paths["json"].read_text())
@@ -331,5 +331,6 @@ def test_autotune_json_and_layout(tmp_path):
     first, second = doc["decisions"]
     assert first["to_layout"] == OTHER.describe() and first["kept"] is False and first["measured_after_s"] == 1.3
     assert second["from_layout"] == second["to_layout"] == CUR.describe() and second["measured_after_s"] is None
-    assert doc["chosen_layout"] == paths["layout"].name == "autotune-layout.yaml"
+    assert list(doc) == ["decisions"] and paths["layout"].name == "autotune-layout.yaml"
+    assert "stayed on" in stay.line() and A.record_of(5, CUR, d, 1.0).settle(0.7, 0.02).kept
     assert load_layout(paths["layout"], 8) == CUR.to_layout()
