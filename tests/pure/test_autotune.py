@@ -226,6 +226,63 @@ def test_calibration_recovers_known_factors(prof, cand):
     assert set(calib.to_dict()) == {"factors", "measured", "predicted", "notes"}
 
 
+def synthetic_disjoint_run(cand: Candidate, wl: Workload, prof: Profile, f: dict, steps: int = 3) -> dict:
+    """A disjoint run of `cand` (one stage per island): the encoder island's ranks first, each rank
+    its module's micro-batches (spans: the prediction times `f`), a `wait` per micro-batch (the
+    pipeline's, in no term), then its gradient reduction and the optimizer step."""
+    p = A.predicted_terms(cand, wl, prof)
+    b = wl.global_batch // (wl.micro_batch * max(s.dp for s in cand.llm))
+    work = {
+        "encoder": f["encoder"] * p["encoder"].compute + f["comm"] * p["encoder"].comm,
+        "llm": f["llm"] * p["llm"].compute + f["comm"] * p["llm"].comm,
+    }
+    roles = ["encoder"] * cand.encoder.size + ["llm"] * cand.llm[0].size
+    payloads = [{"rank": r, "host": "h", "spans": []} for r in range(len(roles))]
+    t = 0.0
+    for k in range(steps):
+        ends = []
+        for pl, role in zip(payloads, roles):
+            sp, c, w, name = pl["spans"], t, work[role] / b, "vision" if role == "encoder" else "language"
+            for mb in range(b):
+                sp.append(span(f"{role}-forward", c, w / 3, name, mb=mb))
+                sp.append(span("wait", c + w / 3, 1e-3))
+                sp.append(span(f"{role}-backward", c + w / 3 + 1e-3, 2 * w / 3, name, mb=mb))
+                c += w + 1e-3
+            sp.append(span("grad-reduce", c, f["comm"] * p["dp"], name))
+            c += f["comm"] * p["dp"]
+            sp.append(span("optimizer", c, f["opt"]))
+            ends.append(c + f["opt"])
+        t = max(ends) + 0.01 * (k + 1)
+    return chrome_trace(payloads, meta={"placement": "disjoint"})
+
+
+def test_calibration_disjoint(prof):
+    cand = Candidate("disjoint", Segment.of(tp=2, dp=2, layers=4), (Segment.of(tp=2, dp=2, layers=8),), encoder_ranks=4)
+    measured_prof = dataclasses.replace(prof, overheads={"optimizer": LayerModel(1e-3, 1e-10)})
+    f = {"encoder": 0.5, "llm": 2.5, "comm": 3.0, "opt": 2.0 * A.predicted_terms(cand, WL, measured_prof)["optimizer"]}
+    st = A.step_times_from_trace(synthetic_disjoint_run(cand, WL, measured_prof, f))
+    calib = A.calibrate(st, cand, WL, measured_prof)
+    for term, want in (("encoder", 0.5), ("llm", 2.5), ("comm", 3.0), ("optimizer", 2.0)):
+        assert calib.factors[term] == pytest.approx(want, rel=0.02), term
+    assert calib.predict(cand, WL) == pytest.approx(st.step_s, rel=1e-9)
+
+
+def test_calibration_on_the_real_trace(prof):
+    """The 2-rank run of the fixture, calibrated from the simulated H100 profile: a CPU is hundreds
+    of times slower, every factor says so, and the current layout is predicted at its step."""
+    enc = ModelSpec("vision", 1, 16, 64, 2, 4, kind="encoder")
+    llm = ModelSpec("language", 2, 32, 128, 2, 16, vocab=256)
+    wl = Workload(enc, llm, global_batch=4, dtype_bytes=4, distributed_optimizer=False, sequence_parallel=False)
+    cand = Candidate("colocated", Segment.of(dp=2, layers=1), (Segment.of(dp=2, layers=2),))
+    st = A.step_times_from_trace(json.loads(TRACE.read_text())).drop(1)
+    calib = A.calibrate(st, cand, wl, prof)
+    assert all(calib.factors[t] > 10 for t in ("encoder", "llm", "comm"))
+    assert calib.predict(cand, wl) == pytest.approx(st.step_s, rel=1e-9)
+    ranked = A.rank_calibrated(calib, wl, 2, space=SearchSpace(runtime=True, tp=(1, 2), pp=(1, 2)))
+    d = A.decide(st.step_s, st.spread_s, cand, ranked)
+    assert d.reason.startswith(("stay:", "switch:")) and d.predicted_step_s == ranked[0][1]
+
+
 def test_calibration_without_optimizer_model_or_boundary(prof):
     cand = colocated(tp=1, dp=8, etp=1, edp=8)  # encoder dp = LLM dp: nothing crosses the boundary
     st = A.step_times_from_trace(synthetic_run(cand, WL, prof, {"encoder": 1.0, "llm": 1.0, "comm": 1.0, "opt": 0.05}))
