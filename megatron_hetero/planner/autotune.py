@@ -2,23 +2,29 @@
 under the run's constraints, decide whether to switch layout and whether to keep the switch, and
 record the decisions. Pure (numpy only; no torch.distributed): the trainer measures, this decides.
 
-The trainer's order (one autotune round):
+The trainer's order (one autotune round; only rank 0 needs to decide, and then tells the others):
 
-1. train `--autotune-steps` K steps with a recording tracer; `gather_trace` gives rank 0 the
+1. train `--autotune-steps` K steps with a fresh recording tracer; `gather_trace` gives rank 0 the
    document (`runtime/trace.py`);
 2. `steps = step_times_from_trace(doc).drop(1)`: the wall time of each step and every rank's busy
    time per (span kind, module); the first step (warm-up) is dropped;
-3. `calib = calibrate(steps, current, workload, profile)`: the profile at the run's own speed;
-4. `ranked = rank_calibrated(calib, workload, world, fixes=parse_fix(...), memory_limit=...)`;
-5. `d = decide(steps.step_s, steps.spread_s, current, ranked, min_gain)`; log `d.reason`;
-6. on `d.switch`: checkpoint, rebuild under `d.target.to_layout()`, resume, trace K more steps;
-   `kept = after_switch(before, after, spread)`; revert when not kept;
-7. `write_autotune(out_dir, records, chosen_layout)`: `autotune.json` and the chosen layout's YAML.
+3. optionally, `profile = fold_layer_measurements(profile, workload, "llm", [LayerCase(...)])` with
+   layers measured in-process at other TP/CP degrees (what the current layout cannot tell);
+4. `calib = calibrate(steps, current, workload, profile)`: the profile at the run's own speed;
+5. `ranked = rank_calibrated(calib, workload, world, parse_fix(...), memory_limit=...)`;
+6. `d = decide(steps.step_s, steps.spread_s, current, ranked, min_gain)`; log `d.reason`;
+   `rec = record_of(iteration, current, d, steps.step_s)`;
+7. on `d.switch`: checkpoint, rebuild under `d.target.to_layout()`, resume, trace K more steps
+   (steps 1-2); `rec = rec.settle(after.step_s, max(steps.spread_s, after.spread_s))`, log
+   `rec.line()`, and revert (rebuild under the old layout from that checkpoint) when not `rec.kept`;
+8. `write_autotune(out_dir, records, chosen_layout)`: `autotune.json` and the chosen layout's YAML.
 
 Steps in a trace: every training step of either schedule ends, on every rank, with one `optimizer`
 span (`runtime/colocated.py`, `runtime/disjoint.py`); the k-th optimizer span of each rank closes
 step k there. A step's wall time runs from the end of the previous step on its slowest rank (the
-first step: from the earliest span) to the end of this step on its slowest rank. Evaluation steps
+first step: from the earliest span) to the end of this step on its slowest rank, so it holds what
+runs between steps (the loss all-reduce, logging) and is the step the run's throughput sees (it
+can exceed the iteration log's time of rank 0's step call). Evaluation steps
 have no optimizer span: trace only training steps (an evaluation inside the window is counted
 into the next training step). Busy times are self times: a span's duration less the spans of the
 same rank nested in it (a colocated boundary's backward contains the encoder's backward, the

@@ -2,9 +2,11 @@
 filter, the steps of a trace, the calibration of the cost model to a run, the switch/stay and
 keep/revert decisions, and `autotune.json`. Pure: no torch.
 
-The real trace (`tests/fixtures/autotune/trace_colocated_dp2.json`) is what
-`megatron-hetero train --hetero-layout L --train-iters 3 --trace T` wrote for the colocated layout
-vision dp 2, language dp 2 on 2 CPU ranks with the sizes of tests/e2e/test_trace.py (SIZES).
+The real traces (`tests/fixtures/autotune/`) are what
+`megatron-hetero train --hetero-layout L --train-iters 3 --trace T` wrote with the sizes of
+tests/e2e/test_trace.py (SIZES) on CPU ranks: `trace_colocated_dp2.json` for the colocated layout
+vision dp 2, language dp 2 (2 ranks), `trace_disjoint_pp2.json` for the disjoint layout vision
+dp 1, language pp 2 (3 ranks).
 The calibration is checked on synthetic traces built with `runtime.trace.chrome_trace` (the
 function `gather_trace` merges the ranks' spans with) from the cost model's own prediction times
 known factors.
@@ -27,6 +29,7 @@ from megatron_hetero.runtime.trace import chrome_trace
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "tests" / "fixtures" / "autotune" / "trace_colocated_dp2.json"
+TRACE_DISJOINT = REPO / "tests" / "fixtures" / "autotune" / "trace_disjoint_pp2.json"
 HW_FILE = REPO / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
 
 ENC = ModelSpec("vision", 4, 1024, 4096, 16, 256, kind="encoder")
@@ -131,6 +134,30 @@ def test_real_trace_steps():
     raw = lambda cat: sum(e["dur"] for e in ev if e["cat"] == cat and e["pid"] == 0) / 1e6  # noqa: E731
     self_time = sum(st.busy[k][("boundary", "")][0] for k in range(3))
     assert self_time == pytest.approx(raw("boundary") - raw("encoder-backward"), rel=1e-6)
+
+
+def tiny(placement: str) -> tuple[Workload, Candidate]:
+    """The workload and candidate of a fixture's run (tests/e2e/test_trace.py's sizes, fp32 Adam)."""
+    enc = ModelSpec("vision", 1, 16, 64, 2, 4, kind="encoder")
+    llm = ModelSpec("language", 2, 32, 128, 2, 16, vocab=256)
+    wl = Workload(enc, llm, global_batch=4, dtype_bytes=4, distributed_optimizer=False, sequence_parallel=False)
+    if placement == "disjoint":
+        return wl, Candidate("disjoint", Segment.of(layers=1), (Segment.of(pp=2, layers=2),), encoder_ranks=1)
+    return wl, Candidate("colocated", Segment.of(dp=2, layers=1), (Segment.of(dp=2, layers=2),))
+
+
+def test_real_disjoint_trace(prof):
+    st = A.step_times_from_trace(json.loads(TRACE_DISJOINT.read_text()))
+    assert st.ranks == (0, 1, 2) and len(st.wall_s) == 3
+    for k in range(3):
+        assert st.busy[k][("encoder-forward", "vision")][1:] == (0.0, 0.0)  # the encoder island is rank 0
+        assert st.busy[k][("llm-forward", "language")][0] == 0.0
+        assert min(st.busy[k][("llm-backward", "language")][1:]) > 0  # both language stages
+        assert st.kind_time(k, "grad-reduce", "language") > 0 and st.kind_time(k, "comm") > 0
+    wl, cand = tiny("disjoint")
+    calib = A.calibrate(st.drop(1), cand, wl, prof)
+    assert calib.predict(cand, wl) == pytest.approx(st.drop(1).step_s, rel=1e-9)
+    assert all(calib.factors[t] > 10 for t in ("encoder", "llm", "comm"))
 
 
 def test_synthetic_trace_self_times_and_walls():
@@ -270,10 +297,7 @@ def test_calibration_disjoint(prof):
 def test_calibration_on_the_real_trace(prof):
     """The 2-rank run of the fixture, calibrated from the simulated H100 profile: a CPU is hundreds
     of times slower, every factor says so, and the current layout is predicted at its step."""
-    enc = ModelSpec("vision", 1, 16, 64, 2, 4, kind="encoder")
-    llm = ModelSpec("language", 2, 32, 128, 2, 16, vocab=256)
-    wl = Workload(enc, llm, global_batch=4, dtype_bytes=4, distributed_optimizer=False, sequence_parallel=False)
-    cand = Candidate("colocated", Segment.of(dp=2, layers=1), (Segment.of(dp=2, layers=2),))
+    wl, cand = tiny("colocated")
     st = A.step_times_from_trace(json.loads(TRACE.read_text())).drop(1)
     calib = A.calibrate(st, cand, wl, prof)
     assert all(calib.factors[t] > 10 for t in ("encoder", "llm", "comm"))
