@@ -176,7 +176,7 @@ def space_with_fixes(
     fixes are left to `honours`. ValueError for a fix the space cannot hold (an encoder CP > 1 in
     a runtime space: the runtime's encoders do not take CP)."""
     _check_names(fixes, encoder_name, llm_name)
-    changes: dict[str, tuple] = {}
+    changes: dict[str, Any] = {}  # SearchSpace fields -> the one value tried
     for name, want in fixes.items():
         prefix = "encoder_" if name == encoder_name else "" if name == llm_name else None
         if prefix is None:

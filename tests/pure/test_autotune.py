@@ -317,6 +317,19 @@ def test_calibration_without_optimizer_model_or_boundary(prof):
     assert calib.factors["encoder"] == pytest.approx(1.0, rel=0.02)
 
 
+def test_calibration_with_one_layer_model_for_both(prof):
+    """An encoder priced by the LLM's layer model (kind 'llm'): one compute factor from both modules."""
+    wl = dataclasses.replace(WL, encoder=dataclasses.replace(ENC, kind="llm", shards_sequence=False))
+    cand = colocated(tp=1, dp=8, etp=1, edp=8)
+    st = A.step_times_from_trace(synthetic_run(cand, wl, prof, {"encoder": 2.0, "llm": 2.0, "comm": 1.0, "opt": 0.01}))
+    calib = A.calibrate(st, cand, wl, prof)
+    assert calib.factors["encoder"] == calib.factors["llm"] == pytest.approx(2.0, rel=0.02)
+    with pytest.raises(ValueError, match="share the layer model"):
+        A.scale_profile(prof, wl, {"encoder": 2.0, "llm": 3.0})
+    with pytest.raises(ValueError, match="positive and finite"):
+        A.scale_profile(prof, WL, {"comm": 0.0})
+
+
 # --- layers measured in-process at other degrees ----------------------------------------------------
 def test_fold_layer_measurements_recovers_the_true_profile(prof):
     from megatron_hetero.planner.cost_terms import layer_parts
