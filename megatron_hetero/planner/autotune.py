@@ -83,6 +83,8 @@ from megatron_hetero.planner.search import search
 from megatron_hetero.planner.search_space import Ranked, SearchSpace
 from megatron_hetero.planner.workload import Candidate, Segment, Workload, check_candidate
 
+#: `--autotune-min-gain`'s default: switch only for a predicted step more than 5% faster
+MIN_GAIN = 0.05
 #: the degrees `--autotune-fix` may pin
 FIX_FIELDS = ("tp", "cp", "pp", "dp", "ep")
 #: the keys of one decision in `autotune.json`, in order
@@ -718,7 +720,7 @@ def decide(
     spread_s: float,
     current: Candidate,
     ranked_candidates: Sequence[Union[tuple[Candidate, float], Ranked]],
-    min_gain: float = 0.05,
+    min_gain: float = MIN_GAIN,
 ) -> Decision:
     """Switch or stay. Switch to the fastest predicted candidate when it is not the current layout,
     its gain measured / predicted - 1 exceeds `min_gain`, and the step it saves exceeds the noise
@@ -833,6 +835,7 @@ def write_autotune(
 
 __all__ = [
     "FIX_FIELDS",
+    "MIN_GAIN",
     "LayerCase",
     "fold_layer_measurements",
     "RECORD_KEYS",
