@@ -217,7 +217,12 @@ def train_command(args, out: str, wl, micro_batch_size: int) -> str:
     if not uses_presets(args):  # the model flags given, so train builds the model that was searched
         from megatron_hetero.planner.model import size_flags
 
-        words += [f"{option(f)} {getattr(args, dest(f))}" for f in size_flags() if getattr(args, dest(f)) is not None]
+        # --encoder-max-tiles: never searched (the cost model refuses it), so never written
+        words += [
+            f"{option(f)} {getattr(args, dest(f))}"
+            for f in size_flags()
+            if getattr(args, dest(f)) is not None and f.name != "max_tiles"
+        ]
     words += [f"--global-batch-size {wl.global_batch} --micro-batch-size {micro_batch_size}"]
     words += feature_flags(wl)
     return " ".join(words)

@@ -286,7 +286,7 @@ class ChatBatches(CaptionBatches):
             source=source,
         )
         self.template = template
-        marker_tokenizer(tok.tokenizer)  # made once here, not first by a prefetch thread
+        marker_tokenizer(tok.tokenizer, extra=template.markers)  # made once here, not first by a prefetch thread
         self._records: dict[int, tuple[ChatRecord, ChatTokens, list[int]]] = {}
         self._lock = threading.Lock()  # _records is also filled from the prefetch threads
 

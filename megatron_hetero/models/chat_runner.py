@@ -58,12 +58,14 @@ def end_of_turn_ids(tok: CaptionTokenizer, template: ChatTemplate) -> list[int]:
     eos = template.eos_token
     if not eos:
         return []
-    mtok, _ = marker_tokenizer(tok.tokenizer)
+    mtok, _ = marker_tokenizer(tok.tokenizer, extra=template.markers)
     return list(mtok.encode(eos, add_special_tokens=False).ids)
 
 
 class ChatStageRunner(LlavaStageRunner):
     """`LlavaStageRunner` over conversation data with image tiles (see the module docstring)."""
+
+    accuracy_name = ("answer accuracy", "held-out answers")
 
     def __init__(
         self,
@@ -165,6 +167,7 @@ def chat_spec(
     *,
     max_tiles: int,
     vocab_size: Optional[int] = None,
+    template: Optional[ChatTemplate] = None,
 ) -> LlavaSpec:
     """`spec` (ONE encoder) fitted to conversation data: the encoder's `tokens` = T (per tile),
     `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode
@@ -180,11 +183,15 @@ def chat_spec(
         raise ValueError(
             f"--seq-length {spec.seq_length}: too short for any image (one tile is {cfg.image_tokens} tokens)"
         )
+    template = template if template is not None else chat_template_for(cfg.tokenizer_model)
+    # the ids the conversations use: the tokenizer's and the markers it is given (`marker_tokenizer`)
+    ids = marker_tokenizer(tok.tokenizer, extra=template.markers)[0].get_vocab_size(with_added_tokens=True)
     if vocab_size is None:
-        vocab_size = -(-tok.vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    elif vocab_size < tok.vocab_size:
+        vocab_size = -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    elif vocab_size < ids:
         raise ValueError(
-            f"--vocab-size {vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens ({tok.name})"
+            f"--vocab-size {vocab_size} is smaller than the {ids} token ids of the conversations ({tok.name} "
+            "with the image and turn markers)"
         )
     fits = (spec.seq_length - enc.offset) // cfg.image_tokens  # the reserved span [offset, offset + K*T) fits
     enc = replace(enc, tokens=cfg.image_tokens, feature_dim=cfg.feature_dim, max_tiles=max(1, min(max_tiles, fits)))
@@ -270,4 +277,5 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
         max_tiles = max(max_tiles, max_sample_tiles(cfg, tile, split=HELDOUT_SPLIT))
     except ValueError:  # no held-out split: evaluation says so when asked for
         pass
-    return chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size), cfg
+    template = chat_template_for(cfg.tokenizer_model)
+    return chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size, template=template), cfg

@@ -150,6 +150,9 @@ class ChatTemplate:
     source: str
     special_tokens: Mapping[str, Any] = field(default_factory=dict)
     name: str = "chat_template"
+    # turn markers the template writes that a tokenizer lacking them is given as added special tokens
+    # (`chat_tokens.marker_tokenizer`), so each is one token (the shipped ChatML's with the digits tokenizer)
+    markers: tuple[str, ...] = ()
 
     @property
     def has_generation_tags(self) -> bool:

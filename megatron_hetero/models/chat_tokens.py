@@ -63,21 +63,24 @@ def _added_tokens(tokenizer) -> dict[str, int]:
     return {t.content: int(i) for i, t in tokenizer.get_added_tokens_decoder().items()}
 
 
-_MARKER_TOKENIZERS: dict[tuple[int, str], Any] = {}
+_MARKER_TOKENIZERS: dict[tuple, Any] = {}
 
 
-def marker_tokenizer(tokenizer, marker: str = IMAGE_MARKER) -> tuple[Any, int]:
-    """(a `tokenizers.Tokenizer` in which `marker` is an added special token, its id): `tokenizer`
-    itself when it already has it, else a copy given it (cached per tokenizer object)."""
+def marker_tokenizer(tokenizer, marker: str = IMAGE_MARKER, extra: Sequence[str] = ()) -> tuple[Any, int]:
+    """(a `tokenizers.Tokenizer` in which `marker` and every `extra` marker (a template's turn markers,
+    `ChatTemplate.markers`) are added special tokens, the id of `marker`): `tokenizer` itself when it
+    already has them all, else a copy given the missing ones, in that order (cached per tokenizer
+    object and markers)."""
     added = _added_tokens(tokenizer)
-    if marker in added:
+    missing = [m for m in dict.fromkeys([marker, *extra]) if m not in added]
+    if not missing:
         return tokenizer, added[marker]
-    key = (id(tokenizer), marker)
+    key = (id(tokenizer), tuple(missing))
     if key not in _MARKER_TOKENIZERS:
         from tokenizers import AddedToken, Tokenizer
 
         copy = Tokenizer.from_str(tokenizer.to_str())
-        copy.add_special_tokens([AddedToken(marker, special=True, normalized=False)])
+        copy.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in missing])
         _MARKER_TOKENIZERS[key] = (tokenizer, copy)  # keep the original alive: its id stays unique
     copy = _MARKER_TOKENIZERS[key][1]
     return copy, int(copy.token_to_id(marker))
@@ -125,7 +128,7 @@ def tokenize_conversation(
             f"{template.name}: the rendered conversation has {text.count(marker)} {marker} marker(s), the "
             f"messages {len(image_tokens)} (the template drops or repeats message content)"
         )
-    mtok, marker_id = marker_tokenizer(tok.tokenizer, marker)
+    mtok, marker_id = marker_tokenizer(tok.tokenizer, marker, template.markers)
     enc = mtok.encode(text, add_special_tokens=False)
     pid = image_placeholder_id(tok, marker) if placeholder_id is None else int(placeholder_id)
     ids: list[int] = []

@@ -55,6 +55,8 @@ class StageRunner:
 
     #: True between `set_eval(True)` and `set_eval(False)`
     evaluating: bool = False
+    #: what `take_eval_counts` counts, as the validation line names it: (accuracy, counted items)
+    accuracy_name: tuple[str, str] = ("caption accuracy", "held-out samples")
 
     # -- required --------------------------------------------------------------------------------
     def loss_modules(self) -> tuple[str, ...]:

@@ -284,6 +284,7 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "eval_loss",
             "eval_accuracy",
             "eval_samples",
+            "eval_accuracy_name",  # "caption accuracy" or "answer accuracy" (conversations)
             # --log-throughput, --log-memory, the writers (training/run_stats.py): already the world's
             "iteration_time_s",
             "tflops_per_rank",

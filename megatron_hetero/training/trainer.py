@@ -99,6 +99,7 @@ def evaluate(schedule, iters: int, rank: int) -> dict[str, Any]:
         hits, samples = vec.tolist()
         out["eval_accuracy"] = hits / samples if samples else None
         out["eval_samples"] = int(samples)
+        out["eval_accuracy_name"], out["eval_counted"] = runner.accuracy_name
     return out
 
 
@@ -114,7 +115,8 @@ def eval_iters_of(job: JobConfig, runner) -> int:
 def validation_line(iteration: int, ev: dict[str, Any]) -> str:
     text = f" validation loss at iteration {iteration} | lm loss {ev['eval_loss']:.6f} |"
     if ev.get("eval_accuracy") is not None:
-        text += f" caption accuracy {ev['eval_accuracy']:.4f} | held-out samples: {ev['eval_samples']} |"
+        name, counted = ev.get("eval_accuracy_name", "caption accuracy"), ev.get("eval_counted", "held-out samples")
+        text += f" {name} {ev['eval_accuracy']:.4f} | {counted}: {ev['eval_samples']} |"
     return text
 
 

@@ -16,8 +16,8 @@ and beside them the per-module figures: `grad-norm/<module>`, `throughput/<modul
 `mem-state-bytes[/<module>]` (resident parameters, gradients and optimizer state: the largest rank's)
 and with --log-memory `mem-activation-peak-bytes[/<module>]`. An evaluated iteration adds
 `lm loss validation` (and `lm loss validation ppl` with --log-validation-ppl-to-tensorboard,
-Megatron's exp(min(20, loss))) and `caption accuracy validation` on caption data, whatever the
-interval. `num-zeros` and `params-norm` are not measured, so not written.
+Megatron's exp(min(20, loss))) and `caption accuracy validation` on caption data (`answer accuracy
+validation` on conversations), whatever the interval. `num-zeros` and `params-norm` are not measured, so not written.
 
 `check_logging(job)` rejects (ValueError: exit 2) a flag whose package is missing or whose folder
 cannot be made, before any rank starts. Importing this module imports neither torch nor the packages.
@@ -136,7 +136,7 @@ def validation_scalars(rec: dict[str, Any], ppl: bool) -> dict[str, float]:
     if ppl:
         out["lm loss validation ppl"] = math.exp(min(20.0, loss))  # Megatron's perplexity
     if rec.get("eval_accuracy") is not None:
-        out["caption accuracy validation"] = float(rec["eval_accuracy"])
+        out[f"{rec.get('eval_accuracy_name', 'caption accuracy')} validation"] = float(rec["eval_accuracy"])
     return out
 
 

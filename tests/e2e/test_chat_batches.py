@@ -66,6 +66,13 @@ def tok():
     return load_tokenizer()
 
 
+def _with_markers(tok):
+    """The tokenizer the conversations are tokenised with: the image and ChatML markers added."""
+    from megatron_hetero.models.chat_tokens import marker_tokenizer
+
+    return marker_tokenizer(tok.tokenizer, extra=default_chat_template().markers)[0]
+
+
 def _batches(cfg, tok, seq=SEQ, workers=0) -> ChatBatches:
     return ChatBatches(
         cfg, tok, default_chat_template(), encoder=ENC, seq_length=seq, global_batch=G, num_workers=workers
@@ -156,7 +163,7 @@ def test_loss_mask_is_the_assistant_tokens(cfg, tok, shards):
         assert batch["loss_mask"][r].tolist() == mask
         picked = batch["labels"][r][batch["loss_mask"][r].bool()].tolist()
         answers = "".join(m["content"] + "<|im_end|>" for m in doc["conversation"] if m["role"] == "assistant")
-        assert tok.tokenizer.decode(picked, skip_special_tokens=False) == answers
+        assert _with_markers(tok).decode(picked, skip_special_tokens=False) == answers
 
 
 def test_image_tiles_and_loss_tokens_decode_no_image(cfg, tok):
@@ -190,7 +197,7 @@ def test_order_is_the_caption_permutation_and_rows_split_alike(cfg, tok):
 
 
 def test_cut_images_are_dropped_with_their_tiles(cfg, tok):
-    short = 100  # cuts some images (a ChatML turn spelled in bytes is ~40 tokens)
+    short = 40  # cuts some images (a ChatML turn header is 3 tokens, a system turn about 15)
     b = _batches(cfg, tok, seq=short, workers=1)
     T, cut = cfg.image_tokens, 0
     for step in range(5):
@@ -271,7 +278,8 @@ def test_chat_runner_switches_to_heldout_and_counts_answers(cfg, tok):
     spec = LlavaSpec(seq_length=SEQ, vocab_size=384, encoders={ENC: EncoderSpec(offset=1, tokens=4, feature_dim=16)})
     one_rank = SimpleNamespace(pgs=SimpleNamespace(tp=SimpleNamespace(size=lambda: 1)))
     runner = ChatStageRunner(spec, plan, {"language": one_rank}, _batches(cfg, tok))
-    assert tok.tokenizer.decode(runner.end_ids, skip_special_tokens=False) == "<|im_end|>"
+    assert _with_markers(tok).decode(runner.end_ids, skip_special_tokens=False) == "<|im_end|>"
+    assert len(runner.end_ids) == 1  # the shipped tokenizer is given the ChatML markers as tokens
     assert runner.end_ids == end_of_turn_ids(tok, default_chat_template())
     rows = range(G, 2 * G)
     assert runner.image_tiles(rows) == runner.data.image_tiles(rows)
@@ -344,8 +352,8 @@ def test_train_flags_on_a_conversation_dataset_pick_the_chat_runner(ds):
     assert job_data(parse(["train"]), spec) == (spec, None)  # no --data-path: the synthetic data
     with pytest.raises(ValueError, match="--data-prompt: applies to caption data"):
         job_data(parse(["train", "--data-path", str(ds), "--data-prompt", "x"]), spec)
-    with pytest.raises(ValueError, match="--seq-length 12: too short for the images"):
-        job_data(parse(["train", "--data-path", str(ds), "--seq-length", "12"]), replace(spec, seq_length=12))
+    with pytest.raises(ValueError, match="--seq-length 7: too short for the images"):
+        job_data(parse(["train", "--data-path", str(ds), "--seq-length", "7"]), replace(spec, seq_length=7))
     with pytest.raises(ValueError, match="--encoder-tokens 9: .* gives 4 per image tile"):
         job_data(parse(["train", "--data-path", str(ds), "--encoder-tokens", "9"]), spec)
 
