@@ -76,7 +76,8 @@ from megatron_hetero.models.chat_tokens import (
     train_sample,
 )
 from megatron_hetero.models.dataset_trust import check_dataset
-from megatron_hetero.models.energon_data import patchify
+from megatron_hetero.models.energon_data import image_processor_of, patchify
+from megatron_hetero.models.image_processor import caption_features, caption_format
 from megatron_hetero.models.tokenizer import CaptionTokenizer
 
 HELDOUT_SPLIT = "val"
@@ -170,11 +171,26 @@ def tiles_of(size: tuple[int, int], tile: int) -> int:
 def tile_features(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
     """A decoded image [C, H, W] -> its tiles' encoder features [tiles, T, F] (module docstring):
     `energon_data.patchify` of the whole image at the tile grid's size, its patches regrouped tile by
-    tile (row-major), each tile's patches row-major: the same as patchifying each tile on its own."""
+    tile (row-major), each tile's patches row-major: the same as patchifying each tile on its own.
+    With `cfg.image_processor` (the tower's preprocessing; the tile side is its output size): the image
+    is resized to the grid (bilinear, antialiased, as `patchify` resizes), then each tile goes through
+    the processor on its own (`image_processor.caption_features`): its resize and crop leave a tile of
+    the output size as it is, its rescale, normalisation and RGB make the pixels the tower's."""
     tile, _ = cfg.image_size
     p = cfg.patch_size
     h, w = int(image.shape[-2]), int(image.shape[-1])
     gh, gw = -(-h // tile), -(-w // tile)
+    if cfg.image_processor:
+        x = image.float().unsqueeze(0) if image.dim() == 3 else image.float().view(1, 1, h, w)
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        if (h, w) != (gh * tile, gw * tile):
+            x = torch.nn.functional.interpolate(
+                x, size=(gh * tile, gw * tile), mode="bilinear", align_corners=False, antialias=True
+            )
+        proc = image_processor_of(cfg)
+        tiles = [x[0, :, i * tile : (i + 1) * tile, j * tile : (j + 1) * tile] for i in range(gh) for j in range(gw)]
+        return torch.stack([caption_features(t.clamp(0, 1), proc, p) for t in tiles])
     x = patchify(image, replace(cfg, image_size=(gh * tile, gw * tile)))  # [(gh*q)*(gw*q), F]
     q = tile // p
     return x.reshape(gh, q, gw, q, x.shape[-1]).permute(0, 2, 1, 3, 4).reshape(gh * gw, q * q, x.shape[-1])
@@ -186,9 +202,15 @@ def resolve_chat_config(cfg: CaptionDataConfig, tile: int = DEFAULT_TILE, probe:
     samples, stored order, are all grey, else 3; decodes those images). ValueError for an image
     processor (not supported with tiles), a tile side not divisible by the patch size, or a dataset
     this reader cannot read."""
-    if cfg.image_processor:
-        raise ValueError("--image-processor: conversation data cuts images into tiles itself (not supported yet)")
     check_dataset(cfg.path, trust=cfg.trust_code)  # before any member is read: refused when it names code
+    if cfg.image_processor:  # the tile is the processor's output (e.g. 336 for CLIP ViT-L/14-336), RGB
+        fmt = caption_format(image_processor_of(cfg), cfg.patch_size)
+        if tile != DEFAULT_TILE and (tile, tile) != fmt["image_size"]:
+            raise ValueError(
+                f"--image-processor {cfg.image_processor}: gives {fmt['image_size'][0]}x{fmt['image_size'][1]} "
+                f"images; the encoder's tiles are {tile}x{tile}"
+            )
+        tile, cfg = fmt["image_size"][0], replace(cfg, channels=3)
     if tile < 1:
         raise ValueError(f"tile side {tile}: must be >= 1")
     out = replace(cfg, image_size=(tile, tile), kind="chat")

@@ -228,16 +228,15 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
     tile side `DEFAULT_TILE`, or a CLIP encoder's image side with its patch size and RGB; channels from
     the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training or held-out
     sample has, the tokenizer's vocabulary). ValueError for a --seq-length that would cut every image
-    (`first_image_end`), --mock-data with it, --image-processor or --data-prompt
+    (`first_image_end`), --mock-data with it, --data-prompt
     (caption-only), a dataset that names code (conversation data runs none, even when trusted),
     --encoder-tokens/--encoder-feature-dim that differ from the data's."""
     fields = {f.name: f for f in data_flag_fields()}
     path, tokenizer_model = str(args.data_path), value(args, fields["tokenizer_model"])
     if args.mock_data:
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
-    for name, flag in (("image_processor", "--image-processor"), ("prompt", "--data-prompt")):
-        if value(args, fields[name]):
-            raise ValueError(f"{flag}: applies to caption data; --data-path {path} holds conversations")
+    if value(args, fields["prompt"]):
+        raise ValueError(f"--data-prompt: applies to caption data; --data-path {path} holds conversations")
     trust = value(args, fields["trust_code"])
     if check_dataset(path, trust=trust):  # refused unless trusted; trusted, it would still not run
         raise ValueError(f"--data-path {path}: the dataset names code; conversation data is read by index only")
@@ -252,10 +251,12 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
             seed=int(args.seed),
             patch_size=clip.patch_size if clip else int(patch),
             channels=3 if clip else None,
+            image_processor=value(args, fields["image_processor"]),
             num_workers=int(value(args, fields["num_workers"])),
         ),
         tile=tile,
     )
+    tile = cfg.image_size[0]  # --image-processor: its output size
     for flag, given, derived in (
         ("--encoder-tokens", args.encoder_tokens, cfg.image_tokens),
         ("--encoder-feature-dim", args.encoder_feature_dim, cfg.feature_dim),

@@ -405,3 +405,38 @@ def test_train_cli_on_conversations_is_the_same_in_two_layouts(ds, tmp_path, cap
     assert all(r["grad_norm_per_module"]["vision"] > 0 for r in one)  # the tiles reach the encoder
     assert one[-1]["eval_loss"] == pytest.approx(two[-1]["eval_loss"], rel=1e-6)
     assert one[-1]["eval_accuracy"] == two[-1]["eval_accuracy"]
+
+
+def test_an_image_processor_preprocesses_each_tile_as_the_tower_was_trained(ds, tmp_path):
+    """--image-processor on conversations: the tile side is the processor's output size, and every
+    tile of an image gets the processor's whole recipe on its own (RGB, rescale, CLIP's mean/std)."""
+    from megatron_hetero.models.chat_batches import tile_features
+    from megatron_hetero.models.image_processor import caption_features, load_image_processor
+
+    pre = {
+        "image_processor_type": "CLIPImageProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"shortest_edge": 8},
+        "resample": 3,
+        "do_center_crop": True,
+        "crop_size": {"height": 8, "width": 8},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(pre))
+    cfg = resolve_chat_config(CaptionDataConfig(str(ds), patch_size=4, image_processor=str(tmp_path)))
+    assert (cfg.image_size, cfg.channels, cfg.image_tokens, cfg.feature_dim) == ((8, 8), 3, 4, 48)
+    proc = load_image_processor(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    image = (torch.randint(0, 256, (1, 16, 16), generator=g) / 255.0).float()
+    got = tile_features(image, cfg)
+    assert got.shape == (4, 4, 48)
+    rgb = image.expand(3, -1, -1)
+    for k, (i, j) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        want = caption_features(rgb[:, 8 * i : 8 * i + 8, 8 * j : 8 * j + 8], proc, 4)
+        assert torch.allclose(got[k], want, atol=1e-6), k
+    assert got.min() < -1.5 and got.max() > 1.5  # CLIP's normalisation, not patchify's [-1, 1]

@@ -1,8 +1,8 @@
 """examples/llava: the LLaVA recipe cannot go stale.
 
-- its CPU twin (cpu_twin.sh: stage 1 then stage 2 on 4 CPU ranks on the digits) runs, stage 2 starts
-  from stage 1's weights with --finetune (--pretrained-checkpoint) at half the batch, and the loss
-  falls in both stages;
+- its CPU twin (cpu_twin.sh: stage 1 on the digit captions, then stage 2 on the digit conversations,
+  on 4 CPU ranks) runs, stage 2 starts from stage 1's weights with --finetune (--pretrained-checkpoint)
+  at half the batch, and the loss falls in stage 1;
 - the committed H100 layouts, search rankings and sbatch scripts are what generate.sh (`search --out`
   and `slurm` with the recipe's arguments) writes today;
 - `plan` accepts both H100 layouts at world 16 and predicts they fit an 80 GB H100 in fp32 and in
@@ -55,14 +55,25 @@ def digits(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory) -> Path:
+    from megatron_hetero.models.digits_chat import write_digits_chat_dataset
+
+    out = tmp_path_factory.mktemp("chat")
+    write_digits_chat_dataset(out, samples=120, val_samples=20)
+    return out
+
+
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.timeout(300)
-def test_cpu_twin_runs_both_stages_and_stage2_finetunes_stage1(digits, tmp_path):
+def test_cpu_twin_runs_both_stages_and_stage2_finetunes_stage1(digits, chat, tmp_path):
     out = tmp_path / "twin"
-    env = dict(_env(), DIGITS=str(digits), STAGE1_ITERS=str(STAGE1_ITERS), STAGE2_ITERS=str(STAGE2_ITERS))
+    env = dict(
+        _env(), DIGITS=str(digits), CHAT=str(chat), STAGE1_ITERS=str(STAGE1_ITERS), STAGE2_ITERS=str(STAGE2_ITERS)
+    )
     run = subprocess.run(
         ["bash", str(EXAMPLE / "cpu_twin.sh"), str(out)], env=env, capture_output=True, text=True, timeout=280
     )
@@ -79,8 +90,6 @@ def test_cpu_twin_runs_both_stages_and_stage2_finetunes_stage1(digits, tmp_path)
     assert all(x == x and 0 < x < 10 for x in loss1 + loss2), (loss1, loss2)
     assert loss1[-1] < loss1[0] - 0.05, loss1  # stage 1: the projector learns
     assert loss2[-1] < loss2[0] - 0.05, loss2  # stage 2: the language model and projector learn
-    # stage 2 starts from stage 1's trained weights, not from the initialisation (~loss1[0])
-    assert loss2[0] < loss1[0] - 0.1, (loss1, loss2)
     # stage 1 trained the projector only: the frozen language model reports no gradient
     assert all(r["grad_norm_per_module"].get("language", 0.0) == 0.0 for r in s1), [
         r["grad_norm_per_module"] for r in s1
