@@ -88,6 +88,15 @@ class CaptionDataConfig:
     # image tiles: `chat_runner`; `image_size` is then the tile); `job_data` picks it from the dataset
     kind: str = "caption"
 
+    # conversations (`models.chat_batches`): at most this many tiles per image, 0: no bound
+    max_image_tiles: int = flag_field(
+        0,
+        "conversation data: at most N tiles per image; a larger image is resized to fit the grid (1: "
+        "every image one tile of the tower's size, as LLaVA-1.5 resizes; default {default}: "
+        "ceil(H/tile) x ceil(W/tile) tiles)",
+        group="data",
+    )
+
     def resolved(self) -> bool:
         return self.image_size is not None and self.channels is not None
 
@@ -111,6 +120,8 @@ class CaptionDataConfig:
             raise ValueError(f"data kind {self.kind!r}: caption or chat")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers {self.num_workers}: must be >= 0")
+        if self.max_image_tiles < 0:
+            raise ValueError(f"--max-image-tiles {self.max_image_tiles}: must be >= 0")
         if self.patch_size < 1:
             raise ValueError(f"--patch-size {self.patch_size}: must be >= 1")
         if self.channels is not None and self.channels not in (1, 3):
@@ -130,5 +141,8 @@ def data_flag_fields() -> list[dataclasses.Field]:
         flags_of(DataFlags, ["data_path"])
         + flags_of(CaptionDataConfig, ["tokenizer_model"])
         + flags_of(DataFlags, ["mock_data"])
-        + flags_of(CaptionDataConfig, ["patch_size", "image_processor", "prompt", "trust_code", "num_workers"])
+        + flags_of(
+            CaptionDataConfig,
+            ["patch_size", "image_processor", "prompt", "trust_code", "num_workers", "max_image_tiles"],
+        )
     )

@@ -198,6 +198,8 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
         return spec, None
     if args.mock_data:
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
+    if value(args, fields["max_image_tiles"]):
+        raise ValueError(f"--max-image-tiles: applies to conversation data; --data-path {path} holds captions")
     # before energon opens it: a dataset that names code is refused unless --trust-dataset-code
     trust = value(args, fields["trust_code"])
     trusted = tuple(f.line() for f in check_dataset(path, trust=trust))

@@ -162,10 +162,24 @@ class ChatIndex(SplitIndex):
         return decode_image(self.member(pos, name))
 
 
-def tiles_of(size: tuple[int, int], tile: int) -> int:
-    """Tiles of an (H, W) image: ceil(H/tile) * ceil(W/tile)."""
+def tile_grid(size: tuple[int, int], tile: int, max_tiles: int = 0) -> tuple[int, int]:
+    """(rows, columns) of tiles of an (H, W) image: ceil(H/tile) x ceil(W/tile), then, while there
+    are more than `max_tiles` (0: no bound), one fewer along the side with more (the image is resized
+    to the grid: `tile_features`)."""
     h, w = size
-    return (-(-h // tile)) * (-(-w // tile))
+    gh, gw = -(-h // tile), -(-w // tile)
+    while max_tiles and gh * gw > max_tiles:
+        if gh >= gw:
+            gh -= 1
+        else:
+            gw -= 1
+    return gh, gw
+
+
+def tiles_of(size: tuple[int, int], tile: int, max_tiles: int = 0) -> int:
+    """Tiles of an (H, W) image (`tile_grid`)."""
+    gh, gw = tile_grid(size, tile, max_tiles)
+    return gh * gw
 
 
 def tile_features(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
@@ -179,7 +193,7 @@ def tile_features(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
     tile, _ = cfg.image_size
     p = cfg.patch_size
     h, w = int(image.shape[-2]), int(image.shape[-1])
-    gh, gw = -(-h // tile), -(-w // tile)
+    gh, gw = tile_grid((h, w), tile, cfg.max_image_tiles)
     if cfg.image_processor:
         x = image.float().unsqueeze(0) if image.dim() == 3 else image.float().view(1, 1, h, w)
         if x.shape[1] == 1:
@@ -320,7 +334,7 @@ class ChatBatches(CaptionBatches):
             v = self._records.get(i)
         if v is None:
             rec = self.source.index.record(self.source.position(i))
-            tiles = [tiles_of(s, self.tile) for s in rec.sizes]
+            tiles = [tiles_of(s, self.tile, self.cfg.max_image_tiles) for s in rec.sizes]
             try:
                 ct = tokenize_conversation(
                     rec.messages, [t * self.tokens_per_tile for t in tiles], self.tok, self.template

@@ -129,7 +129,10 @@ def max_sample_tiles(cfg: CaptionDataConfig, tile: int, split: Optional[str] = N
     decoded), before any cut at --seq-length."""
     index = ChatIndex(cfg.path, split or cfg.split)
     try:
-        return max((sum(tiles_of(s, tile) for s in index.record(p).sizes) for p in range(len(index))), default=0)
+        return max(
+            (sum(tiles_of(s, tile, cfg.max_image_tiles) for s in index.record(p).sizes) for p in range(len(index))),
+            default=0,
+        )
     finally:
         index.close()
 
@@ -148,7 +151,7 @@ def first_image_end(
             rec = index.record(pos)
             if not rec.images:
                 continue
-            counts = [tiles_of(s, tile) * cfg.image_tokens for s in rec.sizes]
+            counts = [tiles_of(s, tile, cfg.max_image_tiles) * cfg.image_tokens for s in rec.sizes]
             try:
                 ct = tokenize_conversation(rec.messages, counts, tok, template)
             except ValueError as exc:
@@ -253,6 +256,7 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
             channels=3 if clip else None,
             image_processor=value(args, fields["image_processor"]),
             num_workers=int(value(args, fields["num_workers"])),
+            max_image_tiles=int(value(args, fields["max_image_tiles"])),
         ),
         tile=tile,
     )

@@ -440,3 +440,25 @@ def test_an_image_processor_preprocesses_each_tile_as_the_tower_was_trained(ds, 
         want = caption_features(rgb[:, 8 * i : 8 * i + 8, 8 * j : 8 * j + 8], proc, 4)
         assert torch.allclose(got[k], want, atol=1e-6), k
     assert got.min() < -1.5 and got.max() > 1.5  # CLIP's normalisation, not patchify's [-1, 1]
+
+
+def test_max_image_tiles_resizes_an_image_to_fit_its_grid(ds):
+    from megatron_hetero.models.chat_batches import tile_features, tile_grid
+
+    assert tile_grid((16, 16), 8) == (2, 2) and tile_grid((16, 16), 8, 1) == (1, 1)
+    assert tile_grid((24, 40), 8, 6) == (2, 3) and tile_grid((600, 800), 336, 1) == (1, 1)
+    cfg = resolve_chat_config(CaptionDataConfig(str(ds), patch_size=4, max_image_tiles=1))
+    image = torch.rand(1, 16, 16, generator=torch.Generator().manual_seed(1))
+    got = tile_features(image, cfg)
+    assert got.shape == (1, 4, 16)
+    assert torch.allclose(got[0], patchify(image, cfg))  # the whole image resized to one 8x8 tile
+    tok_cfg = CaptionDataConfig(str(ds), patch_size=4, max_image_tiles=1)
+    b = ChatBatches(
+        resolve_chat_config(tok_cfg),
+        load_tokenizer(),
+        default_chat_template(),
+        encoder=ENC,
+        seq_length=SEQ,
+        global_batch=G,
+    )
+    assert max(b.image_tiles(range(G))[ENC]) <= 2  # at most two images of one tile each
