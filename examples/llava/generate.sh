@@ -54,8 +54,11 @@ freeze "$out/stage2.yaml" vision            # stage 2: the projector and the lan
 # No model flags: --load of converted weights builds the recorded model; --bf16 casts its fp32 weights.
 # Stage 2 is LLaVA's fine-tuning: --pretrained-checkpoint stage 1 (--finetune from it: iteration 0,
 # a fresh optimizer and schedule, batch 128; a requeued job resumes its own saves instead).
-data=(--image-processor hf/clip-vit-large-patch14-336 --patch-size 14
-      --tokenizer-model hf/Llama-2-7b-hf/tokenizer.json --bf16 --micro-batch-size 4
+# Stage 2 reads conversations (data/llava-instruct: LLaVA-1.5's instruction mix in the conversation
+# layout of docs/data.md), each image one 336x336 tile (--max-image-tiles 1: 576 tokens, as LLaVA-1.5
+# resizes), rendered with the chat template of the Llama-2-chat tokenizer folder (the same tokenizer.json
+# as the base model's; its template adds no token, so the vocabulary stays the checkpoint's 32,000).
+data=(--image-processor hf/clip-vit-large-patch14-336 --patch-size 14 --bf16 --micro-batch-size 4
       --use-distributed-optimizer --sequence-parallel --recompute-granularity selective
       --clip-grad 1.0 --weight-decay 0.0 --lr-decay-style cosine
       --save-interval 500 --log-interval 10 --log-throughput --log-memory)
@@ -65,11 +68,12 @@ root="$PWD"; abs_out="$(cd "$out" && pwd)"; scratch="$(mktemp -d)"; trap 'rm -rf
 mkdir -p "$scratch/examples" && ln -s "$abs_out" "$scratch/examples/llava"
 slurm=(--nodes 2 --gpus-per-node 8 --time 04:00:00 --output logs/%x-%j.out --sbatch-option=--exclusive)
 (cd "$scratch" && PYTHONPATH="${PYTHONPATH:-$root}" $mh slurm "${slurm[@]}" --hetero-layout examples/llava/stage1.yaml --job-name llava-stage1 -- \
-    --load ckpt/llava/pretrained --data-path data/llava-pretrain "${data[@]}" \
+    --load ckpt/llava/pretrained --data-path data/llava-pretrain --tokenizer-model hf/Llama-2-7b-hf/tokenizer.json "${data[@]}" \
     --global-batch-size 256 --lr 1e-3 --lr-warmup-iters 66 --train-iters 2181 \
     --save ckpt/llava/stage1 --log-jsonl logs/stage1.jsonl) > "$out/stage1.sbatch"
 (cd "$scratch" && PYTHONPATH="${PYTHONPATH:-$root}" $mh slurm "${slurm[@]}" --hetero-layout examples/llava/stage2.yaml --job-name llava-stage2 -- \
-    --pretrained-checkpoint ckpt/llava/stage1 --data-path data/llava-stage2 "${data[@]}" \
+    --pretrained-checkpoint ckpt/llava/stage1 --data-path data/llava-instruct --max-image-tiles 1 \
+    --tokenizer-model hf/Llama-2-7b-chat-hf/tokenizer.json "${data[@]}" \
     --global-batch-size 128 --lr 2e-5 --lr-warmup-iters 156 --train-iters 5197 \
     --save ckpt/llava/stage2 --log-jsonl logs/stage2.jsonl) > "$out/stage2.sbatch"
 echo "wrote $out/stage1.yaml $out/stage2.yaml $out/stage1.sbatch $out/stage2.sbatch"

@@ -42,7 +42,7 @@ from megatron_hetero.models.chat_batches import (
 from megatron_hetero.models.chat_default import chat_template_for
 from megatron_hetero.models.chat_eval import answer_hits
 from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import marker_tokenizer, tokenize_conversation
+from megatron_hetero.models.chat_tokens import conversation_vocab_size, marker_tokenizer, tokenize_conversation
 from megatron_hetero.models.dataset_trust import check_dataset
 from megatron_hetero.models.energon_data import VOCAB_MULTIPLE
 from megatron_hetero.models.llava import LlavaSpec
@@ -188,13 +188,13 @@ def chat_spec(
         )
     template = template if template is not None else chat_template_for(cfg.tokenizer_model)
     # the ids the conversations use: the tokenizer's and the markers it is given (`marker_tokenizer`)
-    ids = marker_tokenizer(tok.tokenizer, extra=template.markers)[0].get_vocab_size(with_added_tokens=True)
+    ids = conversation_vocab_size(tok.tokenizer, template.markers)
     if vocab_size is None:
         vocab_size = -(-ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     elif vocab_size < ids:
         raise ValueError(
             f"--vocab-size {vocab_size} is smaller than the {ids} token ids of the conversations ({tok.name} "
-            "with the image and turn markers)"
+            "with the template's turn markers)"
         )
     fits = (spec.seq_length - enc.offset) // cfg.image_tokens  # the reserved span [offset, offset + K*T) fits
     enc = replace(enc, tokens=cfg.image_tokens, feature_dim=cfg.feature_dim, max_tiles=max(1, min(max_tiles, fits)))

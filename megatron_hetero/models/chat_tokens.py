@@ -72,7 +72,9 @@ def marker_tokenizer(tokenizer, marker: str = IMAGE_MARKER, extra: Sequence[str]
     already has them all, else a copy given the missing ones, in that order (cached per tokenizer
     object and markers)."""
     added = _added_tokens(tokenizer)
-    missing = [m for m in dict.fromkeys([marker, *extra]) if m not in added]
+    # the turn markers first: they take the ids right after the tokenizer's own; the image marker (its
+    # placeholders replace it, so its id never reaches the model) comes last
+    missing = [m for m in dict.fromkeys([*extra, marker]) if m not in added]
     if not missing:
         return tokenizer, added[marker]
     key = (id(tokenizer), tuple(missing))
@@ -84,6 +86,14 @@ def marker_tokenizer(tokenizer, marker: str = IMAGE_MARKER, extra: Sequence[str]
         _MARKER_TOKENIZERS[key] = (tokenizer, copy)  # keep the original alive: its id stays unique
     copy = _MARKER_TOKENIZERS[key][1]
     return copy, int(copy.token_to_id(marker))
+
+
+def conversation_vocab_size(tokenizer, extra: Sequence[str] = (), marker: str = IMAGE_MARKER) -> int:
+    """The token ids a tokenised conversation can hold (`tokenize_conversation`): the tokenizer's own
+    and the `extra` turn markers it is given; not the image marker, whose placeholders replace it."""
+    mtok, _ = marker_tokenizer(tokenizer, marker, extra)
+    size = mtok.get_vocab_size(with_added_tokens=True)
+    return size - (0 if marker in _added_tokens(tokenizer) else 1)
 
 
 def image_placeholder_id(tok: CaptionTokenizer, marker: str = IMAGE_MARKER) -> int:
