@@ -80,12 +80,15 @@ class RowBatch(Mapping):
         if key not in self._KEYS:
             raise KeyError(key)
         if key not in self._got:
-            o = self._owner
-            if key == "features":
-                self._got[key] = {o.encoder: torch.stack([o.features(i) for i in self._samples])}
-            else:
-                self._got[key] = torch.stack([o.text(i)[key] for i in self._samples])
+            self._got[key] = self._build(key)
         return self._got[key]
+
+    def _build(self, key: str) -> Any:
+        """The value of `key` (one of `_KEYS`) for the rows: what a subclass with more keys extends."""
+        o = self._owner
+        if key == "features":
+            return {o.encoder: torch.stack([o.features(i) for i in self._samples])}
+        return torch.stack([o.text(i)[key] for i in self._samples])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._KEYS)

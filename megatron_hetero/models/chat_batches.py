@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from megatron_hetero.models.caption_batches import CaptionBatches
+from megatron_hetero.models.caption_batches import CaptionBatches, RowBatch
 from megatron_hetero.models.caption_config import CaptionDataConfig
 from megatron_hetero.models.caption_index import (
     IMAGE_EXTENSIONS,
@@ -241,37 +240,23 @@ def resolve_chat_config(cfg: CaptionDataConfig, tile: int = DEFAULT_TILE, probe:
     return out
 
 
-class ChatRowBatch(Mapping):
+class ChatRowBatch(RowBatch):
     """The rows `samples` of one step in the batch contract (module docstring), each key built on first
-    access: an encoder stage reads `features` (images decoded) or `tiles` (no image), a language stage
-    the text keys and `image_mask` (conversations tokenised), a middle pipeline stage nothing."""
+    access (`caption_batches.RowBatch`): an encoder stage reads `features` (images decoded) or `tiles`
+    (no image), a language stage the text keys and `image_mask` (conversations tokenised), a middle
+    pipeline stage nothing."""
 
     _KEYS = ("tokens", "labels", "loss_mask", "image_mask", "features", "tiles")
 
-    def __init__(self, owner: "ChatBatches", samples: range) -> None:
-        self._owner, self._samples = owner, samples
-        self._got: dict[str, Any] = {}
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self._KEYS:
-            raise KeyError(key)
-        if key not in self._got:
-            o, rows = self._owner, self._samples
-            if key == "features":
-                self._got[key] = {o.encoder: o.row_features(rows)}
-            elif key == "tiles":
-                self._got[key] = {o.encoder: torch.tensor(o.image_tiles(rows)[o.encoder], dtype=torch.long)}
-            elif key == "image_mask":
-                self._got[key] = {o.encoder: torch.stack([o.text(i)["image_mask"] for i in rows])}
-            else:
-                self._got[key] = torch.stack([o.text(i)[key] for i in rows])
-        return self._got[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._KEYS)
-
-    def __len__(self) -> int:
-        return len(self._KEYS)
+    def _build(self, key: str) -> Any:
+        o, rows = self._owner, self._samples
+        if key == "features":
+            return {o.encoder: o.row_features(rows)}
+        if key == "tiles":
+            return {o.encoder: torch.tensor(o.image_tiles(rows)[o.encoder], dtype=torch.long)}
+        if key == "image_mask":
+            return {o.encoder: torch.stack([o.text(i)["image_mask"] for i in rows])}
+        return torch.stack([o.text(i)[key] for i in rows])
 
 
 class ChatBatches(CaptionBatches):
