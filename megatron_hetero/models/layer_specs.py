@@ -64,7 +64,8 @@ def language_layer_spec(impl: str, num_experts: Optional[int], normalization: st
 
 def encoder_layer_spec(impl: str) -> ModuleSpec:
     """An encoder trunk's layer spec (linear-patch and CLIP encoders): the GPT layer of `impl` with
-    bidirectional attention (no mask)."""
+    bidirectional attention (no mask); `local`: with the CP core attention (exactly Megatron's at
+    cp 1; a linear-patch encoder may run with cp > 1)."""
     _check_impl(impl)
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.enums import AttnMaskType
@@ -72,6 +73,6 @@ def encoder_layer_spec(impl: str) -> ModuleSpec:
     if impl == "transformer_engine":
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec()
+        spec = get_gpt_layer_local_spec_with_cp()
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
     return spec

@@ -182,6 +182,8 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, sequence_parallel: boo
         raise ValueError(f"--moe-aux-loss-coeff must be >= 0, got {spec.moe_aux_loss_coeff}")
     check_experts(layout, {n: spec.num_experts for n in langs})
     for name, enc in spec.encoders.items():
+        if name in layout.names:
+            check_encoder_cp(name, enc, layout.module(name), spec.transformer_impl)
         if enc.max_tiles and name in layout.names and layout.module(name).pp > 1:
             raise ValueError(
                 f"module {name}: variable image tokens (--encoder-max-tiles {enc.max_tiles}) run with the "
@@ -232,6 +234,24 @@ def validate_model(layout: HeteroLayout, spec: LlavaSpec, sequence_parallel: boo
                 f"module {lm.name}: cp({lm.cp}) > 1 with output module {name}: the output positions "
                 "would be spread over CP ranks; use cp 1 on the language model"
             )
+
+
+def check_encoder_cp(name: str, enc: EncoderSpec, m: ModuleLayout, impl: str = "local") -> None:
+    """ValueError unless encoder `name` can run on `m`'s CP degree: cp 1, or a linear-patch encoder on
+    one pipeline stage with the local impl, its tokens (per tile) divisible by 2*cp."""
+    if m.cp == 1:
+        return
+    why = None
+    if enc.kind != "linear":
+        why = f"a {enc.kind} tower runs with cp 1"
+    elif m.pp != 1:
+        why = f"an encoder with cp > 1 runs on one pipeline stage (pp {m.pp})"
+    elif impl != "local":
+        why = "context parallelism runs with the local impl's core attention (--transformer-impl local)"
+    elif enc.tokens % (2 * m.cp):
+        why = f"its {enc.tokens} tokens (per tile) are not divisible by 2*cp = {2 * m.cp}"
+    if why:
+        raise ValueError(f"module {name}: cp({m.cp}) > 1: {why}; use cp 1 for {name}")
 
 
 def check_sequence_parallel(layout: HeteroLayout, spec: LlavaSpec) -> None:
@@ -299,17 +319,14 @@ class EncoderModule(torch.nn.Module):
     ) -> None:
         """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
         super().__init__()
-        if m.cp != 1:
-            raise ValueError(
-                f"module {name}: encoders run with cp=1 (their sequence is bounded by the "
-                f"input resolution, not the context); got cp={m.cp}"
-            )
+        check_encoder_cp(name, enc, m, impl)
         if enc.num_layers % m.pp:
             raise ValueError(f"module {name}: {enc.num_layers} encoder layers do not split over pp({m.pp})")
         self.name = name
         self.frozen = m.frozen
         self.pp_rank, self.pp_size = pgs.pp.rank(), m.pp
         self.first, self.last = self.pp_rank == 0, self.pp_rank == m.pp - 1
+        self.cp_rank, self.cp_size, self.cp_group = pgs.cp.rank(), m.cp, pgs.cp
         config = transformer_config(
             num_layers=enc.num_layers,
             hidden=enc.hidden_size,
@@ -349,10 +366,15 @@ class EncoderModule(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """First stage: features [b, n, f]; later stages: hidden [n, b, h]. Returns [n, b, h] or, on
-        the last stage, the projected tokens [b, n, llm_hidden]."""
+        the last stage, the projected tokens [b, n, llm_hidden]. With cp > 1 (one stage) each CP rank
+        holds its load-balanced chunks of the n tokens, n/cp of them, and the CP attention gathers
+        K and V over the CP group (bidirectional)."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
             if self.first:
-                x = (self.patch_embed(x) + self.position).transpose(0, 1).contiguous()
+                x = self.patch_embed(x) + self.position  # [b, n, h]
+                if self.cp_size > 1:  # this CP rank's load-balanced chunks of the n tokens
+                    x = x.index_select(1, cp_chunk_positions(x.shape[1], self.cp_rank, self.cp_size).to(x.device))
+                x = x.transpose(0, 1).contiguous()
             else:
                 self.trunk.set_input_tensor(x)  # a non-first TransformerBlock reads its input from here
             x = self.trunk(x, attention_mask=None)

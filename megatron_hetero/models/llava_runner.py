@@ -20,6 +20,7 @@ uses with per-token loss: `MoEAuxLossAutoScaler` scale 1/loss_tokens), and `aux_
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional, Union
 
 import torch
@@ -28,6 +29,7 @@ from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.models import synthetic
 from megatron_hetero.models import image_tokens
+from megatron_hetero.models.cp_attention import cp_chunk_positions
 from megatron_hetero.models.llava import LlavaSpec, OutputSpec, data_config, dtype_of
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
@@ -106,8 +108,9 @@ class LlavaStageRunner(StageRunner):
         multiple of 2*cp of the language model's CP (the boundary's chunking); else None (fixed)."""
         if edge.src not in self.variable:
             return None
-        dst_cp = self.plan.layout.module(edge.dst).cp
-        multiple = 2 * dst_cp if dst_cp > 1 else 1
+        multiple = 1  # the boundary cuts the edge into 2*cp chunks on either side
+        for cp in (self.plan.layout.module(edge.src).cp, self.plan.layout.module(edge.dst).cp):
+            multiple = math.lcm(multiple, 2 * cp if cp > 1 else 1)
         tiles = self.image_tiles(samples)[edge.src]
         return image_tokens.edge_seq(tiles, self.spec.encoders[edge.src].tokens, multiple)
 
@@ -169,10 +172,19 @@ class LlavaStageRunner(StageRunner):
             b = self.batch(samples)
             x, tiles = b["features"][module].to(self.device, dtype_of(self.spec)), b["tiles"][module].tolist()
             seq = self.edge_seq(Edge(module, self.plan.roles.first_language), self.call_samples(samples))
+            state, cp = self.states[module], self.plan.modules[module].cp
             if not tiles or sum(tiles) == 0:  # text only: a zero tile keeps the module in the graph, times 0
-                y = self.states[module].model(x.new_zeros(1, *x.shape[1:]))
-                return image_tokens.pack_tiles(y[:0], tiles, seq) + 0 * y.sum()
-            return image_tokens.pack_tiles(self.states[module].model(x), tiles, seq)
+                y = state.model(x.new_zeros(1, *x.shape[1:]))
+                keep = 0 * y.sum()
+                y = y[:0]
+            else:
+                y, keep = state.model(x), None
+            if cp > 1:  # each CP rank holds its chunks of every tile: gather the tiles, keep its edge chunks
+                y = image_tokens.gather_cp_chunks(y, state.pgs.cp, cp)
+            out = image_tokens.pack_tiles(y, tiles, seq)
+            if cp > 1:
+                out = out.index_select(1, cp_chunk_positions(seq, state.pgs.cp.rank(), cp).to(out.device))
+            return out if keep is None else out + keep
         if x is None:  # the first stage reads this rank's features
             x = self.batch(samples)["features"][module].to(self.device, dtype_of(self.spec))
         return self.states[module].model(x)

@@ -32,6 +32,13 @@ CASES = [
         {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"pp": 2, "ranks": "2-3"}},
         4,
     ),
+    ("colocated: vision CP2 -> language TP2", "colocated", {"vision": {"cp": 2}, "language": {"tp": 2}}, 2),
+    (
+        "disjoint: vision CP2 | language CP2",
+        "disjoint",
+        {"vision": {"cp": 2, "ranks": "0-1"}, "language": {"cp": 2, "ranks": "2-3"}},
+        4,
+    ),
     (
         "disjoint: vision DP1 | language CP2",
         "disjoint",
@@ -86,6 +93,35 @@ def test_a_variable_and_a_fixed_encoder_fanned_out_in_disjoint_placement():
     dl = max_loss_rel_diff(losses(per_rank), ref_losses)
     dp, where = max_param_rel_diff(full_params(per_rank), ref_params)
     assert dl <= 1e-5 and dp <= 1e-5, (dl, dp, where)
+
+
+def test_encoders_with_cp_beside_each_other_colocated():
+    """A variable and a fixed-token encoder, each on CP2, fanned in to language DP2."""
+    ref_losses, ref_params = _reference(JOB_TWO)
+    modules = {"vision": {"cp": 2}, "audio": {"cp": 2}, "language": {"dp": 2}}
+    doc = {"placement": "colocated", "modules": modules, "edges": ["vision -> language", "audio -> language"]}
+    per_rank = run_job(doc, 2, JOB_TWO)
+    dl = max_loss_rel_diff(losses(per_rank), ref_losses)
+    dp, where = max_param_rel_diff(full_params(per_rank), ref_params)
+    assert dl <= 1e-5 and dp <= 1e-5, (dl, dp, where)
+
+
+def test_encoder_cp_refusals_name_the_reason():
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.models.llava import check_encoder_cp
+
+    def module(**m):
+        world = m.get("cp", 1) * m.get("pp", 1)
+        doc = {"placement": "colocated", "modules": {"vision": m, "language": {"dp": world}}, "edges": EDGE}
+        return layout_from_dict(doc, world_size=world).module("vision")
+
+    check_encoder_cp("vision", EncoderSpec(tokens=4), module(cp=2))  # 4 tokens over 2*2 chunks
+    with pytest.raises(ValueError, match=r"6 tokens \(per tile\) are not divisible by 2\*cp = 4"):
+        check_encoder_cp("vision", EncoderSpec(tokens=6), module(cp=2))
+    with pytest.raises(ValueError, match="a clip tower runs with cp 1"):
+        check_encoder_cp("vision", EncoderSpec(tokens=4, kind="clip", patch_size=2), module(cp=2))
+    with pytest.raises(ValueError, match="one pipeline stage"):
+        check_encoder_cp("vision", EncoderSpec(tokens=4, num_layers=2), module(cp=2, pp=2))
 
 
 def test_a_variable_encoder_on_two_pipeline_stages_is_refused():
