@@ -13,15 +13,14 @@ import torch
 from megatron_hetero.layout.spec import HeteroLayout, Recompute
 from megatron_hetero.layout.validate import check_recompute
 from megatron_hetero.models import synthetic
+from megatron_hetero.models.llava_checks import check_sequence_parallel, validate_model
 from megatron_hetero.models.llava import (
     EncoderModule,
     LanguageModule,
     LlavaSpec,
     OutputModule,
-    check_sequence_parallel,
     data_config,
     language_modules,
-    validate_model,
 )
 from megatron_hetero.plan.rank_plan import RankPlan, rank_plans
 from megatron_hetero.runtime.module_state import ModuleState

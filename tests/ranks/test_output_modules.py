@@ -88,7 +88,8 @@ def test_colocated_tables_have_the_output_phase():
 
 
 def test_output_module_validation():
-    from megatron_hetero.models.llava import LlavaSpec, OutputSpec, validate_model
+    from megatron_hetero.models.llava import LlavaSpec, OutputSpec
+    from megatron_hetero.models.llava_checks import validate_model
 
     spec = LlavaSpec(outputs={"generator": OutputSpec()})
     layout = layout_from_dict(

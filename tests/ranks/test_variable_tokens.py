@@ -108,7 +108,7 @@ def test_encoders_with_cp_beside_each_other_colocated():
 
 def test_encoder_cp_refusals_name_the_reason():
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.models.llava import check_encoder_cp
+    from megatron_hetero.models.llava_checks import check_encoder_cp
 
     def module(**m):
         world = m.get("cp", 1) * m.get("pp", 1)

@@ -1,0 +1,105 @@
+"""`--autotune-fix`: the degrees a run pins (`parse_fix`) and the candidates that honour them
+(`honours`, `space_with_fixes`). Pure; part of `planner.autotune`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from megatron_hetero.planner.search_space import SearchSpace
+from megatron_hetero.planner.workload import Candidate, Segment
+
+
+#: the degrees `--autotune-fix` may pin
+FIX_FIELDS = ("tp", "cp", "pp", "dp", "ep")
+
+Fixes = dict[str, dict[str, int]]
+
+
+# --- --autotune-fix -----------------------------------------------------------------------------
+def parse_fix(text: Optional[str]) -> Fixes:
+    """`--autotune-fix` "language.tp=4,vision.dp=8" -> {"language": {"tp": 4}, "vision": {"dp": 8}}.
+
+    Items are MODULE.FIELD=INT, comma-separated, FIELD one of `FIX_FIELDS`, INT >= 1; empty text:
+    no fixes. ValueError naming the bad item otherwise (or a field given twice)."""
+    fixes: Fixes = {}
+    if text is None:
+        return fixes
+    for item in (p.strip() for p in str(text).split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        module, dot, fld = key.strip().rpartition(".")
+        module, fld = module.strip(), fld.strip()
+        if not eq or not dot or not module:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r} is not MODULE.FIELD=INT (e.g. language.tp=4)")
+        if fld not in FIX_FIELDS:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r}: field {fld!r} is not one of {list(FIX_FIELDS)}")
+        try:
+            n = int(value.strip())
+        except ValueError:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r}: {value.strip()!r} is not an integer") from None
+        if n < 1:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r}: {fld} must be >= 1, got {n}")
+        if fld in fixes.get(module, {}):
+            raise ValueError(f"--autotune-fix {text!r}: {module}.{fld} given twice")
+        fixes.setdefault(module, {})[fld] = n
+    return fixes
+
+
+def _segments(c: Candidate, encoder_name: str, llm_name: str) -> dict[str, list[Segment]]:
+    """The candidate's segments by the module names a fix may use: the encoder, the language model
+    (all its segments) and, for a chain, each segment as `Candidate.to_layout` names it (`language_a`)."""
+    out: dict[str, list[Segment]] = {encoder_name: [c.encoder], llm_name: list(c.llm)}
+    if len(c.llm) > 1:
+        for i, s in enumerate(c.llm):
+            out[f"{llm_name}_{chr(ord('a') + i)}"] = [s]
+    return out
+
+
+def _check_names(fixes: Fixes, encoder_name: str, llm_name: str) -> None:
+    for name in fixes:
+        base = name[: -len("_a")] if len(name) > 2 and name[-2] == "_" and name[-1].isalpha() else name
+        if name not in (encoder_name, llm_name) and base != llm_name:
+            raise ValueError(
+                f"--autotune-fix: unknown module {name!r}; the modules are {encoder_name!r} and {llm_name!r}"
+            )
+
+
+def honours(c: Candidate, fixes: Fixes, encoder_name: str = "vision", llm_name: str = "language") -> bool:
+    """Whether candidate `c` has every fixed degree: a fix on the language model holds for each of
+    its segments; one on `language_a` only for the chain's first segment (a candidate without
+    that segment does not honour it). ValueError for a module name that is neither."""
+    _check_names(fixes, encoder_name, llm_name)
+    segs = _segments(c, encoder_name, llm_name)
+    for name, want in fixes.items():
+        if name not in segs:
+            return False
+        for s in segs[name]:
+            if any(getattr(s, k) != v for k, v in want.items()):
+                return False
+    return True
+
+
+def space_with_fixes(
+    space: SearchSpace, fixes: Fixes, encoder_name: str = "vision", llm_name: str = "language"
+) -> SearchSpace:
+    """`space` with the degrees the search enumerates (tp, cp, pp per module) pinned to the fixed
+    values, so the search itself honours them; dp and ep (derived by the search) and per-segment
+    fixes are left to `honours`. ValueError for a fix the space cannot hold (an encoder CP > 1 in
+    a runtime space: the runtime's encoders do not take CP)."""
+    _check_names(fixes, encoder_name, llm_name)
+    changes: dict[str, Any] = {}  # SearchSpace fields -> the one value tried
+    for name, want in fixes.items():
+        prefix = "encoder_" if name == encoder_name else "" if name == llm_name else None
+        if prefix is None:
+            continue
+        for k in ("tp", "cp", "pp"):
+            if k in want:
+                changes[prefix + k] = (want[k],)
+    if space.runtime and changes.get("encoder_cp", (1,)) != (1,):
+        raise ValueError(
+            f"--autotune-fix {encoder_name}.cp={changes['encoder_cp'][0]}: the runtime runs encoders with cp 1"
+        )
+    return dataclasses.replace(space, **changes)
