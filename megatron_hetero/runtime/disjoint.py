@@ -27,9 +27,11 @@ Communication runs in batches, no threads: `StageTable.batches()` groups each ru
 receives between two compute actions (1F1B's "send forward, receive backward" and "send backward,
 receive forward", generalised to joins, branches and skip links), and this rank posts each batch at
 once with `torch.distributed.batch_isend_irecv` and waits for all of it (`wire.exchange_batch`): the
-same code path on gloo and NCCL. Boundary messages carry no header here: every edge has a fixed
-sequence length (the stage runner's `edge_tensor`), both sides size each message from the same
-plan, and the source checks its tensor against it (`Boundary.planned_forward_phase`); a header round
+same code path on gloo and NCCL. Boundary messages carry no header here: an edge has a fixed
+sequence length (the stage runner's `edge_tensor`) or, with variable image tokens, one per
+micro-batch that both sides compute from the samples' metadata (`StageRunner.edge_seq`); both sides
+size each message from the same plan, and the source checks its tensor against it
+(`Boundary.planned_forward_phase`); a header round
 inside a batch would hold back the batch's other messages and can deadlock. Neither transport
 buffers a message, so a send completes only when its receive is posted; the checker's rendezvous
 mode proves that these batches complete for every table set the planner generates.
