@@ -307,7 +307,6 @@ def test_chat_runner_switches_to_heldout_and_counts_answers(cfg, tok):
 
 
 def test_spec_is_fitted_to_the_data(cfg, tok, shards):
-    import dataclasses
 
     from megatron_hetero.models.chat_runner import chat_spec, max_sample_tiles
     from megatron_hetero.models.llava import LlavaSpec
@@ -315,12 +314,6 @@ def test_spec_is_fitted_to_the_data(cfg, tok, shards):
 
     want = max(sum({8: 1, 16: 4}[s] for s in shards[k]["json"]["sizes"]) for k in shards if int(k) < 40)
     assert max_sample_tiles(cfg, 8) == want
-    if "max_tiles" not in {f.name for f in dataclasses.fields(EncoderSpec)}:  # the model side adds it on main
-
-        @dataclasses.dataclass(frozen=True)
-        class EncoderSpec(EncoderSpec):  # noqa: F811 (a stand-in with the field)
-            max_tiles: int = 0
-
     spec = chat_spec(LlavaSpec(seq_length=SEQ, encoders={ENC: EncoderSpec(offset=1)}), cfg, tok, max_tiles=want)
     enc = spec.encoders[ENC]
     assert (enc.tokens, enc.feature_dim, enc.max_tiles, spec.vocab_size) == (4, 16, want, 384)
@@ -329,18 +322,11 @@ def test_spec_is_fitted_to_the_data(cfg, tok, shards):
 
 
 def test_train_flags_on_a_conversation_dataset_pick_the_chat_runner(ds):
-    import dataclasses
 
     from megatron_hetero import cli
     from megatron_hetero.models.job_data import job_data, runner_factory
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.planner.model import EncoderSpec
-
-    if "max_tiles" not in {f.name for f in dataclasses.fields(EncoderSpec)}:  # the model side adds it on main
-
-        @dataclasses.dataclass(frozen=True)
-        class EncoderSpec(EncoderSpec):  # noqa: F811 (a stand-in with the field)
-            max_tiles: int = 0
 
     spec = LlavaSpec(seq_length=SEQ, encoders={ENC: EncoderSpec(offset=1)})
     parse = cli.build_parser().parse_args
@@ -381,14 +367,9 @@ def test_workers_and_a_restored_position_give_the_same_batches(cfg, tok):
 @pytest.mark.timeout(300)
 def test_train_cli_on_conversations_is_the_same_in_two_layouts(ds, tmp_path, capsys):
     """`train --data-path` on the conversations (the model side's variable tiles): world 1 and a
-    disjoint world 2 give the same losses and held-out answer counts. Needs EncoderSpec.max_tiles."""
-    import dataclasses
-
+    disjoint world 2 give the same losses and held-out answer counts."""
     from megatron_hetero.cli import main
-    from megatron_hetero.planner.model import EncoderSpec
 
-    if "max_tiles" not in {f.name for f in dataclasses.fields(EncoderSpec)}:
-        pytest.skip("the model side of variable image tiles (EncoderSpec.max_tiles) is not in this tree")
     common = ["train", "--seq-length", "256", "--train-iters", "2", "--data-path", str(ds), "--eval-interval", "2"]
     runs = {}
     for name, placement, vision, language in (
