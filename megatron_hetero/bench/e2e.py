@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
-from megatron_hetero.bench.candidate import candidate_for
+from megatron_hetero.training.layout_cost import candidate_for
 from megatron_hetero.bench.planner_configs import describe, resolve
 from megatron_hetero.planner import search as S
 from megatron_hetero.planner.model import workload
@@ -331,7 +331,7 @@ def run(
 
 
 def _cost_mbs(layout, spec, mbs: int) -> int:
-    from megatron_hetero.bench.candidate import cost_micro_batch
+    from megatron_hetero.training.layout_cost import cost_micro_batch
 
     return cost_micro_batch(layout, spec, mbs)
 

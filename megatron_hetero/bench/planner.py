@@ -37,7 +37,7 @@ from megatron_hetero.planner import cost as C
 from megatron_hetero.planner import search as S
 from megatron_hetero.planner import search_space as SP
 from megatron_hetero.planner.hardware import Profile
-from megatron_hetero.bench.candidate import candidate_for, cost_micro_batch, kind_of
+from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch, kind_of
 from megatron_hetero.bench.planner_configs import CONFIGS, WORLDS, BenchModel, describe, resolve
 from megatron_hetero.planner.model import workload
 

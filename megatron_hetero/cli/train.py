@@ -62,6 +62,7 @@ GROUPS = {
     "moe": "mixture of experts (language model; ep/expt_tp come from the layout)",
     "launch": "launch",
     "logging": "logging (TensorBoard, W&B, throughput, memory; Megatron-LM's flags)",
+    "autotune": "auto-layout (--hetero-autotune: measure, re-plan, move to a faster layout in the same processes)",
 }
 
 

@@ -238,21 +238,31 @@ def record_of(iteration: int, current: Candidate, decision: Decision, measured_s
     )
 
 
-def autotune_document(records: Sequence[AutotuneRecord]) -> dict[str, Any]:
-    """The `autotune.json` object: {"decisions": [{RECORD_KEYS...}, ...]}."""
-    return {"decisions": [r.to_dict() for r in records]}
+def autotune_document(
+    records: Sequence[AutotuneRecord], calibration: Optional[Sequence[dict[str, Any]]] = None
+) -> dict[str, Any]:
+    """The `autotune.json` object: {"decisions": [{RECORD_KEYS...}, ...]} and, given, "calibration":
+    one entry per decision (the factors, the measured step and its noise, and after a switch the
+    chosen layout's predicted against measured step)."""
+    doc: dict[str, Any] = {"decisions": [r.to_dict() for r in records]}
+    if calibration is not None:
+        doc["calibration"] = list(calibration)
+    return doc
 
 
 def write_autotune(
-    out_dir: Union[str, Path], records: Sequence[AutotuneRecord], chosen_layout: Optional[HeteroLayout] = None
+    out_dir: Union[str, Path],
+    records: Sequence[AutotuneRecord],
+    chosen_layout: Optional[HeteroLayout] = None,
+    calibration: Optional[Sequence[dict[str, Any]]] = None,
 ) -> dict[str, Path]:
-    """Write `autotune.json` and, given the layout training goes on with, `autotune-layout.yaml`
-    (the layout file's own writer, `layout.yaml_io.dump_layout`) under `out_dir`; returns their
-    paths ('json', 'layout')."""
+    """Write `autotune.json` (`autotune_document`) and, given the layout training goes on with,
+    `autotune-layout.yaml` (the layout file's own writer, `layout.yaml_io.dump_layout`) under
+    `out_dir`; returns their paths ('json', 'layout')."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "autotune.json"}
-    paths["json"].write_text(json.dumps(autotune_document(records), indent=2) + "\n")
+    paths["json"].write_text(json.dumps(autotune_document(records, calibration), indent=2) + "\n")
     if chosen_layout is not None:
         paths["layout"] = out / "autotune-layout.yaml"
         paths["layout"].write_text(dump_layout(chosen_layout))

@@ -117,12 +117,21 @@ class Tracer:
     def __init__(self, rank: int, path: Optional[str] = None) -> None:
         self.rank, self.path = rank, path
         self.spans: list[tuple] = []
+        self.recording = True
+
+    def stop(self) -> None:
+        """Stop recording and drop the spans (a measuring window is over: `train --hetero-autotune`);
+        spans still open are not kept, and `enabled` stays True (the wrapped methods keep calling)."""
+        self.recording = False
+        self.spans = []
 
     def span(self, kind: str, name: Label, args: Args = None) -> _Span:
         return _Span(self, kind, name, args)
 
     def record(self, kind: str, name: Label, t0: int, t1: int, args: Args = None) -> None:
         """One finished span (names and args callables are evaluated here)."""
+        if not self.recording:
+            return
         self.spans.append(
             (kind, name() if callable(name) else name, t0, t1, (args() if callable(args) else args) or {})
         )

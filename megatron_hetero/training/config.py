@@ -18,6 +18,7 @@ from megatron_hetero.layout.flags import flag_field, flags_of
 from megatron_hetero.layout.spec import Recompute
 from megatron_hetero.planner.model import LlavaSpec
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
+from megatron_hetero.training.autotune_config import AutotuneConfig
 from megatron_hetero.training.lr_schedule import LRSchedule
 
 
@@ -194,6 +195,10 @@ class JobConfig:
         metavar="FILE.json",
     )
 
+    # --hetero-autotune: measure, re-plan and move to a faster layout (`training/autotune_run.py`);
+    # None: the run keeps its layout
+    autotune: Optional[AutotuneConfig] = None
+
     def runtime_config(self, rank: int = 0) -> RuntimeConfig:
         """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
         from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
@@ -228,7 +233,7 @@ def train_flag_fields() -> list[dataclasses.Field]:
     """The fields of `train`'s own flags in --help order, after the shared model flags
     (`cli.model_flags`), the architecture's (`cli.arch_flags`) and the data's (`cli.data`), before the
     layout's (`layout.args`): the loop, the optimizer, the seed and the schedule; evaluation;
-    checkpoints; mixture of experts; launch; logging; the trace."""
+    checkpoints; mixture of experts; launch; logging; the trace; the autotune."""
     from megatron_hetero.planner.model import MOE_FLAGS
 
     return (
@@ -297,4 +302,5 @@ def train_flag_fields() -> list[dataclasses.Field]:
             ],
         )
         + flags_of(JobConfig, ["trace"])
+        + flags_of(AutotuneConfig)
     )

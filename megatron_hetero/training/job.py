@@ -242,6 +242,9 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
     if optim.bf16 or optim.fp16:
         spec = dataclasses.replace(spec, bf16=optim.bf16, fp16=optim.fp16)
     job = values(JobConfig, args, _JOB_FLAGS)
+    from megatron_hetero.training.autotune_config import AutotuneConfig
+
+    tune = AutotuneConfig(**values(AutotuneConfig, args)) if getattr(args, "hetero_autotune", False) else None
     return JobConfig(
         spec=spec,
         global_batch_size=global_batch_size,
@@ -252,6 +255,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
         comm_timeout_s=args.hetero_comm_timeout,
         data=data,
         trace=_trace_path(args.trace),
+        autotune=tune,
         **job,
     )
 

@@ -78,7 +78,9 @@ class LoopSpec:
     """The loop's numbers: iterations [start, train_iters); `scheduler_increment` per iteration
     (train's schedulers count iterations: 1; Megatron-LM's count samples: the global batch size);
     `save`: the checkpoint directory (None: nothing is saved), every `save_interval` iterations
-    (None or 0: only at the end); `rank`: this rank's global rank (failure messages, the stop line)."""
+    (None or 0: only at the end); `rank`: this rank's global rank (failure messages, the stop line);
+    `final_save`: the checkpoint after the last iteration (False: a part of a run that goes on:
+    `--hetero-autotune`'s measuring windows)."""
 
     start: int
     train_iters: int
@@ -86,6 +88,7 @@ class LoopSpec:
     save: Optional[str]
     save_interval: Optional[int]
     rank: int
+    final_save: bool = True
 
 
 @dataclass
@@ -134,7 +137,7 @@ def run_loop(
                 front.save(out.stopped)
             finish_on_signal(stop, out.stopped, spec.save, spec.rank, write)
             return out
-    if spec.save and spec.train_iters > spec.start and last_saved != spec.train_iters:
+    if spec.save and spec.final_save and spec.train_iters > spec.start and last_saved != spec.train_iters:
         front.save(spec.train_iters)
     front.finish(spec.train_iters)
     return out

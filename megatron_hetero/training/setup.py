@@ -52,6 +52,10 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     from megatron_hetero.training.writers import check_logging
 
     check_logging(job)  # --tensorboard-dir, --wandb-*: the packages and the folders
+    if job.autotune is not None:
+        from megatron_hetero.training.autotune_checks import check_autotune
+
+        check_autotune(layout, job)
     if job.eval_iters is not None and not job.eval_interval:
         raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
     synthetic.validate(data_config(spec))

@@ -192,6 +192,127 @@ class TrainFrontEnd:
         """Nothing more: the last iteration's evaluation ran in `evaluate`."""
 
 
+class Session:
+    """Everything one rank trains with under one layout: its topology (process groups), plan, module
+    states, learning-rate schedulers, schedule and front end, and the iteration it starts at (0, or
+    the checkpoint's under `job.load`). `tracer`: a recording tracer for the schedule instead of the
+    job's (`--hetero-autotune`'s windows). `destroy()` destroys the topology's groups. Collective:
+    every rank builds its session together."""
+
+    def __init__(
+        self,
+        layout: HeteroLayout,
+        job: JobConfig,
+        log,
+        step_hook: Optional[Callable[[int], Any]] = None,
+        tracer=None,
+    ) -> None:
+        import dataclasses
+
+        from megatron_hetero.checkpoint.save_load import load_checkpoint, save_checkpoint
+        from megatron_hetero.training.lr_schedule import build_scheduler
+        from megatron_hetero.training.memory_log import ActivationMeter
+
+        self.layout, self.job = layout, job
+        self.topo = topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
+        try:
+            plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+            self.plan = plan
+            self.states = states = build_states(plan, job, topo)
+            self.schedulers = schedulers = {
+                n: build_scheduler(
+                    s.optimizer,
+                    job.schedule,
+                    job.optim.lr,
+                    job.optim.weight_decay,
+                    job.train_iters,
+                    override=job.override_opt_param_scheduler,
+                )
+                for n, s in states.items()
+                if s.optimizer is not None
+            }
+            self.start = 0
+            if job.load:
+                self.start = load_checkpoint(job.load, layout, job, topo, states, schedulers)
+            runner = None
+            if job.data is not None:
+                from megatron_hetero.models.job_data import runner_factory  # captions or conversations
+
+                runner = runner_factory(job.data, job.spec, job.global_batch_size, heldout=bool(job.eval_interval))(
+                    plan, states
+                )
+            runner = runner if runner is not None else LlavaStageRunner(job.spec, plan, states)
+            config = job.runtime_config(plan.rank)
+            if tracer is not None:
+                config = dataclasses.replace(config, tracer=tracer)
+            self.schedule = schedule_for(plan, config, topo, states, runner)
+            self.meter = None
+            if job.log_memory:  # activation peaks of every training step (training/memory_log.py)
+                self.meter = ActivationMeter()
+                for n, s in states.items():
+                    self.meter.attach(n, s.module)
+            stats = RunStats(job, plan, states, self.meter, writers=bool(job.tensorboard_dir or job.wandb_project))
+            self.front = TrainFrontEnd(
+                job,
+                plan,
+                states,
+                self.schedule,
+                log,
+                save=lambda it: save_checkpoint(job.save, it, layout, job, topo, states, schedulers),
+                step_hook=step_hook,
+                stats=stats,
+            )
+        except BaseException:
+            topo.destroy()
+            raise
+
+    def loop_schedule(self):
+        """The schedule `run_loop` steps (metered with --log-memory)."""
+        from megatron_hetero.training.run_stats import MeteredSchedule
+
+        return MeteredSchedule(self.schedule, self.meter) if self.meter is not None else self.schedule
+
+    def loop_spec(self, start: int, end: int, final_save: bool = True):
+        """The `LoopSpec` of iterations [start, end) with the job's checkpoints."""
+        from megatron_hetero.training.loop import LoopSpec
+
+        return LoopSpec(
+            start=start,
+            train_iters=end,
+            scheduler_increment=1,  # train's schedulers count iterations (training/lr_schedule.py)
+            save=self.job.save,
+            save_interval=self.job.save_interval,
+            rank=self.topo.rank,
+            final_save=final_save,
+        )
+
+    def finish(self, trace_meta: bool = True) -> None:
+        """After the last step: --overlap-param-gather's gathered parameters, and the job's --trace
+        (collective; rank 0 writes it)."""
+        for s in self.states.values():
+            s.gather_params()
+        layout = self.layout
+        gather_trace(
+            self.schedule.config.tracer,
+            {
+                "placement": layout.placement,
+                "layout": {m.name: f"{m.short()} @{m.ranks}" for m in layout.modules},
+            },
+        )
+
+    def params(self) -> dict[str, Any]:
+        """This rank's parameters by module and its coordinates (parity tests)."""
+        return {
+            "params": {
+                n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()} for n, s in self.states.items()
+            },
+            "coords": {n: self.topo.coord(n).as_dict() for n in self.states},
+        }
+
+    def destroy(self) -> None:
+        self.topo.destroy()
+
+
 def train_rank(
     layout: HeteroLayout,
     job: JobConfig,
@@ -205,106 +326,52 @@ def train_rank(
     job.save_interval iterations and after the last one when job.save is set. Global rank 0 writes
     iteration lines through `log_write` (job.log_interval, job.progress). `step_hook(iteration)` runs
     after every step on every rank; its return value is the record's `probe`. With
-    job.exit_signal_handler, SIGTERM stops every rank after the same step (training/signals.py)."""
-    from megatron_hetero.checkpoint.save_load import load_checkpoint, save_checkpoint
+    job.exit_signal_handler, SIGTERM stops every rank after the same step (training/signals.py).
+    With job.autotune (`--hetero-autotune`) the run may move to another layout on the way
+    (`training/autotune_run.py`); the records and parameters are those of the layout it ends on."""
     from megatron_hetero.training.iteration_log import IterationLog
-    from megatron_hetero.training.lr_schedule import build_scheduler
-    from megatron_hetero.training.loop import LoopSpec, run_loop
-    from megatron_hetero.training.memory_log import ActivationMeter
-    from megatron_hetero.training.run_stats import MeteredSchedule
+    from megatron_hetero.training.loop import run_loop
     from megatron_hetero.training.writers import open_writers
 
     prepare_rank(job)
     stop = ExitSignal(job.exit_signal_handler).install()  # SIGTERM sets a flag (signals.py)
-    topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
     writers = None
+    session: Optional[Session] = None
     try:
-        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        states = build_states(plan, job, topo)
-        schedulers = {
-            n: build_scheduler(
-                s.optimizer,
-                job.schedule,
-                job.optim.lr,
-                job.optim.weight_decay,
-                job.train_iters,
-                override=job.override_opt_param_scheduler,
-            )
-            for n, s in states.items()
-            if s.optimizer is not None
-        }
-        start = 0
-        if job.load:
-            start = load_checkpoint(job.load, layout, job, topo, states, schedulers)
-        runner = None
-        if job.data is not None:
-            from megatron_hetero.models.job_data import runner_factory  # captions or conversations
-
-            runner = runner_factory(job.data, job.spec, job.global_batch_size, heldout=bool(job.eval_interval))(
-                plan, states
-            )
-        schedule = make_schedule(plan, job, topo, states, runner=runner)
-        writers = open_writers(job, topo.rank, layout.world_size)  # the last rank's TensorBoard / W&B
-        meter = None
-        if job.log_memory:  # activation peaks of every training step (training/memory_log.py)
-            meter = ActivationMeter()
-            for n, s in states.items():
-                meter.attach(n, s.module)
-        stats = RunStats(job, plan, states, meter, writers=bool(job.tensorboard_dir or job.wandb_project))
+        rank = dist.get_rank()
+        writers = open_writers(job, rank, layout.world_size)  # the last rank's TensorBoard / W&B
         log = IterationLog(
-            log_write if topo.rank == 0 else None,
+            log_write if rank == 0 else None,
             job.train_iters,
             job.global_batch_size,
             job.log_interval,
             job.progress,
         )
-        front = TrainFrontEnd(
-            job,
-            plan,
-            states,
-            schedule,
-            log,
-            save=lambda it: save_checkpoint(job.save, it, layout, job, topo, states, schedulers),
-            step_hook=step_hook,
-            stats=stats,
-        )
-        outcome = run_loop(
-            MeteredSchedule(schedule, meter) if meter is not None else schedule,
-            schedulers,
-            LoopSpec(
-                start=start,
-                train_iters=job.train_iters,
-                scheduler_increment=1,  # train's schedulers count iterations (training/lr_schedule.py)
-                save=job.save,
-                save_interval=job.save_interval,
-                rank=topo.rank,
-            ),
-            front,
-            stop,
-            write=log.write,
-            writers=writers,
-        )
+        if job.autotune is not None:
+            from megatron_hetero.training.autotune_run import train_autotuned
+
+            session, records = train_autotuned(layout, job, log, stop, writers, Session, step_hook)
+        else:
+            session = Session(layout, job, log, step_hook)
+            outcome = run_loop(
+                session.loop_schedule(),
+                session.schedulers,
+                session.loop_spec(session.start, job.train_iters),
+                session.front,
+                stop,
+                write=log.write,
+                writers=writers,
+            )
+            records = outcome.records
         log.close()
-        for s in states.values():  # --overlap-param-gather: the last step's parameters, gathered
-            s.gather_params()
-        out: dict[str, Any] = {"records": outcome.records}
-        gather_trace(
-            schedule.config.tracer,
-            {
-                "placement": layout.placement,
-                "layout": {  # collective; rank 0 writes
-                    m.name: f"{m.short()} @{m.ranks}" for m in layout.modules
-                },
-            },
-        )
+        session.finish()
+        out: dict[str, Any] = {"records": records}
         if collect_params:
-            out["params"] = {
-                n: {k: p.detach().cpu().clone() for k, p in s.module.named_parameters()} for n, s in states.items()
-            }
-            out["coords"] = {n: topo.coord(n).as_dict() for n in states}
+            out.update(session.params())
         return out
     finally:
         if writers is not None:
             writers.close()
         stop.restore()
-        topo.destroy()
+        if session is not None:
+            session.destroy()

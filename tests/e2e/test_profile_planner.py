@@ -20,7 +20,7 @@ import yaml
 import search_reference as R
 from megatron_hetero import cli
 from megatron_hetero.bench import planner as B
-from megatron_hetero.bench import candidate as CA
+from megatron_hetero.training import layout_cost as CA
 from megatron_hetero.bench import planner_configs as PC
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.planner import cost as C

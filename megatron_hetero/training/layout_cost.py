@@ -1,5 +1,6 @@
 """A runtime layout as the cost model sees it: the `Candidate` of what the runtime executes for a layout,
-its kind (homogeneous, colocated, disjoint) and the cost model's micro-batch of a `train` run.
+its kind (homogeneous, colocated, disjoint) and the cost model's micro-batch of a `train` run (and
+back: `train_micro_batch`). Used by `bench` and by `train --hetero-autotune`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ def cost_micro_batch(layout: HeteroLayout, spec, micro_batch_size: int) -> int:
     if samples % top:
         raise ValueError(f"a micro-batch of {samples} samples does not split over dp({top})")
     return samples // top
+
+
+def train_micro_batch(layout: HeteroLayout, spec, cost_micro_batch_size: int) -> int:
+    """`train --micro-batch-size` (samples per rank of the first language module) of a run whose cost
+    model micro-batch (`Workload.micro_batch`, samples per replica of the largest language DP) is
+    `cost_micro_batch_size`: the inverse of `cost_micro_batch`."""
+    from megatron_hetero.models.llava import language_modules
+
+    if layout.placement != "disjoint":
+        return cost_micro_batch_size
+    langs = language_modules(layout, spec)
+    samples = cost_micro_batch_size * max(m.dp for m in langs)
+    if samples % langs[0].dp:
+        raise ValueError(f"a micro-batch of {samples} samples does not split over dp({langs[0].dp})")
+    return samples // langs[0].dp
 
 
 def kind_of(layout: HeteroLayout, spec) -> str:

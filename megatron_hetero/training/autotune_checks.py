@@ -1,0 +1,99 @@
+"""What `train --hetero-autotune` checks before any rank starts (`check_autotune`, called by
+`training.setup.validate_job`) and the pieces of a job on another layout it is built from: the
+base cost profile, the workload, the job on a candidate layout. Imports no torch at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.planner import autotune as A
+from megatron_hetero.training.config import JobConfig
+
+
+def module_names(layout: HeteroLayout, spec) -> tuple[str, str]:
+    """(encoder module name, language module name as the candidate's layouts name it)."""
+    from megatron_hetero.models.llava import language_modules
+
+    (enc,) = [m.name for m in layout.modules if m.name in spec.encoders]
+    langs = [m.name for m in language_modules(layout, spec)]
+    llm = langs[0] if len(langs) == 1 else langs[0].rsplit("_", 1)[0]
+    return enc, llm
+
+
+def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
+    """ValueError (before any rank starts) for a job `--hetero-autotune` cannot tune: no --save (the
+    switch goes through a checkpoint there), --trace (the autotune traces its own windows), a model
+    the cost model does not price (one encoder, fixed image tokens, no output modules), or a bad
+    setting (`AutotuneConfig.validate`, --autotune-fix, --autotune-profile)."""
+    tune = job.autotune
+    if tune is None:
+        return
+    tune.validate(job.train_iters)
+    if not job.save:
+        raise ValueError("--hetero-autotune needs --save DIR: a layout switch goes through a checkpoint there")
+    if job.trace:
+        raise ValueError(
+            "--hetero-autotune records its own measuring windows; leave out --trace (trace the chosen layout, "
+            "autotune-layout.yaml, in a run of its own)"
+        )
+    from megatron_hetero.planner.model import workload
+    from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch
+
+    spec = job.spec
+    try:
+        if spec.outputs:
+            raise ValueError(f"the cost model does not price output modules ({sorted(spec.outputs)})")
+        workload(spec, job.global_batch_size, cost_micro_batch(layout, spec, job.micro_batch_size))
+        candidate_for(layout, spec, job.offload_encoder)
+        enc, llm = module_names(layout, spec)
+        fixes = A.parse_fix(tune.autotune_fix)
+        unknown = sorted(set(fixes) - {enc, llm})
+        if unknown:
+            raise ValueError(f"--autotune-fix names {unknown}; the modules are {enc} and {llm}")
+        base_profile(tune)
+    except ValueError as exc:
+        raise ValueError(f"--hetero-autotune: {exc}") from None
+
+
+def base_profile(tune):
+    """The profile the run is calibrated from: --autotune-profile, or the --autotune-hardware preset."""
+    from megatron_hetero.planner.hardware import Profile
+    from megatron_hetero.planner.hardware_presets import load_hardware
+
+    if tune.autotune_profile:
+        return Profile.load(tune.autotune_profile)
+    return Profile.from_hardware(load_hardware(tune.autotune_hardware))
+
+
+def job_on(layout: HeteroLayout, job: JobConfig, wl, load: Optional[str]) -> JobConfig:
+    """`job` run on `layout`: the micro-batch of the cost model's `wl.micro_batch` samples per
+    replica (`layout_cost.train_micro_batch`) and, with `load`, resuming that checkpoint whole
+    (optimizer, schedulers, RNG and data position: none of the weights-only options); without, a job
+    that loads nothing (the candidates' check before the switch checkpoint exists)."""
+    from megatron_hetero.training.layout_cost import train_micro_batch
+
+    out = dataclasses.replace(job, micro_batch_size=train_micro_batch(layout, job.spec, wl.micro_batch))
+    if load is None:
+        out = dataclasses.replace(out, load=None, finetune=False, pretrained_checkpoint=None)
+    else:
+        out = dataclasses.replace(
+            out,
+            load=load,
+            load_fallback=False,
+            finetune=False,
+            no_load_optim=False,
+            no_load_rng=False,
+            pretrained_checkpoint=None,
+        )
+    return out
+
+
+def workload_of(job: JobConfig, layout: HeteroLayout):
+    """The cost model's `Workload` of `job` run on `layout` (its micro-batch as the cost model counts it)."""
+    from megatron_hetero.planner.model import workload
+    from megatron_hetero.training.layout_cost import cost_micro_batch
+
+    return workload(job.spec, job.global_batch_size, cost_micro_batch(layout, job.spec, job.micro_batch_size))

@@ -1,0 +1,120 @@
+"""Rank 0's part of a `train --hetero-autotune` round (`plan_switch`, pure: no collective): the cost
+model fitted to the measuring window's trace (`calibrated`), the layouts this job can run ranked
+under the run's constraints, and the decision to broadcast (`Plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.planner import autotune as A
+from megatron_hetero.training.autotune_checks import base_profile, job_on, module_names, workload_of
+from megatron_hetero.training.config import JobConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Rank 0's decision of one round, as broadcast: the `decision` (its `target` a candidate), the
+    target's layout (None on a stay), the `record` of autotune.json, the window's step noise
+    `spread_s` and the `calibration` (autotune.json's)."""
+
+    decision: A.Decision
+    record: A.AutotuneRecord
+    spread_s: float
+    calibration: dict[str, Any]
+    layout: Optional[HeteroLayout] = None
+
+
+def calibrated(doc: dict[str, Any], layout: HeteroLayout, job: JobConfig, timings=None, shared: bool = False):
+    """(the window's steps without the warm-up, the cost model fitted to them): the base profile
+    (`base_profile`); with `timings` (`training.autotune_layers.LayerTimings`) on ranks that share a
+    CPU (`shared`: gloo) its cores as the timings measured them; calibrated to the window
+    (`planner.autotune.calibrate`); with `timings`, their layers folded into that (the measured TP/CP
+    costs and layer models) and calibrated once more, so the measured layers are taken at the run's
+    speed and the communication factor of the first pass does not scale the measured in-layer costs."""
+    from megatron_hetero.training.layout_cost import candidate_for
+
+    wl = workload_of(job, layout)
+    current = candidate_for(layout, job.spec, job.offload_encoder)
+    prof = base_profile(job.autotune)
+    if timings is not None and shared:
+        from megatron_hetero.profiling.run import cpu_cores
+
+        prof = timings.shared_profile(prof, cpu_cores())
+    steps = A.step_times_from_trace(doc).drop(1)
+    calib = A.calibrate(steps, current, wl, prof)
+    if timings is not None:
+        prof = calib.profile
+        for module, cases in timings.cases.items():
+            if cases:
+                prof = A.fold_layer_measurements(prof, wl, module, cases)
+        calib = A.calibrate(steps, current, wl, prof)
+    return steps, calib
+
+
+def plan_switch(
+    doc: dict[str, Any],
+    layout: HeteroLayout,
+    job: JobConfig,
+    iteration: int,
+    world: int,
+    timings=None,
+    shared: bool = False,
+) -> Plan:
+    """Rank 0's round (pure; no collective): the cost model fitted to the trace `doc` of the window
+    that ended at `iteration` (`calibrated`), the layouts this job can run ranked under its
+    constraints, and the decision."""
+    from megatron_hetero.training.layout_cost import candidate_for
+    from megatron_hetero.training.setup import validate_job
+
+    tune, spec = job.autotune, job.spec
+    wl = workload_of(job, layout)
+    current = candidate_for(layout, spec, job.offload_encoder)
+    steps, calib = calibrated(doc, layout, job, timings, shared)
+    enc, llm = module_names(layout, spec)
+    try:
+        from megatron_hetero.planner.search_space import SearchSpace
+
+        space = SearchSpace(runtime=True, offload=(job.offload_encoder,))  # offloading is the user's memory choice
+        ranked = A.rank_calibrated(
+            calib, wl, world, A.parse_fix(tune.autotune_fix), space=space, encoder_name=enc, llm_name=llm
+        )
+    except ValueError as exc:  # nothing fits the constraints: stay
+        ranked, why = [], str(exc)
+    else:
+        why = ""
+    runnable, layouts = [], {}
+    for cand, t in ranked:
+        try:
+            lay = cand.to_layout(enc, llm)
+            validate_job(lay, job_on(lay, job, wl, load=None))  # the checkpoint is written on a switch
+        except ValueError:
+            continue  # e.g. its micro-batches do not split over a module's DP
+        runnable.append((cand, t))
+        layouts[id(cand)] = lay
+    d = A.decide(steps.step_s, steps.spread_s, current, runnable, tune.autotune_min_gain)
+    if not runnable and why:
+        d = dataclasses.replace(d, reason=f"stay: no candidate layout fits the run's constraints ({why})")
+    rec = A.record_of(iteration, current, d, steps.step_s)
+    cal = {
+        "iteration": iteration,
+        "factors": dict(calib.factors),
+        "notes": list(calib.notes),
+        "measured_step_s": steps.step_s,
+        "noise_s": steps.spread_s,
+        "steps_measured": len(steps.wall_s),
+        "predicted_current_s": calib.predict(current, wl),
+    }
+    return Plan(d, rec, steps.spread_s, cal, layouts.get(id(d.target)) if d.switch else None)
+
+
+def stay_at_end(doc, layout: HeteroLayout, job: JobConfig, iteration: int) -> Plan:
+    """The round when the measuring window reached --train-iters: nothing left to move."""
+    from megatron_hetero.training.layout_cost import candidate_for
+
+    steps = A.step_times_from_trace(doc).drop(1)
+    current = candidate_for(layout, job.spec, job.offload_encoder)
+    d = A.Decision(False, "stay: the measuring window reached --train-iters, no steps left to move")
+    return Plan(d, A.record_of(iteration, current, d, steps.step_s), steps.spread_s, {"iteration": iteration})

@@ -1,0 +1,203 @@
+"""`train --hetero-autotune`: a run that measures itself, re-plans and moves to a faster layout in the
+same processes, without losing a step. The decisions are pure (`planner/autotune.py`); this file
+runs them on the ranks (`train_autotuned`, called by `training.trainer.train_rank`).
+
+One round, on every rank (the world never changes; only global rank 0 decides):
+
+1. `--autotune-steps` K steps of the current layout with a recording tracer (a `Session` whose
+   schedule records spans; the job's own --trace is refused with --hetero-autotune); the window's
+   trace is gathered on rank 0 and the tracer stops recording;
+2. unless --autotune-skip-layers: one layer of each module timed in-process at the other TP/CP
+   degrees (`training/autotune_layers.py`, collective);
+3. rank 0 fits the cost model to the window (`plan_switch`: the base profile, the layer timings
+   folded in, `calibrate` on the window's steps without the first), searches under the run's
+   constraints (world size, --autotune-fix, the profile's memory; layouts this job cannot run, e.g.
+   a global batch that does not split, are dropped) and decides (`decide`: more than
+   --autotune-min-gain and more than the step noise); the decision is broadcast over the world and
+   rank 0 prints it in one line;
+4. on a switch: a checkpoint of the iteration reached (unless --save-interval just wrote it) under
+   --save, the session destroyed (its process groups), a new one built under the chosen layout
+   from that checkpoint, K more steps measured; if they are slower than the old layout's steps by
+   more than the noise, a checkpoint of that iteration and back to the old layout from it (no
+   step is lost either way);
+5. rank 0 writes `autotune.json` (the decisions, and the calibration: predicted against measured
+   step of the chosen layout, next to the steps' noise) and `autotune-layout.yaml` (the layout the
+   run goes on with) into --save, and the run trains on to --train-iters.
+
+What goes over the wire besides training: the trace gather (`runtime.trace.gather_trace`), the
+layer timings' all-gather, and one object broadcast from rank 0 per decision; each names itself
+when it fails (`runtime.step.run_collective`, the world's --hetero-comm-timeout).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.planner import autotune as A
+from megatron_hetero.runtime.step import run_collective
+from megatron_hetero.runtime.trace import Tracer, gather_trace
+from megatron_hetero.training.autotune_checks import job_on, workload_of
+from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end
+from megatron_hetero.training.config import JobConfig
+
+
+def _broadcast(obj: Any, what: str) -> Any:
+    """`obj` of rank 0 on every rank (one pickled object over the world)."""
+    box = [obj]
+    run_collective(
+        f"autotune: {what} broadcast from rank 0 over the world", dist.get_rank(), dist.broadcast_object_list, box, 0
+    )
+    return box[0]
+
+
+def _window(session, start: int, end: int, stop, log, writers, tracer: Tracer):
+    """Iterations [start, end) of `session` traced by `tracer`: (loop outcome, rank 0's trace)."""
+    from megatron_hetero.training.loop import run_loop
+
+    out = run_loop(
+        session.loop_schedule(),
+        session.schedulers,
+        session.loop_spec(start, end, final_save=end >= session.job.train_iters),
+        session.front,
+        stop,
+        write=log.write,
+        writers=writers,
+    )
+    doc = gather_trace(tracer)
+    tracer.stop()
+    return out, doc
+
+
+def _move(holder: list, iteration: int, layout: HeteroLayout, job: JobConfig, make_session: Callable, tracer=None):
+    """The run at `iteration` moved from the session in `holder` (taken out of it: the caller keeps
+    no reference, so the old session can be collected) to `layout`: a checkpoint of `iteration` under
+    --save (unless --save-interval just wrote it), `session` destroyed (its process groups, then its
+    modules, optimizers and the groups' threads and sockets, collected), and the session of `layout`
+    resumed from that checkpoint (`job.load`). Collective."""
+    import gc
+
+    session = holder.pop()
+    old = session.job
+    if not (old.save_interval and iteration % old.save_interval == 0):
+        session.front.save(iteration)
+    log, step_hook = session.front.log_, session.front.step_hook
+    session.destroy()
+    del session
+    gc.collect()  # the old modules and optimizers hold the destroyed groups until they are collected
+    new = make_session(layout, job, log, step_hook, tracer=tracer)
+    if new.start != iteration:
+        new.destroy()
+        raise RuntimeError(f"autotune: the checkpoint of iteration {iteration} resumed at iteration {new.start}")
+    return new
+
+
+def train_autotuned(
+    layout: HeteroLayout,
+    job: JobConfig,
+    log,
+    stop,
+    writers,
+    make_session: Callable,
+    step_hook: Optional[Callable] = None,
+):
+    """Train `job` from `layout` with one autotune round (module docstring); returns (the session
+    the run ended on, every iteration's record). `make_session(layout, job, log, step_hook,
+    tracer=None)`: the trainer's `Session`. Collective over the world."""
+    from megatron_hetero.training.loop import run_loop
+
+    tune, rank, world = job.autotune, dist.get_rank(), dist.get_world_size()
+    say = (lambda text: log.write(text + "\n")) if (log.write is not None) else (lambda text: None)
+    tracer = Tracer(rank)
+    session = make_session(layout, job, log, step_hook, tracer=tracer)
+    records: list[dict[str, Any]] = []
+    decisions: list[A.AutotuneRecord] = []
+    calibrations: list[dict[str, Any]] = []
+    chosen = layout
+    try:
+        it = session.start
+        end = min(it + tune.autotune_steps, job.train_iters)
+        out, doc = _window(session, it, end, stop, log, writers, tracer)
+        records += out.records
+        if out.stopped is not None:
+            return session, records
+        it = end
+        timings = None
+        if it < job.train_iters and not tune.autotune_skip_layers:
+            from megatron_hetero.training.autotune_layers import measure_layer_cases
+
+            wl = workload_of(job, layout)
+            timings = measure_layer_cases(wl, wl.micro_batch * wl.images_per_sample)
+        plan: Optional[Plan] = None
+        if rank == 0:
+            if it >= job.train_iters:
+                plan = stay_at_end(doc, layout, job, it)
+            else:
+                shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
+                plan = plan_switch(doc, layout, job, it, world, timings, shared)
+        plan = _broadcast(plan, "decision")
+        say(f"autotune: {plan.decision.reason}")
+        rec = plan.record
+        calibrations.append(plan.calibration)
+        if plan.decision.switch and plan.layout is not None:
+            tracer = Tracer(rank)
+            holder, session = [session], None
+            session = _move(
+                holder,
+                it,
+                plan.layout,
+                job_on(plan.layout, job, workload_of(job, layout), load=job.save),
+                make_session,
+                tracer,
+            )
+            end = min(it + tune.autotune_steps, job.train_iters)
+            out, doc = _window(session, it, end, stop, log, writers, tracer)
+            records += out.records
+            if out.stopped is not None:
+                decisions.append(rec)
+                return session, records
+            after = None
+            if rank == 0:
+                steps = A.step_times_from_trace(doc).drop(1) if end - it >= 2 else A.step_times_from_trace(doc)
+                after = (steps.step_s, steps.spread_s)
+            after = _broadcast(after, "measurement after the switch")
+            rec = rec.settle(after[0], max(plan.spread_s, after[1]))
+            calibrations[-1].update(
+                chosen_predicted_s=rec.predicted_step_s,
+                chosen_measured_s=after[0],
+                chosen_noise_s=after[1],
+                prediction_error=(rec.predicted_step_s / after[0] - 1.0) if rec.predicted_step_s else None,
+            )
+            say(rec.line())
+            it = end
+            if rec.kept:
+                chosen = plan.layout
+            elif it < job.train_iters:
+                holder, session = [session], None
+                session = _move(
+                    holder, it, layout, job_on(layout, job, workload_of(job, layout), load=job.save), make_session
+                )
+            else:
+                chosen = plan.layout  # the run ended on it: nothing left to go back for
+        decisions.append(rec)
+        if rank == 0:
+            paths = A.write_autotune(job.save, decisions, chosen, calibration=calibrations)
+            say(f"autotune: decisions in {paths['json']}, the layout the run goes on with in {paths['layout']}")
+        if it < job.train_iters:
+            out = run_loop(
+                session.loop_schedule(),
+                session.schedulers,
+                session.loop_spec(it, job.train_iters),
+                session.front,
+                stop,
+                write=log.write,
+                writers=writers,
+            )
+            records += out.records
+        return session, records
+    except BaseException:
+        if session is not None:
+            session.destroy()
+        raise

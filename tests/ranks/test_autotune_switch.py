@@ -1,0 +1,148 @@
+"""`train --hetero-autotune` on forked gloo ranks (`training/autotune_run.py`): the in-process switch
+colocated -> disjoint (losses equal to a run that loads the switch's checkpoint under the chosen
+layout), the switch and its revert (back on the first layout: the losses of a run that never left
+it, and no process group, thread or file descriptor left behind: `bench soak`'s counters), a run that
+stays and says why (the real calibration and search), and the settings refused before any rank
+starts. The decision is forced in the first two (`plan_switch` patched: the forked ranks inherit it),
+so the tests check the mechanics, not this CPU's timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from parity import losses, max_loss_rel_diff, run_job
+from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.planner import autotune as A
+from megatron_hetero.training import autotune_run as R
+from megatron_hetero.training.autotune_config import AutotuneConfig
+from megatron_hetero.training.layout_cost import candidate_for
+from megatron_hetero.training.setup import JobConfig, validate_job
+
+COLOC = {
+    "placement": "colocated",
+    "modules": {"vision": {"dp": 2}, "language": {"dp": 2}},
+    "edges": ["vision -> language"],
+}
+DISJOINT = {"placement": "disjoint", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
+ITERS, K = 6, 2  # windows: iterations 1-2 (then the decision), 3-4 (after a switch), 5-6
+
+
+def tune(**kw) -> AutotuneConfig:
+    return AutotuneConfig(hetero_autotune=True, autotune_steps=K, autotune_skip_layers=True, **kw)
+
+
+def job(save: Path, **kw) -> JobConfig:
+    return JobConfig(train_iters=ITERS, save=str(save), autotune=tune(**kw))
+
+
+def force_switch_to(monkeypatch, doc: dict) -> None:
+    """Every round decides to switch to `doc`'s layout (predicted 1 ms, measured 1 s)."""
+    target = layout_from_dict(doc, world_size=2)
+
+    def plan(trace, layout, job, iteration, world, timings=None, shared=False):
+        cur, to = candidate_for(layout, job.spec), candidate_for(target, job.spec)
+        d = A.Decision(True, "switch: forced by the test", to, 1e-3, 999.0)
+        return R.Plan(d, A.record_of(iteration, cur, d, 1.0), 0.0, {"iteration": iteration}, target)
+
+    monkeypatch.setattr(R, "plan_switch", plan)
+
+
+def probe_hook(iteration: int) -> dict:
+    from megatron_hetero.bench.soak import probe
+
+    p = probe()
+    return {k: p[k] for k in ("process_groups", "threads", "open_fds")}
+
+
+def checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:
+    """A copy of `save` whose tracker points at `iteration` (what `--load` resumes)."""
+    from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER
+
+    shutil.copytree(save, dest)
+    d = dest / f"iter_{iteration:07d}"
+    digest = hashlib.sha256((d / STATE_FILE).read_bytes()).hexdigest()
+    (dest / TRACKER).write_text(f"{iteration}\nsha256 {digest}\n")
+    return dest
+
+
+@pytest.mark.timeout(600)
+def test_switch_colocated_to_disjoint_equals_resuming_its_checkpoint(tmp_path, monkeypatch, megatron_compat):
+    force_switch_to(monkeypatch, DISJOINT)
+    save = tmp_path / "run"
+    got = run_job(COLOC, 2, job(save))
+    recs = got[0]["records"]
+    assert [r["iteration"] for r in recs] == list(range(1, ITERS + 1))
+    doc = json.loads((save / "autotune.json").read_text())
+    (d,) = doc["decisions"]
+    assert d["iteration"] == K and d["kept"] is True and d["to_layout"].startswith("disjoint")
+    assert d["measured_after_s"] > 0
+    assert "placement: disjoint" in (save / "autotune-layout.yaml").read_text()
+    # the reference: Megatron-style resume of the switch checkpoint under the chosen layout
+    ref_dir = checkpoint_at(save, K, tmp_path / "ref")
+    ref = run_job(DISJOINT, 2, JobConfig(train_iters=ITERS, load=str(ref_dir)))
+    after, expect = losses(got)[K:], losses(ref)
+    assert len(expect) == ITERS - K
+    assert max_loss_rel_diff(after, expect) <= 1e-6, (after, expect)
+
+
+@pytest.mark.timeout(600)
+def test_switch_and_revert_leaves_the_first_layout_as_it_was(tmp_path, monkeypatch, megatron_compat):
+    force_switch_to(monkeypatch, DISJOINT)
+    monkeypatch.setattr(A, "after_switch", lambda before, after, spread: False)  # measured slower: go back
+    save = tmp_path / "run"
+    layout = layout_from_dict(COLOC, world_size=2)
+    j = job(save)
+    validate_job(layout, j)
+    from megatron_hetero.runtime.launcher import run_ranks
+    from megatron_hetero.training.trainer import train_rank
+
+    got = run_ranks(2, train_rank, layout, j, collect_params=True, step_hook=probe_hook, timeout=300)
+    (d,) = json.loads((save / "autotune.json").read_text())["decisions"]
+    assert d["kept"] is False and d["to_layout"].startswith("disjoint")
+    assert "placement: colocated" in (save / "autotune-layout.yaml").read_text()
+    assert sorted(p.name for p in save.glob("iter_*")) == [f"iter_{i:07d}" for i in (K, 2 * K, ITERS)]
+    plain = run_job(COLOC, 2, JobConfig(train_iters=ITERS))
+    assert max_loss_rel_diff(losses(got), losses(plain)) <= 1e-6
+    for r in got:  # the same layout before the switch and after the revert: the same live resources
+        probes = {rec["iteration"]: rec["probe"] for rec in r["records"]}
+        assert probes[ITERS] == probes[K], probes
+
+
+@pytest.mark.timeout(600)
+def test_a_run_that_gains_nothing_stays_and_says_why(tmp_path, megatron_compat):
+    save = tmp_path / "run"
+    gains_nothing = AutotuneConfig(hetero_autotune=True, autotune_steps=K, autotune_min_gain=100.0)
+    j = JobConfig(train_iters=ITERS, save=str(save), autotune=gains_nothing)
+    got = run_job(COLOC, 2, j)
+    plain = run_job(COLOC, 2, JobConfig(train_iters=ITERS))
+    assert losses(got) == losses(plain)  # the measuring (layers timed in-process) changes no number
+    doc = json.loads((save / "autotune.json").read_text())
+    (d,) = doc["decisions"]
+    assert d["from_layout"] == d["to_layout"] and d["kept"] is True and d["measured_after_s"] is None
+    (cal,) = doc["calibration"]
+    assert cal["steps_measured"] == K - 1 and cal["measured_step_s"] > 0
+    assert set(cal["factors"]) == {"encoder", "llm", "comm", "optimizer", "residual"}
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"save": None}, "needs --save DIR"),
+        ({"trace": "/tmp/t.json"}, "leave out --trace"),
+        ({"autotune": AutotuneConfig(hetero_autotune=True, autotune_steps=1)}, "--autotune-steps must be"),
+        ({"autotune": AutotuneConfig(hetero_autotune=True, autotune_fix="audio.tp=2")}, "names ['audio']"),
+        ({"autotune": AutotuneConfig(hetero_autotune=True, autotune_min_gain=-1.0)}, "--autotune-min-gain"),
+        ({"train_iters": 3}, "--train-iters 3 is fewer"),
+    ],
+)
+def test_settings_refused_before_any_rank_starts(tmp_path, change, says):
+    j = dataclasses.replace(JobConfig(train_iters=ITERS, save=str(tmp_path), autotune=AutotuneConfig(True)), **change)
+    with pytest.raises(ValueError) as e:
+        validate_job(layout_from_dict(COLOC, world_size=2), j)
+    assert says in str(e.value)
