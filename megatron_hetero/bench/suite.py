@@ -7,9 +7,9 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e")
-#: iterations per case; schedule, soak, e2e: steps (faults: cells, not iterations)
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "faults": 1, "e2e": 6}
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune")
+#: iterations per case; schedule, soak, e2e, autotune: steps (faults: cells, not iterations)
+DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "faults": 1, "e2e": 6, "autotune": 150}
 
 
 def _module(name: str):
@@ -24,6 +24,13 @@ def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool
     if iters is not None and iters < 1:
         raise ValueError(f"--iters must be >= 1, got {iters}")
     bench = _module(name)
+    if name == "autotune":  # steps per run; --quick: e2e's small models, windows of 3 steps
+        return bench.run(
+            Path(out),
+            iters=iters or (10 if quick else DEFAULT_ITERS[name]),
+            steps=3 if quick else bench.STEPS,
+            quick=quick,
+        )
     iters = iters or (2 if quick else DEFAULT_ITERS[name])
     if name == "schedule":
         return bench.run(Path(out), steps=max(iters, 2))

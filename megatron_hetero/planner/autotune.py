@@ -15,10 +15,10 @@ The trainer's order (one autotune round; only rank 0 needs to decide, and then t
    layers measured in-process at other TP/CP degrees (what the current layout cannot tell);
 4. `calib = calibrate(steps, current, workload, profile)`: the profile at the run's own speed;
 5. `ranked = rank_calibrated(calib, workload, world, parse_fix(...), memory_limit=...)`;
-6. `d = decide(steps.step_s, steps.spread_s, current, ranked, min_gain)`; log `d.reason`;
+6. `d = decide(steps.step_s, steps.noise_s, current, ranked, min_gain)`; log `d.reason`;
    `rec = record_of(iteration, current, d, steps.step_s)`;
 7. on `d.switch`: checkpoint, rebuild under `d.target.to_layout()`, resume, trace K more steps
-   (steps 1-2); `rec = rec.settle(after.step_s, max(steps.spread_s, after.spread_s))`, log
+   (steps 1-2); `rec = rec.settle(after.step_s, max(steps.noise_s, after.noise_s))`, log
    `rec.line()`, and revert (rebuild under the old layout from that checkpoint) when not `rec.kept`;
 8. `write_autotune(out_dir, records, chosen_layout)`: `autotune.json` and the chosen layout's YAML.
 
@@ -61,8 +61,9 @@ and candidates are compared with it on the same footing.
 
 Decisions (`decide`, `after_switch`): switch when the best candidate's predicted step beats the
 measured step by more than `min_gain` (gain = measured / predicted - 1, as `SearchResult.gain`) and
-by more than the step noise `spread_s` (slowest - fastest traced step, as `bench planner`'s spread
-of rounds); keep a switch unless the new layout measures slower than the old by more than the noise.
+by more than the step noise `spread_s` (the trainer passes `StepTimes.noise_s`, the standard error
+of the measured median step; `StepTimes.spread_s`, slowest - fastest step, is the cautious
+alternative); keep a switch unless the new layout measures slower than the old by more than the noise.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
@@ -36,8 +37,21 @@ class StepTimes:
 
     @property
     def spread_s(self) -> float:
-        """The steps' noise: slowest - fastest step (0 with one step)."""
+        """The steps' range: slowest - fastest step (0 with one step)."""
         return float(max(self.wall_s) - min(self.wall_s))
+
+    @property
+    def noise_s(self) -> float:
+        """The noise of the measured step (`step_s`, a median): its standard error, 1.2533 sigma /
+        sqrt(n) with sigma estimated robustly as 1.4826 x the median absolute deviation; with fewer
+        than 3 steps, the range (`spread_s`). A comparison of two medians is within the noise when
+        their difference is below it."""
+        n = len(self.wall_s)
+        if n < 3:
+            return self.spread_s
+        med = statistics.median(self.wall_s)
+        mad = statistics.median(abs(t - med) for t in self.wall_s)
+        return float(1.2533 * 1.4826 * mad / math.sqrt(n))
 
     def kind_time(
         self, step: int, kinds: Union[str, Iterable[str]], module: Optional[str] = None, how: str = "max"

@@ -12,8 +12,8 @@ from typing import Optional
 from megatron_hetero.layout.flags import flag_field
 from megatron_hetero.planner.autotune import MIN_GAIN, parse_fix
 
-#: --autotune-steps' default: one warm-up step (dropped) and three measured steps per window
-AUTOTUNE_STEPS = 4
+#: --autotune-steps' default: one warm-up step (dropped) and five measured steps per window
+AUTOTUNE_STEPS = 6
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,13 @@ class AutotuneConfig:
         "switch only when the best layout's predicted step beats the measured one by more than this fraction "
         "(default {default}) and by more than the step noise",
         metavar="F",
+        group="autotune",
+    )
+    autotune_rounds: int = flag_field(
+        2,
+        "layouts tried at most: after a switch that measured slower and went back, the next best predicted "
+        "layout not tried yet (default {default})",
+        metavar="R",
         group="autotune",
     )
     autotune_fix: Optional[str] = flag_field(
@@ -72,6 +79,9 @@ class AutotuneConfig:
         k = self.autotune_steps
         if isinstance(k, bool) or not isinstance(k, int) or k < 2:
             raise ValueError(f"--autotune-steps must be an integer >= 2 (one warm-up step and one measured), got {k!r}")
+        r = self.autotune_rounds
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"--autotune-rounds must be a positive integer, got {r!r}")
         g = float(self.autotune_min_gain)
         if not (math.isfinite(g) and g >= 0):
             raise ValueError(f"--autotune-min-gain must be a fraction >= 0, got {self.autotune_min_gain!r}")

@@ -18,11 +18,11 @@ from megatron_hetero.training.config import JobConfig
 class Plan:
     """Rank 0's decision of one round, as broadcast: the `decision` (its `target` a candidate), the
     target's layout (None on a stay), the `record` of autotune.json, the window's step noise
-    `spread_s` and the `calibration` (autotune.json's)."""
+    `noise_s` (`StepTimes.noise_s`) and the `calibration` (autotune.json's)."""
 
     decision: A.Decision
     record: A.AutotuneRecord
-    spread_s: float
+    noise_s: float
     calibration: dict[str, Any]
     layout: Optional[HeteroLayout] = None
 
@@ -62,10 +62,12 @@ def plan_switch(
     world: int,
     timings=None,
     shared: bool = False,
+    tried: tuple[str, ...] = (),
 ) -> Plan:
-    """Rank 0's round (pure; no collective): the cost model fitted to the trace `doc` of the window
-    that ended at `iteration` (`calibrated`), the layouts this job can run ranked under its
-    constraints, and the decision."""
+    """Rank 0's round (pure; no collective): the cost model fitted to the trace `doc` of the measuring
+    window of `layout` (`calibrated`), the layouts this job can run ranked under its constraints
+    (less those `tried` already and gone back from, by `Candidate.describe()`), and the decision
+    taken at `iteration`."""
     from megatron_hetero.training.layout_cost import candidate_for
     from megatron_hetero.training.setup import validate_job
 
@@ -87,6 +89,8 @@ def plan_switch(
         why = ""
     runnable, layouts = [], {}
     for cand, t in ranked:
+        if cand.describe() in tried:
+            continue
         try:
             lay = cand.to_layout(enc, llm)
             validate_job(lay, job_on(lay, job, wl, load=None))  # the checkpoint is written on a switch
@@ -94,20 +98,26 @@ def plan_switch(
             continue  # e.g. its micro-batches do not split over a module's DP
         runnable.append((cand, t))
         layouts[id(cand)] = lay
-    d = A.decide(steps.step_s, steps.spread_s, current, runnable, tune.autotune_min_gain)
+    d = A.decide(steps.step_s, steps.noise_s, current, runnable, tune.autotune_min_gain)
     if not runnable and why:
         d = dataclasses.replace(d, reason=f"stay: no candidate layout fits the run's constraints ({why})")
+    if tried:
+        d = dataclasses.replace(
+            d, reason=d.reason + f" (not counting {len(tried)} layout(s) tried and measured slower)"
+        )
     rec = A.record_of(iteration, current, d, steps.step_s)
     cal = {
         "iteration": iteration,
+        "reason": d.reason,
         "factors": dict(calib.factors),
         "notes": list(calib.notes),
         "measured_step_s": steps.step_s,
-        "noise_s": steps.spread_s,
+        "noise_s": steps.noise_s,
+        "range_s": steps.spread_s,
         "steps_measured": len(steps.wall_s),
         "predicted_current_s": calib.predict(current, wl),
     }
-    return Plan(d, rec, steps.spread_s, cal, layouts.get(id(d.target)) if d.switch else None)
+    return Plan(d, rec, steps.noise_s, cal, layouts.get(id(d.target)) if d.switch else None)
 
 
 def stay_at_end(doc, layout: HeteroLayout, job: JobConfig, iteration: int) -> Plan:
@@ -117,4 +127,5 @@ def stay_at_end(doc, layout: HeteroLayout, job: JobConfig, iteration: int) -> Pl
     steps = A.step_times_from_trace(doc).drop(1)
     current = candidate_for(layout, job.spec, job.offload_encoder)
     d = A.Decision(False, "stay: the measuring window reached --train-iters, no steps left to move")
-    return Plan(d, A.record_of(iteration, current, d, steps.step_s), steps.spread_s, {"iteration": iteration})
+    cal = {"iteration": iteration, "reason": d.reason}
+    return Plan(d, A.record_of(iteration, current, d, steps.step_s), steps.noise_s, cal)

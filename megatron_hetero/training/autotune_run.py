@@ -19,7 +19,8 @@ One round, on every rank (the world never changes; only global rank 0 decides):
    --save, the session destroyed (its process groups), a new one built under the chosen layout
    from that checkpoint, K more steps measured; if they are slower than the old layout's steps by
    more than the noise, a checkpoint of that iteration and back to the old layout from it (no
-   step is lost either way);
+   step is lost either way), and steps 3-4 again with the next best layout not tried yet, up to
+   --autotune-rounds layouts tried (the measurement of the first window is kept);
 5. rank 0 writes `autotune.json` (the decisions, and the calibration: predicted against measured
    step of the chosen layout, next to the steps' noise) and `autotune-layout.yaml` (the layout the
    run goes on with) into --save, and the run trains on to --train-iters.
@@ -31,6 +32,7 @@ when it fails (`runtime.step.run_collective`, the world's --hetero-comm-timeout)
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -71,17 +73,19 @@ def _window(session, start: int, end: int, stop, log, writers, tracer: Tracer):
     return out, doc
 
 
-def _move(holder: list, iteration: int, layout: HeteroLayout, job: JobConfig, make_session: Callable, tracer=None):
+def _move(
+    holder: list, iteration: int, layout: HeteroLayout, job: JobConfig, make_session: Callable, tracer=None, saved=False
+):
     """The run at `iteration` moved from the session in `holder` (taken out of it: the caller keeps
     no reference, so the old session can be collected) to `layout`: a checkpoint of `iteration` under
-    --save (unless --save-interval just wrote it), `session` destroyed (its process groups, then its
+    --save (unless --save-interval just wrote it, or `saved`: it is the one this session resumed), `session` destroyed (its process groups, then its
     modules, optimizers and the groups' threads and sockets, collected), and the session of `layout`
     resumed from that checkpoint (`job.load`). Collective."""
     import gc
 
     session = holder.pop()
     old = session.job
-    if not (old.save_interval and iteration % old.save_interval == 0):
+    if not saved and not (old.save_interval and iteration % old.save_interval == 0):
         session.front.save(iteration)
     log, step_hook = session.front.log_, session.front.step_hook
     session.destroy()
@@ -124,24 +128,32 @@ def train_autotuned(
         if out.stopped is not None:
             return session, records
         it = end
+        spent: dict[str, float] = {}  # rank 0's seconds per part of the round, into autotune.json
+        t0 = time.perf_counter()
         timings = None
         if it < job.train_iters and not tune.autotune_skip_layers:
             from megatron_hetero.training.autotune_layers import measure_layer_cases
 
             wl = workload_of(job, layout)
             timings = measure_layer_cases(wl, wl.micro_batch * wl.images_per_sample)
-        plan: Optional[Plan] = None
-        if rank == 0:
-            if it >= job.train_iters:
-                plan = stay_at_end(doc, layout, job, it)
-            else:
-                shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
-                plan = plan_switch(doc, layout, job, it, world, timings, shared)
-        plan = _broadcast(plan, "decision")
-        say(f"autotune: {plan.decision.reason}")
-        rec = plan.record
-        calibrations.append(plan.calibration)
-        if plan.decision.switch and plan.layout is not None:
+        spent["layer_timings_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+        tried: tuple[str, ...] = ()
+        for round_ in range(tune.autotune_rounds):
+            plan: Optional[Plan] = None
+            if rank == 0:
+                if it >= job.train_iters:
+                    plan = stay_at_end(doc, layout, job, it)
+                else:
+                    shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
+                    plan = plan_switch(doc, layout, job, it, world, timings, shared, tried)
+            plan = _broadcast(plan, "decision")
+            spent[f"decision_s_{round_}"], t0 = time.perf_counter() - t0, time.perf_counter()
+            say(f"autotune: {plan.decision.reason}")
+            rec = plan.record
+            calibrations.append({**plan.calibration, "overhead_s": spent})
+            if not (plan.decision.switch and plan.layout is not None):
+                decisions.append(rec)
+                break
             tracer = Tracer(rank)
             holder, session = [session], None
             session = _move(
@@ -151,19 +163,24 @@ def train_autotuned(
                 job_on(plan.layout, job, workload_of(job, layout), load=job.save),
                 make_session,
                 tracer,
+                saved=round_ > 0,  # after a revert: the checkpoint of `it` is the one just resumed
             )
+            spent[f"switch_s_{round_}"] = time.perf_counter() - t0
             end = min(it + tune.autotune_steps, job.train_iters)
-            out, doc = _window(session, it, end, stop, log, writers, tracer)
+            out, after_doc = _window(session, it, end, stop, log, writers, tracer)
             records += out.records
             if out.stopped is not None:
                 decisions.append(rec)
                 return session, records
             after = None
             if rank == 0:
-                steps = A.step_times_from_trace(doc).drop(1) if end - it >= 2 else A.step_times_from_trace(doc)
-                after = (steps.step_s, steps.spread_s)
+                steps = A.step_times_from_trace(after_doc)
+                after = (
+                    (steps.drop(1).step_s, steps.drop(1).noise_s) if end - it >= 2 else (steps.step_s, steps.noise_s)
+                )
             after = _broadcast(after, "measurement after the switch")
-            rec = rec.settle(after[0], max(plan.spread_s, after[1]))
+            rec = rec.settle(after[0], max(plan.noise_s, after[1]))
+            decisions.append(rec)
             calibrations[-1].update(
                 chosen_predicted_s=rec.predicted_step_s,
                 chosen_measured_s=after[0],
@@ -172,16 +189,16 @@ def train_autotuned(
             )
             say(rec.line())
             it = end
-            if rec.kept:
-                chosen = plan.layout
-            elif it < job.train_iters:
-                holder, session = [session], None
-                session = _move(
-                    holder, it, layout, job_on(layout, job, workload_of(job, layout), load=job.save), make_session
-                )
-            else:
-                chosen = plan.layout  # the run ended on it: nothing left to go back for
-        decisions.append(rec)
+            if rec.kept or it >= job.train_iters:
+                chosen = plan.layout  # kept, or the run ended on it: nothing left to go back for
+                break
+            t0 = time.perf_counter()
+            holder, session = [session], None
+            session = _move(
+                holder, it, layout, job_on(layout, job, workload_of(job, layout), load=job.save), make_session
+            )
+            spent[f"revert_s_{round_}"], t0 = time.perf_counter() - t0, time.perf_counter()
+            tried += (plan.decision.target.describe(),)
         if rank == 0:
             paths = A.write_autotune(job.save, decisions, chosen, calibration=calibrations)
             say(f"autotune: decisions in {paths['json']}, the layout the run goes on with in {paths['layout']}")

@@ -1,6 +1,6 @@
 """`train --hetero-autotune` on forked gloo ranks (`training/autotune_run.py`): the in-process switch
 colocated -> disjoint (losses equal to a run that loads the switch's checkpoint under the chosen
-layout), the switch and its revert (back on the first layout: the losses of a run that never left
+layout), the switch and its revert, twice (--autotune-rounds 2; back on the first layout: the losses of a run that never left
 it, and no process group, thread or file descriptor left behind: `bench soak`'s counters), a run that
 stays and says why (the real calibration and search), and the settings refused before any rank
 starts. The decision is forced in the first two (`plan_switch` patched: the forked ranks inherit it),
@@ -37,15 +37,15 @@ def tune(**kw) -> AutotuneConfig:
     return AutotuneConfig(hetero_autotune=True, autotune_steps=K, autotune_skip_layers=True, **kw)
 
 
-def job(save: Path, **kw) -> JobConfig:
-    return JobConfig(train_iters=ITERS, save=str(save), autotune=tune(**kw))
+def job(save: Path, iters: int = ITERS, **kw) -> JobConfig:
+    return JobConfig(train_iters=iters, save=str(save), autotune=tune(**kw))
 
 
 def force_switch_to(monkeypatch, doc: dict) -> None:
     """Every round decides to switch to `doc`'s layout (predicted 1 ms, measured 1 s)."""
     target = layout_from_dict(doc, world_size=2)
 
-    def plan(trace, layout, job, iteration, world, timings=None, shared=False):
+    def plan(trace, layout, job, iteration, world, timings=None, shared=False, tried=()):
         cur, to = candidate_for(layout, job.spec), candidate_for(target, job.spec)
         d = A.Decision(True, "switch: forced by the test", to, 1e-3, 999.0)
         return R.Plan(d, A.record_of(iteration, cur, d, 1.0), 0.0, {"iteration": iteration}, target)
@@ -75,7 +75,7 @@ def checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:
 def test_switch_colocated_to_disjoint_equals_resuming_its_checkpoint(tmp_path, monkeypatch, megatron_compat):
     force_switch_to(monkeypatch, DISJOINT)
     save = tmp_path / "run"
-    got = run_job(COLOC, 2, job(save))
+    got = run_job(COLOC, 2, job(save, autotune_rounds=1))
     recs = got[0]["records"]
     assert [r["iteration"] for r in recs] == list(range(1, ITERS + 1))
     doc = json.loads((save / "autotune.json").read_text())
@@ -95,23 +95,25 @@ def test_switch_colocated_to_disjoint_equals_resuming_its_checkpoint(tmp_path, m
 def test_switch_and_revert_leaves_the_first_layout_as_it_was(tmp_path, monkeypatch, megatron_compat):
     force_switch_to(monkeypatch, DISJOINT)
     monkeypatch.setattr(A, "after_switch", lambda before, after, spread: False)  # measured slower: go back
-    save = tmp_path / "run"
+    save, iters = tmp_path / "run", 4 * K  # two rounds (--autotune-rounds 2): switch, back, switch, back
     layout = layout_from_dict(COLOC, world_size=2)
-    j = job(save)
+    j = job(save, iters, autotune_rounds=2)
     validate_job(layout, j)
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.trainer import train_rank
 
     got = run_ranks(2, train_rank, layout, j, collect_params=True, step_hook=probe_hook, timeout=300)
-    (d,) = json.loads((save / "autotune.json").read_text())["decisions"]
-    assert d["kept"] is False and d["to_layout"].startswith("disjoint")
+    assert [r["iteration"] for r in got[0]["records"]] == list(range(1, iters + 1))
+    doc = json.loads((save / "autotune.json").read_text())
+    assert [(d["iteration"], d["kept"]) for d in doc["decisions"]] == [(K, False), (2 * K, False)]
+    assert all(d["to_layout"].startswith("disjoint") for d in doc["decisions"])
     assert "placement: colocated" in (save / "autotune-layout.yaml").read_text()
-    assert sorted(p.name for p in save.glob("iter_*")) == [f"iter_{i:07d}" for i in (K, 2 * K, ITERS)]
-    plain = run_job(COLOC, 2, JobConfig(train_iters=ITERS))
+    assert sorted(p.name for p in save.glob("iter_*")) == [f"iter_{i:07d}" for i in (K, 2 * K, 3 * K, iters)]
+    plain = run_job(COLOC, 2, JobConfig(train_iters=iters))
     assert max_loss_rel_diff(losses(got), losses(plain)) <= 1e-6
-    for r in got:  # the same layout before the switch and after the revert: the same live resources
+    for r in got:  # the same layout before the switches and after the reverts: the same live resources
         probes = {rec["iteration"]: rec["probe"] for rec in r["records"]}
-        assert probes[ITERS] == probes[K], probes
+        assert probes[iters] == probes[K], probes
 
 
 @pytest.mark.timeout(600)
@@ -139,6 +141,7 @@ def test_a_run_that_gains_nothing_stays_and_says_why(tmp_path, megatron_compat):
         ({"autotune": AutotuneConfig(hetero_autotune=True, autotune_fix="audio.tp=2")}, "names ['audio']"),
         ({"autotune": AutotuneConfig(hetero_autotune=True, autotune_min_gain=-1.0)}, "--autotune-min-gain"),
         ({"train_iters": 3}, "--train-iters 3 is fewer"),
+        ({"autotune": AutotuneConfig(hetero_autotune=True, autotune_rounds=0)}, "--autotune-rounds must be"),
     ],
 )
 def test_settings_refused_before_any_rank_starts(tmp_path, change, says):
