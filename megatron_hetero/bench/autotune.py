@@ -16,8 +16,10 @@ measuring, the layer timings, the checkpoint and the rebuild included; process s
 model build, the same in both runs, excluded), `wall_speedup` = plain train_s / autotune train_s,
 `step_speedup_after` = plain median step / autotune median step over the iterations after the
 autotune's second window (both runs at the same iterations), and the `bench e2e` figure for the
-chosen layout (`e2e_reference`: its speed-up and round-to-round range, from e2e.json in --out or the
-committed docs/benchmarks/e2e.json). Writes OUT/autotune.json and OUT/autotune.png.
+chosen layout (`e2e_reference`: its speed-up and round-to-round range measured in this run by
+e2e's own side-by-side method, `e2e_figure`; `e2e_committed`: the figure of the committed
+docs/benchmarks/e2e.json or an e2e.json in --out, where e2e ran that layout). Writes
+OUT/autotune.json and OUT/autotune.png.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _run(layout, job, timeout: float) -> dict[str, Any]:
     return run_ranks(WORLD, _rank, layout, job, timeout=timeout, backend=default_backend())[0]
 
 
-def _checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:
+def checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:
     """A copy of `save` whose tracker points at `iteration` (what --load resumes)."""
     from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER
 
@@ -99,6 +101,32 @@ def e2e_reference(e2e: Optional[dict], workload: str, layout_text: str) -> Optio
                 "range": [min(rounds), max(rounds)],
             }
     return None
+
+
+def e2e_figure(homo, chosen, job, mbs: int, rounds: int = 3, iters: int = 6) -> dict[str, Any]:
+    """`bench e2e`'s figure for `chosen` measured here by e2e's own method (`bench.e2e.side_by_side`:
+    the homogeneous and the chosen layout in one process tree, step by step, `rounds` trees of one
+    warm-up and `iters` steps): the speed-up of the median step, the per-round speed-ups and their
+    range."""
+    from megatron_hetero.bench.e2e import side_by_side
+
+    per_round = []
+    cases = [
+        (homo, dataclasses.replace(job, train_iters=iters + 1)),
+        (chosen, dataclasses.replace(job, train_iters=iters + 1, micro_batch_size=mbs)),
+    ]
+    all_h, all_c = [], []
+    for _ in range(rounds):
+        h, c = side_by_side(cases, iters + 1)
+        all_h += h["steps_s"][1:]
+        all_c += c["steps_s"][1:]
+        per_round.append(statistics.median(h["steps_s"][1:]) / statistics.median(c["steps_s"][1:]))
+    return {
+        "speedup": statistics.median(all_h) / statistics.median(all_c),
+        "per_round": per_round,
+        "range": [min(per_round), max(per_round)],
+        "method": f"bench e2e's side_by_side, {rounds} rounds of 1 + {iters} steps, measured in this run",
+    }
 
 
 def within_noise(ours: float, ours_noise: float, ref: Optional[dict]) -> Optional[bool]:
@@ -135,8 +163,8 @@ def run_workload(
     tune = AutotuneConfig(hetero_autotune=True, autotune_steps=steps, autotune_fix=_fix(w))
     tuned = _run(homo, dataclasses.replace(base, save=str(save), autotune=tune), timeout)
     doc = json.loads((save / "autotune.json").read_text())
-    (dec,) = doc["decisions"]
-    (cal,) = doc["calibration"]
+    decisions, cals = doc["decisions"], doc["calibration"]
+    dec, cal = decisions[-1], cals[-1]  # the last decision: where the run went on
     chosen = load_layout(save / "autotune-layout.yaml", world_size=WORLD)
     switched = dec["from_layout"] != dec["to_layout"]
     out: dict[str, Any] = {
@@ -147,6 +175,8 @@ def run_workload(
         "homogeneous": describe(homo),
         "decision": dec,
         "calibration": cal,
+        "decisions": decisions,
+        "calibrations": cals,
         "switched": switched,
         "kept": bool(switched and dec["kept"]),
         "chosen_layout": describe(chosen),
@@ -162,11 +192,14 @@ def run_workload(
         ratio, noise = _median_ratio([plain["step_s"][i] for i in keep], [tuned["step_s"][i] for i in keep])
         out["step_speedup_after"], out["step_speedup_noise"] = ratio, noise
         out["steps_after"] = len(keep)
-        ref = e2e_reference(e2e, w.name, describe(chosen))
+        out["e2e_committed"] = e2e_reference(e2e, w.name, describe(chosen))  # docs/benchmarks/e2e.json
+        ref = None
+        if out["chosen_is_heterogeneous"]:
+            ref = e2e_figure(homo, chosen, base, tuned_micro_batch(homo, chosen, base))
         out["e2e_reference"] = ref
         out["within_e2e_noise"] = within_noise(ratio, noise, ref)
     if switched:
-        ref_dir = _checkpoint_at(save, dec["iteration"], tmp / f"{w.name}-resume")
+        ref_dir = checkpoint_at(save, dec["iteration"], tmp / f"{w.name}-resume")
         mbs = tuned_micro_batch(homo, chosen, base)
         resume = _run(chosen, dataclasses.replace(base, micro_batch_size=mbs, load=str(ref_dir)), timeout)
         after = tuned["losses"][dec["iteration"] :]
@@ -174,7 +207,7 @@ def run_workload(
         out["loss_max_rel_diff_vs_resume"] = max(abs(a - b) / abs(b) for a, b in zip(after, resume["losses"]))
         out["loss_equal_after_switch"] = out["loss_max_rel_diff_vs_resume"] <= LOSS_TOL
     stay_save = tmp / f"{w.name}-stay"
-    stay_iters = 2 * steps + 2
+    stay_iters = (tune.autotune_rounds + 1) * steps + 2  # room to measure every layout it may try
     stay_job = dataclasses.replace(
         base,
         micro_batch_size=tuned_micro_batch(homo, chosen, base),
@@ -184,11 +217,12 @@ def run_workload(
     )
     _run(chosen, stay_job, timeout)
     sdoc = json.loads((stay_save / "autotune.json").read_text())
-    (sdec,) = sdoc["decisions"]
+    went_on = load_layout(stay_save / "autotune-layout.yaml", world_size=WORLD)
     out["stay"] = {
         "layout": describe(chosen),
-        "stayed": sdec["from_layout"] == sdec["to_layout"] or not sdec["kept"],
-        "decision": sdec,
+        "stayed": describe(went_on) == describe(chosen),
+        "decisions": sdoc["decisions"],
+        "reasons": [c["reason"] for c in sdoc["calibration"]],
         "reason": sdoc["calibration"][0]["reason"],
     }
     return out
@@ -220,8 +254,11 @@ def run(out_dir: Path, iters: int = ITERS, steps: int = STEPS, quick: bool = Fal
     t0 = time.perf_counter()
     e2e, e2e_path = _e2e_doc(Path(out_dir))
     workloads = quick_workloads() if quick else WORKLOADS
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-autotune-") as tmp:
-        rows = [run_workload(w, iters, steps, e2e, Path(tmp), timeout=1800.0) for w in workloads]
+        for w in workloads:
+            rows.append(run_workload(w, iters, steps, e2e, Path(tmp), timeout=1800.0))
+            write_json(Path(out_dir) / "autotune.partial.json", {"workloads": rows})  # a later failure keeps these
     doc = {
         "benchmark": "autotune",
         "backend": default_backend(),
@@ -315,5 +352,8 @@ def table(doc: dict[str, Any]) -> str:
         ],
         rows,
     )
-    reasons = "\n".join(f"- {r['workload']}, from the chosen layout: {r['stay']['reason']}" for r in doc["workloads"])
+    reasons = "\n".join(
+        f"- {r['workload']}, rerun from the chosen layout: " + "; then ".join(r["stay"]["reasons"])
+        for r in doc["workloads"]
+    )
     return text + "\n\n" + reasons

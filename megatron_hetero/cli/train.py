@@ -36,6 +36,11 @@ per module: `training.throughput`) and `--log-memory` the resident state and act
 rank (`training.memory_log`) to the lines and the --log-jsonl records. A missing package or a
 folder that cannot be made exits 2 before any rank starts.
 
+`--hetero-autotune` (with `--save DIR`) measures the first `--autotune-steps` steps, fits the cost
+model to them and to layers timed in-process, and moves the run to a layout predicted faster, in the
+same processes, through a checkpoint (`training/autotune_run.py`; [docs/autotune.md]); it writes
+`autotune.json` and `autotune-layout.yaml` into --save.
+
 `--transformer-impl transformer_engine` (Megatron-LM's flag; default local) builds Megatron-core's
 Transformer Engine layer specs for the language model and the encoders (`models.layer_specs`); on a
 machine without CUDA or without the transformer_engine package it exits 2 with the reason.

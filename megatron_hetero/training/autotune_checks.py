@@ -97,3 +97,26 @@ def workload_of(job: JobConfig, layout: HeteroLayout):
     from megatron_hetero.training.layout_cost import cost_micro_batch
 
     return workload(job.spec, job.global_batch_size, cost_micro_batch(layout, job.spec, job.micro_batch_size))
+
+
+def carry_settings(src: HeteroLayout, dst: HeteroLayout, spec) -> HeteroLayout:
+    """`dst` (a candidate's layout) with what `src`, the run's layout, says of its modules besides
+    their degrees and ranks: `frozen` (a frozen encoder stays frozen: the switch must not change
+    training), `recompute` and `role`. A module takes the settings of `src`'s module of its name; a
+    language segment of `dst` that `src` does not have (language_a, language_b) those of `src`'s
+    first language module."""
+    from megatron_hetero.models.llava import language_modules
+
+    by_name = {m.name: m for m in src.modules}
+    first_language = language_modules(src, spec)[0]
+    mods = []
+    for m in dst.modules:
+        same = by_name.get(m.name)
+        if same is None and m.name not in spec.encoders:
+            same = first_language
+        if same is not None:
+            m = dataclasses.replace(
+                m, frozen=same.frozen, recompute=same.recompute, role=same.role if same.name == m.name else m.role
+            )
+        mods.append(m)
+    return dataclasses.replace(dst, modules=tuple(mods))

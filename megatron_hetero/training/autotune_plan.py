@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import autotune as A
-from megatron_hetero.training.autotune_checks import base_profile, job_on, module_names, workload_of
+from megatron_hetero.training.autotune_checks import base_profile, carry_settings, job_on, module_names, workload_of
 from megatron_hetero.training.config import JobConfig
 
 
@@ -92,7 +92,7 @@ def plan_switch(
         if cand.describe() in tried:
             continue
         try:
-            lay = cand.to_layout(enc, llm)
+            lay = carry_settings(layout, cand.to_layout(enc, llm), spec)  # frozen modules stay frozen
             validate_job(lay, job_on(lay, job, wl, load=None))  # the checkpoint is written on a switch
         except ValueError:
             continue  # e.g. its micro-batches do not split over a module's DP
@@ -121,11 +121,17 @@ def plan_switch(
 
 
 def stay_at_end(doc, layout: HeteroLayout, job: JobConfig, iteration: int) -> Plan:
-    """The round when the measuring window reached --train-iters: nothing left to move."""
+    """The round when fewer than --autotune-steps steps are left after `iteration`: a new layout
+    could not be measured (and gone back from), so the run stays."""
     from megatron_hetero.training.layout_cost import candidate_for
 
     steps = A.step_times_from_trace(doc).drop(1)
     current = candidate_for(layout, job.spec, job.offload_encoder)
-    d = A.Decision(False, "stay: the measuring window reached --train-iters, no steps left to move")
+    left = job.train_iters - iteration
+    d = A.Decision(
+        False,
+        f"stay: {left} step(s) left after iteration {iteration}, fewer than the --autotune-steps "
+        f"{job.autotune.autotune_steps} a new layout would be measured in",
+    )
     cal = {"iteration": iteration, "reason": d.reason}
     return Plan(d, A.record_of(iteration, current, d, steps.step_s), steps.noise_s, cal)

@@ -141,7 +141,7 @@ def train_autotuned(
         for round_ in range(tune.autotune_rounds):
             plan: Optional[Plan] = None
             if rank == 0:
-                if it >= job.train_iters:
+                if job.train_iters - it < tune.autotune_steps:  # no room to measure a new layout
                     plan = stay_at_end(doc, layout, job, it)
                 else:
                     shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
@@ -189,8 +189,10 @@ def train_autotuned(
             )
             say(rec.line())
             it = end
-            if rec.kept or it >= job.train_iters:
-                chosen = plan.layout  # kept, or the run ended on it: nothing left to go back for
+            if rec.kept:
+                chosen = plan.layout
+                break
+            if it >= job.train_iters:  # measured slower at the last step: the old layout is the one to go on with
                 break
             t0 = time.perf_counter()
             holder, session = [session], None

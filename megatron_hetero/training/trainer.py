@@ -286,7 +286,7 @@ class Session:
             final_save=final_save,
         )
 
-    def finish(self, trace_meta: bool = True) -> None:
+    def finish(self) -> None:
         """After the last step: --overlap-param-gather's gathered parameters, and the job's --trace
         (collective; rank 0 writes it)."""
         for s in self.states.values():

@@ -429,3 +429,32 @@ def test_autotune_json_and_layout(tmp_path):
     assert list(doc) == ["decisions"] and paths["layout"].name == "autotune-layout.yaml"
     assert "stayed on" in stay.line() and A.record_of(5, CUR, d, 1.0).settle(0.7, 0.02).kept
     assert load_layout(paths["layout"], 8) == CUR.to_layout()
+
+
+# --- the step noise and bench autotune's comparisons ---------------------------------------------
+def test_noise_is_the_standard_error_of_the_median_step():
+    st = A.StepTimes(wall_s=(1.0, 1.1, 0.9, 1.0, 1.3), ranks=(0,), busy=({},) * 5)
+    # median 1.0, absolute deviations 0, .1, .1, 0, .3 -> MAD 0.1
+    assert st.noise_s == pytest.approx(1.2533 * 1.4826 * 0.1 / 5**0.5)
+    assert st.spread_s == pytest.approx(0.4) and st.noise_s < st.spread_s
+    two = A.StepTimes(wall_s=(1.0, 1.2), ranks=(0,), busy=({},) * 2)
+    assert two.noise_s == pytest.approx(0.2)  # fewer than 3 steps: the range
+
+
+def test_bench_autotune_compares_with_the_e2e_figure_of_the_same_layout():
+    from megatron_hetero.bench import autotune as BA
+
+    e2e = {
+        "cases": [
+            {"workload": "w", "layout": "L1", "speedup_vs_homogeneous": 1.26, "speedup_per_round": [1.30, 1.15, 1.28]},
+            {"workload": "w", "layout": "L2", "speedup_vs_homogeneous": 1.07},
+        ]
+    }
+    ref = BA.e2e_reference(e2e, "w", "L1")
+    assert ref == {"speedup": 1.26, "per_round": [1.30, 1.15, 1.28], "range": [1.15, 1.30]}
+    assert BA.e2e_reference(e2e, "w", "L2")["range"] == [1.07, 1.07]
+    assert BA.e2e_reference(e2e, "other", "L1") is None and BA.e2e_reference(None, "w", "L1") is None
+    assert BA.within_noise(1.20, 0.0, ref) and BA.within_noise(1.12, 0.04, ref)
+    assert not BA.within_noise(1.05, 0.04, ref) and BA.within_noise(1.0, 0.1, None) is None
+    r, noise = BA._median_ratio([1.9, 2.0, 2.0, 2.1], [0.95, 1.0, 1.0, 1.05])
+    assert r == pytest.approx(2.0) and noise > 0

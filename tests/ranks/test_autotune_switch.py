@@ -9,14 +9,13 @@ so the tests check the mechanics, not this CPU's timings."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from parity import losses, max_loss_rel_diff, run_job
+from megatron_hetero.bench.autotune import checkpoint_at
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.planner import autotune as A
 from megatron_hetero.training import autotune_run as R
@@ -58,17 +57,6 @@ def probe_hook(iteration: int) -> dict:
 
     p = probe()
     return {k: p[k] for k in ("process_groups", "threads", "open_fds")}
-
-
-def checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:
-    """A copy of `save` whose tracker points at `iteration` (what `--load` resumes)."""
-    from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER
-
-    shutil.copytree(save, dest)
-    d = dest / f"iter_{iteration:07d}"
-    digest = hashlib.sha256((d / STATE_FILE).read_bytes()).hexdigest()
-    (dest / TRACKER).write_text(f"{iteration}\nsha256 {digest}\n")
-    return dest
 
 
 @pytest.mark.timeout(600)
@@ -149,3 +137,50 @@ def test_settings_refused_before_any_rank_starts(tmp_path, change, says):
     with pytest.raises(ValueError) as e:
         validate_job(layout_from_dict(COLOC, world_size=2), j)
     assert says in str(e.value)
+
+
+def test_layer_cases_cover_the_degrees_the_search_may_choose():
+    from megatron_hetero.planner.model import workload
+    from megatron_hetero.training.autotune_layers import layer_case_dicts
+
+    spec = JobConfig().spec  # heads 4, the default tiny model
+    wl = workload(spec, 8, 2)
+    cases = layer_case_dicts(wl, 4, encoder_images=2)
+    llm = [(c["tp"], c["cp"], c["batch"]) for c in cases if c["module"] == "llm"]
+    enc = [(c["tp"], c["cp"], c["batch"]) for c in cases if c["module"] == "encoder"]
+    assert cases[0]["module"] == "llm" and (cases[0]["tp"], cases[0]["cp"]) == (1, 1)  # the kernel's solo case
+    assert llm[:2] == [(1, 1, 2), (1, 1, 4)] and {(2, 1, 2), (4, 1, 2)} <= set(llm)
+    assert all(cp == 1 or wl.llm.seq % (2 * cp) == 0 for _, cp, _ in llm)
+    assert enc[:2] == [(1, 1, 2), (1, 1, 4)] and all(cp == 1 for _, cp, _ in enc)
+    assert all(c["hidden"] == (wl.llm.hidden if c["module"] == "llm" else wl.encoder.hidden) for c in cases)
+
+
+def test_a_frozen_encoder_stays_frozen_on_the_chosen_layout():
+    from megatron_hetero.training.autotune_checks import carry_settings
+
+    spec = JobConfig().spec
+    frozen = {**COLOC, "modules": {"vision": {"dp": 2, "frozen": True}, "language": {"dp": 2}}}
+    src = layout_from_dict(frozen, world_size=2)
+    segments = {
+        "placement": "disjoint",
+        "modules": {"vision": {}, "language_a": {"layers": "0-0"}, "language_b": {"layers": "1-1"}},
+        "edges": ["vision -> language_a", "language_a -> language_b"],
+    }
+    dst = carry_settings(src, layout_from_dict(segments, world_size=3), spec)
+    assert [(m.name, m.frozen) for m in dst.modules] == [("vision", True), ("language_a", False), ("language_b", False)]
+    lang_frozen = {**COLOC, "modules": {"vision": {"dp": 2}, "language": {"dp": 2, "frozen": True}}}
+    dst = carry_settings(layout_from_dict(lang_frozen, world_size=2), layout_from_dict(segments, world_size=3), spec)
+    assert [m.frozen for m in dst.modules] == [False, True, True]
+
+
+@pytest.mark.timeout(600)
+def test_no_switch_without_room_to_measure_the_new_layout(tmp_path, monkeypatch, megatron_compat):
+    force_switch_to(monkeypatch, DISJOINT)  # would switch, but only K - 1 steps are left to measure it in
+    save = tmp_path / "run"
+    got = run_job(COLOC, 2, job(save, 2 * K - 1))
+    assert [r["iteration"] for r in got[0]["records"]] == list(range(1, 2 * K))
+    doc = json.loads((save / "autotune.json").read_text())
+    (d,) = doc["decisions"]
+    assert d["from_layout"] == d["to_layout"] and d["kept"] is True
+    assert "fewer than the --autotune-steps" in doc["calibration"][0]["reason"]
+    assert "placement: colocated" in (save / "autotune-layout.yaml").read_text()
