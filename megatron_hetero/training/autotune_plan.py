@@ -62,12 +62,14 @@ def plan_switch(
     world: int,
     timings=None,
     shared: bool = False,
-    tried: tuple[str, ...] = (),
+    tried: tuple = (),
 ) -> Plan:
     """Rank 0's round (pure; no collective): the cost model fitted to the trace `doc` of the measuring
-    window of `layout` (`calibrated`), the layouts this job can run ranked under its constraints
-    (less those `tried` already and gone back from, by `Candidate.describe()`), and the decision
-    taken at `iteration`."""
+    window of `layout` (`calibrated`), the layouts this job can run ranked under its constraints,
+    and the decision taken at `iteration`. `tried`: (candidate, trace of its measuring window) of
+    the layouts tried already and gone back from; they are left out, and the model is fitted to
+    each of their windows too: every candidate is priced by the slowest of the fits (what a tried
+    layout showed the model to underestimate counts against the layouts like it)."""
     from megatron_hetero.training.layout_cost import candidate_for
     from megatron_hetero.training.setup import validate_job
 
@@ -81,15 +83,26 @@ def plan_switch(
 
         space = SearchSpace(runtime=True, offload=(job.offload_encoder,))  # offloading is the user's memory choice
         ranked = A.rank_calibrated(
-            calib, wl, world, A.parse_fix(tune.autotune_fix), space=space, encoder_name=enc, llm_name=llm
+            calib,
+            wl,
+            world,
+            A.parse_fix(tune.autotune_fix),
+            space=space,
+            top=10 * (1 + 3 * len(tried)),  # room to re-rank by the tried layouts' fits
+            encoder_name=enc,
+            llm_name=llm,
         )
     except ValueError as exc:  # nothing fits the constraints: stay
         ranked, why = [], str(exc)
     else:
         why = ""
+    fits = [A.calibrate(A.step_times_from_trace(d).drop(1), c, wl, calib.profile) for c, d in tried]
+    if fits:
+        ranked = sorted(((c, max([t] + [f.predict(c, wl) for f in fits])) for c, t in ranked), key=lambda ct: ct[1])
+    gone_back = {c.describe() for c, _ in tried}
     runnable, layouts = [], {}
     for cand, t in ranked:
-        if cand.describe() in tried:
+        if cand.describe() in gone_back:
             continue
         try:
             lay = carry_settings(layout, cand.to_layout(enc, llm), spec)  # frozen modules stay frozen

@@ -137,7 +137,7 @@ def train_autotuned(
             wl = workload_of(job, layout)
             timings = measure_layer_cases(wl, wl.micro_batch * wl.images_per_sample)
         spent["layer_timings_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-        tried: tuple[str, ...] = ()
+        tried: tuple = ()  # rank 0: (candidate, trace of its window) of the layouts gone back from
         for round_ in range(tune.autotune_rounds):
             plan: Optional[Plan] = None
             if rank == 0:
@@ -200,7 +200,7 @@ def train_autotuned(
                 holder, it, layout, job_on(layout, job, workload_of(job, layout), load=job.save), make_session
             )
             spent[f"revert_s_{round_}"], t0 = time.perf_counter() - t0, time.perf_counter()
-            tried += (plan.decision.target.describe(),)
+            tried += ((plan.decision.target, after_doc),)
         if rank == 0:
             paths = A.write_autotune(job.save, decisions, chosen, calibration=calibrations)
             say(f"autotune: decisions in {paths['json']}, the layout the run goes on with in {paths['layout']}")
