@@ -17,8 +17,8 @@ One round, on every rank (the world never changes; only global rank 0 decides):
    rank 0 prints it in one line;
 4. on a switch: a checkpoint of the iteration reached (unless --save-interval just wrote it) under
    --save, the session destroyed (its process groups), a new one built under the chosen layout
-   from that checkpoint, K more steps measured; if they are slower than the old layout's steps by
-   more than the noise, a checkpoint of that iteration and back to the old layout from it (no
+   from that checkpoint, K more steps measured; unless their median step is faster than the old
+   layout's, a checkpoint of that iteration and back to the old layout from it (no
    step is lost either way), and steps 3-4 again with the next best layout not tried yet, up to
    --autotune-rounds layouts tried (the measurement of the first window is kept);
 5. rank 0 writes `autotune.json` (the decisions, and the calibration: predicted against measured
@@ -179,7 +179,7 @@ def train_autotuned(
                     (steps.drop(1).step_s, steps.drop(1).noise_s) if end - it >= 2 else (steps.step_s, steps.noise_s)
                 )
             after = _broadcast(after, "measurement after the switch")
-            rec = rec.settle(after[0], max(plan.noise_s, after[1]))
+            rec = rec.settle(after[0])
             decisions.append(rec)
             calibrations[-1].update(
                 chosen_predicted_s=rec.predicted_step_s,
