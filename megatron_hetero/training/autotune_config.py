@@ -42,7 +42,7 @@ class AutotuneConfig:
     )
     autotune_rounds: int = flag_field(
         2,
-        "layouts tried at most: after a switch that measured slower and went back, the next best predicted "
+        "layouts tried at most: after a switch that did not measure faster and went back, the next best predicted "
         "layout not tried yet (default {default})",
         metavar="R",
         group="autotune",

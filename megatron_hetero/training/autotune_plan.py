@@ -116,7 +116,7 @@ def plan_switch(
         d = dataclasses.replace(d, reason=f"stay: no candidate layout fits the run's constraints ({why})")
     if tried:
         d = dataclasses.replace(
-            d, reason=d.reason + f" (not counting {len(tried)} layout(s) tried and measured slower)"
+            d, reason=d.reason + f" (not counting {len(tried)} layout(s) tried and measured no faster)"
         )
     rec = A.record_of(iteration, current, d, steps.step_s)
     cal = {

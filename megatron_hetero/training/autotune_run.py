@@ -192,7 +192,7 @@ def train_autotuned(
             if rec.kept:
                 chosen = plan.layout
                 break
-            if it >= job.train_iters:  # measured slower at the last step: the old layout is the one to go on with
+            if it >= job.train_iters:  # not faster, at the last step: the old layout is the one to go on with
                 break
             t0 = time.perf_counter()
             holder, session = [session], None
