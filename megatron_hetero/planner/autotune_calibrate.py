@@ -303,16 +303,22 @@ def _curve(prof: Profile, kind: str, link: str, n: int) -> AlphaBeta:
 
 
 def _fit_or_scale(base: AlphaBeta, points: list[tuple[float, float]]) -> AlphaBeta:
-    """alpha + x * beta through `points` (x, y): least squares with two distinct x or more, else
-    `base` scaled to the (mean) point: one size cannot split alpha from beta, so keep base's shape."""
+    """alpha + x * beta through `points` (x, y), never negative at any x: least squares with two
+    distinct x or more (`fit_alpha_beta`: alpha >= 0) when its beta comes out >= 0, else `base`
+    scaled to the points (least squares over the scale): one size cannot split alpha from beta, and
+    times that fall as the size grows are noise (timings on busy shared cores), not a cost that a
+    larger layer or message would make negative; base's shape is kept."""
     ys = [max(y, 0.0) for _, y in points]
-    if len({x for x, _ in points}) >= 2:
-        a, b = fit_alpha_beta([x for x, _ in points], ys)
-        return AlphaBeta(alpha=a, beta=b)
-    x, y = points[0][0], sum(ys) / len(ys)
-    now = base.alpha + x * base.beta
-    s = y / now if now > 0 else 0.0
-    return AlphaBeta(alpha=base.alpha * s, beta=base.beta * s) if now > 0 else AlphaBeta(alpha=0.0, beta=y / x)
+    xs = [x for x, _ in points]
+    if len(set(xs)) >= 2:
+        a, b = fit_alpha_beta(xs, ys)
+        if b >= 0:
+            return AlphaBeta(alpha=a, beta=b)
+    now = [base.alpha + x * base.beta for x in xs]
+    if all(n > 0 for n in now):
+        s = sum(n * y for n, y in zip(now, ys)) / sum(n * n for n in now)
+        return AlphaBeta(alpha=base.alpha * s, beta=base.beta * s)
+    return AlphaBeta(alpha=0.0, beta=sum(ys) / sum(xs))
 
 
 def fold_layer_measurements(prof: Profile, wl: Workload, module: str, cases: Sequence[LayerCase]) -> Profile:

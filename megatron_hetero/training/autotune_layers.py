@@ -90,7 +90,7 @@ def measure_layer_cases(wl: Workload, encoder_images: int) -> LayerTimings:
     slowest rank's time; and the first case timed with one busy rank. Torch's and Megatron's RNG
     states are restored afterwards (the kernel seeds and draws its own inputs), so training after
     it draws what it would have drawn."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import random as mrandom
 
     from megatron_hetero.profiling.run import _rank_layers
     from megatron_hetero.runtime.step import run_collective
@@ -98,15 +98,14 @@ def measure_layer_cases(wl: Workload, encoder_images: int) -> LayerTimings:
     world = dist.get_world_size()
     cases = layer_case_dicts(wl, world, encoder_images)
     cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    tracker = get_cuda_rng_tracker().get_states()
+    device_rng = mrandom._get_cuda_rng_state()  # the current device's (the CPU's on CPU ranks), as checkpoints keep it
+    tracker = mrandom.get_cuda_rng_tracker().get_states()
     try:
         mine, solo = _rank_layers(cases, ITERS, 1, 1)
     finally:
         torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        get_cuda_rng_tracker().set_states(tracker)
+        mrandom._set_cuda_rng_state(device_rng)
+        mrandom.get_cuda_rng_tracker().set_states(tracker)
     every: list = [None] * world
     run_collective(
         "autotune layer timings all-gather over the world", dist.get_rank(), dist.all_gather_object, every, (mine, solo)

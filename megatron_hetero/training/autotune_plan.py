@@ -6,6 +6,7 @@ under the run's constraints, and the decision to broadcast (`Plan`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
@@ -99,6 +100,8 @@ def plan_switch(
     fits = [A.calibrate(A.step_times_from_trace(d).drop(1), c, wl, calib.profile) for c, d in tried]
     if fits:
         ranked = sorted(((c, max([t] + [f.predict(c, wl) for f in fits])) for c, t in ranked), key=lambda ct: ct[1])
+    priced = [(c, t) for c, t in ranked if t > 0 and math.isfinite(t)]
+    unpriced, ranked = len(ranked) - len(priced), priced  # a fit gone wrong must not pick a layout
     gone_back = {c.describe() for c, _ in tried}
     runnable, layouts = [], {}
     for cand, t in ranked:
@@ -117,6 +120,10 @@ def plan_switch(
     if tried:
         d = dataclasses.replace(
             d, reason=d.reason + f" (not counting {len(tried)} layout(s) tried and measured no faster)"
+        )
+    if unpriced:
+        d = dataclasses.replace(
+            d, reason=d.reason + f" ({unpriced} candidate(s) left out: the fitted model priced them at <= 0 s)"
         )
     rec = A.record_of(iteration, current, d, steps.step_s)
     cal = {

@@ -363,6 +363,33 @@ def test_fold_layer_measurements_recovers_the_true_profile(prof):
         A.fold_layer_measurements(prof, WL, "audio", cases)
 
 
+def test_layer_timings_that_fall_with_size_never_price_a_layer_below_zero(prof):
+    """CI (2 busy cores) timed a larger layer faster than a smaller one: the least-squares slope came
+    out negative and the model priced a candidate at -0.36 s. Such points scale the profile's curve."""
+    from megatron_hetero.planner.autotune_calibrate import _fit_or_scale
+    from megatron_hetero.planner.cost_terms import layer_parts
+    from megatron_hetero.planner.hardware import AlphaBeta
+
+    base = AlphaBeta(1e-3, 2e-9)
+    fit = _fit_or_scale(base, [(1e6, 0.010), (4e6, 0.004)])  # the larger one measured faster
+    assert fit.beta >= 0 and fit.alpha >= 0
+    assert fit.alpha / fit.beta == pytest.approx(base.alpha / base.beta)  # base's shape, scaled
+    assert _fit_or_scale(base, [(1e6, 0.002), (4e6, 0.008)]) == AlphaBeta(0.0, 2e-9)  # a clean line: fitted
+    assert _fit_or_scale(base, [(1e6, 0.003)]).alpha + 1e6 * _fit_or_scale(base, [(1e6, 0.003)]).beta == (
+        pytest.approx(0.003)
+    )
+    layer = lambda p, samples, tp, cp: float(sum(layer_parts(p, WL, LLM, samples, tp, cp)))  # noqa: E731
+    t1 = layer(prof, 1, 1, 1)
+    cases = [
+        A.LayerCase(1, 1, 1, 3 * t1),
+        A.LayerCase(1, 1, 8, t1),
+        A.LayerCase(2, 1, 1, 1e-9),
+        A.LayerCase(2, 1, 8, 1e-9),
+    ]
+    folded = A.fold_layer_measurements(prof, WL, "llm", cases)
+    assert all(layer(folded, n, tp, 1) > 0 for n in (1, 8, 64, 512) for tp in (1, 2))
+
+
 # --- decisions ----------------------------------------------------------------------------------
 CUR = colocated(tp=2, dp=4)
 OTHER = colocated(tp=4, dp=2)
