@@ -143,15 +143,24 @@ def plan_switch(
 def stay_at_end(doc, layout: HeteroLayout, job: JobConfig, iteration: int) -> Plan:
     """The round when fewer than --autotune-steps steps are left after `iteration`: a new layout
     could not be measured (and gone back from), so the run stays."""
+    left = job.train_iters - iteration
+    return stay_because(
+        doc,
+        layout,
+        job,
+        iteration,
+        f"stay: {left} step(s) left after iteration {iteration}, fewer than the --autotune-steps "
+        f"{job.autotune.autotune_steps} a new layout would be measured in",
+    )
+
+
+def stay_because(doc, layout: HeteroLayout, job: JobConfig, iteration: int, reason: str) -> Plan:
+    """A round that stays on `layout` at `iteration` for `reason` (a line starting 'stay: '): the
+    window's measured step recorded, no prediction."""
     from megatron_hetero.training.layout_cost import candidate_for
 
     steps = A.step_times_from_trace(doc).drop(1)
     current = candidate_for(layout, job.spec, job.offload_encoder)
-    left = job.train_iters - iteration
-    d = A.Decision(
-        False,
-        f"stay: {left} step(s) left after iteration {iteration}, fewer than the --autotune-steps "
-        f"{job.autotune.autotune_steps} a new layout would be measured in",
-    )
+    d = A.Decision(False, reason)
     cal = {"iteration": iteration, "reason": d.reason}
     return Plan(d, A.record_of(iteration, current, d, steps.step_s), steps.noise_s, cal)

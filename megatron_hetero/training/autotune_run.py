@@ -42,7 +42,7 @@ from megatron_hetero.planner import autotune as A
 from megatron_hetero.runtime.step import run_collective
 from megatron_hetero.runtime.trace import Tracer, gather_trace
 from megatron_hetero.training.autotune_checks import job_on, workload_of
-from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end
+from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end, stay_because
 from megatron_hetero.training.config import JobConfig
 
 
@@ -145,7 +145,12 @@ def train_autotuned(
                     plan = stay_at_end(doc, layout, job, it)
                 else:
                     shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
-                    plan = plan_switch(doc, layout, job, it, world, timings, shared, tried)
+                    try:
+                        plan = plan_switch(doc, layout, job, it, world, timings, shared, tried)
+                    except ValueError as exc:  # the fit or the search refused what it was given: train on
+                        plan = stay_because(
+                            doc, layout, job, it, f"stay: the cost model could not price this run ({exc})"
+                        )
             plan = _broadcast(plan, "decision")
             spent[f"decision_s_{round_}"], t0 = time.perf_counter() - t0, time.perf_counter()
             say(f"autotune: {plan.decision.reason}")

@@ -184,3 +184,22 @@ def test_no_switch_without_room_to_measure_the_new_layout(tmp_path, monkeypatch,
     assert d["from_layout"] == d["to_layout"] and d["kept"] is True
     assert "fewer than the --autotune-steps" in doc["calibration"][0]["reason"]
     assert "placement: colocated" in (save / "autotune-layout.yaml").read_text()
+
+
+@pytest.mark.timeout(600)
+def test_a_fit_that_fails_leaves_the_run_training_on_its_layout(tmp_path, monkeypatch, megatron_compat):
+    """The cost model refusing what the window gave it (CI once fitted a negative price) is a stay
+    with the reason, not a failed run: training goes on with the losses of a plain run."""
+
+    def refuse(*args, **kwargs):
+        raise ValueError("a candidate's predicted step must be a positive number of seconds, got -0.36")
+
+    monkeypatch.setattr(R, "plan_switch", refuse)
+    save = tmp_path / "run"
+    got = run_job(COLOC, 2, job(save))
+    plain = run_job(COLOC, 2, JobConfig(train_iters=ITERS))
+    assert losses(got) == losses(plain)
+    doc = json.loads((save / "autotune.json").read_text())
+    (d,) = doc["decisions"]
+    assert d["from_layout"] == d["to_layout"] and d["kept"] is True
+    assert doc["calibration"][0]["reason"].startswith("stay: the cost model could not price this run (a candidate's")
