@@ -210,28 +210,41 @@ def _put_common_steps(rest: dict, steps: dict[str, float]) -> None:
             )
 
 
-def _rng_sharded_state_dict(rank: int, world: int) -> dict:
+def rng_states() -> dict:
+    """This rank's RNG states, as checkpoints keep them: {'torch': CPU generator, 'accelerator': the
+    current device's (Megatron's helper: the CPU's on CPU ranks), 'tracker.<name>': Megatron's
+    model-parallel RNG tracker's}."""
     import torch
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.tensor_parallel import random as mrandom
 
     states = {"torch": torch.get_rng_state(), "accelerator": mrandom._get_cuda_rng_state()}
     for name, st in mrandom.get_cuda_rng_tracker().get_states().items():
         states[f"tracker.{name}"] = st
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    """Restore what `rng_states` returned."""
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.set_rng_state(states["torch"])
+    mrandom._set_cuda_rng_state(states["accelerator"])
+    tracker = {k[len("tracker.") :]: v for k, v in states.items() if k.startswith("tracker.")}
+    if tracker:
+        mrandom.get_cuda_rng_tracker().set_states(tracker)
+
+
+def _rng_sharded_state_dict(rank: int, world: int) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     return {
         k: ShardedTensor.from_rank_offsets(
             f"rng.{k}", v.detach().cpu().clone().unsqueeze(0), (0, rank, world), replica_id=0
         )
-        for k, v in states.items()
+        for k, v in rng_states().items()
     }
 
 
 def _set_rng(loaded: dict) -> None:
-    import torch
-    from megatron.core.tensor_parallel import random as mrandom
-
-    torch.set_rng_state(loaded["torch"][0])
-    mrandom._set_cuda_rng_state(loaded["accelerator"][0])
-    tracker = {k[len("tracker.") :]: v[0] for k, v in loaded.items() if k.startswith("tracker.")}
-    if tracker:
-        mrandom.get_cuda_rng_tracker().set_states(tracker)
+    set_rng_states({k: v[0] for k, v in loaded.items()})

@@ -186,7 +186,7 @@ def after_switch(measured_before_s: float, measured_after_s: float) -> bool:
     """Whether to keep a switch: only when the new layout's measured step is faster than the old
     one's. A layout that measures the same or slower is gone back from: the switch was taken for a
     gain the model predicted, and a layout the noise cannot tell from the old one has not shown it
-    (the cost model's errors on this CPU run 22-49% on the layouts it ranks first, mostly too fast)."""
+    (the cost model's errors on the 2-core CPU VM were 22-63% on the layouts it ranked first, mostly too fast)."""
     before, after = _positive("measured_before_s", measured_before_s), _positive("measured_after_s", measured_after_s)
     return after < before
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from megatron_hetero.planner.autotune import LayerCase
@@ -90,22 +89,17 @@ def measure_layer_cases(wl: Workload, encoder_images: int) -> LayerTimings:
     slowest rank's time; and the first case timed with one busy rank. Torch's and Megatron's RNG
     states are restored afterwards (the kernel seeds and draws its own inputs), so training after
     it draws what it would have drawn."""
-    from megatron.core.tensor_parallel import random as mrandom
-
+    from megatron_hetero.checkpoint.sharded import rng_states, set_rng_states
     from megatron_hetero.profiling.run import _rank_layers
     from megatron_hetero.runtime.step import run_collective
 
     world = dist.get_world_size()
     cases = layer_case_dicts(wl, world, encoder_images)
-    cpu_rng = torch.get_rng_state()
-    device_rng = mrandom._get_cuda_rng_state()  # the current device's (the CPU's on CPU ranks), as checkpoints keep it
-    tracker = mrandom.get_cuda_rng_tracker().get_states()
+    rng = rng_states()  # as checkpoints keep them
     try:
         mine, solo = _rank_layers(cases, ITERS, 1, 1)
     finally:
-        torch.set_rng_state(cpu_rng)
-        mrandom._set_cuda_rng_state(device_rng)
-        mrandom.get_cuda_rng_tracker().set_states(tracker)
+        set_rng_states(rng)
     every: list = [None] * world
     run_collective(
         "autotune layer timings all-gather over the world", dist.get_rank(), dist.all_gather_object, every, (mine, solo)
