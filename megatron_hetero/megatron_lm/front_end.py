@@ -18,9 +18,17 @@ class ScriptFrontEnd:
     (what Megatron-LM's `training_log` prints) and the whole model's grad norm."""
 
     def __init__(
-        self, args: Any, states: dict, evaluator: Evaluator, save: Optional[Callable[[int], None]] = None
+        self,
+        args: Any,
+        states: dict,
+        evaluator: Evaluator,
+        save: Optional[Callable[[int], None]] = None,
+        train_iters: Optional[int] = None,
     ) -> None:
         self.args, self.states, self.evaluator, self.save_fn = args, states, evaluator, save
+        #: the run's last iteration: Megatron's after-training evaluation runs there only (a loop that
+        #: ends before it, e.g. --hetero-autotune's measuring window, does not evaluate)
+        self.train_iters = train_iters
         self.interval_log = IntervalLog(args)
 
     def record(self, iteration: int, res, seconds: float) -> dict[str, Any]:
@@ -55,7 +63,8 @@ class ScriptFrontEnd:
         self.save_fn(iteration)
 
     def finish(self, iteration: int) -> None:
-        self.evaluator.after_training(iteration)
+        if self.train_iters is None or iteration >= self.train_iters:
+            self.evaluator.after_training(iteration)
 
 
 def current_lr(states: dict) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import autotune as A
@@ -64,13 +64,16 @@ def plan_switch(
     timings=None,
     shared: bool = False,
     tried: tuple = (),
+    check: Optional[Callable[[HeteroLayout, JobConfig], None]] = None,
 ) -> Plan:
     """Rank 0's round (pure; no collective): the cost model fitted to the trace `doc` of the measuring
     window of `layout` (`calibrated`), the layouts this job can run ranked under its constraints,
     and the decision taken at `iteration`. `tried`: (candidate, trace of its measuring window) of
     the layouts tried already and gone back from; they are left out, and the model is fitted to
     each of their windows too: every candidate is priced by the slowest of the fits (what a tried
-    layout showed the model to underestimate counts against the layouts like it)."""
+    layout showed the model to underestimate counts against the layouts like it). `check(layout,
+    job)`: ValueError for a candidate the run cannot train (default: `train`'s `validate_job`; a
+    patched Megatron-LM script passes its own checks)."""
     from megatron_hetero.training.layout_cost import candidate_for
     from megatron_hetero.training.setup import validate_job
 
@@ -109,7 +112,7 @@ def plan_switch(
             continue
         try:
             lay = carry_settings(layout, cand.to_layout(enc, llm), spec)  # frozen modules stay frozen
-            validate_job(lay, job_on(lay, job, wl, load=None))  # the checkpoint is written on a switch
+            (check or validate_job)(lay, job_on(lay, job, wl, load=None))  # the checkpoint is written on a switch
         except ValueError:
             continue  # e.g. its micro-batches do not split over a module's DP
         runnable.append((cand, t))

@@ -74,7 +74,15 @@ def _window(session, start: int, end: int, stop, log, writers, tracer: Tracer):
 
 
 def _move(
-    holder: list, iteration: int, layout: HeteroLayout, job: JobConfig, make_session: Callable, tracer=None, saved=False
+    holder: list,
+    iteration: int,
+    layout: HeteroLayout,
+    job: JobConfig,
+    make_session: Callable,
+    log,
+    step_hook: Optional[Callable],
+    tracer=None,
+    saved=False,
 ):
     """The run at `iteration` moved from the session in `holder` (taken out of it: the caller keeps
     no reference, so the old session can be collected) to `layout`: a checkpoint of `iteration` under
@@ -87,7 +95,6 @@ def _move(
     old = session.job
     if not saved and not (old.save_interval and iteration % old.save_interval == 0):
         session.front.save(iteration)
-    log, step_hook = session.front.log_, session.front.step_hook
     session.destroy()
     del session
     gc.collect()  # the old modules and optimizers hold the destroyed groups until they are collected
@@ -106,10 +113,15 @@ def train_autotuned(
     writers,
     make_session: Callable,
     step_hook: Optional[Callable] = None,
+    check: Optional[Callable[[HeteroLayout, JobConfig], None]] = None,
 ):
     """Train `job` from `layout` with one autotune round (module docstring); returns (the session
     the run ended on, every iteration's record). `make_session(layout, job, log, step_hook,
-    tracer=None)`: the trainer's `Session`. Collective over the world."""
+    tracer=None)`: the trainer's `Session` (or a patched Megatron-LM script's,
+    `megatron_lm/autotune.py`), with the attributes `start`, `job`, `front`, `schedulers`,
+    `loop_schedule()`, `loop_spec(start, end, final_save)` and `destroy()`. `check(layout, job)`:
+    ValueError for a candidate layout the run cannot train (default `training.setup.validate_job`).
+    Collective over the world."""
     from megatron_hetero.training.loop import run_loop
 
     tune, rank, world = job.autotune, dist.get_rank(), dist.get_world_size()
@@ -122,6 +134,8 @@ def train_autotuned(
     chosen = layout
     try:
         it = session.start
+        if it >= job.train_iters:  # resumed at the end: nothing to measure or train
+            return session, records
         end = min(it + tune.autotune_steps, job.train_iters)
         out, doc = _window(session, it, end, stop, log, writers, tracer)
         records += out.records
@@ -146,7 +160,7 @@ def train_autotuned(
                 else:
                     shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
                     try:
-                        plan = plan_switch(doc, layout, job, it, world, timings, shared, tried)
+                        plan = plan_switch(doc, layout, job, it, world, timings, shared, tried, check)
                     except ValueError as exc:  # the fit or the search refused what it was given: train on
                         plan = stay_because(
                             doc, layout, job, it, f"stay: the cost model could not price this run ({exc})"
@@ -167,6 +181,8 @@ def train_autotuned(
                 plan.layout,
                 job_on(plan.layout, job, workload_of(job, layout), load=job.save),
                 make_session,
+                log,
+                step_hook,
                 tracer,
                 saved=round_ > 0,  # after a revert: the checkpoint of `it` is the one just resumed
             )
@@ -202,7 +218,13 @@ def train_autotuned(
             t0 = time.perf_counter()
             holder, session = [session], None
             session = _move(
-                holder, it, layout, job_on(layout, job, workload_of(job, layout), load=job.save), make_session
+                holder,
+                it,
+                layout,
+                job_on(layout, job, workload_of(job, layout), load=job.save),
+                make_session,
+                log,
+                step_hook,
             )
             spent[f"revert_s_{round_}"], t0 = time.perf_counter() - t0, time.perf_counter()
             tried += ((plan.decision.target, after_doc),)

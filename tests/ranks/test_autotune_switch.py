@@ -44,7 +44,7 @@ def force_switch_to(monkeypatch, doc: dict) -> None:
     """Every round decides to switch to `doc`'s layout (predicted 1 ms, measured 1 s)."""
     target = layout_from_dict(doc, world_size=2)
 
-    def plan(trace, layout, job, iteration, world, timings=None, shared=False, tried=()):
+    def plan(trace, layout, job, iteration, world, timings=None, shared=False, tried=(), check=None):
         cur, to = candidate_for(layout, job.spec), candidate_for(target, job.spec)
         d = A.Decision(True, "switch: forced by the test", to, 1e-3, 999.0)
         return R.Plan(d, A.record_of(iteration, cur, d, 1.0), 0.0, {"iteration": iteration}, target)
