@@ -5,7 +5,9 @@ a patched Megatron-LM script's ranks, so a test checks the switch's mechanics, n
 `AUTOTUNE_FORCE` in the run's environment: JSON `{"target": LAYOUT, "measured_s": S}`: every round decides
 to switch to the layout `LAYOUT` (a layout YAML's mapping, placed on the run's world), predicted 1 ms,
 the current layout recorded as measured `S` seconds (a tiny `S`: the new layout measures slower and the
-run goes back). `report()`: one line `autotune probe rank R: {"rounds": N}`.
+run goes back). `report()`: one line `autotune probe rank R: {"rounds": N, "sessions": [...]}`, with
+the live process groups, threads and open file descriptors (`bench soak`'s counters) right after each
+`ScriptSession` of the run was built, in order.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 
 ROUNDS = {"n": 0}
+SESSIONS: list[dict] = []
 
 
 def install() -> None:
@@ -36,6 +39,19 @@ def install() -> None:
 
     R.plan_switch = plan
 
+    from megatron_hetero.bench.soak import probe
+    from megatron_hetero.megatron_lm.session import ScriptSession
+
+    build = ScriptSession.__init__
+
+    def counted(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        p = probe()
+        SESSIONS.append({k: p[k] for k in ("process_groups", "threads", "open_fds")})
+
+    ScriptSession.__init__ = counted
+
 
 def report() -> str:
-    return f"autotune probe rank {os.environ.get('RANK')}: {json.dumps({'rounds': ROUNDS['n']})}"
+    doc = {"rounds": ROUNDS["n"], "sessions": SESSIONS}
+    return f"autotune probe rank {os.environ.get('RANK')}: {json.dumps(doc)}"

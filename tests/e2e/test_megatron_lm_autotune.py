@@ -1,7 +1,8 @@
 """`pretrain_vlm.py --hetero-* --hetero-autotune` (docs/autotune.md, "Megatron-LM's scripts"): the patched
 script moves colocated -> disjoint and back in the same processes through Megatron's own checkpoints,
 and each move changes speed, not training: the losses after it equal those of a run of the patched
-script that loads that checkpoint (Megatron's `--load`) under the layout moved to.
+script that loads that checkpoint (Megatron's `--load`) under the layout moved to; back on the first
+layout, every rank has the process groups, threads and file descriptors it had there before.
 
 Needs a Megatron-LM tree (`MEGATRON_LM`, as `test_megatron_lm.py`, whose helpers and tree fixture this
 file reuses); CPU/gloo, 2 forked ranks, the tiny LLaVA of `test_megatron_lm.py`, fp32. The decision is
@@ -34,6 +35,7 @@ DISJOINT = [
 TARGET = {"placement": "disjoint", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
 #: evaluation after training only (Megatron's --eval-interval past the run)
 BASE = _with(VLM, eval_interval="100") + ["--save-interval", "100"]
+PROBE_LINE = re.compile(r"autotune probe rank (\d+): (\{.*\})")
 LOSS_TEXT = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.Ee+-]+) \|")
 
 
@@ -68,7 +70,11 @@ def test_script_switch_and_back_equal_resuming_megatron_checkpoints(trees, tmp_p
         extra_env=force,
     )
     assert tuned.rc == 0, tuned.tail()
-    assert 'autotune probe rank 0: {"rounds": 1}' in tuned.out, tuned.tail()
+    probes = {int(m.group(1)): json.loads(m.group(2)) for m in PROBE_LINE.finditer(tuned.out)}
+    assert sorted(probes) == [0, 1] and probes[0]["rounds"] == 1, tuned.tail()
+    for rank, p in probes.items():  # back on the first layout: no process group, thread or descriptor left over
+        first, _, back = p["sessions"]
+        assert back == first, (rank, p["sessions"])
     for text in (
         "training with colocated layout vision tp1·pp1·dp2@0-1, language tp1·pp1·dp2@0-1, from iteration 0",
         "training with disjoint layout vision tp1·pp1·dp1@0-0, language tp1·pp1·dp1@1-1, from iteration 3",
@@ -102,6 +108,7 @@ def test_script_switch_and_back_equal_resuming_megatron_checkpoints(trees, tmp_p
         assert_resumed_like(got, resumed_back, [2 * K + 1, 2 * K + 2, ITERS]),  # back on colocated
     )
     print(f"autotuned {got}; resumed on disjoint {resumed_there}; on colocated {resumed_back}; {worst:.1e} off")
+    print(f"after each session was built: {probes}")
 
 
 def test_script_autotune_stays_and_says_why(trees, tmp_path):  # noqa: F811
