@@ -14,6 +14,7 @@ from megatron_hetero.megatron_lm import autotune as MA
 from megatron_hetero.megatron_lm.vlm import VLM
 from megatron_hetero.planner import autotune as A
 from megatron_hetero.training.autotune_config import AutotuneConfig
+from test_megatron_lm_checks import _args as megatron_args
 
 COLOC = {
     "placement": "colocated",
@@ -26,13 +27,13 @@ def _args(**kw) -> argparse.Namespace:
     """What Megatron's parser gives the tiny LLaVA of tests/e2e/test_megatron_lm.py, with the flags."""
     parser = MA.add_autotune_args(argparse.ArgumentParser())
     ns = parser.parse_args(kw.pop("argv", ["--hetero-autotune"]))
-    base = dict(
+    base = vars(megatron_args())  # what driver.check_common and vlm.check_vlm read
+    base.update(
         num_layers=None,
         decoder_num_layers=2,
         encoder_num_layers=1,
         hidden_size=64,
         ffn_hidden_size=256,
-        num_attention_heads=4,
         seq_length=32,
         dataloader_seq_length=None,
         img_h=32,
@@ -53,18 +54,7 @@ def _args(**kw) -> argparse.Namespace:
         save_interval=100,
         hetero_offload_encoder=False,
         hetero_comm_timeout=60.0,
-        # what driver.check_common and vlm.check_vlm read
-        load=None,
         clip_grad=1.0,
-        context_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        optimizer="adam",
-        ckpt_format="torch",
-        hetero_init="reference",
-        eval_iters=1,
-        full_validation=False,
-        multiple_validation_sets=False,
-        rampup_batch_size=None,
     )
     base.update(kw)
     for k, v in base.items():
