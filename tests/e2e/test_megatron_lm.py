@@ -6,7 +6,8 @@ otherwise. The tree is copied to a temporary folder and patched there (the patch
 reverse cleanly); every run is on CPU/gloo, 2 ranks (4 where the layout needs them), forked from one
 process by `tests/megatron_fork.py` with torchrun's environment (one test runs torchrun itself), 3
 iterations of a tiny LLaVA or GPT (fp32, no dropout, constant learning rate, --clip-grad 0), each
-script through `python -m megatron_hetero.megatron_lm.run` (the CPU redirections for Megatron-LM).
+script through `python -m megatron_hetero.megatron_lm.run` (the CPU redirections for Megatron-LM),
+with `torch.compile` off (`NO_COMPILE`) in every run.
 
 Compared: the "lm loss" of Megatron's own log lines (6 significant digits; Megatron averages the
 second line over iterations 1-2 because its first line does not reset the accumulators, and the
@@ -92,6 +93,13 @@ GPT_SEGMENTS = [
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.Ee+-]+) \|")
 VALID = re.compile(r"validation loss at (iteration \d+(?: on \w+ set)?) \| lm loss value: ([0-9.Ee+-]+) \|")
 RTOL = 1e-5
+#: every run of the Megatron-LM test files, reference and layout run alike: `torch.compile` off.
+#: `initialize_megatron` warms Megatron's `jit_fuser` (torch.compile) kernels in every rank of every run;
+#: on CPU that is inductor compiling C++ (~18 s of CPU per 2-rank run with a warm inductor cache, minutes
+#: per new dtype on a fresh machine) for kernels these flags mostly never train with (the fusions are
+#: off; with --swiglu that function trains uncompiled). The compiled warm-up also draws from the RNG differently, so a run with and one
+#: without the compiler start from other weights: never mix them in a comparison.
+NO_COMPILE = {"TORCH_COMPILE_DISABLE": "1"}  # docs/megatron-lm.md#tests
 
 
 def _free_port() -> int:
@@ -188,6 +196,7 @@ def torchrun(
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asserts it with TP > 1 (its examples set it)
+    env.update(NO_COMPILE)
     for _ in range(3):  # another process may take the free port before the store binds it: a new port
         if real:
             cmd = [
