@@ -41,9 +41,13 @@ def _locate(path: str, iteration) -> tuple[Path, int | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_hetero.compat.startup import import_megatron_core
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
+    # the checkpoint readers import Megatron-core's dist_checkpointing: without torch's compiler stack,
+    # which its fused kernels' decorations would import (compat.startup)
+    import_megatron_core()
     from megatron_hetero.checkpoint import save_load as ckpt
     from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
     from megatron_hetero.checkpoint.loadable import read_torch_files
