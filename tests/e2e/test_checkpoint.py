@@ -332,7 +332,11 @@ def test_finetune_and_no_load_optim_relax_only_what_they_do_not_load(saved):
 
 
 @pytest.mark.timeout(300)
-def test_cli_save_resume_and_inspect(tmp_path):
+def test_cli_save_resume_and_inspect(tmp_path, capsys):
+    """`train --save` as a user starts it (a subprocess), then the resume and `checkpoint inspect`
+    through the same CLI entry in this process (ranks forked from it; no second start-up)."""
+    from megatron_hetero.cli import main
+
     layout = tmp_path / "l.yaml"
     import yaml
 
@@ -354,41 +358,24 @@ def test_cli_save_resume_and_inspect(tmp_path):
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000004", "latest_checkpointed_iteration.txt"]
     full = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()]
     (ck / "latest_checkpointed_iteration.txt").write_text("2\n")  # resume from iteration 2
-    b = _train_cli(
-        "--hetero-layout",
-        str(layout),
-        "--train-iters",
-        "4",
-        "--load",
-        str(ck),
-        "--log-jsonl",
-        str(tmp_path / "b.jsonl"),
+    capsys.readouterr()
+    rc = main(
+        ["train", "--hetero-layout", str(layout), "--train-iters", "4", "--load", str(ck)]
+        + ["--log-jsonl", str(tmp_path / "b.jsonl")]
     )
-    assert b.returncode == 0, b.stderr[-3000:]
+    out, err = capsys.readouterr()
+    assert rc == 0, err[-3000:]
     resumed = [json.loads(x) for x in (tmp_path / "b.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
-    assert "iteration    3/4 | lm loss" in b.stdout and "iteration    1/4" not in b.stdout
-    ins = subprocess.run(
-        [sys.executable, "-m", "megatron_hetero.cli", "checkpoint", "inspect", str(ck)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert ins.returncode == 0, ins.stderr[-2000:]
-    assert "iteration 2, consumed samples 16" in ins.stdout
-    assert "placement: colocated" in ins.stdout
-    assert re.search(r"\n  language\.gpt\.decoder\.layers\.1\.mlp\.linear_fc1\.weight +256x64  float32\n", ins.stdout)
-    print(b.stdout)
-    js = subprocess.run(
-        [sys.executable, "-m", "megatron_hetero.cli", "checkpoint", "inspect", str(ck / "iter_0000004"), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    doc = json.loads(js.stdout)
+    assert "iteration    3/4 | lm loss" in out and "iteration    1/4" not in out
+    assert main(["checkpoint", "inspect", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 2, consumed samples 16" in out
+    assert "placement: colocated" in out
+    assert re.search(r"\n  language\.gpt\.decoder\.layers\.1\.mlp\.linear_fc1\.weight +256x64  float32\n", out)
+    assert main(["checkpoint", "inspect", str(ck / "iter_0000004"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
     assert doc["iteration"] == 4 and doc["modules"]["vision"]["tensors"]["vision.position"]["shape"] == [8, 32]
 
 

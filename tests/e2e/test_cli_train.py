@@ -1,4 +1,6 @@
-"""End-to-end `megatron-hetero train` runs as a user starts them (real subprocesses)."""
+"""End-to-end `megatron-hetero train` runs as a user starts them: real subprocesses (`python -m
+megatron_hetero.cli` and `python -m megatron_hetero`), and the same CLI entry called in this process
+where a test runs several jobs (the ranks are forked from it either way)."""
 
 from __future__ import annotations
 
@@ -199,10 +201,12 @@ def test_train_cli_eval_on_digits(tmp_path, capsys):
     assert rc == 2 and "--eval-iters 2 needs --eval-interval" in capsys.readouterr().err
 
 
-def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path):
+def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path, capsys):
     """--bf16: bf16 parameters and compute, fp32 main weights (Megatron's mixed-precision optimizer).
     The loss falls and stays within 1% of the fp32 run, colocated and disjoint (bf16 has 8 bits of
-    mantissa: parity is to that precision, not to 1e-5)."""
+    mantissa: parity is to that precision, not to 1e-5). In-process (the CLI entry, ranks forked)."""
+    from megatron_hetero.cli import main
+
     runs = {}
     for name, layout, extra in (
         ("fp32", "colocated_fan_out.yaml", ()),
@@ -210,27 +214,9 @@ def test_bf16_trains_close_to_fp32_in_two_layouts(tmp_path):
         ("bf16-disjoint", "disjoint_fan_in.yaml", ("--bf16",)),
     ):
         log = tmp_path / f"{name}.jsonl"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "megatron_hetero",
-                "train",
-                "--hetero-layout",
-                str(LAYOUTS / layout),
-                "--train-iters",
-                "4",
-                "--lr",
-                "1e-2",
-                "--log-jsonl",
-                str(log),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        argv = ["train", "--hetero-layout", str(LAYOUTS / layout), "--train-iters", "4", "--lr", "1e-2"]
+        rc = main([*argv, "--log-jsonl", str(log), *extra])
+        assert rc == 0, capsys.readouterr().err[-3000:]
         runs[name] = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
         assert len(runs[name]) == 4
     for name in ("bf16", "bf16-disjoint"):
