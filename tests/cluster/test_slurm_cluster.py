@@ -341,34 +341,22 @@ def _cpu_job(cluster: Cluster, name: str, layout_text: str, *train_args: str) ->
     return cluster.wait(job, 300), cluster.output(name)
 
 
+def _forked_train(layout: Path, *argv: str) -> int:
+    """The same layout on 4 ranks forked from this process (`megatron-hetero train`'s own launcher,
+    through the CLI entry: no second interpreter start-up): the reference the cluster runs match."""
+    from megatron_hetero.cli import main
+
+    return main(["train", "--hetero-layout", str(layout), "--nproc-per-node", "4", *argv])
+
+
 @pytest.mark.timeout(900)
 def test_b_two_node_cpu_run_matches_forked_run(cluster):
     log_slurm = cluster.work / "b_slurm.jsonl"
     fields, log = _cpu_job(cluster, "b_train", LAYOUT_4, "--train-iters", "3", "--log-jsonl", str(log_slurm))
     assert fields["JobState"] == "COMPLETED", (fields, log[-4000:])
     log_fork = cluster.work / "b_fork.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_hetero.cli",
-            "train",
-            "--hetero-layout",
-            str(cluster.work / "b_train.yaml"),
-            "--nproc-per-node",
-            "4",
-            "--train-iters",
-            "3",
-            "--log-jsonl",
-            str(log_fork),
-        ],
-        cwd=ROOT,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    rc = _forked_train(cluster.work / "b_train.yaml", "--train-iters", "3", "--log-jsonl", str(log_fork))
+    assert rc == 0, "the forked run failed (its output is above)"
     slurm, fork = _records(log_slurm), _records(log_fork)
     assert [r["iteration"] for r in slurm] == [r["iteration"] for r in fork] == [1, 2, 3], (slurm, fork)
     for a, b in zip(slurm, fork):
@@ -433,28 +421,8 @@ def test_d_sigterm_saves_requeues_and_resumes(cluster):
     assert [r["iteration"] for r in resumed] == list(range(stopped + 1, 31))
     # the uninterrupted run to the first resumed step, forked here
     fork = cluster.work / "d_fork.jsonl"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_hetero.cli",
-            "train",
-            "--hetero-layout",
-            str(layout),
-            "--nproc-per-node",
-            "4",
-            "--train-iters",
-            str(stopped + 1),
-            "--log-jsonl",
-            str(fork),
-        ],
-        cwd=ROOT,
-        env=cluster.env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    rc = _forked_train(layout, "--train-iters", str(stopped + 1), "--log-jsonl", str(fork))
+    assert rc == 0, "the forked run failed (its output is above)"
     want = _records(fork)[-1]
     assert want["iteration"] == stopped + 1
     assert abs(resumed[0]["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (resumed[0]["loss"], want["loss"])
