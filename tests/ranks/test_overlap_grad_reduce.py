@@ -51,6 +51,12 @@ DISJOINT = {
 CASES = {"colocated": (COLOC, 2, 2), "disjoint": (DISJOINT, 3, 0)}
 BASE = OptimConfig(adam_eps=1e-5, clip_grad=1.0)  # eps: see test_distributed_optimizer.py
 ITERS, BUCKET, TOL = 3, 20_000, 1e-6
+#: parameters with the distributed optimizer: its global gradient norm adds the squares of its shards in
+#: another order when buckets split the shards differently (grad norms up to 7e-8 apart); through the
+#: clipping and Adam that reaches the zero-initialised biases, whose whole scale is their three updates
+#: (|p| about 3 * lr): 1.8e-6 of max|p| measured on the disjoint case on one Xeon host, under 1e-6 on
+#: another; 2.9e-7 colocated; 0 without the distributed optimizer (there the test keeps TOL)
+DIST_PARAM_TOL = 5e-6
 MICRO_BATCHES = 4  # of the language model's DP ranks (and of the disjoint vision rank) per step
 
 _RUNS: dict = {}
@@ -199,7 +205,7 @@ def test_overlap_gives_the_losses_norms_and_parameters_of_the_run_without_it(cas
     assert len(losses(on)) == ITERS and dl <= TOL, (losses(on), losses(off))
     assert dn <= TOL, (_records(on, "grad_norm"), _records(off, "grad_norm"))
     assert min(_records(off, "grad_norm")) > BASE.clip_grad  # clipping by the global norm engaged
-    assert dp <= TOL
+    assert dp <= (DIST_PARAM_TOL if distributed else TOL), dp
     if CASES[case][2]:
         ev_on, ev_off = _records(on, "eval_loss"), _records(off, "eval_loss")
         assert len(ev_on) == 2 and max_loss_rel_diff(ev_on, ev_off) <= TOL, (ev_on, ev_off)
