@@ -6,7 +6,7 @@ here and never calls ``torch.cuda.*`` itself (``is_available``/``device_count`` 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -15,6 +15,7 @@ __all__ = [
     "default_backend",
     "set_local_device",
     "synchronize",
+    "device_sync",
     "transformer_engine_unavailable",
     "memory_allocated",
 ]
@@ -47,6 +48,16 @@ def synchronize(device: Optional[torch.device] = None) -> None:
     device = get_device() if device is None else torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_sync() -> Optional[Callable[[], None]]:
+    """What a timer calls before it reads the host clock, so that a span ends when the device's work
+    ends and not when its kernels were queued: ``torch.cuda.synchronize`` of this process's current
+    CUDA device (Megatron's own timers do the same); None on CPU, where nothing is queued."""
+    device = get_device()
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(device)
 
 
 def memory_allocated(device: Optional[torch.device] = None) -> int:

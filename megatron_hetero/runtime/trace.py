@@ -16,7 +16,11 @@ finalise gradients). This measures exactly the autograd pass of that output, wha
 function drives it, with no patching of Megatron's internals.
 
 Clock: `time.time_ns()`, the wall clock every process of one host shares, so spans of ranks on one
-machine line up without correction. Ranks on several hosts are aligned when the trace is gathered
+machine line up without correction. On a GPU the host only queues kernels, so a recording tracer
+made by `recording_tracer` waits for the device (`compat.device.device_sync`, a device synchronize
+as Megatron's timers do) before it reads the clock at each span's start and end: a span measures the
+device's work, not the launches. That costs the overlap of launches with compute while tracing; on
+CPU nothing is queued and nothing waits. Ranks on several hosts are aligned when the trace is gathered
 (`gather_trace`): after a barrier every rank reads its clock once; each host's events are shifted by
 (rank 0's reading - the reading of that host's first rank). The shifts are written into the file.
 
@@ -102,22 +106,29 @@ class _Span:
         self.tracer, self.kind, self.name, self.args = tracer, kind, name, args
 
     def __enter__(self) -> "_Span":
-        self.t0 = time.time_ns()
+        self.t0 = self.tracer.now()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.tracer.record(self.kind, self.name, self.t0, time.time_ns(), self.args)
+        self.tracer.record(self.kind, self.name, self.t0, self.tracer.now(), self.args)
 
 
 class Tracer:
-    """Tracing on: spans of this rank, as (kind, name, start ns, end ns, args) tuples."""
+    """Tracing on: spans of this rank, as (kind, name, start ns, end ns, args) tuples. `sync`: called
+    before every clock reading (the device's wait: `recording_tracer`); None reads the clock alone."""
 
     enabled = True
 
-    def __init__(self, rank: int, path: Optional[str] = None) -> None:
-        self.rank, self.path = rank, path
+    def __init__(self, rank: int, path: Optional[str] = None, sync: Optional[Callable[[], None]] = None) -> None:
+        self.rank, self.path, self.sync = rank, path, sync
         self.spans: list[tuple] = []
         self.recording = True
+
+    def now(self) -> int:
+        """The clock (ns) once the device's queued work is done (`sync`)."""
+        if self.sync is not None:
+            self.sync()
+        return time.time_ns()
 
     def stop(self) -> None:
         """Stop recording and drop the spans (a measuring window is over: `train --hetero-autotune`);
@@ -145,8 +156,8 @@ class Tracer:
         from torch.autograd import Variable
 
         def hook(grad):
-            t0 = time.time_ns()
-            Variable._execution_engine.queue_callback(lambda: self.record(kind, name, t0, time.time_ns(), args))
+            t0 = self.now()
+            Variable._execution_engine.queue_callback(lambda: self.record(kind, name, t0, self.now(), args))
 
         tensor.register_hook(hook)
 
@@ -188,6 +199,14 @@ class Tracer:
 
 
 AnyTracer = Union[Tracer, NullTracer]
+
+
+def recording_tracer(rank: int, path: Optional[str] = None) -> Tracer:
+    """The recording tracer of a training rank: on a GPU it waits for the device before each clock
+    reading (`compat.device.device_sync`), on CPU it reads the clock alone."""
+    from megatron_hetero.compat.device import device_sync
+
+    return Tracer(rank, path, sync=device_sync())
 
 
 def kind_of(is_encoder: bool, direction: str) -> str:

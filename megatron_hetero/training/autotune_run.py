@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import autotune as A
 from megatron_hetero.runtime.step import run_collective
-from megatron_hetero.runtime.trace import Tracer, gather_trace
+from megatron_hetero.runtime.trace import Tracer, gather_trace, recording_tracer
 from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end, stay_because
 from megatron_hetero.training.config import JobConfig
@@ -126,7 +126,7 @@ def train_autotuned(
 
     tune, rank, world = job.autotune, dist.get_rank(), dist.get_world_size()
     say = (lambda text: log.write(text + "\n")) if (log.write is not None) else (lambda text: None)
-    tracer = Tracer(rank)
+    tracer = recording_tracer(rank)
     session = make_session(layout, job, log, step_hook, tracer=tracer)
     records: list[dict[str, Any]] = []
     decisions: list[A.AutotuneRecord] = []
@@ -173,7 +173,7 @@ def train_autotuned(
             if not (plan.decision.switch and plan.layout is not None):
                 decisions.append(rec)
                 break
-            tracer = Tracer(rank)
+            tracer = recording_tracer(rank)
             holder, session = [session], None
             session = _move(
                 holder,

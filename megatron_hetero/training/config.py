@@ -201,10 +201,11 @@ class JobConfig:
 
     def runtime_config(self, rank: int = 0) -> RuntimeConfig:
         """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
-        from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
+        from megatron_hetero.runtime.trace import NULL_TRACER, recording_tracer
 
         return RuntimeConfig(
-            comm_timeout_s=self.comm_timeout_s, tracer=Tracer(rank, self.trace) if self.trace else NULL_TRACER
+            comm_timeout_s=self.comm_timeout_s,
+            tracer=recording_tracer(rank, self.trace) if self.trace else NULL_TRACER,
         )
 
 

@@ -181,6 +181,37 @@ def test_null_tracer_is_free_and_shared():
     assert isinstance(traced, Tracer) and traced.path == "t.json" and traced.rank == 3
 
 
+def test_tracer_waits_for_the_device_before_every_clock_reading(monkeypatch):
+    """On a GPU a span must end when the device's work ends: the recording tracer calls its `sync`
+    before each clock reading, in spans and in the backward hooks alike; on CPU it has none."""
+    import time
+
+    import torch
+
+    from megatron_hetero.compat import device as dev
+    from megatron_hetero.runtime.trace import Tracer, recording_tracer
+
+    readings: list[str] = []
+    clock = iter(range(10**9, 2 * 10**9, 1000))
+    monkeypatch.setattr(time, "time_ns", lambda: (readings.append("clock"), next(clock))[1])
+    t = Tracer(0, sync=lambda: readings.append("sync"))
+    with t.span("llm-forward", "F0"):
+        x = torch.ones(3, requires_grad=True)
+        y = (x * 2).sum()
+    t.mark_backward(y, "llm-backward", "B0")
+    y.backward()
+    assert [s[0] for s in t.spans] == ["llm-forward", "llm-backward"]
+    assert readings == ["sync", "clock"] * 4  # every clock reading waits first: two spans, two ends each
+    assert recording_tracer(0).sync is None  # CPU: nothing is queued, nothing waits
+
+    synced = []
+    monkeypatch.setattr(dev, "get_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
+    tracer = recording_tracer(2, "t.json")
+    tracer.now()
+    assert tracer.sync is not None and synced == [torch.device("cuda", 1)]
+
+
 def test_tracer_records_spans_hooks_and_merges_ranks():
     import torch
 
