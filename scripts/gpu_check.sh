@@ -2,7 +2,7 @@
 # The GPU checks of megatron-hetero, one script for a machine with (at least) one CUDA GPU.
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--no-install] [CHECK ...]
-#   CHECK: te_train offload tflops preset   (default: all four, in that order)
+#   CHECK: te_train offload tflops preset calibrate   (default: all five, in that order)
 #
 # te_train  `train` (LLaVA-style, colocated, world 1 NCCL, --bf16, 3 iterations) with
 #           --transformer-impl transformer_engine: losses finite, iteration 1 within 2% of the
@@ -12,22 +12,28 @@
 # tflops    the te_train run's --log-throughput: tflops_per_rank of its last iteration (> 0)
 # preset    python -m megatron_hetero.profiling.gpu_preset: CLIP-L/14 and 7B-class decoder layers in
 #           bf16 timed on this GPU, written as $OUT/h200_measured.json (a planner hardware preset)
+# calibrate python -m megatron_hetero.bench.gpu_calibrate: the cost model calibrated from a traced
+#           world-1 bf16 train run (the preset's measured h200_measured.json, else the published
+#           h200_141gb), its per-layer and step predictions against a second run of other shapes
+#           measured: $OUT/calibration.json
 #
 # Prints one line per check, `gpu_check: NAME: ok|FAIL|skipped: detail`, writes the summary to
 # ${OUT:-.}/gpu_check.json and exits 1 if any check FAILed (0 otherwise; 2 for bad arguments).
 # Without a CUDA GPU every check is `skipped: no CUDA`. --dry-run installs and runs nothing (on a GPU
 # machine each line says what would run). Set-up: the Python is $GPU_CHECK_PYTHON, else
-# .venv/bin/python, else python3, the first that imports torch and megatron.core; else
-# `scripts/install.sh test` makes .venv (a GPU with no usable Python after that FAILs every check).
+# .venv/bin/python, else python3, the first that imports torch and megatron.core; else python3 with
+# the wheels of .whl/ installed offline (`scripts/gpu_wheels.sh fetch` fills it where a registry is in
+# reach: megatron-core for a PyTorch image that reaches none); else `scripts/install.sh test` makes
+# .venv (a GPU with no usable Python after that FAILs every check).
 # Then the gpu extra's transformer-engine is tried (unless --no-install); where it cannot be
 # installed the TE parts say skipped with the reason and the rest still run. The checks take about
-# 3 minutes on one H200 once installed (each step has its own timeout; at most about 8 minutes);
+# 4 minutes on one H200 once installed (each step has its own timeout; at most about 15 minutes);
 # installing torch and transformer-engine on a fresh machine comes on top.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT_DIR="${OUT:-.}"
-ALL=(te_train offload tflops preset)
+ALL=(te_train offload tflops preset calibrate)
 DRY=0
 INSTALL=1
 WANT=()
@@ -35,8 +41,8 @@ for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     --no-install) INSTALL=0 ;;
-    -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
-    te_train | offload | tflops | preset) WANT+=("$a") ;;
+    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+    te_train | offload | tflops | preset | calibrate) WANT+=("$a") ;;
     *) echo "gpu_check: unknown argument '$a' (checks: ${ALL[*]}; flags: --dry-run --no-install)" >&2; exit 2 ;;
   esac
 done
@@ -84,6 +90,13 @@ usable() { [ -n "$1" ] && "$1" -c 'import torch, megatron.core' >/dev/null 2>&1;
 PY="${GPU_CHECK_PYTHON:-}"
 if [ -z "$PY" ] && usable "$REPO/.venv/bin/python"; then PY="$REPO/.venv/bin/python"; fi
 if [ -z "$PY" ] && usable "$(command -v python3 || true)"; then PY="$(command -v python3)"; fi
+# a machine that reaches no registry: the wheels carried in .whl/, installed offline beside python3's own
+if [ -z "$PY" ] && [ "$DRY" = 0 ] && command -v python3 >/dev/null 2>&1 && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
+  if SITE="$(PYTHON=python3 bash scripts/gpu_wheels.sh install "$WORK/site" "$REPO/.whl" 2>"$WORK/wheels.log")"; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    usable "$(command -v python3)" && PY="$(command -v python3)"
+  fi
+fi
 cuda_of() { "$1" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0; }
 if [ -n "$PY" ]; then
   GPUS="$(cuda_of "$PY")"
@@ -198,6 +211,16 @@ if wants preset; then
     report preset ok "$OUT_DIR/h200_measured.json ($IMPL): $(tail -n 1 "$WORK/preset.log" | cut -c1-400)"
   else
     report preset FAIL "$(tail -n 3 "$WORK/preset.log" | tr '\n' ' ' | cut -c1-400)"
+  fi
+fi
+if wants calibrate; then
+  HW=h200_141gb
+  [ -s "$OUT_DIR/h200_measured.json" ] && HW="$OUT_DIR/h200_measured.json"
+  if timeout 480 "$PY" -m megatron_hetero.bench.gpu_calibrate --out "$OUT_DIR/calibration.json" --hardware "$HW" \
+    --bf16 --work "$WORK/calibrate" >"$WORK/calibrate.log" 2>&1; then
+    report calibrate ok "$OUT_DIR/calibration.json ($HW): $(grep '^held-out' "$WORK/calibrate.log" | tr '\n' ' ' | cut -c1-600)"
+  else
+    report calibrate FAIL "$(tail -n 3 "$WORK/calibrate.log" | tr '\n' ' ' | cut -c1-400)"
   fi
 fi
 finish

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-CHECKS = ["te_train", "offload", "tflops", "preset"]
+CHECKS = ["te_train", "offload", "tflops", "preset", "calibrate"]
 
 
 def _no_cuda() -> bool:

@@ -800,6 +800,7 @@ def test_apply_compat_is_called_at_the_entry_points_only():
     )
     assert [c.split(":")[0] for c in calls] == [
         "megatron_hetero/bench/cost_check.py",
+        "megatron_hetero/bench/gpu_calibrate.py",
         "megatron_hetero/bench/trace_overhead.py",
         "megatron_hetero/cli/__init__.py",
         "megatron_hetero/megatron_lm/run.py",
