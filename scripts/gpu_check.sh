@@ -23,12 +23,14 @@
 # machine each line says what would run). Set-up: the Python is $GPU_CHECK_PYTHON, else
 # .venv/bin/python, else python3, the first that imports torch and megatron.core; else python3 with
 # the wheels of .whl/ installed offline (`scripts/gpu_wheels.sh fetch` fills it where a registry is in
-# reach: megatron-core for a PyTorch image that reaches none); else `scripts/install.sh test` makes
+# reach: megatron-core for a PyTorch image that reaches none; then nothing is pip-installed from a
+# registry, as with --no-install); else `scripts/install.sh test` makes
 # .venv (a GPU with no usable Python after that FAILs every check).
 # Then the gpu extra's transformer-engine is tried (unless --no-install); where it cannot be
-# installed the TE parts say skipped with the reason and the rest still run. The checks take about
-# 4 minutes on one H200 once installed (each step has its own timeout; at most about 15 minutes);
-# installing torch and transformer-engine on a fresh machine comes on top.
+# installed the TE parts say skipped with the reason and the rest still run. The checks are estimated
+# at about 4 minutes on one H200 once installed (not yet run on a GPU; each step has its own timeout,
+# together at most about 25 minutes); installing torch and transformer-engine on a fresh machine
+# comes on top.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
@@ -36,12 +38,13 @@ OUT_DIR="${OUT:-.}"
 ALL=(te_train offload tflops preset calibrate)
 DRY=0
 INSTALL=1
+NO_INSTALL_WHY="--no-install"
 WANT=()
 for a in "$@"; do
   case "$a" in
     --dry-run) DRY=1 ;;
     --no-install) INSTALL=0 ;;
-    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,33p' "$0"; exit 0 ;;
     te_train | offload | tflops | preset | calibrate) WANT+=("$a") ;;
     *) echo "gpu_check: unknown argument '$a' (checks: ${ALL[*]}; flags: --dry-run --no-install)" >&2; exit 2 ;;
   esac
@@ -94,7 +97,8 @@ if [ -z "$PY" ] && usable "$(command -v python3 || true)"; then PY="$(command -v
 if [ -z "$PY" ] && [ "$DRY" = 0 ] && command -v python3 >/dev/null 2>&1 && ls "$REPO"/.whl/*.whl >/dev/null 2>&1; then
   if SITE="$(PYTHON=python3 bash scripts/gpu_wheels.sh install "$WORK/site" "$REPO/.whl" 2>"$WORK/wheels.log")"; then
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    usable "$(command -v python3)" && PY="$(command -v python3)"
+    # carried wheels mean no registry in reach: no pip install from one (it would wait out its timeout)
+    usable "$(command -v python3)" && PY="$(command -v python3)" && INSTALL=0 && NO_INSTALL_WHY="offline: the wheels of .whl/"
   fi
 fi
 cuda_of() { "$1" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0; }
@@ -127,7 +131,7 @@ if ! has_te; then
   if [ "$INSTALL" = 1 ]; then
     timeout 420 "$PY" -m pip install -q "transformer-engine[pytorch]" >"$WORK/te.log" 2>&1 || true
   fi
-  has_te || TE_WHY="transformer-engine not installed ($([ "$INSTALL" = 1 ] && echo "pip install transformer-engine[pytorch]: $(tail -n 1 "$WORK/te.log" | cut -c1-200)" || echo "--no-install"))"
+  has_te || TE_WHY="transformer-engine not installed ($([ "$INSTALL" = 1 ] && echo "pip install transformer-engine[pytorch]: $(tail -n 1 "$WORK/te.log" | cut -c1-200)" || echo "$NO_INSTALL_WHY"))"
 fi
 if [ -z "$TE_WHY" ] && ! "$PY" -c 'import transformer_engine.pytorch' >"$WORK/te_import.log" 2>&1; then
   TE_WHY="import transformer_engine.pytorch fails: $(tail -n 1 "$WORK/te_import.log" | cut -c1-200)"
