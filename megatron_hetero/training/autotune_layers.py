@@ -34,10 +34,12 @@ def _degrees(n: int, world: int) -> list[int]:
 def layer_case_dicts(wl: Workload, world: int, encoder_images: int) -> list[dict[str, Any]]:
     """The cases to time (the kernel's dicts, a `module` key added: 'llm' or 'encoder'): the language
     model's layer on one micro-batch (`wl.micro_batch` samples) and on twice that at TP1 (two sizes
-    split the layer model's fixed part from its per-FLOP part), at every TP degree and, as its
-    sequence is sharded, every CP degree dividing its sequence; the encoder's layer likewise on one
-    micro-batch's `encoder_images` images (and twice that at TP1) at every TP degree (encoders are
-    searched with cp 1)."""
+    split the layer model's fixed part from its per-FLOP part) and at every TP degree (two sizes
+    split the all-reduce's latency from its cost per byte: one size keeps the base profile's shape,
+    a GPU's, which priced the colocated encoder pass of 4-8 times a micro-batch's images far below
+    what these CPU ranks took), and on one micro-batch at every CP degree dividing its sharded
+    sequence; the encoder's layer likewise on one micro-batch's `encoder_images` images and twice
+    that, at every TP degree (encoders are searched with cp 1)."""
 
     def case(module: str, spec: ModelSpec, tp: int, cp: int, batch: int) -> dict[str, Any]:
         return {
@@ -55,11 +57,13 @@ def layer_case_dicts(wl: Workload, world: int, encoder_images: int) -> list[dict
 
     b = max(1, int(wl.micro_batch))
     out = [case("llm", wl.llm, 1, 1, b), case("llm", wl.llm, 1, 1, 2 * b)]
-    out += [case("llm", wl.llm, t, 1, b) for t in _degrees(wl.llm.heads, world) if t > 1]
+    out += [case("llm", wl.llm, t, 1, n) for t in _degrees(wl.llm.heads, world) if t > 1 for n in (b, 2 * b)]
     out += [case("llm", wl.llm, 1, c, b) for c in _degrees(wl.llm.seq, world) if c > 1 and wl.llm.seq % (2 * c) == 0]
     e = max(1, int(encoder_images))
     out += [case("encoder", wl.encoder, 1, 1, e), case("encoder", wl.encoder, 1, 1, 2 * e)]
-    out += [case("encoder", wl.encoder, t, 1, e) for t in _degrees(wl.encoder.heads, world) if t > 1]
+    out += [
+        case("encoder", wl.encoder, t, 1, n) for t in _degrees(wl.encoder.heads, world) if t > 1 for n in (e, 2 * e)
+    ]
     return out
 
 

@@ -150,6 +150,8 @@ def test_layer_cases_cover_the_degrees_the_search_may_choose():
     enc = [(c["tp"], c["cp"], c["batch"]) for c in cases if c["module"] == "encoder"]
     assert cases[0]["module"] == "llm" and (cases[0]["tp"], cases[0]["cp"]) == (1, 1)  # the kernel's solo case
     assert llm[:2] == [(1, 1, 2), (1, 1, 4)] and {(2, 1, 2), (4, 1, 2)} <= set(llm)
+    # every TP degree at two sizes: its all-reduce's latency and its cost per byte, not one point
+    assert {(2, 1, 4), (4, 1, 4)} <= set(llm) and {(2, 1, 2), (2, 1, 4), (4, 1, 2), (4, 1, 4)} <= set(enc)
     assert all(cp == 1 or wl.llm.seq % (2 * cp) == 0 for _, cp, _ in llm)
     assert enc[:2] == [(1, 1, 2), (1, 1, 4)] and all(cp == 1 for _, cp, _ in enc)
     assert all(c["hidden"] == (wl.llm.hidden if c["module"] == "llm" else wl.encoder.hidden) for c in cases)
