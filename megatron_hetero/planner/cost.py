@@ -88,7 +88,9 @@ were measured with `Profile.concurrency` = W ranks busy at once, the units then 
   on average k = min(W, D / P) ranks are runnable and the units deliver `Profile.cores_at(k)`
   (k up to the machine's `cpu_cores`, less per rank beyond: oversubscription costs switching):
     step = max(D / cores_at(k), P)                         (`shared_step`)
-  With every rank always runnable (k = W) this is max(work, P).
+  With every rank always runnable (k = W) this is max(work, P). A colocated layout's encoder passes run
+  alone (every rank waits at the boundary; a pipelined encoder works one stage at a time): they are
+  priced as their own phase with this formula, and the rest of the step after them (`step.finish`).
   The breakdown then gives the mean rank's busy time per part and the rest of the step as bubble.
 Not modelled (deliberately simple): overlap of TP/DP/p2p communication with compute, embedding and
 output-layer FLOPs in simulated profiles (their parameters count for memory), grouped-query

@@ -131,7 +131,11 @@ def colocated(prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, o
     )
     bnd = colocated_boundary(prof, wl, etp, ecp, epp, edp, tp, cp, pp, dp)
     off = np.where(offload, 2.0 * enc_state / prof.host_bandwidth, 0.0)
-    return finish(prof, world, b, pipe, parts, ls.tail_dp + es.tail_dp, ls.tail_opt + es.tail_opt, busy, bnd, off, mem)
+    # the encoder passes run alone (every rank waits at the boundary): on shared units their own phase
+    enc_phase = (es.sum, es.busy)
+    return finish(
+        prof, world, b, pipe, parts, ls.tail_dp + es.tail_dp, ls.tail_opt + es.tail_opt, busy, bnd, off, mem, enc_phase
+    )
 
 
 # --- disjoint: an encoder island and an LLM chain, one 1F1B pipeline ---------------------------

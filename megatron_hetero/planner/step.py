@@ -6,6 +6,7 @@ breakdown arrays of a step's critical path. Pure (numpy only); formulas in `plan
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -80,13 +81,31 @@ def _valid_max(st: Stages, x) -> np.ndarray:
 
 
 def finish(
-    prof: Profile, world, b, pipe, parts: dict, tail_dp, tail_opt, busy: dict, step_boundary, offload, memory
+    prof: Profile,
+    world,
+    b,
+    pipe,
+    parts: dict,
+    tail_dp,
+    tail_opt,
+    busy: dict,
+    step_boundary,
+    offload,
+    memory,
+    phase: Optional[tuple] = None,
 ) -> dict:
     """The breakdown arrays (`CostBreakdown` fields) of a critical path: the pipeline time `pipe`
     (bottleneck components `parts`, the rest is bubble), the slowest once-per-step tail, the loss
     all-reduce and the whole-step terms; on a profile whose ranks share execution units, the step
     is `shared_step` of it and the parts are the mean rank's busy time (`busy` / world) at the
-    step's sharing (`sharing_scale`)."""
+    step's sharing (`sharing_scale`).
+
+    `phase` = (critical, busy): a part of `pipe` that runs alone, with no other work of the step
+    beside it (the colocated encoder passes: every rank waits at the boundary for them), and the
+    ranks' busy time in it (the `_PARTS` of `busy` it holds). On shared units it is priced as its
+    own step, at the number of ranks it keeps runnable, and the rest of the step after it: a
+    pipelined encoder's stages, one rank at a time, cannot use the units the language model's
+    phase would fill."""
     loss = loss_reduce(prof, world)
     dp = tail_dp + loss
     crit = pipe + dp + tail_opt + step_boundary + offload
@@ -104,23 +123,33 @@ def finish(
             total=crit,
         )
         return out
-    mean = {k: busy[k] / world for k in busy}
-    work = sum(mean[k] for k in _PARTS) + mean["dp"] + loss + mean["opt"] + step_boundary + offload
-    scale = sharing_scale(prof, work, crit)  # busy times at the step's sharing (fewer ranks runnable: less)
-    mean = {k: v * scale for k, v in mean.items()}
-    loss, step_boundary, offload = loss * scale, step_boundary * scale, offload * scale
-    work = work * scale
-    total = np.maximum(work, crit * prof.uncontended)  # = shared_step(prof, work before scaling, crit)
-    out["offload"] = np.broadcast_to(offload, np.shape(total))
+    # the mean rank's busy time per part (and the whole-step terms), at the profile's sharing
+    rest = {k: busy[k] / world for k in (*_PARTS, "dp", "opt")}
+    rest.update(loss=loss, step_boundary=step_boundary, offload=offload)
+    phases = []
+    if phase is not None:  # priced alone, then the rest of the step after it
+        crit_p, busy_p = phase
+        own = {k: busy_p[k] / world for k in _PARTS}
+        rest = {k: v - own.get(k, 0.0) for k, v in rest.items()}
+        phases.append((own, crit_p))
+        crit = crit - crit_p
+    phases.append((rest, crit))
+    total, mean = 0.0, {k: 0.0 for k in rest}
+    for part_busy, part_crit in phases:
+        work = sum(part_busy.values())
+        scale = sharing_scale(prof, work, part_crit)  # busy times at the phase's sharing (fewer runnable: less)
+        total = total + np.maximum(work * scale, part_crit * prof.uncontended)  # `shared_step` of the phase
+        mean = {k: v + part_busy.get(k, 0.0) * scale for k, v in mean.items()}
     out.update(
         compute=mean["compute"],
         tp_comm=mean["tp"],
         cp_comm=mean["cp"],
         pp_comm=mean["pp"],
-        dp_comm=mean["dp"] + loss,
-        boundary=mean["boundary"] + step_boundary,
+        dp_comm=mean["dp"] + mean["loss"],
+        boundary=mean["boundary"] + mean["step_boundary"],
         optimizer=mean["opt"],
-        bubble=total - work,
+        offload=np.broadcast_to(mean["offload"], np.shape(total)),
+        bubble=total - sum(mean.values()),
         total=total,
     )
     return out
