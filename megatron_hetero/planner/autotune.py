@@ -18,7 +18,7 @@ The trainer's order (one autotune round; only rank 0 needs to decide, and then t
 6. `d = decide(steps.step_s, steps.noise_s, current, ranked, min_gain)`; log `d.reason`;
    `rec = record_of(iteration, current, d, steps.step_s)`;
 7. on `d.switch`: checkpoint, rebuild under `d.target.to_layout()`, resume, trace K more steps
-   (steps 1-2); `rec = rec.settle(after.step_s, max(steps.noise_s, after.noise_s))`, log
+   (steps 1-2); `rec = rec.settle(after.step_s, hypot(steps.noise_s, after.noise_s))`, log
    `rec.line()`, and revert (rebuild under the old layout from that checkpoint) when not `rec.kept`;
 8. `write_autotune(out_dir, records, chosen_layout)`: `autotune.json` and the chosen layout's YAML.
 
@@ -182,13 +182,18 @@ def decide(
     )
 
 
-def after_switch(measured_before_s: float, measured_after_s: float) -> bool:
+def after_switch(measured_before_s: float, measured_after_s: float, noise_s: float = 0.0) -> bool:
     """Whether to keep a switch: only when the new layout's measured step is faster than the old
-    one's. A layout that measures the same or slower is gone back from: the switch was taken for a
-    gain the model predicted, and a layout the noise cannot tell from the old one has not shown it
-    (the cost model's errors on the 2-core CPU VM were 22-63% on the layouts it ranked first, mostly too fast)."""
+    one's by more than `noise_s` (the noise of the two medians' difference: the root of the sum of
+    their squared noises). A layout that measures the same, within the noise, or slower is gone back
+    from: the switch was taken for a gain the model predicted, and a layout the noise cannot tell
+    from the old one has not shown it; the run then tries the next layout it has rounds for (bench
+    autotune on 2026-12-06 kept encoder TP2·PP2 at 273 ms against 274 ms, noise 6 ms, and never
+    tried PP2·DP2, which e2e measures 1.2x faster)."""
     before, after = _positive("measured_before_s", measured_before_s), _positive("measured_after_s", measured_after_s)
-    return after < before
+    if not (math.isfinite(noise_s) and noise_s >= 0):
+        raise ValueError(f"noise_s must be a finite number >= 0, got {noise_s}")
+    return after < before - noise_s
 
 
 # --- autotune.json ------------------------------------------------------------------------------
@@ -206,10 +211,10 @@ class AutotuneRecord:
     measured_after_s: Optional[float] = None
     kept: bool = True
 
-    def settle(self, measured_after_s: float) -> "AutotuneRecord":
+    def settle(self, measured_after_s: float, noise_s: float = 0.0) -> "AutotuneRecord":
         """This switch once the new layout is measured: `kept` = `after_switch(measured_step_s,
-        measured_after_s)`."""
-        kept = after_switch(self.measured_step_s, measured_after_s)
+        measured_after_s, noise_s)`."""
+        kept = after_switch(self.measured_step_s, measured_after_s, noise_s)
         return dataclasses.replace(self, measured_after_s=float(measured_after_s), kept=kept)
 
     def line(self) -> str:

@@ -32,6 +32,7 @@ when it fails (`runtime.step.run_collective`, the world's --hetero-comm-timeout)
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Optional
 
@@ -200,7 +201,7 @@ def train_autotuned(
                     (steps.drop(1).step_s, steps.drop(1).noise_s) if end - it >= 2 else (steps.step_s, steps.noise_s)
                 )
             after = _broadcast(after, "measurement after the switch")
-            rec = rec.settle(after[0])
+            rec = rec.settle(after[0], math.hypot(plan.noise_s, after[1]))  # the noise of the two medians' difference
             decisions.append(rec)
             calibrations[-1].update(
                 chosen_predicted_s=rec.predicted_step_s,

@@ -436,8 +436,14 @@ def test_after_switch():
     assert not A.after_switch(1.0, 1.0)  # the same: the predicted gain did not show, revert
     assert not A.after_switch(0.714, 0.752)  # bench autotune 2026-12-04, inherited TP: 5% slower, reverted now
     assert A.after_switch(1.0, 0.8)  # faster: keep
+    # faster only within the noise of the two medians: the gain did not show, revert (and try the next)
+    assert not A.after_switch(0.2744, 0.2732, noise_s=0.0066)  # bench autotune 2026-12-06, inherited TP
+    assert A.after_switch(0.2813, 0.2144, noise_s=0.0090)  # the same run, long context: kept
+    assert A.after_switch(1.0, 0.8, noise_s=0.19) and not A.after_switch(1.0, 0.8, noise_s=0.2)
     with pytest.raises(ValueError):
         A.after_switch(1.0, 0.0)
+    with pytest.raises(ValueError, match="noise_s"):
+        A.after_switch(1.0, 0.8, noise_s=-0.1)
 
 
 # --- autotune.json ------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_switch_colocated_to_disjoint_equals_resuming_its_checkpoint(tmp_path, m
 @pytest.mark.timeout(600)
 def test_switch_and_revert_leaves_the_first_layout_as_it_was(tmp_path, monkeypatch, megatron_compat):
     force_switch_to(monkeypatch, DISJOINT)
-    monkeypatch.setattr(A, "after_switch", lambda before, after: False)  # measured slower: go back
+    monkeypatch.setattr(A, "after_switch", lambda before, after, noise_s=0.0: False)  # measured slower: go back
     save, iters = tmp_path / "run", 4 * K  # two rounds (--autotune-rounds 2): switch, back, switch, back
     layout = layout_from_dict(COLOC, world_size=2)
     j = job(save, iters, autotune_rounds=2)
