@@ -204,7 +204,9 @@ def test_workers_give_the_batches_of_no_workers(cfg, tok):
                     assert torch.equal(a[k], b[k])
                 assert torch.equal(a["features"]["vision"], b["features"]["vision"])
             assert plain.loss_tokens(step) == threaded.loss_tokens(step)
-        # the workers decoded ahead: the next step's rows, no sample twice while it is kept
+        # the workers decoded ahead: the next step's rows, no sample twice while it is kept (quiesce lets
+        # the submitted decodes finish: a worker may not have started the last ones yet)
+        threaded.quiesce()
         assert len(threaded.image_reads) > len(plain.image_reads)
         assert set(plain.image_reads) <= set(threaded.image_reads)
         # a fork (the launcher forks ranks) first lets the workers finish and end: the child inherits
