@@ -1,30 +1,8 @@
 """The import graph of megatron_hetero: floors point down, and no file imports itself back.
 
-Floors, top to bottom (docs/architecture.md, "Floors"), each folder naming one job:
-
-    cli          megatron_hetero/cli*.py, cli/, __main__.py: one file per subcommand; may import anything
-    bench        bench/: benchmarks, built on everything below
-    report       report/: pure: the human/JSON plan report and the rank-map, schedule, timeline drawings
-    megatron_lm  megatron_lm/: Megatron-LM's own scripts on our layouts (through patches/)
-    convert      convert/: Hugging Face weights to and from checkpoints (builds modules as training does)
-    training     training/: the training loop and the job (flags, setup, schedule, logging, signals)
-    checkpoint   checkpoint/: save/load under any layout, the file format, the restricted unpickler
-    launch       launch/: the environment a launcher gives a rank, SLURM scripts
-    profiling    profiling/: `megatron-hetero profile`: timing kernels, model-free and the model's own
-    models       models/: Megatron model assembly, data, stage runners
-    runtime      runtime/: process groups, boundaries, schedule interpreters (knows no model)
-    planner      planner/: pure cost model, hardware profiles, profile fit, search
-    plan         plan/: pure per-rank plans: boundary plans, placement, schedule tables
-    layout       layout/: pure declarations, parsing, validation
-
-    compat       compat/ stands beside them: the CPU/gloo layer for Megatron-core; it may import only
-                 plan/ and layout/ (and third-party code); runtime and everything above may import it.
-
-checkpoint, launch and profiling each stand on models (none imports another); training stands on
-checkpoint, launch and profiling (the loop saves and loads, a job runs as the rank its launcher
-describes, --hetero-autotune times layers with the profile's kernel);
-convert stands on training (it builds the modules as training does, and writes a checkpoint);
-megatron_lm stands on all five. A file may import its own floor and the floors it stands on, down
+The floors, each folder naming one job, and what each stands on are the table `FLOORS` below: the
+one floor map of the project (README's list, docs/architecture.md's table and docs/img/floors.png are
+generated from it by scripts/floor_map.py). A file may import its own floor and the floors it stands on, down
 to layout (BELOW, transitively). Why: each floor can be understood, tested
 and reused without the ones above it (a plan for a 1024-rank job is computed and tested on a laptop
 without torch; the runtime executes plans without knowing which model runs; the models are
@@ -55,24 +33,48 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megatron_hetero"
 
-# The floors each floor stands on directly; it may import those, and theirs, down to layout.
-BELOW: dict[str, set[str]] = {
-    "layout": set(),
-    "plan": {"layout"},
-    "planner": {"plan"},
-    "compat": {"plan"},  # beside the floors: runtime and everything above may import it
-    "runtime": {"planner", "compat"},
-    "models": {"runtime"},
-    "checkpoint": {"models"},
-    "launch": {"models"},
-    "profiling": {"models"},
-    "training": {"checkpoint", "launch", "profiling"},
-    "convert": {"training"},
-    "megatron_lm": {"convert", "profiling"},
-    "report": {"megatron_lm"},
-    "bench": {"report"},
-    "cli": {"bench"},
-}
+
+@dataclass(frozen=True)
+class Floor:
+    """One floor of the package: its folder, the floors it stands on directly, whether it is pure (no
+    torch, no megatron), and its job in a line."""
+
+    name: str
+    stands_on: tuple[str, ...]
+    pure: bool
+    job: str
+
+
+# THE floor map, top to bottom. It may import the floors it stands on, and theirs, down to layout.
+# README's package list, docs/architecture.md's floor table and docs/img/floors.png are generated from
+# it (`python scripts/floor_map.py`); test_floor_map_is_generated_from_this_table fails when they drift.
+FLOORS: tuple[Floor, ...] = (
+    Floor("cli", ("bench",), False, "one file per `megatron-hetero` subcommand; `main` and its exit codes"),
+    Floor("bench", ("report",), False, "`megatron-hetero bench`: the benchmarks, built on everything below"),
+    Floor(
+        "report", ("megatron_lm",), True, "the plan report (text, JSON) and the rank-map, schedule, timeline drawings"
+    ),
+    Floor("megatron_lm", ("convert", "profiling"), False, "Megatron-LM's own pretrain scripts on our layouts"),
+    Floor("convert", ("training",), False, "Hugging Face weights in and out (builds modules as training does)"),
+    Floor(
+        "training", ("checkpoint", "launch", "profiling"), False, "the job, the training loop, logs, signals, autotune"
+    ),
+    Floor("checkpoint", ("models",), False, "save/load under any layout, the file format, the restricted unpickler"),
+    Floor("launch", ("models",), False, "the environment torchrun/srun give a rank; SLURM scripts"),
+    Floor("profiling", ("models",), False, "`megatron-hetero profile`: timing kernels, model-free and the model's own"),
+    Floor("models", ("runtime",), False, "the LLaVA-style model from Megatron-core parts, data, stage runners"),
+    Floor("runtime", ("planner", "compat"), False, "process groups, boundaries, schedule interpreters, fork launcher"),
+    Floor(
+        "compat",
+        ("plan",),
+        False,
+        "beside the floors: Megatron-core on CPU/gloo, the only code asking torch about CUDA",
+    ),
+    Floor("planner", ("plan",), True, "the cost model, hardware presets, profile fit, layout search"),
+    Floor("plan", ("layout",), True, "per-rank plans: boundary plans, placement, schedule tables and their check"),
+    Floor("layout", (), True, "YAML or `--hetero-*` flags -> a validated `HeteroLayout`"),
+)
+BELOW: dict[str, set[str]] = {f.name: set(f.stands_on) for f in FLOORS}
 
 
 def _closure(floor: str) -> set[str]:
@@ -84,7 +86,7 @@ def _closure(floor: str) -> set[str]:
 
 ALLOWED: dict[str, set[str]] = {floor: _closure(floor) for floor in BELOW}
 ALLOWED["root"] = set()
-PURE = {"layout", "plan", "planner", "report"}
+PURE = {f.name for f in FLOORS if f.pure}
 FORBIDDEN_IN_PURE = {"torch", "megatron"}
 
 
@@ -439,3 +441,48 @@ def test_checker_flags_a_long_cycle_and_a_self_import(tmp_path: Path):
     assert len(problems) == 2, problems
     assert "['pkg/runtime/a.py', 'pkg/runtime/b.py', 'pkg/runtime/c.py']" in problems[0]
     assert "['pkg/runtime/s.py']" in problems[1]
+
+
+# --------------------------------------------------------------------------------------------
+# The one floor map: README, docs and picture are generated from FLOORS
+# --------------------------------------------------------------------------------------------
+
+
+def _floor_map_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_floor_map", REPO / "scripts" / "floor_map.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_floor_map_is_generated_from_this_table():
+    problems = _floor_map_script().drift(REPO)
+    assert not problems, "\n".join(problems) + "\n(run: python scripts/floor_map.py)"
+
+
+def test_floor_table_is_consistent():
+    names = [f.name for f in FLOORS]
+    assert len(names) == len(set(names))
+    for f in FLOORS:
+        assert set(f.stands_on) <= set(names), f
+        assert (PACKAGE / f.name).is_dir(), f"{f.name}/ is in FLOORS but not a folder of the package"
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == set(names)
+
+
+def test_floor_map_check_sees_a_drift(tmp_path: Path):
+    fm = _floor_map_script()
+    for rel in ("README.md", "docs/architecture.md", "docs/img/floors.png", "tests/pure/test_imports.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((REPO / rel).read_bytes())
+    assert fm.drift(tmp_path) == []
+    text = (tmp_path / "README.md").read_text().replace("`plan/` (pure)", "`plan/`")
+    (tmp_path / "README.md").write_text(text)
+    table = (tmp_path / "tests/pure/test_imports.py").read_text()
+    (tmp_path / "tests/pure/test_imports.py").write_text(
+        table.replace('"report", ("megatron_lm",), True', '"report", ("megatron_lm",), False')
+    )
+    problems = fm.drift(tmp_path)
+    assert len(problems) == 3 and problems[0].startswith("README.md"), problems
