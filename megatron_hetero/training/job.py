@@ -272,7 +272,10 @@ def _trace_path(path: Optional[str]) -> Optional[str]:
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per iteration: the global loss, the slowest rank's step time, per-rank memory."""
+    """One record per iteration: the global loss, the slowest rank's step time, the world's figures
+    of rank 0's record (--log-throughput, --log-memory: `training/run_stats.py`, `memory_bytes`
+    included) and `resident_bytes`: {rank: {phase: {module: bytes}}}, each rank's module state
+    resident per phase of the step (`StepResult.memory`)."""
     out = []
     for i, rec in enumerate(per_rank[0]["records"]):
         step = max(r["records"][i]["step_time_s"] for r in per_rank)
@@ -296,6 +299,7 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "state_bytes",
             "activation_peak_bytes",
             "activation_peak_bytes_total",
+            "memory_bytes",  # --log-memory: {rank: {predicted, measured, ...}}
         ):
             if rec.get(key) is not None:
                 merged[key] = rec[key]
@@ -303,7 +307,7 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             merged["skipped"] = True
         if "tokens" in rec:
             merged["tokens_per_s"] = rec["tokens"] / step if step > 0 else 0.0
-        merged["memory_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}
+        merged["resident_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}
         out.append(merged)
     return out
 
