@@ -305,6 +305,8 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 merged[key] = rec[key]
         if rec.get("skipped"):  # non-finite gradients: no module stepped
             merged["skipped"] = True
+        if rec.get("no_loss_tokens"):  # no loss token in the global batch: loss NaN, gradients 0
+            merged["no_loss_tokens"] = True
         if "tokens" in rec:
             merged["tokens_per_s"] = rec["tokens"] / step if step > 0 else 0.0
         merged["resident_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}
