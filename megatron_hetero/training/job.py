@@ -235,9 +235,10 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
 
         args = copy.copy(args)
         args.vocab_size = recorded.vocab_size
+        args.seq_length = recorded.seq_length  # and its sequence length (never taken from the data)
     spec = recorded
     spec = dataclasses.replace(spec, transformer_impl=getattr(args, "transformer_impl", "local"))
-    spec, data = job_data(args, spec)  # (spec, None) without --data-path; captions or conversations
+    spec, data = job_data(args, spec, global_batch_size)  # (spec, None) without --data-path; captions or conversations
     optim = OptimConfig(**values(OptimConfig, args))
     if optim.bf16 or optim.fp16:
         spec = dataclasses.replace(spec, bf16=optim.bf16, fp16=optim.fp16)
