@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         latest = records[-1]["iteration"] if records else job.train_iters  # earlier: stopped on SIGTERM
         print(f"checkpoints in {job.save} (latest: iteration {latest})", flush=True)
     if layout.placement == "colocated" and records:
-        mem = records[-1]["memory_bytes"]["0"]
+        mem = records[-1]["resident_bytes"]["0"]
         print(
             "rank 0 module state resident per phase (bytes): "
             + "; ".join(f"{phase}: " + ", ".join(f"{m} {b}" for m, b in mods.items()) for phase, mods in mem.items()),

@@ -38,6 +38,7 @@ from megatron_hetero.megatron_lm.precision import to_model_dtype
 from megatron_hetero.megatron_lm.runner import MegatronDataRunner
 from megatron_hetero.plan.roles import language_modules, roles
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
+from megatron_hetero.runtime.step import loss_normaliser
 
 #: Megatron GPT flags a layout refuses beyond `driver.REFUSED` (attribute -> flag)
 REFUSED_GPT = {
@@ -214,7 +215,7 @@ class MegatronGptRunner(MegatronDataRunner):
         from megatron_hetero.runtime.loss_scale import loss_scale_of
 
         step = samples.start // self.plan.global_batch
-        scale = loss_scale_of(self.states) / self.loss_tokens(step)
+        scale = loss_scale_of(self.states) / loss_normaliser(self.loss_tokens(step))
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([scale], device=self.device))
 
     def forward(

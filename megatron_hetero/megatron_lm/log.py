@@ -139,7 +139,8 @@ class Evaluator:
                 for b in range(first_batch, first_batch + self.args.eval_iters):
                     res = self.schedule.step(b, train=False)
                     n = self.runner.loss_tokens(b)
-                    total += res.loss * n
+                    if n:  # a batch without loss tokens has a NaN loss and weighs nothing
+                        total += res.loss * n
                     tokens += n
         finally:
             self.runner.set_split("train")

@@ -23,11 +23,12 @@ returns and resets this rank's (hits, answers); the trainer sums them over the w
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from megatron_hetero.layout.flags import default, value
+from megatron_hetero.layout.flags import default, flags_of, value
+from megatron_hetero.layout.flags import given as flag_given
 from megatron_hetero.models.caption_config import CaptionDataConfig, data_flag_fields
 from megatron_hetero.models.caption_runner import gathered_eval_ids
 from megatron_hetero.models.chat_batches import (
@@ -42,7 +43,12 @@ from megatron_hetero.models.chat_batches import (
 from megatron_hetero.models.chat_default import chat_template_for
 from megatron_hetero.models.chat_eval import answer_hits
 from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import conversation_vocab_size, marker_tokenizer, tokenize_conversation
+from megatron_hetero.models.chat_tokens import (
+    ChatTokens,
+    conversation_vocab_size,
+    marker_tokenizer,
+    tokenize_conversation,
+)
 from megatron_hetero.models.dataset_trust import check_dataset
 from megatron_hetero.models.energon_data import VOCAB_MULTIPLE
 from megatron_hetero.models.llava import LlavaSpec
@@ -50,6 +56,12 @@ from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.models.tokenizer import CaptionTokenizer, load_tokenizer
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
+
+
+#: the samples (stored order) `data_seq_length` reads when --seq-length is not given
+SEQ_PROBE = 256
+#: a sequence length taken from the data is a multiple of this (context and sequence parallelism split it)
+SEQ_MULTIPLE = 8
 
 
 def end_of_turn_ids(tok: CaptionTokenizer, template: ChatTemplate) -> list[int]:
@@ -137,30 +149,80 @@ def max_sample_tiles(cfg: CaptionDataConfig, tile: int, split: Optional[str] = N
         index.close()
 
 
+def _stored_conversations(
+    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int
+) -> Iterator[tuple[Any, ChatTokens]]:
+    """(record, tokenised conversation) of the split's samples in stored order (no image decoded)."""
+    index = ChatIndex(cfg.path, cfg.split)
+    try:
+        for pos in range(len(index)):
+            rec = index.record(pos)
+            counts = [tiles_of(s, tile, cfg.max_image_tiles) * cfg.image_tokens for s in rec.sizes]
+            try:
+                yield rec, tokenize_conversation(rec.messages, counts, tok, template)
+            except ValueError as exc:
+                raise ValueError(f"sample {rec.key}: {exc}") from None
+    finally:
+        index.close()
+
+
 def first_image_end(
     cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int, probe: int = 32
 ) -> Optional[int]:
     """The fewest sequence positions that keep an image: over the split's first `probe` samples with
     images (stored order), the smallest end of a first image's placeholder run; None without images."""
-    index = ChatIndex(cfg.path, cfg.split)
     ends: list[int] = []
-    try:
-        for pos in range(len(index)):
-            if len(ends) >= probe:
-                break
-            rec = index.record(pos)
-            if not rec.images:
-                continue
-            counts = [tiles_of(s, tile, cfg.max_image_tiles) * cfg.image_tokens for s in rec.sizes]
-            try:
-                ct = tokenize_conversation(rec.messages, counts, tok, template)
-            except ValueError as exc:
-                raise ValueError(f"sample {rec.key}: {exc}") from None
+    for rec, ct in _stored_conversations(cfg, tok, template, tile):
+        if len(ends) >= probe:
+            break
+        if rec.images:
             start, length = ct.image_spans[0]
             ends.append(start + length)
-    finally:
-        index.close()
     return min(ends) if ends else None
+
+
+def data_seq_length(
+    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int, probe: int = SEQ_PROBE
+) -> int:
+    """The sequence length `train` takes from conversation data when --seq-length is not given: the
+    one that holds the longest of the split's first `probe` conversations (stored order) whole, i.e.
+    its tokens - 1 (the last token is only a label), rounded up to a multiple of `SEQ_MULTIPLE`."""
+    longest = 0
+    for k, (_, ct) in enumerate(_stored_conversations(cfg, tok, template, tile)):
+        if k >= probe:
+            break
+        longest = max(longest, len(ct) - 1)
+    return max(SEQ_MULTIPLE, -(-longest // SEQ_MULTIPLE) * SEQ_MULTIPLE)
+
+
+def check_first_batch(
+    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, spec: LlavaSpec, global_batch: int
+) -> None:
+    """ValueError when `spec.seq_length` cuts every answer of the run's first global batch (step 0,
+    the run's sample order: `ChatBatches`), so that step would hold no loss token. The message names
+    --seq-length and the tokens the batch's samples need: the --seq-length that reaches the earliest
+    answer (its first token's position), and the one that holds the longest conversation whole. A
+    batch without any answer (no assistant turn) is not the length's doing: not refused."""
+    (encoder,) = spec.encoders
+    data = ChatBatches(
+        cfg, tok, template, encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch, num_workers=0
+    )
+    try:
+        if data.loss_tokens(0):
+            return
+        chats = [data.conversation(i)[1] for i in range(global_batch)]
+    finally:
+        data.close()
+    starts = [ct.mask.index(1) for ct in chats if 1 in ct.mask]
+    if not starts:
+        return
+    reach, whole = min(starts), max(len(ct) - 1 for ct in chats)
+    raise ValueError(
+        f"--seq-length {spec.seq_length}: cuts every answer of the first global batch ({global_batch} samples "
+        f"of --data-path {cfg.path}): its samples need --seq-length {reach} to reach the earliest answer, "
+        f"{whole} to hold the longest conversation whole; give one of those or more, or leave --seq-length "
+        "out to take it from the data"
+    )
 
 
 def chat_spec(
@@ -225,13 +287,17 @@ def chat_runner_factory(
     return make
 
 
-def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataConfig]:
+def chat_job_data(
+    args: Any, spec: LlavaSpec, global_batch: Optional[int] = None
+) -> tuple[LlavaSpec, CaptionDataConfig]:
     """`train --data-path DIR` on a conversation dataset, in the launching process (as
     `caption_runner.caption_job_data` for captions): the resolved config (`resolve_chat_config`: the
     tile side `DEFAULT_TILE`, or a CLIP encoder's image side with its patch size and RGB; channels from
     the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training or held-out
-    sample has, the tokenizer's vocabulary). ValueError for a --seq-length that would cut every image
-    (`first_image_end`), --mock-data with it, --data-prompt
+    sample has, the tokenizer's vocabulary). Without --seq-length (nor a checkpoint's model: `--load`)
+    the sequence length is the data's (`data_seq_length`). ValueError for a --seq-length that would
+    cut every image (`first_image_end`) or, given `global_batch`, every answer of the first global
+    batch (`check_first_batch`), --mock-data with it, --data-prompt
     (caption-only), a dataset that names code (conversation data runs none, even when trusted),
     --encoder-tokens/--encoder-feature-dim that differ from the data's."""
     fields = {f.name: f for f in data_flag_fields()}
@@ -271,7 +337,13 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
                 f"{cfg.channels} channel(s), --patch-size {cfg.patch_size}); leave it out or change --patch-size"
             )
     tok = load_tokenizer(cfg.tokenizer_model)
-    end = first_image_end(cfg, tok, chat_template_for(cfg.tokenizer_model), tile)
+    template = chat_template_for(cfg.tokenizer_model)
+    if not flag_given(args, flags_of(LlavaSpec, ["seq_length"])[0]):  # the data's (--load: the checkpoint's)
+        seq = data_seq_length(cfg, tok, template, tile)
+        shift = seq - spec.seq_length  # output heads keep their span before the end of the sequence
+        outputs = {n: replace(o, offset=o.offset + shift) for n, o in spec.outputs.items()}
+        spec = replace(spec, seq_length=seq, outputs=outputs)
+    end = first_image_end(cfg, tok, template, tile)
     if end is not None and spec.seq_length < end:
         raise ValueError(
             f"--seq-length {spec.seq_length}: too short for the images of --data-path {path}: the first "
@@ -282,5 +354,7 @@ def chat_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, CaptionDataCon
         max_tiles = max(max_tiles, max_sample_tiles(cfg, tile, split=HELDOUT_SPLIT))
     except ValueError:  # no held-out split: evaluation says so when asked for
         pass
-    template = chat_template_for(cfg.tokenizer_model)
-    return chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size, template=template), cfg
+    spec = chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size, template=template)
+    if global_batch is not None:
+        check_first_batch(cfg, tok, template, spec, global_batch)
+    return spec, cfg

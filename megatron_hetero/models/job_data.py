@@ -15,14 +15,17 @@ from megatron_hetero.models.caption_config import CaptionDataConfig
 from megatron_hetero.models.llava import LlavaSpec
 
 
-def job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[CaptionDataConfig]]:
-    """(spec fitted to the data, data config) for train's flags `args` (None: the synthetic data)."""
+def job_data(
+    args: Any, spec: LlavaSpec, global_batch: Optional[int] = None
+) -> tuple[LlavaSpec, Optional[CaptionDataConfig]]:
+    """(spec fitted to the data, data config) for train's flags `args` (None: the synthetic data).
+    `global_batch`: the job's; conversation data checks its first global batch against --seq-length."""
     from megatron_hetero.models.chat_batches import is_chat_dataset
 
     if getattr(args, "data_path", None) and is_chat_dataset(args.data_path):
         from megatron_hetero.models.chat_runner import chat_job_data
 
-        return chat_job_data(args, spec)
+        return chat_job_data(args, spec, global_batch)
     from megatron_hetero.models.caption_runner import caption_job_data
 
     return caption_job_data(args, spec)

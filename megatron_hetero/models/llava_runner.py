@@ -34,6 +34,7 @@ from megatron_hetero.models.llava import LlavaSpec, OutputSpec, data_config, dty
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
+from megatron_hetero.runtime.step import loss_normaliser
 
 #: evaluation on the synthetic data reads global samples EVAL_OFFSET + i, which no training step reaches
 EVAL_OFFSET = 1 << 40
@@ -256,7 +257,7 @@ class LlavaStageRunner(StageRunner):
         from megatron_hetero.runtime.loss_scale import loss_scale_of
 
         # times the whole model's loss scale under --fp16, as the loss itself (runtime.loss_scale)
-        tokens = self.loss_tokens(samples.start // self.plan.global_batch)
+        tokens = loss_normaliser(self.loss_tokens(samples.start // self.plan.global_batch))
         scale = 1.0 / tokens * loss_scale_of(self.states)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor([scale], device=self.device))
 

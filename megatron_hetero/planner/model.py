@@ -125,7 +125,12 @@ class LlavaSpec:
         None, "language-model MLP hidden size (default 4 * --hidden-size)", group="language", given=True
     )
     vocab_size: int = flag_field(128, "vocabulary size (default {default})", group="language", given=True)
-    seq_length: int = flag_field(32, "tokens per sample (default {default})", group="language", given=True)
+    seq_length: int = flag_field(
+        32,
+        "tokens per sample (default {default}; conversation data: the data's, see docs/data.md)",
+        group="language",
+        given=True,
+    )
     encoders: dict[str, EncoderSpec] = field(default_factory=lambda: {"vision": EncoderSpec()})
     seed: int = flag_field(1234, group="training")  # also the synthetic data's and the caption stream's seed
     # Megatron's MoE flags: MoE MLPs in the language model (ep/expt_tp come from the layout)

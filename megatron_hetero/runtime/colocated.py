@@ -51,7 +51,13 @@ from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.offload import Offloader
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
 from megatron_hetero.runtime.optimizer_step import ModelStep, step_modules
-from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory, run_collective
+from megatron_hetero.runtime.step import (
+    StepResult,
+    global_loss_parts,
+    loss_normaliser,
+    resident_memory,
+    run_collective,
+)
 from megatron_hetero.runtime.trace import MEGATRON_P2P_METHODS, boundary_args
 from megatron_hetero.runtime.wire import p2p
 
@@ -146,12 +152,13 @@ class ColocatedSchedule:
             if m in self.plan.modules and self.plan.modules[m].last_stage and self.plan.modules[m].coord.tp == 0
         }
         extras = self.runner.aux_losses(step)
+        loss_tokens = self.runner.loss_tokens(step)
         loss, parts, aux = global_loss_parts(
             tuple(self.runner.loss_modules()),
             self._loss_sums,
             counted,
             extras,
-            self.runner.loss_tokens(step),
+            loss_tokens,
             self.plan.rank,
         )
         ms, self.model_step = self.model_step, None
@@ -162,6 +169,7 @@ class ColocatedSchedule:
             aux_loss=aux,
             grad_norm=ms.grad_norm if ms is not None else None,
             skipped=ms.skipped if ms is not None else False,
+            no_loss_tokens=loss_tokens == 0,
         )
 
     # -- one action ---------------------------------------------------------------------------------
@@ -250,7 +258,7 @@ class ColocatedSchedule:
         assert isinstance(out, LossSum), f"output module {a.module} returned no loss"
         self._loss_sums.setdefault(a.module, []).append(out.loss_sum.detach())
         if out.loss_sum.requires_grad:
-            loss = out.loss_sum / self.runner.loss_tokens(first // self.plan.global_batch)
+            loss = out.loss_sum / loss_normaliser(self.runner.loss_tokens(first // self.plan.global_batch))
             torch.autograd.backward(loss * self._loss_scale)
 
     def _output_boundary(self, a: BoundaryCall) -> None:
@@ -297,7 +305,7 @@ class ColocatedSchedule:
         plan, runner, name = self.plan, self.runner, a.module
         lm = plan.modules[name]
         leaves = self._leaves
-        loss_tokens = runner.loss_tokens(first // plan.global_batch)
+        loss_tokens = loss_normaliser(runner.loss_tokens(first // plan.global_batch))  # 1 when none
         mbs = a.micro_batch_size
         loss_sums = self._loss_sums.setdefault(name, [])
         encoders = set(plan.roles.encoders)

@@ -62,7 +62,13 @@ from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import LossSum, StageRunner
 from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.runtime.optimizer_step import ModelStep, step_modules
-from megatron_hetero.runtime.step import StepResult, global_loss_parts, resident_memory, run_collective
+from megatron_hetero.runtime.step import (
+    StepResult,
+    global_loss_parts,
+    loss_normaliser,
+    resident_memory,
+    run_collective,
+)
 from megatron_hetero.runtime.trace import kind_of, wire_args
 from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
 
@@ -222,6 +228,7 @@ class DisjointSchedule:
             aux_loss=aux,
             grad_norm=ms.grad_norm if ms is not None else None,
             skipped=ms.skipped if ms is not None else False,
+            no_loss_tokens=self._loss_tokens == 0,
         )
 
     # -- communication: one batch at a time --------------------------------------------------------
@@ -324,10 +331,10 @@ class DisjointSchedule:
         if isinstance(out, LossSum):
             self._loss_sums.append(out.loss_sum.detach())
             if out.output is not None:  # a loss stage that also feeds modules after it
-                self._stage_losses[mb] = out.loss_sum / self._loss_tokens * self._loss_scale
+                self._stage_losses[mb] = out.loss_sum / loss_normaliser(self._loss_tokens) * self._loss_scale
                 out = out.output
             else:
-                out = out.loss_sum / self._loss_tokens * self._loss_scale
+                out = out.loss_sum / loss_normaliser(self._loss_tokens) * self._loss_scale
         self._outputs[mb] = out
 
     def _backward(self, mb: int) -> None:

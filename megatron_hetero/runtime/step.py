@@ -3,6 +3,7 @@ labelling of a failed collective."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -22,6 +23,9 @@ class StepResult:
     # clipping (None: evaluation, or no module trains) and whether non-finite gradients skipped it
     grad_norm: float | None = None
     skipped: bool = False
+    # the step's global batch held no loss token (every loss mask 0): `loss` is NaN, the gradients of
+    # its loss are 0 (`loss_normaliser`), the optimizer steps as on any other step
+    no_loss_tokens: bool = False
 
 
 class CollectiveError(RuntimeError):
@@ -48,16 +52,24 @@ def optimizer_what(state) -> str:
     )
 
 
+def loss_normaliser(loss_tokens: int) -> int:
+    """What a step's loss sums are divided by: its loss tokens, or 1 for a step that has none (its
+    loss sums are 0, so its gradients are 0). Megatron-core's `finalize_model_grads` clamps its
+    per-token divisor the same way (`torch.clamp(num_tokens, min=1)`)."""
+    return max(int(loss_tokens), 1)
+
+
 def global_loss(loss_sums: Iterable[torch.Tensor], counts: bool, loss_tokens: int, rank: int) -> float:
     """The step's per-token loss: the sum over ranks of this rank's `loss_sums` (only if `counts`:
     last-stage ranks with TP rank 0, since TP replicas hold the same per-token losses while DP and
-    CP ranks hold different tokens), over the world, divided by `loss_tokens`."""
+    CP ranks hold different tokens), over the world, divided by `loss_tokens` (NaN when 0: no token
+    to average over)."""
     total = torch.zeros(1, dtype=torch.float64, device=get_device())
     if counts:
         for s in loss_sums:
             total += s.detach().to(total)
     run_collective("loss all-reduce over the world", rank, dist.all_reduce, total)
-    return float(total.item()) / loss_tokens
+    return float(total.item()) / (loss_tokens if loss_tokens else math.nan)
 
 
 def global_loss_parts(
@@ -72,7 +84,7 @@ def global_loss_parts(
     all-reduce over the world: returns (total loss, loss per module when there are several, the sum of
     the `extras` or None). `counted`: the modules whose loss sums this rank contributes (their last
     stage, TP rank 0); `extras` are already normalised shares of this rank (every rank lists the same
-    names)."""
+    names). A step without loss tokens (`loss_tokens` 0) has NaN losses (no token to average over)."""
     names = sorted(extras)
     vec = torch.zeros(len(loss_modules) + len(names), dtype=torch.float64, device=get_device())
     for i, m in enumerate(loss_modules):
@@ -83,8 +95,9 @@ def global_loss_parts(
         vec[len(loss_modules) + j] += extras[n].detach().to(vec)
     run_collective("loss all-reduce over the world", rank, dist.all_reduce, vec)
     vals = vec.tolist()
-    parts = {m: vals[i] / loss_tokens for i, m in enumerate(loss_modules)}
-    total = sum(vals[: len(loss_modules)]) / loss_tokens
+    n = loss_tokens if loss_tokens else math.nan  # no loss token: NaN, not a division by 0
+    parts = {m: vals[i] / n for i, m in enumerate(loss_modules)}
+    total = sum(vals[: len(loss_modules)]) / n
     aux = sum(vals[len(loss_modules) :]) if names else None
     return total, (parts if len(loss_modules) > 1 else None), aux
 

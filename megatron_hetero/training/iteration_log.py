@@ -12,8 +12,10 @@ model's TFLOP/s per rank, then each module's: `training/throughput.py`; over an 
 interval's FLOPs over its time), with --log-memory the largest rank's resident state and activation
 peak (`state bytes per rank: max S (rank r: params P, grads G, optimizer O) | activation peak bytes
 per rank: max A (rank r) |`; every rank's, by module, are in the --log-jsonl records:
-`training/run_stats.py`). With `progress` (stdout is a terminal) a carriage-return line shows the
-iterations in between. Importing this module does not import torch.
+`training/run_stats.py`). An iteration whose global batch held no loss token (`no_loss_tokens`: its
+loss is NaN) is left out of the loss average and counted (`number of iterations without loss tokens:
+N |`). With `progress` (stdout is a terminal) a carriage-return line shows the iterations in between.
+Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ BAR = 24
 
 def format_line(total: int, recs: list[dict], global_batch: int) -> str:
     last = recs[-1]
-    loss = sum(r["loss"] for r in recs) / len(recs)
+    # iterations whose global batch held no loss token have no loss (NaN): averaged over the others
+    losses = [r["loss"] for r in recs if not r.get("no_loss_tokens")]
+    loss = sum(losses) / len(losses) if losses else float("nan")
     step_ms = 1e3 * sum(r["step_time_s"] for r in recs) / len(recs)
     parts = [
         f" iteration {last['iteration']:>4}/{total} | lm loss {loss:.6f} |",
@@ -43,6 +47,9 @@ def format_line(total: int, recs: list[dict], global_batch: int) -> str:
     skipped = sum(1 for r in recs if r.get("skipped"))
     if skipped:
         parts.append(f"number of skipped iterations: {skipped:3d} |")
+    empty = len(recs) - len(losses)
+    if empty:
+        parts.append(f"number of iterations without loss tokens: {empty:3d} |")
     tokens = sum(r["tokens"] for r in recs)
     seconds = sum(r["step_time_s"] for r in recs)
     parts.append(f"tokens per second: {tokens / seconds if seconds > 0 else 0.0:.1f} |")

@@ -235,9 +235,10 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
 
         args = copy.copy(args)
         args.vocab_size = recorded.vocab_size
+        args.seq_length = recorded.seq_length  # and its sequence length (never taken from the data)
     spec = recorded
     spec = dataclasses.replace(spec, transformer_impl=getattr(args, "transformer_impl", "local"))
-    spec, data = job_data(args, spec)  # (spec, None) without --data-path; captions or conversations
+    spec, data = job_data(args, spec, global_batch_size)  # (spec, None) without --data-path; captions or conversations
     optim = OptimConfig(**values(OptimConfig, args))
     if optim.bf16 or optim.fp16:
         spec = dataclasses.replace(spec, bf16=optim.bf16, fp16=optim.fp16)
@@ -272,7 +273,10 @@ def _trace_path(path: Optional[str]) -> Optional[str]:
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per iteration: the global loss, the slowest rank's step time, per-rank memory."""
+    """One record per iteration: the global loss, the slowest rank's step time, the world's figures
+    of rank 0's record (--log-throughput, --log-memory: `training/run_stats.py`, `memory_bytes`
+    included) and `resident_bytes`: {rank: {phase: {module: bytes}}}, each rank's module state
+    resident per phase of the step (`StepResult.memory`)."""
     out = []
     for i, rec in enumerate(per_rank[0]["records"]):
         step = max(r["records"][i]["step_time_s"] for r in per_rank)
@@ -296,14 +300,17 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "state_bytes",
             "activation_peak_bytes",
             "activation_peak_bytes_total",
+            "memory_bytes",  # --log-memory: {rank: {predicted, measured, ...}}
         ):
             if rec.get(key) is not None:
                 merged[key] = rec[key]
         if rec.get("skipped"):  # non-finite gradients: no module stepped
             merged["skipped"] = True
+        if rec.get("no_loss_tokens"):  # no loss token in the global batch: loss NaN, gradients 0
+            merged["no_loss_tokens"] = True
         if "tokens" in rec:
             merged["tokens_per_s"] = rec["tokens"] / step if step > 0 else 0.0
-        merged["memory_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}
+        merged["resident_bytes"] = {str(rank): r["records"][i]["memory"] for rank, r in enumerate(per_rank)}
         out.append(merged)
     return out
 

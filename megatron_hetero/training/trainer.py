@@ -87,8 +87,9 @@ def evaluate(schedule, iters: int, rank: int) -> dict[str, Any]:
         for k in range(iters):
             res = schedule.step(k, train=False)
             n = runner.loss_tokens(k)
-            loss_sum += res.loss * n
-            tokens += n
+            if n:  # a step without loss tokens has a NaN loss and weighs nothing
+                loss_sum += res.loss * n
+                tokens += n
         counts = runner.take_eval_counts()
     finally:
         runner.set_eval(False)
@@ -160,6 +161,8 @@ class TrainFrontEnd:
             "tokens_per_s": self.tokens / seconds if seconds > 0 else 0.0,
             # non-finite gradients somewhere: no module stepped (runtime.optimizer_step)
             "skipped": res.skipped,
+            # the global batch held no loss token: `loss` is NaN, its gradients 0 (runtime.step)
+            "no_loss_tokens": res.no_loss_tokens,
             # --fp16: the whole model's loss scale after the step (the next step's; None otherwise)
             "loss_scale": loss_scale_of(states) if job.optim.fp16 else None,
             # this rank's optimizer state by module (ModuleState.optimizer_state_bytes)

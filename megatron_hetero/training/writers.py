@@ -100,7 +100,8 @@ def check_logging(job: Any) -> None:
 
 def train_scalars(rec: dict[str, Any], global_batch: int) -> dict[str, float]:
     """The training scalars of one record, by Megatron's names (see the module docstring)."""
-    out: dict[str, float] = {"lm loss": float(rec["loss"])}
+    # an iteration without loss tokens has no loss to write (its record's is NaN)
+    out: dict[str, float] = {} if rec.get("no_loss_tokens") else {"lm loss": float(rec["loss"])}
     if rec.get("lr") is not None:
         out["learning-rate"] = float(rec["lr"])
     out["batch-size"] = float(global_batch)

@@ -444,3 +444,78 @@ def test_max_image_tiles_resizes_an_image_to_fit_its_grid(ds):
         global_batch=G,
     )
     assert max(b.image_tiles(range(G))[ENC]) <= 2  # at most two images of one tile each
+
+
+WORLD1 = ["--hetero-placement", "colocated", "--hetero-module", "vision:dp=1", "--hetero-module", "language:dp=1"]
+
+
+def _length(doc: dict, tok) -> int:
+    """Tokens of a sample's whole conversation, from its JSON (an 8x8 image 4 placeholders, 16x16 16)."""
+    sizes = [s * s // 16 for s in doc["sizes"]]
+    return len(tokenize_conversation(doc["conversation"], sizes, tok, default_chat_template()))
+
+
+def _stored_lengths(cfg, tok, shards) -> list[int]:
+    """Tokens of each training conversation in stored order."""
+    index = _batches(cfg, tok).source.index
+    return [_length(shards[index.key(pos)]["json"], tok) for pos in range(len(index))]
+
+
+def test_without_seq_length_the_data_gives_it(ds, cfg, tok, shards):
+    """No --seq-length: the length that holds the longest conversation whole (its tokens - 1: the last
+    one is only a label), a multiple of 8; every answer of the first batch is then whole."""
+    from megatron_hetero import cli
+    from megatron_hetero.models.job_data import job_data
+    from megatron_hetero.models.llava import LlavaSpec
+    from megatron_hetero.planner.model import EncoderSpec
+
+    longest = max(_stored_lengths(cfg, tok, shards)) - 1  # 40 samples: all within the probe
+    spec = LlavaSpec(encoders={ENC: EncoderSpec(offset=1)})  # seq_length: the flag's default, 32
+    got, _ = job_data(cli.build_parser().parse_args(["train", "--data-path", str(ds), "--seed", "5"]), spec, G)
+    assert got.seq_length == -(-longest // 8) * 8 and got.seq_length - 8 < longest <= got.seq_length
+    b = _batches(cfg, tok, seq=got.seq_length)
+    for i in range(G):
+        assert int(b.text(i)["loss_mask"].sum()) == sum(b.conversation(i)[1].mask[1:])  # no answer token cut
+
+
+@pytest.mark.timeout(300)
+def test_train_cli_on_conversations_without_seq_length_trains(ds, cfg, tok, shards, tmp_path, capsys):
+    """`data digits --chat` then `train --data-path` with no --seq-length: the run trains at the data's
+    sequence length (tokens/s x step time = global batch x that length), every step with loss tokens."""
+    from megatron_hetero.cli import main
+
+    log = tmp_path / "chat.jsonl"
+    argv = ["train", *WORLD1, "--hetero-edge", "vision->language", "--data-path", str(ds), "--seed", "5"]
+    rc = main([*argv, "--global-batch-size", str(G), "--train-iters", "3", "--log-jsonl", str(log)])
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    seq = -(-(max(_stored_lengths(cfg, tok, shards)) - 1) // 8) * 8
+    assert [r["iteration"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert np.isfinite(r["loss"]) and not r.get("no_loss_tokens") and r["grad_norm"] > 0
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(G * seq, rel=1e-9)
+
+
+def test_a_seq_length_that_cuts_every_answer_of_the_first_batch_exits_2(ds, cfg, tok, shards, capsys):
+    """--seq-length 24 keeps the images but cuts every answer of the first global batch: exit 2 before
+    any rank starts, naming --seq-length and the lengths the batch needs: the shortest that reaches an
+    answer (one less reaches none) and the one that holds every conversation whole."""
+    import re
+
+    from megatron_hetero.cli import main
+
+    argv = ["train", *WORLD1, "--hetero-edge", "vision->language", "--data-path", str(ds), "--seed", "5"]
+    assert main([*argv, "--global-batch-size", str(G), "--seq-length", "24"]) == 2
+    err = capsys.readouterr().err
+    m = re.search(
+        r"--seq-length 24: cuts every answer of the first global batch \(8 samples of --data-path .*\): its "
+        r"samples need --seq-length (\d+) to reach the earliest answer, (\d+) to hold the longest conversation whole",
+        err,
+    )
+    assert m, err
+    reach, whole = int(m.group(1)), int(m.group(2))
+    # the run's first batch (seed 5: the fixture's order) reaches an answer at `reach`, none at one less
+    assert 24 < reach < whole
+    assert _batches(cfg, tok, seq=reach).loss_tokens(0) > 0 and _batches(cfg, tok, seq=reach - 1).loss_tokens(0) == 0
+    # its longest conversation, tokens and labels together: `whole` + 1 tokens
+    assert whole == max(_length(shards[k]["json"], tok) for k in _batches(cfg, tok).keys(0)) - 1

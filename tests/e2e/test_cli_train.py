@@ -53,7 +53,7 @@ def test_train_cli_same_losses_heterogeneous_and_homogeneous(tmp_path):
     assert [r["iteration"] for r in het_rec] == [r["iteration"] for r in hom_rec] == [1, 2, 3]
     for a, b in zip(het_rec, hom_rec):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["loss"], b["loss"])
-        assert a["step_time_s"] > 0 and set(a["memory_bytes"]) == {str(r) for r in range(8)}
+        assert a["step_time_s"] > 0 and set(a["resident_bytes"]) == {str(r) for r in range(8)}
     assert het_rec[-1]["loss"] < het_rec[0]["loss"]  # it trains
     assert "iteration    3/3 | lm loss" in het.stdout
     assert "| consumed samples: 24 |" in het.stdout and "| learning rate: 1.000000E-03 |" in het.stdout

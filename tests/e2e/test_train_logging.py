@@ -212,6 +212,76 @@ def test_line_and_records_carry_throughput_and_memory(run):
         assert f"activation peak bytes per rank: max {act} (rank " in line
 
 
+def _predicted() -> list[dict[str, int]]:
+    """The memory model's bytes per rank of the fixture's job (`run_stats.predicted_memory`)."""
+    from megatron_hetero.cli import build_parser
+    from megatron_hetero.layout.args import layout_from_args
+    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.training.run_stats import predicted_memory
+
+    args = build_parser().parse_args(["train", *LAYOUT, "--optimizer", "adam", "--log-memory"])
+    layout = layout_from_args(args, world_size=None)
+    return predicted_memory(job_from_args(args, layout), layout)
+
+
+def _assert_memory_prediction(rec: dict, predicted: list[dict[str, int]]) -> None:
+    """`memory_bytes` of a merged record: per rank the prediction beside the measured state + peak."""
+    assert sorted(rec["memory_bytes"]) == ["0", "1"], rec["memory_bytes"]
+    for r, got in rec["memory_bytes"].items():
+        p = predicted[int(r)]
+        measured = sum(sum(parts.values()) for parts in rec["state_bytes"][r].values())
+        measured += rec["activation_peak_bytes_total"][r]
+        assert got == {
+            "predicted": p["state"] + p["activation"],
+            "measured": measured,
+            "predicted_state": p["state"],
+            "predicted_activation": p["activation"],
+        }, (r, got, p)
+
+
+def test_forked_record_carries_the_memory_prediction(run):
+    """The default launcher (forked ranks): the --log-jsonl record's `memory_bytes` is --log-memory's
+    prediction vs measured per rank; the state resident per phase is `resident_bytes`."""
+    records, _, _ = run
+    predicted = _predicted()
+    for rec in records:
+        _assert_memory_prediction(rec, predicted)
+        assert sorted(rec["resident_bytes"]) == ["0", "1"]
+        for r, phases in rec["resident_bytes"].items():
+            assert phases and all(set(mods) == {"vision", "language"} for mods in phases.values()), phases
+            # colocated, nothing offloaded: every phase holds the same state, parameters and gradient
+            # buffers at least (Adam's state from the first optimizer step on, its step counters included)
+            first = next(iter(phases.values()))
+            assert all(mods == first for mods in phases.values()), (r, phases)
+            for m, b in rec["state_bytes"][r].items():
+                assert b["params"] + b["grads"] <= first[m] <= b["params"] + b["grads"] + b["optimizer"] + 1024
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_record_carries_the_memory_prediction(tmp_path):
+    """The same under torchrun (one node, 2 ranks, 2 iterations): global rank 0 gathers every rank's
+    records and its --log-jsonl record carries `memory_bytes` with the prediction."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    launch = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in launch and not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = str(repo) + os.pathsep + env.get("PYTHONPATH", "")
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "megatron_hetero", "train", *LAYOUT, "--optimizer", "adam", "--train-iters", "2"]
+    cmd += ["--log-memory", "--log-jsonl", str(log), "--hetero-comm-timeout", "120"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+    predicted = _predicted()
+    for rec in records:
+        _assert_memory_prediction(rec, predicted)
+        assert sorted(rec["resident_bytes"]) == ["0", "1"]
+
+
 def test_activation_meter_counts_saved_tensors_by_hand():
     """A linear layer then a ReLU on a [4, 8] input: autograd saves the input (4*8 floats; the weight
     is not an activation) and the ReLU's output (4*16 floats): 384 bytes at the peak, none after the
