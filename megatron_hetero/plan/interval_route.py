@@ -155,15 +155,36 @@ def needer_pieces(needer: int, needers: Side, holders: Side, grid: Optional[Grid
 
 def message_counts(needers: Side, holders: Side) -> tuple[int, int]:
     """(messages, most peers of one rank) of the whole direction: a message is one (src, dst) pair
-    with non-local pieces (pieces between one pair travel together). Counts only, no transfer lists."""
+    with non-local pieces (pieces between one pair travel together). Counts only, no transfer lists:
+    a needer's sources are the holder (dp, cp) regions its rows and sequence intervals overlap (one
+    TP replica each, `pick % tp`), less the region it holds itself."""
     grid = holders.grid()
+    n_mod, h_mod = needers.module, holders.module
+    # holder CP ranks whose intervals overlap each needer CP rank's intervals; holder DP ranks per needer DP rank
+    cps = {
+        c: sorted({grid.cp[i] for a, b in needers.seq_of(c) for i in grid.overlapping(a, b)}) for c in range(n_mod.cp)
+    }
+    per_n, per_h = needers.rows_per, holders.rows_per
+    h_start, h_end, h_tp, h_cp = holders.start, holders.start + holders.size, h_mod.tp, h_mod.cp
     peers: dict[int, set[int]] = {}
     messages = 0
-    for n in needers.ranks:
-        srcs = {src for src, *_ in _route(n, needers, holders, grid) if src != n}
+    for local in range(needers.size):  # rank arithmetic inline: this loop runs once per needer
+        n = needers.start + local
+        c_n, d_n = (local // n_mod.tp) % n_mod.cp, local // (n_mod.tp * n_mod.cp)
+        own = None
+        if h_start <= n < h_end:  # the needer's own (dp, cp) on the holders' side
+            own = ((n - h_start) // (h_tp * h_cp), ((n - h_start) // h_tp) % h_cp)
+        base = h_start + local % h_tp  # TP replica pick % tp of every region
+        srcs = [
+            base + h_tp * (c + h_cp * d)
+            for d in range(d_n * per_n // per_h, ((d_n + 1) * per_n - 1) // per_h + 1)
+            for c in cps[c_n]
+            if (d, c) != own
+        ]
+        if not srcs:
+            continue
         messages += len(srcs)
-        if srcs:
-            peers.setdefault(n, set()).update(srcs)
+        peers.setdefault(n, set()).update(srcs)
         for src in srcs:
             peers.setdefault(src, set()).add(n)
     return messages, max((len(p) for p in peers.values()), default=0)
@@ -175,17 +196,19 @@ def min_bytes(needers: Side, holders: Side) -> int:
     shape, hn, hh = needers.shape, needers.module, holders.module
     need_seq = {c: needers.seq_of(c) for c in range(hn.cp)}
     held_seq = {c: holders.seq_of(c) for c in range(hh.cp)}
+    rows, rows_h = needers.rows_per, holders.rows_per
+    h_start, h_end = holders.start, holders.start + holders.size
+    need_len = {c: sum(b - a for a, b in need_seq[c]) for c in need_seq}
     total = 0
-    for n in needers.ranks:
-        c = coord_of(hn, n)
-        mine = need_seq[c.cp]
-        rows = needers.rows_per
-        total += rows * sum(b - a for a, b in mine)
-        if holders.contains(n):
-            o = coord_of(hh, n)
-            r0, r1 = max(c.dp * rows, o.dp * holders.rows_per), min((c.dp + 1) * rows, (o.dp + 1) * holders.rows_per)
+    for local in range(needers.size):  # rank arithmetic inline: this loop runs once per needer
+        n = needers.start + local
+        c_n, d_n = (local // hn.tp) % hn.cp, local // (hn.tp * hn.cp)
+        total += rows * need_len[c_n]
+        if h_start <= n < h_end:
+            o_dp, o_cp = (n - h_start) // (hh.tp * hh.cp), ((n - h_start) // hh.tp) % hh.cp
+            r0, r1 = max(d_n * rows, o_dp * rows_h), min((d_n + 1) * rows, (o_dp + 1) * rows_h)
             if r0 < r1:
-                both = sum(max(0, min(b, y) - max(a, x)) for a, b in mine for x, y in held_seq[o.cp])
+                both = sum(max(0, min(b, y) - max(a, x)) for a, b in need_seq[c_n] for x, y in held_seq[o_cp])
                 total -= (r1 - r0) * both
     return total * shape.hidden * shape.dtype_bytes
 
