@@ -340,7 +340,6 @@ def test_hierarchical_dead_source_leader_gives_timeout_naming_edge_rank_and_peer
 def _variable_seq() -> list:
     """One boundary, three calls with different sequence lengths: destinations learn each length
     from the headers and still receive exactly their blocks; gradients still match."""
-    rank = dist.get_rank()
     layout = layout_from_dict(_lay("disjoint", {"tp": 2, "dp": 1}, {"cp": 2, "dp": 2}), world_size=6)
     bnd = Boundary(layout, "vision->language", batch=4, hidden=3, timeout_s=30)
     seen = []
