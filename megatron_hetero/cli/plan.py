@@ -1,12 +1,14 @@
 """`megatron-hetero plan`: validate a layout and print the rank map and boundary plans (`--json`).
 
-    megatron-hetero plan LAYOUT.yaml [--world-size N] [--json] [--global-batch-size G]
+    megatron-hetero plan LAYOUT.yaml [--world-size N] [--json] [--summary | --full | --rank R] [--global-batch-size G]
         [--seq-length S] [--hidden-size H] [--dtype-bytes B] [--num-experts E]
         [--memory [train's model, batch and feature flags: --bf16, --use-distributed-optimizer, ...]]
     megatron-hetero plan --hetero-module NAME:tp=..,dp=.. ... [--hetero-edge 'A->B'] [--hetero-placement P]
 
 The model flags give the shape crossing each edge (default: the smallest one every transform takes).
-Pure: no torch.
+A world above `report.plan_summary.SUMMARY_ABOVE` ranks gets a summary (module grids, every edge's
+transform, bytes and messages, sample ranks) unless --full; --rank R prints one rank's whole plan
+(with its schedule table when --global-batch-size is given). Pure: no torch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,24 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("layout", nargs="?", default=None, help="layout YAML (or use --hetero-layout / --hetero-module)")
     p.add_argument("--world-size", type=int, default=None, help="total ranks (default: what the layout uses)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    view = p.add_mutually_exclusive_group()
+    view.add_argument(
+        "--summary",
+        action="store_true",
+        help="module grids, every edge's transform, bytes and messages, and a few sample ranks instead of a "
+        "line per rank (the default above 256 ranks)",
+    )
+    view.add_argument(
+        "--full", action="store_true", help="the full report (a line per rank, every transfer) at any world size"
+    )
+    view.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="one rank's whole plan: its coordinates and pipeline peers, its part of every edge (both "
+        "directions) and, with --global-batch-size, its schedule table",
+    )
     add_model_flags(
         p,
         ("global_batch_size", "seq_length", "hidden_size"),
@@ -98,6 +118,12 @@ def run(args: argparse.Namespace) -> int:
         check_experts(layout, experts)
     hidden = value(args, MODEL_FLAGS["hidden_size"])  # the model's hidden size unless given
     shape = default_shape(layout, args.global_batch_size, args.seq_length, hidden, args.dtype_bytes)
+    from megatron_hetero.report.plan_summary import SUMMARY_ABOVE
+
+    if args.rank is not None:
+        return _rank(args, layout, shape, experts)
+    if args.summary or (layout.world_size > SUMMARY_ABOVE and not args.full):
+        return _summary(args, layout, shape, experts)
     memory = None
     if args.memory:
         from megatron_hetero.report.memory import memory_rows
@@ -117,6 +143,56 @@ def run(args: argparse.Namespace) -> int:
             print(memory_text(memory))
     if args.draw:
         _draw(layout, shape, args.draw, quiet=args.json)
+    return 0
+
+
+def _summary(args: argparse.Namespace, layout, shape, experts) -> int:
+    from megatron_hetero.report.plan_summary import summary_json, summary_text
+
+    doc = summary_json(layout, shape, experts)
+    if args.memory:  # the memory model of the sample ranks only
+        from megatron_hetero.report.memory import memory_rows, memory_text
+
+        rows = memory_rows(args, layout, [r["rank"] for r in doc["sample_ranks"]])
+        for entry, row in zip(doc["sample_ranks"], rows):
+            entry.update({k: v for k, v in row.items() if k != "rank"})
+    print(json.dumps(doc, indent=1) if args.json else summary_text(doc))
+    if args.memory and not args.json:
+        print(memory_text(rows))
+    if args.draw:
+        _draw(layout, shape, args.draw, quiet=args.json)
+    return 0
+
+
+def _schedule_lines(args: argparse.Namespace, layout, rank: int) -> list[str]:
+    """The rank's schedule table for the batch flags (its colocated phases or its stage's 1F1B)."""
+    from megatron_hetero.plan.rank_plan import rank_plan
+    from megatron_hetero.training.job import batch_from_args
+
+    g, mbs = batch_from_args(args, layout)
+    plan = rank_plan(layout, rank, g, mbs, bool(getattr(args, "hetero_offload_encoder", False)))
+    if plan.colocated is not None:
+        return [line.strip() for line in plan.colocated.format().splitlines()[1:]]
+    if plan.disjoint is None:
+        return ["idle (no stage)"]
+    return [f"stage {plan.disjoint.stage}: {plan.disjoint.compact()}"]
+
+
+def _rank(args: argparse.Namespace, layout, shape, experts) -> int:
+    from megatron_hetero.report.plan_summary import rank_json, rank_text
+
+    if not 0 <= args.rank < layout.world_size:
+        raise ValueError(f"--rank {args.rank} is outside the layout's world size {layout.world_size}")
+    schedule = _schedule_lines(args, layout, args.rank) if args.global_batch_size is not None else None
+    doc = rank_json(layout, shape, args.rank, experts, schedule)
+    if args.memory:
+        from megatron_hetero.report.memory import memory_rows, memory_text
+
+        (row,) = memory_rows(args, layout, [args.rank])
+        doc.update({k: v for k, v in row.items() if k != "rank"})
+    print(json.dumps(doc, indent=1) if args.json else rank_text(doc))
+    if args.memory and not args.json:
+        print(memory_text([row]))
     return 0
 
 

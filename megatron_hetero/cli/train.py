@@ -158,14 +158,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if env is not None:
         try:
-            records = run_as_rank(layout, job, env, timeout_s=job.comm_timeout_s)
+            records = run_as_rank(layout, job, env, timeout_s=job.comm_timeout_s, validated=True)
         except RuntimeError as exc:
             raise CommandFailed(f"failed: {exc}") from None
         if records is None:  # not global rank 0: nothing to print or write
             return 0
     else:
         try:
-            records = run_local(layout, job, timeout=args.launch_timeout)
+            records = run_local(layout, job, timeout=args.launch_timeout, validated=True)
         except (RankFailure, RankTimeout) as exc:
             raise CommandFailed(f"failed: {exc}") from None
     # the iteration lines were printed by global rank 0 while it trained

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 DEGREE_KEYS = ("tp", "cp", "pp", "dp", "ep", "expt_tp")
 
+#: The largest world a layout may have (2**20 ranks): beyond it a layout is refused at resolution
+#: (`validate.resolve_layout`), before anything plans per rank.
+MAX_WORLD_SIZE = 1 << 20
+
 #: Seconds any collective or point-to-point wait may take before it raises (`--hetero-comm-timeout`).
 DEFAULT_COMM_TIMEOUT_S = 600.0
 

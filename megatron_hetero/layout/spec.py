@@ -118,13 +118,14 @@ class ModuleLayout:
 
     @property
     def size(self) -> int:
-        """Number of ranks this layout needs: tp*cp*pp*dp."""
-        return self.par.size
+        """Number of ranks this layout needs: tp*cp*pp*dp (`Degrees.size`; asked per rank, so not
+        through `par`)."""
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def stage_size(self) -> int:
-        """Ranks per pipeline stage: tp*cp*dp."""
-        return self.par.stage_size
+        """Ranks per pipeline stage: tp*cp*dp (`Degrees.stage_size`)."""
+        return self.tp * self.cp * self.dp
 
     @property
     def offset(self) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_hetero.layout.degrees import DEGREE_KEYS
+from megatron_hetero.layout.degrees import DEGREE_KEYS, MAX_WORLD_SIZE
 from megatron_hetero.layout.graph import topological_order
 from megatron_hetero.layout.spec import (
     PLACEMENTS,
@@ -37,6 +37,11 @@ def _check_degrees(m: ModuleLayout) -> None:
         )
     if m.role is not None and m.role not in ROLES:
         raise ValueError(f"module {m.name}: role must be one of {list(ROLES)}, got {m.role!r}")
+    if m.size > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"module {m.name}: {m.arithmetic()} ranks is beyond the largest world a layout may have, "
+            f"{MAX_WORLD_SIZE} = 2**20 ranks"
+        )
 
 
 def check_experts(layout: HeteroLayout, num_experts: dict[str, Optional[int]]) -> None:
@@ -176,6 +181,10 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
         raise ValueError("a layout needs at least one module")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if world_size is not None and world_size > MAX_WORLD_SIZE:
+        raise ValueError(
+            f"world size {world_size} is beyond the largest world a layout may have, {MAX_WORLD_SIZE} = 2**20 ranks"
+        )
     names = [m.name for m in layout.modules]
     for n in names:
         if not isinstance(n, str) or not n or not n.replace("_", "").replace("-", "").isalnum():
@@ -194,6 +203,12 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
     else:
         modules = _resolve_disjoint(layout.modules, world_size)
     resolved = HeteroLayout(placement=layout.placement, modules=tuple(modules), edges=tuple(layout.edges))
+    if resolved.world_size > MAX_WORLD_SIZE:  # disjoint islands side by side
+        raise ValueError(
+            f"the modules need {resolved.world_size} ranks ("
+            + ", ".join(f"{m.name} {m.ranks}" for m in modules)
+            + f"), beyond the largest world a layout may have, {MAX_WORLD_SIZE} = 2**20 ranks"
+        )
     _check_edges(resolved)  # after the per-module arithmetic, which is the more basic error
     return resolved
 

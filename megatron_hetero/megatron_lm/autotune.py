@@ -147,12 +147,12 @@ def candidate_check(model, args: Any) -> Callable:
     (its own checks and the driver's, the batch arithmetic of `job`'s micro-batch, the padded
     vocabulary over each module's TP)."""
     from megatron_hetero.megatron_lm.checks import check_common
-    from megatron_hetero.plan.rank_plan import rank_plans
+    from megatron_hetero.plan.rank_plan import check_rank_plans
 
     def check(layout: HeteroLayout, job) -> None:
         model.check(args, layout)
         check_common(args, layout)
-        rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+        check_rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
         vocab = getattr(args, "padded_vocab_size", None)
         for m in layout.modules:
             if vocab and vocab % m.tp:

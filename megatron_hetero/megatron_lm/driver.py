@@ -64,7 +64,7 @@ from megatron_hetero.megatron_lm.checks import (  # noqa: F401 - the checks' nam
 from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.log import print_last
 from megatron_hetero.megatron_lm.session import PREFIX, ScriptSession
-from megatron_hetero.plan.rank_plan import rank_plans
+from megatron_hetero.plan.rank_plan import check_rank_plans
 from megatron_hetero.training.loop import run_loop
 from megatron_hetero.training.signals import ExitSignal
 
@@ -136,8 +136,8 @@ def parse_and_validate(model: ScriptModel, extra_args_provider: Optional[Callabl
 
     check_script_autotune(model.script, args, layout)  # --hetero-autotune's settings and model
     check_script_data(args, int(os.environ.get("RANK", "0")))  # before any rank reads data
-    # Batch arithmetic and schedule tables of every rank (ValueError with the arithmetic).
-    rank_plans(layout, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
+    # Batch arithmetic and schedule tables (ValueError with the arithmetic): module degrees, not ranks.
+    check_rank_plans(layout, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
     return args, layout
 
 

@@ -30,12 +30,12 @@ Two modes:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterable, Optional
 
 from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout
-from megatron_hetero.plan.batch import dp_rows
 from megatron_hetero.plan.blocks import Block, BoundaryShape, Transfer, seq_chunks
-from megatron_hetero.plan.placement import coord_of, stage_ranks
+from megatron_hetero.plan.interval_route import Side, min_bytes, needed_blocks, needer_pieces, owned_blocks
 from megatron_hetero.plan.route import LeaderRoute, leaders, plan_leader_route
 
 __all__ = [
@@ -51,7 +51,6 @@ __all__ = [
     "owned_blocks",
     "plan_all",
     "plan_boundary",
-    "route",
     "seq_chunks",
     "transform_of",
 ]
@@ -95,17 +94,38 @@ class BoundaryPlan:
             raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
         return self.forward if direction == "forward" else self.backward
 
+    @cached_property
+    def _by_rank(self) -> dict[str, dict[int, tuple[list[Transfer], list[Transfer], list[Transfer]]]]:
+        """{direction: {rank: (sends, receives, local copies)}}, each in plan order (built once, on
+        the first per-rank question: a report asks it for every rank)."""
+        out: dict[str, dict[int, tuple[list[Transfer], list[Transfer], list[Transfer]]]] = {}
+        for direction in ("forward", "backward"):
+            idx: dict[int, tuple[list[Transfer], list[Transfer], list[Transfer]]] = {}
+            for t in self._transfers(direction):
+                if t.local:
+                    idx.setdefault(t.dst, ([], [], []))[2].append(t)
+                else:
+                    idx.setdefault(t.src, ([], [], []))[0].append(t)
+                    idx.setdefault(t.dst, ([], [], []))[1].append(t)
+            out[direction] = idx
+        return out
+
+    def _of(self, rank: int, direction: str, which: int) -> list[Transfer]:
+        self._transfers(direction)  # ValueError for a bad direction
+        got = self._by_rank[direction].get(rank)
+        return list(got[which]) if got else []
+
     def sends(self, rank: int, direction: str = "forward") -> list[Transfer]:
         """Transfers `rank` sends to other ranks, in plan order."""
-        return [t for t in self._transfers(direction) if t.src == rank and not t.local]
+        return self._of(rank, direction, 0)
 
     def recvs(self, rank: int, direction: str = "forward") -> list[Transfer]:
         """Transfers `rank` receives from other ranks, in plan order."""
-        return [t for t in self._transfers(direction) if t.dst == rank and not t.local]
+        return self._of(rank, direction, 1)
 
     def local_copies(self, rank: int, direction: str = "forward") -> list[Transfer]:
         """Intervals `rank` selects from what it already holds."""
-        return [t for t in self._transfers(direction) if t.local and t.dst == rank]
+        return self._of(rank, direction, 2)
 
     def planned_bytes(self, direction: str = "forward") -> int:
         """Bytes the direct mode moves between different ranks."""
@@ -157,32 +177,6 @@ def transform_of(src: ModuleLayout, dst: ModuleLayout) -> tuple[str, int]:
     return ("fan-in" if src.dp > dst.dp else "fan-out"), hi // lo
 
 
-def owned_blocks(m: ModuleLayout, rank: int, shape: BoundaryShape) -> tuple[Block, ...]:
-    """The blocks of the edge tensor that `rank` owns in module `m` (see module docstring)."""
-    c = coord_of(m, rank)
-    rows = dp_rows(shape.batch, m.dp, c.dp)
-    return tuple(Block(rows.start, rows.stop, s0, s1) for s0, s1 in seq_chunks(shape.seq, m.cp, c.cp))
-
-
-def needed_blocks(m: ModuleLayout, rank: int, shape: BoundaryShape) -> tuple[Block, ...]:
-    """The blocks of the edge tensor that destination `rank` of module `m` needs, in its local order.
-
-    Without `dst_seq` these are the blocks it owns. With `dst_seq`, each of its CP chunks of the
-    destination sequence is intersected with the placeholder span and mapped back to edge positions
-    (a chunk that holds no edge token contributes nothing).
-    """
-    if shape.dst_seq is None:
-        return owned_blocks(m, rank, shape)
-    c = coord_of(m, rank)
-    rows = dp_rows(shape.batch, m.dp, c.dp)
-    out = []
-    for a, b in seq_chunks(shape.dst_seq, m.cp, c.cp):
-        lo, hi = max(a, shape.dst_offset), min(b, shape.dst_offset + shape.seq)
-        if lo < hi:
-            out.append(Block(rows.start, rows.stop, lo - shape.dst_offset, hi - shape.dst_offset))
-    return tuple(out)
-
-
 def check_shape(edge: Edge, src: ModuleLayout, dst: ModuleLayout, shape: BoundaryShape) -> None:
     """ValueError unless the shape splits evenly over both sides' DP and CP."""
     for name in ("batch", "seq", "hidden", "dtype_bytes"):
@@ -221,47 +215,6 @@ def check_shape(edge: Edge, src: ModuleLayout, dst: ModuleLayout, shape: Boundar
             )
 
 
-def route(
-    holders: dict[int, tuple[Block, ...]], needers: dict[int, tuple[Block, ...]], pick: dict[int, int]
-) -> list[Transfer]:
-    """Direct routing: every needed element comes from exactly one holder.
-
-    For each needer and each needed block, the block is cut along the holders' blocks; a piece the
-    needer itself holds is a local copy; otherwise replica number `pick[needer] % len(replicas)`
-    (replicas sorted by rank; `pick` is the needer's index in its stage) sends it, which spreads
-    the sending over the holders' TP replicas.
-    """
-    by_block: dict[Block, list[int]] = {}
-    for r, blocks in sorted(holders.items()):
-        for b in blocks:
-            by_block.setdefault(b, []).append(r)
-    regions = sorted(by_block)
-    out: list[Transfer] = []
-    for n in sorted(needers):
-        for need in needers[n]:
-            for region in regions:
-                piece = need.intersect(region)
-                if piece is None:
-                    continue
-                replicas = by_block[region]
-                src = n if n in replicas else replicas[pick[n] % len(replicas)]
-                out.append(Transfer(src=src, dst=n, block=piece))
-    return out
-
-
-def _min_bytes(
-    holders: dict[int, tuple[Block, ...]], needers: dict[int, tuple[Block, ...]], shape: BoundaryShape
-) -> int:
-    """Elements each needer needs and does not already hold, summed over needers, in bytes."""
-    total = 0
-    for n, needs in needers.items():
-        held = holders.get(n, ())
-        for need in needs:
-            own = sum(x.numel(shape.hidden) for x in (need.intersect(h) for h in held) if x is not None)
-            total += need.numel(shape.hidden) - own
-    return total * shape.dtype_bytes
-
-
 def _moved_bytes(transfers: Iterable[Transfer], shape: BoundaryShape) -> int:
     return sum(t.block.numel(shape.hidden) for t in transfers if not t.local) * shape.dtype_bytes
 
@@ -285,17 +238,19 @@ def plan_boundary(layout: HeteroLayout, edge: Edge | str, shape: BoundaryShape) 
     src, dst = layout.module(edge.src), layout.module(edge.dst)
     check_shape(edge, src, dst, shape)
     transform, factor = transform_of(src, dst)
-    src_ranks = stage_ranks(src, src.pp - 1)
-    dst_ranks = stage_ranks(dst, 0)
-    holds = {r: owned_blocks(src, r, shape) for r in src_ranks}
-    needs = {r: needed_blocks(dst, r, shape) for r in dst_ranks}
-    forward = route(holds, needs, {r: i for i, r in enumerate(dst_ranks)})
-    backward = route(needs, holds, {r: i for i, r in enumerate(src_ranks)})
+    src_side, dst_side = Side.source(src, shape), Side.destination(dst, shape)
+    src_ranks, dst_ranks = src_side.ranks, dst_side.ranks
+    holds = {r: src_side.blocks(r) for r in src_ranks}
+    needs = {r: dst_side.blocks(r) for r in dst_ranks}
+    # every needer's pieces by interval arithmetic, needers in rank order (plan/interval_route.py)
+    src_grid, dst_grid = src_side.grid(), dst_side.grid()
+    forward = [t for r in dst_ranks for t in needer_pieces(r, dst_side, src_side, src_grid)]
+    backward = [t for r in src_ranks for t in needer_pieces(r, src_side, dst_side, dst_grid)]
     costs = {"direct": ModeCost(bytes=_moved_bytes(forward, shape), hops=_max_messages(forward))}
     leader_route = None
     if layout.placement == "disjoint":
         # priced by its own steps: the bytes of the forward leader route
-        leader_route = plan_leader_route(src, dst, shape, holds, needs)
+        leader_route = plan_leader_route(src, dst, shape)
         costs["hierarchical"] = ModeCost(bytes=leader_route.bytes("forward"), hops=leader_route.hops)
     src_leaders, dst_leader = leaders(src, dst)
     return BoundaryPlan(
@@ -312,8 +267,8 @@ def plan_boundary(layout: HeteroLayout, edge: Edge | str, shape: BoundaryShape) 
         backward=tuple(backward),
         src_leaders=src_leaders,
         dst_leader=dst_leader,
-        min_bytes_forward=_min_bytes(holds, needs, shape),
-        min_bytes_backward=_min_bytes(needs, holds, shape),
+        min_bytes_forward=min_bytes(dst_side, src_side),
+        min_bytes_backward=min_bytes(src_side, dst_side),
         costs=costs,
         route=leader_route,
     )

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.plan.batch import dp_rows, micro_batching
+from megatron_hetero.plan.batch import MicroBatching, dp_rows, micro_batching
 from megatron_hetero.plan.placement import Coord, coord_of, rank_of
 from megatron_hetero.plan.roles import Roles, roles as layout_roles
 
@@ -233,15 +233,12 @@ def _encoder_backward(layout: HeteroLayout, name: str, rank: int, global_batch: 
     return acts
 
 
-def colocated_tables(
-    layout: HeteroLayout,
-    global_batch: int,
-    micro_batch_size: int,
-    offload_encoders: bool = False,
-    who: Optional[Roles] = None,
-) -> dict[int, ColocatedTable]:
-    """{rank: its table} for a resolved colocated layout (see the module docstring). ValueError
-    for layouts this schedule cannot run (not colocated, several language segments, batch arithmetic)."""
+def check_colocated(
+    layout: HeteroLayout, global_batch: int, micro_batch_size: int, who: Optional[Roles] = None
+) -> MicroBatching:
+    """The arithmetic every rank's colocated table rests on (module degrees only, no rank loop):
+    ValueError for layouts this schedule cannot run (not colocated, several language segments, batch
+    arithmetic, output modules with pp > 1). Returns the language model's micro-batching."""
     if layout.placement != "colocated":
         raise ValueError(f"the colocated schedule needs placement 'colocated', got {layout.placement!r}")
     who = who or layout_roles(layout)
@@ -257,53 +254,84 @@ def colocated_tables(
                 f"module {name}: an output module runs with pp 1 in colocated placement, "
                 f"got pp({layout.module(name).pp})"
             )
-    tables = {}
-    for rank in range(layout.world_size):
-        lc: Coord = coord_of(lang, rank)
-        phase1: list = []
-        for name in who.encoders:
-            m = layout.module(name)
-            phase1 += _encoder_forward(layout, name, rank, global_batch)
-            phase1.append(
-                BoundaryCall(f"{name}->{lang.name}", "forward", src=coord_of(m, rank).pp == m.pp - 1, dst=lc.pp == 0)
-            )
-        phase2: list = [StateMove("offload", who.encoders)] if offload_encoders and who.encoders else []
-        lrows = dp_rows(global_batch, lang.dp, lc.dp)
-        if who.outputs:
-            phase2.append(
-                LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, 0, lrows, forward_only=True)
-            )
-            for name in who.outputs:
-                om = layout.module(name)
-                edge = f"{lang.name}->{name}"
-                phase2 += [
-                    BoundaryCall(edge, "forward", src=lc.pp == lang.pp - 1, dst=True),
-                    OutputStep(name, dp_rows(global_batch, om.dp, coord_of(om, rank).dp)),
-                    BoundaryCall(edge, "backward", src=lc.pp == lang.pp - 1, dst=True),
-                ]
-        phase2 += [
-            LanguagePhase(
-                lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, min(mbs.count, lang.pp - lc.pp - 1), lrows
-            )
-        ]
-        phase3: list = [StateMove("restore", who.encoders)] if offload_encoders and who.encoders else []
-        for name in reversed(who.encoders):
-            m = layout.module(name)
-            phase3.append(
-                BoundaryCall(f"{name}->{lang.name}", "backward", src=coord_of(m, rank).pp == m.pp - 1, dst=lc.pp == 0)
-            )
-            phase3 += _encoder_backward(layout, name, rank, global_batch)
-        close = [Collective("grad-sync"), Collective("optimizer"), Collective("loss-reduce")]
-        tables[rank] = ColocatedTable(
-            rank,
-            (
-                ("phase 1", tuple(phase1)),
-                ("phase 2", tuple(phase2)),
-                ("phase 3", tuple(phase3)),
-                ("close", tuple(close)),
-            ),
+    return mbs
+
+
+def colocated_table(
+    layout: HeteroLayout,
+    rank: int,
+    global_batch: int,
+    micro_batch_size: int,
+    offload_encoders: bool = False,
+    who: Optional[Roles] = None,
+    checked: Optional[MicroBatching] = None,
+) -> ColocatedTable:
+    """Rank `rank`'s table of a resolved colocated layout (see the module docstring), from its own
+    coordinates only. `checked`: `check_colocated`'s result when the caller ran it (else it runs here)."""
+    who = who or layout_roles(layout)
+    mbs = checked or check_colocated(layout, global_batch, micro_batch_size, who)
+    lang = layout.module(who.first_language)
+    lc: Coord = coord_of(lang, rank)
+    phase1: list = []
+    for name in who.encoders:
+        m = layout.module(name)
+        phase1 += _encoder_forward(layout, name, rank, global_batch)
+        phase1.append(
+            BoundaryCall(f"{name}->{lang.name}", "forward", src=coord_of(m, rank).pp == m.pp - 1, dst=lc.pp == 0)
         )
-    return tables
+    phase2: list = [StateMove("offload", who.encoders)] if offload_encoders and who.encoders else []
+    lrows = dp_rows(global_batch, lang.dp, lc.dp)
+    if who.outputs:
+        phase2.append(
+            LanguagePhase(lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, 0, lrows, forward_only=True)
+        )
+        for name in who.outputs:
+            om = layout.module(name)
+            edge = f"{lang.name}->{name}"
+            phase2 += [
+                BoundaryCall(edge, "forward", src=lc.pp == lang.pp - 1, dst=True),
+                OutputStep(name, dp_rows(global_batch, om.dp, coord_of(om, rank).dp)),
+                BoundaryCall(edge, "backward", src=lc.pp == lang.pp - 1, dst=True),
+            ]
+    phase2 += [
+        LanguagePhase(
+            lang.name, lc.pp, lang.pp, mbs.count, micro_batch_size, min(mbs.count, lang.pp - lc.pp - 1), lrows
+        )
+    ]
+    phase3: list = [StateMove("restore", who.encoders)] if offload_encoders and who.encoders else []
+    for name in reversed(who.encoders):
+        m = layout.module(name)
+        phase3.append(
+            BoundaryCall(f"{name}->{lang.name}", "backward", src=coord_of(m, rank).pp == m.pp - 1, dst=lc.pp == 0)
+        )
+        phase3 += _encoder_backward(layout, name, rank, global_batch)
+    close = [Collective("grad-sync"), Collective("optimizer"), Collective("loss-reduce")]
+    return ColocatedTable(
+        rank,
+        (
+            ("phase 1", tuple(phase1)),
+            ("phase 2", tuple(phase2)),
+            ("phase 3", tuple(phase3)),
+            ("close", tuple(close)),
+        ),
+    )
+
+
+def colocated_tables(
+    layout: HeteroLayout,
+    global_batch: int,
+    micro_batch_size: int,
+    offload_encoders: bool = False,
+    who: Optional[Roles] = None,
+) -> dict[int, ColocatedTable]:
+    """{rank: its table} for every rank of a resolved colocated layout (the schedule checker's input;
+    a rank that runs needs only its own, `colocated_table`). ValueError as `check_colocated`."""
+    who = who or layout_roles(layout)
+    mbs = check_colocated(layout, global_batch, micro_batch_size, who)
+    return {
+        rank: colocated_table(layout, rank, global_batch, micro_batch_size, offload_encoders, who, mbs)
+        for rank in range(layout.world_size)
+    }
 
 
 _GLOBAL = (BoundaryCall, LanguagePhase, Collective)

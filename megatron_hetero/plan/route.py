@@ -41,7 +41,8 @@ from typing import Optional
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.plan.batch import dp_rows
 from megatron_hetero.plan.blocks import Block, BoundaryShape, Transfer
-from megatron_hetero.plan.placement import coord_of, rank_of
+from megatron_hetero.plan.interval_route import needed_blocks, owned_blocks
+from megatron_hetero.plan.placement import rank_of
 
 STEP_KINDS = ("gather", "scatter", "broadcast")
 DIRECTIONS = ("forward", "backward")
@@ -154,10 +155,13 @@ def _p2p(
     direction: str, kind: str, label: str, root: int, transfers: list[Transfer], regions: dict[int, Block]
 ) -> RouteStep:
     group = sorted({t.src for t in transfers} | {t.dst for t in transfers} | {root})
+    into: dict[int, list[Block]] = {}
+    for t in transfers:
+        into.setdefault(t.dst, []).append(t.block)
     for r, region in regions.items():  # internal invariant: each assembled rectangle is tiled exactly
-        into = [t.block for t in transfers if t.dst == r]
-        assert all(region.contains(b) for b in into), (label, r, region, into)
-        assert sum(b.numel(1) for b in into) == region.numel(1), (label, r, region, into)
+        got = into.get(r, [])
+        assert all(region.contains(b) for b in got), (label, r, region, got)
+        assert sum(b.numel(1) for b in got) == region.numel(1), (label, r, region, got)
     return RouteStep(direction, kind, label, root, tuple(group), tuple(transfers), tuple(sorted(regions.items())))
 
 
@@ -179,14 +183,9 @@ def _broadcast(
     )
 
 
-def plan_leader_route(
-    src: ModuleLayout,
-    dst: ModuleLayout,
-    shape: BoundaryShape,
-    holds: dict[int, tuple[Block, ...]],
-    needs: dict[int, tuple[Block, ...]],
-) -> LeaderRoute:
-    """The leader route of a disjoint src -> dst edge; `holds`/`needs` are the plan's ownership."""
+def plan_leader_route(src: ModuleLayout, dst: ModuleLayout, shape: BoundaryShape) -> LeaderRoute:
+    """The leader route of a disjoint src -> dst edge (the blocks each rank holds and needs are the
+    plan's ownership, `interval_route.owned_blocks` / `needed_blocks`)."""
     src_leaders, dst_leader = leaders(src, dst)
     last = src.pp - 1
     whole = Block(0, shape.batch, 0, shape.seq)
@@ -199,7 +198,7 @@ def plan_leader_route(
     if src.cp > 1:
         for d, leader in enumerate(src_leaders):
             members = [rank_of(src, cp=k, dp=d, pp=last) for k in range(src.cp)]
-            pieces = [Transfer(m, leader, b) for m in members for b in holds[m]]
+            pieces = [Transfer(m, leader, b) for m in members for b in owned_blocks(src, m, shape)]
             fwd.append(
                 _p2p("forward", "gather", f"source CP gather ({src.name} dp{d})", leader, pieces, {leader: shards[d]})
             )
@@ -241,14 +240,15 @@ def plan_leader_route(
             )
 
     bwd: list[RouteStep] = []
-    suppliers = [r for r in sorted(needs) if coord_of(dst, r).tp == 0 and needs[r]]
+    # the destination's TP-0 ranks of its first stage, in rank order (dp slowest, then cp)
+    tp0 = [rank_of(dst, cp=c, dp=d) for d in range(dst.dp) for c in range(dst.cp)]
     bwd.append(
         _p2p(
             "backward",
             "gather",
             f"gradient gather ({dst.name} tp0)",
             dst_leader,
-            [Transfer(r, dst_leader, b) for r in suppliers for b in needs[r]],
+            [Transfer(r, dst_leader, b) for r in tp0 for b in needed_blocks(dst, r, shape)],
             {dst_leader: whole},
         )
     )

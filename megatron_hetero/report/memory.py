@@ -5,7 +5,7 @@ Pure: no torch."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner.memory import (
@@ -21,11 +21,11 @@ OPTIM_FLAGS = ("optimizer", "bf16", "fp16", "use_distributed_optimizer")
 JOB_FLAGS = ("sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
-def memory_rows(args: Any, layout: HeteroLayout) -> list[dict[str, Any]]:
+def memory_rows(args: Any, layout: HeteroLayout, ranks: Optional[Iterable[int]] = None) -> list[dict[str, Any]]:
     """Per rank: {rank, predicted_state_bytes, predicted_activation_bytes, predicted_peak_bytes (the
     most at one moment: less than their sum with --hetero-offload-encoder), state (per module: params,
-    grads, optimizer), activations (per module)} for `train` with these flags on `layout`. ValueError
-    for bad sizes or batches."""
+    grads, optimizer), activations (per module)} for `train` with these flags on `layout` (every rank,
+    or the given `ranks`). ValueError for bad sizes or batches."""
     from megatron_hetero.layout.flags import values
     from megatron_hetero.layout.validate import check_recompute
     from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec, spec_from_flags
@@ -50,7 +50,7 @@ def memory_rows(args: Any, layout: HeteroLayout) -> list[dict[str, Any]]:
         distributed_optimizer=bool(o["use_distributed_optimizer"]),
     )
     rows = []
-    for r in range(layout.world_size):
+    for r in range(layout.world_size) if ranks is None else ranks:
         state = rank_state_bytes(layout, spec, r, features)
         acts = rank_activation_bytes(
             layout, spec, r, global_batch, micro_batch, bool(j["sequence_parallel"]), recompute

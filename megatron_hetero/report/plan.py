@@ -99,7 +99,7 @@ def layout_json(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[di
     }
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
@@ -146,10 +146,10 @@ def layout_text(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[di
             + (f" x{p.factor}" if p.factor > 1 else "")
             + f"  [batch {s.batch}, seq {s.seq}, hidden {s.hidden}] x {s.dtype_bytes} B",
             f"  source ranks {list(p.src_ranks)} -> destination ranks {list(p.dst_ranks)}",
-            f"  forward : moves {_fmt_bytes(p.planned_bytes('forward'))} (minimum {_fmt_bytes(p.min_bytes_forward)})",
-            f"  backward: moves {_fmt_bytes(p.planned_bytes('backward'))} (minimum {_fmt_bytes(p.min_bytes_backward)})",
+            f"  forward : moves {fmt_bytes(p.planned_bytes('forward'))} (minimum {fmt_bytes(p.min_bytes_forward)})",
+            f"  backward: moves {fmt_bytes(p.planned_bytes('backward'))} (minimum {fmt_bytes(p.min_bytes_backward)})",
             "  modes   : "
-            + ", ".join(f"{k} {_fmt_bytes(c.bytes)} in {c.hops} serial hops" for k, c in p.costs.items())
+            + ", ".join(f"{k} {fmt_bytes(c.bytes)} in {c.hops} serial hops" for k, c in p.costs.items())
             + f"; recommended {p.recommended_mode}",
             f"  leaders : source {list(p.src_leaders)}, destination {p.dst_leader}",
         ]

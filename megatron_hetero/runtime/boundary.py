@@ -3,8 +3,10 @@
 `Boundary(layout, edge, ...)` is built identically on every rank; calling it runs the edge's
 transform for this rank as one `torch.autograd.Function` (`_BoundaryFunction`, whose docstring
 lists exactly what goes over the wire in each mode and direction). Every rank, block and byte
-count comes from the pure plan (`plan.boundary.plan_boundary`, and for the hierarchical mode its
-`route` of `plan/route.py`); this file only moves tensors.
+count comes from this rank's pure plan (`plan.boundary_rank.plan_rank_boundary`: its own sends,
+receives and local copies, never the other ranks'; for the hierarchical mode also the edge's leader
+`route` of `plan/route.py`), one per sequence length, cached in a `BoundaryPlanCache` that the
+boundaries of one schedule share; this file only moves tensors.
 
 Two modes:
 - "direct" (default; the only mode of a colocated edge): point-to-point messages between the
@@ -36,14 +38,14 @@ import torch.distributed as dist
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.spec import Edge, HeteroLayout
 from megatron_hetero.plan.blocks import Block, Transfer, local_extent
-from megatron_hetero.plan.boundary import MODES, BoundaryPlan, BoundaryShape, check_shape, plan_boundary
+from megatron_hetero.plan.boundary import MODES, BoundaryShape, check_shape
+from megatron_hetero.plan.boundary_rank import BoundaryPlanCache, RankBoundaryPlan
 from megatron_hetero.runtime.hierarchical import run_route
 from megatron_hetero.runtime.wire import (
     CODE_DTYPES,
     DTYPE_CODES,
     HEADER_LEN,
     WireStats,
-    by_peer,
     copy_local,
     header,
     p2p,
@@ -87,6 +89,7 @@ class Boundary:
         device: Optional[torch.device] = None,
         topology: Optional["Topology"] = None,
         headers: bool = True,
+        plans: Optional[BoundaryPlanCache] = None,
     ) -> None:
         edge = Edge.parse(edge) if isinstance(edge, str) else edge
         if edge not in layout.edges:
@@ -122,14 +125,18 @@ class Boundary:
         self.rank = dist.get_rank()
         self.tag = layout.edges.index(edge)
         self.stats = {"forward": WireStats(), "backward": WireStats()}
-        self._plans: dict[int, BoundaryPlan] = {}
+        if plans is not None and (plans.rank != self.rank or plans.layout != layout):
+            raise ValueError(f"edge {edge}: the plan cache is for another layout or rank")
+        # this rank's plans, one per sequence length (shared with the other boundaries of a schedule)
+        self.plans = plans if plans is not None else BoundaryPlanCache(layout, self.rank)
+        self._plans: dict[int, RankBoundaryPlan] = {}
         # The peers never depend on the sequence length: learn them from a canonical plan.
         canon = self.plan_for(seq if seq is not None else self._canonical_seq())
-        self.is_src = self.rank in canon.src_ranks  # the source module's last stage
-        self.is_dst = self.rank in canon.dst_ranks  # the destination module's first stage
-        self.fwd_recv_peers = sorted({t.src for t in canon.recvs(self.rank)})
+        self.is_src = canon.is_src  # the source module's last stage
+        self.is_dst = canon.is_dst  # the destination module's first stage
+        self.fwd_recv_peers = sorted({t.src for t in canon.recvs("forward")})
         # The sample rows this rank holds as a source (the plan's DP rule; independent of seq).
-        held = canon.holds.get(self.rank, ())
+        held = canon.holds
         self._src_rows = held[0].b1 - held[0].b0 if held else 0
         # Hierarchical mode: the plan's leader route, and the process group of every broadcast step
         # this rank is a member of (steps and membership do not depend on the sequence length).
@@ -151,8 +158,8 @@ class Boundary:
                 n = n * 2 * m.cp
         return n
 
-    def plan_for(self, seq: int) -> BoundaryPlan:
-        """The (cached) plan of this edge for sequence length `seq`; ValueError on a bad shape."""
+    def plan_for(self, seq: int) -> RankBoundaryPlan:
+        """This rank's (cached) plan of the edge for sequence length `seq`; ValueError on a bad shape."""
         if seq not in self._plans:
             shape = BoundaryShape(
                 self.batch,
@@ -163,7 +170,7 @@ class Boundary:
                 dst_offset=self.dst_offset,
             )
             check_shape(self.edge, self.src, self.dst, shape)
-            self._plans[seq] = plan_boundary(self.layout, self.edge, shape)
+            self._plans[seq] = self.plans.get(self.edge, shape, with_route=self.mode == "hierarchical")
         return self._plans[seq]
 
     # -- the call ---------------------------------------------------------------------------
@@ -218,7 +225,7 @@ class Boundary:
 
     def _phase(
         self,
-        plan: BoundaryPlan,
+        plan: RankBoundaryPlan,
         direction: str,
         have: Optional[torch.Tensor],
         have_blocks: tuple[Block, ...],
@@ -228,8 +235,7 @@ class Boundary:
         """The payload phase of `direction` on this rank, not yet on the wire: `have` (this rank's
         blocks) packed per destination peer, a buffer per source peer, and `finish` to assemble what
         this rank wants from local copies and the received pieces (None if it wants nothing)."""
-        transfers = plan.forward if direction == "forward" else plan.backward
-        sends, recvs = by_peer(transfers, self.rank)
+        sends, recvs = plan.peers(direction)
         payloads = {p: pack(have, have_blocks, ts) for p, ts in sends.items()}
         bufs = {p: torch.empty(self._numel(ts), dtype=self.dtype, device=self.device) for p, ts in recvs.items()}
         sent = sum(v.numel() * v.element_size() for v in payloads.values())
@@ -239,7 +245,7 @@ class Boundary:
             if not want_blocks:
                 return None
             out = torch.empty(*local_extent(want_blocks), self.hidden, dtype=self.dtype, device=self.device)
-            copy_local(out, want_blocks, have, have_blocks, plan.local_copies(self.rank, direction))
+            copy_local(out, want_blocks, have, have_blocks, plan.local_copies(direction))
             for p, ts in recvs.items():
                 unpack(out, want_blocks, ts, bufs[p])
             return out
@@ -248,7 +254,7 @@ class Boundary:
 
     def _move(
         self,
-        plan: BoundaryPlan,
+        plan: RankBoundaryPlan,
         direction: str,
         have: Optional[torch.Tensor],
         have_blocks: tuple[Block, ...],
@@ -267,16 +273,19 @@ class Boundary:
         )
         return ph.finish()
 
-    def _run_route(self, plan: BoundaryPlan, direction: str, have: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _run_route(
+        self, plan: RankBoundaryPlan, direction: str, have: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
         """Hierarchical mode: run the plan's leader-route steps of `direction` on this rank."""
         start, want = (plan.holds, plan.needs) if direction == "forward" else (plan.needs, plan.holds)
         sides = (self.is_src, self.is_dst) if direction == "forward" else (self.is_dst, self.is_src)
+        assert plan.route is not None  # planned with the route in hierarchical mode
         out, sent = run_route(
             plan.route.steps(direction),
             rank=self.rank,
             have=have if sides[0] else None,
-            have_blocks=start.get(self.rank, ()),
-            want_blocks=want.get(self.rank, ()) if sides[1] else None,
+            have_blocks=start,
+            want_blocks=want if sides[1] else None,
             groups=self._groups[direction],
             hidden=self.hidden,
             dtype=self.dtype,
@@ -307,7 +316,7 @@ class Boundary:
         hdr_send: dict[int, torch.Tensor] = {}
         if self.is_src:
             own_seq = self._check_source(x)
-            sends, _ = by_peer(self.plan_for(own_seq).forward, self.rank)
+            sends, _ = self.plan_for(own_seq).peers("forward")
             hdr_send = {
                 p: header(own_seq, self.hidden, self.dtype, self._numel(ts)).to(self.device) for p, ts in sends.items()
             }
@@ -327,15 +336,15 @@ class Boundary:
             )
         seq = next(iter(seqs.values()))
         plan = self.plan_for(seq)
-        _, recvs = by_peer(plan.forward, self.rank)
+        _, recvs = plan.peers("forward")
         for p, h in hdr.recvs.items():
             self._check_header(p, h, self._numel(recvs.get(p, [])))
         ph = self._phase(
             plan,
             "forward",
             x.detach() if x is not None else None,
-            plan.holds.get(self.rank, ()),
-            plan.needs.get(self.rank, ()),
+            plan.holds,
+            plan.needs,
             headers=len(hdr.sends) * HEADER_LEN * 8,
         )
         return ph, seq
@@ -360,8 +369,8 @@ class Boundary:
             plan,
             "forward",
             x.detach() if x is not None else None,
-            plan.holds.get(self.rank, ()),
-            plan.needs.get(self.rank, ()),
+            plan.holds,
+            plan.needs,
         )
         return ph, seq
 
@@ -369,7 +378,7 @@ class Boundary:
         """Direct mode, backward (not yet on the wire): destination gradients back to every source
         replica; no header phase (the shapes are known from the forward)."""
         plan = self.plan_for(seq)
-        return self._phase(plan, "backward", grad_y, plan.needs.get(self.rank, ()), plan.holds.get(self.rank, ()))
+        return self._phase(plan, "backward", grad_y, plan.needs, plan.holds)
 
     def forward_exchange(self, x: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
         """Forward transform (header phase, then payload phase); returns (output or None, global seq).

@@ -43,6 +43,7 @@ from megatron_hetero.plan.colocated import (
     StateMove,
 )
 from megatron_hetero.plan.rank_plan import RankPlan
+from megatron_hetero.plan.boundary_rank import BoundaryPlanCache
 from megatron_hetero.runtime.boundary import Boundary
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.faults import fault_point
@@ -76,6 +77,7 @@ class ColocatedSchedule:
         self.lang = states[self.lang_name]
         g = plan.global_batch
         self.boundaries: dict[str, Boundary] = {}
+        plans = BoundaryPlanCache(plan.layout, plan.rank)  # this rank's boundary plans, shared by the edges
         edges = [Edge(n, self.lang_name) for n in plan.roles.encoders]
         edges += [Edge(self.lang_name, n) for n in plan.roles.outputs]
         for edge in edges:
@@ -93,6 +95,7 @@ class ColocatedSchedule:
                 device=get_device(),
                 topology=topo,
                 headers=t.seq is None,
+                plans=plans,
             )
         self.offloaders = {n: Offloader(states[n].state_tensors) for n in plan.roles.encoders}
         # Resident state changes between the phases only when the table moves state (offload); else it

@@ -55,6 +55,7 @@ from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable
+from megatron_hetero.plan.boundary_rank import BoundaryPlanCache
 from megatron_hetero.runtime.boundary import Boundary, Phase
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.faults import fault_point
@@ -121,6 +122,7 @@ class DisjointSchedule:
         self.is_loss_stage = self.name in runner.loss_modules() and self.me.last_stage
         # One Boundary per module edge this stage sends on or receives from.
         self.boundaries: dict[Link, Boundary] = {}
+        self._plans = BoundaryPlanCache(self.layout, self.rank)  # this rank's boundary plans, shared by the edges
         links = {a.link for a in self.table.actions if isinstance(a, (SendAct, RecvAct))}
         for lk in sorted(links):
             if lk.src.module != lk.dst.module:
@@ -140,6 +142,7 @@ class DisjointSchedule:
             dtype=t.dtype,
             timeout_s=self.timeout_s,
             device=self.device,
+            plans=self._plans,
         )
 
     def close(self) -> None:

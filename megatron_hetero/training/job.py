@@ -366,10 +366,11 @@ def quiet_upstream_warnings() -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
 
 
-def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[str, Any]]:
-    """Validate `job` on `layout`, fork one rank per layout rank on the local host (gloo on CPU, NCCL on
-    GPU), train, and return the merged per-iteration records. ValueError before any rank starts;
-    `runtime.launcher.RankFailure` / `RankTimeout` when a rank fails or hangs."""
+def run_local(layout: HeteroLayout, job, timeout: float = 3600.0, validated: bool = False) -> list[dict[str, Any]]:
+    """Validate `job` on `layout` (unless the caller did: `validated`), fork one rank per layout rank on
+    the local host (gloo on CPU, NCCL on GPU), train, and return the merged per-iteration records.
+    ValueError before any rank starts; `runtime.launcher.RankFailure` / `RankTimeout` when a rank
+    fails or hangs."""
     import signal
 
     from megatron_hetero.compat import default_backend, require_compat
@@ -377,7 +378,8 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
-    validate_job(layout, job)
+    if not validated:
+        validate_job(layout, job)
     require_compat("training.job.run_local")
     lines = _LinesFromRanks() if job.log_interval or job.progress else None
     try:
@@ -400,11 +402,14 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0) -> list[dict[s
     return merge_records(per_rank)
 
 
-def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[list[dict[str, Any]]]:
+def run_as_rank(
+    layout: HeteroLayout, job, env, timeout_s: float, validated: bool = False
+) -> Optional[list[dict[str, Any]]]:
     """Run `job` as the one rank `env` (a `launch.rank_env.RankEnv`: torchrun, srun) describes:
     join the job's process group through env:// (the launcher's rendezvous address, never a local
     default), train, and gather every rank's records. Returns the merged records on global rank 0,
-    None elsewhere. ValueError (every rank says the same) before any group exists."""
+    None elsewhere. ValueError (every rank says the same) before any group exists; `validated`: this
+    process already ran `validate_job` on the job (it runs once per process)."""
     import socket
     from datetime import timedelta
 
@@ -417,7 +422,8 @@ def run_as_rank(layout: HeteroLayout, job, env, timeout_s: float) -> Optional[li
     from megatron_hetero.training.trainer import train_rank
 
     check_world_size(env, layout.world_size)
-    validate_job(layout, job)
+    if not validated:
+        validate_job(layout, job)
     apply_rank_env(env)
     require_compat("training.job.run_as_rank")
     backend = default_backend()

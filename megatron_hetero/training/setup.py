@@ -22,7 +22,7 @@ from megatron_hetero.models.llava import (
     data_config,
     language_modules,
 )
-from megatron_hetero.plan.rank_plan import RankPlan, rank_plans
+from megatron_hetero.plan.rank_plan import RankPlan, check_rank_plans
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.training.config import JobConfig, job_recompute
 
@@ -107,8 +107,9 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             raise ValueError(f"module {m.name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
     if job.offload_encoder and layout.placement != "colocated":
         raise ValueError("--hetero-offload-encoder applies to the colocated schedule only")
-    # Batch arithmetic and the schedule tables (colocated phases, disjoint 1F1B) of every rank.
-    rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+    # Batch arithmetic and the schedule tables (colocated phases, disjoint 1F1B per stage): arithmetic on
+    # module degrees, once per process; each rank then builds only its own plan (`rank_plan`).
+    check_rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
     for name, enc in spec.encoders.items():
         m = layout.module(name)
         if enc.num_layers % m.pp:

@@ -966,8 +966,8 @@ def test_huge_disjoint_degree_does_not_exhaust_memory() -> None:
         except BaseException as exc:
             print("OTHER", type(exc).__name__)
     """)
-    colocated = layout_from_dict({"placement": "colocated", "modules": {"vision": {"tp": 2**40}}})
-    assert colocated.world_size == 2**40  # the colocated path resolves arithmetically
+    with pytest.raises(ValueError, match=r"beyond the largest world a layout may have, 1048576 = 2\*\*20 ranks"):
+        layout_from_dict({"placement": "colocated", "modules": {"vision": {"tp": 2**40}}})  # refused at once
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.startswith(("OK", "VALUEERROR")), (out.stdout, out.stderr[-2000:])
 
@@ -1043,3 +1043,25 @@ def test_job_recompute_flags():
     assert job_recompute(job) == Recompute("full", "block", 2)
     with pytest.raises(ValueError, match="need --recompute-granularity full"):
         job_recompute(JobConfig(recompute_num_layers=1))
+
+
+def test_world_beyond_the_bound_is_refused() -> None:
+    """A world above 2**20 ranks is refused at resolution, by arithmetic: one module too large, disjoint
+    islands that add up beyond it, or a --world-size beyond it; 2**20 itself resolves."""
+    from megatron_hetero.layout.degrees import MAX_WORLD_SIZE
+
+    assert MAX_WORLD_SIZE == 2**20
+    bound = r"beyond the largest world a layout may have, 1048576 = 2\*\*20 ranks"
+    with pytest.raises(
+        ValueError,
+        match=r"module vision: tp\(1\)\*cp\(1\)\*pp\(1\)\*dp\(1000000000000\)=1000000000000 ranks is " + bound,
+    ):
+        layout_from_dict({"placement": "colocated", "modules": {"vision": {"dp": 10**12}}})
+    halves = {"placement": "disjoint", "modules": {"vision": {"dp": 2**20}, "language": {"tp": 8}}}
+    with pytest.raises(
+        ValueError, match=r"the modules need 1048584 ranks \(vision 0-1048575, language 1048576-1048583\), " + bound
+    ):
+        layout_from_dict(halves)
+    with pytest.raises(ValueError, match=r"world size 1048577 is " + bound):
+        layout_from_dict({"placement": "colocated", "modules": {"vision": {}}}, world_size=2**20 + 1)
+    assert layout_from_dict({"placement": "colocated", "modules": {"vision": {"dp": 2**20}}}).world_size == 2**20

@@ -135,3 +135,28 @@ def test_rank_plan_peers_and_disjoint_tables():
         rank_plan(lay, 99, 8, 2)
     with pytest.raises(ValueError, match=r"not divisible by dp\(2\)"):
         rank_plans(lay, 8, 1)
+
+
+@pytest.mark.parametrize("path", sorted(LAYOUTS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_one_rank_plan_is_that_rank_of_every_ranks_plans(path: Path):
+    """`rank_plan` computes one rank's plan from its own coordinates; it equals that rank's entry of
+    the whole world's `rank_plans`, and a batch the layout cannot split fails both with one message."""
+    from megatron_hetero.plan.rank_plan import check_rank_plans
+
+    lay = load_layout(path)
+    valid = 0
+    for g, mbs, offload in ((8, 1, False), (16, 2, True), (24, 4, False), (32, 1, True), (6, 1, False)):
+        offload = offload and lay.placement == "colocated"
+        try:
+            every = rank_plans(lay, g, mbs, offload)
+        except ValueError as exc:
+            with pytest.raises(ValueError) as one:
+                rank_plan(lay, 0, g, mbs, offload)
+            assert str(one.value) == str(exc)
+            continue
+        valid += 1
+        checked = check_rank_plans(lay, g, mbs, offload)
+        for r in range(lay.world_size):
+            assert rank_plan(lay, r, g, mbs, offload) == every[r]
+            assert rank_plan(lay, r, g, mbs, offload, checked=checked) == every[r]
+    assert valid, "no batch of the list fits the layout: the test compared nothing"

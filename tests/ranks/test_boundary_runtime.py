@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.plan.boundary import plan_boundary
 from megatron_hetero.runtime.boundary import Boundary
 from megatron_hetero.runtime.launcher import RankFailure, run_ranks
 from megatron_hetero.runtime.topology import Topology  # imported here, not in the forked ranks
@@ -50,10 +51,10 @@ def _run_edge(
         plan = bnd.plan_for(seq)
         x = None
         if bnd.is_src:
-            x = _gather(plan.holds[rank], X).clone().requires_grad_(True)
+            x = _gather(plan.holds, X).clone().requires_grad_(True)
         y = bnd(x)
         if bnd.is_dst:
-            need = plan.needs[rank]
+            need = plan.needs
             if need:
                 assert torch.equal(y, _gather(need, X)), f"rank {rank}: forward value differs"
                 (y * _gather(need, W)).sum().backward()
@@ -64,13 +65,14 @@ def _run_edge(
             Boundary.backward_source(y)
         if bnd.is_src:
             assert x.grad is not None, f"rank {rank}: no gradient reached the source"
-            expect = _gather(plan.holds[rank], W)
+            expect = _gather(plan.holds, W)
             assert torch.equal(x.grad, expect), f"rank {rank}: gradient differs: max {(x.grad - expect).abs().max()}"
         out["sent_fwd"].append(bnd.stats["forward"].per_call[-1] if bnd.stats["forward"].per_call else 0)
         out["sent_bwd"].append(bnd.stats["backward"].per_call[-1] if bnd.stats["backward"].per_call else 0)
-        out["planned_fwd"] = plan.bytes_sent_per_rank("forward").get(rank, 0)
-        out["planned_bwd"] = plan.bytes_sent_per_rank("backward").get(rank, 0)
-        out["min_fwd"], out["min_bwd"] = plan.min_bytes_forward, plan.min_bytes_backward
+        whole = plan_boundary(layout, edge, plan.shape)  # the whole edge's plan: the runtime plans this rank's part
+        out["planned_fwd"] = whole.bytes_sent_per_rank("forward").get(rank, 0)
+        out["planned_bwd"] = whole.bytes_sent_per_rank("backward").get(rank, 0)
+        out["min_fwd"], out["min_bwd"] = whole.min_bytes_forward, whole.min_bytes_backward
     out["header_bytes"] = bnd.stats["forward"].header_bytes
     return out
 
@@ -247,24 +249,25 @@ def _run_hier(doc: dict, batch: int, seq: int, hidden: int, dst_seq=None, dst_of
         g = torch.Generator().manual_seed(7)
         X, W = torch.randn(batch, seq, hidden, generator=g), torch.randn(batch, seq, hidden, generator=g)
         plan = bnd.plan_for(seq)
-        x = _gather(plan.holds[rank], X).clone().requires_grad_(True) if bnd.is_src else None
+        x = _gather(plan.holds, X).clone().requires_grad_(True) if bnd.is_src else None
         y = bnd(x)
         if bnd.is_dst:
-            if plan.needs[rank]:
-                assert torch.equal(y, _gather(plan.needs[rank], X)), f"rank {rank}: forward differs"
-                (y * _gather(plan.needs[rank], W)).sum().backward()
+            if plan.needs:
+                assert torch.equal(y, _gather(plan.needs, X)), f"rank {rank}: forward differs"
+                (y * _gather(plan.needs, W)).sum().backward()
             else:
                 assert y.numel() == 0
                 y.sum().backward()
         elif bnd.is_src:
             Boundary.backward_source(y)
         if bnd.is_src:
-            assert torch.equal(x.grad, _gather(plan.holds[rank], W)), f"rank {rank}: gradient differs"
+            assert torch.equal(x.grad, _gather(plan.holds, W)), f"rank {rank}: gradient differs"
         first = {d: (bnd.stats[d].per_call or [0])[0] for d in ("forward", "backward")}  # 0: on neither side
+        whole = plan_boundary(layout, layout.edges[0], plan.shape)
         return {
             "fwd": first["forward"],
-            "planned": plan.costs["hierarchical"].bytes,
-            "direct": plan.costs["direct"].bytes,
+            "planned": whole.costs["hierarchical"].bytes,
+            "direct": whole.costs["direct"].bytes,
             "bwd": first["backward"],
             "planned_fwd_rank": plan.route.bytes_sent_per_rank("forward").get(rank, 0),
             "planned_bwd_rank": plan.route.bytes_sent_per_rank("backward").get(rank, 0),
@@ -337,7 +340,6 @@ def test_hierarchical_dead_source_leader_gives_timeout_naming_edge_rank_and_peer
 def _variable_seq() -> list:
     """One boundary, three calls with different sequence lengths: destinations learn each length
     from the headers and still receive exactly their blocks; gradients still match."""
-    rank = dist.get_rank()
     layout = layout_from_dict(_lay("disjoint", {"tp": 2, "dp": 1}, {"cp": 2, "dp": 2}), world_size=6)
     bnd = Boundary(layout, "vision->language", batch=4, hidden=3, timeout_s=30)
     seen = []
@@ -345,15 +347,15 @@ def _variable_seq() -> list:
         g = torch.Generator().manual_seed(seq)
         X, W = torch.randn(4, seq, 3, generator=g), torch.randn(4, seq, 3, generator=g)
         plan = bnd.plan_for(seq)
-        x = _gather(plan.holds[rank], X).clone().requires_grad_(True) if bnd.is_src else None
+        x = _gather(plan.holds, X).clone().requires_grad_(True) if bnd.is_src else None
         y = bnd(x)
         if bnd.is_dst:
-            assert torch.equal(y, _gather(plan.needs[rank], X))
-            (y * _gather(plan.needs[rank], W)).sum().backward()
+            assert torch.equal(y, _gather(plan.needs, X))
+            (y * _gather(plan.needs, W)).sum().backward()
             seen.append(y.shape[1])
         else:
             Boundary.backward_source(y)
-            assert torch.equal(x.grad, _gather(plan.holds[rank], W))
+            assert torch.equal(x.grad, _gather(plan.holds, W))
     return seen
 
 
