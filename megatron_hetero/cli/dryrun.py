@@ -50,6 +50,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         action="store_true",
         help="skip Megatron's MIMO grids (megatron_baseline_s) and the homogeneous grid",
     )
+    g.add_argument(
+        "--state-only",
+        action="store_true",
+        help="the state bytes only: no boundary plans and no Megatron grids (a large world's memory check)",
+    )
+    g.add_argument(
+        "--regime-row",
+        default=None,
+        metavar="ENC,LLM,CONTEXT",
+        help="instead of LAYOUT and model flags: a row of `search --regime-table` (e.g. 1B,14B,8192) on the "
+        "layout the search picks at --nproc-per-node ranks, with the search's state bytes beside",
+    )
     g.add_argument("--megatron-lm", default=None, help="Megatron-LM tree with examples/mimo (default $MEGATRON_LM)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the per-rank results as JSON")
     return p
@@ -66,6 +78,13 @@ def precheck(args: argparse.Namespace) -> None:
     """The layout read and checked before torch is imported (as `train`'s precheck)."""
     from megatron_hetero.cli.train import precheck as train_precheck
 
+    if args.regime_row is not None:
+        from megatron_hetero.training.dryrun_regime import parse_row
+
+        parse_row(args.regime_row)
+        if args.nproc_per_node is None or args.layout_file or args.hetero_layout:
+            raise ValueError("--regime-row takes the world size from --nproc-per-node N and no layout")
+        return
     _layout_args(args)
     train_precheck(args)
 
@@ -93,23 +112,58 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def state_table(doc: dict) -> str:
+    """Per rank and module: the meta-built state bytes, planner.memory's and the search's, and the
+    differences (GiB; relative to built)."""
+    lines = [f"{'rank':>7} {'module':>10} {'built':>9} {'memory.py':>9} {'diff':>7} {'search':>9} {'diff':>7}"]
+    for r in doc["ranks"]:
+        for n, v in r["state_bytes"]["modules"].items():
+            b = sum(v["built"].values())
+            p = sum(v["predicted"].values()) if v.get("predicted") else None
+            s = v.get("search")
+            row = f"{r['rank']:>7} {n:>10} {_fmt_bytes(b):>9} {_fmt_bytes(p):>9} "
+            row += f"{'-' if p is None else f'{(p - b) / b:+.2%}':>7} {_fmt_bytes(s):>9} "
+            row += f"{'-' if s is None else f'{(s - b) / b:+.2%}':>7}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_hetero.layout.args import layout_from_args
     from megatron_hetero.training.dryrun_world import dry_world, parse_ranks
     from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings
 
     quiet_upstream_warnings()
-    _layout_args(args)
-    layout = layout_from_args(args, world_size=args.nproc_per_node)
-    job = job_from_args(args, layout)
+    regime = None
+    if args.regime_row is not None:
+        from megatron_hetero.training.dryrun_regime import regime_case, with_search_state
+
+        layout, job, wl, cand = regime = regime_case(args.regime_row, args.nproc_per_node)
+    else:
+        _layout_args(args)
+        layout = layout_from_args(args, world_size=args.nproc_per_node)
+        job = job_from_args(args, layout)
     ranks = parse_ranks(args.ranks, layout)
-    doc = dry_world(layout, job, ranks, jobs=args.jobs, megatron_lm=args.megatron_lm, baseline=not args.no_baseline)
+    doc = dry_world(
+        layout,
+        job,
+        ranks,
+        jobs=args.jobs,
+        megatron_lm=args.megatron_lm,
+        baseline=not (args.no_baseline or args.state_only),
+        boundaries=not args.state_only,
+    )
+    if regime is not None:
+        doc = with_search_state(doc, wl, cand, layout)
     print(
         f"megatron-hetero dryrun: {layout.world_size} ranks (fake process group), placement {layout.placement}: "
         + ", ".join(f"{m.name} {m.short()} @{m.ranks}" for m in layout.modules)
     )
     print(f"schedule check: {doc['schedule_check']['what']}: ok in {doc['schedule_check']['s']:.2f} s")
     print(table(doc))
+    if regime is not None:
+        print(f"regime row {args.regime_row}: {doc['regime']['candidate']}")
+        print(state_table(doc))
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

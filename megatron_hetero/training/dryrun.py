@@ -244,9 +244,14 @@ def _homogeneous_spec(mimo, layout: HeteroLayout, lang) -> list:
 
 
 def dry_rank(
-    layout: HeteroLayout, job: JobConfig, megatron_lm: Optional[str] = None, baseline: bool = True
+    layout: HeteroLayout,
+    job: JobConfig,
+    megatron_lm: Optional[str] = None,
+    baseline: bool = True,
+    boundaries: bool = True,
 ) -> dict[str, Any]:
-    """Train's setup of this process's rank (module docstring), on an initialised fake world.
+    """Train's setup of this process's rank (module docstring), on an initialised fake world
+    (`boundaries` False: without the boundary plans, `dryrun --state-only`).
     Returns {rank, plugin_s, groups_s, megatron_baseline_s, groups_member, groups_created,
     group_members (sorted global ranks of every group this rank is in), state_bytes {built,
     predicted, modules}, phases, plan_digest, boundaries {edge: {seq: digest}}, baseline}."""
@@ -273,12 +278,12 @@ def dry_rank(
         with _timed(phases, "rank_plan"):
             plan = rank_plan(layout, rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
         runner = LlavaStageRunner(job.spec, plan, {})
-        boundaries: dict[str, dict[str, str]] = {}
+        planned: dict[str, dict[str, str]] = {}
         with _timed(phases, "boundary"):
-            bnds = schedule_boundaries(plan, job.runtime_config(rank), topo, runner)
+            bnds = schedule_boundaries(plan, job.runtime_config(rank), topo, runner) if boundaries else {}
             for key, bnd in bnds.items():
                 seqs = runner.edge_seqs(bnd.edge)
-                boundaries[str(key)] = {str(s): boundary_digest(bnd, s) for s in seqs}
+                planned[str(key)] = {str(s): boundary_digest(bnd, s) for s in seqs}
         with _timed(phases, "modules_meta"):
             with torch.device("meta"):
                 modules = build_modules(plan, job, topo, device=torch.device("meta"))
@@ -304,6 +309,6 @@ def dry_rank(
         },
         "phases": phases,
         "plan_digest": plan_digest,
-        "boundaries": boundaries,
+        "boundaries": planned,
         "baseline": base,
     }

@@ -71,13 +71,13 @@ def _one_rank(task: tuple) -> dict[str, Any]:
 
     from megatron_hetero.training.dryrun import dry_rank
 
-    rank, layout, job, megatron_lm, baseline = task
+    rank, layout, job, megatron_lm, baseline, boundaries = task
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
     init_s = time.perf_counter() - t0
     try:
-        out = dry_rank(layout, job, megatron_lm=megatron_lm, baseline=baseline)
+        out = dry_rank(layout, job, megatron_lm=megatron_lm, baseline=baseline, boundaries=boundaries)
     finally:
         dist.destroy_process_group()
     out["phases"]["init_fake_world"] = init_s
@@ -115,10 +115,11 @@ def dry_world(
     jobs: int = 2,
     megatron_lm: Optional[str] = None,
     baseline: bool = True,
+    boundaries: bool = True,
 ) -> dict[str, Any]:
     """Validate the job (train's `validate_job`: ValueError before any process starts), check the
     world's schedule once, then run `dry_rank` for each of `ranks` in its own forked process, at most
-    `jobs` at a time. Returns {world_size, placement, schedule_check, ranks: [per-rank dicts]}."""
+    `jobs` at a time (`boundaries` False: no boundary plans, `baseline` False: no Megatron grids). Returns {world_size, placement, schedule_check, ranks: [per-rank dicts]}."""
     from megatron_hetero.training.setup import validate_job
 
     if not isinstance(jobs, int) or jobs < 1:
@@ -128,7 +129,7 @@ def dry_world(
     validate_s = time.perf_counter() - t0
     check = schedule_check(layout, job)
     ctx = multiprocessing.get_context("fork")
-    tasks = [(r, layout, job, megatron_lm, baseline) for r in ranks]
+    tasks = [(r, layout, job, megatron_lm, baseline, boundaries) for r in ranks]
     t0 = time.perf_counter()
     with ctx.Pool(processes=min(jobs, len(tasks)), maxtasksperchild=1) as pool:
         results = pool.map(_one_rank, tasks, chunksize=1)
