@@ -1,5 +1,6 @@
-"""`megatron-hetero dryrun` against the real thing: every rank of a world-4 colocated and a world-8
-disjoint layout (the second with the distributed optimizer), dry-run on the fake process group in
+"""`megatron-hetero dryrun` against the real thing: every rank of a world-4 colocated, a world-8
+colocated one with modules of equal shape (one set of groups for both) and a world-8 disjoint layout
+(with the distributed optimizer), dry-run on the fake process group in
 processes of their own, builds what the real fork-launched ranks of `train` build in their Session
 (gloo): the same rank plan, the same boundary plans, the same process groups (created, and the rank
 sets of those this rank belongs to: from the real groups' own ranks) and the same state bytes
@@ -33,9 +34,16 @@ DISJ8 = {
     },
     "edges": ["vision -> language"],
 }
+# colocated modules of equal shape: one set of groups, both modules' collections over it
+EQUAL8 = {
+    "placement": "colocated",
+    "modules": {"vision": {"tp": 2, "pp": 2, "dp": 2}, "language": {"tp": 2, "pp": 2, "dp": 2}},
+    "edges": ["vision -> language"],
+}
 PLAIN = OptimConfig(adam_eps=1e-5)
 CASES = {
     "colocated-4": (COLOC4, 4, JobConfig(train_iters=1, optim=PLAIN)),
+    "colocated-equal-8": (EQUAL8, 8, JobConfig(train_iters=1, optim=PLAIN)),
     "disjoint-8": (
         DISJ8,
         8,
@@ -75,7 +83,12 @@ def _real_rank(layout, job) -> dict:
                 "grads": grads,
                 "optimizer": st.optimizer_state_bytes(),
             }
+        shared = None
+        if len(s.states) == 2:
+            a, b = (st.pgs for st in s.states.values())
+            shared = all(getattr(a, f) is getattr(b, f) for f in ("tp", "cp", "dp", "pp", "dp_cp", "mp", "expt_dp"))
         return {
+            "shared": shared,
             "created": gc.created,
             "member": member,
             "plan": _digest(s.plan),
@@ -109,6 +122,8 @@ def test_dryrun_builds_what_the_real_ranks_build(case: str) -> None:
         for n, want in r["state"].items():
             assert mods[n]["built"] == want, (rank, n, mods[n]["built"], want)
         assert d["state_bytes"]["built"] == sum(sum(v.values()) for v in r["state"].values())
+        if case == "colocated-equal-8":  # no duplicate grid: both modules' collections hold the same groups
+            assert r["shared"] is True, rank
     if case == "disjoint-8":  # the distributed optimizer shards Adam's state over the module's DP
         v = dry["ranks"][0]["state_bytes"]["modules"]["vision"]["built"]
         assert 0 < v["optimizer"] < 2 * v["grads"]
