@@ -255,7 +255,6 @@ def dry_rank(
     Returns {rank, plugin_s, groups_s, megatron_baseline_s, groups_member, groups_created,
     group_members (sorted global ranks of every group this rank is in), state_bytes {built,
     predicted, modules}, phases, plan_digest, boundaries {edge: {seq: digest}}, baseline}."""
-    from megatron_hetero.compat.device import default_backend  # noqa: F401 - compat is applied
     from megatron_hetero.plan.rank_plan import rank_plan
     from megatron_hetero.planner.memory import rank_state_bytes
     from megatron_hetero.runtime.schedules import schedule_boundaries
