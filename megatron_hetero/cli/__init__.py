@@ -37,6 +37,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_INVALID = 0, 1, 2
 SUBCOMMANDS: tuple[str, ...] = (
     "plan",
     "train",
+    "dryrun",
     "schedule",
     "profile",
     "search",

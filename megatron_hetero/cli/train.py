@@ -75,13 +75,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """train's flags, generated from the fields that declare them (defaults and help live there):
     the model's (`cli.model_flags`), the architecture's (`cli.arch_flags`), the data's (`cli.data`),
     the job's (`training.config.train_flag_fields`) and the layout's (`layout.args.add_hetero_args`)."""
+
+    p = sub.add_parser(NAME, help="train the tiny LLaVA-style model on a heterogeneous layout")
+    add_train_flags(p)
+    return p
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """Every flag of train on parser `p` (`dryrun` takes the same ones)."""
     from megatron_hetero.cli.arch_flags import add_arch_flags
     from megatron_hetero.cli.data import add_train_data_flags
     from megatron_hetero.layout.args import add_hetero_args
     from megatron_hetero.layout.flags import add_flags
     from megatron_hetero.training.config import train_flag_fields
 
-    p = sub.add_parser(NAME, help="train the tiny LLaVA-style model on a heterogeneous layout")
     add_model_flags(p)
     add_arch_flags(p)
     add_train_data_flags(p)
@@ -97,7 +104,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "(Megatron-core's own modules, the default) or transformer_engine (its Transformer Engine layer "
         "specs; needs a CUDA GPU and the transformer-engine package: the gpu extra)",
     )
-    return p
 
 
 def precheck(args: argparse.Namespace) -> None:

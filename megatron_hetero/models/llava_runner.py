@@ -115,6 +115,19 @@ class LlavaStageRunner(StageRunner):
         tiles = self.image_tiles(samples)[edge.src]
         return image_tokens.edge_seq(tiles, self.spec.encoders[edge.src].tokens, multiple)
 
+    def edge_seqs(self, edge: Edge) -> list[int]:
+        """Every sequence length a boundary call of `edge` can carry on this job's data: the fixed
+        one, or for a variable encoder `edge_seq` of every longest tile run 0..max_tiles (`dryrun`
+        plans each)."""
+        t = self.edge_tensor(edge)
+        if t.seq is not None:
+            return [t.seq]
+        multiple = 1
+        for cp in (self.plan.layout.module(edge.src).cp, self.plan.layout.module(edge.dst).cp):
+            multiple = math.lcm(multiple, 2 * cp if cp > 1 else 1)
+        enc = self.spec.encoders[edge.src]
+        return sorted({image_tokens.edge_seq([k], enc.tokens, multiple) for k in range(enc.max_tiles + 1)})
+
     def edge_tensor(self, edge: Edge) -> EdgeTensor:
         spec = self.spec
         if edge.src in self.variable:  # its length per boundary call: edge_seq

@@ -40,7 +40,8 @@ def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers, ep=1)
         "compute": enc.num_layers * ec + io_time(prof, wl, enc, m * k, tp, cp),
         "tp": enc.num_layers * et,
         "cp": enc.num_layers * eq,
-        "params": np.broadcast_to(float(enc.total_params), tp.shape),
+        # the encoder's layers and (times tp: the stage divides by it) its parameters outside them
+        "params": float(enc.total_params) + tp * np.add(*wl.encoder_io_params(tp)),
         "act": act_bytes(wl, enc, m * k, tp, cp, enc.num_layers),
     }
     common = dict(runs=b, p2p=pp > 1, inter=inter, placement="homogeneous", data="all", ep=ep)

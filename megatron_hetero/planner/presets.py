@@ -10,12 +10,14 @@ from megatron_hetero.planner.search import search
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import ModelSpec, Workload
 
-# Encoders: ViT-style, 1024 patches per image (448 px / 14 px patches), non-gated MLP 4h.
+# Encoders: ViT-style, 1024 patches per image (448 px / 14 px patches of 14 x 14 x 3 features),
+# non-gated MLP 4h.
+PATCH_FEATURES = 14 * 14 * 3
 ENCODER_PRESETS = {
-    "1B": ModelSpec("vision-1B", 32, 1536, 6144, 16, 1024, kind="encoder"),
-    "3B": ModelSpec("vision-3B", 48, 2304, 9216, 24, 1024, kind="encoder"),
-    "6B": ModelSpec("vision-6B", 48, 3200, 12800, 32, 1024, kind="encoder"),
-    "12B": ModelSpec("vision-12B", 60, 4096, 16384, 32, 1024, kind="encoder"),
+    "1B": ModelSpec("vision-1B", 32, 1536, 6144, 16, 1024, kind="encoder", features=PATCH_FEATURES),
+    "3B": ModelSpec("vision-3B", 48, 2304, 9216, 24, 1024, kind="encoder", features=PATCH_FEATURES),
+    "6B": ModelSpec("vision-6B", 48, 3200, 12800, 32, 1024, kind="encoder", features=PATCH_FEATURES),
+    "12B": ModelSpec("vision-12B", 60, 4096, 16384, 32, 1024, kind="encoder", features=PATCH_FEATURES),
 }
 # LLMs: gated (SwiGLU) MLP, 128K vocabulary, untied embeddings; seq is set per context.
 LLM_PRESETS = {

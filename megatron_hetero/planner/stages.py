@@ -159,6 +159,9 @@ def module_stages(
         params = params + is_first * np.asarray(head["params"])[..., None]
         act = act + is_first * np.asarray(head["act"])[..., None]
     params = params / tp
+    if spec is wl.encoder:  # its patch embedding and positions, its final norm and projector
+        first_io, last_io = wl.encoder_io_params(tp)
+        params = params + first_io * is_first + last_io * is_last
     dpt, state = dp_time(prof, wl, params, tp, cp, dp), state_bytes(wl, params, dp * cp)
     if experts:  # this rank's experts: 1/ep of each layer's, reduced and sharded over expert-DP
         eparams = lam * experts / ep

@@ -38,6 +38,7 @@ class ModelSpec:
     num_experts: int = 0  # > 0: every layer's MLP is a mixture of `num_experts` experts
     moe_topk: int = 2
     moe_ffn_hidden: Optional[int] = None  # each expert's MLP width (default ffn_hidden)
+    features: int = 0  # an encoder's input features per token (its patch embedding's input width)
 
     def __post_init__(self):
         for key in ("num_layers", "hidden", "ffn_hidden", "heads", "seq"):
@@ -148,6 +149,20 @@ class Workload:
     @property
     def optimizer_bytes(self) -> float:
         return float(self.state_features.optimizer_bytes)
+
+    def encoder_io_params(self, tp=1) -> tuple:
+        """(first stage, last stage) parameters per rank of TP `tp` that the encoder holds outside its
+        layers, as the runtime builds it (`planner.memory`): on its first stage the patch embedding
+        (features x h + h) and the positions (seq x h), replicated over TP; on its last stage the
+        final LayerNorm (2h) and the projector h -> H -> H (column- then row-parallel: (h H + H +
+        H^2) / tp, and the row-parallel bias H). (0, 0) when the encoder's `params` are given: they
+        include these already (`planner.model.workload`). `tp` may be a numpy array."""
+        e, big = self.encoder, self.llm.hidden
+        if e.params is not None:
+            return 0.0, 0.0
+        h = e.hidden
+        first = float((e.features + 1) * h + e.seq * h) if e.features else 0.0
+        return first, 2 * h + (h * big + big + big * big) / tp + big
 
     @property
     def image_tokens(self) -> int:

@@ -63,6 +63,34 @@ from megatron_hetero.runtime.trace import MEGATRON_P2P_METHODS, boundary_args
 from megatron_hetero.runtime.wire import p2p
 
 
+def colocated_boundaries(plan: RankPlan, config: RuntimeConfig, topo, runner: StageRunner) -> dict[str, Boundary]:
+    """Edge -> this rank's `Boundary` of every colocated edge (encoders into the first language
+    module, it into the output heads), one call per step over the global batch: what the schedule
+    runs and `dryrun` plans. Builds plans only (no communication)."""
+    lang = plan.roles.first_language
+    edges = [Edge(n, lang) for n in plan.roles.encoders] + [Edge(lang, n) for n in plan.roles.outputs]
+    out: dict[str, Boundary] = {}
+    plans = BoundaryPlanCache(plan.layout, plan.rank)  # this rank's boundary plans, shared by the edges
+    for edge in edges:
+        t = runner.edge_tensor(edge)
+        out[str(edge)] = Boundary(
+            plan.layout,
+            edge,
+            batch=plan.global_batch,
+            hidden=t.hidden,
+            seq=t.seq,
+            dst_seq=t.dst_seq,
+            dst_offset=t.dst_offset,
+            dtype=t.dtype,
+            timeout_s=config.comm_timeout_s,
+            device=get_device(),
+            topology=topo,
+            headers=t.seq is None,
+            plans=plans,
+        )
+    return out
+
+
 class ColocatedSchedule:
     """Runs training steps of the three-phase schedule on this rank."""
 
@@ -75,28 +103,7 @@ class ColocatedSchedule:
         self.model_step: Optional[ModelStep] = None  # the step's whole-model optimizer step, once taken
         self.lang_name = plan.roles.first_language
         self.lang = states[self.lang_name]
-        g = plan.global_batch
-        self.boundaries: dict[str, Boundary] = {}
-        plans = BoundaryPlanCache(plan.layout, plan.rank)  # this rank's boundary plans, shared by the edges
-        edges = [Edge(n, self.lang_name) for n in plan.roles.encoders]
-        edges += [Edge(self.lang_name, n) for n in plan.roles.outputs]
-        for edge in edges:
-            t = runner.edge_tensor(edge)
-            self.boundaries[str(edge)] = Boundary(
-                plan.layout,
-                edge,
-                batch=g,
-                hidden=t.hidden,
-                seq=t.seq,
-                dst_seq=t.dst_seq,
-                dst_offset=t.dst_offset,
-                dtype=t.dtype,
-                timeout_s=config.comm_timeout_s,
-                device=get_device(),
-                topology=topo,
-                headers=t.seq is None,
-                plans=plans,
-            )
+        self.boundaries: dict[str, Boundary] = colocated_boundaries(plan, config, topo, runner)
         self.offloaders = {n: Offloader(states[n].state_tensors) for n in plan.roles.encoders}
         # Resident state changes between the phases only when the table moves state (offload); else it
         # is read once per step (at phase 1, as before) and reported for all three phases.

@@ -93,6 +93,36 @@ class _Comm:
     finish: Callable[[Phase], None]
 
 
+def disjoint_boundaries(plan: RankPlan, config: RuntimeConfig, runner: StageRunner) -> dict[Link, Boundary]:
+    """Link -> this rank's `Boundary` of every module edge its stage table sends on or receives from
+    (none on an idle rank), one call per micro-batch: what the schedule runs and `dryrun` plans.
+    Builds plans only (no communication)."""
+    out: dict[Link, Boundary] = {}
+    if plan.disjoint is None:
+        return out
+    plans = BoundaryPlanCache(plan.layout, plan.rank)  # this rank's boundary plans, shared by the edges
+    links = {a.link for a in plan.disjoint.actions if isinstance(a, (SendAct, RecvAct))}
+    for lk in sorted(links):
+        if lk.src.module == lk.dst.module:
+            continue
+        edge = Edge(lk.src.module, lk.dst.module)
+        t = runner.edge_tensor(edge)
+        out[lk] = Boundary(
+            plan.layout,
+            edge,
+            batch=plan.micro_batching.samples,
+            hidden=t.hidden,
+            seq=t.seq,
+            dst_seq=t.dst_seq,
+            dst_offset=t.dst_offset,
+            dtype=t.dtype,
+            timeout_s=float(config.comm_timeout_s),
+            device=get_device(),
+            plans=plans,
+        )
+    return out
+
+
 class DisjointSchedule:
     """Runs training steps of the graph-aware 1F1B tables on this rank (see module docstring)."""
 
@@ -121,29 +151,7 @@ class DisjointSchedule:
         self.prev_rank, self.next_rank = self.me.prev_rank, self.me.next_rank
         self.is_loss_stage = self.name in runner.loss_modules() and self.me.last_stage
         # One Boundary per module edge this stage sends on or receives from.
-        self.boundaries: dict[Link, Boundary] = {}
-        self._plans = BoundaryPlanCache(self.layout, self.rank)  # this rank's boundary plans, shared by the edges
-        links = {a.link for a in self.table.actions if isinstance(a, (SendAct, RecvAct))}
-        for lk in sorted(links):
-            if lk.src.module != lk.dst.module:
-                self.boundaries[lk] = self._boundary(Edge(lk.src.module, lk.dst.module))
-
-    # -- construction helpers -------------------------------------------------------------------
-    def _boundary(self, edge: Edge) -> Boundary:
-        t = self.runner.edge_tensor(edge)
-        return Boundary(
-            self.layout,
-            edge,
-            batch=self.mb_samples,
-            hidden=t.hidden,
-            seq=t.seq,
-            dst_seq=t.dst_seq,
-            dst_offset=t.dst_offset,
-            dtype=t.dtype,
-            timeout_s=self.timeout_s,
-            device=self.device,
-            plans=self._plans,
-        )
+        self.boundaries: dict[Link, Boundary] = disjoint_boundaries(plan, config, runner)
 
     def close(self) -> None:
         """Nothing to release: communication has no background threads."""

@@ -8,7 +8,10 @@ parallel folding; singletons for dense modules, which Megatron DDP still asks fo
 
 Every rank creates every group of every module, in the same order (module declaration order, then
 the fixed order of `DENSE_GROUPS`), also groups it is not a member of: gloo and NCCL both require
-it, otherwise a later group creation hangs. The Topology owns all groups it created;
+it, otherwise a later group creation hangs. A module whose grids equal an earlier module's (the
+same ranks, tp, cp, dp, pp, ep and expt_tp: colocated modules of equal shape) creates none: it gets
+its own `ProcessGroupCollection` of the earlier module's groups (the same rank sets), on every rank
+alike, so the count a rank creates and belongs to grows with the distinct module shapes. The Topology owns all groups it created;
 `destroy()` releases them, and a failure half-way destroys what was built before re-raising.
 """
 
@@ -59,6 +62,10 @@ class ModuleGrid:
     coord: Optional[Coord]
     pgs: Optional[ProcessGroupCollection]
     groups: list = field(default_factory=list)  # every group this rank got back, for destroy()
+    #: the groups by ProcessGroupCollection field (and intra_dist_opt), this rank's, or None
+    by_field: dict = field(default_factory=dict)
+    #: the earlier module whose groups this one uses (equal grids), or None: it created its own
+    shares: Optional[str] = None
 
     @property
     def name(self) -> str:
@@ -102,6 +109,22 @@ def _new_groups(enumeration: list[list[int]], backend: Optional[str], timeout: t
     return mine
 
 
+def _grid_key(m: ModuleLayout) -> tuple:
+    """What decides a module's groups: its ranks and degrees."""
+    return (m.offset, m.size, m.tp, m.cp, m.dp, m.pp, m.ep, m.expt_tp)
+
+
+def _collection(by_field: dict) -> ProcessGroupCollection:
+    """A module's Megatron `ProcessGroupCollection` of its groups (`ModuleGrid.by_field`)."""
+    fields = {k: v for k, v in by_field.items() if k != "intra_dist_opt"}
+    pgs = ProcessGroupCollection(**fields)
+    # One distributed-optimizer instance: the partial DP group is the whole DP x CP group.
+    pgs.intra_dp_cp = by_field["dp_cp"]
+    pgs.intra_expt_dp = by_field["expt_dp"]
+    pgs.intra_dist_opt = by_field["intra_dist_opt"]
+    return pgs
+
+
 class Topology:
     """All process groups of a heterogeneous job on this rank. Build with `Topology.build(layout)`."""
 
@@ -141,6 +164,19 @@ class Topology:
         m: ModuleLayout, rank: int, backend: str, timeout: timedelta, built: dict[str, ModuleGrid]
     ) -> None:
         member = rank in m.ranks.ranks()
+        twin = next((b for b in built.values() if b.shares is None and _grid_key(b.layout) == _grid_key(m)), None)
+        if twin is not None:  # equal grids: the earlier module's groups, no new ones (module docstring)
+            built[m.name] = ModuleGrid(
+                layout=m,
+                grid=twin.grid,
+                expert_grid=twin.expert_grid,
+                member=member,
+                coord=coord_of(m, rank) if member else None,
+                pgs=_collection(twin.by_field) if member else None,
+                by_field=twin.by_field,
+                shares=twin.name,
+            )
+            return
         grid = HyperCommGrid([m.tp, m.cp, m.dp, m.pp], list(AXES), rank_offset=m.offset, backend=backend)
         mg = ModuleGrid(
             layout=m, grid=grid, expert_grid=None, member=member, coord=coord_of(m, rank) if member else None, pgs=None
@@ -205,13 +241,9 @@ class Topology:
             mg.groups.append(intra_dist_opt)
         else:
             intra_dist_opt = found["tp_dp_cp"]
+        mg.by_field = dict(found, intra_dist_opt=intra_dist_opt)
         if member:
-            pgs = ProcessGroupCollection(**found)
-            # One distributed-optimizer instance: the partial DP group is the whole DP x CP group.
-            pgs.intra_dp_cp = found["dp_cp"]
-            pgs.intra_expt_dp = found["expt_dp"]
-            pgs.intra_dist_opt = intra_dist_opt
-            mg.pgs = pgs
+            mg.pgs = _collection(mg.by_field)
 
     def serves(self, name: str) -> bool:
         """Whether this rank is one of module `name`'s ranks."""

@@ -143,10 +143,13 @@ def build_module(
     pgs,
     recompute: Optional[Recompute] = None,
     sequence_parallel: bool = False,
+    device: Optional[torch.device] = None,
 ) -> torch.nn.Module:
     """The module `name` for this rank's stage, on the compute device; `recompute`: the job's
     activation recompute, for a module whose layout sets none of its own; `sequence_parallel`: the
-    job's --sequence-parallel (language modules with tp > 1 only: `models.llava`)."""
+    job's --sequence-parallel (language modules with tp > 1 only: `models.llava`). `device`: where
+    it ends (default the compute device; `torch.device("meta")` for `dryrun`, which builds it under
+    a meta-device context: the same module code, shapes and dtypes, no storage)."""
     from megatron_hetero.compat.device import get_device
 
     m = layout.module(name)
@@ -186,7 +189,23 @@ def build_module(
             if cfg is not None and hasattr(cfg, "pipeline_dtype"):
                 cfg.bf16, cfg.fp16 = spec.bf16, spec.fp16
                 cfg.params_dtype, cfg.pipeline_dtype = dtype, dtype
-    return mod.to(get_device())
+    return mod.to(device if device is not None else get_device())
+
+
+def build_modules(
+    plan: RankPlan, job: JobConfig, topo, device: Optional[torch.device] = None
+) -> dict[str, tuple[torch.nn.Module, object]]:
+    """Every module this rank serves (its plan's) as (module, its ProcessGroupCollection of `topo`),
+    in the layout's order: what `build_states` wraps and `dryrun` builds on the meta device."""
+    out = {}
+    for m in plan.layout.modules:
+        if plan.serves(m.name):
+            pgs = topo.pg_collection(m.name)
+            out[m.name] = (
+                build_module(m.name, plan.layout, job.spec, pgs, job_recompute(job), job.sequence_parallel, device),
+                pgs,
+            )
+    return out
 
 
 def build_states(plan: RankPlan, job: JobConfig, topo) -> dict[str, ModuleState]:
@@ -199,10 +218,7 @@ def build_states(plan: RankPlan, job: JobConfig, topo) -> dict[str, ModuleState]
     optim = dataclasses.replace(job.optim, min_lr=job.schedule.min_lr)  # the param groups' floor (the scheduler's)
     # --fp16: one loss scaler on this rank for every module it serves (runtime.loss_scale)
     scaler = LossScaler(optim) if optim.fp16 else None
-    states = {}
-    for m in plan.layout.modules:
-        if plan.serves(m.name):
-            pgs = topo.pg_collection(m.name)
-            module = build_module(m.name, plan.layout, job.spec, pgs, job_recompute(job), job.sequence_parallel)
-            states[m.name] = ModuleState(m.name, module, pgs, optim, loss_scaler=scaler)
-    return states
+    return {
+        name: ModuleState(name, module, pgs, optim, loss_scaler=scaler)
+        for name, (module, pgs) in build_modules(plan, job, topo).items()
+    }

@@ -38,6 +38,7 @@ def test_every_registered_subcommand_follows_the_convention() -> None:
     assert list(mods) == [
         "plan",
         "train",
+        "dryrun",
         "schedule",
         "profile",
         "search",
