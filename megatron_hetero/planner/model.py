@@ -177,6 +177,10 @@ class LlavaSpec:
     # Megatron-LM's --transformer-impl: "local" (Megatron-core's own modules, the default) or
     # "transformer_engine" (its TE layer specs: GPU machines only; `models.layer_specs`)
     transformer_impl: str = "local"
+    # Megatron's --hybrid-layer-pattern: the language model is Megatron-core's HybridModel over these
+    # layers (`*` attention, `-` MLP, `E` MoE, `M` Mamba, `|` pipeline stage; `models.hybrid_lm`), and
+    # num_layers counts them; None: the GPT path (GPTModel, num_layers attention+MLP layers)
+    hybrid_layer_pattern: Optional[str] = None
 
     @classmethod
     def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
