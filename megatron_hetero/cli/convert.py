@@ -74,6 +74,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="LLaVA's vision_feature_layer: -1 the last layer's output (default), -2 the one before "
         "(LLaVA-1.5); the tower keeps the layers up to it",
     )
+    a.add_argument(
+        "--hybrid-layer-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="build the language model as Megatron's HybridModel: '*-' per layer, '|' between pairs for pipeline stages",
+    )
     a.add_argument("--out", required=True, metavar="DIR", help="the checkpoint directory (new or empty)")
     b = actions.add_parser("checkpoint-to-hf", help="a checkpoint -> Hugging Face folders OUT/vision, OUT/language")
     b.add_argument("dir", help="a checkpoint directory (--save or convert --out)")
@@ -107,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             from megatron_hetero.convert import hf_llava
 
-            summary = hf_llava.llava_to_checkpoint(args.model, args.out, seq_length=args.seq_length)
+            summary = hf_llava.llava_to_checkpoint(
+                args.model, args.out, seq_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern
+            )
         elif not (args.vision and args.language):
             raise ValueError("give --model HF_DIR (a LLaVA folder) or both --vision HF_DIR and --language HF_DIR")
         else:
@@ -118,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
                 projector=args.projector,
                 seq_length=args.seq_length,
                 feature_layer=args.vision_feature_layer,
+                hybrid_layer_pattern=args.hybrid_layer_pattern,
             )
         spec = summary["model"]
         enc = spec.encoders[convert.VISION]

@@ -46,6 +46,7 @@ from megatron_hetero.convert.hf_weights import (
     hf_parts,
     spec_from_configs,
     tensor_index,
+    with_hybrid_pattern,
 )
 from megatron_hetero.models import hf_config, hf_llava
 
@@ -79,9 +80,12 @@ def split_parts(shapes: dict, where: str) -> dict[str, dict[str, str]]:
     return parts
 
 
-def llava_to_checkpoint(model: str | Path, out: str | Path, seq_length: Optional[int] = None) -> dict:
+def llava_to_checkpoint(
+    model: str | Path, out: str | Path, seq_length: Optional[int] = None, hybrid_layer_pattern: Optional[str] = None
+) -> dict:
     """Convert one LLaVA folder (module docstring); returns `convert_sources`'s summary plus
-    `image_token_index`."""
+    `image_token_index`. `hybrid_layer_pattern`: the language model as Megatron's HybridModel
+    (`hf_weights.with_hybrid_pattern`)."""
     folder = Path(model)
     where = f"--model {folder}"
     cfg = hf_config.read_config(folder)
@@ -95,6 +99,7 @@ def llava_to_checkpoint(model: str | Path, out: str | Path, seq_length: Optional
         feature_layer=llava["feature_layer"],
         last_hidden_state=True,  # transformers' hidden_states[-1] is last_hidden_state (see models.hf_llava)
     )
+    spec = with_hybrid_pattern(spec, hybrid_layer_pattern)
     shapes, files = tensor_index(folder)
     parts = split_parts(shapes, where)
     read = _Reader(files)

@@ -231,12 +231,15 @@ def hf_to_checkpoint(
     projector: Optional[str] = None,
     seq_length: Optional[int] = None,
     feature_layer: int = -1,
+    hybrid_layer_pattern: Optional[str] = None,
 ) -> dict:
-    """Convert (module docstring); returns a summary {model, tensors per module, directory}."""
+    """Convert (module docstring); returns a summary {model, tensors per module, directory}.
+    `hybrid_layer_pattern`: the language model as Megatron's HybridModel (`with_hybrid_pattern`)."""
     from megatron_hetero.models import hf_names
 
     # refusal happens here, before any weight is read
     spec, vcfg, lcfg = spec_from_hf(vision, language, seq_length, feature_layer=feature_layer)
+    spec = with_hybrid_pattern(spec, hybrid_layer_pattern)
     vshapes, vwhere = tensor_index(vision)
     lshapes, lwhere = tensor_index(language)
     psource = None
@@ -291,9 +294,9 @@ def convert_sources(
     )
     hf_names.check_tensors(
         language.shapes,
-        hf_names.expected_language(spec),
+        hf_names.expected_language(gpt_view(spec)),
         language.where,
-        lambda n: hf_names.ignorable_language(n, spec),
+        lambda n: hf_names.ignorable_language(n, gpt_view(spec)),
     )
     if projector is not None:
         hf_names.check_tensors(
@@ -303,7 +306,7 @@ def convert_sources(
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
     vision_t = hf_names.vision_to_ours(vision.read, enc)
-    language_t = hf_names.language_to_ours(language.read, spec)
+    language_t = to_hybrid_names(hf_names.language_to_ours(language.read, gpt_view(spec)), spec)
     if projector is not None:
         vision_t.update(hf_names.projector_to_ours(projector.read))
     layout = world_of_one_layout([VISION])
@@ -326,6 +329,52 @@ def convert_sources(
         "tensors": {VISION: len(vision_t), LANGUAGE: len(language_t)},
         "projector": "converted" if projector is not None else "initialised",
     }
+
+
+def with_hybrid_pattern(spec, pattern: Optional[str]):
+    """The converted model as Megatron's HybridModel (`--hybrid-layer-pattern`): only `*-` pairs, one
+    per Hugging Face layer (pipes between pairs), express a Llama/Qwen2 model; ValueError otherwise."""
+    import dataclasses
+
+    from megatron_hetero.models.hybrid_pattern import is_gpt_pairs, pattern_layers
+
+    if pattern is None:
+        return spec
+    if not is_gpt_pairs(pattern) or len(pattern_layers(pattern)) != 2 * spec.num_layers:
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r}: a converted model of {spec.num_layers} layers is "
+            f"{'*-' * spec.num_layers!r} (one attention and one MLP layer per Hugging Face layer), '|' between pairs"
+        )
+    if spec.rope_scaling:
+        raise ValueError("--hybrid-layer-pattern: Megatron-core 0.19's HybridModel has no llama3 rope scaling")
+    return dataclasses.replace(spec, hybrid_layer_pattern=pattern, num_layers=2 * spec.num_layers)
+
+
+def gpt_view(spec):
+    """The GPT model a HybridModel of `*-` pairs computes (the names Hugging Face's map to); `spec`
+    itself for the GPT path."""
+    import dataclasses
+
+    if spec.hybrid_layer_pattern is None:
+        return spec
+    return dataclasses.replace(spec, hybrid_layer_pattern=None, num_layers=spec.num_layers // 2)
+
+
+def to_hybrid_names(tensors: dict, spec) -> dict:
+    """GPT language-module names -> the HybridModel's (`models.hybrid_lm.gpt_to_hybrid_name`)."""
+    from megatron_hetero.models.hybrid_pattern import gpt_to_hybrid_name
+
+    if spec.hybrid_layer_pattern is None:
+        return tensors
+    return {gpt_to_hybrid_name(k): v for k, v in tensors.items()}
+
+
+def from_hybrid_names(tensors: dict, spec) -> dict:
+    from megatron_hetero.models.hybrid_pattern import hybrid_to_gpt_name
+
+    if spec.hybrid_layer_pattern is None:
+        return tensors
+    return {hybrid_to_gpt_name(k): v for k, v in tensors.items()}
 
 
 def write_checkpoint(
@@ -447,12 +496,12 @@ def hf_parts(root: str | Path) -> SimpleNamespace:
     enc = spec.encoders[enc_name]
     tensors = {
         VISION: hf_names.vision_to_hf(sd[enc_name], enc),
-        LANGUAGE: hf_names.language_to_hf(sd[LANGUAGE], spec),
+        LANGUAGE: hf_names.language_to_hf(from_hybrid_names(sd[LANGUAGE], spec), gpt_view(spec)),
         "projector": hf_names.projector_to_hf(sd[enc_name]),
     }
     configs = {
         VISION: _layers_as_kept(_saved_config(d, enc_name), enc.num_layers) or hf_config.vision_config_json(enc),
-        LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(spec),
+        LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(gpt_view(spec)),
     }
     return SimpleNamespace(tensors=tensors, configs=configs, spec=spec, encoder=enc, directory=d)
 

@@ -15,13 +15,12 @@ our context-parallel core attention), split the way Megatron's hybrid spec split
 and `LocalNormHybridStack`, Megatron's `HybridStack` whose final norm is the local spec's norm (the
 one thing its constructor hard-wires to TE). So a GPT layer is `*-` and a GPT model of L layers is
 the pattern `*-` * L with 2L layers. `M` needs Megatron's Mamba mixer, which needs the mamba-ssm and
-causal-conv1d CUDA kernels and TE: refused with `local` (`check_pattern`), built from Megatron's TE
-spec with `transformer_engine`.
+causal-conv1d CUDA kernels and TE: refused with `local` (`hybrid_pattern.check_pattern`), built
+from Megatron's TE spec with `transformer_engine`. The pattern's grammar, checks and the GPT <->
+hybrid parameter names are pure (`models.hybrid_pattern`).
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
@@ -30,55 +29,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_hetero.models.layer_specs import get_gpt_layer_local_spec_with_cp
 
-SYMBOLS = {"*": "attention", "-": "MLP", "E": "MoE", "M": "Mamba"}
-PIPE = "|"
 
-
-def pattern_layers(pattern: str) -> str:
-    """The layer symbols of a pattern, pipes removed."""
-    return pattern.replace(PIPE, "")
-
-
-def check_pattern(pattern: str, impl: str, num_experts: Optional[int]) -> None:
-    """ValueError (one line, the reason) for a pattern this build cannot run: an unknown symbol (MTP
-    `/` and Megatron's other symbols included), an empty stage, `E` without --num-experts, `M`
-    with the local implementation."""
-    if "/" in pattern:
-        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: multi-token prediction ('/') is not supported")
-    bad = sorted({c for c in pattern_layers(pattern) if c not in SYMBOLS})
-    if bad:
-        raise ValueError(
-            f"--hybrid-layer-pattern {pattern!r}: symbols {bad} are not supported "
-            f"(supported: {', '.join(f'{k} {v}' for k, v in SYMBOLS.items())}, | pipeline split)"
-        )
-    if any(not seg for seg in pattern.split(PIPE)):
-        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: every pipeline stage ('|'-separated) needs layers")
-    if "E" in pattern and not num_experts:
-        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: MoE layers ('E') need --num-experts")
-    if "M" in pattern and impl != "transformer_engine":
-        raise ValueError(
-            f"--hybrid-layer-pattern {pattern!r}: Mamba layers ('M') need Megatron's Mamba mixer, which runs on "
-            "the mamba-ssm and causal-conv1d CUDA kernels with Transformer Engine: on a GPU machine use "
-            "--transformer-impl transformer_engine (not on CPU)"
-        )
-
-
-def check_pipeline(pattern: str, module: str, pp: int) -> None:
-    """ValueError unless the pattern's stages match the module's pp: pp - 1 pipes, or none with
-    the layers splitting evenly (Megatron's rule)."""
-    stages = pattern.count(PIPE) + 1
-    if stages > 1 and stages != pp:
-        raise ValueError(
-            f"module {module}: --hybrid-layer-pattern {pattern!r} has {stages} pipeline stages, the layout's pp is {pp}"
-        )
-    if stages == 1 and len(pattern) % pp:
-        raise ValueError(
-            f"module {module}: the {len(pattern)} layers of --hybrid-layer-pattern {pattern!r} do not split over "
-            f"pp({pp}); mark the stages with '|'"
-        )
-
-
-def local_stack_spec(normalization: str, num_experts: Optional[int]) -> ModuleSpec:
+def local_stack_spec(normalization: str, num_experts: int | None) -> ModuleSpec:
     """The hybrid stack spec of the local implementation (module docstring)."""
     dense = get_gpt_layer_local_spec_with_cp(normalization=normalization).submodules
     attention = ModuleSpec(

@@ -307,6 +307,32 @@ def test_convert_train_and_back(family, tmp_path):
     assert _rel(per_rank[0]["logits"], logits) < LOGITS_TOL
 
 
+@pytest.mark.timeout(600)
+def test_hybrid_model_language_model_equals_transformers(family, tmp_path):
+    """convert --model --hybrid-layer-pattern '*-*-': the language model is Megatron's HybridModel (one
+    attention and one MLP layer per Hugging Face layer); loss and logits equal transformers' under
+    world 1 and the disjoint PP2 layout, and checkpoint-to-hf --model gives the tensors back bit-identical."""
+    from safetensors.torch import load_file
+
+    ckpt, back = tmp_path / "hybrid", tmp_path / "back"
+    _cli(
+        ["convert", "hf-to-checkpoint", "--model", str(family.hf), "--seq-length", str(S)]
+        + ["--hybrid-layer-pattern", "*-*-", "--out", str(ckpt)]
+    )
+    for layout in ("world 1", "disjoint: vision 1 rank, language PP2"):
+        doc, world = LAYOUTS[layout]
+        loss = _train_loss(doc, world, ckpt)
+        per_rank = run_ranks(world, _forward_rank, doc, str(ckpt), family.batch, timeout=240)
+        logits_rel = max(_rel(r["logits"], family.logits) for r in per_rank if "logits" in r)
+        loss_rel = abs(loss - family.loss) / abs(family.loss)
+        TABLE.append((f"{family.name} (HybridModel *-*-)", layout, loss_rel, logits_rel))
+        print(f"\nvs transformers {family.name} HybridModel {layout}: loss rel {loss_rel:.2e}, logits {logits_rel:.2e}")
+        assert loss_rel < LOSS_TOL and logits_rel < LOGITS_TOL, (layout, loss_rel, logits_rel)
+    _cli(["convert", "checkpoint-to-hf", str(ckpt), "--model", "--out", str(back)])
+    a, b = load_file(family.hf / "model.safetensors"), load_file(back / "model.safetensors")
+    assert set(b) <= set(a) and all(torch.equal(a[k], b[k]) for k in b)
+
+
 def test_llava_options_the_family_cannot_express_are_refused(tmp_path, capsys):
     """Refused from config.json alone (no weights are read), the option named, exit 2."""
     base = {
