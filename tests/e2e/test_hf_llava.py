@@ -374,6 +374,16 @@ def test_llava_options_the_family_cannot_express_are_refused(tmp_path, capsys):
         assert not (tmp_path / f"o{i}").exists()
     rc = main(["convert", "hf-to-checkpoint", "--model", str(folder), "--vision", str(folder), "--out", "x"])
     assert rc == 2 and "--model takes a whole LLaVA folder" in capsys.readouterr().err
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "config.json").write_text(json.dumps(base))
+    (good / "model.safetensors").write_bytes(b"not read")
+    for pattern in ("*-*E", "*-*-*-"):  # not one '*-' pair per Hugging Face layer
+        rc = main(
+            ["convert", "hf-to-checkpoint", "--model", str(good), "--hybrid-layer-pattern", pattern, "--out", "x"]
+        )
+        err = capsys.readouterr().err
+        assert rc == 2 and "a converted model of 2 layers is '*-*-'" in err, err
 
 
 def test_zz_print_table():
