@@ -2,7 +2,8 @@
 
     megatron-hetero convert hf-to-checkpoint --vision HF_DIR --language HF_DIR [--projector FILE.safetensors]
                                              [--seq-length N] [--vision-feature-layer K] --out DIR
-    megatron-hetero convert checkpoint-to-hf DIR --out OUT
+    megatron-hetero convert hf-to-checkpoint --model HF_DIR [--seq-length N] --out DIR
+    megatron-hetero convert checkpoint-to-hf DIR --out OUT [--model [--like HF_DIR]]
 
 hf-to-checkpoint: a CLIP or SigLIP vision tower (`CLIPVisionModel` / `SiglipVisionModel`, or a full
 `CLIPModel` / `SiglipModel` whose vision tower is taken) and a Llama (3.1+ rope scaling included)
@@ -18,10 +19,19 @@ after it are not converted, so they do not come back from checkpoint-to-hf). A m
 reason before any weight is read; a missing, unexpected or mis-shaped tensor is named with both
 shapes; both exit 2. Pickle files (*.bin, *.pt) are never read.
 
+hf-to-checkpoint --model: one `LlavaForConditionalGeneration` folder (vision tower, LLaVA's
+projector and a Llama/Qwen2 language model under one config.json; `convert.hf_llava`): its
+vision_feature_layer and vision_feature_select_strategy are honoured (CLIP: "default", SigLIP:
+"full"; the other pairings are refused), its image token id, processor and tokenizer files (chat
+template included) are kept in the checkpoint.
+
 checkpoint-to-hf: the latest checkpoint under DIR (converted, or saved by `train --save` after
 training) becomes OUT/vision and OUT/language (config.json + model.safetensors, loadable with
 `CLIPVisionModel.from_pretrained` / `AutoModelForCausalLM.from_pretrained`) and
-OUT/projector/model.safetensors (LLaVA's names).
+OUT/projector/model.safetensors (LLaVA's names). With --model: one LLaVA folder OUT (config.json,
+model.safetensors, the processor files) that `LlavaForConditionalGeneration.from_pretrained` loads;
+--like HF_DIR takes the LLaVA config (image token id, ...) and processor files from the folder the
+weights came from (a checkpoint `train --save` wrote keeps no copy of them).
 
 Runs in this process as a world of one (gloo, file store: no port), builds the modules whole.
 """
@@ -41,12 +51,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "hf-to-checkpoint", help="CLIP vision tower + Llama/Qwen2 LM -> a checkpoint for train --load"
     )
     a.add_argument(
+        "--model",
+        default=None,
+        metavar="HF_DIR",
+        help="a whole LlavaForConditionalGeneration folder (instead of --vision and --language)",
+    )
+    a.add_argument(
         "--vision",
-        required=True,
+        default=None,
         metavar="HF_DIR",
         help="CLIPVisionModel, CLIPModel, SiglipVisionModel or SiglipModel folder",
     )
-    a.add_argument("--language", required=True, metavar="HF_DIR", help="LlamaForCausalLM or Qwen2ForCausalLM folder")
+    a.add_argument("--language", default=None, metavar="HF_DIR", help="LlamaForCausalLM or Qwen2ForCausalLM folder")
     a.add_argument(
         "--projector", default=None, metavar="FILE", help="LLaVA multi_modal_projector safetensors (optional)"
     )
@@ -58,10 +74,25 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="LLaVA's vision_feature_layer: -1 the last layer's output (default), -2 the one before "
         "(LLaVA-1.5); the tower keeps the layers up to it",
     )
+    a.add_argument(
+        "--hybrid-layer-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="build the language model as Megatron's HybridModel: '*-' per layer, '|' between pairs for pipeline stages",
+    )
     a.add_argument("--out", required=True, metavar="DIR", help="the checkpoint directory (new or empty)")
     b = actions.add_parser("checkpoint-to-hf", help="a checkpoint -> Hugging Face folders OUT/vision, OUT/language")
     b.add_argument("dir", help="a checkpoint directory (--save or convert --out)")
     b.add_argument("--out", required=True, metavar="OUT", help="output folder (new or empty)")
+    b.add_argument(
+        "--model", action="store_true", help="write one LlavaForConditionalGeneration folder instead of three parts"
+    )
+    b.add_argument(
+        "--like",
+        default=None,
+        metavar="HF_DIR",
+        help="with --model: the LLaVA folder whose config (image token id, ...) and processor files to carry",
+    )
     return p
 
 
@@ -74,14 +105,29 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "hf-to-checkpoint":
         if args.seq_length is not None and args.seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
-        summary = convert.hf_to_checkpoint(
-            args.vision,
-            args.language,
-            args.out,
-            projector=args.projector,
-            seq_length=args.seq_length,
-            feature_layer=args.vision_feature_layer,
-        )
+        if args.model is not None:
+            if args.vision or args.language or args.projector or args.vision_feature_layer != -1:
+                raise ValueError(
+                    "--model takes a whole LLaVA folder: --vision, --language, --projector and "
+                    "--vision-feature-layer come from it (its config.json's vision_feature_layer)"
+                )
+            from megatron_hetero.convert import hf_llava
+
+            summary = hf_llava.llava_to_checkpoint(
+                args.model, args.out, seq_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern
+            )
+        elif not (args.vision and args.language):
+            raise ValueError("give --model HF_DIR (a LLaVA folder) or both --vision HF_DIR and --language HF_DIR")
+        else:
+            summary = convert.hf_to_checkpoint(
+                args.vision,
+                args.language,
+                args.out,
+                projector=args.projector,
+                seq_length=args.seq_length,
+                feature_layer=args.vision_feature_layer,
+                hybrid_layer_pattern=args.hybrid_layer_pattern,
+            )
         spec = summary["model"]
         enc = spec.encoders[convert.VISION]
         print(f"checkpoint {summary['directory']} (iteration 0, weights only)")
@@ -97,11 +143,22 @@ def run(args: argparse.Namespace) -> int:
             f"{'untied' if spec.untie_embeddings_and_output_weights else 'tied'}; "
             f"{summary['tensors']['language']} tensors; seq length {spec.seq_length}"
         )
+        if "image_token_index" in summary:
+            print(
+                f"image token id {summary['image_token_index']} (the LLaVA config and processor files kept under hf/llava)"
+            )
         print(
             f"train from it: megatron-hetero train --hetero-layout LAYOUT.yaml --load {args.out} "
             f"(no model flags: the checkpoint records the model)"
         )
         return 0
+    if args.model:
+        from megatron_hetero.convert import hf_llava
+
+        print(f"llava: {hf_llava.checkpoint_to_llava(args.dir, args.out, like=args.like)}")
+        return 0
+    if args.like is not None:
+        raise ValueError("--like goes with --model (one LLaVA folder)")
     written = convert.checkpoint_to_hf(args.dir, args.out)
     for name, folder in written.items():
         print(f"{name}: {folder}")

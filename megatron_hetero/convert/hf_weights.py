@@ -180,12 +180,31 @@ def spec_from_hf(
     feature_layer: LLaVA's `vision_feature_layer` (Hugging Face's hidden_states index: -1 the last
     layer's output, -2 the one before (LLaVA-1.5), k >= 1 the output of layer k): the encoder keeps
     the layers up to it."""
+    vcfg, lcfg = hf_config.read_config(vision), hf_config.read_config(language)
+    spec = spec_from_configs(
+        vcfg, lcfg, f"--vision {vision}", f"--language {language}", seq_length, seed, feature_layer
+    )
+    return spec, vcfg, lcfg
+
+
+def spec_from_configs(
+    vcfg: dict,
+    lcfg: dict,
+    vwhere: str,
+    lwhere: str,
+    seq_length: Optional[int] = None,
+    seed: int = 1234,
+    feature_layer: int = -1,
+    last_hidden_state: bool = True,
+):
+    """The LlavaSpec of a vision and a language config.json (`spec_from_hf`). `last_hidden_state`:
+    feature layer -1 of a SigLIP tower is its last_hidden_state (after the post LayerNorm: the
+    two-folder form); False: hidden_states[-1], without it (what LlavaForConditionalGeneration reads)."""
     import dataclasses
 
     from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 
-    vcfg, lcfg = hf_config.read_config(vision), hf_config.read_config(language)
-    enc = EncoderSpec(offset=1, **hf_config.encoder_fields(vcfg, f"--vision {vision}"))
+    enc = EncoderSpec(offset=1, **hf_config.encoder_fields(vcfg, vwhere))
     keep = feature_layer if feature_layer >= 0 else enc.num_layers + 1 + feature_layer
     if not 1 <= keep <= enc.num_layers:
         raise ValueError(
@@ -194,15 +213,15 @@ def spec_from_hf(
         )
     enc = dataclasses.replace(enc, num_layers=keep)
     if enc.kind == "siglip":  # -1: last_hidden_state (post LayerNorm); any other layer: hidden_states[k]
-        enc = dataclasses.replace(enc, post_norm=feature_layer == -1)
-    lm = hf_config.language_fields(lcfg, f"--language {language}")
+        enc = dataclasses.replace(enc, post_norm=feature_layer == -1 and last_hidden_state)
+    lm = hf_config.language_fields(lcfg, lwhere)
     if seq_length is None:
         seq_length = max(enc.tokens + 64, min(int(lcfg.get("max_position_embeddings", 2048)), 2048))
     if enc.offset + enc.tokens > seq_length:
         raise ValueError(
             f"--seq-length {seq_length} cannot hold the image's {enc.tokens} tokens after position {enc.offset}"
         )
-    return LlavaSpec(**lm, seq_length=seq_length, encoders={VISION: enc}, seed=seed), vcfg, lcfg
+    return LlavaSpec(**lm, seq_length=seq_length, encoders={VISION: enc}, seed=seed)
 
 
 def hf_to_checkpoint(
@@ -212,49 +231,88 @@ def hf_to_checkpoint(
     projector: Optional[str] = None,
     seq_length: Optional[int] = None,
     feature_layer: int = -1,
+    hybrid_layer_pattern: Optional[str] = None,
 ) -> dict:
-    """Convert (module docstring); returns a summary {model, tensors per module, directory}."""
+    """Convert (module docstring); returns a summary {model, tensors per module, directory}.
+    `hybrid_layer_pattern`: the language model as Megatron's HybridModel (`with_hybrid_pattern`)."""
     from megatron_hetero.models import hf_names
 
     # refusal happens here, before any weight is read
     spec, vcfg, lcfg = spec_from_hf(vision, language, seq_length, feature_layer=feature_layer)
-    enc = spec.encoders[VISION]
+    spec = with_hybrid_pattern(spec, hybrid_layer_pattern)
     vshapes, vwhere = tensor_index(vision)
     lshapes, lwhere = tensor_index(language)
-    hf_names.check_tensors(
-        vshapes,
-        hf_names.expected_vision(enc),
-        f"--vision {vision}",
-        lambda n: hf_names.ignorable_vision(n, enc.num_layers),
-    )
-    hf_names.check_tensors(
-        lshapes,
-        hf_names.expected_language(spec),
-        f"--language {language}",
-        lambda n: hf_names.ignorable_language(n, spec),
-    )
-    pwhere = None
+    psource = None
     if projector:  # LLaVA's names, with or without the `multi_modal_projector.` prefix
         pshapes, pfiles = tensor_index(projector)
         full = {n: n if n.startswith(hf_names.PROJECTOR_PREFIX) else hf_names.PROJECTOR_PREFIX + n for n in pshapes}
-        hf_names.check_tensors(
-            {full[n]: s for n, s in pshapes.items()},
-            hf_names.expected_projector(enc.hidden_size, spec.hidden_size),
-            f"--projector {projector}",
-        )
         pwhere = {full[n]: n for n in pshapes}  # LLaVA name -> the file's name
+        read = _Reader(pfiles)
+        psource = Source(
+            {full[n]: s for n, s in pshapes.items()}, lambda k: read(pwhere[k]), f"--projector {projector}"
+        )
+    return convert_sources(
+        spec,
+        Source(vshapes, _Reader(vwhere), f"--vision {vision}"),
+        Source(lshapes, _Reader(lwhere), f"--language {language}"),
+        psource,
+        out,
+        origin={"vision": str(vision), "language": str(language), "projector": projector},
+        configs={VISION: vcfg, LANGUAGE: lcfg},
+    )
+
+
+class Source(SimpleNamespace):
+    """One part's Hugging Face tensors: `shapes` (name -> shape, from the headers), `read(name)` ->
+    the tensor, `where` (the option and folder, for messages)."""
+
+    def __init__(self, shapes: dict, read, where: str) -> None:
+        super().__init__(shapes=shapes, read=read, where=where)
+
+
+def convert_sources(
+    spec,
+    vision: Source,
+    language: Source,
+    projector: Optional[Source],
+    out: str | Path,
+    origin: dict,
+    configs: dict,
+    extra_files: Optional[dict[str, Path]] = None,
+) -> dict:
+    """Check every part's names and shapes against `spec` (before any tensor is read), then read,
+    fuse, load into the whole modules and write the checkpoint; `extra_files`: name under `hf/` ->
+    a file copied there (a LLaVA folder's processor and tokenizer files)."""
+    from megatron_hetero.models import hf_names
+
+    enc = spec.encoders[VISION]
+    hf_names.check_tensors(
+        vision.shapes,
+        hf_names.expected_vision(enc),
+        vision.where,
+        lambda n: hf_names.ignorable_vision(n, enc.num_layers),
+    )
+    hf_names.check_tensors(
+        language.shapes,
+        hf_names.expected_language(gpt_view(spec)),
+        language.where,
+        lambda n: hf_names.ignorable_language(n, gpt_view(spec)),
+    )
+    if projector is not None:
+        hf_names.check_tensors(
+            projector.shapes, hf_names.expected_projector(enc.hidden_size, spec.hidden_size), projector.where
+        )
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out {out}: exists and is not empty")
-    vision_t = hf_names.vision_to_ours(_Reader(vwhere), enc)
-    language_t = hf_names.language_to_ours(_Reader(lwhere), spec)
-    if pwhere is not None:
-        read = _Reader(pfiles)
-        vision_t.update(hf_names.projector_to_ours(lambda k: read(pwhere[k])))
+    vision_t = hf_names.vision_to_ours(vision.read, enc)
+    language_t = to_hybrid_names(hf_names.language_to_ours(language.read, gpt_view(spec)), spec)
+    if projector is not None:
+        vision_t.update(hf_names.projector_to_ours(projector.read))
     layout = world_of_one_layout([VISION])
     with world_of_one(layout) as topo:
         states = build_whole(layout, spec, topo)
-        if pwhere is None:  # the family's own initialisation of the projector
+        if projector is None:  # the family's own initialisation of the projector
             vision_t.update(
                 {
                     k: v
@@ -262,28 +320,70 @@ def hf_to_checkpoint(
                     if k.startswith("projector.") and not k.endswith("_extra_state")
                 }
             )
-        _load_whole(states[VISION].module, vision_t, f"--vision {vision}")
-        _load_whole(states[LANGUAGE].module, language_t, f"--language {language}")
-        d = write_checkpoint(
-            out,
-            layout,
-            spec,
-            states,
-            origin={"vision": str(vision), "language": str(language), "projector": projector},
-            configs={VISION: vcfg, LANGUAGE: lcfg},
-        )
+        _load_whole(states[VISION].module, vision_t, vision.where)
+        _load_whole(states[LANGUAGE].module, language_t, language.where)
+        d = write_checkpoint(out, layout, spec, states, origin=origin, configs=configs, extra_files=extra_files)
     return {
         "directory": str(d),
         "model": spec,
         "tensors": {VISION: len(vision_t), LANGUAGE: len(language_t)},
-        "projector": "converted" if projector else "initialised",
+        "projector": "converted" if projector is not None else "initialised",
     }
 
 
-def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, configs: dict) -> Path:
+def with_hybrid_pattern(spec, pattern: Optional[str]):
+    """The converted model as Megatron's HybridModel (`--hybrid-layer-pattern`): only `*-` pairs, one
+    per Hugging Face layer (pipes between pairs), express a Llama/Qwen2 model; ValueError otherwise."""
+    import dataclasses
+
+    from megatron_hetero.models.hybrid_pattern import is_gpt_pairs, pattern_layers
+
+    if pattern is None:
+        return spec
+    if not is_gpt_pairs(pattern) or len(pattern_layers(pattern)) != 2 * spec.num_layers:
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r}: a converted model of {spec.num_layers} layers is "
+            f"{'*-' * spec.num_layers!r} (one attention and one MLP layer per Hugging Face layer), '|' between pairs"
+        )
+    if spec.rope_scaling:
+        raise ValueError("--hybrid-layer-pattern: Megatron-core 0.19's HybridModel has no llama3 rope scaling")
+    return dataclasses.replace(spec, hybrid_layer_pattern=pattern, num_layers=2 * spec.num_layers)
+
+
+def gpt_view(spec):
+    """The GPT model a HybridModel of `*-` pairs computes (the names Hugging Face's map to); `spec`
+    itself for the GPT path."""
+    import dataclasses
+
+    if spec.hybrid_layer_pattern is None:
+        return spec
+    return dataclasses.replace(spec, hybrid_layer_pattern=None, num_layers=spec.num_layers // 2)
+
+
+def to_hybrid_names(tensors: dict, spec) -> dict:
+    """GPT language-module names -> the HybridModel's (`models.hybrid_lm.gpt_to_hybrid_name`)."""
+    from megatron_hetero.models.hybrid_pattern import gpt_to_hybrid_name
+
+    if spec.hybrid_layer_pattern is None:
+        return tensors
+    return {gpt_to_hybrid_name(k): v for k, v in tensors.items()}
+
+
+def from_hybrid_names(tensors: dict, spec) -> dict:
+    from megatron_hetero.models.hybrid_pattern import hybrid_to_gpt_name
+
+    if spec.hybrid_layer_pattern is None:
+        return tensors
+    return {hybrid_to_gpt_name(k): v for k, v in tensors.items()}
+
+
+def write_checkpoint(
+    root: Path, layout, spec, states: dict, origin: dict, configs: dict, extra_files: Optional[dict] = None
+) -> Path:
     """Iteration 0 of a weights-only checkpoint under `root` (world of one), written the way
     `train --save` writes: into a staging folder, sealed (`write_train_state`: manifest and its own
-    checksum), then renamed into place and the marker written (`publish`)."""
+    checksum), then renamed into place and the marker written (`publish`). `configs`: name ->
+    config.json kept under hf/NAME/; `extra_files`: relative path under hf/ -> a file copied there."""
     from megatron.core import dist_checkpointing
 
     from megatron_hetero.layout.yaml_io import dump_layout
@@ -306,6 +406,9 @@ def write_checkpoint(root: Path, layout, spec, states: dict, origin: dict, confi
     for name, cfg in configs.items():
         (d / HF_DIR / name).mkdir(parents=True)
         (d / HF_DIR / name / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    for rel, src in (extra_files or {}).items():
+        (d / HF_DIR / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, d / HF_DIR / rel)
     text = dump_layout(layout)
     (d / LAYOUT_FILE).write_text(text)
     models = {
@@ -346,6 +449,28 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     from safetensors.torch import save_file
 
     from megatron_hetero.models import hf_names
+
+    parts = hf_parts(root)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {out}: exists and is not empty")
+    written = {}
+    for name, t in parts.tensors.items():
+        folder = out / name
+        folder.mkdir(parents=True)
+        save_file(hf_names.contiguous(t), str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if name in parts.configs:
+            (folder / "config.json").write_text(json.dumps(parts.configs[name], indent=2, sort_keys=True))
+        written[name] = folder
+    return written
+
+
+def hf_parts(root: str | Path) -> SimpleNamespace:
+    """The latest checkpoint under `root` as Hugging Face tensors and configs, part by part:
+    `tensors` {vision, language, projector: {HF name: tensor}}, `configs` {vision, language:
+    config.json (the converted one's, else rebuilt from the recorded model)}, `spec`, `encoder`
+    (its EncoderSpec), `directory` (the iteration folder). ValueError for a model with no HF form."""
+    from megatron_hetero.models import hf_names
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.checkpoint import save_load as ckpt
     from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
@@ -359,9 +484,6 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
         raise ValueError(
             f"checkpoint {d}: expected one CLIP or SigLIP encoder, the model has {dict((n, e.kind) for n, e in spec.encoders.items())}"
         )
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {out}: exists and is not empty")
     enc_name = encoders[0]
     layout = world_of_one_layout(encoders)
     with world_of_one(layout) as topo:
@@ -374,22 +496,14 @@ def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
     enc = spec.encoders[enc_name]
     tensors = {
         VISION: hf_names.vision_to_hf(sd[enc_name], enc),
-        LANGUAGE: hf_names.language_to_hf(sd[LANGUAGE], spec),
+        LANGUAGE: hf_names.language_to_hf(from_hybrid_names(sd[LANGUAGE], spec), gpt_view(spec)),
         "projector": hf_names.projector_to_hf(sd[enc_name]),
     }
     configs = {
         VISION: _layers_as_kept(_saved_config(d, enc_name), enc.num_layers) or hf_config.vision_config_json(enc),
-        LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(spec),
+        LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(gpt_view(spec)),
     }
-    written = {}
-    for name, t in tensors.items():
-        folder = out / name
-        folder.mkdir(parents=True)
-        save_file(hf_names.contiguous(t), str(folder / "model.safetensors"), metadata={"format": "pt"})
-        if name in configs:
-            (folder / "config.json").write_text(json.dumps(configs[name], indent=2, sort_keys=True))
-        written[name] = folder
-    return written
+    return SimpleNamespace(tensors=tensors, configs=configs, spec=spec, encoder=enc, directory=d)
 
 
 def _layers_as_kept(cfg: Optional[dict], layers: int) -> Optional[dict]:

@@ -36,6 +36,8 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
                 f"module {name}: tied input and output embeddings need the whole language model on "
                 f"one pipeline stage (pp 1, no segments); got {m.arithmetic()}"
             )
+    if spec.hybrid_layer_pattern is not None:
+        check_hybrid(layout, spec, langs)
     for name, enc in spec.encoders.items():
         if enc.kind not in ENCODER_KINDS:
             raise ValueError(f"encoder {name}: kind {enc.kind!r}, one of {ENCODER_KINDS}")
@@ -54,6 +56,26 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
                 f"{enc.tokens} must be a square and feature_dim {enc.feature_dim} = 3 * patch_size**2 "
                 f"(patch_size {enc.patch_size})"
             )
+
+
+def check_hybrid(layout: HeteroLayout, spec, langs) -> None:
+    """A HybridModel language model (`--hybrid-layer-pattern`) against the other options and the
+    layout: the pattern's symbols and stages (`models.hybrid_lm.check_pattern` / `check_pipeline`),
+    one language module (no segments), no llama3 rope scaling (HybridModel has no such option)."""
+    from megatron_hetero.models.hybrid_pattern import check_pattern, check_pipeline, pattern_layers
+
+    pattern = spec.hybrid_layer_pattern
+    check_pattern(pattern, spec.transformer_impl, spec.num_experts)
+    if len(pattern_layers(pattern)) != spec.num_layers:
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r} has {len(pattern_layers(pattern))} layers, --num-layers is {spec.num_layers}"
+        )
+    if spec.rope_scaling:
+        raise ValueError("--use-rope-scaling: Megatron-core 0.19's HybridModel has no rope scaling option")
+    if len(langs) > 1:
+        raise ValueError("--hybrid-layer-pattern: language segments are not supported; give pp and '|' stages")
+    for name in langs:
+        check_pipeline(pattern, name, layout.module(name).pp)
 
 
 # The architecture fields added to `LlavaSpec` / `EncoderSpec` with their defaults (the tiny GPT and
@@ -79,6 +101,7 @@ LANGUAGE_DEFAULTS = {
     "documents": 0,
     "pack_documents": True,
     "transformer_impl": "local",
+    "hybrid_layer_pattern": None,
 }
 ENCODER_DEFAULTS = {
     "kind": "linear",

@@ -268,6 +268,13 @@ def language_config_json(spec) -> dict:
 def check_hf_expressible(spec) -> None:
     """ValueError unless the checkpoint's model is one `checkpoint-to-hf` can write (Llama/Qwen2-style
     language model; CLIP encoders)."""
+    from megatron_hetero.models.hybrid_pattern import is_gpt_pairs
+
+    if spec.hybrid_layer_pattern is not None and not is_gpt_pairs(spec.hybrid_layer_pattern):
+        raise ValueError(
+            f"the checkpoint's language model is a HybridModel of {spec.hybrid_layer_pattern!r}: only '*-' pairs "
+            "(one Llama/Qwen2 layer each) have a Hugging Face form"
+        )
     lm_ok = (
         spec.normalization == "RMSNorm"
         and spec.swiglu

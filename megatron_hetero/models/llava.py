@@ -10,7 +10,8 @@ TransformerConfig fields, the dtype and the synthetic data's shape from it).
   first stage and the projector on the last.
 - Language module (`language`, or pipeline segments `language_a`, `language_b`, ... with `layers`):
   a Megatron `GPTModel` (local spec, learned absolute positions, untied output layer) over its
-  layers, with the context-parallel attention of `compat` so CP works without Transformer Engine.
+  layers (with `hybrid_layer_pattern`: Megatron's `HybridModel` over the pattern's layers, one
+  module, `models.hybrid_lm`), with the context-parallel attention of `compat` so CP works without Transformer Engine.
   The first segment's first stage builds its input: text embeddings of the whole sequence, cut to
   this CP rank's load-balanced chunks, with the encoders' tokens put at their placeholder positions.
 - Sequence parallelism (`sequence_parallel`, train's `--sequence-parallel`): a language module with
@@ -301,7 +302,7 @@ class LanguageModule(torch.nn.Module):
         super().__init__()
         layers = segment_layers(m, spec)
         n_layers = layers.size
-        if n_layers % m.pp:
+        if n_layers % m.pp and "|" not in (spec.hybrid_layer_pattern or ""):
             raise ValueError(f"module {name}: {n_layers} layers do not split over pp({m.pp})")
         if spec.seq_length % (2 * m.cp) and m.cp > 1:
             raise ValueError(f"module {name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
@@ -325,22 +326,27 @@ class LanguageModule(torch.nn.Module):
         self.config = config
         self.tp_group = pgs.tp
         layer_spec = language_layer_spec(spec.transformer_impl, spec.num_experts, spec.normalization)
-        self.gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec,
-            vocab_size=spec.vocab_size,
-            max_sequence_length=spec.seq_length,
-            pre_process=self.first_stage,
-            post_process=self.last_stage,
-            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
-            position_embedding_type=spec.position_embedding_type,
-            rotary_base=spec.rotary_base,
-            rope_scaling=spec.rope_scaling,
-            rope_scaling_factor=spec.rope_scaling_factor,
-            # the first stage scatters its assembled input itself (`embed`), as Megatron's LLaVA does
-            scatter_embedding_sequence_parallel=False,
-            pg_collection=pgs,
-        )
+        if spec.hybrid_layer_pattern is not None:  # Megatron's HybridModel (`models.hybrid_lm`)
+            from megatron_hetero.models.hybrid_lm import build_hybrid_model
+
+            self.gpt = build_hybrid_model(config, spec, pgs, self.first_stage, self.last_stage)
+        else:
+            self.gpt = GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec,
+                vocab_size=spec.vocab_size,
+                max_sequence_length=spec.seq_length,
+                pre_process=self.first_stage,
+                post_process=self.last_stage,
+                share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+                position_embedding_type=spec.position_embedding_type,
+                rotary_base=spec.rotary_base,
+                rope_scaling=spec.rope_scaling,
+                rope_scaling_factor=spec.rope_scaling_factor,
+                # the first stage scatters its assembled input itself (`embed`), as Megatron's LLaVA does
+                scatter_embedding_sequence_parallel=False,
+                pg_collection=pgs,
+            )
         self.model_type = self.gpt.model_type  # what Megatron's schedules look up on the wrapped model
         local_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
         dense = [(n, p) for n, p in self.named_parameters() if not _is_expert(n)]

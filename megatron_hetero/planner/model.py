@@ -177,6 +177,10 @@ class LlavaSpec:
     # Megatron-LM's --transformer-impl: "local" (Megatron-core's own modules, the default) or
     # "transformer_engine" (its TE layer specs: GPU machines only; `models.layer_specs`)
     transformer_impl: str = "local"
+    # Megatron's --hybrid-layer-pattern: the language model is Megatron-core's HybridModel over these
+    # layers (`*` attention, `-` MLP, `E` MoE, `M` Mamba, `|` pipeline stage; `models.hybrid_lm`), and
+    # num_layers counts them; None: the GPT path (GPTModel, num_layers attention+MLP layers)
+    hybrid_layer_pattern: Optional[str] = None
 
     @classmethod
     def from_record(cls, record: dict, seed: int = 1234) -> "LlavaSpec":
@@ -275,6 +279,22 @@ def _ffn(hidden: int, ffn: Optional[int]) -> int:
     return 4 * hidden if ffn is None else ffn
 
 
+def _priced_as_gpt(spec: LlavaSpec) -> LlavaSpec:
+    """The cost model prices uniform GPT layers (attention + MLP): a HybridModel language model of
+    `*-` pairs is priced as the GPT model it computes (half the layers); any other pattern is
+    refused with the reason (its layer types are not priced one by one yet)."""
+    pattern = spec.hybrid_layer_pattern
+    if pattern is None:
+        return spec
+    segments = pattern.split("|")
+    if not all(seg and seg == "*-" * (len(seg) // 2) for seg in segments):
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r}: the cost model prices GPT layers (attention + MLP); a pattern "
+            "of other than '*-' pairs is not priced yet"
+        )
+    return dataclasses.replace(spec, hybrid_layer_pattern=None, num_layers=spec.num_layers // 2)
+
+
 def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
     """The cost model's `Workload` of `spec` (one encoder), trained as `train` trains it: fp32 with
     Adam (fp32 weights and main grads: 4 + 4 bytes, two fp32 moments: 8 bytes, no distributed
@@ -289,6 +309,7 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
             f"--encoder-max-tiles {e.max_tiles}: the cost model prices a fixed number of image tokens per "
             "sample; plan with --encoder-tokens set to the tokens of a typical sample (tiles x tokens per tile)"
         )
+    spec = _priced_as_gpt(spec)
     h, eh = spec.hidden_size, e.hidden_size
     enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
     # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers

@@ -41,6 +41,10 @@ class ArchFlags:
         choices=["linear", "clip", "siglip"],
     )
     patch_dim: Optional[int] = _arch("CLIP/SigLIP patch side (features per token: 3 * patch**2)")
+    hybrid_layer_pattern: Optional[str] = _arch(
+        "the language model is Megatron's HybridModel over these layers: * attention, - MLP, E MoE, "
+        "M Mamba (GPU), | pipeline stage (e.g. '*-*-|*-*E'); sets --num-layers"
+    )
 
     @classmethod
     def from_args(cls, args: Any) -> "ArchFlags":
@@ -115,6 +119,15 @@ def apply_arch_args(args: Any, spec):
         lm["untie_embeddings_and_output_weights"] = False
     spec = dataclasses.replace(spec, **lm)
     spec = dataclasses.replace(spec, **_rope_scaling(g, spec))
+    if g.hybrid_layer_pattern is not None:
+        layers = len(g.hybrid_layer_pattern.replace("|", ""))
+        given_layers = getattr(args, "num_layers", None)
+        if given_layers is not None and given_layers != layers:
+            raise ValueError(
+                f"--num-layers {given_layers} contradicts --hybrid-layer-pattern {g.hybrid_layer_pattern!r} "
+                f"({layers} layers)"
+            )
+        spec = dataclasses.replace(spec, hybrid_layer_pattern=g.hybrid_layer_pattern, num_layers=layers)
     kind = g.vision_model_type
     if kind in VIT_FIELDS:
         if not g.patch_dim or g.patch_dim < 1:
