@@ -7,9 +7,18 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune")
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune", "scale")
 #: iterations per case; schedule, soak, e2e, autotune: steps (faults: cells, not iterations)
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "faults": 1, "e2e": 6, "autotune": 150}
+DEFAULT_ITERS = {
+    "boundary": 10,
+    "schedule": 4,
+    "planner": 6,
+    "soak": 300,
+    "faults": 1,
+    "e2e": 6,
+    "autotune": 150,
+    "scale": 1,
+}
 
 
 def _module(name: str):
@@ -18,12 +27,19 @@ def _module(name: str):
     return importlib.import_module(f"megatron_hetero.bench.{name}")
 
 
-def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool = False) -> dict[str, Any]:
+def run_benchmark(
+    name: str, out: Path, iters: Optional[int] = None, quick: bool = False, before_tree: Optional[str] = None
+) -> dict[str, Any]:
     """Run benchmark `name` with `iters` iterations per case (default DEFAULT_ITERS; the schedule
-    benchmark runs at least 2 steps; `quick`: e2e only); writes its files under `out` and returns its document."""
+    benchmark runs at least 2 steps; `quick`: e2e only); writes its files under `out` and returns its document.
+    `before_tree` (scale only): an older checkout whose planning is timed beside this tree's."""
     if iters is not None and iters < 1:
         raise ValueError(f"--iters must be >= 1, got {iters}")
+    if before_tree is not None and name != "scale":
+        raise ValueError("--before-tree applies to `bench scale` only")
     bench = _module(name)
+    if name == "scale":  # worlds of 1,024-65,536 ranks on the fake process group (--quick: 64 and 256)
+        return bench.run(Path(out), worlds=bench.QUICK_WORLDS if quick else bench.WORLDS, before_tree=before_tree)
     if name == "autotune":  # steps per run; --quick: e2e's small models, windows of 3 steps
         return bench.run(
             Path(out),

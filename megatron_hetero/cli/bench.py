@@ -29,7 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="faults: a covering subset of the fault matrix; e2e: smaller models, a small profile grid, one round; "
-        "autotune: e2e's smaller models, 10 steps per run, measuring windows of 3",
+        "autotune: e2e's smaller models, 10 steps per run, measuring windows of 3; "
+        "scale: worlds of 64 and 256 ranks",
+    )
+    p.add_argument(
+        "--before-tree",
+        default=None,
+        metavar="DIR",
+        help="scale: an older checkout of megatron-hetero whose planning is timed beside this tree's",
     )
     return p
 
@@ -38,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.bench.suite import run_benchmark, table
 
     out = Path(args.out)
-    doc = run_benchmark(args.name, out, args.iters, quick=args.quick)
+    doc = run_benchmark(args.name, out, args.iters, quick=args.quick, before_tree=args.before_tree)
     print(json.dumps(doc, indent=1) if args.json else table(args.name, doc))
     if not args.json:
         print(f"\nwrote {out / (args.name + '.json')}")
