@@ -172,19 +172,7 @@ def rank_plans(
     disj = rank_tables(layout, mb.count) if layout.placement == "disjoint" else {}
     out = {}
     for rank in range(layout.world_size):
-        mods = {}
-        for m in layout.modules:
-            if rank in m.rank_range.ranks():
-                mods[m.name] = ModuleRank(
-                    m.name,
-                    coord_of(m, rank),
-                    m.pp,
-                    m.dp,
-                    m.cp,
-                    stage_peer(layout, m.name, rank, -1),
-                    stage_peer(layout, m.name, rank, +1),
-                    m.frozen,
-                )
+        mods = _module_ranks(layout, rank)
         out[rank] = RankPlan(
             rank,
             layout,
