@@ -15,7 +15,8 @@ Two modes:
   leaves it and nothing is all-gathered. Forward has a header phase (variable sequence lengths
   are learnt from it), then the payload phase; backward is the inverse route of the gradients.
 - "hierarchical" (disjoint edges only; needs the Topology's groups and a fixed seq): the leader
-  route's steps, executed by `runtime/hierarchical.py`.
+  route's steps, executed by `runtime/hierarchical.py`; the layout's `boundary_mode` (the disjoint
+  schedule builds its boundaries in it).
 
 Local tensor layout on a rank: `[batch / dp, tokens, hidden]` where tokens are its blocks'
 sequence intervals concatenated in plan order (for cp > 1: chunk c then chunk 2cp-1-c).

@@ -71,7 +71,7 @@ from megatron_hetero.runtime.step import (
     run_collective,
 )
 from megatron_hetero.runtime.trace import kind_of, wire_args
-from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
+from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, post_batch
 
 #: p2p tag of pipeline links inside a module (boundaries use their edge index, always smaller).
 PIPELINE_TAG = 1 << 20
@@ -89,8 +89,10 @@ class _Comm:
 
     action: object
     where: str
-    phase: Phase
+    phase: Optional[Phase]
     finish: Callable[[Phase], None]
+    run: Optional[Callable[[], None]] = None  # a hierarchical edge: its leader route, run now (blocking)
+    key: tuple = ()  # the order of the hierarchical routes of a batch, the same on every rank
 
 
 class DisjointSchedule:
@@ -143,6 +145,8 @@ class DisjointSchedule:
             timeout_s=self.timeout_s,
             device=self.device,
             plans=self._plans,
+            mode=self.layout.boundary_mode,
+            topology=self.topo,
         )
 
     def close(self) -> None:
@@ -247,7 +251,10 @@ class DisjointSchedule:
         """Post one batch of sends and receives at once, wait for all of it, then finish each."""
         comms = [self._prepare(a) for a in actions]
         ops = []
+        routes = sorted((c for c in comms if c.run is not None), key=lambda c: c.key)
         for c in comms:
+            if c.phase is None:
+                continue
             ph, what = c.phase, str(c.action)
             ops += [WireOp(True, peer, t.contiguous(), ph.tag, what, c.where) for peer, t in ph.sends.items()]
             ops += [WireOp(False, peer, t, ph.tag, what, c.where) for peer, t in ph.recvs.items()]
@@ -255,7 +262,10 @@ class DisjointSchedule:
             with self.config.tracer.span(
                 "wait", lambda: "wait " + " + ".join(a.short() for a in actions), lambda: wire_args(ops)
             ):
-                exchange_batch(ops, timeout_s=self.timeout_s)
+                wait = post_batch(ops, timeout_s=self.timeout_s)
+                for c in routes:  # hierarchical edges: each leader route in turn, in the same order everywhere
+                    c.run()
+                wait()
         except BoundaryTimeout:  # already names the edge, this rank and the peer
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. gloo 'Connection closed by peer' when posting
@@ -263,7 +273,8 @@ class DisjointSchedule:
             where = "; ".join(f"{c.where} '{c.action}' with peer ranks {self._peers(c.action)}" for c in comms)
             raise LinkError(f"rank {self.rank} failed in a batch on {where}: {type(exc).__name__}: {first}") from exc
         for c in comms:
-            c.finish(c.phase)
+            if c.phase is not None:
+                c.finish(c.phase)
 
     def _edge_seq(self, b: Boundary, mb: int) -> Optional[int]:
         """The edge's sequence length for micro-batch `mb` (None: the edge's fixed one)."""
@@ -275,6 +286,8 @@ class DisjointSchedule:
         b = self.boundaries.get(lk)
         where = f"edge {b.edge}" if b is not None else f"pipeline link {lk}"
         none = lambda: None  # noqa: E731 - a pipeline message assembles nothing
+        if b is not None and b.route is not None:
+            return self._prepare_route(a, b, where)
         if isinstance(a, SendAct) and a.direction == "fwd":
             out = self._outputs[mb].detach().contiguous()  # an edge tensor [rows, seq, hidden] / a stage tensor
             if b is None:
@@ -316,6 +329,43 @@ class DisjointSchedule:
             self._out_grads.setdefault(mb, {})[lk] = ph.finish()
 
         return _Comm(a, where, ph, store_grad)
+
+    def _prepare_route(self, a, b: Boundary, where: str) -> _Comm:
+        """Action `a` on a hierarchical edge: its leader route as one blocking call (`Boundary.
+        forward_exchange` / `backward_exchange`: gathers to the leaders, broadcasts over the
+        destination's TP and DP x CP groups, and back), which cannot join a batch of point-to-point
+        messages; `_exchange` runs the batch's routes in (edge, forward first, micro-batch) order on
+        every rank, between posting and waiting for the batch's other messages."""
+        mb, lk = a.mb, a.link
+        key = (b.tag, 0 if a.direction == "fwd" else 1, mb)
+        skip = lambda ph: None  # noqa: E731 - the route's result is stored by `run`
+        if isinstance(a, SendAct) and a.direction == "fwd":
+            out = self._outputs[mb].detach().contiguous()
+            fault_point("boundary-send", self.rank, self._iteration)
+            self._seqs[(lk, mb)] = b.seq
+            return _Comm(a, where, None, skip, lambda: b.forward_exchange(out), key)
+        if isinstance(a, SendAct):
+            leaf = self._inputs[mb].pop(lk)
+            if not self._inputs[mb]:
+                del self._inputs[mb]
+            g = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().contiguous()
+            seq = self._seqs.pop((lk, mb))
+            return _Comm(a, where, None, skip, lambda: b.backward_exchange(g, seq), key)
+        if a.direction == "fwd":
+            fault_point("boundary-recv", self.rank, self._iteration)
+            self._seqs[(lk, mb)] = b.seq
+
+            def recv_input() -> None:
+                y, _ = b.forward_exchange(None)
+                self._inputs.setdefault(mb, {})[lk] = y.detach().requires_grad_(True)
+
+            return _Comm(a, where, None, skip, recv_input, key)
+        seq = self._seqs.pop((lk, mb))
+
+        def recv_grad() -> None:
+            self._out_grads.setdefault(mb, {})[lk] = b.backward_exchange(None, seq)
+
+        return _Comm(a, where, None, skip, recv_grad, key)
 
     # -- compute ----------------------------------------------------------------------------------
     def _forward(self, mb: int) -> None:
