@@ -335,7 +335,9 @@ class DisjointSchedule:
         forward_exchange` / `backward_exchange`: gathers to the leaders, broadcasts over the
         destination's TP and DP x CP groups, and back), which cannot join a batch of point-to-point
         messages; `_exchange` runs the batch's routes in (edge, forward first, micro-batch) order on
-        every rank, between posting and waiting for the batch's other messages."""
+        every rank, between posting and waiting for the batch's other messages (an order that
+        `plan.schedule_check.simulate_leader_routes` proves deadlock-free for a layout's tables;
+        backward first deadlocks the 1F1B steady state)."""
         mb, lk = a.mb, a.link
         key = (b.tag, 0 if a.direction == "fwd" else 1, mb)
         skip = lambda ph: None  # noqa: E731 - the route's result is stored by `run`
