@@ -142,6 +142,12 @@ def run_command(name: str, args: argparse.Namespace) -> int:
         _silence_stdout()
         return EXIT_FAILURE
     except Exception as exc:  # noqa: BLE001 - the CLI reports any unexpected failure with exit 1
+        if hasattr(exc, "failures") and hasattr(exc, "killed"):  # the fork launcher's RankFailure (any command)
+            from megatron_hetero.cli.failure import rank_failure_line
+
+            line = "failed: " + rank_failure_line(exc.failures, exc.killed, getattr(args, "save", None))
+            _report(name, line, str(exc), args)
+            return EXIT_FAILURE
         first = (str(exc).strip().splitlines() or [""])[0]
         _report(name, f"internal error: {type(exc).__name__}: {first}", traceback.format_exc(), args)
         return EXIT_FAILURE

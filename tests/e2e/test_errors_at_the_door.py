@@ -117,3 +117,21 @@ def test_root_cause_skips_the_consequences() -> None:
     line = rank_failure_line(failures[2:] + failures[:1], [3], None)
     assert line.startswith("rank 1 died without reporting a result: exit code -9 (signal SIGKILL) (ranks [2] stopped")
     assert "ranks [3] were killed" in line
+
+
+def test_rank_failure_of_any_command_is_one_line(capsys, monkeypatch, tmp_path) -> None:
+    """A RankFailure that reaches `run_command` from any subcommand reads as the root rank's line."""
+    from megatron_hetero.cli import plan
+    from megatron_hetero.runtime.launcher import RankFailure
+
+    def ranks_fail(args):
+        raise RankFailure(
+            [(1, "Traceback ...\nRuntimeError: Connection closed by peer"), (0, "Traceback ...\nOSError: x")], []
+        )
+
+    monkeypatch.setattr(plan, "run", ranks_fail)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    rc = cli.main(["plan", "examples/layouts/homogeneous.yaml"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1, err
+    assert err.startswith("megatron-hetero plan: failed: rank 0: OSError: x (ranks [1] stopped after it) [tracebacks: ")
