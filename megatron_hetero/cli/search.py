@@ -364,6 +364,10 @@ def run(args: argparse.Namespace) -> int:
     if limit is not None and limit <= 0:
         raise ValueError(f"--memory-limit-gb must be positive, got {args.memory_limit_gb}")
     space = _space(args)
+    if args.segments is not None and (args.regime_table or args.all_layouts):
+        raise ValueError(
+            f"--segments plans one language model's segments; drop {'--regime-table' if args.regime_table else '--all-layouts'}"
+        )
     if args.regime_table:
         rows = regime_table(prof, memory_limit=limit, space=space)
         print(json.dumps(rows, indent=1) if args.json else regime_markdown(rows))

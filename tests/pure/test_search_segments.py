@@ -63,3 +63,6 @@ def test_search_segments_cli(capsys, tmp_path) -> None:
     rc = cli.main(["search", *FLAGS, "--segments", "7"])
     _, err = capsys.readouterr()
     assert rc == 2 and "--segments 7: the language model has only 6 layers" in err
+    rc = cli.main(["search", *FLAGS, "--segments", "2", "--all-layouts"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "--segments plans one language model's segments; drop --all-layouts" in err
