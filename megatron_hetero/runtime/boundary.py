@@ -386,6 +386,8 @@ class Boundary:
         With `headers=False` (a fixed seq) the header round is skipped: both sides size the payload from
         the same plan (`planned_forward_phase`), one round of messages instead of two."""
         if self.route is not None:
+            if self.is_src:
+                self._check_source(x)  # shape, dtype and seq against the plan before any communication
             y = self._run_route(self.plan_for(self.seq), "forward", x.detach() if x is not None else None)
             return y, self.seq
         if not self.headers:

@@ -35,6 +35,10 @@ size each message from the same plan, and the source checks its tensor against i
 inside a batch would hold back the batch's other messages and can deadlock. Neither transport
 buffers a message, so a send completes only when its receive is posted; the checker's rendezvous
 mode proves that these batches complete for every table set the planner generates.
+A layout with `boundary_mode: hierarchical` sends its module edges by the leader route (gathers and
+broadcasts over groups, `runtime/hierarchical.py`), which cannot join a batch: a batch posts its
+pipeline-link messages, runs its edge routes one at a time in (edge, forward first, micro-batch)
+order, then waits (`_prepare_route`).
 The autograd cut at every stage input/output is done here, as Megatron's pipeline schedules do
 (detached input leaves, backward with the received gradient), so the boundary's phases are used
 directly.
