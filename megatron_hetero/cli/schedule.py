@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     checker rejects the generated tables (after printing them)."""
     from megatron_hetero.layout.yaml_io import load_layout
     from megatron_hetero.plan.schedule import build_tables, stage_graph
-    from megatron_hetero.plan.schedule_check import ScheduleError, check_tables
+    from megatron_hetero.plan.schedule_check import ScheduleError, check_tables, simulate_leader_routes
 
     layout = load_layout(args.layout, args.world_size)
     if layout.placement == "colocated":
@@ -208,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = check_tables(tables, layout=layout, micro_batches=args.micro_batches, latency=args.latency)
         check_tables(tables, layout=layout, micro_batches=args.micro_batches, mode="rendezvous")
+        if layout.boundary_mode == "hierarchical":  # the edges' leader routes, one blocking exchange each
+            simulate_leader_routes(tables, {(e.src, e.dst): i for i, e in enumerate(layout.edges)})
     except ScheduleError as exc:  # a generator bug, not a user error
         error = exc
     if args.json:

@@ -99,6 +99,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--placements", default="homogeneous,colocated,disjoint", help="comma-separated placements to try")
     p.add_argument("--max-segments", type=int, choices=[1, 2], default=2, help="LLM segments on a disjoint island")
     p.add_argument(
+        "--segments",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead: cut the language model alone into N pipeline segments over the whole world, each with "
+        "its own layers and TP x DP, by the exact heteropipe dynamic programme; prints (and --out writes) "
+        "the disjoint layout language_0 -> ... -> language_{N-1}, which `train` runs as a text-only model",
+    )
+    p.add_argument(
         "--all-layouts",
         action="store_true",
         help="search the cost model's whole space, also layouts `megatron-hetero train` does not run "
@@ -355,6 +364,10 @@ def run(args: argparse.Namespace) -> int:
     if limit is not None and limit <= 0:
         raise ValueError(f"--memory-limit-gb must be positive, got {args.memory_limit_gb}")
     space = _space(args)
+    if args.segments is not None and (args.regime_table or args.all_layouts):
+        raise ValueError(
+            f"--segments plans one language model's segments; drop {'--regime-table' if args.regime_table else '--all-layouts'}"
+        )
     if args.regime_table:
         rows = regime_table(prof, memory_limit=limit, space=space)
         print(json.dumps(rows, indent=1) if args.json else regime_markdown(rows))
@@ -373,6 +386,8 @@ def run(args: argparse.Namespace) -> int:
             "Megatron-LLaVA homogeneous placement"
         )
     wl = workload_from_args(args)
+    if args.segments is not None:
+        return _run_segments(args, wl, prof, limit)
     res = search(wl, prof, args.world_size, limit, space, top=args.top)
     layout = res.best_layout()
     text = dump_layout(layout)
@@ -395,6 +410,74 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=1))
     else:
         print(result_text(res, wl, prof))
+        print("\nbest layout:\n" + text.rstrip())
+        if args.out:
+            print(f"(written to {args.out})")
+    return 0
+
+
+def _run_segments(args: argparse.Namespace, wl, prof, limit) -> int:
+    """`search --segments N`: the heteropipe DP's layer partition x TP/DP of the language model."""
+    import time
+
+    from megatron_hetero.layout.yaml_io import dump_layout
+    from megatron_hetero.planner.heteropipe import strategy_label
+    from megatron_hetero.planner.segments import (
+        plan_segments,
+        segments_layout,
+        segments_problems,
+        train_micro_batch_size,
+    )
+
+    problems = segments_problems(wl, prof, args.world_size, args.segments, limit)
+    t0 = time.perf_counter()
+    problem, plan = plan_segments(problems)
+    seconds = time.perf_counter() - t0
+    layout = segments_layout(plan)
+    text = dump_layout(layout)
+    unit, scale = _unit(plan.objective)
+    summary = (
+        f"language model {wl.llm.num_layers} layers in {args.segments} segments on {args.world_size} ranks, "
+        f"{problem.num_microbatches} micro-batches of {problem.microbatch_samples} samples; strategies "
+        f"{', '.join(strategy_label(s) for s in problem.strategies)}"
+    )
+    if args.out:
+        header = (
+            f"# megatron-hetero search --segments {args.segments}: the heteropipe DP's layer partition x TP/DP\n"
+            f"# {plan.describe()}\n# predicted pipeline time {plan.objective * scale:.3f} {unit} "
+            f"(sum of segment times + (B-1) x the slowest)\n"
+            f"# {train_command(args, args.out, wl, train_micro_batch_size(problem, plan))}\n"
+        )
+        try:
+            Path(args.out).write_text(header + text)
+        except OSError as exc:
+            raise ValueError(f"cannot write {args.out!r}: {exc.strerror}") from None
+    if args.json:
+        doc = {
+            "segments": [
+                {
+                    "layers": [st.start, st.end - 1],
+                    "tp": st.strategy.tp,
+                    "dp": st.strategy.dp,
+                    "time_s": st.cost,
+                }
+                for st in plan.stages
+            ],
+            "objective_s": plan.objective,
+            "num_microbatches": problem.num_microbatches,
+            "microbatch_samples": problem.microbatch_samples,
+            "train_micro_batch_size": train_micro_batch_size(problem, plan),
+            "seconds": seconds,
+            "best_layout": layout.to_dict(),
+        }
+        print(json.dumps(doc, indent=1))
+    else:
+        print(summary)
+        print(f"heteropipe DP: {plan.describe()}")
+        print(
+            f"predicted pipeline time {plan.objective * scale:.3f} {unit} (slowest segment "
+            f"{plan.max_cost * scale:.3f} {unit}); found in {seconds:.3f} s"
+        )
         print("\nbest layout:\n" + text.rstrip())
         if args.out:
             print(f"(written to {args.out})")

@@ -166,13 +166,24 @@ def run(args: argparse.Namespace) -> int:
         try:
             records = run_as_rank(layout, job, env, timeout_s=job.comm_timeout_s, validated=True)
         except RuntimeError as exc:
-            raise CommandFailed(f"failed: {exc}") from None
+            import traceback
+
+            from megatron_hetero.cli.failure import advice
+
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            todo = advice(str(exc), job.save)
+            raise CommandFailed(f"failed: {first}" + (f"; {todo}" if todo else ""), traceback.format_exc()) from None
         if records is None:  # not global rank 0: nothing to print or write
             return 0
     else:
         try:
             records = run_local(layout, job, timeout=args.launch_timeout, validated=True)
-        except (RankFailure, RankTimeout) as exc:
+        except RankFailure as exc:
+            from megatron_hetero.cli.failure import rank_failure_line
+
+            line = rank_failure_line(exc.failures, exc.killed, job.save)
+            raise CommandFailed(f"failed: {line}", str(exc)) from None
+        except RankTimeout as exc:
             raise CommandFailed(f"failed: {exc}") from None
     # the iteration lines were printed by global rank 0 while it trained
     if job.save:

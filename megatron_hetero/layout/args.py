@@ -35,6 +35,14 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Placement of the modules given with --hetero-module (default colocated).",
     )
     group.add_argument(
+        "--hetero-boundary-mode",
+        type=str,
+        default=None,
+        choices=["direct", "hierarchical"],
+        help="How the tensors of disjoint edges travel: direct point-to-point (default) or the "
+        "hierarchical leader route; replaces the layout file's boundary_mode.",
+    )
+    group.add_argument(
         "--hetero-module",
         type=str,
         action="append",
@@ -75,10 +83,19 @@ def layout_from_args(args: Any, world_size: Optional[int] = None) -> HeteroLayou
     flags = getattr(args, "hetero_module", None) or []
     edges = getattr(args, "hetero_edge", None) or []
     placement = getattr(args, "hetero_placement", None)
+    mode = getattr(args, "hetero_boundary_mode", None)
     if path:
         if flags or edges:
             raise ValueError("give either --hetero-layout FILE or --hetero-module/--hetero-edge flags, not both")
-        layout = load_layout(path, world_size)
+        if mode is not None:
+            doc = load_layout(path, world_size).to_dict()
+            doc["boundary_mode"] = mode
+            try:
+                layout = layout_from_dict(doc, world_size)
+            except ValueError as exc:
+                raise ValueError(f"--hetero-boundary-mode {mode} with {path}: {exc}") from None
+        else:
+            layout = load_layout(path, world_size)
         if placement is not None and placement != layout.placement:
             raise ValueError(f"--hetero-placement {placement} contradicts placement {layout.placement} in {path}")
         return layout
@@ -90,5 +107,10 @@ def layout_from_args(args: Any, world_size: Optional[int] = None) -> HeteroLayou
         if name in modules:
             raise ValueError(f"--hetero-module {name} is given twice")
         modules[name] = spec
-    doc = {"placement": placement or "colocated", "modules": modules, "edges": list(edges)}
+    doc = {
+        "placement": placement or "colocated",
+        "boundary_mode": mode or "direct",
+        "modules": modules,
+        "edges": list(edges),
+    }
     return layout_from_dict(doc, world_size)

@@ -15,6 +15,10 @@ from typing import Optional
 from megatron_hetero.layout.degrees import DEGREE_KEYS, Degrees
 
 PLACEMENTS = ("colocated", "disjoint")
+#: `boundary_mode:` values: how a disjoint edge's tensor travels (`runtime/boundary.py`): "direct"
+#: (point-to-point between the ranks that hold and need each piece) or "hierarchical" (the leader
+#: route of `plan/route.py`: gather to leaders, TP-row then DP x CP column broadcasts).
+BOUNDARY_MODES = ("direct", "hierarchical")
 #: `role:` values a module may declare (`plan/roles.py` decides roles; this only names them).
 ROLES = ("language",)
 
@@ -179,11 +183,13 @@ class Edge:
 
 @dataclass(frozen=True)
 class HeteroLayout:
-    """A whole job: placement, modules in declaration order, and edges."""
+    """A whole job: placement, modules in declaration order, edges, and the boundary mode of its
+    edges (`BOUNDARY_MODES`; hierarchical only with disjoint placement)."""
 
     placement: str
     modules: tuple[ModuleLayout, ...]
     edges: tuple[Edge, ...] = field(default_factory=tuple)
+    boundary_mode: str = "direct"
 
     def module(self, name: str) -> ModuleLayout:
         for m in self.modules:
@@ -226,4 +232,8 @@ class HeteroLayout:
             if m.recompute is not None:
                 d["recompute"] = m.recompute.to_dict()
             mods[m.name] = d
-        return {"placement": self.placement, "modules": mods, "edges": [f"{e.src} -> {e.dst}" for e in self.edges]}
+        doc: dict = {"placement": self.placement}
+        if self.boundary_mode != "direct":
+            doc["boundary_mode"] = self.boundary_mode
+        doc.update(modules=mods, edges=[f"{e.src} -> {e.dst}" for e in self.edges])
+        return doc

@@ -11,6 +11,7 @@ from typing import Optional
 from megatron_hetero.layout.degrees import DEGREE_KEYS, MAX_WORLD_SIZE
 from megatron_hetero.layout.graph import topological_order
 from megatron_hetero.layout.spec import (
+    BOUNDARY_MODES,
     PLACEMENTS,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
@@ -179,6 +180,7 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
         raise ValueError(f"placement must be one of {list(PLACEMENTS)}, got {layout.placement!r}")
     if not layout.modules:
         raise ValueError("a layout needs at least one module")
+    check_boundary_mode(layout.placement, layout.boundary_mode)
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
         raise ValueError(f"world size must be a positive integer, got {world_size!r}")
     if world_size is not None and world_size > MAX_WORLD_SIZE:
@@ -202,7 +204,12 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
         modules = _resolve_colocated(layout.modules, world_size)
     else:
         modules = _resolve_disjoint(layout.modules, world_size)
-    resolved = HeteroLayout(placement=layout.placement, modules=tuple(modules), edges=tuple(layout.edges))
+    resolved = HeteroLayout(
+        placement=layout.placement,
+        modules=tuple(modules),
+        edges=tuple(layout.edges),
+        boundary_mode=layout.boundary_mode,
+    )
     if resolved.world_size > MAX_WORLD_SIZE:  # disjoint islands side by side
         raise ValueError(
             f"the modules need {resolved.world_size} ranks ("
@@ -211,6 +218,19 @@ def resolve_layout(layout: HeteroLayout, world_size: Optional[int] = None) -> He
         )
     _check_edges(resolved)  # after the per-module arithmetic, which is the more basic error
     return resolved
+
+
+def check_boundary_mode(placement: str, mode: str) -> None:
+    """`boundary_mode` is one of `BOUNDARY_MODES`; hierarchical (the leader route) only for disjoint
+    placement, whose edges cross between rank islands (a colocated edge never leaves its ranks)."""
+    if mode not in BOUNDARY_MODES:
+        raise ValueError(f"boundary_mode must be one of {list(BOUNDARY_MODES)}, got {mode!r}")
+    if mode == "hierarchical" and placement != "disjoint":
+        raise ValueError(
+            f"boundary_mode hierarchical needs placement disjoint, got {placement}: the leader route "
+            "gathers an edge's tensor on one rank of the destination island, and colocated modules share "
+            "their ranks (nothing crosses between islands); use boundary_mode direct"
+        )
 
 
 def check_recompute(r: Recompute, where: str) -> None:

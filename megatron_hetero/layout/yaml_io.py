@@ -1,6 +1,7 @@
 """Layout documents: the YAML file contract and the equivalent `--hetero-module` flag strings.
 
-YAML keys: `placement: colocated|disjoint`, `modules: {NAME: {tp, cp, pp, dp, ep, expt_tp,
+YAML keys: `placement: colocated|disjoint`, `boundary_mode: direct|hierarchical` (default direct;
+hierarchical needs disjoint placement), `modules: {NAME: {tp, cp, pp, dp, ep, expt_tp,
 ranks: "A-B", frozen: bool, layers: "A-B", role: language,
 recompute: {granularity: full|selective, method: uniform|block, num_layers: N}}}`,
 `edges: ["vision -> language", ...]`.
@@ -19,7 +20,7 @@ from megatron_hetero.layout.validate import resolve_layout
 
 MODULE_KEYS = set(DEGREE_KEYS) | {"ranks", "frozen", "layers", "role", "recompute"}
 RECOMPUTE_KEYS = ("granularity", "method", "num_layers")
-TOP_KEYS = {"placement", "modules", "edges"}
+TOP_KEYS = {"placement", "boundary_mode", "modules", "edges"}
 
 
 def _as_int(value: Any, where: str) -> int:
@@ -102,6 +103,7 @@ def layout_from_dict(doc: Any, world_size: Optional[int] = None) -> HeteroLayout
         placement=str(placement),
         modules=tuple(module_from_dict(str(n), s) for n, s in modules.items()),
         edges=tuple(Edge.parse(e) for e in edges),
+        boundary_mode=str(doc.get("boundary_mode") or "direct").strip(),
     )
     return resolve_layout(layout, world_size)
 

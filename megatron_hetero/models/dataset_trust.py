@@ -157,9 +157,13 @@ def inspect_dataset(path: Union[str, Path]) -> list[Finding]:
 
 
 def refusal(flag: str, path: Union[str, Path], findings: Iterable[Finding]) -> str:
-    lines = "\n".join(f"  {f.line()}" for f in findings)
+    """The refusal: what in the dataset names code, one line each, then one line with the cause and
+    what to do (the line a user reads last)."""
+    found = list(findings)
+    lines = "\n".join(f"  {f.line()}" for f in found)
     return (
         f"{flag} {path}: the dataset would run code on every rank that opens it:\n{lines}\n"
+        f"{flag} {path} refused: it names code ({len(found)} place{'s' if len(found) != 1 else ''} above); "
         f"pass {TRUST_FLAG} to run it as energon intends (only for a dataset whose code you have read)"
     )
 

@@ -370,6 +370,76 @@ def simulate_rendezvous(
     return clock, {st: tuple(v) for st, v in spans.items()}, busy
 
 
+def simulate_leader_routes(tables: dict[Stage, StageTable], edge_order: Mapping[tuple[str, str], int]) -> None:
+    """The disjoint schedule with hierarchical boundaries (`runtime/disjoint.py`): in each batch a
+    stage posts its pipeline-link sends and receives (rendezvous, as `simulate_rendezvous`), then runs
+    the batch's module-edge actions one at a time as blocking meetings of the edge's two stages, in
+    (`edge_order[(src module, dst module)]`, forward first, micro-batch) order, then waits for the
+    posted ones. A meeting completes when both stages are at it (every rank of a stage runs the same
+    table, so the leader route's ranks meet when their stages do). Raises `ScheduleError` naming every
+    blocked stage on deadlock."""
+    items = {st: t.batches() for st, t in tables.items()}
+    pc = {st: 0 for st in tables}
+    posted: dict[tuple, Stage] = {}  # pipeline op key -> its stage, while unmatched
+    unmatched: dict[Stage, set] = {}
+    routes: dict[Stage, list] = {}  # stage -> [the batch's edge actions in order, index of the next]
+    at: dict[Stage, tuple] = {}  # stage -> the meeting it waits at
+
+    def order(a) -> tuple:
+        return (edge_order[(a.link.src.module, a.link.dst.module)], 0 if a.direction == "fwd" else 1, a.mb)
+
+    progress = True
+    while progress:
+        progress = False
+        for st in tables:
+            while pc[st] < len(items[st]):
+                item = items[st][pc[st]]
+                if not isinstance(item, tuple):
+                    pc[st] += 1
+                    progress = True
+                    continue
+                if st not in routes:  # post the batch's pipeline-link operations
+                    unmatched[st] = set()
+                    for a in item:
+                        if a.link.src.module != a.link.dst.module:
+                            continue
+                        peer = posted.pop(_counterpart(a), None)
+                        if peer is None:
+                            posted[_key(a)] = st
+                            unmatched[st].add(_key(a))
+                        else:
+                            unmatched[peer].discard(_counterpart(a))
+                    edge_acts = sorted((a for a in item if a.link.src.module != a.link.dst.module), key=order)
+                    routes[st] = [edge_acts, 0]
+                    progress = True
+                acts, i = routes[st]
+                if i < len(acts):
+                    a = acts[i]
+                    meeting = (a.link, a.mb, a.direction)
+                    at[st] = meeting
+                    other = a.link.dst if a.link.src == st else a.link.src
+                    if at.get(other) != meeting:
+                        break
+                    for s2 in (st, other):
+                        routes[s2][1] += 1
+                        del at[s2]
+                    progress = True
+                    continue
+                if unmatched[st]:
+                    break
+                del routes[st], unmatched[st]
+                pc[st] += 1
+                progress = True
+    blocked = [st for st in tables if pc[st] < len(items[st])]
+    if blocked:
+        lines = []
+        for st in blocked:
+            m = at.get(st)
+            what = f"at the {m[2]} route of {m[0]} mb {m[1]}" if m else f"with {len(unmatched.get(st, ()))} unmatched"
+            lines.append(f"stage {st} blocked in batch #{pc[st]} {what}")
+        raise ScheduleError("deadlock (leader routes): " + "; ".join(lines))
+
+
 def split_batches(tables: dict[Stage, StageTable]) -> dict[Stage, tuple]:
     """Every send and receive as a batch of its own, in table order (the pairs split)."""
     return {st: tuple((a,) if isinstance(a, (SendAct, RecvAct)) else a for a in t.actions) for st, t in tables.items()}

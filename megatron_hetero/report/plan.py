@@ -93,6 +93,7 @@ def layout_json(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[di
     return {
         "world_size": layout.world_size,
         "placement": layout.placement,
+        "boundary_mode": layout.boundary_mode,
         "modules": {m.name: _module_json(m, experts) for m in layout.modules},
         "ranks": [{"rank": e.rank, "modules": coords(e)} for e in rank_map(layout)],
         "edges": [edge_json(p) for p in plan_all(layout, shape)],
@@ -110,7 +111,7 @@ def fmt_bytes(n: float) -> str:
 def layout_text(layout: HeteroLayout, shape: BoundaryShape, experts: Optional[dict[str, int]] = None) -> str:
     """The `megatron-hetero plan` table: rank map (with expert coordinates `ep`, `edp` (expert-DP)
     and `etp` for modules with experts), then one paragraph per edge."""
-    lines = [f"world size {layout.world_size}, placement {layout.placement}", ""]
+    lines = [f"world size {layout.world_size}, placement {layout.placement}, boundary mode {layout.boundary_mode}", ""]
     for m in layout.modules:
         if is_moe(m, experts):
             n = (experts or {}).get(m.name)

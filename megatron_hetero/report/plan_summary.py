@@ -116,6 +116,7 @@ def summary_json(
     return {
         "world_size": layout.world_size,
         "placement": layout.placement,
+        "boundary_mode": layout.boundary_mode,
         "summary": True,
         "modules": {
             m.name: {**m.degrees(), "ranks": str(m.ranks), "stage_size": m.stage_size, "frozen": m.frozen}
@@ -129,7 +130,7 @@ def summary_json(
 def summary_text(doc: dict[str, Any]) -> str:
     """The `plan` summary as text, from `summary_json`'s document."""
     lines = [
-        f"world size {doc['world_size']}, placement {doc['placement']} (summary; --rank R for one rank's whole plan)",
+        f"world size {doc['world_size']}, placement {doc['placement']}, boundary mode {doc['boundary_mode']} (summary; --rank R for one rank's whole plan)",
         "",
     ]
     for name, m in doc["modules"].items():
@@ -213,6 +214,7 @@ def rank_json(
     doc: dict[str, Any] = {
         "world_size": layout.world_size,
         "placement": layout.placement,
+        "boundary_mode": layout.boundary_mode,
         "rank": rank,
         "modules": _module_coords(layout, rank, experts),
         "edges": edges,
@@ -224,7 +226,10 @@ def rank_json(
 
 def rank_text(doc: dict[str, Any]) -> str:
     """`plan --rank R` as text, from `rank_json`'s document."""
-    lines = [f"rank {doc['rank']} of world size {doc['world_size']}, placement {doc['placement']}"]
+    lines = [
+        f"rank {doc['rank']} of world size {doc['world_size']}, placement {doc['placement']}, "
+        f"boundary mode {doc['boundary_mode']}"
+    ]
     if not doc["modules"]:
         lines.append("  idle: no module uses this rank")
     for n, c in doc["modules"].items():

@@ -15,7 +15,8 @@ Two modes:
   leaves it and nothing is all-gathered. Forward has a header phase (variable sequence lengths
   are learnt from it), then the payload phase; backward is the inverse route of the gradients.
 - "hierarchical" (disjoint edges only; needs the Topology's groups and a fixed seq): the leader
-  route's steps, executed by `runtime/hierarchical.py`.
+  route's steps, executed by `runtime/hierarchical.py`; the layout's `boundary_mode` (the disjoint
+  schedule builds its boundaries in it).
 
 Local tensor layout on a rank: `[batch / dp, tokens, hidden]` where tokens are its blocks'
 sequence intervals concatenated in plan order (for cp > 1: chunk c then chunk 2cp-1-c).
@@ -385,6 +386,8 @@ class Boundary:
         With `headers=False` (a fixed seq) the header round is skipped: both sides size the payload from
         the same plan (`planned_forward_phase`), one round of messages instead of two."""
         if self.route is not None:
+            if self.is_src:
+                self._check_source(x)  # shape, dtype and seq against the plan before any communication
             y = self._run_route(self.plan_for(self.seq), "forward", x.detach() if x is not None else None)
             return y, self.seq
         if not self.headers:

@@ -35,6 +35,10 @@ size each message from the same plan, and the source checks its tensor against i
 inside a batch would hold back the batch's other messages and can deadlock. Neither transport
 buffers a message, so a send completes only when its receive is posted; the checker's rendezvous
 mode proves that these batches complete for every table set the planner generates.
+A layout with `boundary_mode: hierarchical` sends its module edges by the leader route (gathers and
+broadcasts over groups, `runtime/hierarchical.py`), which cannot join a batch: a batch posts its
+pipeline-link messages, runs its edge routes one at a time in (edge, forward first, micro-batch)
+order, then waits (`_prepare_route`).
 The autograd cut at every stage input/output is done here, as Megatron's pipeline schedules do
 (detached input leaves, backward with the received gradient), so the boundary's phases are used
 directly.
@@ -46,7 +50,7 @@ the edge or pipeline link and both ranks (`runtime/wire.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,7 +75,7 @@ from megatron_hetero.runtime.step import (
     run_collective,
 )
 from megatron_hetero.runtime.trace import kind_of, wire_args
-from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, exchange_batch
+from megatron_hetero.runtime.wire import BoundaryTimeout, WireOp, post_batch
 
 #: p2p tag of pipeline links inside a module (boundaries use their edge index, always smaller).
 PIPELINE_TAG = 1 << 20
@@ -89,14 +93,19 @@ class _Comm:
 
     action: object
     where: str
-    phase: Phase
+    phase: Optional[Phase]
     finish: Callable[[Phase], None]
+    run: Optional[Callable[[], None]] = None  # a hierarchical edge: its leader route, run now (blocking)
+    key: tuple = ()  # the order of the hierarchical routes of a batch, the same on every rank
 
 
-def disjoint_boundaries(plan: RankPlan, config: RuntimeConfig, runner: StageRunner) -> dict[Link, Boundary]:
+def disjoint_boundaries(
+    plan: RankPlan, config: RuntimeConfig, runner: StageRunner, topo: Any = None
+) -> dict[Link, Boundary]:
     """Link -> this rank's `Boundary` of every module edge its stage table sends on or receives from
     (none on an idle rank), one call per micro-batch: what the schedule runs and `dryrun` plans.
-    Builds plans only (no communication)."""
+    Builds plans only (no communication); the layout's boundary mode decides the route (`topo`: the
+    rank's Topology, whose groups the hierarchical route broadcasts over)."""
     out: dict[Link, Boundary] = {}
     if plan.disjoint is None:
         return out
@@ -119,6 +128,8 @@ def disjoint_boundaries(plan: RankPlan, config: RuntimeConfig, runner: StageRunn
             timeout_s=float(config.comm_timeout_s),
             device=get_device(),
             plans=plans,
+            mode=plan.layout.boundary_mode,
+            topology=topo,
         )
     return out
 
@@ -151,7 +162,7 @@ class DisjointSchedule:
         self.prev_rank, self.next_rank = self.me.prev_rank, self.me.next_rank
         self.is_loss_stage = self.name in runner.loss_modules() and self.me.last_stage
         # One Boundary per module edge this stage sends on or receives from.
-        self.boundaries: dict[Link, Boundary] = disjoint_boundaries(plan, config, runner)
+        self.boundaries: dict[Link, Boundary] = disjoint_boundaries(plan, config, runner, topo)
 
     def close(self) -> None:
         """Nothing to release: communication has no background threads."""
@@ -255,7 +266,10 @@ class DisjointSchedule:
         """Post one batch of sends and receives at once, wait for all of it, then finish each."""
         comms = [self._prepare(a) for a in actions]
         ops = []
+        routes = sorted((c for c in comms if c.run is not None), key=lambda c: c.key)
         for c in comms:
+            if c.phase is None:
+                continue
             ph, what = c.phase, str(c.action)
             ops += [WireOp(True, peer, t.contiguous(), ph.tag, what, c.where) for peer, t in ph.sends.items()]
             ops += [WireOp(False, peer, t, ph.tag, what, c.where) for peer, t in ph.recvs.items()]
@@ -263,7 +277,10 @@ class DisjointSchedule:
             with self.config.tracer.span(
                 "wait", lambda: "wait " + " + ".join(a.short() for a in actions), lambda: wire_args(ops)
             ):
-                exchange_batch(ops, timeout_s=self.timeout_s)
+                wait = post_batch(ops, timeout_s=self.timeout_s)
+                for c in routes:  # hierarchical edges: each leader route in turn, in the same order everywhere
+                    c.run()
+                wait()
         except BoundaryTimeout:  # already names the edge, this rank and the peer
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. gloo 'Connection closed by peer' when posting
@@ -271,7 +288,8 @@ class DisjointSchedule:
             where = "; ".join(f"{c.where} '{c.action}' with peer ranks {self._peers(c.action)}" for c in comms)
             raise LinkError(f"rank {self.rank} failed in a batch on {where}: {type(exc).__name__}: {first}") from exc
         for c in comms:
-            c.finish(c.phase)
+            if c.phase is not None:
+                c.finish(c.phase)
 
     def _edge_seq(self, b: Boundary, mb: int) -> Optional[int]:
         """The edge's sequence length for micro-batch `mb` (None: the edge's fixed one)."""
@@ -283,6 +301,8 @@ class DisjointSchedule:
         b = self.boundaries.get(lk)
         where = f"edge {b.edge}" if b is not None else f"pipeline link {lk}"
         none = lambda: None  # noqa: E731 - a pipeline message assembles nothing
+        if b is not None and b.route is not None:
+            return self._prepare_route(a, b, where)
         if isinstance(a, SendAct) and a.direction == "fwd":
             out = self._outputs[mb].detach().contiguous()  # an edge tensor [rows, seq, hidden] / a stage tensor
             if b is None:
@@ -324,6 +344,45 @@ class DisjointSchedule:
             self._out_grads.setdefault(mb, {})[lk] = ph.finish()
 
         return _Comm(a, where, ph, store_grad)
+
+    def _prepare_route(self, a, b: Boundary, where: str) -> _Comm:
+        """Action `a` on a hierarchical edge: its leader route as one blocking call (`Boundary.
+        forward_exchange` / `backward_exchange`: gathers to the leaders, broadcasts over the
+        destination's TP and DP x CP groups, and back), which cannot join a batch of point-to-point
+        messages; `_exchange` runs the batch's routes in (edge, forward first, micro-batch) order on
+        every rank, between posting and waiting for the batch's other messages (an order that
+        `plan.schedule_check.simulate_leader_routes` proves deadlock-free for a layout's tables;
+        backward first deadlocks the 1F1B steady state)."""
+        mb, lk = a.mb, a.link
+        key = (b.tag, 0 if a.direction == "fwd" else 1, mb)
+        skip = lambda ph: None  # noqa: E731 - the route's result is stored by `run`
+        if isinstance(a, SendAct) and a.direction == "fwd":
+            out = self._outputs[mb].detach().contiguous()
+            fault_point("boundary-send", self.rank, self._iteration)
+            self._seqs[(lk, mb)] = b.seq
+            return _Comm(a, where, None, skip, lambda: b.forward_exchange(out), key)
+        if isinstance(a, SendAct):
+            leaf = self._inputs[mb].pop(lk)
+            if not self._inputs[mb]:
+                del self._inputs[mb]
+            g = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().contiguous()
+            seq = self._seqs.pop((lk, mb))
+            return _Comm(a, where, None, skip, lambda: b.backward_exchange(g, seq), key)
+        if a.direction == "fwd":
+            fault_point("boundary-recv", self.rank, self._iteration)
+            self._seqs[(lk, mb)] = b.seq
+
+            def recv_input() -> None:
+                y, _ = b.forward_exchange(None)
+                self._inputs.setdefault(mb, {})[lk] = y.detach().requires_grad_(True)
+
+            return _Comm(a, where, None, skip, recv_input, key)
+        seq = self._seqs.pop((lk, mb))
+
+        def recv_grad() -> None:
+            self._out_grads.setdefault(mb, {})[lk] = b.backward_exchange(None, seq)
+
+        return _Comm(a, where, None, skip, recv_grad, key)
 
     # -- compute ----------------------------------------------------------------------------------
     def _forward(self, mb: int) -> None:

@@ -1,7 +1,8 @@
 """Executes the hierarchical (leader-based) route of a disjoint edge: the `RouteStep`s of
 `plan/route.py` (where every leader, group and block is computed), one direction at a time.
 
-Kept for comparison with the direct route (`megatron-hetero bench boundary`). This file computes
+Run by the Boundary of a layout with `boundary_mode: hierarchical` (the disjoint schedule) and by
+`megatron-hetero bench boundary`, which compares it with the direct route. This file computes
 no ranks: it takes the steps, this rank's tensor and blocks, and the process group of every
 broadcast step it takes part in, and for each step (in route order) that names this rank:
 - gather / scatter (point to point): sends the pieces it is the source of, one message per peer

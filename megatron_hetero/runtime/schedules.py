@@ -26,4 +26,4 @@ def schedule_boundaries(plan: RankPlan, config: RuntimeConfig, topo: Any, runner
     communication): `dryrun` plans them without building the schedule."""
     if plan.layout.placement == "colocated":
         return colocated_boundaries(plan, config, topo, runner)
-    return disjoint_boundaries(plan, config, runner)
+    return disjoint_boundaries(plan, config, runner, topo)

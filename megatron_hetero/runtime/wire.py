@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -132,18 +132,30 @@ def exchange_batch(ops: list[WireOp], *, timeout_s: float) -> None:
     on NCCL, independent isend/irecv on gloo, the same code path) and wait for all of them, each
     with `timeout_s`; a failure names the edge or link, this rank and the peer. The batch completes
     only when every peer has posted the matching operation (no buffering is assumed)."""
+    post_batch(ops, timeout_s=timeout_s)()
+
+
+def post_batch(ops: list[WireOp], *, timeout_s: float) -> Callable[[], None]:
+    """`exchange_batch` in two halves: post every operation of `ops` now, and return the wait for
+    all of them (call it once; failures as in `exchange_batch`)."""
     if not ops:
-        return
+        return lambda: None
     rank = dist.get_rank()
     p2p_ops = [dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, op.peer, tag=op.tag) for op in ops]
     works = dist.batch_isend_irecv(p2p_ops)  # a failure to post: the caller names the batch's edges and peers
-    if len(works) == len(ops):
-        for op, work in zip(ops, works):
-            _wait(work, f"{op.what} {'to' if op.send else 'from'}", op.edge, rank, op.peer, timeout_s)
-    else:  # one coalesced work for the whole group (NCCL)
-        labels = ", ".join(sorted({f"{op.edge} (rank {op.peer})" for op in ops}))
-        for work in works:
-            _wait(work, f"batch of {len(ops)} messages on {labels}; peer", ops[0].edge, rank, ops[0].peer, timeout_s)
+
+    def wait() -> None:
+        if len(works) == len(ops):
+            for op, work in zip(ops, works):
+                _wait(work, f"{op.what} {'to' if op.send else 'from'}", op.edge, rank, op.peer, timeout_s)
+        else:  # one coalesced work for the whole group (NCCL)
+            labels = ", ".join(sorted({f"{op.edge} (rank {op.peer})" for op in ops}))
+            for work in works:
+                _wait(
+                    work, f"batch of {len(ops)} messages on {labels}; peer", ops[0].edge, rank, ops[0].peer, timeout_s
+                )
+
+    return wait
 
 
 def broadcast(

@@ -59,6 +59,12 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     if job.eval_iters is not None and not job.eval_interval:
         raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
     synthetic.validate(data_config(spec))
+    tiled = sorted(n for n, e in spec.encoders.items() if e.max_tiles and n in layout.names)
+    if layout.boundary_mode == "hierarchical" and tiled:
+        raise ValueError(
+            f"boundary_mode hierarchical needs a fixed sequence length on every edge, but encoder(s) {tiled} "
+            "send a variable number of image tokens (--encoder-max-tiles); use boundary_mode direct"
+        )
     for name in ("global_batch_size", "micro_batch_size", "train_iters"):
         v = getattr(job, name)
         if not isinstance(v, int) or v < 1:

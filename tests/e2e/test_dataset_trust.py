@@ -234,6 +234,8 @@ def test_train_refuses_untrusted_and_runs_trusted(digits, tmp_path, capfd, monke
         err = capfd.readouterr().err
         assert rc == 2, (case, err[-2000:])
         assert key in err and TRUST_FLAG in err and str(ds) in err, err
+        last = err.strip().splitlines()[-1]  # the line a user reads: the cause and what to do
+        assert last.startswith(f"--data-path {ds} refused: it names code (") and TRUST_FLAG in last, last
         assert not marker.exists(), case
         if case in RUNS_WITH_TRUST:
             rc = main([*TRAIN, "--data-path", str(ds), TRUST_FLAG])

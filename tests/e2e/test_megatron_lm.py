@@ -454,17 +454,20 @@ def test_colocated_heterogeneous_layout_matches(trees, clip_references):
     assert_grad_norms(run, ref)
 
 
-def test_disjoint_fan_in_at_world_4_matches(trees, clip_references):
+@pytest.mark.parametrize("mode", ["direct", "hierarchical"])
+def test_disjoint_fan_in_at_world_4_matches(trees, clip_references, mode):
     """vision DP2 on ranks 0-1 -> language TP2 on ranks 2-3 (global batch 8, micro-batch size 2: 4
     micro-batches of 2 samples, one per vision DP rank, joined on the language side), against the
     unpatched TP1·DP2 run of the same batch, with Megatron's default --clip-grad 1.0 engaged (the two
-    islands clip by one norm over both modules' gradients)."""
+    islands clip by one norm over both modules' gradients); in both boundary modes (hierarchical: the
+    leader route, `--hetero-boundary-mode`)."""
     ref = clip_references("pretrain_vlm.py")
     run = torchrun(
         trees["patched"] / "pretrain_vlm.py",
         _default_clip_args("pretrain_vlm.py")
         + ITERS
         + ["--hetero-placement", "disjoint", "--hetero-module", "vision:dp=2", "--hetero-module", "language:tp=2"]
+        + ["--hetero-boundary-mode", mode]
         + EDGE,
         nproc=4,
     )

@@ -81,3 +81,21 @@ def test_search_out_with_model_flags_header_trains(tmp_path, capsys) -> None:
     rc, text, err = _run(capsys, *argv, "--train-iters", "1")
     assert rc == 0, err[-3000:]
     assert "iteration    1/1 | lm loss" in text
+
+
+@pytest.mark.timeout(300)
+def test_search_segments_out_trains(tmp_path, capsys) -> None:
+    """`search --segments 2 --out L.yaml` (the heteropipe DP) writes a layout of two language segments
+    whose header's train command trains it."""
+    out = tmp_path / "L.yaml"
+    rc, text, err = _run(
+        capsys, "search", "--hardware", DEFAULT_HARDWARE, "--world-size", "4", "--num-layers", "4",
+        "--segments", "2", "--out", str(out),
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "heteropipe DP: layers 0-" in text and f"(written to {out})" in text
+    doc = yaml.safe_load(out.read_text())
+    assert list(doc["modules"]) == ["language_0", "language_1"] and doc["edges"] == ["language_0 -> language_1"]
+    rc, text, err = _run(capsys, *_train_line(out), "--train-iters", "1")
+    assert rc == 0, err[-3000:]
+    assert "iteration    1/1 | lm loss" in text

@@ -58,7 +58,7 @@ def test_plan_text_colocated_fan_in(capsys) -> None:
     rc, out, _ = _run(capsys, "plan", str(REPO / "examples/layouts/colocated_fan_in.yaml"))
     assert rc == 0
     lines = out.splitlines()
-    assert lines[0] == "world size 8, placement colocated"
+    assert lines[0] == "world size 8, placement colocated, boundary mode direct"
     assert lines[2].split() == ["rank", "vision", "TP1·CP1·PP1·DP8", "@0-7", "language", "TP2·CP1·PP2·DP2", "@0-7"]
     rows = {int(line.split()[0]): line.split()[1:] for line in lines[3:11]}
     assert rows[3] == ["tp0", "cp0", "dp3", "pp0", "tp1", "cp0", "dp1", "pp0"]
@@ -158,7 +158,7 @@ def test_plan_json_from_flags_with_shape(capsys) -> None:
 def test_plan_world_size_flag(capsys) -> None:
     path = str(REPO / "examples/layouts/colocated_fan_out.yaml")
     rc, out, _ = _run(capsys, "plan", path, "--world-size", "4")
-    assert rc == 0 and out.startswith("world size 4, placement colocated")
+    assert rc == 0 and out.startswith("world size 4, placement colocated, boundary mode direct")
     rc, _, err = _run(capsys, "plan", path, "--world-size", "8")
     assert rc == 2
     assert "module vision: tp(2)*cp(1)*pp(1)*dp(2)=4 != ranks 0-7 (8)" in err
@@ -401,3 +401,15 @@ def test_plan_memory_peak_with_encoder_offload(capsys) -> None:
         assert plain["predicted_peak_bytes"] == both
         enc = sum(plain["state"]["vision"].values())
         assert both - enc <= off["predicted_peak_bytes"] < both
+
+
+def test_plan_shows_the_boundary_mode(capsys) -> None:
+    path = REPO / "examples/layouts/disjoint_hierarchical.yaml"
+    rc, out, _ = _run(capsys, "plan", str(path))
+    assert rc == 0 and out.splitlines()[0] == "world size 8, placement disjoint, boundary mode hierarchical"
+    rc, out, _ = _run(capsys, "plan", str(path), "--json")
+    assert rc == 0 and json.loads(out)["boundary_mode"] == "hierarchical"
+    rc, out, err = _run(
+        capsys, "plan", str(REPO / "examples/layouts/colocated_fan_in.yaml"), "--hetero-boundary-mode", "hierarchical"
+    )
+    assert rc == 2 and "needs placement disjoint" in err and out == ""

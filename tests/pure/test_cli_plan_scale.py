@@ -85,7 +85,7 @@ def test_summary_of_a_65536_rank_world(capsys, tmp_path: Path) -> None:
     fwd = last["edges"]["vision->language"]["forward"]
     assert (fwd["sends"], fwd["recvs"], fwd["bytes_sent"]) == (8, 0, 8 * sample)
     text = summary_text(doc)  # what `plan` prints without --json (one run of the planning is enough here)
-    assert text.startswith("world size 65536, placement colocated (summary")
+    assert text.startswith("world size 65536, placement colocated, boundary mode direct (summary")
     assert "edge vision->language: fan-in x32  [batch 65536, seq 8, hidden 64] x 4 B" in text
     assert len(text.splitlines()) < 40  # no line per rank
 
@@ -122,7 +122,7 @@ def test_rank_text_schedule_and_bad_rank(capsys) -> None:
     path = str(EXAMPLES / "colocated_fan_in.yaml")
     rc, out, _ = _run(capsys, "plan", path, "--rank", "2", "--global-batch-size", "8", "--micro-batch-size", "2")
     assert rc == 0
-    assert out.startswith("rank 2 of world size 8, placement colocated")
+    assert out.startswith("rank 2 of world size 8, placement colocated, boundary mode direct")
     assert "  language: tp0 cp0 dp1 pp0, pipeline peers prev -, next 6" in out
     # vision TP1·DP8 holds sample r on rank r; language dp1 (ranks 2, 3) needs samples 4-7 (seq 8)
     assert (
@@ -140,7 +140,11 @@ def test_small_world_keeps_its_full_report_and_summary_on_request(capsys) -> Non
     rc2, forced, _ = _run(capsys, "plan", path, "--full")
     assert rc == rc2 == 0 and full == forced and "summary" not in full
     rc, text, _ = _run(capsys, "plan", path, "--summary")
-    assert rc == 0 and text.startswith("world size 8, placement colocated (summary") and "  rank 7: " in text
+    assert (
+        rc == 0
+        and text.startswith("world size 8, placement colocated, boundary mode direct (summary")
+        and "  rank 7: " in text
+    )
     rc, out, _ = _run(capsys, "plan", path, "--summary", "--json")
     assert rc == 0
     doc = json.loads(out)

@@ -451,11 +451,11 @@ def test_error_unknown_keys() -> None:
     )
     _raises(
         {"modules": {"vision": {"tp": 1}}, "edge": ["a->b"]},
-        "unknown top-level keys ['edge']; allowed keys are ['edges', 'modules', 'placement']",
+        "unknown top-level keys ['edge']; allowed keys are ['boundary_mode', 'edges', 'modules', 'placement']",
     )
     _raises(
         {"modules": {"vision": {"tensor_parallel": 2, "tp": 2}}, "size": 3, "zz": 1},
-        "unknown top-level keys ['size', 'zz']; allowed keys are ['edges', 'modules', 'placement']",
+        "unknown top-level keys ['size', 'zz']; allowed keys are ['boundary_mode', 'edges', 'modules', 'placement']",
     )
 
 
@@ -512,8 +512,14 @@ def test_error_frozen_and_ranks_values() -> None:
 
 
 def test_error_document_shape() -> None:
-    _raises([1, 2], "a layout document must be a mapping with keys ['edges', 'modules', 'placement'], got list")
-    _raises(None, "a layout document must be a mapping with keys ['edges', 'modules', 'placement'], got NoneType")
+    _raises(
+        [1, 2],
+        "a layout document must be a mapping with keys ['boundary_mode', 'edges', 'modules', 'placement'], got list",
+    )
+    _raises(
+        None,
+        "a layout document must be a mapping with keys ['boundary_mode', 'edges', 'modules', 'placement'], got NoneType",
+    )
     _raises({"placement": "colocated"}, "'modules' must be a non-empty mapping NAME -> {tp, cp, pp, dp, ...}")
     _raises({"modules": {}}, "'modules' must be a non-empty mapping NAME -> {tp, cp, pp, dp, ...}")
     _raises({"modules": ["vision"]}, "'modules' must be a non-empty mapping NAME -> {tp, cp, pp, dp, ...}")
@@ -1065,3 +1071,45 @@ def test_world_beyond_the_bound_is_refused() -> None:
     with pytest.raises(ValueError, match=r"world size 1048577 is " + bound):
         layout_from_dict({"placement": "colocated", "modules": {"vision": {}}}, world_size=2**20 + 1)
     assert layout_from_dict({"placement": "colocated", "modules": {"vision": {"dp": 2**20}}}).world_size == 2**20
+
+
+def test_boundary_mode_yaml_flag_and_validation(tmp_path: Path) -> None:
+    """`boundary_mode` defaults to direct, round-trips, is replaced by --hetero-boundary-mode, and
+    hierarchical on a colocated layout is refused with the reason."""
+    fan_in = REPO / "examples/layouts/disjoint_fan_in.yaml"
+    hier = REPO / "examples/layouts/disjoint_hierarchical.yaml"
+    assert load_layout(fan_in).boundary_mode == "direct"
+    layout = load_layout(hier)
+    assert layout.boundary_mode == "hierarchical"
+    assert layout.to_dict()["boundary_mode"] == "hierarchical" and "boundary_mode" not in load_layout(fan_in).to_dict()
+    assert layout_from_dict(layout.to_dict()) == layout
+    assert layout.modules == load_layout(fan_in).modules
+    args = _parser().parse_args(["--hetero-layout", str(fan_in), "--hetero-boundary-mode", "hierarchical"])
+    assert layout_from_args(args) == layout
+    args = _parser().parse_args(["--hetero-layout", str(hier), "--hetero-boundary-mode", "direct"])
+    assert layout_from_args(args).boundary_mode == "direct"
+    flags = [
+        "--hetero-placement",
+        "disjoint",
+        "--hetero-module",
+        "vision:dp=4",
+        "--hetero-module",
+        "language:tp=2,dp=2",
+    ]
+    args = _parser().parse_args([*flags, "--hetero-edge", "vision->language", "--hetero-boundary-mode", "hierarchical"])
+    assert layout_from_args(args) == layout
+    with pytest.raises(ValueError, match=r"boundary_mode must be one of \['direct', 'hierarchical'\], got 'leader'"):
+        layout_from_dict({"placement": "disjoint", "boundary_mode": "leader", "modules": {"a": {}}})
+    colocated = {"placement": "colocated", "boundary_mode": "hierarchical", "modules": {"a": {}, "b": {}}}
+    with pytest.raises(ValueError, match="boundary_mode hierarchical needs placement disjoint, got colocated"):
+        layout_from_dict({**colocated, "edges": ["a -> b"]})
+    args = _parser().parse_args(
+        [
+            "--hetero-layout",
+            str(REPO / "examples/layouts/colocated_fan_in.yaml"),
+            "--hetero-boundary-mode",
+            "hierarchical",
+        ]
+    )
+    with pytest.raises(ValueError, match="--hetero-boundary-mode hierarchical with .*needs placement disjoint"):
+        layout_from_args(args)
