@@ -7,9 +7,18 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune")
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune", "peer")
 #: iterations per case; schedule, soak, e2e, autotune: steps (faults: cells, not iterations)
-DEFAULT_ITERS = {"boundary": 10, "schedule": 4, "planner": 6, "soak": 300, "faults": 1, "e2e": 6, "autotune": 150}
+DEFAULT_ITERS = {
+    "boundary": 10,
+    "schedule": 4,
+    "planner": 6,
+    "soak": 300,
+    "faults": 1,
+    "e2e": 6,
+    "autotune": 150,
+    "peer": 8,
+}
 
 
 def _module(name: str):
@@ -30,6 +39,10 @@ def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool
             iters=iters or (10 if quick else DEFAULT_ITERS[name]),
             steps=3 if quick else bench.STEPS,
             quick=quick,
+        )
+    if name == "peer":  # iterations per script run; --quick: two cases, one round, 4 iterations
+        return bench.run(
+            Path(out), iters=iters or (4 if quick else DEFAULT_ITERS[name]), rounds=1 if quick else 3, quick=quick
         )
     iters = iters or (2 if quick else DEFAULT_ITERS[name])
     if name == "schedule":
