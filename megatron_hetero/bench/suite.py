@@ -7,8 +7,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune", "peer")
-#: iterations per case; schedule, soak, e2e, autotune: steps (faults: cells, not iterations)
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune", "peer", "zb")
+#: iterations per case; schedule, soak, e2e, autotune, zb: steps (faults: cells; peer: iterations per script run)
 DEFAULT_ITERS = {
     "boundary": 10,
     "schedule": 4,
@@ -18,6 +18,7 @@ DEFAULT_ITERS = {
     "e2e": 6,
     "autotune": 150,
     "peer": 8,
+    "zb": 4,
 }
 
 
@@ -45,6 +46,8 @@ def run_benchmark(name: str, out: Path, iters: Optional[int] = None, quick: bool
             Path(out), iters=iters or (4 if quick else DEFAULT_ITERS[name]), rounds=1 if quick else 3, quick=quick
         )
     iters = iters or (2 if quick else DEFAULT_ITERS[name])
+    if name == "zb":  # steps per run, two alternating pairs of runs per layout
+        return bench.run(Path(out), steps=max(iters, 2))
     if name == "schedule":
         return bench.run(Path(out), steps=max(iters, 2))
     if name == "soak":  # growth measured from step 50 (from step iters // 3 in runs of 100 steps or fewer)
