@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps, "
-        "soak 300 steps, e2e 6 steps, autotune 150 steps per run, peer 8 iterations per script run)",
+        "soak 300 steps, e2e 6 steps, autotune 150 steps per run, peer 8 iterations per script run, zb 4 steps per run)",
     )
     p.add_argument(
         "--quick",
