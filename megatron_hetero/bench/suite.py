@@ -7,8 +7,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Optional
 
-BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune", "scale")
-#: iterations per case; schedule, soak, e2e, autotune: steps (faults: cells, not iterations)
+BENCHMARKS = ("boundary", "schedule", "planner", "soak", "faults", "e2e", "autotune", "peer", "zb", "scale")
+#: iterations per case; schedule, soak, e2e, autotune, zb: steps (faults: cells; peer: iterations per script run; scale: unused)
 DEFAULT_ITERS = {
     "boundary": 10,
     "schedule": 4,
@@ -17,6 +17,8 @@ DEFAULT_ITERS = {
     "faults": 1,
     "e2e": 6,
     "autotune": 150,
+    "peer": 8,
+    "zb": 4,
     "scale": 1,
 }
 
@@ -47,7 +49,13 @@ def run_benchmark(
             steps=3 if quick else bench.STEPS,
             quick=quick,
         )
+    if name == "peer":  # iterations per script run; --quick: two cases, one round, 4 iterations
+        return bench.run(
+            Path(out), iters=iters or (4 if quick else DEFAULT_ITERS[name]), rounds=1 if quick else 3, quick=quick
+        )
     iters = iters or (2 if quick else DEFAULT_ITERS[name])
+    if name == "zb":  # steps per run, two alternating pairs of runs per layout
+        return bench.run(Path(out), steps=max(iters, 2))
     if name == "schedule":
         return bench.run(Path(out), steps=max(iters, 2))
     if name == "soak":  # growth measured from step 50 (from step iters // 3 in runs of 100 steps or fewer)

@@ -23,13 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="iterations per case (default: boundary 10, schedule 4 steps, planner 6 steps, "
-        "soak 300 steps, e2e 6 steps, autotune 150 steps per run)",
+        "soak 300 steps, e2e 6 steps, autotune 150 steps per run, peer 8 iterations per script run, zb 4 steps per run)",
     )
     p.add_argument(
         "--quick",
         action="store_true",
         help="faults: a covering subset of the fault matrix; e2e: smaller models, a small profile grid, one round; "
         "autotune: e2e's smaller models, 10 steps per run, measuring windows of 3; "
+        "peer: two cases, one round, 4 iterations; "
         "scale: worlds of 64 and 256 ranks",
     )
     p.add_argument(

@@ -67,6 +67,13 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Timeout of every boundary wait; on expiry the edge, rank and peer are named.",
     )
     group.add_argument(
+        "--hetero-schedule",
+        choices=("1f1b", "zb"),
+        default="1f1b",
+        help="The disjoint schedule's tables: 1f1b (default), or zb: each backward split into its "
+        "input-gradient pass (its gradient goes upstream) and its weight-gradient pass (zero-bubble).",
+    )
+    group.add_argument(
         "--hetero-offload-encoder",
         action="store_true",
         help="Move encoder parameters, gradients and optimizer state to host memory "

@@ -147,6 +147,9 @@ def check_uneven_pipeline(args: Any, layout: HeteroLayout) -> Optional[tuple[str
 
 def check_common(args: Any, layout: HeteroLayout) -> None:
     """Megatron features every script's layout run supports; ValueError naming the flag otherwise."""
+    schedule = getattr(args, "hetero_schedule", "1f1b")
+    if schedule != "1f1b" and layout.placement != "disjoint":
+        raise ValueError(f"--hetero-schedule {schedule} applies to the disjoint schedule only")
     for m in layout.modules:
         if m.cp != 1:
             raise ValueError(

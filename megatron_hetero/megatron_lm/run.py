@@ -44,6 +44,21 @@ def use_tree(tree: str) -> None:
     megatron.training = module
 
 
+def tree_of(script: str) -> str:
+    """The Megatron-LM tree a script belongs to: the nearest folder above it that holds
+    ``megatron/training`` (a script inside the tree, e.g. ``examples/mimo/pretrain_mimo.py``, which
+    imports ``examples.mimo...`` from the tree's root), else the script's own folder."""
+    here = os.path.dirname(os.path.abspath(script))
+    d = here
+    while True:
+        if os.path.isdir(os.path.join(d, "megatron", "training")):
+            return d
+        parent = os.path.dirname(d)
+        if parent == d:
+            return here
+        d = parent
+
+
 def run_script(script: str, argv: Sequence[str]) -> None:
     """Run `script` as `__main__` with `argv`, after the compat set (see the module docstring)."""
     script = os.path.abspath(script)
@@ -52,7 +67,7 @@ def run_script(script: str, argv: Sequence[str]) -> None:
     from megatron_hetero.compat.startup import import_megatron_core
 
     import_megatron_core()  # before the tree's megatron.training imports it (compat.startup)
-    use_tree(os.path.dirname(script))
+    use_tree(tree_of(script))
     from megatron_hetero.compat.megatron_lm import apply_megatron_lm_cpu_compat
 
     apply_megatron_lm_cpu_compat()

@@ -118,7 +118,9 @@ class ScriptSession:
                     sched.step(increment=start * args.global_batch_size)
             self.plan, self.states = plan, states
             self.runner = runner = model.runner(args, plan, states, datasets_provider)
-            config = RuntimeConfig(comm_timeout_s=args.hetero_comm_timeout)
+            config = RuntimeConfig(
+                comm_timeout_s=args.hetero_comm_timeout, schedule=getattr(args, "hetero_schedule", "1f1b")
+            )
             if tracer is not None:
                 config = dataclasses.replace(config, tracer=tracer)
             self.schedule = schedule_for(plan, config, topo, states, runner)

@@ -56,6 +56,19 @@ class RankBoundaryPlan:
     backward: RankTransfers
     route: Optional[LeaderRoute] = None
 
+    @property
+    def pass_through(self) -> bool:
+        """True where this rank's destination tensor is its source tensor, element for element: it is
+        on both sides, holds exactly the blocks it needs in the same local order, and sends and
+        receives nothing in either direction (colocated equal-DP, same TP/CP on both sides). The
+        runtime then hands the tensor (and, backward, its gradient) through without a copy."""
+        return (
+            self.is_src
+            and self.is_dst
+            and self.holds == self.needs
+            and not any(d.sends or d.recvs for d in (self.forward, self.backward))
+        )
+
     def _of(self, direction: str) -> RankTransfers:
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")

@@ -108,6 +108,21 @@ class Backward:
         return f"B{self.mb}"
 
 
+@dataclass(frozen=True)
+class WeightGrad:
+    """Zero-bubble tables only: run the weight-gradient pass of micro-batch `mb` on `stage` (the
+    `Backward` before it computed only the gradient of the stage's inputs)."""
+
+    stage: Stage
+    mb: int
+
+    def __str__(self) -> str:
+        return f"WeightGrad mb {self.mb}"
+
+    def short(self) -> str:
+        return f"W{self.mb}"
+
+
 def _check_direction(direction: str) -> None:
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {list(DIRECTIONS)}, got {direction!r}")
@@ -169,7 +184,8 @@ class RecvAct:
         return f"r{'a' if self.direction == 'fwd' else 'g'}{self.mb}<{self.peer}"
 
 
-Action = Union[Forward, Backward, SendAct, RecvAct]
+Action = Union[Forward, Backward, WeightGrad, SendAct, RecvAct]
+COMPUTE = (Forward, Backward, WeightGrad)
 
 
 @dataclass(frozen=True)
@@ -188,10 +204,24 @@ class StageTable:
     ranks: tuple = ()
     forward_cost: float = DEFAULT_FORWARD_COST
     backward_cost: float = DEFAULT_BACKWARD_COST
+    schedule: str = "1f1b"
+    weight_fraction: float = 0.0  # zb: the share of backward_cost that is the weight-gradient pass
 
     def compute(self) -> tuple:
-        """Only the Forward/Backward actions, in order."""
-        return tuple(a for a in self.actions if isinstance(a, (Forward, Backward)))
+        """Only the compute actions (Forward, Backward, WeightGrad), in order."""
+        return tuple(a for a in self.actions if isinstance(a, COMPUTE))
+
+    def cost_of(self, action, forward: Optional[float] = None, backward: Optional[float] = None) -> float:
+        """The cost of one compute action (`forward`/`backward`: override the table's per-stage costs):
+        in a zero-bubble table the backward's cost splits into the input-gradient pass (Backward) and
+        the weight-gradient pass (WeightGrad) by `weight_fraction`."""
+        f = self.forward_cost if forward is None else forward
+        b = self.backward_cost if backward is None else backward
+        if isinstance(action, Forward):
+            return float(f)
+        if isinstance(action, WeightGrad):
+            return float(b) * self.weight_fraction
+        return float(b) * (1.0 - self.weight_fraction)
 
     def batches(self) -> tuple:
         """The table as the runtime posts it: each compute action alone, and each maximal run of
@@ -216,8 +246,14 @@ class StageTable:
         return tuple(out)
 
     def compact(self) -> str:
-        """'F0 F1 | F2 B0 F3 B1 | B2 B3': compute order, warm-up | steady | cool-down ('-' if empty)."""
-        ops = [a.short() for a in self.compute()]
+        """'F0 F1 | F2 B0 F3 B1 | B2 B3': compute order, warm-up | steady | cool-down ('-' if empty);
+        zero-bubble tables: the F/B order so, each W after the B it follows."""
+        ops: list[str] = []
+        for a in self.compute():
+            if isinstance(a, WeightGrad) and ops:
+                ops[-1] += " " + a.short()
+            else:
+                ops.append(a.short())
         w, s = self.warmup, 2 * self.steady
         parts = [" ".join(ops[:w]), " ".join(ops[w : w + s]), " ".join(ops[w + s :])]
         return " | ".join(p or "-" for p in parts)
@@ -353,22 +389,57 @@ def one_f_one_b_order(micro_batches: int, warmup: int) -> list[tuple[str, int]]:
     return order
 
 
+def zero_bubble_order(micro_batches: int, warmup: int) -> list[tuple[str, int]]:
+    """The compute order of one stage of the zero-bubble schedule: the 1F1B order of
+    `one_f_one_b_order` with each backward split into "B" (the gradient of the stage's inputs, on the
+    critical path) and "W" (the gradient of its weights, needed only by the optimizer step), W(i)
+    right after B(i). The gradients keep 1F1B's rendezvous pairing (`build_tables`: sent with the
+    receive of the activation the producer sends next), which in the steady phase puts the send after
+    W; in the cool-down, where no activation is left to pair with, the gradient leaves between B and
+    W, so the upstream stage's backward overlaps this stage's weight pass instead of waiting for it.
+    No weight pass is ever pending at a forward: a stage holds no more activations than under 1F1B.
+    Chosen by simulation (`schedule_check`, rendezvous mode) among the static orders tried on chains
+    of 2-8 stages and the join layout with 4-16 micro-batches (W deferred by 1, by 2, by the stage's
+    warm-up, or only in the cool-down; and the gradient sent before W in the steady phase too, which
+    blocks on the producer and took longer than 1F1B): this one was the shortest in every case."""
+    out: list[tuple[str, int]] = []
+    for kind, mb in one_f_one_b_order(micro_batches, warmup):
+        out.append((kind, mb))
+        if kind == "B":
+            out.append(("W", mb))
+    return out
+
+
+SCHEDULES = ("1f1b", "zb")
+#: zb: the share of a stage's backward cost that is the weight-gradient pass (ZB's B ~ W ~ F)
+DEFAULT_WEIGHT_FRACTION = 0.5
+
+
 def build_tables(
     layout: HeteroLayout,
     micro_batches: int,
     *,
     stage_costs: Optional[Mapping[str, tuple]] = None,
     module_costs: Optional[Mapping[str, tuple]] = None,
+    schedule: str = "1f1b",
+    weight_fraction: float = DEFAULT_WEIGHT_FRACTION,
 ) -> dict[Stage, StageTable]:
-    """The 1F1B table of every stage of a resolved disjoint layout (see the module docstring)."""
+    """The table of every stage of a resolved disjoint layout (see the module docstring): `schedule`
+    "1f1b" (default), or "zb", the same order with each backward split into its input-gradient pass
+    (Backward) and weight-gradient pass (WeightGrad, `zero_bubble_order`), the gradient sent upstream
+    between the two; `weight_fraction` (zb): the W share of the backward cost."""
     _check_micro_batches(micro_batches)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    if not 0.0 <= weight_fraction <= 1.0:
+        raise ValueError(f"weight_fraction must be in [0, 1], got {weight_fraction!r}")
     graph = stage_graph(layout)
     costs = stage_costs_of(layout, stage_costs, module_costs)
     tables: dict[Stage, StageTable] = {}
     warmup = {st: min(micro_batches, graph.dist_to_sink[st]) for st in graph.stages}
     for st in graph.stages:
         w = warmup[st]
-        order = one_f_one_b_order(micro_batches, w)
+        order = (zero_bubble_order if schedule == "zb" else one_f_one_b_order)(micro_batches, w)
         where = {op: i for i, op in enumerate(order)}
         # slot i = the communication between compute i-1 and compute i; each slot holds first the
         # sends that follow compute i-1, then the gradient sends placed there, then the receives
@@ -391,6 +462,8 @@ def build_tables(
                 actions += [RecvAct(lk, mb, "fwd") for lk in graph.incoming[st]]
                 actions.append(Forward(st, mb))
                 actions += [SendAct(lk, mb, "fwd") for lk in graph.outgoing[st]]
+            elif kind == "W":
+                actions.append(WeightGrad(st, mb))
             else:
                 actions += [RecvAct(lk, mb, "bwd") for lk in graph.outgoing[st]]
                 actions.append(Backward(st, mb))
@@ -405,6 +478,8 @@ def build_tables(
             ranks=graph.ranks[st],
             forward_cost=f,
             backward_cost=b,
+            schedule=schedule,
+            weight_fraction=weight_fraction if schedule == "zb" else 0.0,
         )
     return tables
 
@@ -415,9 +490,10 @@ def rank_tables(
     *,
     stage_costs: Optional[Mapping[str, tuple]] = None,
     module_costs: Optional[Mapping[str, tuple]] = None,
+    schedule: str = "1f1b",
 ) -> dict[int, StageTable]:
     """{global rank: its stage's table} for every rank of a resolved disjoint layout."""
-    tables = build_tables(layout, micro_batches, stage_costs=stage_costs, module_costs=module_costs)
+    tables = build_tables(layout, micro_batches, stage_costs=stage_costs, module_costs=module_costs, schedule=schedule)
     out: dict[int, StageTable] = {}
     for table in tables.values():
         for r in table.ranks:

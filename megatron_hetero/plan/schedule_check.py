@@ -16,7 +16,10 @@ Execution models (all stage tables run together, each stage sequentially in tabl
      links that end at it in the right direction); with `layout=`, the stages and links are exactly
      those of the layout's stage graph;
   1. coverage: every micro-batch 0..M-1 runs Forward and Backward exactly once on every stage,
-     Backward after Forward;
+     Backward after Forward; in a zero-bubble table (`schedule` "zb") also WeightGrad exactly once,
+     after its Backward (and none in a 1F1B table); WeightGrad has no communication, so data flow
+     and deadlock freedom are checked exactly as for 1F1B, with the weight passes in the order the
+     runtime runs them (they take their share of the backward cost, `StageTable.cost_of`);
   2. matching: every receive has exactly one matching send and every send is received once;
   3. data flow: on every link, the activation of mb is received before the consumer's Forward(mb)
      and sent after the producer's Forward(mb); the gradient is received before the producer's
@@ -44,6 +47,7 @@ from megatron_hetero.plan.schedule import (
     Stage,
     StageGraph,
     StageTable,
+    WeightGrad,
     stage_graph,
 )
 
@@ -123,8 +127,8 @@ def _normalize(tables) -> dict[Stage, StageTable]:
 
 def _check_ownership(t: StageTable) -> None:
     for i, a in enumerate(t.actions):
-        if not isinstance(a, (Forward, Backward, SendAct, RecvAct)):
-            _fail(t.stage, f"action #{i} {a!r} is not a Forward, Backward, SendAct or RecvAct")
+        if not isinstance(a, (Forward, Backward, WeightGrad, SendAct, RecvAct)):
+            _fail(t.stage, f"action #{i} {a!r} is not a Forward, Backward, WeightGrad, SendAct or RecvAct")
         owner = a.stage  # Send/Recv: the end of the link that executes it, by direction
         if isinstance(a.mb, bool) or not isinstance(a.mb, int) or a.mb < 0:
             _fail(t.stage, f"action #{i} {a}: micro-batch must be an integer >= 0")
@@ -155,7 +159,7 @@ def _check_coverage(tables: dict[Stage, StageTable], micro_batches: Optional[int
         for i, a in enumerate(t.actions):
             if a.mb >= m:
                 _fail(st, f"action #{i} {a}: micro-batch {a.mb} outside 0..{m - 1}")
-            if isinstance(a, (Forward, Backward)):
+            if isinstance(a, (Forward, Backward, WeightGrad)):
                 key = (type(a), a.mb)
                 if key in pos:
                     _fail(st, f"{a} appears twice (actions #{pos[key]} and #{i})")
@@ -168,6 +172,14 @@ def _check_coverage(tables: dict[Stage, StageTable], micro_batches: Optional[int
                 _fail(st, f"Backward mb {mb} is missing")
             if b < f:
                 _fail(st, f"Backward mb {mb} (action #{b}) comes before Forward mb {mb} (action #{f})")
+            # zero-bubble tables: the weight-gradient pass of every micro-batch, once, after its Backward
+            w = pos.get((WeightGrad, mb))
+            if t.schedule == "zb" and w is None:
+                _fail(st, f"WeightGrad mb {mb} is missing (a zero-bubble table)")
+            if t.schedule != "zb" and w is not None:
+                _fail(st, f"WeightGrad mb {mb} (action #{w}) in a {t.schedule} table")
+            if w is not None and w < b:
+                _fail(st, f"WeightGrad mb {mb} (action #{w}) comes before Backward mb {mb} (action #{b})")
     return m
 
 
@@ -236,9 +248,8 @@ def _latency_of(latency, link: Link) -> float:
 def _cost_of(t: StageTable, a, costs) -> float:
     if costs is not None and t.stage.module in costs:
         f, b = costs[t.stage.module]
-    else:
-        f, b = t.forward_cost, t.backward_cost
-    return float(f if isinstance(a, Forward) else b)
+        return t.cost_of(a, f, b)
+    return t.cost_of(a)
 
 
 def simulate(

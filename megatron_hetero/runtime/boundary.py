@@ -21,6 +21,11 @@ Two modes:
 Local tensor layout on a rank: `[batch / dp, tokens, hidden]` where tokens are its blocks'
 sequence intervals concatenated in plan order (for cp > 1: chunk c then chunk 2cp-1-c).
 
+Pass-through: where this rank's plan says its destination tensor is its source tensor
+(`RankBoundaryPlan.pass_through`: colocated equal-DP with the same TP/CP on both sides, nothing sent
+or received in either direction), the call returns the source tensor itself (as an autograd view, no
+copy) and its backward hands the gradient back unchanged; nothing goes over the wire.
+
 What the call returns: on a destination rank, the tensor in the destination layout; on a
 source-only rank (disjoint), a 0-element "token" tensor: call `Boundary.backward_source(token)`
 (or `token.backward(token.new_empty(0))`) once the destination's gradient will arrive; on a rank
@@ -182,7 +187,8 @@ class Boundary:
             return None
         if self.is_src:
             seq = self._check_source(x)
-            self.plan_for(seq)  # shape errors before any communication
+            if self.plan_for(seq).pass_through:  # shape errors before any communication
+                return _PassThrough.apply(self, x)
             return _BoundaryFunction.apply(self, x)
         if x is not None:
             raise ValueError(f"edge {self.edge}: rank {self.rank} is only a destination; pass None")
@@ -495,3 +501,21 @@ class _BoundaryFunction(torch.autograd.Function):
         if not boundary.is_src:
             return None, None
         return None, grad_x
+
+
+class _PassThrough(torch.autograd.Function):
+    """A pass-through boundary on this rank (`RankBoundaryPlan.pass_through`): nothing goes over the
+    wire in either direction. forward returns `x` itself (autograd wraps it as a view: no copy);
+    backward returns the destination's gradient unchanged as the source's. Both record a call of 0
+    bytes in the boundary's `WireStats`, as a direct call that moves nothing would."""
+
+    @staticmethod
+    def forward(ctx, boundary: Boundary, x: torch.Tensor) -> torch.Tensor:
+        ctx.boundary = boundary
+        boundary.stats["forward"].record_call(0, 0, 0)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        ctx.boundary.stats["backward"].record_call(0, 0, 0)
+        return None, grad_y

@@ -15,10 +15,13 @@ from megatron_hetero.runtime.trace import NULL_TRACER, AnyTracer
 class RuntimeConfig:
     """`comm_timeout_s`: the longest any collective or point-to-point wait may take before it raises
     an error naming the edge or group and the ranks (`--hetero-comm-timeout`).
-    `tracer`: where the schedules record their spans (`runtime.trace`); NULL_TRACER (off) by default."""
+    `tracer`: where the schedules record their spans (`runtime.trace`); NULL_TRACER (off) by default.
+    `schedule`: the disjoint schedule's tables (`--hetero-schedule`): "1f1b", or "zb" (each backward
+    split into its input-gradient and weight-gradient passes, `plan.schedule.zero_bubble_order`)."""
 
     comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S
     tracer: AnyTracer = field(default=NULL_TRACER, compare=False)
+    schedule: str = "1f1b"
 
 
 @dataclass(frozen=True)

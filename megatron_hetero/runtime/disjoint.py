@@ -58,7 +58,16 @@ import torch.distributed as dist
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.rank_plan import RankPlan
-from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable
+from megatron_hetero.plan.schedule import (
+    Backward,
+    Forward,
+    Link,
+    RecvAct,
+    SendAct,
+    StageTable,
+    WeightGrad,
+    build_tables,
+)
 from megatron_hetero.plan.boundary_rank import BoundaryPlanCache
 from megatron_hetero.runtime.boundary import Boundary, Phase
 from megatron_hetero.runtime.config import RuntimeConfig
@@ -153,6 +162,9 @@ class DisjointSchedule:
         self._step = -1
         if self.table is None:
             return
+        if config.schedule != "1f1b":  # --hetero-schedule zb: this stage's zero-bubble table (pure, cheap)
+            self.table = build_tables(self.layout, self.micro_batches, schedule=config.schedule)[self.table.stage]
+        self._wgrad: dict[int, tuple[list, list]] = {}  # zb: mb -> (tensors, gradients) kept for its W pass
         self.stage = self.table.stage
         self.name = self.stage.module
         self.me = plan.modules[self.name]
@@ -190,7 +202,9 @@ class DisjointSchedule:
             tr, enc = self.config.tracer, self.plan.roles.is_encoder(self.name)
             # --overlap-grad-reduce: every backward of this stage but the step's last one runs inside the
             # module's no_sync (evaluation: every one), so DDP launches the reductions in the last one
-            backwards_left = sum(isinstance(a, Backward) for a in self.table.actions)
+            # (zb: the weight passes are the backwards that fill the gradient buffers)
+            grad_kind = WeightGrad if self._split_backward() else Backward
+            backwards_left = sum(isinstance(a, grad_kind) for a in self.table.actions)
             for item in self.table.batches():
                 if isinstance(item, tuple):
                     with tr.span(
@@ -212,12 +226,22 @@ class DisjointSchedule:
                         lambda: f"{self.stage} {item.short()}",
                         lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb},
                     ):
-                        backwards_left -= 1
+                        if grad_kind is Backward:
+                            backwards_left -= 1
                         with self.state.no_sync(when=backwards_left > 0 or not train):
                             self._backward(item.mb)
+                elif isinstance(item, WeightGrad):
+                    with tr.span(
+                        kind_of(enc, "backward"),
+                        lambda: f"{self.stage} {item.short()}",
+                        lambda: {"module": self.name, "stage": self.stage.pp, "mb": item.mb, "pass": "weight"},
+                    ):
+                        backwards_left -= 1
+                        with self.state.no_sync(when=backwards_left > 0 or not train):
+                            self._weight_grad(item.mb)
                 else:  # pragma: no cover - the tables hold only these
                     raise AssertionError(f"unknown action {item!r}")
-            assert not self._outputs and not self._inputs, "a micro-batch was not finished"
+            assert not self._outputs and not self._inputs and not self._wgrad, "a micro-batch was not finished"
         memory["step"] = resident_memory(self.states)
         fault_point("grad-reduce", self.rank, self._iteration, when=train)
         for s in self.states.values() if train else ():
@@ -410,15 +434,45 @@ class DisjointSchedule:
     def _backward(self, mb: int) -> None:
         out = self._outputs.pop(mb)
         grads = self._out_grads.pop(mb, {})
+        tensors: list = []
+        seeds: list = []
         if not grads:  # the loss (last stage of the last language segment)
             if out.requires_grad:
-                torch.autograd.backward(out)
+                tensors, seeds = [out], [None]
+        else:
+            g = None
+            for t in grads.values():  # a branch: the output's gradient is the sum over its consumers
+                g = t if g is None else g + t
+            loss = self._stage_losses.pop(mb, None)
+            if loss is not None and loss.requires_grad:  # its own loss and its consumers' gradient together
+                tensors, seeds = [loss, out], [None, g.to(out.dtype)]
+            elif out.requires_grad:
+                tensors, seeds = [out], [g.to(out.dtype)]
+        if not self._split_backward():
+            if tensors:
+                torch.autograd.backward(tensors, seeds)
+            if self.table.schedule == "zb":
+                self._wgrad[mb] = ([], [])  # the loss stage's weight pass has nothing left to do
             return
-        g = None
-        for t in grads.values():  # a branch: the output's gradient is the sum over its consumers
-            g = t if g is None else g + t
-        loss = self._stage_losses.pop(mb, None)
-        if loss is not None and loss.requires_grad:  # its own loss and its consumers' gradient together
-            torch.autograd.backward([loss, out], [None, g.to(out.dtype)])
-        elif out.requires_grad:
-            torch.autograd.backward(out, g.to(out.dtype))
+        # zb, the input-gradient pass: only the stage's input leaves (what goes upstream); the graph is
+        # kept for this micro-batch's weight pass
+        self._wgrad[mb] = (tensors, seeds)
+        leaves = [t for t in self._inputs.get(mb, {}).values() if t.requires_grad]
+        if tensors and leaves:
+            torch.autograd.backward(tensors, seeds, inputs=leaves, retain_graph=True)
+
+    def _split_backward(self) -> bool:
+        """zb: whether this stage splits its backward. A loss stage does not: Megatron's vocab-parallel
+        cross entropy computes its softmax in place in the logits it saved and its backward writes the
+        gradient into that same tensor, so its graph cannot be walked twice; it runs its backward
+        whole at Backward (the gradient still leaves before its WeightGrad, which does nothing)."""
+        return self.table is not None and self.table.schedule == "zb" and not self.is_loss_stage
+
+    def _weight_grad(self, mb: int) -> None:
+        """zb, the weight-gradient pass of micro-batch `mb`: the gradients of this stage's trainable
+        parameters (into Megatron DDP's buffers, through its hooks), from the tensors and gradients
+        its input-gradient pass kept; the graph is freed after it."""
+        tensors, seeds = self._wgrad.pop(mb)
+        params = [p for p in self.state.module.parameters() if p.requires_grad]
+        if tensors and params:
+            torch.autograd.backward(tensors, seeds, inputs=params)

@@ -74,6 +74,7 @@ class JobConfig:
     # --hetero-comm-timeout), a Megatron-LM extra_args_provider
     offload_encoder: bool = False
     comm_timeout_s: float = DEFAULT_COMM_TIMEOUT_S
+    hetero_schedule: str = "1f1b"  # --hetero-schedule: the disjoint schedule's tables (1f1b or zb)
     schedule: LRSchedule = field(default_factory=LRSchedule)
     # checkpoints (Megatron's flags): save every save_interval iterations and at the end into `save`;
     # resume from the latest checkpoint under `load`
@@ -206,6 +207,7 @@ class JobConfig:
         return RuntimeConfig(
             comm_timeout_s=self.comm_timeout_s,
             tracer=recording_tracer(rank, self.trace) if self.trace else NULL_TRACER,
+            schedule=self.hetero_schedule,
         )
 
 

@@ -254,6 +254,7 @@ def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
         schedule=LRSchedule(**values(LRSchedule, args)),
         offload_encoder=args.hetero_offload_encoder,
         comm_timeout_s=args.hetero_comm_timeout,
+        hetero_schedule=getattr(args, "hetero_schedule", "1f1b"),
         data=data,
         trace=_trace_path(args.trace),
         autotune=tune,

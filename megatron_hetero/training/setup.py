@@ -113,6 +113,8 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             raise ValueError(f"module {m.name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
     if job.offload_encoder and layout.placement != "colocated":
         raise ValueError("--hetero-offload-encoder applies to the colocated schedule only")
+    if job.hetero_schedule != "1f1b" and layout.placement != "disjoint":
+        raise ValueError(f"--hetero-schedule {job.hetero_schedule} applies to the disjoint schedule only")
     # Batch arithmetic and the schedule tables (colocated phases, disjoint 1F1B per stage): arithmetic on
     # module degrees, once per process; each rank then builds only its own plan (`rank_plan`).
     check_rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)

@@ -411,3 +411,10 @@ def test_uneven_pipeline_is_accepted_on_the_language_module():
     args = _args(decoder_num_layers=5, decoder_last_pipeline_num_layers=1)
     check_vlm(args, vlm)
     assert check_uneven_pipeline(args, vlm) == ("language", [2, 2, 1])
+
+
+def test_zero_bubble_schedule_is_for_disjoint_layouts():
+    colocated = _layout({"vision": {"dp": 2}, "language": {"dp": 2}}, ("vision -> language",), "colocated", 2)
+    with pytest.raises(ValueError, match="--hetero-schedule zb applies to the disjoint schedule only"):
+        check_common(_args(hetero_schedule="zb"), colocated)
+    check_common(_args(hetero_schedule="zb"), _layout(SEGMENTS))

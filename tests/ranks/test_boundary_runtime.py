@@ -379,3 +379,40 @@ def test_header_mismatch_names_the_edge():
         RankFailure, match=r"edge vision->language: rank 1 received from rank 0: hidden 4 \(expected 3\)"
     ):
         run_ranks(2, _hidden_mismatch, timeout=40)
+
+
+def _pass_through() -> dict:
+    """Colocated equal-DP TP2·DP2 -> TP2·DP2: every rank's boundary output is its input's storage,
+    and the gradient reaching the source is the destination's gradient, unchanged."""
+    layout = layout_from_dict(_lay("colocated", {"tp": 2, "dp": 2}, {"tp": 2, "dp": 2}), world_size=4)
+    bnd = Boundary(layout, layout.edges[0], batch=4, hidden=3, seq=4, timeout_s=30, headers=False)
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    x = torch.randn(2, 4, 3, generator=g).requires_grad_(True)
+    w = torch.randn(2, 4, 3, generator=g)
+    h = x * 2  # a non-leaf source, as an encoder's output is
+    y = bnd(h)
+    same_storage = y.data_ptr() == h.data_ptr() and torch.equal(y, h)
+    seen = {}
+    h.register_hook(lambda grad: seen.setdefault("g", grad))
+    (y * w).sum().backward()
+    return {
+        "pass_through": bnd.plan_for(4).pass_through,
+        "same_storage": same_storage,
+        "grad_at_boundary": torch.equal(seen["g"], w),
+        "grad_at_x": torch.equal(x.grad, 2 * w),
+        "bytes": (bnd.stats["forward"].payload_bytes, bnd.stats["backward"].payload_bytes),
+        "calls": (len(bnd.stats["forward"].per_call), len(bnd.stats["backward"].per_call)),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_equal_dp_passes_the_tensor_through():
+    for r in run_ranks(4, _pass_through, timeout=60):
+        assert r == {
+            "pass_through": True,
+            "same_storage": True,
+            "grad_at_boundary": True,
+            "grad_at_x": True,
+            "bytes": (0, 0),
+            "calls": (1, 1),
+        }, r
