@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.megatron_lm import precision
+from megatron_hetero.plan.schedule import check_schedule_choice
 
 #: Megatron flags no layout supports yet (attribute -> flag).
 REFUSED = {
@@ -147,9 +148,7 @@ def check_uneven_pipeline(args: Any, layout: HeteroLayout) -> Optional[tuple[str
 
 def check_common(args: Any, layout: HeteroLayout) -> None:
     """Megatron features every script's layout run supports; ValueError naming the flag otherwise."""
-    schedule = getattr(args, "hetero_schedule", "1f1b")
-    if schedule != "1f1b" and layout.placement != "disjoint":
-        raise ValueError(f"--hetero-schedule {schedule} applies to the disjoint schedule only")
+    check_schedule_choice(getattr(args, "hetero_schedule", "1f1b"), layout)
     for m in layout.modules:
         if m.cp != 1:
             raise ValueError(

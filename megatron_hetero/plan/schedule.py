@@ -415,6 +415,20 @@ SCHEDULES = ("1f1b", "zb")
 DEFAULT_WEIGHT_FRACTION = 0.5
 
 
+def check_schedule_choice(schedule: str, layout: HeteroLayout) -> None:
+    """`--hetero-schedule`'s rules, for both front ends: zb applies to the disjoint schedule, and with
+    direct boundaries only (the leader routes' order check covers 1F1B tables). ValueError otherwise."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"--hetero-schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    if schedule != "1f1b" and layout.placement != "disjoint":
+        raise ValueError(f"--hetero-schedule {schedule} applies to the disjoint schedule only")
+    if schedule != "1f1b" and layout.boundary_mode != "direct":
+        raise ValueError(
+            f"--hetero-schedule {schedule} runs with boundary_mode direct only (the layout asks for "
+            f"{layout.boundary_mode}: its leader routes are checked against 1F1B tables)"
+        )
+
+
 def build_tables(
     layout: HeteroLayout,
     micro_batches: int,

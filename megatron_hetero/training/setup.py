@@ -23,6 +23,7 @@ from megatron_hetero.models.llava import (
     language_modules,
 )
 from megatron_hetero.plan.rank_plan import RankPlan, check_rank_plans
+from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.training.config import JobConfig, job_recompute
 
@@ -113,8 +114,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             raise ValueError(f"module {m.name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")
     if job.offload_encoder and layout.placement != "colocated":
         raise ValueError("--hetero-offload-encoder applies to the colocated schedule only")
-    if job.hetero_schedule != "1f1b" and layout.placement != "disjoint":
-        raise ValueError(f"--hetero-schedule {job.hetero_schedule} applies to the disjoint schedule only")
+    check_schedule_choice(job.hetero_schedule, layout)
     # Batch arithmetic and the schedule tables (colocated phases, disjoint 1F1B per stage): arithmetic on
     # module degrees, once per process; each rank then builds only its own plan (`rank_plan`).
     check_rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)

@@ -131,3 +131,27 @@ def test_bad_schedule_name_is_value_error() -> None:
     with pytest.raises(ValueError, match="schedule must be one of"):
         build_tables(layout, 4, schedule="zb-h2")
     assert isinstance(build_tables(layout, 2)[next(iter(build_tables(layout, 2)))].compute()[0], Forward)
+
+
+def test_schedule_choice_rules_for_both_front_ends() -> None:
+    """`check_schedule_choice` (train's validate_job and the scripts' check_common): zb needs a disjoint
+    layout with direct boundaries; 1f1b runs everywhere; an unknown name is refused."""
+    from pathlib import Path
+
+    from megatron_hetero.layout import load_layout
+    from megatron_hetero.plan.schedule import check_schedule_choice
+
+    examples = Path(__file__).resolve().parents[2] / "examples" / "layouts"
+    direct = load_layout(examples / "disjoint_fan_in.yaml")
+    hier = load_layout(examples / "disjoint_hierarchical.yaml")
+    coloc = load_layout(examples / "colocated_fan_in.yaml")
+    assert hier.boundary_mode == "hierarchical" and direct.boundary_mode == "direct"
+    check_schedule_choice("zb", direct)
+    for layout in (direct, hier, coloc):
+        check_schedule_choice("1f1b", layout)
+    with pytest.raises(ValueError, match="zb runs with boundary_mode direct only"):
+        check_schedule_choice("zb", hier)
+    with pytest.raises(ValueError, match="zb applies to the disjoint schedule only"):
+        check_schedule_choice("zb", coloc)
+    with pytest.raises(ValueError, match="must be one of"):
+        check_schedule_choice("interleaved", direct)
