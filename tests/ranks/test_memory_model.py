@@ -127,6 +127,21 @@ CASES = {
         dataclasses.replace(LlavaSpec(), num_experts=4, add_bias_linear=False),
         4,
     ),
+    # HybridModel language models (`--hybrid-layer-pattern`): each layer its type's parameters
+    "hybrid '*-|*E' language pp2 (the pattern's stages)": (
+        {"modules": {"vision": {"dp": 2}, "language": {"pp": 2}}, "edges": ["vision -> language"]},
+        dataclasses.replace(
+            LlavaSpec(), num_layers=4, hybrid_layer_pattern="*-|*E", num_experts=4, add_bias_linear=False
+        ),
+        2,
+    ),
+    "hybrid '*-*E' language dp2·ep2": (
+        {"modules": {"vision": {"dp": 2}, "language": {"dp": 2, "ep": 2}}, "edges": ["vision -> language"]},
+        dataclasses.replace(
+            LlavaSpec(), num_layers=4, hybrid_layer_pattern="*-*E", num_experts=4, add_bias_linear=False
+        ),
+        2,
+    ),
 }
 
 
