@@ -143,3 +143,22 @@ def test_memory_model_counts_each_layer_type_and_the_declared_stages():
     gpt = LlavaSpec(num_layers=2)
     layout = layout_from_dict({"modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]})
     assert _stage_params("*-*-", 1) == [M.stage_params(layout, gpt, "language", 0).total]
+
+
+@pytest.mark.parametrize("recompute", [None, "selective"])
+def test_memory_model_activations_of_pairs_are_the_gpt_layers(recompute):
+    """The per-rank activation bytes of `*-*-` (one norm and the attention's, one norm and the MLP's)
+    are the GPT model of 2 layers' (Llama-style: RMSNorm, SwiGLU, grouped queries), on 2 stages too."""
+    from megatron_hetero.planner.memory_terms import ActivationFeatures
+
+    llama = dict(normalization="RMSNorm", swiglu=True, add_bias_linear=False, num_query_groups=2)
+    feats = ActivationFeatures(dtype_bytes=4, sequence_parallel=False, recompute=recompute)
+    for pp in (1, 2):
+        layout = layout_from_dict(
+            {"modules": {"vision": {"dp": pp}, "language": {"pp": pp}}, "edges": ["vision -> language"]}
+        )
+        hyb = LlavaSpec(num_layers=4, hybrid_layer_pattern="*-*-", **llama)
+        gpt = LlavaSpec(num_layers=2, **llama)
+        for r in range(pp):
+            got = M.stage_activation_bytes(layout, hyb, "language", r, 2, feats)
+            assert got == M.stage_activation_bytes(layout, gpt, "language", r, 2, feats)
