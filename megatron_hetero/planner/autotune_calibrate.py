@@ -332,13 +332,17 @@ def fold_layer_measurements(prof: Profile, wl: Workload, module: str, cases: Seq
     - CP>1 cases (modules that shard their sequence) likewise the ring's all-gather, adding back the
       attention compute the cost model overlaps with it.
 
-    Fold before `calibrate`, onto the profile the run is calibrated from. ValueError for an unknown
-    module, no cases, or CP cases of a module that does not shard its sequence."""
+    The timed layer is a GPT layer of the module's sizes (`training.autotune_layers`): a hybrid language
+    model's cases are read as that layer's, and its own layers priced from the fitted model
+    (`cost_terms.layer_parts`). Fold before `calibrate`, onto the profile the run is calibrated from.
+    ValueError for an unknown module, no cases, or CP cases of a module that does not shard its sequence."""
     if module not in ("encoder", "llm"):
         raise ValueError(f"module must be 'encoder' or 'llm', got {module!r}")
     if not cases:
         raise ValueError("fold_layer_measurements: no layer cases")
     spec = wl.encoder if module == "encoder" else wl.llm
+    if spec.layer_mix is not None:  # the timed layer: a dense GPT layer of the hybrid model's sizes
+        spec = dataclasses.replace(spec, layer_mix=None, num_experts=0)
     if any(c.cp > 1 for c in cases) and not spec.shards:
         raise ValueError(f"{module} does not shard its sequence over CP (it runs replicated): CP cases tell nothing")
     # the layer model: compute = a * xa + b * xb (xa, xb: the probe models' times, recompute included)

@@ -21,19 +21,42 @@ def _cp_eff(spec: ModelSpec, cp):
     return cp if spec.shards else np.ones_like(np.asarray(cp))
 
 
+def layer_flops_of(spec: ModelSpec, tokens, seq_flops: bool = True):
+    """Training FLOPs of one layer of `spec` over `tokens` tokens (`hardware.layer_flops`'s terms):
+    a GPT layer's attention + MLP, or a hybrid layer's mix of attention, dense MLP and top-k experts
+    (`ModelSpec.mix`)."""
+    if spec.layer_mix is None:
+        return layer_flops(tokens, spec.seq, spec.hidden, spec.flops_ffn, spec.gated)
+    attn, mlp, moe = spec.layer_mix
+    t = np.asarray(tokens, dtype=float)
+    attention = layer_flops(t, spec.seq, spec.hidden, 0, spec.gated)
+    mlp_flops = layer_flops(t, spec.seq, spec.hidden, spec.ffn_hidden, spec.gated) - attention
+    moe_ffn = spec.moe_topk * spec.expert_ffn if spec.num_experts else 0
+    moe_flops = layer_flops(t, spec.seq, spec.hidden, moe_ffn, spec.gated) - attention
+    return attn * attention + mlp * mlp_flops + moe * moe_flops
+
+
 def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp, ep=1):
     """(compute, tp_comm, cp_comm) of one layer, one micro-batch of `samples` per replica. With
     experts the MLP FLOPs are the top-k experts' (`flops_ffn`), and tp_comm also holds the token
-    dispatcher's all-to-alls over the EP group (`ep_dispatch_time`)."""
+    dispatcher's all-to-alls over the EP group (`ep_dispatch_time`). A hybrid layer (`ModelSpec.mix`:
+    attention, dense MLP, MoE shares) has its types' shares of each term: attention 2 of a GPT
+    layer's 4 TP collectives, its core attention and CP ring; an MLP the other 2; MoE those 2 and the
+    dispatch."""
+    attn, mlp, moe = spec.mix
     cpe = _cp_eff(spec, cp)
     tokens = np.asarray(samples, dtype=float) * spec.seq
-    flops = layer_flops(tokens, spec.seq, spec.hidden, spec.flops_ffn, spec.gated) / (np.asarray(tp) * cpe)
-    compute = prof.layer_time(spec.kind, flops)
-    tp_calls = 4.0  # the TP collectives of a layer: 2 in forward, 2 in backward
+    flops = layer_flops_of(spec, tokens) / (np.asarray(tp) * cpe)
+    if spec.layer_mix is None:
+        compute = prof.layer_time(spec.kind, flops)
+    else:  # a hybrid layer is half a GPT layer's modules: half its fixed time
+        model = prof.layer_model(spec.kind)
+        compute = 0.5 * (attn + mlp + moe) * model.a + model.b * np.asarray(flops, dtype=float)
+    tp_calls = 2.0 * (attn + max(mlp, moe) if spec.layer_mix is None else attn + mlp + moe)  # 2 fwd + 2 bwd a layer
     if wl.recompute == "full":  # the forward again before each backward: 4 passes' worth of 3
-        compute, tp_calls = compute * 4.0 / 3.0, 6.0
+        compute, tp_calls = compute * 4.0 / 3.0, tp_calls * 1.5
     elif wl.recompute == "selective":  # the core attention's forward again (QK^T and AV: 4Tsh FLOPs)
-        attention = 4.0 * tokens * spec.seq * spec.hidden / (np.asarray(tp) * cpe)
+        attention = attn * 4.0 * tokens * spec.seq * spec.hidden / (np.asarray(tp) * cpe)
         compute = compute + prof.layer_model(spec.kind).b * attention
     dpn = prof.devices_per_node
     act = tokens / cpe * spec.hidden * wl.dtype_bytes
@@ -42,11 +65,11 @@ def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp, e
         kv = 2.0 * tokens * spec.hidden / np.asarray(tp) * wl.dtype_bytes
         ring = 3.0 * prof.layer_collective_time("all_gather", kv, cp, np.asarray(tp) * cp > dpn)
         attention = prof.layer_model(spec.kind).b * 12.0 * tokens * spec.seq * spec.hidden / (np.asarray(tp) * cpe)
-        cpc = np.maximum(ring - attention, 0.0)
+        cpc = attn * np.maximum(ring - attention, 0.0)
     else:
         cpc = np.zeros_like(compute)
-    if spec.num_experts:
-        tpc = tpc + ep_dispatch_time(prof, wl, spec, samples, tp, cp, ep)
+    if spec.has_experts:
+        tpc = tpc + moe * ep_dispatch_time(prof, wl, spec, samples, tp, cp, ep)
     return compute, tpc, cpc
 
 
@@ -100,9 +123,27 @@ def act_bytes(wl: Workload, spec: ModelSpec, samples, tp, cp, layers):
     if wl.recompute == "full":
         per = tokens * rows * spec.hidden / (tp if sp else 1.0) * wl.dtype_bytes
     else:
-        ffn = spec.moe_topk * spec.expert_ffn if spec.num_experts else spec.ffn_hidden  # a token's MLP width
-        per = layer_activation_bytes(tokens, rows, spec.hidden, ffn, spec.heads, tp, feats, gated=spec.gated)
+        per = _layer_act(spec, tokens, rows, tp, feats)
     return np.asarray(layers, dtype=float) * per
+
+
+def _layer_act(spec: ModelSpec, tokens, rows, tp, feats):
+    """Activation bytes of one layer (`layer_activation_bytes`); a hybrid layer's mix: attention one
+    norm and the attention's bytes, a dense MLP / MoE one norm and its MLP's (top-k experts' width)."""
+    if spec.layer_mix is None:
+        ffn = spec.moe_topk * spec.expert_ffn if spec.num_experts else spec.ffn_hidden  # a token's MLP width
+        return layer_activation_bytes(tokens, rows, spec.hidden, ffn, spec.heads, tp, feats, gated=spec.gated)
+    attn, mlp, moe = spec.layer_mix
+    base = layer_activation_bytes(tokens, rows, spec.hidden, 0, spec.heads, tp, feats, gated=spec.gated)
+    sp = tp if feats.sequence_parallel else 1.0
+    n = tokens * rows / sp  # one LayerNorm (the cost model's): its input and output, 2 fp32 statistics
+    norm = 2.0 * n * spec.hidden * feats.dtype_bytes + 2.0 * n * 4
+
+    def mlp_bytes(ffn):
+        return layer_activation_bytes(tokens, rows, spec.hidden, ffn, spec.heads, tp, feats, gated=spec.gated) - base
+
+    moe_ffn = spec.moe_topk * spec.expert_ffn if spec.num_experts else 0
+    return attn * (base - norm) + mlp * (norm + mlp_bytes(spec.ffn_hidden)) + moe * (norm + mlp_bytes(moe_ffn))
 
 
 def dp_time(prof: Profile, wl: Workload, params_rank, tp, cp, dp):

@@ -47,6 +47,7 @@ from megatron_hetero.planner.memory_terms import (
     ActivationFeatures,
     StateFeatures,
     layer_activation_bytes,
+    layer_norm_activation_bytes,
     norm_activation_bytes,
 )
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec
@@ -95,6 +96,41 @@ def language_layer_params(spec: LlavaSpec, tp: int, ep: int = 1, expt_tp: int = 
     fe = spec.moe_ffn_hidden_size or f
     experts = (spec.num_experts // ep) * _mlp(h, fe, expt_tp, spec.swiglu, False)  # MoE: no linear biases
     return attn + norms + spec.num_experts * h + experts, experts
+
+
+def hybrid_layer_params(spec: LlavaSpec, symbol: str, tp: int, ep: int = 1, expt_tp: int = 1) -> tuple[int, int]:
+    """(all, expert) parameters of one HybridModel layer on one rank: `*` a norm and the attention,
+    `-` a norm and the MLP, `E` a norm, the router `E x h` and E/ep local experts (expert-TP
+    `expt_tp`, no linear biases); the same pieces as `language_layer_params`'s GPT layer."""
+    h = spec.hidden_size
+    f = spec.ffn_hidden_size or 4 * h
+    norm = _norm(h, spec.normalization)
+    if symbol == "*":
+        groups = spec.num_query_groups or spec.num_attention_heads
+        kvc = spec.kv_channels or h // spec.num_attention_heads
+        attn = _attention(h, spec.num_attention_heads, groups, kvc, tp, spec.add_bias_linear, spec.add_qkv_bias)
+        return norm + attn, 0
+    if symbol == "-":
+        return norm + _mlp(h, f, tp, spec.swiglu, spec.add_bias_linear), 0
+    if symbol == "E":
+        if not spec.num_experts:
+            raise ValueError("--hybrid-layer-pattern: MoE layers ('E') need --num-experts")
+        fe = spec.moe_ffn_hidden_size or f
+        experts = (spec.num_experts // ep) * _mlp(h, fe, expt_tp, spec.swiglu, False)
+        return norm + spec.num_experts * h + experts, experts
+    raise ValueError(f"--hybrid-layer-pattern: layer {symbol!r} is not priced (priced: '*', '-', 'E')")
+
+
+def hybrid_stage_symbols(pattern: str, pp: int, pp_rank: int) -> str:
+    """The layer symbols of pipeline stage `pp_rank` of `pp`: the pattern's `|`-separated stage, or
+    without pipes the even split (Megatron's rule; ValueError where the layers do not split)."""
+    if "|" in pattern:
+        stages = pattern.split("|")
+        if len(stages) != pp:
+            raise ValueError(f"--hybrid-layer-pattern {pattern!r} has {len(stages)} pipeline stages, pp is {pp}")
+        return stages[pp_rank]
+    per = _stage_layers(len(pattern), pp)
+    return pattern[pp_rank * per : (pp_rank + 1) * per]
 
 
 def _encoder_layer_params(enc: EncoderSpec, tp: int) -> int:
@@ -159,9 +195,16 @@ def stage_params(layout: HeteroLayout, spec: LlavaSpec, module: str, pp_rank: in
 def _language_stage(layout: HeteroLayout, spec: LlavaSpec, m: ModuleLayout, pp_rank: int) -> StageParams:
     segs = [s.name for s in language_modules(layout)]
     n_layers = m.layers.size if m.layers is not None else spec.num_layers
-    per, experts = language_layer_params(spec, m.tp, m.ep, m.expt_tp)
-    layers = _stage_layers(n_layers, m.pp)
-    total, expert = layers * per, layers * experts
+    if spec.hybrid_layer_pattern is not None:  # each layer its type's (one language module, no segments)
+        pieces = [
+            hybrid_layer_params(spec, c, m.tp, m.ep, m.expt_tp)
+            for c in hybrid_stage_symbols(spec.hybrid_layer_pattern, m.pp, pp_rank)
+        ]
+        total, expert = sum(p for p, _ in pieces), sum(e for _, e in pieces)
+    else:
+        per, experts = language_layer_params(spec, m.tp, m.ep, m.expt_tp)
+        layers = _stage_layers(n_layers, m.pp)
+        total, expert = layers * per, layers * experts
     h, vocab = spec.hidden_size, spec.vocab_size // m.tp
     first = m.name == segs[0] and pp_rank == 0
     last = m.name == segs[-1] and pp_rank == m.pp - 1
@@ -288,6 +331,13 @@ def stage_activation_bytes(
     if module in spec.encoders and m.cp != 1:
         raise ValueError(f"module {module}: encoders run with cp 1")
     per_layer = layer_activation_bytes(tokens, rows, h, ffn, heads, m.tp, features, gated, kvc, norm, groups)
+    if module not in spec.encoders and spec.hybrid_layer_pattern is not None:  # each layer its type's bytes
+        symbols = hybrid_stage_symbols(spec.hybrid_layer_pattern, m.pp, pp_rank)
+        parts = _hybrid_activation_parts(spec, tokens, rows, m.tp, features)
+        layers = len(symbols)
+        per_layer = sum(parts[c] for c in symbols) // layers  # their mean (full recompute's units)
+        if features.recompute != "full":
+            return sum(parts[c] for c in symbols) + extra, 0
     if features.recompute != "full":
         return layers * per_layer + extra, 0
     sp = 1 if module in spec.encoders or not features.sequence_parallel else m.tp
@@ -300,6 +350,25 @@ def stage_activation_bytes(
         return kept + extra, (kept + per_layer - unit_input) if n else 0
     kept = -(-layers // n) * unit_input  # uniform: units of n layers
     return kept + extra, kept + n * per_layer - unit_input
+
+
+def _hybrid_activation_parts(
+    spec: LlavaSpec, tokens: int, rows: int, tp: int, features: ActivationFeatures
+) -> dict[str, int]:
+    """Bytes one HybridModel layer of each type saves (`layer_activation_bytes`'s pieces): `*` one
+    norm and the attention's, `-` one norm and the MLP's, `E` one norm and its top-k experts' MLP
+    inputs (a token's width topk x expert ffn, as the GPT MoE layer's)."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    f = spec.ffn_hidden_size or 4 * h
+    args = (heads, tp, features, spec.swiglu, spec.kv_channels, spec.normalization, spec.num_query_groups)
+    base = layer_activation_bytes(tokens, rows, h, 0, *args)  # two norms and the attention
+    norm = layer_norm_activation_bytes(tokens, rows, h, tp, features, spec.normalization)
+    fe = spec.moe_router_topk * (spec.moe_ffn_hidden_size or f) if spec.num_experts else 0
+    return {
+        "*": base - norm,
+        "-": norm + layer_activation_bytes(tokens, rows, h, f, *args) - base,
+        "E": norm + layer_activation_bytes(tokens, rows, h, fe, *args) - base,
+    }
 
 
 def other_activation_bytes(

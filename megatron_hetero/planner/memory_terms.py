@@ -100,6 +100,16 @@ def layer_activation_bytes(
     return elems * features.dtype_bytes + 2 * stats * s * b // sp * 4
 
 
+def layer_norm_activation_bytes(
+    tokens: int, rows: int, hidden: int, tp: int, features: ActivationFeatures, normalization: str = "LayerNorm"
+) -> int:
+    """Bytes one of a layer's norms saves (`layer_activation_bytes` counts two): LayerNorm its input
+    and output and 2 fp32 statistics, RMSNorm its input, normalised input and output and 1."""
+    sp = tp if features.sequence_parallel else 1
+    per_norm, stats = (2, 2) if normalization == "LayerNorm" else (3, 1)
+    return per_norm * tokens * rows * hidden // sp * features.dtype_bytes + stats * tokens * rows // sp * 4
+
+
 def norm_activation_bytes(
     tokens: int, rows: int, hidden: int, tp: int, features: ActivationFeatures, normalization: str = "LayerNorm"
 ) -> int:

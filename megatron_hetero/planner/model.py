@@ -279,20 +279,18 @@ def _ffn(hidden: int, ffn: Optional[int]) -> int:
     return 4 * hidden if ffn is None else ffn
 
 
-def _priced_as_gpt(spec: LlavaSpec) -> LlavaSpec:
-    """The cost model prices uniform GPT layers (attention + MLP): a HybridModel language model of
-    `*-` pairs is priced as the GPT model it computes (half the layers); any other pattern is
-    refused with the reason (its layer types are not priced one by one yet)."""
-    pattern = spec.hybrid_layer_pattern
-    if pattern is None:
-        return spec
-    segments = pattern.split("|")
-    if not all(seg and seg == "*-" * (len(seg) // 2) for seg in segments):
+def layer_mix_of(pattern: str) -> tuple[float, float, float]:
+    """The shares (attention `*`, dense MLP `-`, MoE `E`) of a hybrid layer pattern's layers (`|`
+    ignored); ValueError for other symbols (Mamba `M` is not priced)."""
+    layers = pattern.replace("|", "")
+    other = sorted(set(layers) - set("*-E"))
+    if other or not layers:
         raise ValueError(
-            f"--hybrid-layer-pattern {pattern!r}: the cost model prices GPT layers (attention + MLP); a pattern "
-            "of other than '*-' pairs is not priced yet"
+            f"--hybrid-layer-pattern {pattern!r}: the cost model prices attention '*', MLP '-' and MoE 'E' "
+            f"layers; {other or 'no layers'} are not priced"
         )
-    return dataclasses.replace(spec, hybrid_layer_pattern=None, num_layers=spec.num_layers // 2)
+    n = float(len(layers))
+    return (layers.count("*") / n, layers.count("-") / n, layers.count("E") / n)
 
 
 def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
@@ -309,7 +307,6 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
             f"--encoder-max-tiles {e.max_tiles}: the cost model prices a fixed number of image tokens per "
             "sample; plan with --encoder-tokens set to the tokens of a typical sample (tiles x tokens per tile)"
         )
-    spec = _priced_as_gpt(spec)
     h, eh = spec.hidden_size, e.hidden_size
     enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
     # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
@@ -324,6 +321,15 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
         kind="encoder",
         params=int(e.num_layers * enc_layer + extra),
     )
+    hybrid: dict[str, Any] = {}
+    if spec.hybrid_layer_pattern is not None:  # each layer one type: their shares, E's experts
+        hybrid["layer_mix"] = layer_mix_of(spec.hybrid_layer_pattern)
+        if "E" in spec.hybrid_layer_pattern:
+            hybrid.update(
+                num_experts=spec.num_experts or 0,
+                moe_topk=spec.moe_router_topk,
+                moe_ffn_hidden=spec.moe_ffn_hidden_size,
+            )
     llm = ModelSpec(
         "language",
         spec.num_layers,
@@ -333,6 +339,7 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
         spec.seq_length,
         kind="llm",
         vocab=spec.vocab_size,
+        **hybrid,
     )
     return Workload(
         enc,

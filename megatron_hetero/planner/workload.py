@@ -39,12 +39,21 @@ class ModelSpec:
     moe_topk: int = 2
     moe_ffn_hidden: Optional[int] = None  # each expert's MLP width (default ffn_hidden)
     features: int = 0  # an encoder's input features per token (its patch embedding's input width)
+    # A HybridModel language model (`--hybrid-layer-pattern`): the shares (attention, dense MLP, MoE)
+    # of the pattern's layers of each type (each layer is one of them); a layer is priced as their
+    # mix (`layer_mix_of`). None: GPT layers, each attention + an MLP (the experts' with num_experts).
+    layer_mix: Optional[tuple[float, float, float]] = None
 
     def __post_init__(self):
         for key in ("num_layers", "hidden", "ffn_hidden", "heads", "seq"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"model {self.name}: {key} must be a positive integer, got {v!r}")
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return bool(self.num_experts) and self.mix[2] > 0
 
     @property
     def shards(self) -> bool:
@@ -60,9 +69,17 @@ class ModelSpec:
         if self.params is not None:
             return (self.params - 2 * self.embedding_params) / self.num_layers
         m = 3 if self.gated else 2
-        if self.num_experts:  # attention + router + the experts' MLPs
-            return 4 * self.hidden**2 + self.hidden * self.num_experts + self.expert_layer_params
-        return 4 * self.hidden**2 + m * self.hidden * self.ffn_hidden
+        attn, mlp, moe = self.mix
+        dense = attn * 4 * self.hidden**2 + mlp * m * self.hidden * self.ffn_hidden
+        return dense + moe * self.hidden * self.num_experts + self.expert_layer_params
+
+    @property
+    def mix(self) -> tuple[float, float, float]:
+        """A layer's shares of (attention, dense MLP, MoE): `layer_mix`, or a GPT layer's (1, 1, 0),
+        with experts (1, 0, 1)."""
+        if self.layer_mix is not None:
+            return self.layer_mix
+        return (1.0, 0.0, 1.0) if self.num_experts else (1.0, 1.0, 0.0)
 
     @property
     def expert_ffn(self) -> int:
@@ -72,7 +89,7 @@ class ModelSpec:
     def expert_layer_params(self) -> float:
         """Parameters of one layer's experts (0 for a dense model): they shard over EP, not TP."""
         m = 3 if self.gated else 2
-        return float(self.num_experts * m * self.hidden * self.expert_ffn) if self.num_experts else 0.0
+        return float(self.mix[2] * self.num_experts * m * self.hidden * self.expert_ffn) if self.num_experts else 0.0
 
     @property
     def flops_ffn(self) -> int:

@@ -46,11 +46,6 @@ def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
     try:
         if spec.outputs:
             raise ValueError(f"the cost model does not price output modules ({sorted(spec.outputs)})")
-        if spec.hybrid_layer_pattern is not None:  # its layers would move between stages the pattern fixes
-            raise ValueError(
-                f"--hybrid-layer-pattern {spec.hybrid_layer_pattern!r}: the layout search moves GPT layers "
-                "between pipeline stages; a HybridModel's layers are not searched yet"
-            )
         workload(spec, job.global_batch_size, cost_micro_batch(layout, spec, job.micro_batch_size))
         candidate_for(layout, spec, job.offload_encoder)
         enc, llm = module_names(layout, spec)

@@ -205,3 +205,44 @@ def test_a_fit_that_fails_leaves_the_run_training_on_its_layout(tmp_path, monkey
     (d,) = doc["decisions"]
     assert d["from_layout"] == d["to_layout"] and d["kept"] is True
     assert doc["calibration"][0]["reason"].startswith("stay: the cost model could not price this run (a candidate's")
+
+
+def _hybrid(j: JobConfig) -> JobConfig:
+    """`j` with the language model Megatron's HybridModel of `*-*-` (`--hybrid-layer-pattern`)."""
+    from megatron_hetero.models.llava import LlavaSpec
+
+    return dataclasses.replace(j, spec=LlavaSpec(num_layers=4, hybrid_layer_pattern="*-*-"))
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_switch_colocated_to_disjoint_equals_resuming_its_checkpoint(tmp_path, monkeypatch, megatron_compat):
+    """A HybridModel language model switches as GPT's does: its checkpoint resumed under the chosen layout."""
+    force_switch_to(monkeypatch, DISJOINT)
+    save = tmp_path / "run"
+    got = run_job(COLOC, 2, _hybrid(job(save, autotune_rounds=1)))
+    (d,) = json.loads((save / "autotune.json").read_text())["decisions"]
+    assert d["iteration"] == K and d["kept"] is True and d["to_layout"].startswith("disjoint")
+    ref_dir = checkpoint_at(save, K, tmp_path / "ref")
+    ref = run_job(DISJOINT, 2, _hybrid(JobConfig(train_iters=ITERS, load=str(ref_dir))))
+    after, expect = losses(got)[K:], losses(ref)
+    assert len(expect) == ITERS - K
+    assert max_loss_rel_diff(after, expect) <= 1e-6, (after, expect)
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_round_calibrates_and_ranks_runnable_layouts(tmp_path, megatron_compat):
+    """The real round on a HybridModel language model: its layers timed, the cost model (each layer
+    its type's share) calibrated, the layouts ranked and checked; the run stays (min gain 100x) and
+    its losses are those of a run without the autotune."""
+    save = tmp_path / "run"
+    gains_nothing = AutotuneConfig(hetero_autotune=True, autotune_steps=K, autotune_min_gain=100.0)
+    got = run_job(COLOC, 2, _hybrid(JobConfig(train_iters=ITERS, save=str(save), autotune=gains_nothing)))
+    plain = run_job(COLOC, 2, _hybrid(JobConfig(train_iters=ITERS)))
+    assert losses(got) == losses(plain)
+    doc = json.loads((save / "autotune.json").read_text())
+    (d,) = doc["decisions"]
+    assert d["from_layout"] == d["to_layout"] and d["kept"] is True
+    (cal,) = doc["calibration"]
+    print(f"\nhybrid autotune round: {cal['reason']}")
+    assert cal["reason"].startswith("stay") and "no candidate layout fits" not in cal["reason"], cal["reason"]
+    assert cal["predicted_current_s"] > 0 and cal["measured_step_s"] > 0

@@ -196,18 +196,15 @@ def test_hybrid_pairs_compute_the_gpt_model(arch):
     assert rel < 1e-6, rel
 
 
-def test_the_cost_model_prices_pairs_as_gpt_and_refuses_other_patterns():
-    """`*-` pairs are the GPT model of half the layers to the cost model; other patterns, and
-    --hetero-autotune with any pattern, are refused with the reason."""
-    import dataclasses
-
+def test_the_cost_model_prices_each_layer_type():
+    """The cost model takes every pattern of `*`, `-`, `E` (each layer its type's share of a GPT
+    layer: tests/pure/test_hybrid_pricing.py); Mamba `M` is refused with the reason."""
     from megatron_hetero.planner.model import workload
 
-    job = _job("*-|*-")
-    gpt = workload(dataclasses.replace(job.spec, hybrid_layer_pattern=None, num_layers=2), 8, 1)
-    assert workload(job.spec, 8, 1) == gpt
-    with pytest.raises(ValueError, match=r"a pattern of other than '\*-' pairs is not priced yet"):
-        workload(_job("*-*E", **MOE_KW).spec, 8, 1)
+    assert workload(_job("*-|*-").spec, 8, 1).llm.layer_mix == (0.5, 0.5, 0.0)
+    assert workload(_job("*-*E", **MOE_KW).spec, 8, 1).llm.num_experts == 4
+    with pytest.raises(ValueError, match=r"\['M'\] are not priced"):
+        workload(_job("*-M-").spec, 8, 1)
 
 
 @pytest.mark.timeout(300)

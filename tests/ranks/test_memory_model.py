@@ -127,6 +127,21 @@ CASES = {
         dataclasses.replace(LlavaSpec(), num_experts=4, add_bias_linear=False),
         4,
     ),
+    # HybridModel language models (`--hybrid-layer-pattern`): each layer its type's parameters
+    "hybrid '*-|*E' language pp2 (the pattern's stages)": (
+        {"modules": {"vision": {"dp": 2}, "language": {"pp": 2}}, "edges": ["vision -> language"]},
+        dataclasses.replace(
+            LlavaSpec(), num_layers=4, hybrid_layer_pattern="*-|*E", num_experts=4, add_bias_linear=False
+        ),
+        2,
+    ),
+    "hybrid '*-*E' language dp2·ep2": (
+        {"modules": {"vision": {"dp": 2}, "language": {"dp": 2, "ep": 2}}, "edges": ["vision -> language"]},
+        dataclasses.replace(
+            LlavaSpec(), num_layers=4, hybrid_layer_pattern="*-*E", num_experts=4, add_bias_linear=False
+        ),
+        2,
+    ),
 }
 
 
@@ -300,3 +315,24 @@ def test_predicted_memory_matches_the_measured_within_10_percent(case, switched)
         assert abs(m["predicted"] / m["measured"] - 1) <= 0.10, (case, switched, r, m)
         acts = rec["activation_peak_bytes_total"][r]
         assert abs(m["predicted_activation"] / acts - 1) <= 0.10, (case, switched, r, m, acts)
+
+
+@pytest.mark.parametrize("switched", ["plain", "full-recompute"])
+def test_hybrid_predicted_memory_matches_the_measured_within_10_percent(switched):
+    """A HybridModel language model of `*-*|-` (the pattern's own uneven stages, 3 + 1 layers) on
+    pp2: the memory model counts each stage's own layers by type (`planner/memory.py`); the
+    prediction and its activations within 10% of what each rank measures."""
+    from parity import run_job
+
+    extra = dict(ON) if switched == "full-recompute" else {}
+    spec = LlavaSpec(num_layers=4, hybrid_layer_pattern="*-*|-")
+    doc = {"modules": {"vision": {"dp": 2}, "language": {"pp": 2}}, "edges": ["vision -> language"]}
+    rec = run_job(doc, 2, _job(spec=spec, **extra))[0]["records"][-1]
+    for r, m in rec["memory_bytes"].items():
+        acts = rec["activation_peak_bytes_total"][r]
+        print(
+            f"hybrid '*-*|-' pp2 {switched} rank {r}: predicted {m['predicted']} (activations "
+            f"{m['predicted_activation']}), measured {m['measured']} (activations {acts})"
+        )
+        assert abs(m["predicted"] / m["measured"] - 1) <= 0.10, (switched, r, m)
+        assert abs(m["predicted_activation"] / acts - 1) <= 0.10, (switched, r, m, acts)
