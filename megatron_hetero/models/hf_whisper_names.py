@@ -39,7 +39,7 @@ _LAYER = (
 
 def expected_whisper(enc, prefix: str = "encoder.") -> Shapes:
     """The Hugging Face encoder tensors (names, shapes) of an `EncoderSpec(kind="whisper")`."""
-    h, f, mel = enc.hidden_size, enc.ffn_hidden_size or 4 * enc.hidden_size, enc.feature_dim
+    h, f, mel = enc.hidden_size, enc.ffn_hidden_size or 4 * enc.hidden_size, enc.feature_dim // 2
     out: Shapes = {
         prefix + "conv1.weight": (h, mel, 3),
         prefix + "conv1.bias": (h,),

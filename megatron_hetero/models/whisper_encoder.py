@@ -1,8 +1,10 @@
 """A Whisper speech encoder module from Megatron-core parts + the LLaVA projector.
 
-Input: log-mel frames `[b, frames, mel]` (time-major, as every encoder here takes `[b, tokens,
-feature]`; `mel_features` takes Hugging Face's `input_features` `[b, mel, frames]`). The trunk is
-Whisper's encoder:
+Input: `[b, tokens, 2 * mel]`, each speech token's two log-mel frames side by side (frames 2t and
+2t + 1, each `mel` values): every encoder here takes `[b, tokens, feature]` and gives `[b, tokens,
+llm_hidden]`, and conv2's stride 2 makes one token of two frames, so `feature_dim` = 2 * mel bins and
+the data's token counts are the encoder's (`mel_features` takes Hugging Face's `input_features`
+`[b, mel, frames]` as they are). The trunk is Whisper's encoder:
 
 * `conv1` (kernel 3, padding 1) -> GELU -> `conv2` (kernel 3, stride 2, padding 1) -> GELU: `frames`
   log-mel frames become ceil(frames / 2) speech tokens (torch convolutions, replicated over TP as
@@ -19,7 +21,8 @@ which softmax cancels, so it carries nothing, and a round trip returns Whisper's
 
 Hugging Face's encoder insists on exactly 2 * max_source_positions frames (30 s); this one takes any
 frames <= 2 * tokens (a clip's own length: its token count follows the clip) and gives Hugging
-Face's `last_hidden_state` on a full-length input. One pipeline stage, cp 1.
+Face's `last_hidden_state` on a full-length input (on a shorter clip: Hugging Face's layers run on
+that clip alone). One pipeline stage, cp 1.
 """
 
 from __future__ import annotations
@@ -50,9 +53,34 @@ def speech_tokens(frames: int) -> int:
     return (frames - 1) // 2 + 1
 
 
+def mel_bins(enc) -> int:
+    """The log-mel bins of a Whisper `EncoderSpec` (its feature_dim holds two frames)."""
+    if enc.feature_dim % 2:
+        raise ValueError(f"a Whisper encoder's feature_dim is 2 * mel bins (two frames a token), got {enc.feature_dim}")
+    return enc.feature_dim // 2
+
+
+def mel_to_pairs(mel: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's `input_features` [b, mel, frames] (frames even) -> [b, frames/2, 2*mel]."""
+    b, bins, frames = mel.shape
+    if frames % 2:
+        raise ValueError(f"log-mel input needs an even number of frames (two a speech token), got {frames}")
+    return mel.transpose(1, 2).reshape(b, frames // 2, 2 * bins)
+
+
+def pairs_to_mel(x: torch.Tensor, bins: int) -> torch.Tensor:
+    """[b, tokens, 2*mel] -> [b, mel, 2*tokens] (the inverse of `mel_to_pairs`)."""
+    b, tokens, f = x.shape
+    if f != 2 * bins:
+        raise ValueError(
+            f"speech features must be [b, tokens, {2 * bins}] (two frames of {bins} bins), got {list(x.shape)}"
+        )
+    return x.reshape(b, 2 * tokens, bins).transpose(1, 2)
+
+
 class WhisperEncoderModule(torch.nn.Module):
-    """[b, frames, mel] log-mel -> Whisper encoder -> projector -> [b, ceil(frames/2), llm_hidden].
-    `enc`: an `EncoderSpec` (feature_dim = mel bins, tokens = max_source_positions)."""
+    """[b, tokens, 2*mel] frame pairs -> Whisper encoder -> projector -> [b, tokens, llm_hidden].
+    `enc`: an `EncoderSpec` (feature_dim = 2 * mel bins, tokens = max_source_positions)."""
 
     def __init__(
         self,
@@ -73,7 +101,7 @@ class WhisperEncoderModule(torch.nn.Module):
             raise ValueError(f"module {name}: {enc.num_attention_heads} heads are not divisible by tp({m.tp})")
         self.name, self.frozen = name, m.frozen
         self.first = self.last = True
-        self.max_tokens, self.mel = enc.tokens, enc.feature_dim
+        self.max_tokens, self.mel = enc.tokens, mel_bins(enc)
         h = enc.hidden_size
         config = transformer_config(
             num_layers=enc.num_layers,
@@ -138,8 +166,8 @@ class WhisperEncoderModule(torch.nn.Module):
         return self.decoder(x.contiguous(), attention_mask=None).transpose(0, 1).contiguous()
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, frames, mel] -> what the projector reads [b, ceil(frames/2), h]."""
-        return self.mel_features(x.transpose(1, 2))
+        """[b, tokens, 2*mel] frame pairs -> what the projector reads [b, tokens, h]."""
+        return self.mel_features(pairs_to_mel(x, self.mel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):

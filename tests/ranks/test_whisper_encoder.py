@@ -60,7 +60,7 @@ def _enc() -> SimpleNamespace:
         num_attention_heads=HEADS,
         ffn_hidden_size=FFN,
         tokens=TOKENS,
-        feature_dim=MEL,
+        feature_dim=2 * MEL,
         norm_epsilon=1e-5,
     )
 
@@ -72,7 +72,7 @@ def _rank(tp: int, hf_state: dict, mel_full: torch.Tensor, mel_short: torch.Tens
     from megatron_hetero.compat import ensure_global_memory_buffer
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.hf_whisper_names import whisper_to_hf, whisper_to_ours
-    from megatron_hetero.models.whisper_encoder import WhisperEncoderModule
+    from megatron_hetero.models.whisper_encoder import WhisperEncoderModule, mel_to_pairs
     from megatron_hetero.runtime.topology import Topology
 
     ensure_global_memory_buffer()
@@ -103,7 +103,8 @@ def _rank(tp: int, hf_state: dict, mel_full: torch.Tensor, mel_short: torch.Tens
                 p.copy_(local[name])
         full = mod.mel_features(mel_full)
         short = mod.mel_features(mel_short)
-        projected = mod(mel_full.transpose(1, 2))
+        projected = mod(mel_to_pairs(mel_full))
+        paired = mod.features(mel_to_pairs(mel_full))
     back = whisper_to_hf(ours, enc)
     # the key bias holds at zero under training: its gradient is masked
     mod.train()
@@ -119,6 +120,7 @@ def _rank(tp: int, hf_state: dict, mel_full: torch.Tensor, mel_short: torch.Tens
         "full": full,
         "short": short,
         "projected": projected.shape,
+        "paired": torch.equal(paired, full),
         "back": back,
         "missing": missing,
         "key_grad": key_grad,
@@ -156,6 +158,7 @@ def test_whisper_encoder_matches_transformers_and_round_trips(reference, tp):
         print(f"\nWhisper encoder tp{tp}: max |ours - transformers| full clip {full:.1e}, 15-frame clip {short:.1e}")
         assert full <= TOL and short <= TOL, (full, short)
         assert res["projected"] == (2, TOKENS, 24)
+        assert res["paired"]  # frame pairs [b, tokens, 2*mel] are the same input
         assert not res["missing"], res["missing"]
         assert res["key_grad"] == 0.0
         assert set(res["back"]) == set(reference.state)
