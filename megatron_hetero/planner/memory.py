@@ -122,6 +122,8 @@ def encoder_frozen_params(enc: EncoderSpec) -> int:
     if enc.kind == "siglip":
         head = _pooling_head_params(enc) if enc.pooling_head else 0
         return head + (0 if enc.post_norm else _norm(enc.hidden_size, "LayerNorm"))
+    if enc.kind == "whisper":  # the sinusoidal position table
+        return enc.tokens * enc.hidden_size
     return 0
 
 
@@ -186,6 +188,9 @@ def _encoder_stage(enc: EncoderSpec, llm_hidden: int, m: ModuleLayout, pp_rank: 
         embed = 3 * enc.patch_size**2 * h + h + enc.tokens * h
         head = _pooling_head_params(enc) if enc.pooling_head else 0
         return embed + layers + _norm(h, "LayerNorm") + head + _projector_params(h, llm_hidden, m.tp)
+    if enc.kind == "whisper":  # conv1 (mel -> h, kernel 3), conv2 (h -> h, kernel 3), positions, final norm
+        embed = (enc.feature_dim // 2) * h * 3 + h + h * h * 3 + h + enc.tokens * h
+        return embed + layers + _norm(h, "LayerNorm") + _projector_params(h, llm_hidden, m.tp)
     total = layers
     if first:
         total += enc.feature_dim * h + h + enc.tokens * h
