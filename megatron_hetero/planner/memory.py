@@ -270,6 +270,8 @@ def stage_activation_bytes(
         last = pp_rank == m.pp - 1
         # the first stage's input features (the patch embedding's input; CLIP: the image's pixels)
         extra = enc.tokens * rows * enc.feature_dim * features.dtype_bytes if pp_rank == 0 else 0
+        if enc.kind == "whisper":  # conv1 and its GELU over 2 * tokens frames, conv2 and its GELU, + positions
+            extra += (2 * 2 + 3) * enc.tokens * rows * h * features.dtype_bytes
         if last:  # the final LayerNorm (not a SigLIP tower read before its post norm) and the projector
             normed = enc.kind != "siglip" or enc.post_norm
             extra += (norm_activation_bytes(tokens, rows, h, 1, features) if normed else 0) + _projector_act(

@@ -279,6 +279,24 @@ MEMORY_CASES = {
         {},
         ON,
     ),
+    "colocated vision dp2 + whisper audio tp2 + language tp2": (
+        {
+            "modules": {"vision": {"dp": 2}, "audio": {"tp": 2}, "language": {"tp": 2}},
+            "edges": ["vision -> language", "audio -> language"],
+        },
+        2,
+        {
+            "spec": LlavaSpec(
+                num_layers=4,
+                seq_length=64,
+                encoders={
+                    "vision": EncoderSpec(offset=1),
+                    "audio": dataclasses.replace(WHISPER, tokens=8, offset=12, num_layers=2),
+                },
+            )
+        },
+        ON,
+    ),
     "disjoint vision dp2 @0-1 -> language tp2 @2-3": (
         {
             "placement": "disjoint",
