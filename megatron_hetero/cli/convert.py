@@ -64,6 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     a.add_argument("--language", default=None, metavar="HF_DIR", help="LlamaForCausalLM or Qwen2ForCausalLM folder")
     a.add_argument(
+        "--audio",
+        default=None,
+        metavar="HF_DIR",
+        help="WhisperModel or WhisperForConditionalGeneration folder: its encoder becomes the `audio` module (optional)",
+    )
+    a.add_argument(
         "--projector", default=None, metavar="FILE", help="LLaVA multi_modal_projector safetensors (optional)"
     )
     a.add_argument("--seq-length", type=int, default=None, help="training sequence length recorded with the model")
@@ -106,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         if args.seq_length is not None and args.seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
         if args.model is not None:
-            if args.vision or args.language or args.projector or args.vision_feature_layer != -1:
+            if args.vision or args.language or args.projector or args.audio or args.vision_feature_layer != -1:
                 raise ValueError(
                     "--model takes a whole LLaVA folder: --vision, --language, --projector and "
                     "--vision-feature-layer come from it (its config.json's vision_feature_layer)"
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 seq_length=args.seq_length,
                 feature_layer=args.vision_feature_layer,
                 hybrid_layer_pattern=args.hybrid_layer_pattern,
+                audio=args.audio,
             )
         spec = summary["model"]
         enc = spec.encoders[convert.VISION]
@@ -143,6 +150,13 @@ def run(args: argparse.Namespace) -> int:
             f"{'untied' if spec.untie_embeddings_and_output_weights else 'tied'}; "
             f"{summary['tensors']['language']} tensors; seq length {spec.seq_length}"
         )
+        audio = spec.encoders.get("audio")
+        if audio is not None and audio.kind == "whisper":
+            print(
+                f"audio: Whisper encoder {audio.num_layers} layers, hidden {audio.hidden_size}, "
+                f"{audio.num_attention_heads} heads, {audio.feature_dim // 2} mel bins, up to {audio.tokens} speech "
+                f"tokens; {summary['tensors']['audio']} tensors (projector initialised)"
+            )
         if "image_token_index" in summary:
             print(
                 f"image token id {summary['image_token_index']} (the LLaVA config and processor files kept under hf/llava)"

@@ -23,6 +23,7 @@ import argparse
 import json
 
 from megatron_hetero.cli import CommandFailed
+from megatron_hetero.cli.data_speech import add_speech_flags, run_speech
 
 NAME = "data"
 
@@ -54,6 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         default="8,16",
         help="--chat: image sizes in pixels, multiples of 8, comma-separated (default 8,16: upscaled digits)",
     )
+    add_speech_flags(d)
     c = kinds.add_parser("check", help="what in a dataset would run code (exit 2 unless --trust-dataset-code)")
     c.add_argument("path", help="an energon dataset folder or metadataset YAML")
     c.add_argument("--json", action="store_true", help="print the findings as JSON")
@@ -142,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
             found = False
         if not found:
             raise CommandFailed(f"{mod} is not installed: pip install 'megatron-hetero[data]'")
+    if args.speech:
+        return run_speech(args, CommandFailed)
     if args.chat:
         return run_chat(args)
     try:

@@ -136,6 +136,11 @@ def checkpoint_to_llava(root: str | Path, out: str | Path, like: Optional[str | 
         like_cfg = hf_config.read_config(like_dir)
         hf_llava.read_llava(like_cfg, f"--like {like_dir}")
     parts = hf_parts(root)
+    if any(e.kind == "whisper" for e in parts.spec.encoders.values()):
+        raise ValueError(
+            f"checkpoint {parts.directory}: it holds a Whisper speech encoder, which a LLaVA folder cannot: "
+            "write the parts (without --model)"
+        )
     enc = parts.encoder
     if enc.kind == "siglip" and not enc.post_norm:
         raise ValueError(

@@ -232,14 +232,24 @@ def hf_to_checkpoint(
     seq_length: Optional[int] = None,
     feature_layer: int = -1,
     hybrid_layer_pattern: Optional[str] = None,
+    audio: Optional[str | Path] = None,
 ) -> dict:
     """Convert (module docstring); returns a summary {model, tensors per module, directory}.
-    `hybrid_layer_pattern`: the language model as Megatron's HybridModel (`with_hybrid_pattern`)."""
+    `hybrid_layer_pattern`: the language model as Megatron's HybridModel (`with_hybrid_pattern`);
+    `audio`: a Whisper folder whose encoder becomes the `audio` module (`convert.hf_audio`)."""
+    from megatron_hetero.convert import hf_audio
     from megatron_hetero.models import hf_names
 
     # refusal happens here, before any weight is read
     spec, vcfg, lcfg = spec_from_hf(vision, language, seq_length, feature_layer=feature_layer)
     spec = with_hybrid_pattern(spec, hybrid_layer_pattern)
+    configs = {VISION: vcfg, LANGUAGE: lcfg}
+    asource = None
+    if audio:
+        configs[hf_audio.AUDIO] = acfg = hf_config.read_config(audio)
+        spec = hf_audio.with_audio(spec, acfg, f"--audio {audio}", seq_length is not None)
+        ashapes, awhere = tensor_index(audio)
+        asource = Source(ashapes, _Reader(awhere), f"--audio {audio}")
     vshapes, vwhere = tensor_index(vision)
     lshapes, lwhere = tensor_index(language)
     psource = None
@@ -257,8 +267,14 @@ def hf_to_checkpoint(
         Source(lshapes, _Reader(lwhere), f"--language {language}"),
         psource,
         out,
-        origin={"vision": str(vision), "language": str(language), "projector": projector},
-        configs={VISION: vcfg, LANGUAGE: lcfg},
+        origin={
+            "vision": str(vision),
+            "language": str(language),
+            "projector": projector,
+            **hf_audio.audio_origin(audio),
+        },
+        configs=configs,
+        audio=asource,
     )
 
 
@@ -279,11 +295,16 @@ def convert_sources(
     origin: dict,
     configs: dict,
     extra_files: Optional[dict[str, Path]] = None,
+    audio: Optional[Source] = None,
 ) -> dict:
     """Check every part's names and shapes against `spec` (before any tensor is read), then read,
     fuse, load into the whole modules and write the checkpoint; `extra_files`: name under `hf/` ->
-    a file copied there (a LLaVA folder's processor and tokenizer files)."""
+    a file copied there (a LLaVA folder's processor and tokenizer files); `audio`: a Whisper
+    folder's tensors for the `audio` encoder of `spec` (`convert.hf_audio`)."""
+    from megatron_hetero.convert import hf_audio
     from megatron_hetero.models import hf_names
+
+    aprefix = hf_audio.check_audio(audio, spec.encoders[hf_audio.AUDIO]) if audio is not None else None
 
     enc = spec.encoders[VISION]
     hf_names.check_tensors(
@@ -309,9 +330,15 @@ def convert_sources(
     language_t = to_hybrid_names(hf_names.language_to_ours(language.read, gpt_view(spec)), spec)
     if projector is not None:
         vision_t.update(hf_names.projector_to_ours(projector.read))
-    layout = world_of_one_layout([VISION])
+    encoders = [VISION] + ([hf_audio.AUDIO] if audio is not None else [])
+    layout = world_of_one_layout(encoders)
     with world_of_one(layout) as topo:
         states = build_whole(layout, spec, topo)
+        if audio is not None:
+            amod = states[hf_audio.AUDIO].module
+            audio_t = hf_audio.audio_to_ours(audio, spec.encoders[hf_audio.AUDIO], aprefix)
+            audio_t.update({k: v for k, v in amod.state_dict().items() if k.startswith("projector.")})
+            _load_whole(amod, {k: v for k, v in audio_t.items() if not k.endswith("_extra_state")}, audio.where)
         if projector is None:  # the family's own initialisation of the projector
             vision_t.update(
                 {
@@ -326,7 +353,11 @@ def convert_sources(
     return {
         "directory": str(d),
         "model": spec,
-        "tensors": {VISION: len(vision_t), LANGUAGE: len(language_t)},
+        "tensors": {
+            VISION: len(vision_t),
+            LANGUAGE: len(language_t),
+            **({hf_audio.AUDIO: len(audio_t)} if audio else {}),
+        },
         "projector": "converted" if projector is not None else "initialised",
     }
 
@@ -479,13 +510,17 @@ def hf_parts(root: str | Path) -> SimpleNamespace:
     verify_manifest(d, state)
     spec = LlavaSpec.from_record(state.get("model") or {})
     hf_config.check_hf_expressible(spec)
+    from megatron_hetero.convert import hf_audio
+
     encoders = [n for n, e in spec.encoders.items() if e.kind in ("clip", "siglip")]
-    if len(encoders) != 1 or len(spec.encoders) != 1:
+    speech = [n for n, e in spec.encoders.items() if e.kind == "whisper"]
+    if len(encoders) != 1 or len(speech) > 1 or len(spec.encoders) != len(encoders) + len(speech):
         raise ValueError(
-            f"checkpoint {d}: expected one CLIP or SigLIP encoder, the model has {dict((n, e.kind) for n, e in spec.encoders.items())}"
+            f"checkpoint {d}: expected one CLIP or SigLIP encoder (and at most one Whisper encoder), the model has "
+            f"{dict((n, e.kind) for n, e in spec.encoders.items())}"
         )
     enc_name = encoders[0]
-    layout = world_of_one_layout(encoders)
+    layout = world_of_one_layout(encoders + speech)
     with world_of_one(layout) as topo:
         states = build_whole(layout, spec, topo)
         ckpt.load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
@@ -503,6 +538,10 @@ def hf_parts(root: str | Path) -> SimpleNamespace:
         VISION: _layers_as_kept(_saved_config(d, enc_name), enc.num_layers) or hf_config.vision_config_json(enc),
         LANGUAGE: _saved_config(d, LANGUAGE) or hf_config.language_config_json(gpt_view(spec)),
     }
+    for name in speech:  # the Whisper encoder: OUT/audio, OUT/audio_projector
+        extra = hf_audio.audio_parts(sd[name], spec.encoders[name], _saved_config(d, name))
+        tensors.update(extra.tensors)
+        configs.update(extra.configs)
     return SimpleNamespace(tensors=tensors, configs=configs, spec=spec, encoder=enc, directory=d)
 
 

@@ -8,7 +8,7 @@ from megatron_hetero.layout.spec import HeteroLayout
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-ENCODER_KINDS = ("linear", "clip", "siglip")
+ENCODER_KINDS = ("linear", "clip", "siglip", "whisper")
 CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
 SIGLIP_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 VIT_KINDS = ("clip", "siglip")  # Megatron's CLIPViTModel: a square RGB image cut into patches
@@ -41,6 +41,8 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
     for name, enc in spec.encoders.items():
         if enc.kind not in ENCODER_KINDS:
             raise ValueError(f"encoder {name}: kind {enc.kind!r}, one of {ENCODER_KINDS}")
+        if enc.kind == "whisper" and name in layout.names:
+            check_whisper(name, enc, layout)
         if enc.kind not in VIT_KINDS or name not in layout.names:
             continue
         m = layout.module(name)
@@ -56,6 +58,21 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
                 f"{enc.tokens} must be a square and feature_dim {enc.feature_dim} = 3 * patch_size**2 "
                 f"(patch_size {enc.patch_size})"
             )
+
+
+def check_whisper(name: str, enc, layout: HeteroLayout) -> None:
+    """A Whisper speech encoder (`models.whisper_encoder`) against the layout: one stage, cp 1, heads
+    divisible by tp, feature_dim = 2 * mel bins (two log-mel frames a token), an even hidden size."""
+    m = layout.module(name)
+    if m.pp > 1 or m.cp > 1:
+        raise ValueError(f"encoder {name}: a Whisper encoder runs with pp 1 and cp 1; got {m.arithmetic()}")
+    if enc.num_attention_heads % m.tp:
+        raise ValueError(f"encoder {name}: {enc.num_attention_heads} heads are not divisible by tp({m.tp})")
+    if enc.feature_dim % 2 or enc.hidden_size % 2:
+        raise ValueError(
+            f"encoder {name}: a Whisper encoder takes two log-mel frames a token (feature_dim = 2 * mel bins, "
+            f"got {enc.feature_dim}) and an even hidden size (got {enc.hidden_size})"
+        )
 
 
 def check_hybrid(layout: HeteroLayout, spec, langs) -> None:

@@ -21,7 +21,13 @@ def job_data(
     """(spec fitted to the data, data config) for train's flags `args` (None: the synthetic data).
     `global_batch`: the job's; conversation data checks its first global batch against --seq-length."""
     from megatron_hetero.models.chat_batches import is_chat_dataset
+    from megatron_hetero.models.digits_speech import is_speech_dataset
 
+    if getattr(args, "data_path", None) and is_speech_dataset(args.data_path):
+        raise ValueError(
+            f"--data-path {args.data_path}: a spoken-digits dataset (speech clips); train does not read "
+            "speech from data yet (the Whisper `audio` encoder trains on synthetic features: --audio-model-type whisper)"
+        )
     if getattr(args, "data_path", None) and is_chat_dataset(args.data_path):
         from megatron_hetero.models.chat_runner import chat_job_data
 

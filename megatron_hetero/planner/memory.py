@@ -158,6 +158,8 @@ def encoder_frozen_params(enc: EncoderSpec) -> int:
     if enc.kind == "siglip":
         head = _pooling_head_params(enc) if enc.pooling_head else 0
         return head + (0 if enc.post_norm else _norm(enc.hidden_size, "LayerNorm"))
+    if enc.kind == "whisper":  # the sinusoidal position table
+        return enc.tokens * enc.hidden_size
     return 0
 
 
@@ -229,6 +231,9 @@ def _encoder_stage(enc: EncoderSpec, llm_hidden: int, m: ModuleLayout, pp_rank: 
         embed = 3 * enc.patch_size**2 * h + h + enc.tokens * h
         head = _pooling_head_params(enc) if enc.pooling_head else 0
         return embed + layers + _norm(h, "LayerNorm") + head + _projector_params(h, llm_hidden, m.tp)
+    if enc.kind == "whisper":  # conv1 (mel -> h, kernel 3), conv2 (h -> h, kernel 3), positions, final norm
+        embed = (enc.feature_dim // 2) * h * 3 + h + h * h * 3 + h + enc.tokens * h
+        return embed + layers + _norm(h, "LayerNorm") + _projector_params(h, llm_hidden, m.tp)
     total = layers
     if first:
         total += enc.feature_dim * h + h + enc.tokens * h
@@ -308,6 +313,8 @@ def stage_activation_bytes(
         last = pp_rank == m.pp - 1
         # the first stage's input features (the patch embedding's input; CLIP: the image's pixels)
         extra = enc.tokens * rows * enc.feature_dim * features.dtype_bytes if pp_rank == 0 else 0
+        if enc.kind == "whisper":  # conv1 and its GELU over 2 * tokens frames, conv2 and its GELU, + positions
+            extra += (2 * 2 + 3) * enc.tokens * rows * h * features.dtype_bytes
         if last:  # the final LayerNorm (not a SigLIP tower read before its post norm) and the projector
             normed = enc.kind != "siglip" or enc.post_norm
             extra += (norm_activation_bytes(tokens, rows, h, 1, features) if normed else 0) + _projector_act(

@@ -90,6 +90,9 @@ class EncoderSpec:
     # attention-pooling head (`head.*`) is kept (never trains; the pooled output only)
     post_norm: bool = False
     pooling_head: bool = False
+    # "whisper": Whisper's speech encoder (two 1-D convolutions, sinusoidal positions, pre-LN layers,
+    # final LayerNorm; `models.whisper_encoder`): feature_dim = 2 * mel bins (two log-mel frames a
+    # token), tokens = the most speech tokens (max_source_positions)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,11 @@ class ArchFlags:
         choices=["linear", "clip", "siglip"],
     )
     patch_dim: Optional[int] = _arch("CLIP/SigLIP patch side (features per token: 3 * patch**2)")
+    audio_model_type: Optional[str] = _arch(
+        "whisper: the layout's `audio` encoder is Whisper's speech encoder (two log-mel frames a token: "
+        "--encoder-feature-dim = 2 * mel bins; --vision-model-type leaves it alone)",
+        choices=["linear", "whisper"],
+    )
     hybrid_layer_pattern: Optional[str] = _arch(
         "the language model is Megatron's HybridModel over these layers: * attention, - MLP, E MoE, "
         "M Mamba (GPU), | pipeline stage (e.g. '*-*-|*-*E'); sets --num-layers"
@@ -128,6 +133,7 @@ def apply_arch_args(args: Any, spec):
                 f"({layers} layers)"
             )
         spec = dataclasses.replace(spec, hybrid_layer_pattern=g.hybrid_layer_pattern, num_layers=layers)
+    audio = spec.encoders.get("audio")
     kind = g.vision_model_type
     if kind in VIT_FIELDS:
         if not g.patch_dim or g.patch_dim < 1:
@@ -144,4 +150,9 @@ def apply_arch_args(args: Any, spec):
         )
     elif g.patch_dim is not None:
         raise ValueError("--patch-dim applies to --vision-model-type clip or siglip")
+    if g.audio_model_type == "whisper":
+        if audio is None:
+            raise ValueError("--audio-model-type whisper needs an encoder module named `audio` in the layout")
+        whisper = dataclasses.replace(audio, kind="whisper", activation="gelu", patch_size=0)
+        spec = dataclasses.replace(spec, encoders={**spec.encoders, "audio": whisper})
     return spec

@@ -171,6 +171,12 @@ def build_module(
         from megatron_hetero.models.siglip_encoder import SiglipEncoderModule
 
         mod = SiglipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
+    elif name in spec.encoders and spec.encoders[name].kind == "whisper":
+        from megatron_hetero.models.whisper_encoder import WhisperEncoderModule
+
+        mod = WhisperEncoderModule(
+            name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl
+        )
     elif name in spec.encoders:
         mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.outputs:

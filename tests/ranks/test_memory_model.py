@@ -40,6 +40,11 @@ SIGLIP = EncoderSpec(
     pooling_head=True,
 )
 
+# Whisper: two convolutions, the position table (never trains), pre-LN layers, final LayerNorm
+WHISPER = EncoderSpec(
+    kind="whisper", tokens=4, feature_dim=16, num_layers=1, ffn_hidden_size=48, activation="gelu", offset=10
+)
+
 
 def _counts(doc: dict, spec: LlavaSpec) -> dict:
     """Module -> (predicted, counted) (all, expert, trainable) parameters on this rank."""
@@ -110,6 +115,26 @@ CASES = {
                 "vision": SIGLIP,
                 "cut_vision": dataclasses.replace(SIGLIP, offset=5, post_norm=False, pooling_head=False),
                 "frozen_vision": dataclasses.replace(SIGLIP, offset=9),
+            },
+        ),
+        2,
+    ),
+    "whisper audio tp2 beside vision dp2, frozen whisper": (
+        {
+            "modules": {
+                "vision": {"dp": 2},
+                "audio": {"tp": 2},
+                "frozen_audio": {"dp": 2, "frozen": True},
+                "language": {"tp": 2},
+            },
+            "edges": ["vision -> language", "audio -> language", "frozen_audio -> language"],
+        },
+        dataclasses.replace(
+            LlavaSpec(seq_length=40),
+            encoders={
+                "vision": EncoderSpec(offset=1),
+                "audio": WHISPER,
+                "frozen_audio": dataclasses.replace(WHISPER, offset=20),
             },
         ),
         2,
@@ -267,6 +292,24 @@ MEMORY_CASES = {
         },
         3,
         {},
+        ON,
+    ),
+    "colocated vision dp2 + whisper audio tp2 + language tp2": (
+        {
+            "modules": {"vision": {"dp": 2}, "audio": {"tp": 2}, "language": {"tp": 2}},
+            "edges": ["vision -> language", "audio -> language"],
+        },
+        2,
+        {
+            "spec": LlavaSpec(
+                num_layers=4,
+                seq_length=64,
+                encoders={
+                    "vision": EncoderSpec(offset=1),
+                    "audio": dataclasses.replace(WHISPER, tokens=8, offset=12, num_layers=2),
+                },
+            )
+        },
         ON,
     ),
     "disjoint vision dp2 @0-1 -> language tp2 @2-3": (

@@ -1,0 +1,184 @@
+"""Spoken digits made offline: conversations mixing a handwritten digit image and a spoken question,
+speech-only and text-only samples, as an energon-prepared crude WebDataset (as `models.digits_chat`).
+
+    OUT/train/shard-00000{0..N-1}.tar   `--samples` conversations: training digits, training voices
+    OUT/val/shard-000000.tar            `--val-samples`: held-out digit images, held-out voices only
+    OUT/.nv-meta/                       energon's index, split.yaml, dataset.yaml (CrudeWebdataset)
+
+A sample is `KEY.json`, one PNG per image (`KEY.img0.png`) and one log-mel array per clip
+(`KEY.speech0.npy`: numpy float32 [frames, bins], frames even: `models.speech_synth.log_mel`):
+
+    {"conversation": [{"role": "user", "content": "<image>\\n<speech>\\nWhat digit is shown, and which
+                       digit was said?"}, {"role": "assistant", "content": "seven and three"}],
+     "images": ["img0.png"], "digits": [1234], "labels": [7], "sizes": [16],
+     "speech": ["speech0.npy"], "said": [3], "phrases": ["number three"], "voices": ["en-gb/s130/p35"],
+     "kind": "image_speech"}
+
+Kinds (probabilities 0.4 / 0.35 / 0.25): `image_speech` (an image and a spoken digit in one user turn),
+`speech` ("<speech>\\nWhich digit was said?", sometimes "Is it odd or even?" after), `text` (the
+arithmetic turns of `models.digits_chat`). Each clip is eSpeak NG speaking the digit word or "number
+<word>" in one of the split's voices (voice, speed, pitch): train and val voices are disjoint, so val
+measures speech from speakers never heard. Clips are synthesised once per (phrase, voice).
+Deterministic in `seed` (the same numpy streams as `models.digits_chat`); byte-identical rebuilds
+given the same eSpeak NG and transformers versions.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from itertools import product
+from pathlib import Path
+from typing import Any, Sequence
+
+from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member, digit_png, energon_prepare, heldout_indices
+from megatron_hetero.models.digits_chat import HELDOUT_SPLITS, TRAIN_DIR, VAL_DIR, _turns_text
+from megatron_hetero.models.speech_synth import Voice, espeak_path, feature_extractor, log_mel, synthesize
+
+SPEECH_MARKER = "<speech>"
+SPEECH_INFO = "speech.json"  # OUT/speech.json: {"marker", "mel_bins", "features"}: a speech dataset
+KINDS = ("image_speech", "speech", "text")
+_KIND_P = (0.4, 0.35, 0.25)
+PHRASES = ("{w}", "number {w}")
+TRAIN_VOICES = tuple(
+    Voice(n, s, p) for n, s, p in product(("en-us", "en-gb", "en-us+f3", "en-gb-scotland"), (130, 175), (35, 65))
+)
+VAL_VOICES = tuple(Voice(n, s, p) for n, s, p in product(("en-029", "en-gb-x-rp+f2"), (150,), (45, 60)))
+
+
+def speech_plan(pool: Sequence[int], targets, count: int, sizes: Sequence[int], voices, rng) -> list[dict]:
+    """`count` sample records (the JSON of the module docstring), images from the digit indices `pool`."""
+    out = []
+    for _ in range(count):
+        kind = KINDS[int(rng.choice(len(KINDS), p=_KIND_P))]
+        rec: dict[str, Any] = {"kind": kind, "images": [], "digits": [], "labels": [], "sizes": []}
+        rec.update(speech=[], said=[], phrases=[], voices=[])
+        if kind == "image_speech":
+            d = int(pool[int(rng.randint(len(pool)))])
+            rec.update(images=["img0.png"], digits=[d], labels=[int(targets[d])])
+            rec["sizes"] = [int(sizes[int(rng.randint(len(sizes)))])]
+        if kind != "text":
+            said = int(rng.randint(10))
+            phrase = PHRASES[int(rng.randint(len(PHRASES)))].format(w=DIGIT_WORDS[said])
+            voice = voices[int(rng.randint(len(voices)))]
+            rec.update(speech=["speech0.npy"], said=[said], phrases=[phrase], voices=[voice.label()])
+        if kind == "image_speech":
+            q = f"<image>\n{SPEECH_MARKER}\nWhat digit is shown, and which digit was said?"
+            turns = [(q, f"{DIGIT_WORDS[rec['labels'][0]]} and {DIGIT_WORDS[rec['said'][0]]}")]
+        elif kind == "speech":
+            turns = [(f"{SPEECH_MARKER}\nWhich digit was said?", DIGIT_WORDS[rec["said"][0]])]
+            if rng.rand() < 0.4:
+                turns.append(("Is it odd or even?", "odd" if rec["said"][0] % 2 else "even"))
+        else:
+            turns = _turns_text(rng)
+        rec["conversation"] = [
+            m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})
+        ]
+        out.append(rec)
+    return out
+
+
+def _npy(array) -> bytes:
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _write_shards(folder: Path, records, images, clip, shards: int, offset: int) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("shard-*.tar"):
+        old.unlink()
+    names = []
+    for s in range(shards):
+        lo, hi = s * len(records) // shards, (s + 1) * len(records) // shards
+        name = f"shard-{s:06d}.tar"
+        with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tf:
+            for j in range(lo, hi):
+                rec, key = records[j], f"{offset + j:06d}"
+                add_tar_member(tf, f"{key}.json", json.dumps(rec, sort_keys=True).encode())
+                for part, d, size in zip(rec["images"], rec["digits"], rec["sizes"]):
+                    add_tar_member(tf, f"{key}.{part}", digit_png(images[d], size))
+                for part, phrase, voice in zip(rec["speech"], rec["phrases"], rec["voices"]):
+                    add_tar_member(tf, f"{key}.{part}", clip(phrase, voice))
+        names.append(f"{folder.name}/{name}")
+    return names
+
+
+def write_digits_speech_dataset(
+    out,
+    samples: int = 4000,
+    val_samples: int = 400,
+    held_out: int = 200,
+    seed: int = 0,
+    sizes: Sequence[int] = (8, 16),
+    mel_bins: int = 80,
+    train_shards: int = 4,
+    force: bool = False,
+    prepare: bool = True,
+) -> dict[str, Any]:
+    """Write the spoken-digits dataset to `out` (module docstring); returns a summary. ValueError for
+    bad arguments or a non-empty `out` without `force`; `speech_synth.SynthesizerMissing` (how to
+    install eSpeak NG) before anything is written when the synthesiser is absent."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    espeak_path()
+    out = Path(out)
+    if samples < 1 or val_samples < 1:
+        raise ValueError(f"--samples {samples}, --val-samples {val_samples}: both must be >= 1")
+    if train_shards < 1 or train_shards > samples:
+        raise ValueError(f"--train-shards {train_shards}: must be between 1 and --samples {samples}")
+    if mel_bins < 1:
+        raise ValueError(f"--mel-bins {mel_bins}: must be >= 1")
+    sizes = [int(s) for s in sizes]
+    if not sizes or any(s < 8 or s % 8 for s in sizes):
+        raise ValueError(f"--sizes {sizes}: each image size must be a positive multiple of 8 (the digits are 8x8)")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out}: the folder is not empty (give --force to overwrite)")
+    digits = load_digits()
+    images, targets = digits.images, digits.target
+    held = heldout_indices(targets, held_out, seed)
+    held_set = set(held)
+    train_pool = [i for i in range(len(targets)) if i not in held_set]
+    rs = np.random.RandomState
+    train = speech_plan(train_pool, targets, samples, sizes, TRAIN_VOICES, rs([seed, 0]))
+    val = speech_plan(held, targets, val_samples, sizes, VAL_VOICES, rs([seed, 1]))
+    by_label = {v.label(): v for v in TRAIN_VOICES + VAL_VOICES}
+    clips: dict[tuple[str, str], bytes] = {}
+    fe = feature_extractor(mel_bins)
+
+    def clip(phrase: str, voice: str) -> bytes:
+        if (phrase, voice) not in clips:
+            clips[phrase, voice] = _npy(log_mel(synthesize(phrase, by_label[voice]), mel_bins, fe))
+        return clips[phrase, voice]
+
+    out.mkdir(parents=True, exist_ok=True)
+    train_tars = _write_shards(out / TRAIN_DIR, train, images, clip, train_shards, 0)
+    val_tars = _write_shards(out / VAL_DIR, val, images, clip, 1, samples)
+    info = {"marker": SPEECH_MARKER, "mel_bins": mel_bins, "features": "log-mel float32 [frames, bins] (.npy)"}
+    (out / SPEECH_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    if prepare:
+        parts = [f"train:{TRAIN_DIR}/.*"] + [f"{split}:{VAL_DIR}/.*" for split in HELDOUT_SPLITS]
+        energon_prepare(out, parts, ["--sample-type", "CrudeWebdataset"])
+    recs = train + val
+    frames = [np.load(io.BytesIO(b)).shape[0] for b in clips.values()]
+    return {
+        "path": str(out),
+        "train": len(train),
+        "val": len(val),
+        "kinds": {k: sum(r["kind"] == k for r in recs) for k in KINDS},
+        "clips": len(clips),
+        "frames": [min(frames), max(frames)] if frames else [0, 0],
+        "mel_bins": mel_bins,
+        "voices": {"train": len(TRAIN_VOICES), "val": len(VAL_VOICES)},
+        "shards": train_tars + val_tars,
+        "seed": seed,
+    }
+
+
+def is_speech_dataset(path) -> bool:
+    """Whether `path` holds the spoken-digits dataset (its `speech.json`)."""
+    return (Path(path) / SPEECH_INFO).is_file()
