@@ -1,0 +1,144 @@
+"""Qwen2.5-VL's language model on Megatron-core: a Qwen2.5 decoder (`GPTModel`: RMSNorm, SwiGLU, QKV
+bias, grouped-query attention) with Megatron's M-RoPE (`position_embedding_type="mrope"`, the three
+`mrope_section` channel groups of temporal, height and width ids from `models.qwen_mrope`), and the
+whole forward of `Qwen2_5_VLForConditionalGeneration` with `models.qwen_vision.QwenVisionTower`:
+text embeddings, the tower's merged tokens written at the image tokens (batch-major order, as
+transformers' `masked_scatter`), the decoder on those with the M-RoPE ids.
+
+Layout: the language model's TP on its module's TP group; pp 1 and cp 1 here (the position ids and
+the decoder input are whole sequences; wiring them through the runner's stages is not built yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import torch
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.models.qwen_mrope import rope_index
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenTextSpec:
+    """The language model's shape (Hugging Face `Qwen2_5_VLTextConfig` field names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    mrope_section: tuple[int, int, int]
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 128000
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "QwenTextSpec":
+        d = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        scaling = d.get("rope_scaling") or {}
+        if "mrope_section" not in scaling:
+            raise ValueError("Qwen2.5-VL text config: rope_scaling has no mrope_section")
+        names = {f.name for f in dataclasses.fields(cls)} - {"mrope_section"}
+        return cls(mrope_section=tuple(scaling["mrope_section"]), **{k: d[k] for k in names if k in d})
+
+    def names_view(self) -> SimpleNamespace:
+        """What `models.hf_names.language_to_ours` reads of a spec."""
+        return SimpleNamespace(
+            num_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_key_value_heads,
+            kv_channels=None,
+            hidden_size=self.hidden_size,
+            untie_embeddings_and_output_weights=not self.tie_word_embeddings,
+            add_qkv_bias=True,
+        )
+
+
+def build_language(spec: QwenTextSpec, m: ModuleLayout, pgs: ProcessGroupCollection, seq_length: int) -> GPTModel:
+    """The Qwen2.5 decoder with M-RoPE on the module's layout (pp 1, cp 1)."""
+    from megatron_hetero.models.layer_specs import language_layer_spec
+    from megatron_hetero.models.llava import transformer_config
+
+    if m.pp != 1 or m.cp != 1:
+        raise ValueError(
+            f"module {m.name}: the Qwen2.5-VL language model runs here with pp 1 and cp 1, got {m.arithmetic()}"
+        )
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    if 2 * sum(spec.mrope_section) != head_dim:
+        raise ValueError(f"mrope_section {list(spec.mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
+    config = transformer_config(
+        num_layers=spec.num_hidden_layers,
+        hidden=spec.hidden_size,
+        heads=spec.num_attention_heads,
+        ffn=spec.intermediate_size,
+        m=m,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        bias_activation_fusion=False,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        num_query_groups=spec.num_key_value_heads,
+        apply_rope_fusion=False,
+        mrope_section=list(spec.mrope_section),
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=language_layer_spec("local", None, "RMSNorm"),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=seq_length,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="mrope",
+        rotary_base=int(spec.rope_theta),
+        pg_collection=pgs,
+    )
+
+
+def language_from_hf(get: Callable[[str], torch.Tensor], spec: QwenTextSpec) -> dict[str, torch.Tensor]:
+    """`GPTModel` state (whole tensors) of a `Qwen2_5_VLForConditionalGeneration` state dict read by
+    `get` (names `model.language_model.*`, `lm_head.weight`)."""
+    from megatron_hetero.models.hf_names import language_to_ours
+
+    def legacy(name: str) -> torch.Tensor:
+        return get(name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name)
+
+    return {k.removeprefix("gpt."): v for k, v in language_to_ours(legacy, spec.names_view()).items()}
+
+
+class QwenVL(torch.nn.Module):
+    """tokens [b, s] + the batch's patches and grid_thw -> logits [b, s, vocab] (or per-token loss [b, s]
+    with `labels`): the tower, the image tokens placed, the decoder with M-RoPE."""
+
+    def __init__(self, tower: torch.nn.Module, language: GPTModel, image_token: int, vision_start: int) -> None:
+        super().__init__()
+        self.tower, self.language = tower, language
+        self.image_token, self.vision_start = image_token, vision_start
+
+    def position_ids(self, tokens: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        merge = self.tower.spec.spatial_merge_size
+        return rope_index(tokens, grid_thw, image_token=self.image_token, vision_start=self.vision_start, merge=merge)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        patches: torch.Tensor,
+        grid_thw: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        images = self.tower(patches, grid_thw)  # [n_tokens, h]
+        pos = self.position_ids(tokens, grid_thw).to(tokens.device)
+        emb = self.language.embedding(input_ids=tokens, position_ids=None).transpose(0, 1)  # [b, s, h]
+        mask = tokens == self.image_token
+        if int(mask.sum()) != images.shape[0]:
+            raise ValueError(f"the text holds {int(mask.sum())} image tokens, the tower made {images.shape[0]}")
+        emb = emb.masked_scatter(mask.unsqueeze(-1), images.to(emb.dtype))
+        out = self.language(None, pos, None, decoder_input=emb.transpose(0, 1).contiguous(), labels=labels)
+        return out  # GPTModel: logits [b, s, vocab], or the per-token loss [b, s] with labels

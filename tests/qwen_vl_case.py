@@ -1,0 +1,123 @@
+"""A tiny random `Qwen2_5_VLForConditionalGeneration` (transformers) and a batch of two conversations
+with three images of different sizes (row 0: one 4x6-patch image; row 1: a 6x4 one and a two-frame
+4x4 one), shared by the whole-model tests of the world-1 (tests/e2e) and TP (tests/ranks) tiers."""
+
+from __future__ import annotations
+
+import torch
+
+from qwen_vision_case import CONFIG as VISION
+
+S, V = 40, 128
+IMAGE, START, END = 120, 121, 122
+TEXT = dict(
+    vocab_size=V,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+    tie_word_embeddings=False,
+)
+GRIDS = [[[1, 4, 6]], [[1, 6, 4], [2, 4, 4]]]
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [2, S], patches of the batch's images, grid_thw [3, 3])."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for grids in GRIDS:
+        row = torch.randint(0, 100, (3,), generator=g).tolist()
+        for t, h, w in grids:
+            row += [START] + [IMAGE] * (t * h * w // 4) + [END] + torch.randint(0, 100, (2,), generator=g).tolist()
+        row += torch.randint(0, 100, (S - len(row),), generator=g).tolist()
+        rows.append(row)
+    grid = torch.tensor([x for grids in GRIDS for x in grids])
+    patches = torch.randn(int(grid.prod(dim=1).sum()), 24, generator=g)
+    return torch.tensor(rows), patches, grid
+
+
+def reference() -> tuple[dict, dict, dict]:
+    """(config dict, state dict, transformers' {"logits", "loss"} on `batch()` with labels = tokens,
+    image tokens ignored)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    vision = dict(VISION, out_hidden_size=TEXT["hidden_size"])
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(TEXT),
+        vision_config=vision,
+        image_token_id=IMAGE,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        video_token_id=123,
+        attn_implementation="eager",
+    )
+    model = Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    tokens, patches, grid = batch()
+    labels = tokens.masked_fill(tokens == IMAGE, -100)
+    with torch.no_grad():
+        out = model(input_ids=tokens, pixel_values=patches, image_grid_thw=grid, labels=labels)
+        pos = model.model.get_rope_index(tokens, grid, None, None, None)[0]
+    ref = {"logits": out.logits, "loss": out.loss, "position_ids": pos}
+    return cfg.to_dict(), {k: v.clone() for k, v in model.state_dict().items()}, ref
+
+
+def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
+    """Build the tower and the M-RoPE language model on this rank's layout (vision and language
+    modules), load the weights, return logits, the mean loss over the text labels, our position ids."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hetero.compat import ensure_global_memory_buffer
+    from megatron_hetero.convert.hf_qwen_vision import hf_to_tower
+    from megatron_hetero.layout import layout_from_dict
+    from megatron_hetero.models.qwen_vision import QwenVisionSpec, QwenVisionTower
+    from megatron_hetero.models.qwen_vl import QwenTextSpec, QwenVL, build_language, language_from_hf
+    from megatron_hetero.runtime.topology import Topology
+
+    ensure_global_memory_buffer()
+    model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0)
+    layout = layout_from_dict(layout_doc, world_size=dist.get_world_size())
+    topo = Topology.build(layout)
+    vpg, lpg = topo.pg_collection("vision"), topo.pg_collection("language")
+    vspec, tspec = QwenVisionSpec.from_hf(cfg["vision_config"]), QwenTextSpec.from_hf(cfg["text_config"])
+    tower = QwenVisionTower(vspec, layout.module("vision"), vpg)
+    tower.load_state_dict(
+        hf_to_tower(hf, vspec.depth, vspec.num_heads, prefix="model.visual.", tp_rank=vpg.tp.rank(), tp=vpg.tp.size()),
+        strict=False,
+    )
+    language = build_language(tspec, layout.module("language"), lpg, S)
+    whole = language_from_hf(hf.__getitem__, tspec)
+    tp, r = lpg.tp.size(), lpg.tp.rank()
+    with torch.no_grad():
+        for name, p in language.named_parameters():
+            full = whole[name]
+            dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+            p.copy_(full if dim < 0 else full.chunk(tp, dim=dim)[r] if "linear_fc1" not in name else _glu(full, tp, r))
+    model = QwenVL(tower, language, IMAGE, START).eval()
+    tokens, patches, grid = batch()
+    labels = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+    keep = labels != IMAGE  # transformers: a label -100 where the next token is an image token
+    keep[:, -1] = False
+    with torch.no_grad():
+        logits = model(tokens, patches, grid)
+        per_token = model(tokens, patches, grid, labels=labels)
+    if logits.shape[-1] != V:  # vocab-parallel output layer: gather this rank's columns
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=lpg.tp)
+        logits = torch.cat(parts, dim=-1)
+    loss = (per_token * keep).sum() / keep.sum()
+    pos = model.position_ids(tokens, grid)
+    topo.destroy()
+    return {"logits": logits, "loss": loss, "position_ids": pos}
+
+
+def _glu(full: torch.Tensor, tp: int, r: int) -> torch.Tensor:
+    gate, up = full.chunk(2, dim=0)
+    return torch.cat([gate.chunk(tp, dim=0)[r], up.chunk(tp, dim=0)[r]])
