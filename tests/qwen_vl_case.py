@@ -69,8 +69,10 @@ def reference() -> tuple[dict, dict, dict]:
 
 
 def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
-    """Build the tower and the M-RoPE language model on this rank's layout (vision and language
-    modules), load the weights, return logits, the mean loss over the text labels, our position ids."""
+    """Build the tower on the vision module's ranks and the M-RoPE language model on the language
+    module's, load the weights (this rank's TP shards), run: the vision module's first rank broadcasts
+    the merged tokens to every rank (colocated or disjoint alike); the language ranks return logits
+    (vocabulary gathered over TP), the mean loss over the text labels and their position ids."""
     import torch.distributed as dist
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -78,44 +80,56 @@ def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
     from megatron_hetero.convert.hf_qwen_vision import hf_to_tower
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.qwen_vision import QwenVisionSpec, QwenVisionTower
-    from megatron_hetero.models.qwen_vl import QwenTextSpec, QwenVL, build_language, language_from_hf
+    from megatron_hetero.models.qwen_vl import QwenTextSpec, QwenVLLanguage, build_language, language_from_hf
     from megatron_hetero.runtime.topology import Topology
 
     ensure_global_memory_buffer()
     model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0)
     layout = layout_from_dict(layout_doc, world_size=dist.get_world_size())
     topo = Topology.build(layout)
-    vpg, lpg = topo.pg_collection("vision"), topo.pg_collection("language")
     vspec, tspec = QwenVisionSpec.from_hf(cfg["vision_config"]), QwenTextSpec.from_hf(cfg["text_config"])
-    tower = QwenVisionTower(vspec, layout.module("vision"), vpg)
-    tower.load_state_dict(
-        hf_to_tower(hf, vspec.depth, vspec.num_heads, prefix="model.visual.", tp_rank=vpg.tp.rank(), tp=vpg.tp.size()),
-        strict=False,
-    )
-    language = build_language(tspec, layout.module("language"), lpg, S)
-    whole = language_from_hf(hf.__getitem__, tspec)
-    tp, r = lpg.tp.size(), lpg.tp.rank()
-    with torch.no_grad():
-        for name, p in language.named_parameters():
-            full = whole[name]
-            dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
-            p.copy_(full if dim < 0 else full.chunk(tp, dim=dim)[r] if "linear_fc1" not in name else _glu(full, tp, r))
-    model = QwenVL(tower, language, IMAGE, START).eval()
     tokens, patches, grid = batch()
-    labels = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
-    keep = labels != IMAGE  # transformers: a label -100 where the next token is an image token
-    keep[:, -1] = False
-    with torch.no_grad():
-        logits = model(tokens, patches, grid)
-        per_token = model(tokens, patches, grid, labels=labels)
-    if logits.shape[-1] != V:  # vocab-parallel output layer: gather this rank's columns
-        parts = [torch.empty_like(logits) for _ in range(tp)]
-        dist.all_gather(parts, logits.contiguous(), group=lpg.tp)
-        logits = torch.cat(parts, dim=-1)
-    loss = (per_token * keep).sum() / keep.sum()
-    pos = model.position_ids(tokens, grid)
+    images = torch.empty(int(grid.prod(dim=1).sum()) // 4, tspec.hidden_size)
+    if topo.modules["vision"].member:
+        vpg = topo.pg_collection("vision")
+        tower = QwenVisionTower(vspec, layout.module("vision"), vpg).eval()
+        shard = hf_to_tower(
+            hf, vspec.depth, vspec.num_heads, prefix="model.visual.", tp_rank=vpg.tp.rank(), tp=vpg.tp.size()
+        )
+        tower.load_state_dict(shard, strict=False)
+        with torch.no_grad():
+            images = tower(patches, grid)
+    vranks = layout.module("vision").ranks
+    dist.broadcast(images, src=vranks.start if vranks is not None else 0)
+    res: dict = {}
+    if topo.modules["language"].member:
+        lpg = topo.pg_collection("language")
+        language = build_language(tspec, layout.module("language"), lpg, S)
+        whole = language_from_hf(hf.__getitem__, tspec)
+        tp, r = lpg.tp.size(), lpg.tp.rank()
+        with torch.no_grad():
+            for name, p in language.named_parameters():
+                full = whole[name]
+                dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
+                p.copy_(full if dim < 0 else _glu(full, tp, r) if "linear_fc1" in name else full.chunk(tp, dim=dim)[r])
+        lm = QwenVLLanguage(language, IMAGE, START, vspec.spatial_merge_size).eval()
+        labels = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+        keep = labels != IMAGE  # transformers: a label -100 where the next token is an image token
+        keep[:, -1] = False
+        with torch.no_grad():
+            logits = lm(tokens, images, grid)
+            per_token = lm(tokens, images, grid, labels=labels)
+        if tp > 1:  # vocab-parallel output layer: gather the columns
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=lpg.tp)
+            logits = torch.cat(parts, dim=-1)
+        res = {
+            "logits": logits,
+            "loss": (per_token * keep).sum() / keep.sum(),
+            "position_ids": lm.position_ids(tokens, grid),
+        }
     topo.destroy()
-    return {"logits": logits, "loss": loss, "position_ids": pos}
+    return res
 
 
 def _glu(full: torch.Tensor, tp: int, r: int) -> torch.Tensor:

@@ -113,32 +113,47 @@ def language_from_hf(get: Callable[[str], torch.Tensor], spec: QwenTextSpec) -> 
     return {k.removeprefix("gpt."): v for k, v in language_to_ours(legacy, spec.names_view()).items()}
 
 
-class QwenVL(torch.nn.Module):
-    """tokens [b, s] + the batch's patches and grid_thw -> logits [b, s, vocab] (or per-token loss [b, s]
-    with `labels`): the tower, the image tokens placed, the decoder with M-RoPE."""
+class QwenVLLanguage(torch.nn.Module):
+    """The language side on its own module: tokens [b, s] + the tower's merged tokens [n, h] (from any
+    layout: the same tensor on every rank of the language module) + grid_thw -> logits [b, s, vocab]
+    (this TP rank's vocabulary columns), or the per-token loss [b, s] with `labels`."""
 
-    def __init__(self, tower: torch.nn.Module, language: GPTModel, image_token: int, vision_start: int) -> None:
+    def __init__(self, language: GPTModel, image_token: int, vision_start: int, merge: int) -> None:
         super().__init__()
-        self.tower, self.language = tower, language
+        self.language, self.merge = language, merge
         self.image_token, self.vision_start = image_token, vision_start
 
     def position_ids(self, tokens: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        merge = self.tower.spec.spatial_merge_size
-        return rope_index(tokens, grid_thw, image_token=self.image_token, vision_start=self.vision_start, merge=merge)
+        """[3, b, s] M-RoPE ids (`models.qwen_mrope.rope_index`)."""
+        return rope_index(
+            tokens, grid_thw, image_token=self.image_token, vision_start=self.vision_start, merge=self.merge
+        )
 
     def forward(
-        self,
-        tokens: torch.Tensor,
-        patches: torch.Tensor,
-        grid_thw: torch.Tensor,
-        labels: Optional[torch.Tensor] = None,
+        self, tokens: torch.Tensor, images: torch.Tensor, grid_thw: torch.Tensor, labels: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
-        images = self.tower(patches, grid_thw)  # [n_tokens, h]
         pos = self.position_ids(tokens, grid_thw).to(tokens.device)
         emb = self.language.embedding(input_ids=tokens, position_ids=None).transpose(0, 1)  # [b, s, h]
         mask = tokens == self.image_token
         if int(mask.sum()) != images.shape[0]:
             raise ValueError(f"the text holds {int(mask.sum())} image tokens, the tower made {images.shape[0]}")
         emb = emb.masked_scatter(mask.unsqueeze(-1), images.to(emb.dtype))
-        out = self.language(None, pos, None, decoder_input=emb.transpose(0, 1).contiguous(), labels=labels)
-        return out  # GPTModel: logits [b, s, vocab], or the per-token loss [b, s] with labels
+        # GPTModel: logits [b, s, vocab], or the per-token loss [b, s] with labels
+        return self.language(None, pos, None, decoder_input=emb.transpose(0, 1).contiguous(), labels=labels)
+
+
+class QwenVL(torch.nn.Module):
+    """Both modules on the same ranks: the tower, then `QwenVLLanguage` on its merged tokens."""
+
+    def __init__(self, tower: torch.nn.Module, language: GPTModel, image_token: int, vision_start: int) -> None:
+        super().__init__()
+        self.tower = tower
+        self.lm = QwenVLLanguage(language, image_token, vision_start, tower.spec.spatial_merge_size)
+
+    def position_ids(self, tokens: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.lm.position_ids(tokens, grid_thw)
+
+    def forward(
+        self, tokens: torch.Tensor, patches: torch.Tensor, grid_thw: torch.Tensor, labels: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return self.lm(tokens, self.tower(patches, grid_thw), grid_thw, labels)
