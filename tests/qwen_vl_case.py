@@ -4,6 +4,8 @@ with three images of different sizes (row 0: one 4x6-patch image; row 1: a 6x4 o
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from qwen_vision_case import CONFIG as VISION
@@ -107,9 +109,12 @@ def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
         language = build_language(tspec, layout.module("language"), lpg, S)
         whole = language_from_hf(hf.__getitem__, tspec)
         tp, r = lpg.tp.size(), lpg.tp.rank()
+        off = language.decoder.layers[0].layer_number - 1  # this pipeline stage's first layer
         with torch.no_grad():
             for name, p in language.named_parameters():
-                full = whole[name]
+                full = whole[
+                    re.sub(r"^decoder\.layers\.(\d+)\.", lambda mt: f"decoder.layers.{int(mt.group(1)) + off}.", name)
+                ]
                 dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
                 p.copy_(full if dim < 0 else _glu(full, tp, r) if "linear_fc1" in name else full.chunk(tp, dim=dim)[r])
         lm = QwenVLLanguage(language, IMAGE, START, vspec.spatial_merge_size).eval()
@@ -117,8 +122,11 @@ def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
         keep = labels != IMAGE  # transformers: a label -100 where the next token is an image token
         keep[:, -1] = False
         with torch.no_grad():
-            logits = lm(tokens, images, grid)
-            per_token = lm(tokens, images, grid, labels=labels)
+            logits = _stages(lm, lpg, tokens, images, grid)
+            per_token = _stages(lm, lpg, tokens, images, grid, labels)
+        if lpg.pp.rank() != lpg.pp.size() - 1:
+            topo.destroy()
+            return {}
         if tp > 1:  # vocab-parallel output layer: gather the columns
             parts = [torch.empty_like(logits) for _ in range(tp)]
             dist.all_gather(parts, logits.contiguous(), group=lpg.tp)
@@ -130,6 +138,22 @@ def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
         }
     topo.destroy()
     return res
+
+
+def _stages(lm, lpg, tokens, images, grid, labels=None):
+    """This rank's pipeline stage of `lm`: the hidden states [s, b, h] come from the previous stage's
+    rank and go to the next one's by point-to-point (what Megatron's schedules would hand over)."""
+    import torch.distributed as dist
+
+    ranks, r = dist.get_process_group_ranks(lpg.pp), lpg.pp.rank()
+    hidden = None
+    if r > 0:
+        hidden = torch.empty(S, tokens.shape[0], lm.language.config.hidden_size)
+        dist.recv(hidden, src=ranks[r - 1])
+    out = lm(tokens, images, grid, labels=labels, hidden=hidden)
+    if r < len(ranks) - 1:
+        dist.send(out.contiguous(), dst=ranks[r + 1])
+    return out
 
 
 def _glu(full: torch.Tensor, tp: int, r: int) -> torch.Tensor:

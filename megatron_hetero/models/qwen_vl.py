@@ -5,8 +5,9 @@ whole forward of `Qwen2_5_VLForConditionalGeneration` with `models.qwen_vision.Q
 text embeddings, the tower's merged tokens written at the image tokens (batch-major order, as
 transformers' `masked_scatter`), the decoder on those with the M-RoPE ids.
 
-Layout: the language model's TP on its module's TP group; pp 1 and cp 1 here (the position ids and
-the decoder input are whole sequences; wiring them through the runner's stages is not built yet).
+Layout: the language model's TP on its module's TP group and PP (each stage computes the M-RoPE ids
+from the tokens); cp 1 (the ids are not yet cut into CP chunks). Handing the stages' tensors over is
+the caller's (the runner's schedules are not wired to this model yet).
 """
 
 from __future__ import annotations
@@ -62,14 +63,17 @@ class QwenTextSpec:
 
 
 def build_language(spec: QwenTextSpec, m: ModuleLayout, pgs: ProcessGroupCollection, seq_length: int) -> GPTModel:
-    """The Qwen2.5 decoder with M-RoPE on the module's layout (pp 1, cp 1)."""
+    """The Qwen2.5 decoder with M-RoPE on the module's layout (TP, PP: this rank's stage; cp 1)."""
     from megatron_hetero.models.layer_specs import language_layer_spec
     from megatron_hetero.models.llava import transformer_config
 
-    if m.pp != 1 or m.cp != 1:
+    if m.cp != 1:
         raise ValueError(
-            f"module {m.name}: the Qwen2.5-VL language model runs here with pp 1 and cp 1, got {m.arithmetic()}"
+            f"module {m.name}: the Qwen2.5-VL language model runs here with cp 1 (the M-RoPE ids are not yet "
+            f"cut into Megatron's load-balanced CP chunks), got {m.arithmetic()}"
         )
+    if spec.num_hidden_layers % m.pp:
+        raise ValueError(f"module {m.name}: {spec.num_hidden_layers} layers do not split over pp({m.pp})")
     head_dim = spec.hidden_size // spec.num_attention_heads
     if 2 * sum(spec.mrope_section) != head_dim:
         raise ValueError(f"mrope_section {list(spec.mrope_section)} must sum to head_dim / 2 = {head_dim // 2}")
@@ -95,6 +99,8 @@ def build_language(spec: QwenTextSpec, m: ModuleLayout, pgs: ProcessGroupCollect
         transformer_layer_spec=language_layer_spec("local", None, "RMSNorm"),
         vocab_size=spec.vocab_size,
         max_sequence_length=seq_length,
+        pre_process=pgs.pp.rank() == 0,
+        post_process=pgs.pp.rank() == m.pp - 1,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="mrope",
         rotary_base=int(spec.rope_theta),
@@ -130,9 +136,24 @@ class QwenVLLanguage(torch.nn.Module):
         )
 
     def forward(
-        self, tokens: torch.Tensor, images: torch.Tensor, grid_thw: torch.Tensor, labels: Optional[torch.Tensor] = None
+        self,
+        tokens: torch.Tensor,
+        images: Optional[torch.Tensor],
+        grid_thw: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        hidden: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """First stage: `images` placed into the text embeddings; a later pipeline stage: `hidden`
+        [s, b, h] from the stage before (`images` unused). Every stage computes the same M-RoPE ids
+        from the tokens (Megatron's rotary embedding runs per stage). Returns the stage's output
+        [s, b, h], or on the last stage the logits / the per-token loss."""
         pos = self.position_ids(tokens, grid_thw).to(tokens.device)
+        if not self.language.pre_process:
+            if hidden is None:
+                raise ValueError("a later pipeline stage needs the hidden states of the stage before")
+            self.language.set_input_tensor(hidden)
+            return self.language(None, pos, None, labels=labels)
+        assert images is not None
         emb = self.language.embedding(input_ids=tokens, position_ids=None).transpose(0, 1)  # [b, s, h]
         mask = tokens == self.image_token
         if int(mask.sum()) != images.shape[0]:
