@@ -22,6 +22,25 @@ CONFIG = dict(
 )
 
 
+def probe(shape) -> torch.Tensor:
+    """The fixed weights of the scalar whose gradients are compared: loss = sum(out * probe)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+
+
+def reference_grads(cfg: dict, hf: dict, patches: torch.Tensor) -> dict:
+    """transformers' parameter gradients of sum(tower(patches) * probe), by Hugging Face name."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    c = Qwen2_5_VLVisionConfig(**{k: v for k, v in cfg.items() if k in CONFIG})
+    c._attn_implementation = "eager"
+    model = Qwen2_5_VisionTransformerPretrainedModel(c)
+    model.load_state_dict(hf)
+    out = model(patches, grid_thw=torch.tensor(GRID))
+    (out * probe(out.shape)).sum().backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
 def reference() -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(HF config dict, HF state dict, patches, transformers' output)."""
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
@@ -72,8 +91,12 @@ def tower_rank(cfg: dict, hf: dict, patches: torch.Tensor, layout_doc: dict) -> 
         except ValueError as e:
             errors.append(str(e))
     state = {k: v for k, v in tower.state_dict().items() if not k.endswith("_extra_state")}
+    tower.train()
+    again = tower(patches, torch.tensor(GRID))
+    (again * probe(again.shape)).sum().backward()
+    grads = {k: p.grad.clone() for k, p in tower.named_parameters()}
     topo.destroy()
-    return {"out": out, "shard": state, "errors": errors}
+    return {"out": out, "shard": state, "errors": errors, "grads": grads}
 
 
 LAYOUT = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}

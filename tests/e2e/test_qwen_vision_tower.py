@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 
-from qwen_vision_case import CONFIG, GRID, LAYOUT, reference, tower_rank  # noqa: E402
+from qwen_vision_case import CONFIG, reference_grads, GRID, LAYOUT, reference, tower_rank  # noqa: E402
 
 TOL = 1e-5
 
@@ -35,6 +35,13 @@ def test_qwen_vision_tower_matches_transformers_on_mixed_sizes():
     back = tower_to_hf([got["shard"]], CONFIG["depth"], CONFIG["num_heads"])
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
     assert "multiples of 2" in got["errors"][0] and "patches must be [16, 24]" in got["errors"][1]
+
+    want = reference_grads(cfg, hf, patches)
+    grads = tower_to_hf([{k: g for k, g in got["grads"].items()}], CONFIG["depth"], CONFIG["num_heads"])
+    scale = max(float(g.abs().max()) for g in want.values())
+    grad_rel = max(float((grads[k] - want[k]).abs().max()) for k in want) / scale
+    print(f"parameter gradients vs transformers: {grad_rel:.2e} of the largest")
+    assert grads.keys() == want.keys() and grad_rel <= 1e-5, grad_rel
 
 
 def test_qwen_vision_tower_refuses_cp_and_pp_with_the_reason():

@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 
-from qwen_vision_case import CONFIG, reference, tower_rank  # noqa: E402
+from qwen_vision_case import CONFIG, reference_grads, reference, tower_rank  # noqa: E402
 
 TOL = 1e-5
 TP2 = {
@@ -36,3 +36,10 @@ def test_qwen_vision_tower_tp2_matches_transformers():
     assert got[0]["shard"][qkv].shape[0] == 3 * CONFIG["hidden_size"] // 2  # a half of the heads each
     back = tower_to_hf([g["shard"] for g in got], CONFIG["depth"], CONFIG["num_heads"])
     assert back.keys() == hf.keys() and all(torch.equal(back[k], hf[k]) for k in hf)
+
+    want = reference_grads(cfg, hf, patches)
+    grads = tower_to_hf([g["grads"] for g in got], CONFIG["depth"], CONFIG["num_heads"])
+    scale = max(float(g.abs().max()) for g in want.values())
+    grad_rel = max(float((grads[k] - want[k]).abs().max()) for k in want) / scale
+    print(f"parameter gradients vs transformers: {grad_rel:.2e} of the largest")
+    assert grads.keys() == want.keys() and grad_rel <= 1e-5, grad_rel
