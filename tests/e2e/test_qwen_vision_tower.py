@@ -58,3 +58,13 @@ def test_qwen_vision_tower_refuses_cp_and_pp_with_the_reason():
         layout = layout_from_dict(doc, world_size=2)
         with pytest.raises(ValueError, match=why):
             QwenVisionTower(spec, layout.module("vision"), pgs=None)  # refused before any group is read
+
+
+def test_priced_windows_are_the_towers_windows():
+    """`planner.qwen_vision_cost.window_lengths` (pure) lists the windows the tower attends within."""
+    from megatron_hetero.models.qwen_vision_windows import window_index
+    from megatron_hetero.planner.qwen_vision_cost import window_lengths
+
+    for grid in (GRID, [[1, 10, 14]], [[3, 2, 8], [1, 12, 2]]):
+        assert window_lengths(grid, 2, 2) == window_index(torch.tensor(grid), 2, 2)[1]
+        assert window_lengths(grid, 2, 4) == window_index(torch.tensor(grid), 2, 4)[1]
