@@ -136,8 +136,42 @@ def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
             "loss": (per_token * keep).sum() / keep.sum(),
             "position_ids": lm.position_ids(tokens, grid),
         }
+        if dist.get_world_size() == 1:  # both modules here: the whole model's gradients of the loss
+            tower.train(), lm.train()
+            per_token = lm(tokens, tower(patches, grid), grid, labels=labels)
+            ((per_token * keep).sum() / keep.sum()).backward()
+            res["grads"] = {
+                "vision": {k: p.grad.clone() for k, p in tower.named_parameters()},
+                "language": {k: p.grad.clone() for k, p in language.named_parameters()},
+            }
     topo.destroy()
     return res
+
+
+def reference_grads(cfg: dict, hf: dict) -> dict:
+    """transformers' gradients of its loss on `batch()` (labels -100 at image tokens), by in-memory name."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**cfg, attn_implementation="eager"))
+    model.load_state_dict(hf)
+    tokens, patches, grid = batch()
+    labels = tokens.masked_fill(tokens == IMAGE, -100)
+    model(input_ids=tokens, pixel_values=patches, image_grid_thw=grid, labels=labels).loss.backward()
+    return {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def grads_as_hf(grads: dict, cfg: dict) -> dict:
+    """Our modules' gradients under transformers' in-memory names."""
+    from megatron_hetero.convert.hf_qwen_vision import tower_to_hf
+    from megatron_hetero.models.hf_names import language_to_hf
+    from megatron_hetero.models.qwen_vision import QwenVisionSpec
+    from megatron_hetero.models.qwen_vl import QwenTextSpec
+
+    vspec, tspec = QwenVisionSpec.from_hf(cfg["vision_config"]), QwenTextSpec.from_hf(cfg["text_config"])
+    out = tower_to_hf([grads["vision"]], vspec.depth, vspec.num_heads, prefix="model.visual.")
+    lang = language_to_hf({"gpt." + k: v for k, v in grads["language"].items()}, tspec.names_view())
+    out.update({("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in lang.items()})
+    return out
 
 
 def _stages(lm, lpg, tokens, images, grid, labels=None):

@@ -2,7 +2,8 @@
 tokens placed, the Qwen2.5 decoder with Megatron's M-RoPE) equals transformers'
 `Qwen2_5_VLForConditionalGeneration` on one rank: two conversations, three images of different sizes
 (one of two frames) in one batch (`qwen_vl_case`). Our M-RoPE ids equal `get_rope_index`'s exactly;
-logits within 1e-4 and the loss within 1e-5 relative."""
+logits within 1e-4 and the loss within 1e-5 relative; every parameter's gradient of the loss within
+1e-5 of the largest (the model trains as transformers')."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch  # noqa: E402
 
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 
-from qwen_vl_case import reference, vl_rank  # noqa: E402
+from qwen_vl_case import grads_as_hf, reference, reference_grads, vl_rank  # noqa: E402
 
 LAYOUT = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
 
@@ -30,7 +31,13 @@ def check(got: dict, ref: dict, what: str) -> None:
 def test_qwen_vl_world1_matches_transformers_with_mixed_image_sizes():
     cfg, hf, ref = reference()
     assert not torch.equal(ref["position_ids"][0], ref["position_ids"][1])  # the image ids differ per axis
-    check(run_ranks(1, vl_rank, cfg, hf, LAYOUT, timeout=240)[0], ref, "world 1")
+    got = run_ranks(1, vl_rank, cfg, hf, LAYOUT, timeout=240)[0]
+    check(got, ref, "world 1")
+    want, ours = reference_grads(cfg, hf), grads_as_hf(got["grads"], cfg)
+    scale = max(float(g.abs().max()) for g in want.values())
+    rel = max(float((ours[k] - want[k]).abs().max()) for k in want) / scale
+    print(f"whole-model gradients of the loss vs transformers: {rel:.2e} of the largest")
+    assert ours.keys() == want.keys() and rel <= 1e-5, rel
 
 
 def test_rope_index_counts_the_images_against_grid_thw():
