@@ -136,13 +136,17 @@ def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
             "loss": (per_token * keep).sum() / keep.sum(),
             "position_ids": lm.position_ids(tokens, grid),
         }
-        if dist.get_world_size() == 1:  # both modules here: the whole model's gradients of the loss
+        if topo.modules["vision"].member and lpg.pp.size() == 1:  # both modules here: the gradients
             tower.train(), lm.train()
             per_token = lm(tokens, tower(patches, grid), grid, labels=labels)
             ((per_token * keep).sum() / keep.sum()).backward()
             res["grads"] = {
                 "vision": {k: p.grad.clone() for k, p in tower.named_parameters()},
                 "language": {k: p.grad.clone() for k, p in language.named_parameters()},
+                "dims": {
+                    k: p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1
+                    for k, p in language.named_parameters()
+                },
             }
     topo.destroy()
     return res
@@ -160,15 +164,33 @@ def reference_grads(cfg: dict, hf: dict) -> dict:
     return {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
+def whole_grads(per_rank: list[dict]) -> dict:
+    """The TP ranks' gradient shards (rank order) put together: the tower's as `tower_to_hf` reads them
+    (a list of shards), the language model's whole (column/row pieces joined, SwiGLU halves apart)."""
+    dims, tp = per_rank[0]["dims"], len(per_rank)
+    language = {}
+    for k, dim in dims.items():
+        parts = [r["language"][k] for r in per_rank]
+        if dim < 0:
+            language[k] = parts[0]
+        elif "linear_fc1" in k:
+            halves = [p.chunk(2, dim=0) for p in parts]
+            language[k] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            language[k] = torch.cat(parts, dim=dim)
+    del tp
+    return {"vision": [r["vision"] for r in per_rank], "language": language}
+
+
 def grads_as_hf(grads: dict, cfg: dict) -> dict:
-    """Our modules' gradients under transformers' in-memory names."""
+    """Our modules' gradients (`whole_grads`) under transformers' in-memory names."""
     from megatron_hetero.convert.hf_qwen_vision import tower_to_hf
     from megatron_hetero.models.hf_names import language_to_hf
     from megatron_hetero.models.qwen_vision import QwenVisionSpec
     from megatron_hetero.models.qwen_vl import QwenTextSpec
 
     vspec, tspec = QwenVisionSpec.from_hf(cfg["vision_config"]), QwenTextSpec.from_hf(cfg["text_config"])
-    out = tower_to_hf([grads["vision"]], vspec.depth, vspec.num_heads, prefix="model.visual.")
+    out = tower_to_hf(grads["vision"], vspec.depth, vspec.num_heads, prefix="model.visual.")
     lang = language_to_hf({"gpt." + k: v for k, v in grads["language"].items()}, tspec.names_view())
     out.update({("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in lang.items()})
     return out

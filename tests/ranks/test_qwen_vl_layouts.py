@@ -4,7 +4,7 @@ images of different sizes in one batch): colocated vision TP2 + language TP2 (2 
 vision @0 -> language TP2 @1-2 and vision @0 -> language PP2 @1-2 (the tower's merged tokens broadcast
 from rank 0; the stages' hidden states by point-to-point; each stage computes the M-RoPE ids). Position ids
 exactly transformers' `get_rope_index`; logits within 1e-4, loss within 1e-5 relative on every
-language rank."""
+language rank; colocated, the TP shards of every gradient put together within 1e-5 of the largest."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 
-from qwen_vl_case import reference, vl_rank  # noqa: E402
+from qwen_vl_case import grads_as_hf, reference, reference_grads, vl_rank, whole_grads  # noqa: E402
 
 E = ["vision -> language"]
 LAYOUTS = {
@@ -47,3 +47,9 @@ def test_qwen_vl_layout_matches_transformers(ref, name):
         rel_loss = abs(float(g["loss"]) - float(want["loss"])) / abs(float(want["loss"]))
         print(f"\nQwen2.5-VL {name} vs transformers: logits {rel_logits:.2e}, loss {rel_loss:.2e} relative")
         assert rel_logits <= 1e-4 and rel_loss <= 1e-5, (rel_logits, rel_loss)
+    if name == "colocated-tp2":  # both modules on every rank: the TP shards of every gradient
+        want, ours = reference_grads(cfg, hf), grads_as_hf(whole_grads([g["grads"] for g in got]), cfg)
+        scale = max(float(g.abs().max()) for g in want.values())
+        rel = max(float((ours[k] - want[k]).abs().max()) for k in want) / scale
+        print(f"{name}: whole-model gradients vs transformers: {rel:.2e} of the largest")
+        assert ours.keys() == want.keys() and rel <= 1e-5, rel
