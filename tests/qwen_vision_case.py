@@ -80,10 +80,13 @@ def tower_rank(cfg: dict, hf: dict, patches: torch.Tensor, layout_doc: dict) -> 
     spec = QwenVisionSpec.from_hf(cfg)
     tower = QwenVisionTower(spec, layout.module("vision"), pgs).eval()
     shard = hf_to_tower(hf, spec.depth, spec.num_heads, tp_rank=pgs.tp.rank(), tp=pgs.tp.size())
-    missing, unexpected = tower.load_state_dict(shard, strict=False)
+    missing, unexpected = tower.load_state_dict(tower.stage_state(shard), strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     with torch.no_grad():
-        out = tower(patches, torch.tensor(GRID))
+        out = _stages(tower, pgs, patches)
+    if pgs.pp.size() > 1:  # a pipelined tower: its output (last stage), no backward here
+        topo.destroy()
+        return {"out": out} if tower.last else {}
     errors = []
     for bad_grid in ([[1, 3, 4]], [[1, 4, 4]]):
         try:
@@ -97,6 +100,23 @@ def tower_rank(cfg: dict, hf: dict, patches: torch.Tensor, layout_doc: dict) -> 
     grads = {k: p.grad.clone() for k, p in tower.named_parameters()}
     topo.destroy()
     return {"out": out, "shard": state, "errors": errors, "grads": grads}
+
+
+def _stages(tower, pgs, patches: torch.Tensor) -> torch.Tensor:
+    """This rank's stage of the tower: hidden states [N, 1, h] from the previous stage's rank and to the
+    next one's by point-to-point (what Megatron's schedules would hand over)."""
+    import torch.distributed as dist
+
+    ranks, r = dist.get_process_group_ranks(pgs.pp), pgs.pp.rank()
+    grid = torch.tensor(GRID)
+    hidden = None
+    if r > 0:
+        hidden = torch.empty(int(grid.prod(dim=1).sum()), 1, CONFIG["hidden_size"])
+        dist.recv(hidden, src=ranks[r - 1])
+    out = tower(patches, grid, hidden=hidden)
+    if r < len(ranks) - 1:
+        dist.send(out.contiguous(), dst=ranks[r + 1])
+    return out
 
 
 LAYOUT = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}

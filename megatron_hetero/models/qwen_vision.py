@@ -15,13 +15,17 @@ Window attention: layers not in `fullatt_block_indexes` attend within windows, t
 whole frames: a boolean mask per kind over the one packed sequence (memory s**2: fine for the
 short sequences of tests and CPU runs; GPU runs want a varlen kernel, not built).
 
-Layout: TP and DP on the module's layout; pp 1 and cp 1 (refused otherwise, with the reason).
+Layout: TP, DP and PP on the module's layout (PP: the blocks split over stages; the first stage holds
+the patch embedding, the last the merger; every stage computes the window order, masks and rotary
+angles from `grid_thw`; the caller hands the hidden states [N, 1, h] between stages); cp 1 (refused
+otherwise, with the reason).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import re
+from typing import Any, Optional
 
 import torch
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -99,18 +103,18 @@ class QwenVisionTower(torch.nn.Module):
         from megatron_hetero.models.llava import transformer_config
 
         spec.check()
-        if m.pp != 1:
-            raise ValueError(
-                f"module {name}: the Qwen2.5-VL tower runs with pp 1 (its stages are not split), got {m.arithmetic()}"
-            )
+        if spec.depth % m.pp:
+            raise ValueError(f"module {name}: the tower's {spec.depth} blocks do not split over pp({m.pp})")
         if m.cp != 1:
             raise ValueError(
                 f"module {name}: the Qwen2.5-VL tower runs with cp 1: its windows and images are attention "
                 f"segments of varying length that a sequence split would cut, got {m.arithmetic()}"
             )
         self.spec, self.name = spec, name
+        self.first, self.last = pgs.pp.rank() == 0, pgs.pp.rank() == m.pp - 1
         k = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
-        self.patch_embed = torch.nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=k, stride=k, bias=False)
+        if self.first:
+            self.patch_embed = torch.nn.Conv3d(spec.in_channels, spec.hidden_size, kernel_size=k, stride=k, bias=False)
         config = transformer_config(
             num_layers=spec.depth,
             hidden=spec.hidden_size,
@@ -126,7 +130,10 @@ class QwenVisionTower(torch.nn.Module):
             apply_rope_fusion=False,
         )
         self.blocks = TransformerBlock(config, _layer_spec(), post_layer_norm=False, pg_collection=pgs)
+        self.first_layer = self.blocks.layers[0].layer_number - 1  # this stage's first block (global index)
         unit = spec.spatial_merge_size**2
+        if not self.last:
+            return
         self.ln_q = WrappedTorchNorm(config, spec.hidden_size, eps=1e-6)
         merger_cfg = transformer_config(
             num_layers=1,
@@ -141,20 +148,42 @@ class QwenVisionTower(torch.nn.Module):
         mlp = get_submodules(get_gpt_layer_local_spec().submodules.mlp)
         self.merger = MultimodalProjector(merger_cfg, mlp, "mlp", input_size=spec.hidden_size * unit, tp_group=pgs.tp)
 
-    def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def stage_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This pipeline stage's part of a whole-tower state (`convert.hf_qwen_vision.hf_to_tower`'s
+        names, blocks by global index) under this module's names (blocks by local index)."""
+        mine = {k for k in self.state_dict() if not k.endswith("_extra_state")}
+        out = {}
+        for k, v in state.items():
+            mt = re.match(r"blocks\.layers\.(\d+)\.(.*)", k)
+            local = f"blocks.layers.{int(mt.group(1)) - self.first_layer}.{mt.group(2)}" if mt else k
+            if local in mine:
+                out[local] = v
+        return out
+
+    def forward(
+        self, patches: torch.Tensor, grid_thw: torch.Tensor, hidden: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """First stage: `patches` [N, C*T*P*P]; a later stage: `hidden` [N, 1, h] from the stage before,
+        in window order (`patches` unused). Returns [N, 1, h] in window order on a stage before the
+        last, the merged tokens [N / merge**2, out_hidden] in the input's order on the last."""
         s = self.spec
         merge, unit = s.spatial_merge_size, s.spatial_merge_size**2
         win.check_grid(grid_thw, merge)
         n = int((grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]).sum())
-        width = s.in_channels * s.temporal_patch_size * s.patch_size**2
-        if patches.dim() != 2 or patches.shape != (n, width):
-            raise ValueError(
-                f"patches must be [{n}, {width}] for grid_thw {grid_thw.tolist()}, got {list(patches.shape)}"
-            )
-        x = patches.view(-1, s.in_channels, s.temporal_patch_size, s.patch_size, s.patch_size)
-        x = self.patch_embed(x.to(self.patch_embed.weight.dtype)).view(n, -1)
         order, windows = win.window_index(grid_thw, merge, s.window_size // merge // s.patch_size)
-        x = x.view(n // unit, unit, -1)[order].reshape(n, 1, -1)  # [s, b=1, h], window order
+        if self.first:
+            width = s.in_channels * s.temporal_patch_size * s.patch_size**2
+            if patches.dim() != 2 or patches.shape != (n, width):
+                raise ValueError(
+                    f"patches must be [{n}, {width}] for grid_thw {grid_thw.tolist()}, got {list(patches.shape)}"
+                )
+            x = patches.view(-1, s.in_channels, s.temporal_patch_size, s.patch_size, s.patch_size)
+            x = self.patch_embed(x.to(self.patch_embed.weight.dtype)).view(n, -1)
+            x = x.view(n // unit, unit, -1)[order].reshape(n, 1, -1)  # [s, b=1, h], window order
+        else:
+            if hidden is None or hidden.shape[0] != n:
+                raise ValueError(f"module {self.name}: a later tower stage needs the hidden states [{n}, 1, h]")
+            x = hidden
         freqs = win.rotary_freqs(grid_thw, merge, s.hidden_size // s.num_heads).to(x.device)
         freqs = freqs.view(n // unit, unit, -1)[order].reshape(n, -1)
         rope = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
@@ -164,7 +193,9 @@ class QwenVisionTower(torch.nn.Module):
         }
         full = set(s.fullatt_block_indexes)
         for i, layer in enumerate(self.blocks.layers):
-            x, _ = layer(x, attention_mask=masks[i in full], rotary_pos_emb=rope)
+            x, _ = layer(x, attention_mask=masks[self.first_layer + i in full], rotary_pos_emb=rope)
+        if not self.last:
+            return x
         merged = self.ln_q(x).reshape(n // unit, 1, -1)
         out = self.merger(merged).reshape(n // unit, -1)
         return out[torch.argsort(order)]

@@ -44,18 +44,22 @@ def test_qwen_vision_tower_matches_transformers_on_mixed_sizes():
     assert grads.keys() == want.keys() and grad_rel <= 1e-5, grad_rel
 
 
-def test_qwen_vision_tower_refuses_cp_and_pp_with_the_reason():
+def test_qwen_vision_tower_refuses_cp_and_uneven_pp_with_the_reason():
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.qwen_vision import QwenVisionSpec, QwenVisionTower
 
     spec = QwenVisionSpec.from_hf(CONFIG)
-    for arith, why in (({"cp": 2}, "cp 1: its windows and images are attention segments"), ({"pp": 2}, "pp 1")):
+    cases = (
+        ({"cp": 2}, 2, "cp 1: its windows and images are attention segments"),
+        ({"pp": 3}, 3, r"4 blocks do not split over pp\(3\)"),
+    )
+    for arith, world, why in cases:
         doc = {
             "placement": "colocated",
-            "modules": {"vision": arith, "language": {"dp": 2}},
+            "modules": {"vision": arith, "language": {"dp": world}},
             "edges": ["vision -> language"],
         }
-        layout = layout_from_dict(doc, world_size=2)
+        layout = layout_from_dict(doc, world_size=world)
         with pytest.raises(ValueError, match=why):
             QwenVisionTower(spec, layout.module("vision"), pgs=None)  # refused before any group is read
 

@@ -43,3 +43,22 @@ def test_qwen_vision_tower_tp2_matches_transformers():
     grad_rel = max(float((grads[k] - want[k]).abs().max()) for k in want) / scale
     print(f"parameter gradients vs transformers: {grad_rel:.2e} of the largest")
     assert grads.keys() == want.keys() and grad_rel <= 1e-5, grad_rel
+
+
+PP2 = {
+    "placement": "colocated",
+    "modules": {"vision": {"pp": 2}, "language": {"dp": 2}},
+    "edges": ["vision -> language"],
+}
+
+
+@pytest.mark.timeout(300)
+def test_qwen_vision_tower_pp2_matches_transformers():
+    """The tower's 4 blocks over 2 pipeline stages (blocks 0-1: a window and a full-attention layer
+    each; the patch embedding on the first stage, the merger on the last): transformers' output."""
+    cfg, hf, patches, ref = reference()
+    got = [g for g in run_ranks(2, tower_rank, cfg, hf, patches, PP2, timeout=240) if g]
+    assert len(got) == 1
+    rel = float((got[0]["out"] - ref).abs().max() / ref.abs().max())
+    print(f"\nQwen2.5-VL tower PP2 vs transformers: {rel:.2e} relative")
+    assert rel <= TOL, rel
