@@ -131,9 +131,18 @@ def vl_rank(cfg: dict, hf: dict, layout_doc: dict) -> dict:
             parts = [torch.empty_like(logits) for _ in range(tp)]
             dist.all_gather(parts, logits.contiguous(), group=lpg.tp)
             logits = torch.cat(parts, dim=-1)
+        loss_sum = (per_token * keep[:, _positions(lpg)]).sum()
+        if lpg.cp.size() > 1:  # this rank's chunks: the whole sequence's logits and loss from all
+            parts = [torch.empty_like(logits) for _ in range(lpg.cp.size())]
+            dist.all_gather(parts, logits.contiguous(), group=lpg.cp)
+            whole = torch.empty(logits.shape[0], S, logits.shape[2])
+            for c, part in enumerate(parts):
+                whole[:, _positions(lpg, c)] = part
+            logits = whole
+            dist.all_reduce(loss_sum, group=lpg.cp)
         res = {
             "logits": logits,
-            "loss": (per_token * keep).sum() / keep.sum(),
+            "loss": loss_sum / keep.sum(),
             "position_ids": lm.position_ids(tokens, grid),
         }
         if topo.modules["vision"].member and lpg.pp.size() == 1:  # both modules here: the gradients
@@ -196,6 +205,13 @@ def grads_as_hf(grads: dict, cfg: dict) -> dict:
     return out
 
 
+def _positions(lpg, rank=None) -> torch.Tensor:
+    """The sequence positions CP rank `rank` (default: this one) of the language module holds."""
+    from megatron_hetero.models.cp_attention import cp_chunk_positions
+
+    return cp_chunk_positions(S, lpg.cp.rank() if rank is None else rank, lpg.cp.size())
+
+
 def _stages(lm, lpg, tokens, images, grid, labels=None):
     """This rank's pipeline stage of `lm`: the hidden states [s, b, h] come from the previous stage's
     rank and go to the next one's by point-to-point (what Megatron's schedules would hand over)."""
@@ -204,7 +220,7 @@ def _stages(lm, lpg, tokens, images, grid, labels=None):
     ranks, r = dist.get_process_group_ranks(lpg.pp), lpg.pp.rank()
     hidden = None
     if r > 0:
-        hidden = torch.empty(S, tokens.shape[0], lm.language.config.hidden_size)
+        hidden = torch.empty(S // lpg.cp.size(), tokens.shape[0], lm.language.config.hidden_size)
         dist.recv(hidden, src=ranks[r - 1])
     out = lm(tokens, images, grid, labels=labels, hidden=hidden)
     if r < len(ranks) - 1:

@@ -5,8 +5,9 @@ whole forward of `Qwen2_5_VLForConditionalGeneration` with `models.qwen_vision.Q
 text embeddings, the tower's merged tokens written at the image tokens (batch-major order, as
 transformers' `masked_scatter`), the decoder on those with the M-RoPE ids.
 
-Layout: the language model's TP on its module's TP group and PP (each stage computes the M-RoPE ids
-from the tokens); cp 1 (the ids are not yet cut into CP chunks). Handing the stages' tensors over is
+Layout: the language model's TP on its module's TP group, PP (each stage computes the M-RoPE ids
+from the tokens) and CP (the decoder input and labels cut to the CP rank's load-balanced chunks, the
+ids whole: Megatron's M-RoPE cuts its angles to the same chunks; outputs are the rank's chunks). Handing the stages' tensors over is
 the caller's (the runner's schedules are not wired to this model yet).
 """
 
@@ -63,15 +64,12 @@ class QwenTextSpec:
 
 
 def build_language(spec: QwenTextSpec, m: ModuleLayout, pgs: ProcessGroupCollection, seq_length: int) -> GPTModel:
-    """The Qwen2.5 decoder with M-RoPE on the module's layout (TP, PP: this rank's stage; cp 1)."""
+    """The Qwen2.5 decoder with M-RoPE on the module's layout (TP, PP: this rank's stage, CP)."""
     from megatron_hetero.models.layer_specs import language_layer_spec
     from megatron_hetero.models.llava import transformer_config
 
-    if m.cp != 1:
-        raise ValueError(
-            f"module {m.name}: the Qwen2.5-VL language model runs here with cp 1 (the M-RoPE ids are not yet "
-            f"cut into Megatron's load-balanced CP chunks), got {m.arithmetic()}"
-        )
+    if m.cp > 1 and seq_length % (2 * m.cp):
+        raise ValueError(f"module {m.name}: sequence length {seq_length} is not divisible by 2*cp = {2 * m.cp}")
     if spec.num_hidden_layers % m.pp:
         raise ValueError(f"module {m.name}: {spec.num_hidden_layers} layers do not split over pp({m.pp})")
     head_dim = spec.hidden_size // spec.num_attention_heads
@@ -94,7 +92,7 @@ def build_language(spec: QwenTextSpec, m: ModuleLayout, pgs: ProcessGroupCollect
         apply_rope_fusion=False,
         mrope_section=list(spec.mrope_section),
     )
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=language_layer_spec("local", None, "RMSNorm"),
         vocab_size=spec.vocab_size,
@@ -106,6 +104,10 @@ def build_language(spec: QwenTextSpec, m: ModuleLayout, pgs: ProcessGroupCollect
         rotary_base=int(spec.rope_theta),
         pg_collection=pgs,
     )
+    # Megatron builds its M-RoPE with the global CP group (`parallel_state`); the module's own CP group
+    # cuts the angles to this rank's chunks
+    gpt.rotary_pos_emb.cp_group = pgs.cp
+    return gpt
 
 
 def language_from_hf(get: Callable[[str], torch.Tensor], spec: QwenTextSpec) -> dict[str, torch.Tensor]:
@@ -148,6 +150,9 @@ class QwenVLLanguage(torch.nn.Module):
         from the tokens (Megatron's rotary embedding runs per stage). Returns the stage's output
         [s, b, h], or on the last stage the logits / the per-token loss."""
         pos = self.position_ids(tokens, grid_thw).to(tokens.device)
+        cp = self.language.config.context_parallel_size
+        if cp > 1 and labels is not None:  # this CP rank's load-balanced chunks (the ids stay whole:
+            labels = labels[:, self._cp_positions(tokens.shape[1], tokens.device)]  # Megatron cuts the angles)
         if not self.language.pre_process:
             if hidden is None:
                 raise ValueError("a later pipeline stage needs the hidden states of the stage before")
@@ -159,8 +164,16 @@ class QwenVLLanguage(torch.nn.Module):
         if int(mask.sum()) != images.shape[0]:
             raise ValueError(f"the text holds {int(mask.sum())} image tokens, the tower made {images.shape[0]}")
         emb = emb.masked_scatter(mask.unsqueeze(-1), images.to(emb.dtype))
+        if cp > 1:
+            emb = emb[:, self._cp_positions(tokens.shape[1], tokens.device)]
         # GPTModel: logits [b, s, vocab], or the per-token loss [b, s] with labels
         return self.language(None, pos, None, decoder_input=emb.transpose(0, 1).contiguous(), labels=labels)
+
+    def _cp_positions(self, s: int, device) -> torch.Tensor:
+        from megatron_hetero.models.cp_attention import cp_chunk_positions
+
+        group = self.language.pg_collection.cp
+        return cp_chunk_positions(s, group.rank(), group.size(), device=device)
 
 
 class QwenVL(torch.nn.Module):

@@ -2,7 +2,8 @@
 per-module layouts equals transformers' `Qwen2_5_VLForConditionalGeneration` (`qwen_vl_case`: three
 images of different sizes in one batch): colocated vision TP2 + language TP2 (2 ranks), and disjoint
 vision @0 -> language TP2 @1-2 and vision @0 -> language PP2 @1-2 (the tower's merged tokens broadcast
-from rank 0; the stages' hidden states by point-to-point; each stage computes the M-RoPE ids). Position ids
+from rank 0; the stages' hidden states by point-to-point; each stage computes the M-RoPE ids), and
+vision @0 -> language CP2 @1-2 (each CP rank its load-balanced chunks; logits and loss put together). Position ids
 exactly transformers' `get_rope_index`; logits within 1e-4, loss within 1e-5 relative on every
 language rank; colocated, the TP shards of every gradient put together within 1e-5 of the largest."""
 
@@ -24,6 +25,7 @@ LAYOUTS = {
     ),
     "disjoint-v1-ltp2": (3, {"placement": "disjoint", "modules": {"vision": {}, "language": {"tp": 2}}, "edges": E}),
     "disjoint-v1-lpp2": (3, {"placement": "disjoint", "modules": {"vision": {}, "language": {"pp": 2}}, "edges": E}),
+    "disjoint-v1-lcp2": (3, {"placement": "disjoint", "modules": {"vision": {}, "language": {"cp": 2}}, "edges": E}),
 }
 
 
