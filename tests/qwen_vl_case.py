@@ -176,7 +176,7 @@ def reference_grads(cfg: dict, hf: dict) -> dict:
 def whole_grads(per_rank: list[dict]) -> dict:
     """The TP ranks' gradient shards (rank order) put together: the tower's as `tower_to_hf` reads them
     (a list of shards), the language model's whole (column/row pieces joined, SwiGLU halves apart)."""
-    dims, tp = per_rank[0]["dims"], len(per_rank)
+    dims = per_rank[0]["dims"]
     language = {}
     for k, dim in dims.items():
         parts = [r["language"][k] for r in per_rank]
@@ -187,7 +187,6 @@ def whole_grads(per_rank: list[dict]) -> dict:
             language[k] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
         else:
             language[k] = torch.cat(parts, dim=dim)
-    del tp
     return {"vision": [r["vision"] for r in per_rank], "language": language}
 
 

@@ -62,7 +62,7 @@ def hf_to_tower(hf: Tensors, depth: int, heads: int, *, prefix: str = "", tp_ran
 
 def tower_to_hf(shards: list[Tensors], depth: int, heads: int, *, prefix: str = "") -> Tensors:
     """A Hugging Face tower state dict from every TP rank's shard, in rank order (inverse of `hf_to_tower`)."""
-    tp, first = len(shards), shards[0]
+    first = shards[0]
     rows = lambda k: torch.cat([s[k] for s in shards], dim=0)  # noqa: E731
     cols = lambda k: torch.cat([s[k] for s in shards], dim=1)  # noqa: E731
     out: Tensors = {"patch_embed.proj.weight": first["patch_embed.weight"].clone()}
@@ -84,5 +84,4 @@ def tower_to_hf(shards: list[Tensors], depth: int, heads: int, *, prefix: str = 
     out["merger.mlp.0.bias"] = rows("merger.encoder.linear_fc1.bias")
     out["merger.mlp.2.weight"] = cols("merger.encoder.linear_fc2.weight")
     out["merger.mlp.2.bias"] = first["merger.encoder.linear_fc2.bias"].clone()
-    del tp
     return {prefix + k: v for k, v in out.items()}

@@ -16,6 +16,7 @@ from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 from qwen_vision_case import CONFIG, reference_grads, reference, tower_rank  # noqa: E402
 
 TOL = 1e-5
+E = ["vision -> language"]
 TP2 = {
     "placement": "colocated",
     "modules": {"vision": {"tp": 2}, "language": {"dp": 2}},
@@ -62,3 +63,13 @@ def test_qwen_vision_tower_pp2_matches_transformers():
     rel = float((got[0]["out"] - ref).abs().max() / ref.abs().max())
     print(f"\nQwen2.5-VL tower PP2 vs transformers: {rel:.2e} relative")
     assert rel <= TOL, rel
+
+
+def test_qwen_vision_tower_dp2_gives_every_replica_the_same_output():
+    """Vision DP2 (colocated with language DP2): each replica holds the whole tower and computes
+    transformers' output on the batch (replicas differ only by the data they are given)."""
+    cfg, hf, patches, ref = reference()
+    doc = {"placement": "colocated", "modules": {"vision": {"dp": 2}, "language": {"dp": 2}}, "edges": E}
+    got = run_ranks(2, tower_rank, cfg, hf, patches, doc, timeout=240)
+    assert torch.equal(got[0]["out"], got[1]["out"])
+    assert float((got[0]["out"] - ref).abs().max() / ref.abs().max()) <= TOL
