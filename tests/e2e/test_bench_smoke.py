@@ -29,11 +29,19 @@ def _upstream_bytes(row: dict, doc: dict) -> int:
     return bench.WORLD * (row["factor"] - 1) * rows * shape["seq"] * shape["hidden"] * 4
 
 
+#: what a rank says when a TCP connection of group creation broke under it (the store's, or gloo's
+#: full mesh of a new group): seen in CI on 2 loaded cores after 8 layouts' worth of groups, while
+#: another test's torchrun ranks ran beside it; never from the code under test
+_TRANSPORT_ERRORS = (
+    "DistNetworkError: Broken pipe",
+    "DistNetworkError: Failed to recv, got 0 bytes",
+    "Gloo connectFullMesh failed",
+)
+
+
 def _store_dropped(exc: RankFailure) -> bool:
-    """Every rank failed because the rendezvous store's TCP connection broke while gloo created a
-    group (`DistNetworkError: Broken pipe`): seen once in CI on 2 loaded cores after 8 layouts' worth
-    of groups, never from the code under test."""
-    return all("DistNetworkError: Broken pipe" in text for _, text in exc.failures)
+    """Every rank failed while creating a process group, each on a broken connection (`_TRANSPORT_ERRORS`)."""
+    return all(any(e in text for e in _TRANSPORT_ERRORS) for _, text in exc.failures)
 
 
 @pytest.mark.timeout(420)
@@ -43,7 +51,7 @@ def test_bench_boundary_smoke(tmp_path):
     except RankFailure as exc:  # one more try for that one failure only, with a new store and port
         if not _store_dropped(exc):
             raise
-        print(f"test_bench_boundary_smoke: the store connection broke, running once more:\n{exc}")
+        print(f"test_bench_boundary_smoke: a connection of group creation broke, running once more:\n{exc}")
         doc = bench.run(tmp_path, batch=8, seq=16, hidden=8, iters=1)
     assert json.loads((tmp_path / "boundary.json").read_text()) == doc
     assert len(doc["cases"]) == len(bench.CASES)
