@@ -9,7 +9,9 @@ Each child rank:
 1. becomes its own process group leader (so the parent can kill it together with anything it spawned),
 2. sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` and the
    caller's ``env``, and ``torch.set_num_threads(1)``,
-3. optionally calls ``torch.distributed.init_process_group``,
+3. optionally calls ``torch.distributed.init_process_group`` (a failure there is a *setup failure*:
+   a broken connection of the store or of gloo's full mesh, seen on loaded machines; the parent then
+   runs the whole world once more on a new port, and says so on stderr),
 4. runs ``fn(*args, **kwargs)`` and sends the pickled return value (or the formatted traceback)
    back through its own pipe,
 5. destroys the process group, flushes stdout/stderr and leaves with ``os._exit`` so that no atexit
@@ -52,6 +54,7 @@ _EXIT_GRACE_S = 5.0
 
 _OK = "ok"
 _ERR = "error"
+_SETUP = "setup"  # init_process_group itself raised: nothing of ``fn`` ran on that rank
 
 
 class RankFailure(RuntimeError):
@@ -62,9 +65,11 @@ class RankFailure(RuntimeError):
     ``killed`` lists the ranks that were still running after the grace period and were killed.
     """
 
-    def __init__(self, failures: list[tuple[int, str]], killed: list[int]) -> None:
+    def __init__(self, failures: list[tuple[int, str]], killed: list[int], setup_failed: bool = False) -> None:
         self.failures = list(failures)
         self.killed = list(killed)
+        #: some rank failed in ``init_process_group`` (before its ``fn``); the others failed after it
+        self.setup_failed = setup_failed
         ranks = [r for r, _ in self.failures]
         parts = [f"{len(ranks)} rank(s) failed: {ranks} (first failure first)"]
         for rank, text in self.failures:
@@ -147,7 +152,14 @@ def _child_main(
         torch.set_num_threads(1)
         try:
             if init_distributed:
-                dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+                try:
+                    dist.init_process_group(
+                        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+                    )
+                except BaseException:  # noqa: BLE001 - reported as a setup failure
+                    writer.send_bytes(pickle.dumps((_SETUP, traceback.format_exc())))
+                    writer.close()
+                    return
             result = fn(*args, **kwargs)
             payload = pickle.dumps((_OK, result), protocol=pickle.HIGHEST_PROTOCOL)
             code = 0
@@ -234,6 +246,10 @@ def run_ranks(
             ranks get ``FAILURE_GRACE_S`` seconds, then are killed.
         RankTimeout: no failure, but some ranks had not finished when ``timeout`` expired.
         ValueError: ``world_size < 1`` or ``timeout <= 0``.
+
+    A rank whose ``init_process_group`` raised (a setup failure: the store's or gloo's connection
+    broke) makes the whole world run once more on a new port, with a line on stderr; a second setup
+    failure is raised.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -241,7 +257,39 @@ def run_ranks(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     if pg_timeout is not None and pg_timeout <= 0:
         raise ValueError(f"pg_timeout must be > 0 seconds, got {pg_timeout}")
+    options = (timeout, backend, init_distributed, env, forward_signals, pg_timeout)
+    try:
+        return _run_world(world_size, fn, args, kwargs, *options)
+    except RankFailure as exc:
+        if not exc.setup_failed:
+            raise
+        first = next(text for _, text in exc.failures if _SETUP_MARK in text).strip().splitlines()[-1]
+        print(
+            f"run_ranks: creating the world process group failed ({first}); running all {world_size} ranks "
+            "once more on a new port",
+            file=sys.stderr,
+            flush=True,
+        )
+    return _run_world(world_size, fn, args, kwargs, *options)
 
+
+#: first line of a setup failure's text, so that it is told apart in ``RankFailure.failures``
+_SETUP_MARK = "init_process_group failed:"
+
+
+def _run_world(
+    world_size: int,
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float,
+    backend: str,
+    init_distributed: bool,
+    env: dict[str, str] | None,
+    forward_signals: tuple[int, ...],
+    pg_timeout: float | None,
+) -> list[T]:
+    """One launch of ``world_size`` forked ranks on a fresh port (`run_ranks` says what happens)."""
     ctx = multiprocessing.get_context("fork")
     port = free_port()
     procs: list[multiprocessing.process.BaseProcess] = []
@@ -250,6 +298,7 @@ def run_ranks(
     deadline = start + timeout
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
+    setup_failed = False
     previous: dict[int, Any] = {}
     try:
         # Everything the parent holds goes to the permanent generation while the ranks fork: their
@@ -299,17 +348,18 @@ def run_ranks(
                 if rank not in pending:
                     continue  # pipe and sentinel of the same rank both ready
                 pending.discard(rank)
-                ok, value = _collect(rank, readers[rank], procs[rank])
-                if ok:
+                status, value = _collect(rank, readers[rank], procs[rank])
+                if status == _OK:
                     results[rank] = value
                 else:
                     if not failures:
                         deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
                     failures.append((rank, value))
+                    setup_failed = setup_failed or status == _SETUP
 
         unfinished = sorted(pending)
         if failures:
-            raise RankFailure(failures, killed=unfinished)
+            raise RankFailure(failures, killed=unfinished, setup_failed=setup_failed)
         if unfinished:
             raise RankTimeout(timeout, hung=unfinished, finished=sorted(results))
         # Everyone reported; give them a moment to tear down and exit on their own.
@@ -331,8 +381,8 @@ def run_ranks(
             reader.close()
 
 
-def _collect(rank: int, reader: Connection, proc: multiprocessing.process.BaseProcess) -> tuple[bool, Any]:
-    """Read one rank's report. Returns ``(True, value)`` or ``(False, failure text)``."""
+def _collect(rank: int, reader: Connection, proc: multiprocessing.process.BaseProcess) -> tuple[str, Any]:
+    """Read one rank's report: ``(_OK, value)``, ``(_SETUP, failure text)`` or ``(_ERR, failure text)``."""
     data: bytes | None = None
     try:
         if reader.poll():
@@ -341,11 +391,13 @@ def _collect(rank: int, reader: Connection, proc: multiprocessing.process.BasePr
         data = None
     if data is None:  # died without reporting (or mid-report)
         proc.join(_EXIT_GRACE_S)
-        return False, f"rank {rank} died without reporting a result: {_describe_exit(proc.exitcode)}"
+        return _ERR, f"rank {rank} died without reporting a result: {_describe_exit(proc.exitcode)}"
     try:
         status, value = pickle.loads(data)
     except Exception:  # noqa: BLE001 - e.g. a class that cannot be imported in the parent
-        return False, f"rank {rank}: cannot unpickle its result:\n{traceback.format_exc()}"
+        return _ERR, f"rank {rank}: cannot unpickle its result:\n{traceback.format_exc()}"
     if status == _OK:
-        return True, value
-    return False, str(value)
+        return _OK, value
+    if status == _SETUP:
+        return _SETUP, f"{_SETUP_MARK}\n{value}"
+    return _ERR, str(value)

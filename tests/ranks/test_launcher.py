@@ -199,3 +199,57 @@ def test_forked_ranks_inherit_the_session_compat() -> None:
     on every machine, the CPU redirects where there is no CUDA)."""
     assert _compat_state() == (True, not torch.cuda.is_available())
     assert run_ranks(2, _compat_state, init_distributed=False) == [(True, not torch.cuda.is_available())] * 2
+
+
+def _init_breaks_once_on_rank1(marker: str, always: bool):
+    """A stand-in for ``init_process_group`` whose first call on rank 1 (every call, if ``always``)
+    raises the network error CI saw when a store connection broke; the others go through."""
+    real = dist.init_process_group
+
+    def init(*args, **kwargs):
+        if kwargs.get("rank") == 1 and (always or not os.path.exists(marker)):
+            open(marker, "w").close()
+            raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+        return real(*args, **kwargs)
+
+    return init
+
+
+def _world_sum() -> float:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def test_setup_failure_runs_the_world_once_more(tmp_path, monkeypatch, capfd) -> None:
+    marker = str(tmp_path / "broke")
+    monkeypatch.setattr(dist, "init_process_group", _init_breaks_once_on_rank1(marker, always=False))
+    monkeypatch.setattr(launcher, "FAILURE_GRACE_S", 1.0)
+    assert run_ranks(3, _world_sum, timeout=60, pg_timeout=20) == [6.0, 6.0, 6.0]
+    err = capfd.readouterr().err
+    assert (
+        "run_ranks: creating the world process group failed (torch.distributed.DistNetworkError: Failed to recv" in err
+    )
+    assert "running all 3 ranks once more on a new port" in err
+
+
+def test_second_setup_failure_is_raised(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(dist, "init_process_group", _init_breaks_once_on_rank1(str(tmp_path / "m"), always=True))
+    monkeypatch.setattr(launcher, "FAILURE_GRACE_S", 1.0)
+    with pytest.raises(RankFailure) as info:
+        run_ranks(3, _world_sum, timeout=60, pg_timeout=20)
+    assert info.value.setup_failed and info.value.failures[0][0] == 1
+    assert info.value.failures[0][1].startswith("init_process_group failed:")
+
+
+def test_failure_in_fn_is_not_retried(tmp_path) -> None:
+    calls = tmp_path / "calls"
+
+    def fn():
+        with open(calls, "a") as f:
+            f.write("x")
+        raise ValueError("boom")
+
+    with pytest.raises(RankFailure) as info:
+        run_ranks(1, fn, timeout=30)
+    assert not info.value.setup_failed and calls.read_text() == "x"
