@@ -31,6 +31,8 @@ Every module spans the same ranks [0, W), each through its own grid. Per step (g
            the output gradient, the stage backward, a pipeline send of the input gradient.
   then     `GradSync` (each module over its own DP x CP group), `OptimizerStep`, `LossReduce`.
 
+An encoder's pipeline messages are the vocabulary's `Send`/`Recv` (`plan/actions.py`) on the link
+stage s -> s+1, micro-batch 0 (one encoder pass per step), with the peer's rank and the batch rows.
 No encoder collective runs while the language model's pipeline is in flight. Pipeline peers are
 computed here (`rank_of` with the same tp/cp/dp coordinates one stage up or down); the runtime
 executes the tables and never recomputes rank arithmetic. `check_colocated_tables` simulates all
@@ -44,35 +46,10 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.plan.actions import BACKWARD, FORWARD, Link, Recv, Send, Stage
 from megatron_hetero.plan.batch import MicroBatching, dp_rows, micro_batching
 from megatron_hetero.plan.placement import Coord, coord_of, rank_of
 from megatron_hetero.plan.roles import Roles, roles as layout_roles
-
-
-@dataclass(frozen=True)
-class _PipeMessage:
-    """One pipeline message of encoder `module` at this rank's stage `stage`: `what` ('activation'
-    forward, 'gradient' backward), a tensor of `rows` batch rows, exchanged with rank `peer`."""
-
-    module: str
-    stage: int
-    peer: int
-    what: str
-    rows: int
-
-
-class PipeSend(_PipeMessage):
-    """Send the message to `peer`."""
-
-    def __str__(self) -> str:
-        return f"send {self.what} {self.module}/{self.stage} -> r{self.peer}"
-
-
-class PipeRecv(_PipeMessage):
-    """Receive the message from `peer` (blocking)."""
-
-    def __str__(self) -> str:
-        return f"recv {self.what} {self.module}/{self.stage} <- r{self.peer}"
 
 
 @dataclass(frozen=True)
@@ -173,7 +150,7 @@ class Collective:
 
 
 ColocatedAction = Union[
-    PipeSend, PipeRecv, EncoderForward, EncoderBackward, BoundaryCall, LanguagePhase, OutputStep, StateMove, Collective
+    Send, Recv, EncoderForward, EncoderBackward, BoundaryCall, LanguagePhase, OutputStep, StateMove, Collective
 ]
 
 
@@ -204,16 +181,21 @@ def stage_peer(layout: HeteroLayout, module: str, rank: int, delta: int) -> Opti
     return rank_of(m, tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp + delta)
 
 
+def _pipe_link(module: str, stage: int) -> Link:
+    """The pipeline link of `module` from stage `stage` to stage `stage + 1`."""
+    return Link(Stage(module, stage), Stage(module, stage + 1))
+
+
 def _encoder_forward(layout: HeteroLayout, name: str, rank: int, global_batch: int) -> list:
     m, c = layout.module(name), coord_of(layout.module(name), rank)
     acts: list = []
     prev, nxt = stage_peer(layout, name, rank, -1), stage_peer(layout, name, rank, +1)
     rows = dp_rows(global_batch, m.dp, c.dp)
     if prev is not None:
-        acts.append(PipeRecv(name, c.pp, prev, "activation", len(rows)))
+        acts.append(Recv(_pipe_link(name, c.pp - 1), 0, FORWARD, prev, len(rows)))
     acts.append(EncoderForward(name, c.pp, rows))
     if nxt is not None:
-        acts.append(PipeSend(name, c.pp, nxt, "activation", len(rows)))
+        acts.append(Send(_pipe_link(name, c.pp), 0, FORWARD, nxt, len(rows)))
     return acts
 
 
@@ -227,9 +209,9 @@ def _encoder_backward(layout: HeteroLayout, name: str, rank: int, global_batch: 
     nxt, prev = stage_peer(layout, name, rank, +1), stage_peer(layout, name, rank, -1)
     rows = len(dp_rows(global_batch, m.dp, c.dp))
     if nxt is not None:
-        acts += [PipeRecv(name, c.pp, nxt, "gradient", rows), EncoderBackward(name, c.pp)]
+        acts += [Recv(_pipe_link(name, c.pp), 0, BACKWARD, nxt, rows), EncoderBackward(name, c.pp)]
     if prev is not None:
-        acts.append(PipeSend(name, c.pp, prev, "gradient", rows))
+        acts.append(Send(_pipe_link(name, c.pp - 1), 0, BACKWARD, prev, rows))
     return acts
 
 
@@ -352,17 +334,18 @@ def check_colocated_tables(tables: dict[int, ColocatedTable]) -> int:
         for r in tables:
             while pos[r] < len(acts[r]):
                 a = acts[r][pos[r]]
-                if isinstance(a, PipeSend):
-                    wires.setdefault((r, a.peer), []).append((a.module, a.what, a.stage))
+                if isinstance(a, Send):
+                    assert a.peer_rank is not None, a
+                    wires.setdefault((r, a.peer_rank), []).append(a)
                     messages += 1
-                elif isinstance(a, PipeRecv):
-                    q = wires.get((a.peer, r), [])
+                elif isinstance(a, Recv):
+                    assert a.peer_rank is not None, a
+                    q = wires.get((a.peer_rank, r), [])
                     if not q:
                         break
                     got = q.pop(0)
-                    want_stage = a.stage - 1 if a.what == "activation" else a.stage + 1
-                    if got != (a.module, a.what, want_stage):
-                        raise ValueError(f"rank {r}: '{a}' receives {got[1]} of {got[0]}/{got[2]} from rank {a.peer}")
+                    if (got.link, got.mb, got.direction) != (a.link, a.mb, a.direction):
+                        raise ValueError(f"rank {r}: '{a}' receives '{got}'")
                 elif isinstance(a, _GLOBAL):
                     break
                 pos[r] += 1

@@ -19,9 +19,9 @@ micro-batches M (1..64) and optional compute costs.
   and backwards each run micro-batches 0..M-1 in order. `StageTable.steady` counts the pairs and
   `StageTable.cooldown` == `warmup`.
 * **Communication** around each compute action (within a group, sorted by link):
-  Forward(mb) is preceded by RecvAct(link, mb, "fwd") on every incoming link (a join waits for
-  all producers) and followed by SendAct(link, mb, "fwd") on every outgoing link (a branch feeds
-  all consumers). Backward(mb) is preceded by RecvAct(link, mb, "bwd") on every outgoing link.
+  Forward(mb) is preceded by Recv(link, mb, "forward") on every incoming link (a join waits for
+  all producers) and followed by Send(link, mb, "forward") on every outgoing link (a branch feeds
+  all consumers). Backward(mb) is preceded by Recv(link, mb, "backward") on every outgoing link.
   The gradient of mb goes back on an incoming link whose producer has warm-up w_p no earlier than
   the batch with the receive of activation min(mb + w_p, M - 1) on that link (where the producer,
   after sending that activation, receives exactly this gradient: Megatron's
@@ -46,146 +46,28 @@ from a smaller to a larger potential, so the waits-for relation has no cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.layout.graph import topological_order
+from megatron_hetero.plan.actions import (
+    BACKWARD,
+    COMPUTE,
+    FORWARD,
+    MESSAGES,
+    Backward,
+    Forward,
+    Link,
+    Recv,
+    Send,
+    Stage,
+    WeightGrad,
+)
 from megatron_hetero.plan.placement import stage_ranks
 
 MAX_MICRO_BATCHES = 64
 DEFAULT_FORWARD_COST = 1.0
 DEFAULT_BACKWARD_COST = 2.0
-DIRECTIONS = ("fwd", "bwd")
-
-
-@dataclass(frozen=True, order=True)
-class Stage:
-    """One pipeline stage of one module: (module name, pp index). Printed as 'language/0'."""
-
-    module: str
-    pp: int
-
-    def __str__(self) -> str:
-        return f"{self.module}/{self.pp}"
-
-
-@dataclass(frozen=True, order=True)
-class Link:
-    """A directed stage -> stage connection (inside a module, or the module edge's end stages)."""
-
-    src: Stage
-    dst: Stage
-
-    def __str__(self) -> str:
-        return f"{self.src}->{self.dst}"
-
-
-@dataclass(frozen=True)
-class Forward:
-    """Run the forward of micro-batch `mb` on `stage`."""
-
-    stage: Stage
-    mb: int
-
-    def __str__(self) -> str:
-        return f"Forward mb {self.mb}"
-
-    def short(self) -> str:
-        return f"F{self.mb}"
-
-
-@dataclass(frozen=True)
-class Backward:
-    """Run the backward of micro-batch `mb` on `stage`."""
-
-    stage: Stage
-    mb: int
-
-    def __str__(self) -> str:
-        return f"Backward mb {self.mb}"
-
-    def short(self) -> str:
-        return f"B{self.mb}"
-
-
-@dataclass(frozen=True)
-class WeightGrad:
-    """Zero-bubble tables only: run the weight-gradient pass of micro-batch `mb` on `stage` (the
-    `Backward` before it computed only the gradient of the stage's inputs)."""
-
-    stage: Stage
-    mb: int
-
-    def __str__(self) -> str:
-        return f"WeightGrad mb {self.mb}"
-
-    def short(self) -> str:
-        return f"W{self.mb}"
-
-
-def _check_direction(direction: str) -> None:
-    if direction not in DIRECTIONS:
-        raise ValueError(f"direction must be one of {list(DIRECTIONS)}, got {direction!r}")
-
-
-@dataclass(frozen=True)
-class SendAct:
-    """Asynchronously send micro-batch `mb` over `link`: "fwd" = activation src -> dst (run by
-    link.src), "bwd" = gradient dst -> src (run by link.dst)."""
-
-    link: Link
-    mb: int
-    direction: str
-
-    def __post_init__(self) -> None:
-        _check_direction(self.direction)
-
-    @property
-    def stage(self) -> Stage:
-        """The stage that executes this send."""
-        return self.link.src if self.direction == "fwd" else self.link.dst
-
-    @property
-    def peer(self) -> Stage:
-        return self.link.dst if self.direction == "fwd" else self.link.src
-
-    def __str__(self) -> str:
-        return f"Send {self.direction} {self.link} mb {self.mb}"
-
-    def short(self) -> str:
-        return f"s{'a' if self.direction == 'fwd' else 'g'}{self.mb}>{self.peer}"
-
-
-@dataclass(frozen=True)
-class RecvAct:
-    """Receive (blocking) micro-batch `mb` over `link`: "fwd" = activation, run by link.dst;
-    "bwd" = gradient, run by link.src."""
-
-    link: Link
-    mb: int
-    direction: str
-
-    def __post_init__(self) -> None:
-        _check_direction(self.direction)
-
-    @property
-    def stage(self) -> Stage:
-        """The stage that executes this receive."""
-        return self.link.dst if self.direction == "fwd" else self.link.src
-
-    @property
-    def peer(self) -> Stage:
-        return self.link.src if self.direction == "fwd" else self.link.dst
-
-    def __str__(self) -> str:
-        return f"Recv {self.direction} {self.link} mb {self.mb}"
-
-    def short(self) -> str:
-        return f"r{'a' if self.direction == 'fwd' else 'g'}{self.mb}<{self.peer}"
-
-
-Action = Union[Forward, Backward, WeightGrad, SendAct, RecvAct]
-COMPUTE = (Forward, Backward, WeightGrad)
 
 
 @dataclass(frozen=True)
@@ -225,7 +107,7 @@ class StageTable:
 
     def batches(self) -> tuple:
         """The table as the runtime posts it: each compute action alone, and each maximal run of
-        sends and receives between two compute actions as ONE batch (a tuple of SendAct/RecvAct)
+        sends and receives between two compute actions as ONE batch (a tuple of Send/Recv)
         posted together (`torch.distributed.batch_isend_irecv`) and completed together: the 1F1B
         steady state's "send forward, receive backward" and "send backward, receive forward" pairs
         (Megatron's `send_forward_recv_backward` / `send_backward_recv_forward`), generalised to
@@ -234,7 +116,7 @@ class StageTable:
         out: list = []
         run: list = []
         for a in self.actions:
-            if isinstance(a, (SendAct, RecvAct)):
+            if isinstance(a, MESSAGES):
                 run.append(a)
                 continue
             if run:
@@ -467,19 +349,19 @@ def build_tables(
                 # mb + w_p (or, in its cool-down, after sending its last activation): never earlier
                 paired = min(mb + warmup[lk.src], micro_batches - 1)
                 slot = max(after_backward, where[("F", paired)], last)
-                grads.setdefault(slot, []).append(SendAct(lk, mb, "bwd"))
+                grads.setdefault(slot, []).append(Send(lk, mb, BACKWARD))
                 last = slot
         actions: list = []
         for i, (kind, mb) in enumerate(order):
             actions += grads.get(i, [])
             if kind == "F":
-                actions += [RecvAct(lk, mb, "fwd") for lk in graph.incoming[st]]
+                actions += [Recv(lk, mb, FORWARD) for lk in graph.incoming[st]]
                 actions.append(Forward(st, mb))
-                actions += [SendAct(lk, mb, "fwd") for lk in graph.outgoing[st]]
+                actions += [Send(lk, mb, FORWARD) for lk in graph.outgoing[st]]
             elif kind == "W":
                 actions.append(WeightGrad(st, mb))
             else:
-                actions += [RecvAct(lk, mb, "bwd") for lk in graph.outgoing[st]]
+                actions += [Recv(lk, mb, BACKWARD) for lk in graph.outgoing[st]]
                 actions.append(Backward(st, mb))
         actions += grads.get(len(order), [])
         f, b = costs[st.module]

@@ -38,18 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NoReturn, Optional, Union
 
-from megatron_hetero.plan.schedule import (
-    Backward,
-    Forward,
-    Link,
-    RecvAct,
-    SendAct,
-    Stage,
-    StageGraph,
-    StageTable,
-    WeightGrad,
-    stage_graph,
-)
+from megatron_hetero.plan.actions import Backward, Forward, Link, Recv, Send, Stage, WeightGrad
+from megatron_hetero.plan.schedule import StageGraph, StageTable, stage_graph
 
 
 class ScheduleError(ValueError):
@@ -127,8 +117,8 @@ def _normalize(tables) -> dict[Stage, StageTable]:
 
 def _check_ownership(t: StageTable) -> None:
     for i, a in enumerate(t.actions):
-        if not isinstance(a, (Forward, Backward, WeightGrad, SendAct, RecvAct)):
-            _fail(t.stage, f"action #{i} {a!r} is not a Forward, Backward, WeightGrad, SendAct or RecvAct")
+        if not isinstance(a, (Forward, Backward, WeightGrad, Send, Recv)):
+            _fail(t.stage, f"action #{i} {a!r} is not a Forward, Backward, WeightGrad, Send or Recv")
         owner = a.stage  # Send/Recv: the end of the link that executes it, by direction
         if isinstance(a.mb, bool) or not isinstance(a.mb, int) or a.mb < 0:
             _fail(t.stage, f"action #{i} {a}: micro-batch must be an integer >= 0")
@@ -145,7 +135,7 @@ def _check_against_graph(tables: dict[Stage, StageTable], graph: StageGraph) -> 
     known = set(graph.links)
     for st, t in tables.items():
         for i, a in enumerate(t.actions):
-            if isinstance(a, (SendAct, RecvAct)) and a.link not in known:
+            if isinstance(a, (Send, Recv)) and a.link not in known:
                 _fail(st, f"action #{i} {a}: link {a.link} is not in the layout's stage graph")
 
 
@@ -188,8 +178,8 @@ def _check_matching(tables: dict[Stage, StageTable]) -> int:
     recvs: dict[tuple, tuple[Stage, int]] = {}
     for st, t in tables.items():
         for i, a in enumerate(t.actions):
-            if isinstance(a, (SendAct, RecvAct)):
-                book = sends if isinstance(a, SendAct) else recvs
+            if isinstance(a, (Send, Recv)):
+                book = sends if isinstance(a, Send) else recvs
                 key = (a.link, a.mb, a.direction)
                 if key in book:
                     _fail(st, f"{a} appears twice (actions #{book[key][1]} and #{i})")
@@ -197,13 +187,13 @@ def _check_matching(tables: dict[Stage, StageTable]) -> int:
     for key, (st, _i) in recvs.items():
         if key not in sends:
             link, mb, d = key
-            peer = link.src if d == "fwd" else link.dst
+            peer = link.src if d == "forward" else link.dst
             extra = "" if peer in tables else f" (no table for stage {peer})"
             _fail(st, f"Recv {d} {link} mb {mb} has no matching send{extra}")
     for key, (st, _i) in sends.items():
         if key not in recvs:
             link, mb, d = key
-            peer = link.dst if d == "fwd" else link.src
+            peer = link.dst if d == "forward" else link.src
             _fail(st, f"Send {d} {link} mb {mb} is never received (stage {peer} has no Recv {d} {link} mb {mb})")
     return len(sends)
 
@@ -211,7 +201,7 @@ def _check_matching(tables: dict[Stage, StageTable]) -> int:
 def _check_dataflow(tables: dict[Stage, StageTable], graph: Optional[StageGraph], m: int) -> None:
     links = set(graph.links) if graph is not None else set()
     for t in tables.values():
-        links |= {a.link for a in t.actions if isinstance(a, (SendAct, RecvAct))}
+        links |= {a.link for a in t.actions if isinstance(a, (Send, Recv))}
     index: dict[Stage, dict[object, int]] = {st: {a: i for i, a in enumerate(t.actions)} for st, t in tables.items()}
     for lk in sorted(links):
         src, dst = index.get(lk.src), index.get(lk.dst)
@@ -221,10 +211,10 @@ def _check_dataflow(tables: dict[Stage, StageTable], graph: Optional[StageGraph]
         for mb in range(m):
             # (stage, index of stage, the compute action, the comm action, comm must come before compute?)
             checks = (
-                (lk.dst, dst, Forward(lk.dst, mb), RecvAct(lk, mb, "fwd"), True),
-                (lk.src, src, Forward(lk.src, mb), SendAct(lk, mb, "fwd"), False),
-                (lk.src, src, Backward(lk.src, mb), RecvAct(lk, mb, "bwd"), True),
-                (lk.dst, dst, Backward(lk.dst, mb), SendAct(lk, mb, "bwd"), False),
+                (lk.dst, dst, Forward(lk.dst, mb), Recv(lk, mb, "forward"), True),
+                (lk.src, src, Forward(lk.src, mb), Send(lk, mb, "forward"), False),
+                (lk.src, src, Backward(lk.src, mb), Recv(lk, mb, "backward"), True),
+                (lk.dst, dst, Backward(lk.dst, mb), Send(lk, mb, "backward"), False),
             )
             for st, idx, compute, comm, before in checks:
                 ci, mi = idx[compute], idx.get(comm)
@@ -276,13 +266,13 @@ def simulate(
         t = tables[st]
         while pc[st] < len(t.actions):
             a = t.actions[pc[st]]
-            if isinstance(a, RecvAct):
+            if isinstance(a, Recv):
                 key = (a.link, a.mb, a.direction)
                 if key not in sent:
                     waiting[key] = st
                     break
                 clock[st] = max(clock[st], sent.pop(key))
-            elif isinstance(a, SendAct):
+            elif isinstance(a, Send):
                 key = (a.link, a.mb, a.direction)
                 sent[key] = clock[st] + _latency_of(latency, a.link)
                 if key in waiting:
@@ -305,13 +295,13 @@ def simulate(
 
 def _counterpart(op) -> tuple:
     rnd, a = op if isinstance(op, tuple) else ("", op)
-    kind = "recv" if isinstance(a, SendAct) else "send"
+    kind = "recv" if isinstance(a, Send) else "send"
     return (kind, a.link, a.mb, a.direction, rnd)
 
 
 def _key(op) -> tuple:
     rnd, a = op if isinstance(op, tuple) else ("", op)
-    return ("send" if isinstance(a, SendAct) else "recv", a.link, a.mb, a.direction, rnd)
+    return ("send" if isinstance(a, Send) else "recv", a.link, a.mb, a.direction, rnd)
 
 
 def simulate_rendezvous(
@@ -397,7 +387,7 @@ def simulate_leader_routes(tables: dict[Stage, StageTable], edge_order: Mapping[
     at: dict[Stage, tuple] = {}  # stage -> the meeting it waits at
 
     def order(a) -> tuple:
-        return (edge_order[(a.link.src.module, a.link.dst.module)], 0 if a.direction == "fwd" else 1, a.mb)
+        return (edge_order[(a.link.src.module, a.link.dst.module)], 0 if a.direction == "forward" else 1, a.mb)
 
     progress = True
     while progress:
@@ -453,7 +443,7 @@ def simulate_leader_routes(tables: dict[Stage, StageTable], edge_order: Mapping[
 
 def split_batches(tables: dict[Stage, StageTable]) -> dict[Stage, tuple]:
     """Every send and receive as a batch of its own, in table order (the pairs split)."""
-    return {st: tuple((a,) if isinstance(a, (SendAct, RecvAct)) else a for a in t.actions) for st, t in tables.items()}
+    return {st: tuple((a,) if isinstance(a, (Send, Recv)) else a for a in t.actions) for st, t in tables.items()}
 
 
 def check_tables(

@@ -247,11 +247,10 @@ def _colocated_rows(layout, global_batch: int, micro_batch_size: int, offload: b
         EncoderBackward,
         EncoderForward,
         LanguagePhase,
-        PipeRecv,
-        PipeSend,
         StateMove,
         colocated_tables,
     )
+    from megatron_hetero.plan.actions import Recv, Send
 
     tables = colocated_tables(layout, global_batch, micro_batch_size, offload)
     acts = {r: t.actions for r, t in tables.items()}
@@ -265,10 +264,10 @@ def _colocated_rows(layout, global_batch: int, micro_batch_size: int, offload: b
         for r in tables:
             while pos[r] < len(acts[r]):
                 a = acts[r][pos[r]]
-                if isinstance(a, PipeSend):
-                    wires.setdefault((r, a.peer), []).append(clock[r])
-                elif isinstance(a, PipeRecv):
-                    q = wires.get((a.peer, r))
+                if isinstance(a, Send):
+                    wires.setdefault((r, a.peer_rank), []).append(clock[r])
+                elif isinstance(a, Recv):
+                    q = wires.get((a.peer_rank, r))
                     if not q:
                         break
                     t = q.pop(0)

@@ -38,10 +38,9 @@ from megatron_hetero.plan.colocated import (
     EncoderForward,
     LanguagePhase,
     OutputStep,
-    PipeRecv,
-    PipeSend,
     StateMove,
 )
+from megatron_hetero.plan.actions import Recv, Send
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.plan.boundary_rank import BoundaryPlanCache
 from megatron_hetero.runtime.boundary import Boundary
@@ -184,11 +183,12 @@ class ColocatedSchedule:
 
     # -- one action ---------------------------------------------------------------------------------
     def _run(self, a, first: int) -> None:
-        if isinstance(a, PipeRecv):
+        if isinstance(a, Recv):
+            assert a.peer_rank is not None and a.rows is not None, a
             shape, dtype = self.runner.stage_tensor(a.module, a.rows)
             buf = torch.empty(shape, dtype=dtype, device=get_device())
-            self._p2p(a, {}, {a.peer: buf})
-            if a.what == "activation":
+            self._p2p(a, {}, {a.peer_rank: buf})
+            if a.forward:
                 self._received[a.module] = buf.requires_grad_(True)
             else:
                 self._out_grad[a.module] = buf
@@ -206,13 +206,14 @@ class ColocatedSchedule:
                 lambda: f"backward {a.module}/{a.stage}",
                 lambda: {"module": a.module, "stage": a.stage, "mb": 0},
             )
-        elif isinstance(a, PipeSend):
+        elif isinstance(a, Send):
+            assert a.peer_rank is not None, a
             inp, out = self._io[a.module]
-            if a.what == "activation":
+            if a.forward:
                 t = out.detach()
             else:
                 t = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-            self._p2p(a, {a.peer: t.contiguous()}, {})
+            self._p2p(a, {a.peer_rank: t.contiguous()}, {})
         elif isinstance(a, EncoderBackward):
             _, out = self._io[a.module]
             torch.autograd.backward(out, self._out_grad.pop(a.module))
@@ -256,7 +257,7 @@ class ColocatedSchedule:
             p2p(
                 sends,
                 recvs,
-                what=f"{a.module} pipeline {a.what}",
+                what=f"{a.module} pipeline {'activation' if a.forward else 'gradient'}",
                 edge=f"{a.module} stage link",
                 timeout_s=self.config.comm_timeout_s,
             )

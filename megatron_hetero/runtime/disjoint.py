@@ -7,18 +7,19 @@ first language module; the arithmetic is the rank plan's, `plan/rank_plan.py`):
     inside it, DP rank d of a module owns the contiguous rows [d*(G/M)/dp, (d+1)*(G/M)/dp), so every
     module's DP share of a micro-batch is (G/M)/dp samples (G/M must be divisible by every dp);
   * this rank executes its stage's table action by action:
-      RecvAct fwd  receive the stage's input of micro-batch mb (boundary forward on the destination
-                   side of a module edge; a plain receive from the previous pipeline stage inside a
-                   module); the input becomes a detached leaf that will collect its gradient;
-      Forward      the stage runner runs the stage over this rank's samples of the micro-batch, from
-                   the received inputs (a loss stage returns its loss sum, divided here by the
-                   step's loss tokens, as the colocated schedule does);
-      SendAct fwd  send the stage's output (boundary forward on the source side / pipeline send);
-      RecvAct bwd  receive the gradient of the output (boundary backward on the source side / pipeline
-                   receive);
-      Backward     torch.autograd.backward(output, gradient) (the loss itself on the last stage);
-      SendAct bwd  send the input leaves' gradients back (boundary backward on the destination side /
-                   pipeline send).
+      Recv forward   receive the stage's input of micro-batch mb (boundary forward on the
+                     destination side of a module edge; a plain receive from the previous pipeline
+                     stage inside a module); the input becomes a detached leaf that will collect
+                     its gradient;
+      Forward        the stage runner runs the stage over this rank's samples of the micro-batch,
+                     from the received inputs (a loss stage returns its loss sum, divided here by
+                     the step's loss tokens, as the colocated schedule does);
+      Send forward   send the stage's output (boundary forward on the source side / pipeline send);
+      Recv backward  receive the gradient of the output (boundary backward on the source side /
+                     pipeline receive);
+      Backward       torch.autograd.backward(output, gradient) (the loss itself on the last stage);
+      Send backward  send the input leaves' gradients back (boundary backward on the destination
+                     side / pipeline send).
     Activations of a micro-batch live until its backward.
   * then every module reduces its gradients over its own DP x CP group and steps its optimizer
     (`ModuleState`; frozen modules do nothing), and the loss is all-reduced over the world.
@@ -58,16 +59,8 @@ import torch.distributed as dist
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.plan.rank_plan import RankPlan
-from megatron_hetero.plan.schedule import (
-    Backward,
-    Forward,
-    Link,
-    RecvAct,
-    SendAct,
-    StageTable,
-    WeightGrad,
-    build_tables,
-)
+from megatron_hetero.plan.actions import Backward, Forward, Link, Recv, Send, WeightGrad
+from megatron_hetero.plan.schedule import StageTable, build_tables
 from megatron_hetero.plan.boundary_rank import BoundaryPlanCache
 from megatron_hetero.runtime.boundary import Boundary, Phase
 from megatron_hetero.runtime.config import RuntimeConfig
@@ -119,7 +112,7 @@ def disjoint_boundaries(
     if plan.disjoint is None:
         return out
     plans = BoundaryPlanCache(plan.layout, plan.rank)  # this rank's boundary plans, shared by the edges
-    links = {a.link for a in plan.disjoint.actions if isinstance(a, (SendAct, RecvAct))}
+    links = {a.link for a in plan.disjoint.actions if isinstance(a, (Send, Recv))}
     for lk in sorted(links):
         if lk.src.module == lk.dst.module:
             continue
@@ -327,7 +320,7 @@ class DisjointSchedule:
         none = lambda: None  # noqa: E731 - a pipeline message assembles nothing
         if b is not None and b.route is not None:
             return self._prepare_route(a, b, where)
-        if isinstance(a, SendAct) and a.direction == "fwd":
+        if isinstance(a, Send) and a.direction == "forward":
             out = self._outputs[mb].detach().contiguous()  # an edge tensor [rows, seq, hidden] / a stage tensor
             if b is None:
                 return _Comm(a, where, Phase({self.next_rank: out}, {}, none, PIPELINE_TAG), lambda ph: None)
@@ -335,7 +328,7 @@ class DisjointSchedule:
             fault_point("boundary-send", self.rank, self._iteration)
             ph, self._seqs[(lk, mb)] = b.planned_forward_phase(out, self._edge_seq(b, mb))
             return _Comm(a, where, ph, lambda ph: ph.finish())
-        if isinstance(a, SendAct):  # gradients of this stage's input leaves go back
+        if isinstance(a, Send):  # gradients of this stage's input leaves go back
             leaf = self._inputs[mb].pop(lk)
             if not self._inputs[mb]:
                 del self._inputs[mb]
@@ -343,7 +336,7 @@ class DisjointSchedule:
             if b is None:
                 return _Comm(a, where, Phase({self.prev_rank: g}, {}, none, PIPELINE_TAG), lambda ph: None)
             return _Comm(a, where, b.backward_phase(g, self._seqs.pop((lk, mb))), lambda ph: ph.finish())
-        if a.direction == "fwd":  # receive this stage's input of mb
+        if a.direction == "forward":  # receive this stage's input of mb
             if b is None:
                 shape, dtype = self.runner.stage_tensor(self.name, self.dp_share)
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -378,21 +371,21 @@ class DisjointSchedule:
         `plan.schedule_check.simulate_leader_routes` proves deadlock-free for a layout's tables;
         backward first deadlocks the 1F1B steady state)."""
         mb, lk = a.mb, a.link
-        key = (b.tag, 0 if a.direction == "fwd" else 1, mb)
+        key = (b.tag, 0 if a.direction == "forward" else 1, mb)
         skip = lambda ph: None  # noqa: E731 - the route's result is stored by `run`
-        if isinstance(a, SendAct) and a.direction == "fwd":
+        if isinstance(a, Send) and a.direction == "forward":
             out = self._outputs[mb].detach().contiguous()
             fault_point("boundary-send", self.rank, self._iteration)
             self._seqs[(lk, mb)] = b.seq
             return _Comm(a, where, None, skip, lambda: b.forward_exchange(out), key)
-        if isinstance(a, SendAct):
+        if isinstance(a, Send):
             leaf = self._inputs[mb].pop(lk)
             if not self._inputs[mb]:
                 del self._inputs[mb]
             g = (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).detach().contiguous()
             seq = self._seqs.pop((lk, mb))
             return _Comm(a, where, None, skip, lambda: b.backward_exchange(g, seq), key)
-        if a.direction == "fwd":
+        if a.direction == "forward":
             fault_point("boundary-recv", self.rank, self._iteration)
             self._seqs[(lk, mb)] = b.seq
 

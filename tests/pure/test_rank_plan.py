@@ -8,13 +8,12 @@ import pytest
 
 from megatron_hetero.layout import layout_from_dict, load_layout
 from megatron_hetero.plan.batch import dp_rows, megatron_micro_batch, micro_batching, sample_range
+from megatron_hetero.plan.actions import Link, Recv, Send, Stage
 from megatron_hetero.plan.colocated import (
     BoundaryCall,
     ColocatedTable,
     EncoderForward,
     LanguagePhase,
-    PipeRecv,
-    PipeSend,
     StateMove,
     check_colocated_tables,
     colocated_tables,
@@ -89,15 +88,17 @@ def test_colocated_tables_pipelined_encoder_peers_and_checker():
     enc = lay.module("vision")
     for rank, t in tables.items():
         c = coord_of(enc, rank)
-        sends = [a for a in t.actions if isinstance(a, PipeSend)]
-        recvs = [a for a in t.actions if isinstance(a, PipeRecv)]
+        sends = [a for a in t.actions if isinstance(a, Send)]
+        recvs = [a for a in t.actions if isinstance(a, Recv)]
         peer = rank + (enc.stage_size if c.pp == 0 else -enc.stage_size)
+        link = Link(Stage("vision", 0), Stage("vision", 1))
+        assert {a.stage for a in sends + recvs} == {Stage("vision", c.pp)}
         if c.pp == 0:
-            assert sends == [PipeSend("vision", 0, peer, "activation", 4)]
-            assert recvs == [PipeRecv("vision", 0, peer, "gradient", 4)]
+            assert sends == [Send(link, 0, "forward", peer, 4)]
+            assert recvs == [Recv(link, 0, "backward", peer, 4)]
         else:
-            assert recvs == [PipeRecv("vision", 1, peer, "activation", 4)]
-            assert sends == [PipeSend("vision", 1, peer, "gradient", 4)]
+            assert recvs == [Recv(link, 0, "forward", peer, 4)]
+            assert sends == [Send(link, 0, "backward", peer, 4)]
     assert check_colocated_tables(tables) == 8  # 4 activations up, 4 gradients down
 
 
@@ -107,9 +108,9 @@ def test_colocated_checker_finds_a_missing_send_and_a_split_collective():
     broken = dict(tables)
     t0 = tables[0]
     broken[0] = ColocatedTable(
-        0, tuple((n, tuple(a for a in acts if not isinstance(a, PipeSend))) for n, acts in t0.phases)
+        0, tuple((n, tuple(a for a in acts if not isinstance(a, Send))) for n, acts in t0.phases)
     )
-    with pytest.raises(ValueError, match=r"deadlock: .*rank 4 waits in 'recv activation vision/1 <- r0'"):
+    with pytest.raises(ValueError, match=r"deadlock: .*rank 4 waits in 'Recv forward vision/0->vision/1 mb 0 from r0'"):
         check_colocated_tables(broken)
     swapped = dict(tables)
     p = list(tables[1].phases)

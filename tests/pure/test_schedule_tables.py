@@ -21,12 +21,11 @@ from hypothesis import strategies as st
 
 from megatron_hetero import cli
 from megatron_hetero.layout import dump_layout, layout_from_dict
+from megatron_hetero.plan.actions import Recv, Send
 from megatron_hetero.plan.schedule import (
     Backward,
     Forward,
     Link,
-    RecvAct,
-    SendAct,
     Stage,
     StageTable,
     build_tables,
@@ -78,39 +77,39 @@ def test_golden_two_stage_chain_m4() -> None:
     assert list(tables) == [s0, s1]
     expect0 = (
         Forward(s0, 0),
-        SendAct(L, 0, "fwd"),  # warm-up
+        Send(L, 0, "forward"),  # warm-up
         Forward(s0, 1),
-        SendAct(L, 1, "fwd"),
-        RecvAct(L, 0, "bwd"),
+        Send(L, 1, "forward"),
+        Recv(L, 0, "backward"),
         Backward(s0, 0),  # steady
         Forward(s0, 2),
-        SendAct(L, 2, "fwd"),
-        RecvAct(L, 1, "bwd"),
+        Send(L, 2, "forward"),
+        Recv(L, 1, "backward"),
         Backward(s0, 1),
         Forward(s0, 3),
-        SendAct(L, 3, "fwd"),
-        RecvAct(L, 2, "bwd"),
+        Send(L, 3, "forward"),
+        Recv(L, 2, "backward"),
         Backward(s0, 2),
-        RecvAct(L, 3, "bwd"),
+        Recv(L, 3, "backward"),
         Backward(s0, 3),  # cool-down
     )
     expect1 = (
-        RecvAct(L, 0, "fwd"),
+        Recv(L, 0, "forward"),
         Forward(s1, 0),
         Backward(s1, 0),
-        SendAct(L, 0, "bwd"),
-        RecvAct(L, 1, "fwd"),
+        Send(L, 0, "backward"),
+        Recv(L, 1, "forward"),
         Forward(s1, 1),
         Backward(s1, 1),
-        SendAct(L, 1, "bwd"),
-        RecvAct(L, 2, "fwd"),
+        Send(L, 1, "backward"),
+        Recv(L, 2, "forward"),
         Forward(s1, 2),
         Backward(s1, 2),
-        SendAct(L, 2, "bwd"),
-        RecvAct(L, 3, "fwd"),
+        Send(L, 2, "backward"),
+        Recv(L, 3, "forward"),
         Forward(s1, 3),
         Backward(s1, 3),
-        SendAct(L, 3, "bwd"),
+        Send(L, 3, "backward"),
     )
     assert tables[s0] == StageTable(s0, expect0, warmup=1, steady=3, cooldown=1, ranks=(0, 1))
     assert tables[s1] == StageTable(s1, expect1, warmup=0, steady=4, cooldown=0, ranks=(2, 3))
@@ -177,11 +176,11 @@ def test_join_waits_for_both_encoders() -> None:
     acts = tables[l0].actions
     for mb in range(M):
         i = acts.index(Forward(l0, mb))
-        assert acts[i - 2 : i] == (RecvAct(la, mb, "fwd"), RecvAct(lv, mb, "fwd"))
-        assert acts[i + 1] == SendAct(ll, mb, "fwd")
+        assert acts[i - 2 : i] == (Recv(la, mb, "forward"), Recv(lv, mb, "forward"))
+        assert acts[i + 1] == Send(ll, mb, "forward")
         j = acts.index(Backward(l0, mb))
-        assert acts[j - 1] == RecvAct(ll, mb, "bwd")
-        assert acts[j + 1 : j + 3] == (SendAct(la, mb, "bwd"), SendAct(lv, mb, "bwd"))
+        assert acts[j - 1] == Recv(ll, mb, "backward")
+        assert acts[j + 1 : j + 3] == (Send(la, mb, "backward"), Send(lv, mb, "backward"))
     assert tables[v].warmup == tables[a].warmup == 2 and tables[l0].warmup == 1 and tables[l1].warmup == 0
     # Simulated: language/0's forward of mb i starts after both encoders finished their forward of mb i,
     # plus the latency; give audio a slower forward so the join actually waits on it.
@@ -212,9 +211,9 @@ def test_branch_with_two_sinks() -> None:
     acts = tables[v1].actions
     for mb in range(6):
         i = acts.index(Forward(v1, mb))
-        assert acts[i + 1 : i + 3] == (SendAct(to_head, mb, "fwd"), SendAct(to_lang, mb, "fwd"))
+        assert acts[i + 1 : i + 3] == (Send(to_head, mb, "forward"), Send(to_lang, mb, "forward"))
         j = acts.index(Backward(v1, mb))
-        assert acts[j - 2 : j] == (RecvAct(to_head, mb, "bwd"), RecvAct(to_lang, mb, "bwd"))
+        assert acts[j - 2 : j] == (Recv(to_head, mb, "backward"), Recv(to_lang, mb, "backward"))
     # dist_to_sink follows the longest branch (language, 3 stages), not the head.
     assert tables[v1].warmup == 3 and tables[S("vision", 0)].warmup == 4 and tables[S("head", 0)].warmup == 0
     rep = check_tables(tables, layout=layout)
@@ -398,17 +397,17 @@ def test_broken_swapped_send_and_receive_deadlocks() -> None:
     acts = list(tables[s0].actions)
     # Stage 0 waits for the gradient of mb 0 before it sends the activation of mb 0.
     L = Link(s0, S("language", 1))
-    i, j = acts.index(SendAct(L, 0, "fwd")), acts.index(RecvAct(L, 0, "bwd"))
+    i, j = acts.index(Send(L, 0, "forward")), acts.index(Recv(L, 0, "backward"))
     acts.insert(i, acts.pop(j))
     with pytest.raises(ScheduleError) as exc:
         check_tables(_replace(tables, s0, acts), layout=layout)
     msg = str(exc.value)
     assert msg.startswith("deadlock: ")
     assert (
-        "stage language/0 blocked at action #1 Recv bwd language/0->language/1 mb 0 (waiting for stage language/1)"
+        "stage language/0 blocked at action #1 Recv backward language/0->language/1 mb 0 (waiting for stage language/1)"
     ) in msg
     assert (
-        "stage language/1 blocked at action #0 Recv fwd language/0->language/1 mb 0 (waiting for stage language/0)"
+        "stage language/1 blocked at action #0 Recv forward language/0->language/1 mb 0 (waiting for stage language/0)"
     ) in msg
 
 
@@ -419,14 +418,14 @@ def test_broken_forward_moved_ahead_deadlocks() -> None:
     # Last stage runs the forward group of mb 2 before the backward of mb 0: stage 0 only sends
     # mb 2 after it got the gradient of mb 0, so both wait forever.
     group = acts[8:10]
-    assert group == [RecvAct(Link(S("language", 0), s1), 2, "fwd"), Forward(s1, 2)]
+    assert group == [Recv(Link(S("language", 0), s1), 2, "forward"), Forward(s1, 2)]
     del acts[8:10]
     acts[2:2] = group
     with pytest.raises(
         ScheduleError,
-        match=r"deadlock: stage language/0 blocked at action #4 Recv bwd "
+        match=r"deadlock: stage language/0 blocked at action #4 Recv backward "
         r"language/0->language/1 mb 0 .*stage language/1 blocked at action #2 "
-        r"Recv fwd language/0->language/1 mb 2",
+        r"Recv forward language/0->language/1 mb 2",
     ):
         check_tables(_replace(tables, s1, acts), layout=layout)
 
@@ -434,12 +433,12 @@ def test_broken_forward_moved_ahead_deadlocks() -> None:
 def test_broken_removed_receive() -> None:
     layout, tables = _chain2()
     s1 = S("language", 1)
-    acts = [a for a in tables[s1].actions if a != RecvAct(Link(S("language", 0), s1), 3, "fwd")]
+    acts = [a for a in tables[s1].actions if a != Recv(Link(S("language", 0), s1), 3, "forward")]
     with pytest.raises(ScheduleError) as exc:
         check_tables(_replace(tables, s1, acts), layout=layout)
     assert str(exc.value) == (
-        "stage language/0: Send fwd language/0->language/1 mb 3 is never received "
-        "(stage language/1 has no Recv fwd language/0->language/1 mb 3)"
+        "stage language/0: Send forward language/0->language/1 mb 3 is never received "
+        "(stage language/1 has no Recv forward language/0->language/1 mb 3)"
     )
 
 
@@ -447,10 +446,10 @@ def test_broken_removed_send_in_join() -> None:
     layout = layout_from_dict({**JOIN, "modules": {**JOIN["modules"], "vision": {"dp": 2, "pp": 2}}})
     tables = build_tables(layout, 4)
     v1 = S("vision", 1)
-    acts = [a for a in tables[v1].actions if a != SendAct(Link(v1, S("language", 0)), 3, "fwd")]
+    acts = [a for a in tables[v1].actions if a != Send(Link(v1, S("language", 0)), 3, "forward")]
     with pytest.raises(ScheduleError) as exc:
         check_tables(_replace(tables, v1, acts), layout=layout)
-    assert str(exc.value) == "stage language/0: Recv fwd vision/1->language/0 mb 3 has no matching send"
+    assert str(exc.value) == "stage language/0: Recv forward vision/1->language/0 mb 3 has no matching send"
 
 
 def test_broken_duplicated_forward() -> None:
@@ -486,7 +485,7 @@ def test_broken_dataflow_receive_after_forward() -> None:
     acts[0], acts[1] = acts[1], acts[0]  # Forward mb 0 before its activation arrives
     with pytest.raises(
         ScheduleError,
-        match=r"^stage language/1: Recv fwd language/0->language/1 mb 0 \(action #1\) "
+        match=r"^stage language/1: Recv forward language/0->language/1 mb 0 \(action #1\) "
         r"comes after Forward mb 0 \(action #0\) that needs it$",
     ):
         check_tables(_replace(tables, s1, acts), layout=layout)
@@ -496,12 +495,12 @@ def test_broken_pair_removed_together_is_caught_by_dataflow() -> None:
     layout, tables = _chain2()
     s0, s1 = S("language", 0), S("language", 1)
     L = Link(s0, s1)
-    t = _replace(tables, s0, [a for a in tables[s0].actions if a != SendAct(L, 1, "fwd")])
-    t = _replace(t, s1, [a for a in tables[s1].actions if a != RecvAct(L, 1, "fwd")])
+    t = _replace(tables, s0, [a for a in tables[s0].actions if a != Send(L, 1, "forward")])
+    t = _replace(t, s1, [a for a in tables[s1].actions if a != Recv(L, 1, "forward")])
     with pytest.raises(
         ScheduleError,
         match=r"^stage language/1: Forward mb 1 is not preceded by "
-        r"Recv fwd language/0->language/1 mb 1$",
+        r"Recv forward language/0->language/1 mb 1$",
     ):
         check_tables(t, layout=layout)
 
@@ -516,7 +515,7 @@ def test_broken_foreign_action_and_missing_stage() -> None:
         check_tables({s0: tables[s0]}, layout=layout)
     with pytest.raises(
         ScheduleError,
-        match=r"^stage language/0: Recv bwd language/0->language/1 mb 0 has no "
+        match=r"^stage language/0: Recv backward language/0->language/1 mb 0 has no "
         r"matching send \(no table for stage language/1\)",
     ):
         check_tables({s0: tables[s0]})
@@ -730,15 +729,15 @@ def test_leader_routes_in_edge_direction_mb_order_never_deadlock(path) -> None:
 def test_leader_routes_simulation_finds_a_deadlock() -> None:
     """Stage a receives the gradient of mb 0 in a batch of its own before it sends mb 1, while stage b
     holds both in one batch, forward first: each waits at a different route; the simulation says so."""
-    from megatron_hetero.plan.schedule import Backward, Forward, Link, RecvAct, SendAct, StageTable
+    from megatron_hetero.plan.schedule import Backward, Forward, Link, StageTable
     from megatron_hetero.plan.schedule_check import ScheduleError, simulate_leader_routes
 
     a, b = S("a", 0), S("b", 0)
     lk = Link(a, b)
-    ta = (Forward(a, 0), SendAct(lk, 0, "fwd"), Forward(a, 1), RecvAct(lk, 0, "bwd"), Backward(a, 0))
-    ta += (SendAct(lk, 1, "fwd"), RecvAct(lk, 1, "bwd"), Backward(a, 1))
-    tb = (RecvAct(lk, 0, "fwd"), Forward(b, 0), Backward(b, 0), RecvAct(lk, 1, "fwd"), SendAct(lk, 0, "bwd"))
-    tb += (Forward(b, 1), Backward(b, 1), SendAct(lk, 1, "bwd"))
+    ta = (Forward(a, 0), Send(lk, 0, "forward"), Forward(a, 1), Recv(lk, 0, "backward"), Backward(a, 0))
+    ta += (Send(lk, 1, "forward"), Recv(lk, 1, "backward"), Backward(a, 1))
+    tb = (Recv(lk, 0, "forward"), Forward(b, 0), Backward(b, 0), Recv(lk, 1, "forward"), Send(lk, 0, "backward"))
+    tb += (Forward(b, 1), Backward(b, 1), Send(lk, 1, "backward"))
     tables = {a: StageTable(a, ta, 0, 0, 0), b: StageTable(b, tb, 0, 0, 0)}
     with pytest.raises(ScheduleError, match=r"deadlock \(leader routes\): stage .* blocked in batch"):
         simulate_leader_routes(tables, {("a", "b"): 0})

@@ -10,10 +10,10 @@ import random
 import pytest
 
 from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.plan.actions import Send
 from megatron_hetero.plan.schedule import (
     Backward,
     Forward,
-    SendAct,
     StageTable,
     WeightGrad,
     build_tables,
@@ -58,9 +58,9 @@ def test_cool_down_gradient_leaves_between_b_and_w() -> None:
     t = next(tb for st, tb in tables.items() if st.pp == 1)
     acts = list(t.actions)
     b, w = acts.index(Backward(t.stage, 2)), acts.index(WeightGrad(t.stage, 2))
-    assert w == b + 2 and acts[b + 1] == SendAct(next(iter(tables[t.stage].actions)).link, 2, "bwd")
+    assert w == b + 2 and acts[b + 1] == Send(next(iter(tables[t.stage].actions)).link, 2, "backward")
     for mb in (0, 1):
-        send = acts.index(SendAct(acts[0].link, mb, "bwd"))
+        send = acts.index(Send(acts[0].link, mb, "backward"))
         assert acts.index(WeightGrad(t.stage, mb)) < send and acts[send + 1].mb == mb + 1  # paired
 
 
