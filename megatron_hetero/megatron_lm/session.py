@@ -181,8 +181,7 @@ class ScriptSession:
         closed, and a world barrier (collective)."""
         for state in self.states.values():
             state.gather_params()
-        if hasattr(self.schedule, "close"):
-            self.schedule.close()
+        self.schedule.close()
         dist.barrier()
 
     def destroy(self) -> None:

@@ -118,6 +118,9 @@ class ColocatedSchedule:
                 self.schedule_kwargs["p2p_communicator"], MEGATRON_P2P_METHODS, "wait", f"{self.lang_name} pipeline"
             )
 
+    def close(self) -> None:
+        """Nothing to release: pipeline and boundary messages complete within their step."""
+
     def step(self, step: int, train: bool = True) -> StepResult:
         """One step over the global samples [step*G, (step+1)*G) of the runner's current data.
         train=False (evaluation): the same tables, but no gradient reduction and no optimizer step;

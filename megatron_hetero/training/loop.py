@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch.distributed as dist
 
+from megatron_hetero.runtime.schedules import Schedule
 from megatron_hetero.runtime.step import StepResult, run_collective
 from megatron_hetero.training.signals import ExitSignal, finish_on_signal
 
@@ -101,7 +102,7 @@ class LoopOutcome:
 
 
 def run_loop(
-    schedule,
+    schedule: Schedule,
     schedulers: dict,
     spec: LoopSpec,
     front: FrontEnd,

@@ -23,23 +23,27 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megatron_hetero.runtime.step import run_collective
+from megatron_hetero.runtime.schedules import Schedule
+from megatron_hetero.runtime.step import StepResult, run_collective
 from megatron_hetero.training.memory_log import ActivationMeter, state_bytes
 from megatron_hetero.training.throughput import module_flops, tflops_per_rank
 
 
 class MeteredSchedule:
-    """A schedule whose training steps run inside the meter's `measure()` (evaluation steps do not);
-    everything else is the schedule's own."""
+    """A schedule (`runtime.schedules.Schedule`) whose training steps run inside the meter's
+    `measure()` (evaluation steps do not); everything else is the schedule's own."""
 
-    def __init__(self, schedule: Any, meter: ActivationMeter) -> None:
+    def __init__(self, schedule: Schedule, meter: ActivationMeter) -> None:
         self.schedule, self.meter = schedule, meter
 
-    def step(self, it: int, train: bool = True) -> Any:
+    def step(self, it: int, train: bool = True) -> StepResult:
         if not train:
             return self.schedule.step(it, train=False)
         with self.meter.measure():
             return self.schedule.step(it)
+
+    def close(self) -> None:
+        self.schedule.close()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.schedule, name)
