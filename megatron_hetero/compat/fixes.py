@@ -22,7 +22,9 @@ Not CPU-specific; each works around an upstream bug or limitation the project me
   nor load the per-parameter state it describes, and ``fix.distributed_optimizer_reshardable_buckets``:
   nor save the state of a module in several gradient buckets at the right offsets;
 * ``fix.sgd_load_state``: Megatron's SGD optimizers cannot describe their momentum buffers for a
-  checkpoint load (:func:`materialize_sgd_state`, a helper).
+  checkpoint load (:func:`materialize_sgd_state`, a helper);
+* ``megatron_lm.datasets_on_every_rank`` (:mod:`.fix_megatron_lm_data`): Megatron-LM's scripts build
+  their datasets on TP rank 0 only (:func:`datasets_built_on_every_rank`, scoped).
 
 :data:`FIXES` lists the entries :func:`megatron_hetero.compat.apply_compat` gates (and applies,
 where they have ``apply``); the scoped swaps and the helpers check their targets again when used.
@@ -45,6 +47,7 @@ from .fix_distopt import (
     materialize_distributed_optimizer_state,
 )
 from .fix_megatron_lm_ckpt import MEGATRON_LM_DISTOPT_LOAD
+from .fix_megatron_lm_data import DATASETS_ON_EVERY_RANK, datasets_built_on_every_rank
 
 __all__ = [
     "FIXES",
@@ -53,6 +56,7 @@ __all__ = [
     "apply_megatron_lm_no_te_fixes",
     "checkpoint_reads_swapped",
     "clip_vit_norm_kwargs",
+    "datasets_built_on_every_rank",
     "ensure_global_memory_buffer",
     "fixes_applied",
     "materialize_distributed_optimizer_state",
@@ -375,6 +379,7 @@ FIXES: List[Patch] = [
     DISTOPT_LOAD_STEP,
     DISTOPT_RESHARDABLE_BUCKETS,
     SGD_LOAD_STATE,
+    DATASETS_ON_EVERY_RANK,  # scoped, around a Megatron-LM script's dataset provider (fix_megatron_lm_data.py)
 ]
 
 

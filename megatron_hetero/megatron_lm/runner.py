@@ -14,12 +14,12 @@ the language module's first stage takes them back as `[img_seq, rows, h]` (LLaVA
 
 from __future__ import annotations
 
-import unittest.mock
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
 from megatron_hetero.compat.device import get_device
+from megatron_hetero.compat.fixes import datasets_built_on_every_rank
 from megatron_hetero.layout.spec import Edge
 from megatron_hetero.megatron_lm.precision import model_dtype
 from megatron_hetero.plan.rank_plan import RankPlan
@@ -33,11 +33,11 @@ SPLITS = ("train", "valid", "test")
 def build_datasets(datasets_provider: Callable) -> dict[str, Any]:
     """The script's train, validation and test datasets by split (None where the provider builds
     none), with the sample counts Megatron computes, built on every rank (the provider builds them
-    only where Megatron's global TP rank is 0; here every rank reads its own samples)."""
-    from megatron.core import parallel_state
+    only where Megatron's global TP rank is 0; here every rank reads its own samples: the compat
+    entry `megatron_lm.datasets_on_every_rank`)."""
     from megatron.training.training import get_train_valid_test_num_samples
 
-    with unittest.mock.patch.object(parallel_state, "get_tensor_model_parallel_rank", lambda: 0):
+    with datasets_built_on_every_rank():
         built = datasets_provider(get_train_valid_test_num_samples())
     out = dict(zip(SPLITS, built))
     if isinstance(out["valid"], list):  # --multiple-validation-sets is refused: one set

@@ -605,8 +605,11 @@ def _megatron_lm_spot_problems(tree: str) -> list:
     use_tree(tree)  # as the Megatron-LM launcher does (this is a forked rank: nothing leaks back)
     from megatron_hetero.compat import megatron_lm, table
 
+    from megatron_hetero.compat.fix_megatron_lm_data import DATASETS_ON_EVERY_RANK
+
     megatron_lm._triton_stub()
-    return [p for e in [*megatron_lm.MEGATRON_LM_PATCHES, *megatron_lm.NO_TE_PATCHES] for p in table.patch_problems(e)]
+    entries = [*megatron_lm.MEGATRON_LM_PATCHES, *megatron_lm.NO_TE_PATCHES, DATASETS_ON_EVERY_RANK]
+    return [p for e in entries for p in table.patch_problems(e)]
 
 
 @pytest.mark.skipif(
@@ -713,6 +716,7 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
     for scoped in (
         fixes.checkpoint_reads_swapped(lambda d: None, lambda d: {}),
         fixes.param_groups_gathered_over(None),
+        fixes.datasets_built_on_every_rank(),
     ):
         with pytest.raises(table.UnsupportedMegatronVersion, match="0.99.0"):
             with scoped:
@@ -727,6 +731,23 @@ def test_the_version_gate_refuses_an_untargeted_megatron_core(monkeypatch):
         [] if torch.cuda.is_available() else [p.name for p in cpu.PATCHES]
     )
     assert sorted(calls) == sorted(applied)
+
+
+def test_datasets_built_on_every_rank_is_scoped_and_undone_on_error(monkeypatch):
+    from megatron.core import mpu, parallel_state
+
+    from megatron_hetero.compat import fixes
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 3)
+    orig = parallel_state.get_tensor_model_parallel_rank
+    with fixes.datasets_built_on_every_rank():
+        assert parallel_state.get_tensor_model_parallel_rank() == 0
+        assert mpu.get_tensor_model_parallel_rank() == 0  # pretrain_gpt's name for the same module
+    assert parallel_state.get_tensor_model_parallel_rank is orig
+    with pytest.raises(KeyError):
+        with fixes.datasets_built_on_every_rank():
+            raise KeyError("the provider failed")
+    assert parallel_state.get_tensor_model_parallel_rank() == 3
 
 
 def test_a_target_may_be_a_version_glob():
