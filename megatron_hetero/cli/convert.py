@@ -173,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.like is not None:
         raise ValueError("--like goes with --model (one LLaVA folder)")
-    written = convert.checkpoint_to_hf(args.dir, args.out)
+    from megatron_hetero.convert.hf_export import checkpoint_to_hf
+
+    written = checkpoint_to_hf(args.dir, args.out)
     for name, folder in written.items():
         print(f"{name}: {folder}")
     return 0

@@ -18,7 +18,7 @@ two-folder form does), the whole LLaVA config.json as `hf/llava/config.json` (im
 pad token, ...) and the folder's processor and tokenizer files (chat template included) under
 `hf/llava/`.
 
-Out: the checkpoint's parts as in `checkpoint-to-hf` (`hf_weights.hf_parts`), joined under LLaVA's
+Out: the checkpoint's parts as in `checkpoint-to-hf` (`hf_export.hf_parts`), joined under LLaVA's
 legacy names (`vision_tower.`, `multi_modal_projector.`, `language_model.`) in one
 model.safetensors, with a LLaVA config.json around the tower's and the language model's: the
 converted folder's own (kept in the checkpoint, or `like`: the LLaVA folder it came from, for a
@@ -36,6 +36,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from megatron_hetero.convert.hf_export import hf_parts
 from megatron_hetero.convert.hf_weights import (
     HF_DIR,
     LANGUAGE,
@@ -43,7 +44,6 @@ from megatron_hetero.convert.hf_weights import (
     Source,
     _Reader,
     convert_sources,
-    hf_parts,
     spec_from_configs,
     tensor_index,
     with_hybrid_pattern,

@@ -1,7 +1,7 @@
 """The planner's pricing of a HybridModel language model (`--hybrid-layer-pattern`): the cost model
 prices each layer as its type's share of a GPT layer's terms (`ModelSpec.layer_mix`: attention `*`,
 dense MLP `-`, MoE `E`), so `*-*-` must price as the GPT model of 2 layers; the per-rank memory
-model counts each stage's own layers (`planner.memory.hybrid_layer_params`), with the pattern's `|`
+model counts each stage's own layers (`planner.memory_params.hybrid_layer_params`), with the pattern's `|`
 stages. (Real HybridModel parameter counts: tests/ranks/test_memory_model.py's hybrid cases.)"""
 
 from __future__ import annotations
