@@ -11,26 +11,20 @@ the model leaves out: waiting on the wire and, on a CPU host, ranks sharing its 
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 from megatron_hetero.bench.common import bar_plot, markdown_table, write_json
+from megatron_hetero.bench.timed_disjoint import run_timed
 from megatron_hetero.compat import require_compat
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 from megatron_hetero.plan.schedule import build_tables
 from megatron_hetero.plan.schedule_check import check_tables
-from megatron_hetero.models.llava_runner import LlavaStageRunner
-from megatron_hetero.plan.rank_plan import rank_plan, step_micro_batching
-from megatron_hetero.runtime.disjoint import DisjointSchedule
-from megatron_hetero.runtime.launcher import run_ranks
+from megatron_hetero.plan.rank_plan import step_micro_batching
 from megatron_hetero.runtime.config import OptimConfig
-from megatron_hetero.runtime.topology import Topology
-from megatron_hetero.training.setup import JobConfig, build_states, validate_job
-from megatron_hetero.training.trainer import prepare_rank
+from megatron_hetero.training.setup import JobConfig, validate_job
 
 TWO = {"vision": EncoderSpec(offset=1), "audio": EncoderSpec(tokens=4, feature_dim=12, offset=10)}
 # (name, layout document, encoders, language layers, global batch, micro-batch size)
@@ -82,48 +76,6 @@ CASES: list[tuple[str, dict, dict, int, int, int]] = [
 ]
 
 
-class _TimedDisjoint(DisjointSchedule):
-    """The disjoint schedule with every Forward/Backward timed (start, end) on this rank."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.spans: list[tuple[str, int, float, float]] = []
-
-    def _forward(self, mb: int) -> None:
-        t0 = time.perf_counter()
-        super()._forward(mb)
-        self.spans.append(("F", mb, t0, time.perf_counter()))
-
-    def _backward(self, mb: int) -> None:
-        t0 = time.perf_counter()
-        super()._backward(mb)
-        self.spans.append(("B", mb, t0, time.perf_counter()))
-
-
-def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
-    prepare_rank(job)
-    layout = layout_from_dict(doc, world_size=dist.get_world_size())
-    topo = Topology.build(layout)
-    try:
-        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size)
-        states = build_states(plan, job, topo)
-        sched = _TimedDisjoint(plan, job.runtime_config(), topo, states, LlavaStageRunner(job.spec, plan, states))
-        out = []
-        for it in range(steps):
-            dist.barrier()
-            sched.spans = []
-            t0 = time.perf_counter()
-            sched.step(it)
-            out.append({"t0": t0, "spans": list(sched.spans)})
-        sched.close()
-        stage = sched.table.stage if sched.table is not None else None
-        c = sched.me.coord if sched.table is not None else None
-        timer = c is not None and c.tp == 0 and c.cp == 0 and c.dp == 0
-        return {"stage": (stage.module, stage.pp) if stage else None, "timer": timer, "steps": out}
-    finally:
-        topo.destroy()
-
-
 def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: int, steps: int) -> dict[str, Any]:
     require_compat("bench.schedule._measure")
     spec = LlavaSpec(num_layers=layers, encoders=encoders)
@@ -136,7 +88,7 @@ def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: i
     )
     layout = layout_from_dict(doc)
     validate_job(layout, job)
-    per_rank = run_ranks(layout.world_size, _rank_main, doc, job, steps, timeout=900)
+    per_rank = run_timed(doc, job, steps)
     timers = {tuple(r["stage"]): r for r in per_rank if r["timer"]}
     measured, fwd, bwd = [], {}, {}
     for it in range(1, steps):  # the first step warms up connections and allocations

@@ -20,78 +20,27 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 from megatron_hetero.bench.common import bar_plot, markdown_table, write_json
+from megatron_hetero.bench.timed_disjoint import run_timed
 from megatron_hetero.bench.schedule import CASES
 from megatron_hetero.compat import require_compat
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec
-from megatron_hetero.models.llava_runner import LlavaStageRunner
-from megatron_hetero.plan.rank_plan import rank_plan, step_micro_batching
+from megatron_hetero.plan.rank_plan import step_micro_batching
 from megatron_hetero.plan.schedule import build_tables
 from megatron_hetero.plan.schedule_check import check_tables
 from megatron_hetero.runtime.config import OptimConfig
-from megatron_hetero.runtime.disjoint import DisjointSchedule
-from megatron_hetero.runtime.launcher import run_ranks
-from megatron_hetero.runtime.topology import Topology
-from megatron_hetero.training.setup import JobConfig, build_states, validate_job
-from megatron_hetero.training.trainer import prepare_rank
+from megatron_hetero.training.setup import JobConfig, validate_job
 
 SCHEDULES = ("1f1b", "zb")
 
 
-class _Timed(DisjointSchedule):
-    """The disjoint schedule with every Forward, Backward and WeightGrad timed on this rank."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.spans: list[tuple[str, int, float, float]] = []
-
-    def _timed(self, kind: str, fn, mb: int) -> None:
-        t0 = time.perf_counter()
-        fn(mb)
-        self.spans.append((kind, mb, t0, time.perf_counter()))
-
-    def _forward(self, mb: int) -> None:
-        self._timed("F", super()._forward, mb)
-
-    def _backward(self, mb: int) -> None:
-        self._timed("B", super()._backward, mb)
-
-    def _weight_grad(self, mb: int) -> None:
-        self._timed("W", super()._weight_grad, mb)
-
-
-def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
-    prepare_rank(job)
-    layout = layout_from_dict(doc, world_size=dist.get_world_size())
-    topo = Topology.build(layout)
-    try:
-        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size)
-        states = build_states(plan, job, topo)
-        sched = _Timed(plan, job.runtime_config(), topo, states, LlavaStageRunner(job.spec, plan, states))
-        out = []
-        for it in range(steps):
-            dist.barrier()
-            sched.spans = []
-            t0 = time.perf_counter()
-            res = sched.step(it)
-            out.append({"t0": t0, "t1": time.perf_counter(), "spans": list(sched.spans), "loss": res.loss})
-        stage = sched.table.stage if sched.table is not None else None
-        c = sched.me.coord if sched.table is not None else None
-        timer = c is not None and c.tp == 0 and c.cp == 0 and c.dp == 0
-        return {"stage": (stage.module, stage.pp) if stage else None, "timer": timer, "steps": out}
-    finally:
-        topo.destroy()
-
-
 def _one(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
-    per_rank = run_ranks(layout_from_dict(doc).world_size, _rank_main, doc, job, steps, timeout=900)
+    per_rank = run_timed(doc, job, steps)
     timers = {tuple(r["stage"]): r for r in per_rank if r["timer"]}
     bubbles, times, per_pass = [], [], {}
     for it in range(1, steps):
