@@ -90,6 +90,18 @@ class EncoderSpec:
     # attention-pooling head (`head.*`) is kept (never trains; the pooled output only)
     post_norm: bool = False
     pooling_head: bool = False
+    # "qwen2.5-vl": Qwen2.5-VL's vision tower (`models.qwen_encoder` on `models.qwen_vision`: Conv3d
+    # patch embedding, 2-D RoPE, window attention with full attention in `fullatt_block_indexes`,
+    # RMSNorm, SwiGLU, the merge x merge patch merger into the language model's width). One image a
+    # sample at a fixed size: `tokens` merged tokens in `image_rows` rows (0: a square), each token's
+    # features the merge**2 patches it merges side by side (feature_dim = merge**2 * 3 *
+    # temporal_patch_size * patch_size**2, in the Qwen image processor's patch order);
+    # ffn_hidden_size is the tower's intermediate_size, activation "silu"
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = ()
+    image_rows: int = 0
     # "whisper": Whisper's speech encoder (two 1-D convolutions, sinusoidal positions, pre-LN layers,
     # final LayerNorm; `models.whisper_encoder`): feature_dim = 2 * mel bins (two log-mel frames a
     # token), tokens = the most speech tokens (max_source_positions)
@@ -167,6 +179,10 @@ class LlavaSpec:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = True
+    # Qwen2.5-VL's M-RoPE (`position_embedding_type` "mrope", Megatron's `mrope_section`): the rotary
+    # channels in three sections of temporal, height and width position ids (`models.qwen_encoder.
+    # mrope_ids`); they sum to the head dimension / 2
+    mrope_section: Optional[tuple[int, int, int]] = None
     # Sequence packing (Megatron's --reset-position-ids / --reset-attention-mask with EOD-separated
     # documents, `megatron.core.datasets.gpt_dataset`'s masks): attention stays inside each document
     # and positions restart after every EOD token (`models.llava_runner`)
@@ -199,11 +215,18 @@ class LlavaSpec:
         for name, e in d.get("encoders", {}).items():
             if set(e) - enc_known:
                 raise ValueError(f"the checkpoint's encoder {name} has unknown fields {sorted(set(e) - enc_known)}")
-        d["encoders"] = {n: EncoderSpec(**e) for n, e in d.get("encoders", {}).items()}
+        d["encoders"] = {n: EncoderSpec(**_tuples(e)) for n, e in d.get("encoders", {}).items()}
         d["outputs"] = {
             n: OutputSpec(**{k: v for k, v in o.items() if k in out_known}) for n, o in d.get("outputs", {}).items()
         }
+        if d.get("mrope_section") is not None:
+            d["mrope_section"] = tuple(d["mrope_section"])
         return cls(**d, seed=seed)
+
+
+def _tuples(record: dict) -> dict:
+    """A recorded encoder with its tuple fields back as tuples (JSON keeps lists)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
 
 
 # The model flags every subcommand shares (`cli/model_flags.py`), in --help order: the language
