@@ -117,11 +117,12 @@ def check_qwen(name: str, enc, layout: HeteroLayout, spec) -> None:
     if enc.max_tiles:
         raise ValueError(f"encoder {name}: a Qwen2.5-VL tower takes one image a sample (max_tiles 0)")
     want = enc.merge_size**2 * 3 * enc.temporal_patch_size * enc.patch_size**2
-    if enc.patch_size < 1 or enc.feature_dim != want:
+    side = enc.merge_size * enc.patch_size
+    if enc.patch_size < 1 or enc.feature_dim not in (want, side * side, 3 * side * side):
         raise ValueError(
             f"encoder {name}: a Qwen2.5-VL token's features are its merge**2 patches: feature_dim must be "
-            f"{enc.merge_size}**2 * 3 * {enc.temporal_patch_size} * patch_size**2 = {want}, got {enc.feature_dim} "
-            f"(patch_size {enc.patch_size})"
+            f"{enc.merge_size}**2 * 3 * {enc.temporal_patch_size} * patch_size**2 = {want} (or its pixel block, "
+            f"C * {side}**2), got {enc.feature_dim} (patch_size {enc.patch_size})"
         )
     rows = enc.image_rows or round(enc.tokens**0.5)
     if rows < 1 or enc.tokens % rows:

@@ -15,6 +15,12 @@ Frozen (`frozen: true` in the layout): the blocks and the patch embedding stop t
 the merger (`ln_q`, `merger`: the tower's projector) trains, as a frozen LLaVA tower's projector does.
 
 The language model's M-RoPE ids for this image: `models.qwen_positions.mrope_ids`.
+
+Image data (`train --data-path`, `models.caption_runner`) gives pixel blocks instead: each token's
+features the `[C, merge*p, merge*p]` pixels it covers (`energon_data.patchify` at patch merge * p,
+C 1 or 3, scaled to [-1, 1]); `blocks_to_patches` cuts them into the processor order above (grey
+repeated to RGB, each patch repeated over the temporal patch, as the Qwen image processor repeats a
+still frame).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.qwen_positions import image_grid
 from megatron_hetero.models.qwen_vision import QwenVisionSpec, QwenVisionTower
+
 
 def tower_spec(enc, llm_hidden: int) -> QwenVisionSpec:
     """The tower's shape of a Qwen2.5-VL `EncoderSpec` (its merger projects to `llm_hidden`)."""
@@ -84,6 +91,8 @@ class QwenEncoderModule(torch.nn.Module):
         return any(p.requires_grad for p in self.parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] in pixel_widths(self.enc):
+            x = blocks_to_patches(x, self.enc)
         b, n, f = x.shape
         unit = self.enc.merge_size**2
         if n != self.enc.tokens or f % unit:
@@ -95,3 +104,22 @@ class QwenEncoderModule(torch.nn.Module):
         # frozen parameters take no gradient
         out = self.tower(patches, grid_thw(self.enc, b).to(x.device))  # [b * n, llm_hidden]
         return out.view(b, n, -1)
+
+
+def pixel_widths(enc) -> tuple[int, int]:
+    """Feature widths of pixel-block features (grey, RGB): C * (merge * patch)**2."""
+    side = enc.merge_size * enc.patch_size
+    return side * side, 3 * side * side
+
+
+def blocks_to_patches(x: torch.Tensor, enc) -> torch.Tensor:
+    """[b, tokens, C*(m*p)**2] pixel blocks (each `[C, m*p, m*p]` flattened) -> [b, tokens, m*m*3*T*p*p]
+    in the Qwen image processor's order (the m x m patches row-major, each `[3, T, p, p]`)."""
+    b, n, f = x.shape
+    m, p, t = enc.merge_size, enc.patch_size, enc.temporal_patch_size
+    c = f // (m * p) ** 2
+    y = x.reshape(b, n, c, m, p, m, p).permute(0, 1, 3, 5, 2, 4, 6)  # [b, n, m, m, C, p, p]
+    if c == 1:
+        y = y.expand(-1, -1, -1, -1, 3, -1, -1)
+    y = y.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)  # [b, n, m, m, 3, T, p, p]
+    return y.reshape(b, n, m * m * 3 * t * p * p)
