@@ -213,6 +213,11 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
     qwen = next((e for e in spec.encoders.values() if e.kind == "qwen2.5-vl"), None)
     if qwen is not None:
         patch = qwen.merge_size * qwen.patch_size
+        if value(args, fields["image_processor"]):
+            raise ValueError(
+                "--image-processor: a Qwen2.5-VL tower on caption data reads each merged token's pixel block "
+                "(scaled to [-1, 1]); its native-resolution processor is not wired into the data yet"
+            )
     cfg = resolve_config(
         CaptionDataConfig(
             path=str(path),

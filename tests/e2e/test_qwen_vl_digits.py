@@ -58,3 +58,15 @@ def test_qwen_tower_learns_the_digits_captions(tmp_path, capsys):
     loss = [r["loss"] for r in records if "loss" in r and "eval_loss" not in r]
     assert len(loss) >= 10 and sum(loss[-3:]) / 3 < 0.5 * sum(loss[:3]) / 3, loss
     assert "caption accuracy" in capsys.readouterr().out
+
+
+def test_an_image_processor_is_refused_for_the_qwen_tower_on_captions(tmp_path, capsys):
+    data = tmp_path / "digits"
+    write_digits_dataset(data)
+    proc = tmp_path / "preprocessor_config.json"
+    proc.write_text(json.dumps({"image_processor_type": "Qwen2VLImageProcessor"}))
+    argv = ["train", "--hetero-placement", "colocated", "--hetero-edge", "vision->language", *QWEN]
+    argv += ["--hetero-module", "vision:dp=1", "--hetero-module", "language:tp=1"]
+    argv += ["--data-path", str(data), "--seq-length", "16", "--image-processor", str(proc), "--train-iters", "1"]
+    assert main(argv) == 2
+    assert "native-resolution processor is not wired" in capsys.readouterr().err
