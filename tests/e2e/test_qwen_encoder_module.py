@@ -2,7 +2,8 @@
 (`models.qwen_encoder`, `models.llava.LanguageModule` with `position_embedding_type` "mrope") equal
 the building blocks that match transformers (`models.qwen_vision.QwenVisionTower` on the image
 processor's patches and grid; `models.qwen_vl.QwenVLLanguage`: ids from the tokens by `rope_index`,
-one row per sample) on the same weights, world 1."""
+one row per sample) on the same weights, world 1; the planner's parameter count of the tower is
+the built module's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 
 import torch
 
+from megatron_hetero.planner.model import workload
 from megatron_hetero.runtime.launcher import run_ranks
 
 from qwen_train_case import SPEC
@@ -48,7 +50,8 @@ def _compare() -> dict:
             ref = QwenVLLanguage(lm.gpt, image_token=121, vision_start=120, merge=2)
             want = ref(tokens, got_tokens.reshape(-1, got_tokens.shape[-1]), grid)
         after = lm.mrope_ids[:, 0, enc.offset + enc.tokens].tolist()
-    return {"got": got, "want": want, "after": after, "offset": enc.offset}
+    params = sum(p.numel() for p in vision.parameters())
+    return {"got": got, "want": want, "after": after, "offset": enc.offset, "params": params}
 
 
 def test_runtime_modules_equal_the_building_blocks():
@@ -59,3 +62,5 @@ def test_runtime_modules_equal_the_building_blocks():
     assert rel <= 1e-6, rel
     # the ids differ from 1-D positions after the image (a non-square image: 2 x 3 merged tokens)
     assert r["after"] == [r["offset"] + 3] * 3
+    # the planner counts the tower's parameters as built (`planner.model.qwen_encoder_spec`)
+    assert workload(SPEC, global_batch=4, micro_batch=2).encoder.params == r["params"]
