@@ -1,7 +1,7 @@
 """Plot the Qwen2.5-VL digits run (scripts/qwen_vl_digits.sh): training loss, held-out loss and held-out
 caption accuracy from its --log-jsonl file; writes a PNG and a JSON summary.
 
-    python scripts/plot_qwen_vl_digits.py bench-results/qwen-vl-digits --out docs/benchmarks/qwen_vl_digits
+    python scripts/plot_qwen_vl_digits.py bench-results/qwen-vl-digits --out docs/benchmarks/qwen_vl_digits_600
 Needs matplotlib (the `bench` extra).
 """
 

@@ -2,7 +2,7 @@
 # Qwen2.5-VL's vision tower (window + full attention, 2-D RoPE, 2x2 patch merger) and a Qwen2.5-style
 # language model with M-RoPE, trained from scratch on the digits captions on 2 CPU ranks (colocated:
 # vision DP2, language TP2); docs/benchmarks/2026-12-07-qwen-vl-digits.md. Then:
-#   python scripts/plot_qwen_vl_digits.py OUT --out docs/benchmarks/qwen_vl_digits
+#   python scripts/plot_qwen_vl_digits.py OUT --out docs/benchmarks/qwen_vl_digits_600   (600: ITERS)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-results/qwen-vl-digits}"
