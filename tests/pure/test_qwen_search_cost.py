@@ -53,3 +53,15 @@ def test_workload_prices_the_tower_over_patches_with_its_windows():
 def test_other_encoders_are_priced_as_before():
     wl = workload(LlavaSpec(), global_batch=4, micro_batch=2)
     assert wl.encoder.span == wl.encoder.seq and wl.image_tokens == wl.encoder.seq
+
+
+def test_search_prices_the_qwen_tower_preset_and_refuses_a_non_square_image(capsys):
+    from megatron_hetero import cli
+
+    base = ["search", "--hardware", "h100_80gb", "--world-size", "64", "--encoder", "qwen2.5-vl", "--llm", "14B"]
+    assert cli.main([*base, "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    # Qwen2.5-VL-7B's tower at 448x448: 0.68B parameters over 1,024 patches a sample
+    assert "encoder 0.68B (32 layers, h=1280, 1x1024 tokens/sample)" in out, out[:300]
+    assert cli.main([*base, "--encoder-tokens", "250"]) == 2
+    assert "square" in capsys.readouterr().err
