@@ -13,6 +13,7 @@ from megatron_hetero.training.setup import JobConfig, validate_job  # noqa: E402
 from megatron_hetero.training.trainer import train_rank  # noqa: E402
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_GATED_FC1 = re.compile(r"layers\.\d+\.mlp\.linear_fc1\.")
 HOMOGENEOUS_W1 = {"placement": "colocated", "modules": {}, "edges": []}
 
 
@@ -43,11 +44,13 @@ def _layers_per_stage(per_rank: list[dict], module: str) -> int:
 
 
 def full_params(
-    per_rank: list[dict], segment_offsets: dict[str, int] | None = None
+    per_rank: list[dict], segment_offsets: dict[str, int] | None = None, gated: bool = False
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Full parameters by (module, global name): TP shards concatenated along the dimension where the
     shard is smaller than the full tensor, pipeline-stage layer indices made global. The language
-    module's parameters are keyed under 'language' whatever the segment names (offsets by segment)."""
+    module's parameters are keyed under 'language' whatever the segment names (offsets by segment).
+    `gated`: the layers' MLPs are gated (SwiGLU): each TP shard of a layer's fused fc1 is its [gate;
+    up] halves, put together as [all gates; all ups] (Megatron's strided split)."""
     segment_offsets = segment_offsets or {}
     shards: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     for r in per_rank:
@@ -68,6 +71,9 @@ def full_params(
         if len(parts) == 1 or dim is None:
             assert all(_same(parts[0], p) for p in parts[1:]), f"{module}.{name}: TP replicas differ"
             full = parts[0]  # replicated over TP (norms, positions, row-parallel biases, ...)
+        elif gated and _GATED_FC1.search(name):
+            halves = [p.chunk(2, dim=0) for p in parts]
+            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
         else:
             full = torch.cat(parts, dim=dim)
         out.setdefault(module, {})[name] = full

@@ -9,6 +9,10 @@ model and a CLIP or SigLIP vision encoder without a Hugging Face config.json.
                                                   patches, a square; features 3 * patch-dim**2)
     --vision-model-type siglip --patch-dim 14    (its siglip variant: conv bias, no class token,
                                                   gelu tanh, eps 1e-6, post LayerNorm, no head)
+    --vision-model-type qwen2.5-vl --patch-dim 14 --position-embedding-type mrope --mrope-section 16 24 24
+                                                 (Qwen2.5-VL's tower, `models.qwen_encoder`: one image a
+                                                  sample, --encoder-tokens merged tokens, a square;
+                                                  features 4 * 3 * 2 * patch-dim**2; M-RoPE language model)
 
 The flags are declared once, on `training.arch_args.ArchFlags`. Every flag defaults to None
 (unset): the model family's defaults stay the tiny GPT's (LayerNorm, GELU, learned positions,

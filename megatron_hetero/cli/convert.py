@@ -2,7 +2,7 @@
 
     megatron-hetero convert hf-to-checkpoint --vision HF_DIR --language HF_DIR [--projector FILE.safetensors]
                                              [--seq-length N] [--vision-feature-layer K] --out DIR
-    megatron-hetero convert hf-to-checkpoint --model HF_DIR [--seq-length N] --out DIR
+    megatron-hetero convert hf-to-checkpoint --model HF_DIR [--seq-length N] [--image-size HxW] --out DIR
     megatron-hetero convert checkpoint-to-hf DIR --out OUT [--model [--like HF_DIR]]
 
 hf-to-checkpoint: a CLIP or SigLIP vision tower (`CLIPVisionModel` / `SiglipVisionModel`, or a full
@@ -24,6 +24,12 @@ projector and a Llama/Qwen2 language model under one config.json; `convert.hf_ll
 vision_feature_layer and vision_feature_select_strategy are honoured (CLIP: "default", SigLIP:
 "full"; the other pairings are refused), its image token id, processor and tokenizer files (chat
 template included) are kept in the checkpoint.
+
+hf-to-checkpoint --model of a `Qwen2_5_VLForConditionalGeneration` folder (config.json model_type
+`qwen2_5_vl`; `convert.hf_qwen_checkpoint`): the Qwen2.5-VL tower (encoder kind qwen2.5-vl) and
+the Qwen2.5 decoder with M-RoPE, trained at one fixed image size (--image-size HxW pixels, default
+448x448, multiples of patch * merge); checkpoint-to-hf --model of such a checkpoint writes the
+folder back (bit-identical tensors).
 
 checkpoint-to-hf: the latest checkpoint under DIR (converted, or saved by `train --save` after
 training) becomes OUT/vision and OUT/language (config.json + model.safetensors, loadable with
@@ -86,6 +92,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="build the language model as Megatron's HybridModel: '*-' per layer, '|' between pairs for pipeline stages",
     )
+    a.add_argument(
+        "--image-size",
+        default=None,
+        metavar="HxW",
+        help="with a Qwen2.5-VL --model: the fixed image size training uses, in pixels (default 448x448)",
+    )
     a.add_argument("--out", required=True, metavar="DIR", help="the checkpoint directory (new or empty)")
     b = actions.add_parser("checkpoint-to-hf", help="a checkpoint -> Hugging Face folders OUT/vision, OUT/language")
     b.add_argument("dir", help="a checkpoint directory (--save or convert --out)")
@@ -117,11 +129,19 @@ def run(args: argparse.Namespace) -> int:
                     "--model takes a whole LLaVA folder: --vision, --language, --projector and "
                     "--vision-feature-layer come from it (its config.json's vision_feature_layer)"
                 )
+            from megatron_hetero.convert import hf_qwen_checkpoint as qwen
+
+            if qwen.is_qwen_vl(args.model):
+                return _qwen_to_checkpoint(args)
+            if args.image_size is not None:
+                raise ValueError("--image-size goes with a Qwen2.5-VL --model folder")
             from megatron_hetero.convert import hf_llava
 
             summary = hf_llava.llava_to_checkpoint(
                 args.model, args.out, seq_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern
             )
+        elif args.image_size is not None:
+            raise ValueError("--image-size goes with a Qwen2.5-VL --model folder")
         elif not (args.vision and args.language):
             raise ValueError("give --model HF_DIR (a LLaVA folder) or both --vision HF_DIR and --language HF_DIR")
         else:
@@ -166,6 +186,13 @@ def run(args: argparse.Namespace) -> int:
             f"(no model flags: the checkpoint records the model)"
         )
         return 0
+    from megatron_hetero.convert import hf_qwen_checkpoint as qwen
+
+    if qwen.is_qwen_checkpoint(args.dir):
+        if not args.model:
+            raise ValueError("a Qwen2.5-VL checkpoint is written as one folder: give --model")
+        print(f"qwen2.5-vl: {qwen.checkpoint_to_qwen(args.dir, args.out, like=args.like)}")
+        return 0
     if args.model:
         from megatron_hetero.convert import hf_llava
 
@@ -178,4 +205,33 @@ def run(args: argparse.Namespace) -> int:
     written = checkpoint_to_hf(args.dir, args.out)
     for name, folder in written.items():
         print(f"{name}: {folder}")
+    return 0
+
+
+def _qwen_to_checkpoint(args: argparse.Namespace) -> int:
+    """`hf-to-checkpoint --model` of a Qwen2.5-VL folder (`convert.hf_qwen_checkpoint`)."""
+    from megatron_hetero.convert import hf_qwen_checkpoint as qwen
+
+    if args.hybrid_layer_pattern is not None:
+        raise ValueError("--hybrid-layer-pattern: a Qwen2.5-VL language model is a GPT decoder with M-RoPE")
+    size = qwen.parse_image_size(args.image_size or "448x448")
+    summary = qwen.qwen_to_checkpoint(args.model, args.out, size, seq_length=args.seq_length)
+    spec = summary["model"]
+    enc = spec.encoders["vision"]
+    print(f"checkpoint {summary['directory']} (iteration 0, weights only)")
+    print(
+        f"vision: Qwen2.5-VL tower {enc.num_layers} blocks, hidden {enc.hidden_size}, {enc.num_attention_heads} heads, "
+        f"patch {enc.patch_size}, full attention in {list(enc.fullatt_block_indexes)}; images {size[0]}x{size[1]}: "
+        f"{enc.tokens} tokens ({enc.image_rows} rows); {summary['tensors']['vision']} tensors"
+    )
+    print(
+        f"language: {spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_attention_heads} heads, "
+        f"{spec.num_query_groups} query groups, vocab {spec.vocab_size}, M-RoPE sections {list(spec.mrope_section)} "
+        f"base {spec.rotary_base:g}; {summary['tensors']['language']} tensors; seq length {spec.seq_length}"
+    )
+    print(f"image token id {summary['image_token_id']} (the config and processor files kept under hf/qwen2_5_vl)")
+    print(
+        f"train from it: megatron-hetero train --hetero-layout LAYOUT.yaml --load {args.out} "
+        f"(no model flags: the checkpoint records the model)"
+    )
     return 0

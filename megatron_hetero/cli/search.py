@@ -43,7 +43,7 @@ _OLD_FLAGS = {
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names
-    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS
+    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOWER_PRESETS
 
     p = sub.add_parser(
         NAME,
@@ -74,7 +74,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "With --encoder or --llm, the model flags not given take the preset's sizes.",
     )
     m.add_argument(
-        "--encoder", choices=list(ENCODER_PRESETS), default=None, help="encoder size preset (with --llm: default 1B)"
+        "--encoder",
+        choices=list(ENCODER_PRESETS) + list(TOWER_PRESETS),
+        default=None,
+        help="encoder size preset (with --llm: default 1B); qwen2.5-vl: Qwen2.5-VL-7B's vision tower, "
+        "--encoder-tokens its merged tokens (default 256: 448x448 pixels), priced with its windows",
     )
     m.add_argument(
         "--llm", choices=list(LLM_PRESETS), default=None, help="LLM size preset (with --encoder: default 14B)"
@@ -146,6 +150,27 @@ def uses_presets(args) -> bool:
     return args.encoder is not None or args.llm is not None
 
 
+def _tower_spec(base, args, llm_hidden: int):
+    """A tower preset (`presets.TOWER_PRESETS`, an `EncoderSpec`) with the encoder flags given, as the
+    cost model's encoder (`planner.model.qwen_encoder_spec`: priced over its patches, its windows)."""
+    import dataclasses
+
+    from megatron_hetero.planner.model import qwen_encoder_spec
+
+    sizes = {
+        "num_layers": args.encoder_num_layers,
+        "hidden_size": args.encoder_hidden_size,
+        "num_attention_heads": args.encoder_num_attention_heads,
+        "ffn_hidden_size": args.encoder_ffn_hidden_size,
+        "tokens": args.encoder_tokens,
+    }
+    e = dataclasses.replace(base, **{k: v for k, v in sizes.items() if v is not None})
+    if e.tokens != round(e.tokens**0.5) ** 2:
+        raise ValueError(f"--encoder-tokens {e.tokens}: the {base.kind} preset's images are square (a square count)")
+    full = tuple(i for i in e.fullatt_block_indexes if i < e.num_layers)
+    return qwen_encoder_spec("vision", dataclasses.replace(e, fullatt_block_indexes=full), llm_hidden)
+
+
 def _preset_spec(base, args, side: str, seq: int):
     from megatron_hetero.planner.workload import ModelSpec
 
@@ -183,7 +208,7 @@ def workload_from_args(args):
     sizes the model flags override."""
     from megatron_hetero.layout.flags import value
     from megatron_hetero.planner.model import spec_from_flags, workload
-    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP
+    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP, TOWER_PRESETS
     from megatron_hetero.planner.workload import Workload
 
     if not uses_presets(args):
@@ -204,10 +229,13 @@ def workload_from_args(args):
     def given(value, default):
         return default if value is None else value
 
-    enc_base = ENCODER_PRESETS[given(args.encoder, "1B")]
-    enc = _preset_spec(enc_base, args, "encoder", given(args.encoder_tokens, enc_base.seq))
     seq = given(args.seq_length, 8192)
     llm = _preset_spec(LLM_PRESETS[given(args.llm, "14B")], args, "llm", seq)
+    if args.encoder in TOWER_PRESETS:
+        enc = _tower_spec(TOWER_PRESETS[args.encoder], args, llm.hidden)
+    else:
+        enc_base = ENCODER_PRESETS[given(args.encoder, "1B")]
+        enc = _preset_spec(enc_base, args, "encoder", given(args.encoder_tokens, enc_base.seq))
     gbs = given(args.global_batch_size, max(1, TOKENS_PER_STEP // max(seq, 1)))
     return Workload(
         enc,

@@ -7,8 +7,9 @@ from __future__ import annotations
 from megatron_hetero.layout.spec import HeteroLayout
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-ENCODER_KINDS = ("linear", "clip", "siglip", "whisper")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "mrope")
+ENCODER_KINDS = ("linear", "clip", "siglip", "whisper", "qwen2.5-vl")
+QWEN = "qwen2.5-vl"
 CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
 SIGLIP_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 VIT_KINDS = ("clip", "siglip")  # Megatron's CLIPViTModel: a square RGB image cut into patches
@@ -38,11 +39,14 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
             )
     if spec.hybrid_layer_pattern is not None:
         check_hybrid(layout, spec, langs)
+    check_mrope(spec)
     for name, enc in spec.encoders.items():
         if enc.kind not in ENCODER_KINDS:
             raise ValueError(f"encoder {name}: kind {enc.kind!r}, one of {ENCODER_KINDS}")
         if enc.kind == "whisper" and name in layout.names:
             check_whisper(name, enc, layout)
+        if enc.kind == QWEN and name in layout.names:
+            check_qwen(name, enc, layout, spec)
         if enc.kind not in VIT_KINDS or name not in layout.names:
             continue
         m = layout.module(name)
@@ -73,6 +77,58 @@ def check_whisper(name: str, enc, layout: HeteroLayout) -> None:
             f"encoder {name}: a Whisper encoder takes two log-mel frames a token (feature_dim = 2 * mel bins, "
             f"got {enc.feature_dim}) and an even hidden size (got {enc.hidden_size})"
         )
+
+
+def check_mrope(spec) -> None:
+    """M-RoPE (`--position-embedding-type mrope`) and its `mrope_section` go together: three sections
+    summing to the head dimension / 2, the image positions from exactly one Qwen2.5-VL encoder."""
+    qwen = [n for n, e in spec.encoders.items() if e.kind == QWEN]
+    if spec.position_embedding_type != "mrope":
+        if spec.mrope_section is not None:
+            raise ValueError("--mrope-section needs --position-embedding-type mrope")
+        if qwen:
+            raise ValueError(
+                f"encoder {qwen[0]}: a Qwen2.5-VL tower feeds a language model with M-RoPE "
+                f"(--position-embedding-type mrope --mrope-section T H W); got {spec.position_embedding_type}"
+            )
+        return
+    head = spec.kv_channels or spec.hidden_size // spec.num_attention_heads
+    sec = spec.mrope_section
+    if sec is None or len(sec) != 3 or 2 * sum(sec) != head:
+        raise ValueError(f"--mrope-section {sec}: three sections summing to the head dimension / 2 = {head // 2}")
+    if len(qwen) != 1:
+        raise ValueError(
+            f"--position-embedding-type mrope takes its image positions from one Qwen2.5-VL encoder "
+            f"(--vision-model-type qwen2.5-vl); the model has {len(qwen)}"
+        )
+    if spec.rope_scaling or spec.hybrid_layer_pattern is not None or spec.reset_position_ids:
+        raise ValueError("--position-embedding-type mrope: no rope scaling, hybrid pattern or position reset")
+
+
+def check_qwen(name: str, enc, layout: HeteroLayout, spec) -> None:
+    """A Qwen2.5-VL tower (`models.qwen_encoder`) against the layout and its image: one pipeline stage
+    and cp 1 here (the runtime hands encoder stages [tokens, b, h], the tower's stages [patches, 1,
+    h]), heads divisible by tp, its features the merge**2 patches of a token, the image's rows."""
+    m = layout.module(name)
+    if m.pp > 1 or m.cp > 1:
+        raise ValueError(f"encoder {name}: a Qwen2.5-VL tower trains with pp 1 and cp 1 here; got {m.arithmetic()}")
+    if enc.num_attention_heads % m.tp or (enc.ffn_hidden_size or 4 * enc.hidden_size) % m.tp:
+        raise ValueError(f"encoder {name}: heads and MLP width must divide by tp({m.tp})")
+    if enc.max_tiles:
+        raise ValueError(f"encoder {name}: a Qwen2.5-VL tower takes one image a sample (max_tiles 0)")
+    want = enc.merge_size**2 * 3 * enc.temporal_patch_size * enc.patch_size**2
+    side = enc.merge_size * enc.patch_size
+    if enc.patch_size < 1 or enc.feature_dim not in (want, side * side, 3 * side * side):
+        raise ValueError(
+            f"encoder {name}: a Qwen2.5-VL token's features are its merge**2 patches: feature_dim must be "
+            f"{enc.merge_size}**2 * 3 * {enc.temporal_patch_size} * patch_size**2 = {want} (or its pixel block, "
+            f"C * {side}**2), got {enc.feature_dim} (patch_size {enc.patch_size})"
+        )
+    rows = enc.image_rows or round(enc.tokens**0.5)
+    if rows < 1 or enc.tokens % rows:
+        raise ValueError(f"encoder {name}: {enc.tokens} tokens do not make rows of {rows} (image_rows)")
+    if enc.offset < 1:
+        raise ValueError(f"encoder {name}: the image needs its vision-start token before it (offset >= 1)")
 
 
 def check_hybrid(layout: HeteroLayout, spec, langs) -> None:
@@ -119,6 +175,7 @@ LANGUAGE_DEFAULTS = {
     "pack_documents": True,
     "transformer_impl": "local",
     "hybrid_layer_pattern": None,
+    "mrope_section": None,
 }
 ENCODER_DEFAULTS = {
     "kind": "linear",
@@ -129,6 +186,11 @@ ENCODER_DEFAULTS = {
     "post_norm": False,
     "pooling_head": False,
     "max_tiles": 0,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "window_size": 112,
+    "fullatt_block_indexes": (),
+    "image_rows": 0,
 }
 
 

@@ -20,6 +20,8 @@ resolved `CaptionDataConfig` and the model spec fitted to the data and the token
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable, Optional
 
 import torch
@@ -207,6 +209,15 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
     clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
     side = round(clip.tokens**0.5) * clip.patch_size if clip else None
     patch = value(args, fields["patch_size"]) or default(fields["patch_size"])  # --patch-size 0: the default, as ever
+    # a Qwen2.5-VL tower reads one pixel block a merged token (`models.qwen_encoder.blocks_to_patches`)
+    qwen = next((e for e in spec.encoders.values() if e.kind == "qwen2.5-vl"), None)
+    if qwen is not None:
+        patch = qwen.merge_size * qwen.patch_size
+        if value(args, fields["image_processor"]):
+            raise ValueError(
+                "--image-processor: a Qwen2.5-VL tower on caption data reads each merged token's pixel block "
+                "(scaled to [-1, 1]); its native-resolution processor is not wired into the data yet"
+            )
     cfg = resolve_config(
         CaptionDataConfig(
             path=str(path),
@@ -234,4 +245,12 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
                 f"leave it out or change --patch-size"
             )
     tok = load_tokenizer(cfg.tokenizer_model)
-    return caption_spec(spec, cfg, tok, vocab_size=args.vocab_size), cfg
+    out = caption_spec(spec, cfg, tok, vocab_size=args.vocab_size)
+    if qwen is not None:  # the image's rows of merged tokens
+        out = dataclasses.replace(
+            out,
+            encoders={
+                n: dataclasses.replace(e, image_rows=cfg.image_size[0] // patch) for n, e in out.encoders.items()
+            },
+        )
+    return out, cfg

@@ -107,6 +107,7 @@ def language_config_kwargs(spec: LlavaSpec) -> dict:
         num_query_groups=spec.num_query_groups,
         kv_channels=spec.kv_channels,
         apply_rope_fusion=False,
+        mrope_section=list(spec.mrope_section) if spec.mrope_section else None,
     )
 
 
@@ -348,6 +349,14 @@ class LanguageModule(torch.nn.Module):
                 pg_collection=pgs,
             )
         self.model_type = self.gpt.model_type  # what Megatron's schedules look up on the wrapped model
+        # M-RoPE (`models.qwen_positions.mrope_ids`): every stage rotates by the same fixed ids [3, 1, S];
+        # Megatron builds its M-RoPE with the global CP group, the module's own cuts the angles
+        self.mrope_ids: Optional[torch.Tensor] = None
+        if spec.position_embedding_type == "mrope":
+            from megatron_hetero.models.qwen_positions import mrope_ids
+
+            self.mrope_ids = mrope_ids(spec, spec.seq_length)
+            self.gpt.rotary_pos_emb.cp_group = pgs.cp
         local_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
         dense = [(n, p) for n, p in self.named_parameters() if not _is_expert(n)]
         deterministic_init(
@@ -458,7 +467,8 @@ class LanguageModule(torch.nn.Module):
         the hidden states are this TP rank's [s_local/tp, b, h] (the loss is over all of s_local).
         `attention_mask` [b, 1, S, S] bool (True: masked) over the whole sequence, e.g. packed
         documents' block-diagonal causal mask (None: causal); the CP attention takes its own rows."""
-        return self.gpt(None, None, attention_mask, decoder_input=hidden, labels=labels)
+        pos = None if self.mrope_ids is None else self.mrope_ids.to(self.gpt.rotary_pos_emb.inv_freq.device)
+        return self.gpt(None, pos, attention_mask, decoder_input=hidden, labels=labels)
 
 
 class OutputModule(torch.nn.Module):

@@ -110,7 +110,7 @@ class QwenVisionTower(torch.nn.Module):
                 f"module {name}: the Qwen2.5-VL tower runs with cp 1: its windows and images are attention "
                 f"segments of varying length that a sequence split would cut, got {m.arithmetic()}"
             )
-        self.spec, self.name = spec, name
+        self.spec, self.name, self.tp_group = spec, name, pgs.tp
         self.first, self.last = pgs.pp.rank() == 0, pgs.pp.rank() == m.pp - 1
         k = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
         if self.first:
@@ -147,6 +147,20 @@ class QwenVisionTower(torch.nn.Module):
         )
         mlp = get_submodules(get_gpt_layer_local_spec().submodules.mlp)
         self.merger = MultimodalProjector(merger_cfg, mlp, "mlp", input_size=spec.hidden_size * unit, tp_group=pgs.tp)
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None
+    ) -> dict:
+        """Megatron's sharded state of each part (`dist_checkpointing`: the blocks' and the merger's
+        TP shards as such, the patch embedding and `ln_q` replicated), as a `MegatronModule` gives."""
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        out: dict = {}
+        for name, child in self.named_children():
+            out.update(
+                sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=self.tp_group)
+            )
+        return out
 
     def stage_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This pipeline stage's part of a whole-tower state (`convert.hf_qwen_vision.hf_to_tower`'s

@@ -26,13 +26,13 @@ def layer_flops_of(spec: ModelSpec, tokens, seq_flops: bool = True):
     a GPT layer's attention + MLP, or a hybrid layer's mix of attention, dense MLP and top-k experts
     (`ModelSpec.mix`)."""
     if spec.layer_mix is None:
-        return layer_flops(tokens, spec.seq, spec.hidden, spec.flops_ffn, spec.gated)
+        return layer_flops(tokens, spec.span, spec.hidden, spec.flops_ffn, spec.gated)
     attn, mlp, moe = spec.layer_mix
     t = np.asarray(tokens, dtype=float)
-    attention = layer_flops(t, spec.seq, spec.hidden, 0, spec.gated)
-    mlp_flops = layer_flops(t, spec.seq, spec.hidden, spec.ffn_hidden, spec.gated) - attention
+    attention = layer_flops(t, spec.span, spec.hidden, 0, spec.gated)
+    mlp_flops = layer_flops(t, spec.span, spec.hidden, spec.ffn_hidden, spec.gated) - attention
     moe_ffn = spec.moe_topk * spec.expert_ffn if spec.num_experts else 0
-    moe_flops = layer_flops(t, spec.seq, spec.hidden, moe_ffn, spec.gated) - attention
+    moe_flops = layer_flops(t, spec.span, spec.hidden, moe_ffn, spec.gated) - attention
     return attn * attention + mlp * mlp_flops + moe * moe_flops
 
 
@@ -56,7 +56,7 @@ def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp, e
     if wl.recompute == "full":  # the forward again before each backward: 4 passes' worth of 3
         compute, tp_calls = compute * 4.0 / 3.0, tp_calls * 1.5
     elif wl.recompute == "selective":  # the core attention's forward again (QK^T and AV: 4Tsh FLOPs)
-        attention = attn * 4.0 * tokens * spec.seq * spec.hidden / (np.asarray(tp) * cpe)
+        attention = attn * 4.0 * tokens * spec.span * spec.hidden / (np.asarray(tp) * cpe)
         compute = compute + prof.layer_model(spec.kind).b * attention
     dpn = prof.devices_per_node
     act = tokens / cpe * spec.hidden * wl.dtype_bytes
@@ -64,7 +64,7 @@ def layer_parts(prof: Profile, wl: Workload, spec: ModelSpec, samples, tp, cp, e
     if spec.shards:
         kv = 2.0 * tokens * spec.hidden / np.asarray(tp) * wl.dtype_bytes
         ring = 3.0 * prof.layer_collective_time("all_gather", kv, cp, np.asarray(tp) * cp > dpn)
-        attention = prof.layer_model(spec.kind).b * 12.0 * tokens * spec.seq * spec.hidden / (np.asarray(tp) * cpe)
+        attention = prof.layer_model(spec.kind).b * 12.0 * tokens * spec.span * spec.hidden / (np.asarray(tp) * cpe)
         cpc = attn * np.maximum(ring - attention, 0.0)
     else:
         cpc = np.zeros_like(compute)

@@ -90,6 +90,18 @@ class EncoderSpec:
     # attention-pooling head (`head.*`) is kept (never trains; the pooled output only)
     post_norm: bool = False
     pooling_head: bool = False
+    # "qwen2.5-vl": Qwen2.5-VL's vision tower (`models.qwen_encoder` on `models.qwen_vision`: Conv3d
+    # patch embedding, 2-D RoPE, window attention with full attention in `fullatt_block_indexes`,
+    # RMSNorm, SwiGLU, the merge x merge patch merger into the language model's width). One image a
+    # sample at a fixed size: `tokens` merged tokens in `image_rows` rows (0: a square), each token's
+    # features the merge**2 patches it merges side by side (feature_dim = merge**2 * 3 *
+    # temporal_patch_size * patch_size**2, in the Qwen image processor's patch order);
+    # ffn_hidden_size is the tower's intermediate_size, activation "silu"
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = ()
+    image_rows: int = 0
     # "whisper": Whisper's speech encoder (two 1-D convolutions, sinusoidal positions, pre-LN layers,
     # final LayerNorm; `models.whisper_encoder`): feature_dim = 2 * mel bins (two log-mel frames a
     # token), tokens = the most speech tokens (max_source_positions)
@@ -167,6 +179,10 @@ class LlavaSpec:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = True
+    # Qwen2.5-VL's M-RoPE (`position_embedding_type` "mrope", Megatron's `mrope_section`): the rotary
+    # channels in three sections of temporal, height and width position ids (`models.qwen_encoder.
+    # mrope_ids`); they sum to the head dimension / 2
+    mrope_section: Optional[tuple[int, int, int]] = None
     # Sequence packing (Megatron's --reset-position-ids / --reset-attention-mask with EOD-separated
     # documents, `megatron.core.datasets.gpt_dataset`'s masks): attention stays inside each document
     # and positions restart after every EOD token (`models.llava_runner`)
@@ -199,11 +215,18 @@ class LlavaSpec:
         for name, e in d.get("encoders", {}).items():
             if set(e) - enc_known:
                 raise ValueError(f"the checkpoint's encoder {name} has unknown fields {sorted(set(e) - enc_known)}")
-        d["encoders"] = {n: EncoderSpec(**e) for n, e in d.get("encoders", {}).items()}
+        d["encoders"] = {n: EncoderSpec(**_tuples(e)) for n, e in d.get("encoders", {}).items()}
         d["outputs"] = {
             n: OutputSpec(**{k: v for k, v in o.items() if k in out_known}) for n, o in d.get("outputs", {}).items()
         }
+        if d.get("mrope_section") is not None:
+            d["mrope_section"] = tuple(d["mrope_section"])
         return cls(**d, seed=seed)
+
+
+def _tuples(record: dict) -> dict:
+    """A recorded encoder with its tuple fields back as tuples (JSON keeps lists)."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
 
 
 # The model flags every subcommand shares (`cli/model_flags.py`), in --help order: the language
@@ -310,20 +333,8 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
             f"--encoder-max-tiles {e.max_tiles}: the cost model prices a fixed number of image tokens per "
             "sample; plan with --encoder-tokens set to the tokens of a typical sample (tiles x tokens per tile)"
         )
-    h, eh = spec.hidden_size, e.hidden_size
-    enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
-    # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
-    extra = (e.feature_dim + 1) * eh + e.tokens * eh + (eh + 1) * h + (h + 1) * h
-    enc = ModelSpec(
-        name,
-        e.num_layers,
-        eh,
-        _ffn(eh, None),
-        e.num_attention_heads,
-        e.tokens,
-        kind="encoder",
-        params=int(e.num_layers * enc_layer + extra),
-    )
+    h = spec.hidden_size
+    enc = qwen_encoder_spec(name, e, h) if e.kind == "qwen2.5-vl" else _encoder_spec(name, e, h)
     hybrid: dict[str, Any] = {}
     if spec.hybrid_layer_pattern is not None:  # each layer one type: their shares, E's experts
         hybrid["layer_mix"] = layer_mix_of(spec.hybrid_layer_pattern)
@@ -354,6 +365,59 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
         distributed_optimizer=False,
         sequence_parallel=False,
         recompute=None,
+    )
+
+
+def _encoder_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
+    """The cost model's encoder of `train`'s fixed-token encoders (linear, CLIP, SigLIP, Whisper)."""
+    eh = e.hidden_size
+    enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
+    # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
+    extra = (e.feature_dim + 1) * eh + e.tokens * eh + (eh + 1) * h + (h + 1) * h
+    return ModelSpec(
+        name,
+        e.num_layers,
+        eh,
+        _ffn(eh, None),
+        e.num_attention_heads,
+        e.tokens,
+        kind="encoder",
+        params=int(e.num_layers * enc_layer + extra),
+    )
+
+
+def qwen_encoder_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
+    """The cost model's Qwen2.5-VL tower (`models.qwen_encoder`): a gated (SwiGLU) transformer over
+    the image's patches (merge**2 per image token), attention priced by its windows and full layers
+    (`planner.qwen_vision_cost.attention_span`), the merger handing `tokens` to the language model;
+    parameters: the blocks (QKV and output with biases, SwiGLU with biases, two RMSNorms), the Conv3d
+    patch embedding, the merger (RMSNorm, m^2 h -> m^2 h -> h_llm)."""
+    from megatron_hetero.planner.qwen_vision_cost import attention_span
+
+    eh, unit = e.hidden_size, e.merge_size**2
+    ffn = e.ffn_hidden_size or 4 * eh
+    rows = e.image_rows or round(e.tokens**0.5)
+    grid = [(1, e.merge_size * rows, e.merge_size * (e.tokens // rows))]
+    full = len(e.fullatt_block_indexes)
+    span = attention_span(
+        grid, depth=e.num_layers, full_layers=full, merge=e.merge_size, patch=e.patch_size, window=e.window_size
+    )
+    layer = 4 * eh * eh + 4 * eh + 3 * eh * ffn + 2 * ffn + eh + 2 * eh
+    patch_in = 3 * e.temporal_patch_size * e.patch_size**2
+    merger = eh + (unit * eh) ** 2 + unit * eh + unit * eh * h + h
+    return ModelSpec(
+        name,
+        e.num_layers,
+        eh,
+        ffn,
+        e.num_attention_heads,
+        e.tokens * unit,
+        kind="encoder",
+        gated=True,
+        features=patch_in,
+        params=int(e.num_layers * layer + patch_in * eh + merger),
+        attention_span=span,
+        out_tokens=e.tokens,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.model import EncoderSpec
 from megatron_hetero.planner.search import search
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import ModelSpec, Workload
@@ -18,6 +19,25 @@ ENCODER_PRESETS = {
     "3B": ModelSpec("vision-3B", 48, 2304, 9216, 24, 1024, kind="encoder", features=PATCH_FEATURES),
     "6B": ModelSpec("vision-6B", 48, 3200, 12800, 32, 1024, kind="encoder", features=PATCH_FEATURES),
     "12B": ModelSpec("vision-12B", 60, 4096, 16384, 32, 1024, kind="encoder", features=PATCH_FEATURES),
+}
+# Towers of another structure than the ViT presets, priced as `train` builds them (`planner.model`:
+# `search --encoder NAME`, not in the regime table). "qwen2.5-vl": Qwen2.5-VL-7B's vision tower
+# (32 blocks, hidden 1280, 16 heads, SwiGLU 3420, patch 14, windows of 112 px, full attention in
+# blocks 7, 15, 23, 31) at 448x448 pixels: 1024 patches, 256 merged tokens.
+TOWER_PRESETS = {
+    "qwen2.5-vl": EncoderSpec(
+        kind="qwen2.5-vl",
+        num_layers=32,
+        hidden_size=1280,
+        num_attention_heads=16,
+        ffn_hidden_size=3420,
+        tokens=256,
+        patch_size=14,
+        feature_dim=4 * 3 * 2 * 14 * 14,
+        window_size=112,
+        fullatt_block_indexes=(7, 15, 23, 31),
+        activation="silu",
+    )
 }
 # LLMs: gated (SwiGLU) MLP, 128K vocabulary, untied embeddings; seq is set per context.
 LLM_PRESETS = {

@@ -10,8 +10,10 @@ Matmul FLOPs (2 per multiply-add), N patches, hidden h, MLP width f, merge m, ou
 Segments: layers in `fullatt_block_indexes` attend within each frame (L = h_p * w_p patches), the
 others within windows of `window_size / merge / patch` merged tokens a side, cut at the image's edge
 (`models.qwen_vision_windows.window_index`'s lengths, computed here without torch).
-Not yet a term of the planner's search (`planner.cost`): the search prices encoders as fixed-token
-transformers; this is the formula that term needs.
+The planner's search prices a Qwen2.5-VL encoder (`planner.model.workload` of a model with the
+encoder kind "qwen2.5-vl") as a transformer over the image's patches whose attention meets
+`attention_span` keys per query (window layers their window, full layers their frame) and whose
+merger hands the language model patches / merge**2 tokens.
 """
 
 from __future__ import annotations
@@ -61,3 +63,22 @@ def tower_forward_flops(
     embed = 2.0 * n * 3 * temporal_patch * patch * patch * hidden
     merger = 2.0 * (n / unit) * (unit * hidden) ** 2 + 2.0 * (n / unit) * unit * hidden * out_hidden
     return embed + layers + merger
+
+
+def attention_span(
+    grid_thw: Sequence[Sequence[int]],
+    *,
+    depth: int,
+    full_layers: int,
+    merge: int = 2,
+    patch: int = 14,
+    window: int = 112,
+) -> float:
+    """Mean keys per query over the tower's layers: (sum over layers of sum over its attention
+    segments of L^2) / (depth * patches), the `seq` of the 4*T*s*h attention FLOPs term."""
+    if not 0 <= full_layers <= depth or depth < 1:
+        raise ValueError(f"full_layers {full_layers} must be within 0..depth ({depth})")
+    n = sum(t * h * w for t, h, w in grid_thw)
+    windows = sum(L * L for L in window_lengths(grid_thw, merge, window // merge // patch))
+    frames = sum(L * L for L in frame_lengths(grid_thw))
+    return ((depth - full_layers) * windows + full_layers * frames) / (depth * n)

@@ -43,12 +43,23 @@ class ModelSpec:
     # of the pattern's layers of each type (each layer is one of them); a layer is priced as their
     # mix (`layer_mix_of`). None: GPT layers, each attention + an MLP (the experts' with num_experts).
     layer_mix: Optional[tuple[float, float, float]] = None
+    # A windowed encoder (Qwen2.5-VL's tower: `planner.qwen_vision_cost.attention_span`): the mean
+    # number of keys a token's query meets per layer (window layers their window, full layers their
+    # frame); None: seq (every token attends to the whole input). out_tokens: tokens an input hands
+    # the next module (a patch merger's fewer); None: seq.
+    attention_span: Optional[float] = None
+    out_tokens: Optional[int] = None
 
     def __post_init__(self):
         for key in ("num_layers", "hidden", "ffn_hidden", "heads", "seq"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"model {self.name}: {key} must be a positive integer, got {v!r}")
+
+    @property
+    def span(self) -> float:
+        """Keys per query in a layer's attention (`attention_span`, else seq)."""
+        return self.seq if self.attention_span is None else self.attention_span
 
     @property
     def has_experts(self) -> bool:
@@ -184,7 +195,7 @@ class Workload:
     @property
     def image_tokens(self) -> int:
         """Encoder tokens entering the LLM per sample."""
-        return self.images_per_sample * self.encoder.seq
+        return self.images_per_sample * (self.encoder.out_tokens or self.encoder.seq)
 
 
 @dataclass(frozen=True)

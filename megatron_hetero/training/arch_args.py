@@ -23,7 +23,13 @@ class ArchFlags:
     normalization: Optional[str] = _arch(choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: Optional[float] = _arch()
     swiglu: Optional[bool] = _arch("gated SiLU MLP (Llama/Qwen2)")
-    position_embedding_type: Optional[str] = _arch(choices=["learned_absolute", "rope"])
+    position_embedding_type: Optional[str] = _arch(choices=["learned_absolute", "rope", "mrope"])
+    mrope_section: Optional[tuple] = _arch(
+        "M-RoPE's temporal, height and width sections of the rotary channels (summing to the head "
+        "dimension / 2; Qwen2.5-VL-7B: 16 24 24; needs --position-embedding-type mrope)",
+        type=int,
+        nargs=3,
+    )
     rotary_base: Optional[float] = _arch()
     use_rope_scaling: Optional[bool] = _arch(
         "Llama 3.1+'s rope frequency scaling (needs --position-embedding-type rope)"
@@ -37,8 +43,10 @@ class ArchFlags:
     share_embeddings_and_output_weights: Optional[bool] = _arch("tie the output layer to the input embeddings")
     untie_embeddings_and_output_weights: Optional[bool] = _arch("untied (the default here)")
     vision_model_type: Optional[str] = _arch(
-        "clip / siglip: Megatron's CLIPViTModel (its clip or siglip variant) for every encoder (needs --patch-dim)",
-        choices=["linear", "clip", "siglip"],
+        "clip / siglip: Megatron's CLIPViTModel (its clip or siglip variant) for every encoder (needs --patch-dim); "
+        "qwen2.5-vl: Qwen2.5-VL's vision tower (needs --patch-dim, --position-embedding-type mrope and "
+        "--mrope-section)",
+        choices=["linear", "clip", "siglip", "qwen2.5-vl"],
     )
     patch_dim: Optional[int] = _arch("CLIP/SigLIP patch side (features per token: 3 * patch**2)")
     audio_model_type: Optional[str] = _arch(
@@ -70,6 +78,7 @@ _SAME_NAME = (
     "num_query_groups",
     "kv_channels",
     "add_qkv_bias",
+    "mrope_section",
 )
 
 
@@ -109,6 +118,36 @@ def _rope_scaling(g: ArchFlags, spec) -> dict[str, Any]:
     return out
 
 
+QWEN = "qwen2.5-vl"
+
+
+def qwen_encoder(enc, patch: Optional[int], feature_dim: Optional[int]):
+    """`enc` as Qwen2.5-VL's tower (`--vision-model-type qwen2.5-vl`): patch side `patch`, 2 x 2 merge,
+    two frames a patch, SiLU, windows of 8 patches a side (Qwen2.5-VL's 112 pixels at patch 14),
+    full attention in every eighth block (its 7, 15, 23, 31), the last block in towers of fewer;
+    features = the 4 patches of a merged token (`models.qwen_encoder`)."""
+    if not patch or patch < 1:
+        raise ValueError("--vision-model-type qwen2.5-vl needs --patch-dim P (>= 1)")
+    want = 4 * 3 * 2 * patch * patch
+    if feature_dim not in (None, want):
+        raise ValueError(
+            f"--encoder-feature-dim {feature_dim}: a Qwen2.5-VL token's features are its 2 x 2 patches of "
+            f"two frames, 4 * 3 * 2 * --patch-dim**2 = {want}"
+        )
+    full = tuple(i for i in range(enc.num_layers) if i % 8 == 7) or (enc.num_layers - 1,)
+    return dataclasses.replace(
+        enc,
+        kind=QWEN,
+        patch_size=patch,
+        feature_dim=want,
+        activation="silu",
+        temporal_patch_size=2,
+        merge_size=2,
+        window_size=8 * patch,
+        fullatt_block_indexes=full,
+    )
+
+
 def apply_arch_args(args: Any, spec):
     """`spec` with the language-model and encoder architecture the flags in `args` set (and
     --encoder-feature-dim, None when not given, checked against a CLIP or SigLIP encoder's)."""
@@ -118,6 +157,8 @@ def apply_arch_args(args: Any, spec):
     if g.group_query_attention and g.num_query_groups is None:
         raise ValueError("--group-query-attention needs --num-query-groups N")
     lm = {k: getattr(g, k) for k in _SAME_NAME if getattr(g, k) is not None}
+    if "mrope_section" in lm:
+        lm["mrope_section"] = tuple(lm["mrope_section"])
     if g.disable_bias_linear:
         lm["add_bias_linear"] = False
     if g.share_embeddings_and_output_weights:
@@ -148,8 +189,12 @@ def apply_arch_args(args: Any, spec):
         spec = dataclasses.replace(
             spec, encoders={n: dataclasses.replace(e, **fields) for n, e in spec.encoders.items()}
         )
+    elif kind == QWEN:
+        spec = dataclasses.replace(
+            spec, encoders={n: qwen_encoder(e, g.patch_dim, args.encoder_feature_dim) for n, e in spec.encoders.items()}
+        )
     elif g.patch_dim is not None:
-        raise ValueError("--patch-dim applies to --vision-model-type clip or siglip")
+        raise ValueError("--patch-dim applies to --vision-model-type clip, siglip or qwen2.5-vl")
     if g.audio_model_type == "whisper":
         if audio is None:
             raise ValueError("--audio-model-type whisper needs an encoder module named `audio` in the layout")

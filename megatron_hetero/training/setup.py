@@ -177,6 +177,10 @@ def build_module(
         mod = WhisperEncoderModule(
             name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl
         )
+    elif name in spec.encoders and spec.encoders[name].kind == "qwen2.5-vl":
+        from megatron_hetero.models.qwen_encoder import QwenEncoderModule
+
+        mod = QwenEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.encoders:
         mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.outputs:

@@ -52,7 +52,7 @@ def test_rope_scaling_flags_take_megatrons_default_factor() -> None:
             ["--vision-model-type", "siglip", "--patch-dim", "4", "--encoder-feature-dim", "12"],
             r"a SIGLIP encoder's features are 3 \* --patch-dim\*\*2 = 48",
         ),
-        (["--patch-dim", "4"], "--patch-dim applies to --vision-model-type clip or siglip"),
+        (["--patch-dim", "4"], "--patch-dim applies to --vision-model-type clip, siglip or qwen2.5-vl"),
     ],
 )
 def test_inconsistent_flags_are_refused(flags: list[str], words: str) -> None:

@@ -1,0 +1,125 @@
+"""The Qwen2.5-VL vision tower as an encoder module of the model family (`EncoderSpec.kind`
+"qwen2.5-vl").
+
+Input: `[b, tokens, feature]`, every encoder's shape here: one image a sample at the spec's fixed
+size, `tokens` merged tokens in `image_rows` rows, each token's features its merge**2 patches side
+by side (`feature = merge**2 * 3 * temporal_patch * patch**2`), which is the Qwen image processor's
+patch order (`models.qwen_image_processor`: patches in merge blocks). The module flattens them to
+the tower's `[b * tokens * merge**2, 3 * T * p * p]` with `grid_thw` one row `(1, merge * rows,
+merge * cols)` per sample, runs `models.qwen_vision.QwenVisionTower` (its merger projects into the
+language model's width) and returns `[b, tokens, llm_hidden]`, the tokens in the image's row-major
+order. One pipeline stage, cp 1 (the runtime hands encoder stages `[tokens, b, h]`; the tower's
+stages `[patches, 1, h]` in window order: not wired); TP and DP on the module's layout.
+
+Frozen (`frozen: true` in the layout): the blocks and the patch embedding stop taking gradients,
+the merger (`ln_q`, `merger`: the tower's projector) trains, as a frozen LLaVA tower's projector does.
+
+The language model's M-RoPE ids for this image: `models.qwen_positions.mrope_ids`.
+
+Image data (`train --data-path`, `models.caption_runner`) gives pixel blocks instead: each token's
+features the `[C, merge*p, merge*p]` pixels it covers (`energon_data.patchify` at patch merge * p,
+C 1 or 3, scaled to [-1, 1]); `blocks_to_patches` cuts them into the processor order above (grey
+repeated to RGB, each patch repeated over the temporal patch, as the Qwen image processor repeats a
+still frame).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.models.qwen_positions import image_grid
+from megatron_hetero.models.qwen_vision import QwenVisionSpec, QwenVisionTower
+
+
+def tower_spec(enc, llm_hidden: int) -> QwenVisionSpec:
+    """The tower's shape of a Qwen2.5-VL `EncoderSpec` (its merger projects to `llm_hidden`)."""
+    return QwenVisionSpec(
+        hidden_size=enc.hidden_size,
+        depth=enc.num_layers,
+        num_heads=enc.num_attention_heads,
+        intermediate_size=enc.ffn_hidden_size or 4 * enc.hidden_size,
+        out_hidden_size=llm_hidden,
+        patch_size=enc.patch_size,
+        temporal_patch_size=enc.temporal_patch_size,
+        spatial_merge_size=enc.merge_size,
+        window_size=enc.window_size,
+        fullatt_block_indexes=tuple(enc.fullatt_block_indexes),
+        hidden_act=enc.activation,
+    )
+
+
+def grid_thw(enc, images: int) -> torch.Tensor:
+    """[images, 3] (1, merge * rows, merge * cols): the tower's grid of `images` images of the spec."""
+    rows, cols = image_grid(enc)
+    return torch.tensor([[1, enc.merge_size * rows, enc.merge_size * cols]] * images)
+
+
+class QwenEncoderModule(torch.nn.Module):
+    """[b, tokens, merge**2 * 3*T*p*p] -> the Qwen2.5-VL tower -> [b, tokens, llm_hidden] (module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        enc,
+        llm_hidden: int,
+        m: ModuleLayout,
+        pgs: ProcessGroupCollection,
+        seed: int,
+        impl: str = "local",
+    ) -> None:
+        """`impl`: --transformer-impl; the tower is built from Megatron's local layers ("local" only)."""
+        super().__init__()
+        if impl != "local":
+            raise ValueError(f"module {name}: the Qwen2.5-VL tower is built from local layers, not {impl}")
+        if m.pp != 1 or m.cp != 1:
+            raise ValueError(f"module {name}: a Qwen2.5-VL tower trains with pp 1 and cp 1 here, got {m.arithmetic()}")
+        self.name, self.enc, self.frozen = name, enc, m.frozen
+        self.first = self.last = True
+        self.tower = QwenVisionTower(tower_spec(enc, llm_hidden), m, pgs, name)
+        deterministic_init(
+            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
+        )
+        if self.frozen:
+            for n, p in self.named_parameters():
+                if not n.startswith(("tower.merger.", "tower.ln_q.")):
+                    p.requires_grad_(False)
+
+    def trainable(self) -> bool:
+        return any(p.requires_grad for p in self.parameters())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] in pixel_widths(self.enc):
+            x = blocks_to_patches(x, self.enc)
+        b, n, f = x.shape
+        unit = self.enc.merge_size**2
+        if n != self.enc.tokens or f % unit:
+            raise ValueError(
+                f"encoder {self.name}: features must be [b, {self.enc.tokens}, merge**2 * patch], got {list(x.shape)}"
+            )
+        patches = x.reshape(b * n * unit, f // unit)
+        # frozen: the graph still runs through the blocks (the merger after them trains); the
+        # frozen parameters take no gradient
+        out = self.tower(patches, grid_thw(self.enc, b).to(x.device))  # [b * n, llm_hidden]
+        return out.view(b, n, -1)
+
+
+def pixel_widths(enc) -> tuple[int, int]:
+    """Feature widths of pixel-block features (grey, RGB): C * (merge * patch)**2."""
+    side = enc.merge_size * enc.patch_size
+    return side * side, 3 * side * side
+
+
+def blocks_to_patches(x: torch.Tensor, enc) -> torch.Tensor:
+    """[b, tokens, C*(m*p)**2] pixel blocks (each `[C, m*p, m*p]` flattened) -> [b, tokens, m*m*3*T*p*p]
+    in the Qwen image processor's order (the m x m patches row-major, each `[3, T, p, p]`)."""
+    b, n, f = x.shape
+    m, p, t = enc.merge_size, enc.patch_size, enc.temporal_patch_size
+    c = f // (m * p) ** 2
+    y = x.reshape(b, n, c, m, p, m, p).permute(0, 1, 3, 5, 2, 4, 6)  # [b, n, m, m, C, p, p]
+    if c == 1:
+        y = y.expand(-1, -1, -1, -1, 3, -1, -1)
+    y = y.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)  # [b, n, m, m, 3, T, p, p]
+    return y.reshape(b, n, m * m * 3 * t * p * p)

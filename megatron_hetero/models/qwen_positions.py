@@ -1,0 +1,36 @@
+"""The M-RoPE position ids of a language model reading one Qwen2.5-VL encoder's image
+(`EncoderSpec.kind` "qwen2.5-vl", `models.qwen_encoder`) at its placeholder span: Qwen2.5-VL's
+(`models.qwen_mrope.rope_index`) for that image: text 0..offset-1, the image's tokens (offset,
+offset + row, offset + column), the text after it continuing from offset + max(rows, cols). Every
+row of a batch has the same ids (the image sits at the same span). Pure tensor code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_hetero.models.qwen_mrope import rope_index
+
+KIND = "qwen2.5-vl"
+# token ids of the text `mrope_ids` hands `rope_index` (only their roles matter)
+_TEXT, _IMAGE, _START = 0, 1, 2
+
+
+def image_grid(enc) -> tuple[int, int]:
+    """(rows, cols) of merged tokens of an encoder's image (`image_rows`, 0: a square)."""
+    rows = enc.image_rows or round(enc.tokens**0.5)
+    if rows < 1 or enc.tokens % rows:
+        raise ValueError(f"{enc.tokens} image tokens do not make rows of {rows}")
+    return rows, enc.tokens // rows
+
+
+def mrope_ids(spec, seq_length: int) -> torch.Tensor:
+    """[3, 1, seq_length] M-RoPE ids of the model's text (module docstring): the one Qwen2.5-VL
+    encoder's image at its span [offset, offset + tokens)."""
+    (enc,) = [e for e in spec.encoders.values() if e.kind == KIND]
+    rows, cols = image_grid(enc)
+    tokens = torch.full((1, seq_length), _TEXT)
+    tokens[0, enc.offset - 1] = _START
+    tokens[0, enc.offset : enc.offset + enc.tokens] = _IMAGE
+    grid = torch.tensor([[1, rows * enc.merge_size, cols * enc.merge_size]])
+    return rope_index(tokens, grid, image_token=_IMAGE, vision_start=_START, merge=enc.merge_size)
