@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.validate import check_heads
 from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.config import check_optimizer_flags
 
@@ -166,10 +167,7 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
                 f"Megatron-LM's scripts recompute is the whole model's (--recompute-granularity, "
                 f"--recompute-method, --recompute-num-layers)"
             )
-        if args.num_attention_heads % m.tp:
-            raise ValueError(
-                f"module {m.name}: --num-attention-heads {args.num_attention_heads} is not divisible by tp({m.tp})"
-            )
+        check_heads(m, args.num_attention_heads, "--num-attention-heads")
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")

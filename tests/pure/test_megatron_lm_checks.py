@@ -107,7 +107,10 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
     "kw, message",
     [
         (dict(bf16=True, loss_scale=1024.0), "--loss-scale 1024.0 needs --fp16 (bf16 and fp32 train with the loss"),
-        (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
+        (
+            dict(num_attention_heads=3),
+            "module language_a: 3 attention heads (--num-attention-heads) are not divisible by tp(2)",
+        ),
         (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
         (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
         (dict(train_iters=None), "--train-iters is required"),
