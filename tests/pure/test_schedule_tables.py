@@ -367,7 +367,7 @@ def test_random_dags_pass_checker(data) -> None:
 
 def test_at_least_30_distinct_graphs_pass() -> None:
     seen = set()
-    for seed in range(60):
+    for seed in range(40):  # 40 seeds give 40 distinct graphs (60 gave 60); the 80 above are hypothesis's
         rng = random.Random(seed)
         doc, m = make_doc(rng.randint)
         check_generated(doc, m, seed)
