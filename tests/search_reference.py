@@ -2,12 +2,14 @@
 
 `heteropipe_brute_force` scores every layer partition x strategy assignment of
 `heteropipe.enumerate_pipelines`; `brute_force` builds every candidate of a `SearchSpace` as a
-`Candidate` and scores it with `cost.evaluate`.
+`Candidate` and scores it with `cost.evaluate`. `Scores` keeps each candidate's (total, peak memory)
+so that references for several memory limits of one workload evaluate every candidate once.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
 
 import numpy as np
 
@@ -19,6 +21,9 @@ from megatron_hetero.planner.search_disjoint import _chains
 from megatron_hetero.planner.search_rows import _layouts
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import Candidate, Segment, Workload
+
+#: candidate -> (step total, peak memory per rank), or None where `cost.evaluate` refuses it
+Scores = dict[Candidate, Optional[tuple[float, float]]]
 
 
 def heteropipe_brute_force(
@@ -50,9 +55,12 @@ def brute_force(
     world_size: int,
     memory_limit: Optional[float] = None,
     space: SearchSpace = SearchSpace(),
+    scores: Optional[Scores] = None,
 ) -> list[tuple[float, Candidate]]:
     """Reference for tests: every candidate of `space` built one by one and scored with the scalar
-    `cost.evaluate` (homogeneous: every stage-0 layer count). Sorted (total, candidate), feasible only."""
+    `cost.evaluate` (homogeneous: every stage-0 layer count). Sorted (total, candidate), feasible only.
+    `scores`: a cache of `cost.evaluate`'s results kept across calls on the same workload and profile."""
+    scores = {} if scores is None else scores
     limit = 0.9 * prof.memory_bytes if memory_limit is None else float(memory_limit)
     space = space.effective()
     enc, llm, L, Le = wl.encoder, wl.llm, wl.llm.num_layers, wl.encoder.num_layers
@@ -65,7 +73,7 @@ def brute_force(
                     cand = Candidate(
                         "homogeneous", Segment.of(t, c, p, d, Le), (Segment.of(t, c, p, d, L),), first_stage_layers=l0
                     )
-                    r = _try(cand, wl, prof, limit)
+                    r = _try(cand, wl, prof, limit, scores)
                     if r is not None and (best is None or r < best[0]):
                         best = (r, cand)
                 if best:
@@ -89,16 +97,19 @@ def brute_force(
                     cands.append(Candidate("disjoint", Segment.of(*e, Le), segs, encoder_ranks=we))
     out = []
     for cand in cands:
-        r = _try(cand, wl, prof, limit)
+        r = _try(cand, wl, prof, limit, scores)
         if r is not None:
             out.append((r, cand))
     out.sort(key=lambda x: x[0])
     return out
 
 
-def _try(cand: Candidate, wl: Workload, prof: Profile, limit: float) -> Optional[float]:
-    try:
-        bd = evaluate(cand, wl, prof)
-    except ValueError:
-        return None
-    return bd.total if bd.memory_per_rank_peak <= limit else None
+def _try(cand: Candidate, wl: Workload, prof: Profile, limit: float, scores: Scores) -> Optional[float]:
+    if cand not in scores:
+        try:
+            bd = evaluate(cand, wl, prof)
+            scores[cand] = (bd.total, bd.memory_per_rank_peak)
+        except ValueError:
+            scores[cand] = None
+    score = scores[cand]
+    return score[0] if score is not None and score[1] <= limit else None

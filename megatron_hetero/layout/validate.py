@@ -77,6 +77,15 @@ def check_experts(layout: HeteroLayout, num_experts: dict[str, Optional[int]]) -
             )
 
 
+def check_heads(m: ModuleLayout, heads: int, flag: Optional[str] = None) -> None:
+    """Tensor parallelism splits a module's attention heads over its tp ranks: `heads` (the module's
+    model's) must be divisible by the module's tp. ValueError naming the module, and the flag that gave
+    the heads where the caller knows it (`flag`, e.g. "--num-attention-heads")."""
+    if heads % m.tp:
+        named = f" ({flag})" if flag else ""
+        raise ValueError(f"module {m.name}: {heads} attention heads{named} are not divisible by tp({m.tp})")
+
+
 def _check_edges(layout: HeteroLayout) -> None:
     names = layout.names
     seen: set[Edge] = set()

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.megatron_lm import precision
+from megatron_hetero.layout.validate import check_heads
 from megatron_hetero.plan.schedule import check_schedule_choice
+from megatron_hetero.runtime.config import check_optimizer_flags
 
 #: Megatron flags no layout supports yet (attribute -> flag).
 REFUSED = {
@@ -166,10 +167,7 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
                 f"Megatron-LM's scripts recompute is the whole model's (--recompute-granularity, "
                 f"--recompute-method, --recompute-num-layers)"
             )
-        if args.num_attention_heads % m.tp:
-            raise ValueError(
-                f"module {m.name}: --num-attention-heads {args.num_attention_heads} is not divisible by tp({m.tp})"
-            )
+        check_heads(m, args.num_attention_heads, "--num-attention-heads")
     for attr, flag in REFUSED.items():
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout (yet)")
@@ -177,28 +175,13 @@ def check_common(args: Any, layout: HeteroLayout) -> None:
         if getattr(args, attr, None):
             raise ValueError(f"{flag} is not supported with a layout: {why}")
     check_uneven_pipeline(args, layout)
-    precision.check_precision(args)  # --loss-scale without --fp16
+    check_optimizer_flags(args)  # the optimizer and precision rules train keeps too (OptimConfig.validate)
     if args.context_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
         raise ValueError(
             "with a layout, Megatron's --context-parallel-size and --pipeline-model-parallel-size "
             "must stay 1 (they give the reference layout the weights start from; each module's "
             "own degrees come from the layout)"
         )
-    if getattr(args, "overlap_param_gather", False) and not (
-        getattr(args, "use_distributed_optimizer", False) and getattr(args, "overlap_grad_reduce", False)
-    ):
-        raise ValueError(
-            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron: "
-            "the parameters it all-gathers in the next forward are the distributed optimizer's shards)"
-        )
-    if getattr(args, "use_distributed_optimizer", False):
-        if args.optimizer != "adam":
-            raise ValueError(
-                f"--use-distributed-optimizer needs --optimizer adam, got {args.optimizer} (Megatron's "
-                f"DistributedOptimizer supports Adam-style optimizers only)"
-            )
-    if args.optimizer not in ("adam", "sgd"):
-        raise ValueError(f"--optimizer {args.optimizer} is not supported with a layout (adam or sgd)")
     if (args.load or args.save) and args.ckpt_format not in CKPT_FORMATS:
         raise ValueError(
             f"--ckpt-format {args.ckpt_format} is not supported with a layout and --load/--save (torch or "

@@ -42,19 +42,6 @@ def model_dtype(args: Any) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def check_precision(args: Any) -> None:
-    """What a layout run refuses of Megatron's precision flags (ValueError naming the flag). `--bf16` and
-    `--fp16` take `--save`/`--load`: the checkpoint carries the fp32 main weights, the moments and the
-    loss scale (`checkpoints.save_reference_checkpoint`, `weights.copy_optimizer_state`,
-    :func:`restore_loss_scale`)."""
-    fp16 = bool(getattr(args, "fp16", False))
-    loss_scale = getattr(args, "loss_scale", None)
-    if loss_scale is not None and not fp16:
-        raise ValueError(
-            f"--loss-scale {loss_scale} needs --fp16 with a layout (bf16 and fp32 train with the loss unscaled)"
-        )
-
-
 def optim_fields(args: Any) -> dict[str, Any]:
     """The `OptimConfig` fields of Megatron's precision and loss-scale flags (`--bf16`, `--fp16`,
     `--loss-scale`, `--initial-loss-scale`, `--min-loss-scale`, `--loss-scale-window`,

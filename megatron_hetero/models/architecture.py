@@ -5,6 +5,7 @@ and the layout, before any process group exists. Pure: no torch."""
 from __future__ import annotations
 
 from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.validate import check_heads
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "mrope")
@@ -70,8 +71,7 @@ def check_whisper(name: str, enc, layout: HeteroLayout) -> None:
     m = layout.module(name)
     if m.pp > 1 or m.cp > 1:
         raise ValueError(f"encoder {name}: a Whisper encoder runs with pp 1 and cp 1; got {m.arithmetic()}")
-    if enc.num_attention_heads % m.tp:
-        raise ValueError(f"encoder {name}: {enc.num_attention_heads} heads are not divisible by tp({m.tp})")
+    check_heads(m, enc.num_attention_heads)
     if enc.feature_dim % 2 or enc.hidden_size % 2:
         raise ValueError(
             f"encoder {name}: a Whisper encoder takes two log-mel frames a token (feature_dim = 2 * mel bins, "

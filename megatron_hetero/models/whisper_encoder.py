@@ -34,6 +34,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.layout.validate import check_heads
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.layer_specs import encoder_layer_spec
 
@@ -97,8 +98,7 @@ class WhisperEncoderModule(torch.nn.Module):
 
         if m.cp != 1 or m.pp != 1:
             raise ValueError(f"module {name}: a Whisper encoder runs with pp 1 and cp 1, got {m.arithmetic()}")
-        if enc.num_attention_heads % m.tp:
-            raise ValueError(f"module {name}: {enc.num_attention_heads} heads are not divisible by tp({m.tp})")
+        check_heads(m, enc.num_attention_heads)
         self.name, self.frozen = name, m.frozen
         self.first = self.last = True
         self.max_tokens, self.mel = enc.tokens, mel_bins(enc)

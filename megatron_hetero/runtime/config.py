@@ -4,7 +4,7 @@ optimizer settings every module's optimizer is built with. Pure: no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field
@@ -24,12 +24,16 @@ class RuntimeConfig:
     schedule: str = "1f1b"
 
 
+#: the optimizers a layout run builds (Megatron's names)
+OPTIMIZERS = ("adam", "sgd")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """Megatron optimizer settings shared by all modules (Megatron flag names; `train`'s flags are
     generated from the fields, `layout.flags`)."""
 
-    optimizer: str = flag_field("adam", group="training", choices=["adam", "sgd"])
+    optimizer: str = flag_field("adam", group="training", choices=list(OPTIMIZERS))
     lr: float = flag_field(1e-3, group="training")
     weight_decay: float = flag_field(0.0, group="training")
     adam_beta1: float = flag_field(0.9, group="training")
@@ -112,14 +116,13 @@ class OptimConfig:
     grad_reduce_in_fp32: bool = True
 
     def validate(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        """ValueError naming the flag: the rules every front end keeps (`check_optimizer_flags`), then
+        train's own (Megatron's scripts take these from Megatron's parser)."""
+        check_optimizer_flags(self)
         if not self.lr > 0:
             raise ValueError(f"--lr must be > 0, got {self.lr}")
         if self.clip_grad < 0:
             raise ValueError(f"--clip-grad must be >= 0, got {self.clip_grad}")
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 exclude each other")
         if self.loss_scale is not None and not self.loss_scale > 0:
             raise ValueError(f"--loss-scale must be > 0, got {self.loss_scale}")
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
@@ -131,8 +134,6 @@ class OptimConfig:
             raise ValueError(f"--loss-scale-window must be >= 1, got {self.loss_scale_window}")
         if not isinstance(self.hysteresis, int) or self.hysteresis < 1:
             raise ValueError(f"--hysteresis must be a positive integer, got {self.hysteresis!r}")
-        if self.loss_scale is not None and not self.fp16:
-            raise ValueError(f"--loss-scale {self.loss_scale} needs --fp16 (bf16 and fp32 train unscaled here)")
         if self.ddp_bucket_size is not None:
             if not self.overlap_grad_reduce:
                 raise ValueError(
@@ -141,13 +142,30 @@ class OptimConfig:
                 )
             if not isinstance(self.ddp_bucket_size, int) or self.ddp_bucket_size < 1:
                 raise ValueError(f"--ddp-bucket-size must be a positive integer, got {self.ddp_bucket_size!r}")
-        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
-            raise ValueError(
-                "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in "
-                "Megatron: the parameters it gathers are the distributed optimizer's shards)"
-            )
-        if self.use_distributed_optimizer and self.optimizer != "adam":
-            raise ValueError(
-                f"--use-distributed-optimizer needs --optimizer adam, got {self.optimizer} (Megatron's "
-                f"DistributedOptimizer supports Adam-style optimizers only)"
-            )
+
+
+def check_optimizer_flags(settings: Any) -> None:
+    """The optimizer and precision rules of every front end, on Megatron's flag names: `OptimConfig`
+    (train's flags) and Megatron's parsed arguments (the Megatron-LM scripts, `megatron_lm.checks`)
+    both carry them as attributes (one missing reads as Megatron's default). ValueError naming the flag."""
+    optimizer = getattr(settings, "optimizer", "adam")
+    fp16, bf16 = bool(getattr(settings, "fp16", False)), bool(getattr(settings, "bf16", False))
+    loss_scale = getattr(settings, "loss_scale", None)
+    distributed = bool(getattr(settings, "use_distributed_optimizer", False))
+    overlap_grad_reduce = bool(getattr(settings, "overlap_grad_reduce", False))
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be adam or sgd, got {optimizer!r}")
+    if bf16 and fp16:
+        raise ValueError("--bf16 and --fp16 exclude each other")
+    if loss_scale is not None and not fp16:
+        raise ValueError(f"--loss-scale {loss_scale} needs --fp16 (bf16 and fp32 train with the loss unscaled)")
+    if getattr(settings, "overlap_param_gather", False) and not (distributed and overlap_grad_reduce):
+        raise ValueError(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce (as in Megatron: "
+            "the parameters it all-gathers in the next forward are the distributed optimizer's shards)"
+        )
+    if distributed and optimizer != "adam":
+        raise ValueError(
+            f"--use-distributed-optimizer needs --optimizer adam, got {optimizer} (Megatron's "
+            f"DistributedOptimizer supports Adam-style optimizers only)"
+        )

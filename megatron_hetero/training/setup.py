@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from megatron_hetero.layout.spec import HeteroLayout, Recompute
-from megatron_hetero.layout.validate import check_recompute
+from megatron_hetero.layout.validate import check_heads, check_recompute
 from megatron_hetero.models import synthetic
 from megatron_hetero.models.llava_checks import check_sequence_parallel, validate_model
 from megatron_hetero.models.llava import (
@@ -106,9 +106,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
             raise ValueError(
                 f"module {m.name}: --global-batch-size {g} is not divisible by dp({m.dp}) (remainder {g % m.dp})"
             )
-        if m.tp > 1 and (spec.encoders.get(m.name, spec).num_attention_heads % m.tp):
-            heads = spec.encoders.get(m.name, spec).num_attention_heads
-            raise ValueError(f"module {m.name}: {heads} attention heads are not divisible by tp({m.tp})")
+        check_heads(m, spec.encoders.get(m.name, spec).num_attention_heads)
     for m in langs:
         if m.cp > 1 and spec.seq_length % (2 * m.cp):
             raise ValueError(f"module {m.name}: --seq-length {spec.seq_length} is not divisible by 2*cp = {2 * m.cp}")

@@ -5,8 +5,6 @@ without model flags writes a layout that `train` without model flags trains."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -54,34 +52,6 @@ def test_every_registered_subcommand_follows_the_convention() -> None:
         assert mod.NAME == name and callable(mod.add_parser) and callable(mod.run), name
     sub = cli.build_parser()._subparsers._group_actions[0]
     assert list(sub.choices) == list(mods)
-
-
-def test_cli_modules_do_not_import_torch() -> None:
-    code = (
-        "import sys; import megatron_hetero.cli as c; c.build_parser(); "
-        "import megatron_hetero.cli.search, megatron_hetero.planner.model, megatron_hetero.training.config, "
-        "megatron_hetero.planner.hardware_presets; "
-        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
-
-
-@pytest.mark.parametrize("module", ["megatron_hetero", "megatron_hetero.cli"])
-def test_python_dash_m_entry_points(module) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "search", "--world-size", "4", "--hardware", "nowhere"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith("megatron-hetero search: invalid input: unknown hardware preset 'nowhere'")
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0 and all(name in proc.stdout for name in cli.subcommand_modules())
 
 
 def test_command_failed_exits_1_without_traceback(capsys, monkeypatch) -> None:
@@ -265,17 +235,16 @@ def test_hardware_presets_are_package_data(tmp_path, capsys) -> None:
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(hw.to_dict()))
     assert load_hardware(str(path)) == load_hardware(path) == hw
-    argv = ["search", "--world-size", "64", "--llm", "14B", "--top", "1", "--json"]
+    argv = ["search", "--world-size", "8", "--top", "3", "--json"]  # train's model (no model flags)
     docs = []
     for source in (DEFAULT_HARDWARE, str(path)):
         rc, out, err = _run(capsys, *argv, "--hardware", source)
         assert rc == 0, err
         docs.append(json.loads(out))
-    assert docs[0]["ranked"] == docs[1]["ranked"]
+    assert docs[0]["ranked"] == docs[1]["ranked"] and len(docs[0]["ranked"]) == 3
     rc, _, err = _run(capsys, "search", "--world-size", "8", "--hardware", str(tmp_path / "none.json"))
     assert rc == 2 and "cannot read hardware spec file" in err
-    rc, out, _ = _run(capsys, "search", "--regime-table", "--json")  # the default preset
-    assert rc == 0 and len(json.loads(out)) == 36
+    # `--regime-table` with no cost source (the default preset): tests/e2e/test_regime_table.py
 
 
 def test_flags_are_generated_from_their_fields() -> None:

@@ -159,15 +159,16 @@ def collect_imports(root: Path, package: str) -> list[Import]:
     return out
 
 
-def floor_violations(root: Path, package: str) -> list[str]:
+def floor_violations(root: Path, package: str, imports: Optional[list[Import]] = None) -> list[str]:
     """Reverse imports between floors, files on no floor, unresolved package imports, and torch or
-    megatron imported from a pure floor; one message per offending import."""
+    megatron imported from a pure floor; one message per offending import. `imports`: the package's
+    `collect_imports`, where the caller has them already."""
     problems: list[str] = []
     for path in sorted((root / package).rglob("*.py")):
         rel = path.relative_to(root)
         if floor_of(rel.relative_to(package)) is None:
             problems.append(f"{rel}: on no floor (add it to floor_of in tests/pure/test_imports.py)")
-    for imp in collect_imports(root, package):
+    for imp in collect_imports(root, package) if imports is None else imports:
         src_floor = floor_of(imp.src.relative_to(package))
         if src_floor is None:
             continue
@@ -192,10 +193,10 @@ def floor_violations(root: Path, package: str) -> list[str]:
     return list(dict.fromkeys(problems))  # one message per statement, not per imported name
 
 
-def import_cycles(root: Path, package: str) -> list[str]:
+def import_cycles(root: Path, package: str, imports: Optional[list[Import]] = None) -> list[str]:
     """Every strongly connected component of more than one file (or a file importing itself) of the
-    package's file import graph, with the imports that close it."""
-    imports = [i for i in collect_imports(root, package) if i.target is not None]
+    package's file import graph, with the imports that close it. `imports`: as in `floor_violations`."""
+    imports = [i for i in (collect_imports(root, package) if imports is None else imports) if i.target is not None]
     files = sorted({i.src for i in imports} | {i.target for i in imports})
     succ: dict[Path, list[Path]] = {f: [] for f in files}
     for i in imports:
@@ -259,20 +260,26 @@ def import_cycles(root: Path, package: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def test_every_file_is_on_a_floor_and_imports_point_down():
-    problems = floor_violations(REPO, "megatron_hetero")
+@pytest.fixture(scope="module")
+def package_imports() -> list[Import]:
+    """The real package's imports, walked once for the tests below."""
+    return collect_imports(REPO, "megatron_hetero")
+
+
+def test_every_file_is_on_a_floor_and_imports_point_down(package_imports):
+    problems = floor_violations(REPO, "megatron_hetero", package_imports)
     assert not problems, "imports against the floors (docs/architecture.md):\n" + "\n".join(problems)
 
 
-def test_no_import_cycles_between_files():
-    problems = import_cycles(REPO, "megatron_hetero")
+def test_no_import_cycles_between_files(package_imports):
+    problems = import_cycles(REPO, "megatron_hetero", package_imports)
     assert not problems, "\n".join(problems)
 
 
-def test_the_walk_sees_the_package():
+def test_the_walk_sees_the_package(package_imports):
     # Guard against a walk that silently finds nothing: the layout floor's own imports are seen,
     # including relative and function-level ones elsewhere.
-    imports = collect_imports(REPO, "megatron_hetero")
+    imports = package_imports
     srcs = {str(i.src) for i in imports}
     assert "megatron_hetero/layout/__init__.py" in srcs and "megatron_hetero/compat/__init__.py" in srcs
     edges = {(str(i.src), str(i.target)) for i in imports if i.target is not None}

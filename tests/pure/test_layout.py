@@ -1113,3 +1113,20 @@ def test_boundary_mode_yaml_flag_and_validation(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="--hetero-boundary-mode hierarchical with .*needs placement disjoint"):
         layout_from_args(args)
+
+
+def test_heads_divide_by_the_modules_tp() -> None:
+    """`check_heads`: the one rule train, the Megatron-LM scripts and the Whisper encoder keep about heads
+    and tensor parallelism (each head lives whole on one tp rank)."""
+    from megatron_hetero.layout.validate import check_heads
+
+    m = layout_from_dict({"placement": "colocated", "modules": {"language": {"tp": 4, "dp": 2}}}).module("language")
+    for heads in (4, 8, 32):
+        check_heads(m, heads)
+    for heads in (2, 6, 9):
+        with pytest.raises(ValueError) as info:
+            check_heads(m, heads)
+        assert str(info.value) == f"module language: {heads} attention heads are not divisible by tp(4)"
+    with pytest.raises(ValueError) as info:
+        check_heads(m, 6, "--num-attention-heads")
+    assert str(info.value) == "module language: 6 attention heads (--num-attention-heads) are not divisible by tp(4)"

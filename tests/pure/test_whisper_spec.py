@@ -66,7 +66,7 @@ def test_the_layout_checks_name_the_reason():
         _check({"pp": 2}, WHISPER, 2)
     with pytest.raises(ValueError, match=r"encoder audio: a Whisper encoder runs with pp 1 and cp 1"):
         _check({"cp": 2}, WHISPER, 2)
-    with pytest.raises(ValueError, match=r"4 heads are not divisible by tp\(8\)"):
+    with pytest.raises(ValueError, match=r"module audio: 4 attention heads are not divisible by tp\(8\)"):
         _check({"tp": 8}, WHISPER, 8)
     with pytest.raises(ValueError, match=r"two log-mel frames a token \(feature_dim = 2 \* mel bins, got 15\)"):
         _check({}, dataclasses.replace(WHISPER, feature_dim=15), 1)
