@@ -19,7 +19,7 @@ def tone_speaker(phrase: str, voice: Voice) -> np.ndarray:
     """16 kHz float32 samples of `phrase`: one tone per word (WORDS index -> frequency), 0.05 s apart."""
     out = []
     for w in phrase.split():
-        seconds = 0.12 * (1 + len(w) / 6) * 150 / voice.speed
+        seconds = 0.2 * (1 + len(w) / 6) * 150 / voice.speed
         hz = (250 + 120 * WORDS.index(w)) * (1 + (voice.pitch - 50) / 500)
         t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
         out += [0.5 * np.sin(2 * np.pi * hz * t), np.zeros(int(0.05 * SAMPLE_RATE))]

@@ -48,8 +48,8 @@ from megatron_hetero.models.tokenizer import CaptionTokenizer, load_tokenizer
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 
-#: speech tokens of one chunk (0.32 s of audio: 32 log-mel frames of 10 ms)
-SPEECH_CHUNK = 16
+#: speech tokens of one chunk (0.64 s of audio: 64 log-mel frames of 10 ms)
+SPEECH_CHUNK = 32
 
 
 class SpeechStageRunner(ChatStageRunner):

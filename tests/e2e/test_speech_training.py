@@ -113,7 +113,7 @@ def test_train_flags_fit_the_spec_to_the_speech_data(ds):
     assert data.kind == "speech" and data.image_size == (8, 8) and data.channels == 1
     v, a = got.encoders["vision"], got.encoders["audio"]
     assert (v.kind, v.tokens, v.feature_dim, v.offset, v.max_tiles) == ("linear", 4, 16, 1, 4)
-    assert (a.kind, a.tokens, a.feature_dim, a.offset) == ("whisper", 16, 16, 17)  # Whisper, 2 x 8 bins a token
+    assert (a.kind, a.tokens, a.feature_dim, a.offset) == ("whisper", 32, 16, 17)  # Whisper, 2 x 8 bins a token
     assert a.max_tiles >= 2 and got.seq_length % 8 == 0 and got.seq_length >= a.offset + a.tokens
     assert runner_factory(data, got, G).__qualname__.startswith("speech_runner_factory")
     linear, _ = job_data(parse(["train", "--data-path", str(ds), "--audio-model-type", "linear"]), spec, G)
