@@ -85,7 +85,8 @@ class CaptionDataConfig:
     )
 
     # what the dataset holds: "caption" (image + caption: `caption_runner`) or "chat" (conversations with
-    # image tiles: `chat_runner`; `image_size` is then the tile); `job_data` picks it from the dataset
+    # image tiles: `chat_runner`; `image_size` is then the tile) or "speech" (spoken digits: images and
+    # speech clips, `speech_runner`); `job_data` picks it from the dataset
     kind: str = "caption"
 
     # conversations (`models.chat_batches`): at most this many tiles per image, 0: no bound
@@ -116,8 +117,8 @@ class CaptionDataConfig:
         return self.image_size
 
     def validate(self) -> None:
-        if self.kind not in ("caption", "chat"):
-            raise ValueError(f"data kind {self.kind!r}: caption or chat")
+        if self.kind not in ("caption", "chat", "speech"):
+            raise ValueError(f"data kind {self.kind!r}: caption, chat or speech")
         if self.num_workers < 0:
             raise ValueError(f"--num-workers {self.num_workers}: must be >= 0")
         if self.max_image_tiles < 0:

@@ -30,7 +30,7 @@ import json
 import tarfile
 from itertools import product
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member, digit_png, energon_prepare, heldout_indices
 from megatron_hetero.models.digits_chat import HELDOUT_SPLITS, TRAIN_DIR, VAL_DIR, _turns_text
@@ -118,14 +118,19 @@ def write_digits_speech_dataset(
     train_shards: int = 4,
     force: bool = False,
     prepare: bool = True,
+    speak: Optional[Callable[[str, Voice], Any]] = None,
 ) -> dict[str, Any]:
     """Write the spoken-digits dataset to `out` (module docstring); returns a summary. ValueError for
     bad arguments or a non-empty `out` without `force`; `speech_synth.SynthesizerMissing` (how to
-    install eSpeak NG) before anything is written when the synthesiser is absent."""
+    install eSpeak NG) before anything is written when the synthesiser is absent. `speak(phrase,
+    voice)`: a clip's 16 kHz float32 samples (default: eSpeak NG, `speech_synth.synthesize`; tests
+    give a stand-in that needs no synthesiser)."""
     import numpy as np
     from sklearn.datasets import load_digits
 
-    espeak_path()
+    if speak is None:
+        espeak_path()
+        speak = synthesize
     out = Path(out)
     if samples < 1 or val_samples < 1:
         raise ValueError(f"--samples {samples}, --val-samples {val_samples}: both must be >= 1")
@@ -152,7 +157,7 @@ def write_digits_speech_dataset(
 
     def clip(phrase: str, voice: str) -> bytes:
         if (phrase, voice) not in clips:
-            clips[phrase, voice] = _npy(log_mel(synthesize(phrase, by_label[voice]), mel_bins, fe))
+            clips[phrase, voice] = _npy(log_mel(speak(phrase, by_label[voice]), mel_bins, fe))
         return clips[phrase, voice]
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,11 @@
 """Which real data `train --data-path DIR` reads, and the stage runner that reads it.
 
 `job_data(args, spec)`: a conversation dataset (`chat_batches.is_chat_dataset`: an energon crude
-dataset, as `megatron-hetero data digits --chat` writes) goes to `chat_runner.chat_job_data`, anything
+dataset, as `megatron-hetero data digits --chat` writes) goes to `chat_runner.chat_job_data`, the
+spoken digits (`data digits --speech`: its `speech.json`) to `speech_runner.speech_job_data`, anything
 else (and no --data-path) to `caption_runner.caption_job_data`. `runner_factory(data, ...)` picks the
-runner of the resulting config's `kind` ("chat": `chat_runner.chat_runner_factory`, else
+runner of the resulting config's `kind` ("chat": `chat_runner.chat_runner_factory`, "speech":
+`speech_runner.speech_runner_factory`, else
 `caption_runner.caption_runner_factory`). Both sides stay unaware of each other.
 """
 
@@ -24,10 +26,9 @@ def job_data(
     from megatron_hetero.models.digits_speech import is_speech_dataset
 
     if getattr(args, "data_path", None) and is_speech_dataset(args.data_path):
-        raise ValueError(
-            f"--data-path {args.data_path}: a spoken-digits dataset (speech clips); train does not read "
-            "speech from data yet (the Whisper `audio` encoder trains on synthetic features: --audio-model-type whisper)"
-        )
+        from megatron_hetero.models.speech_runner import speech_job_data
+
+        return speech_job_data(args, spec, global_batch)
     if getattr(args, "data_path", None) and is_chat_dataset(args.data_path):
         from megatron_hetero.models.chat_runner import chat_job_data
 
@@ -39,6 +40,10 @@ def job_data(
 
 def runner_factory(data: CaptionDataConfig, spec: LlavaSpec, global_batch: int, heldout: bool = False) -> Callable:
     """The (plan, states) -> stage runner function for `data` (a config from `job_data`)."""
+    if data.kind == "speech":
+        from megatron_hetero.models.speech_runner import speech_runner_factory
+
+        return speech_runner_factory(data, spec, global_batch, heldout=heldout)
     if data.kind == "chat":
         from megatron_hetero.models.chat_runner import chat_runner_factory
 

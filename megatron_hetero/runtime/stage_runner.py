@@ -117,3 +117,8 @@ class StageRunner:
         """(hits, samples) this rank counted since the last call, reset; None when the runner counts
         no accuracy."""
         return None
+
+    def take_eval_parts(self) -> dict[str, tuple[int, int]]:
+        """{part: (hits, answers)} this rank counted since the last call, reset, for accuracies of
+        parts of an answer (e.g. per modality); the same names on every rank; {} when none."""
+        return {}

@@ -294,6 +294,7 @@ def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "eval_accuracy",
             "eval_samples",
             "eval_accuracy_name",  # "caption accuracy" or "answer accuracy" (conversations)
+            "eval_parts",  # spoken digits: {"digit shown" / "digit said": {accuracy, answers}}
             # --log-throughput, --log-memory, the writers (training/run_stats.py): already the world's
             "iteration_time_s",
             "tflops_per_rank",

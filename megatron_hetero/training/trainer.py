@@ -91,6 +91,7 @@ def evaluate(schedule, iters: int, rank: int) -> dict[str, Any]:
                 loss_sum += res.loss * n
                 tokens += n
         counts = runner.take_eval_counts()
+        parts = runner.take_eval_parts()
     finally:
         runner.set_eval(False)
     out: dict[str, Any] = {"eval_loss": loss_sum / tokens if tokens else float("nan"), "eval_accuracy": None}
@@ -101,6 +102,15 @@ def evaluate(schedule, iters: int, rank: int) -> dict[str, Any]:
         out["eval_accuracy"] = hits / samples if samples else None
         out["eval_samples"] = int(samples)
         out["eval_accuracy_name"], out["eval_counted"] = runner.accuracy_name
+    if parts:  # per-part accuracy (spoken digits: the digit shown, the digit said); the same names on every rank
+        names = sorted(parts)
+        vec = torch.tensor([x for n in names for x in parts[n]], dtype=torch.float64, device=get_device())
+        run_collective("per-part accuracy all-reduce over the world", rank, dist.all_reduce, vec)
+        got = vec.tolist()
+        out["eval_parts"] = {
+            n: {"accuracy": got[2 * k] / got[2 * k + 1] if got[2 * k + 1] else None, "answers": int(got[2 * k + 1])}
+            for k, n in enumerate(names)
+        }
     return out
 
 
@@ -118,6 +128,9 @@ def validation_line(iteration: int, ev: dict[str, Any]) -> str:
     if ev.get("eval_accuracy") is not None:
         name, counted = ev.get("eval_accuracy_name", "caption accuracy"), ev.get("eval_counted", "held-out samples")
         text += f" {name} {ev['eval_accuracy']:.4f} | {counted}: {ev['eval_samples']} |"
+    for part, got in (ev.get("eval_parts") or {}).items():
+        if got["accuracy"] is not None:
+            text += f" {part} {got['accuracy']:.4f} ({got['answers']}) |"
     return text
 
 
