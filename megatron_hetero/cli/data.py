@@ -24,6 +24,7 @@ import json
 
 from megatron_hetero.cli import CommandFailed
 from megatron_hetero.cli.data_speech import add_speech_flags, run_speech
+from megatron_hetero.cli.data_write import write_conversations
 
 NAME = "data"
 
@@ -99,23 +100,7 @@ def run_chat(args: argparse.Namespace) -> int:
     """`data digits --chat`: the conversation dataset of `models.digits_chat`."""
     from megatron_hetero.models.digits_chat import write_digits_chat_dataset
 
-    try:
-        sizes = [int(x) for x in str(args.sizes).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--sizes {args.sizes}: expected comma-separated integers such as 8,16") from None
-    try:
-        summary = write_digits_chat_dataset(
-            args.out,
-            samples=args.samples,
-            val_samples=args.val_samples,
-            held_out=args.held_out,
-            seed=args.seed,
-            sizes=sizes,
-            train_shards=args.train_shards,
-            force=args.force,
-        )
-    except RuntimeError as exc:
-        raise CommandFailed(str(exc)) from None
+    summary = write_conversations(args, write_digits_chat_dataset, CommandFailed)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0

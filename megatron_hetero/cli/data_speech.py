@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatron_hetero.cli.data_write import write_conversations
+
 
 def add_speech_flags(d: argparse.ArgumentParser) -> None:
     d.add_argument(
@@ -23,24 +25,8 @@ def run_speech(args: argparse.Namespace, failed: type[Exception]) -> int:
 
     if args.chat:
         raise ValueError("--speech and --chat are two datasets: give one")
-    try:
-        sizes = [int(x) for x in str(args.sizes).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--sizes {args.sizes}: expected comma-separated integers such as 8,16") from None
-    try:
-        summary = write_digits_speech_dataset(
-            args.out,
-            samples=args.samples,
-            val_samples=args.val_samples,
-            held_out=args.held_out,
-            seed=args.seed,
-            sizes=sizes,
-            mel_bins=args.mel_bins,
-            train_shards=args.train_shards,
-            force=args.force,
-        )
-    except RuntimeError as exc:  # SynthesizerMissing (how to install) or energon prepare's output
-        raise failed(str(exc)) from None
+    # failed: a missing synthesiser (how to install it) or energon prepare's output
+    summary = write_conversations(args, write_digits_speech_dataset, failed, mel_bins=args.mel_bins)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
