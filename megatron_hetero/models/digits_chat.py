@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import tarfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member, digit_png, energon_prepare, heldout_indices
 
@@ -128,7 +128,17 @@ def conversation_plan(pool: Sequence[int], targets, count: int, sizes: Sequence[
     return out
 
 
-def _write_shards(folder: Path, records: list[dict], images, shards: int, offset: int) -> list[str]:
+def write_shards(
+    folder: Path,
+    records: list[dict],
+    images,
+    shards: int,
+    offset: int,
+    more: Optional[Callable[[tarfile.TarFile, str, dict], None]] = None,
+) -> list[str]:
+    """Write `records` as `shards` webdataset tars under `folder` (keys from `offset`): each record's
+    JSON and its digit images as PNGs; `more(tar, key, record)` adds a dataset's own members (the
+    spoken digits' clips). Returns the tars' names relative to the dataset folder."""
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("shard-*.tar"):
         old.unlink()
@@ -142,8 +152,40 @@ def _write_shards(folder: Path, records: list[dict], images, shards: int, offset
                 add_tar_member(tf, f"{key}.json", json.dumps(rec, sort_keys=True).encode())
                 for part, d, size in zip(rec["images"], rec["digits"], rec["sizes"]):
                     add_tar_member(tf, f"{key}.{part}", digit_png(images[d], size))
+                if more is not None:
+                    more(tf, key, rec)
         names.append(f"{folder.name}/{name}")
     return names
+
+
+def digit_pools(
+    out, samples: int, val_samples: int, held_out: int, seed: int, sizes: Sequence[int], train_shards: int, force: bool
+) -> tuple[Path, list[int], Any, Any, list[int], list[int]]:
+    """The checks every digits conversation dataset makes of its arguments (ValueError), then the
+    digits: `(out, sizes, images, targets, held-out indices, training indices)`."""
+    from sklearn.datasets import load_digits
+
+    out = Path(out)
+    if samples < 1 or val_samples < 1:
+        raise ValueError(f"--samples {samples}, --val-samples {val_samples}: both must be >= 1")
+    if train_shards < 1 or train_shards > samples:
+        raise ValueError(f"--train-shards {train_shards}: must be between 1 and --samples {samples}")
+    sizes = [int(s) for s in sizes]
+    if not sizes or any(s < 8 or s % 8 for s in sizes):
+        raise ValueError(f"--sizes {sizes}: each image size must be a positive multiple of 8 (the digits are 8x8)")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise ValueError(f"--out {out}: the folder is not empty (give --force to overwrite)")
+    digits = load_digits()
+    held = heldout_indices(digits.target, held_out, seed)
+    held_set = set(held)
+    train_pool = [i for i in range(len(digits.target)) if i not in held_set]
+    return out, sizes, digits.images, digits.target, held, train_pool
+
+
+def prepare_conversations(out: Path) -> None:
+    """`energon prepare` the train and held-out splits as crude samples (our cookers read them)."""
+    parts = [f"train:{TRAIN_DIR}/.*"] + [f"{split}:{VAL_DIR}/.*" for split in HELDOUT_SPLITS]
+    energon_prepare(out, parts, ["--sample-type", "CrudeWebdataset"])
 
 
 def write_digits_chat_dataset(
@@ -163,32 +205,17 @@ def write_digits_chat_dataset(
     arguments or a non-empty `out` without `force`; RuntimeError with energon's output if
     `energon prepare` fails."""
     import numpy as np
-    from sklearn.datasets import load_digits
 
-    out = Path(out)
-    if samples < 1 or val_samples < 1:
-        raise ValueError(f"--samples {samples}, --val-samples {val_samples}: both must be >= 1")
-    if train_shards < 1 or train_shards > samples:
-        raise ValueError(f"--train-shards {train_shards}: must be between 1 and --samples {samples}")
-    sizes = [int(s) for s in sizes]
-    if not sizes or any(s < 8 or s % 8 for s in sizes):
-        raise ValueError(f"--sizes {sizes}: each image size must be a positive multiple of 8 (the digits are 8x8)")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {out}: the folder is not empty (give --force to overwrite)")
-    digits = load_digits()
-    images, targets = digits.images, digits.target
-    held = heldout_indices(targets, held_out, seed)
-    held_set = set(held)
-    train_pool = [i for i in range(len(targets)) if i not in held_set]
+    out, sizes, images, targets, held, train_pool = digit_pools(
+        out, samples, val_samples, held_out, seed, sizes, train_shards, force
+    )
     train = conversation_plan(train_pool, targets, samples, sizes, np.random.RandomState([seed, 0]))
     val = conversation_plan(held, targets, val_samples, sizes, np.random.RandomState([seed, 1]))
     out.mkdir(parents=True, exist_ok=True)
-    train_tars = _write_shards(out / TRAIN_DIR, train, images, train_shards, 0)
-    val_tars = _write_shards(out / VAL_DIR, val, images, 1, samples)
+    train_tars = write_shards(out / TRAIN_DIR, train, images, train_shards, 0)
+    val_tars = write_shards(out / VAL_DIR, val, images, 1, samples)
     if prepare:
-        # crude samples: our cooker reads them (`chat_data`)
-        parts = [f"train:{TRAIN_DIR}/.*"] + [f"{split}:{VAL_DIR}/.*" for split in HELDOUT_SPLITS]
-        energon_prepare(out, parts, ["--sample-type", "CrudeWebdataset"])
+        prepare_conversations(out)  # crude samples: our cooker reads them (`chat_data`)
     recs = train + val
     return {
         "path": str(out),

@@ -27,13 +27,19 @@ from __future__ import annotations
 
 import io
 import json
-import tarfile
 from itertools import product
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member, digit_png, energon_prepare, heldout_indices
-from megatron_hetero.models.digits_chat import HELDOUT_SPLITS, TRAIN_DIR, VAL_DIR, _turns_text
+from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member
+from megatron_hetero.models.digits_chat import (
+    TRAIN_DIR,
+    VAL_DIR,
+    _turns_text,
+    digit_pools,
+    prepare_conversations,
+    write_shards,
+)
 from megatron_hetero.models.speech_synth import Voice, espeak_path, feature_extractor, log_mel, synthesize
 
 SPEECH_MARKER = "<speech>"
@@ -87,26 +93,6 @@ def _npy(array) -> bytes:
     return buf.getvalue()
 
 
-def _write_shards(folder: Path, records, images, clip, shards: int, offset: int) -> list[str]:
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("shard-*.tar"):
-        old.unlink()
-    names = []
-    for s in range(shards):
-        lo, hi = s * len(records) // shards, (s + 1) * len(records) // shards
-        name = f"shard-{s:06d}.tar"
-        with tarfile.open(folder / name, "w", format=tarfile.USTAR_FORMAT) as tf:
-            for j in range(lo, hi):
-                rec, key = records[j], f"{offset + j:06d}"
-                add_tar_member(tf, f"{key}.json", json.dumps(rec, sort_keys=True).encode())
-                for part, d, size in zip(rec["images"], rec["digits"], rec["sizes"]):
-                    add_tar_member(tf, f"{key}.{part}", digit_png(images[d], size))
-                for part, phrase, voice in zip(rec["speech"], rec["phrases"], rec["voices"]):
-                    add_tar_member(tf, f"{key}.{part}", clip(phrase, voice))
-        names.append(f"{folder.name}/{name}")
-    return names
-
-
 def write_digits_speech_dataset(
     out,
     samples: int = 4000,
@@ -126,28 +112,15 @@ def write_digits_speech_dataset(
     voice)`: a clip's 16 kHz float32 samples (default: eSpeak NG, `speech_synth.synthesize`; tests
     give a stand-in that needs no synthesiser)."""
     import numpy as np
-    from sklearn.datasets import load_digits
 
     if speak is None:
         espeak_path()
         speak = synthesize
-    out = Path(out)
-    if samples < 1 or val_samples < 1:
-        raise ValueError(f"--samples {samples}, --val-samples {val_samples}: both must be >= 1")
-    if train_shards < 1 or train_shards > samples:
-        raise ValueError(f"--train-shards {train_shards}: must be between 1 and --samples {samples}")
     if mel_bins < 1:
         raise ValueError(f"--mel-bins {mel_bins}: must be >= 1")
-    sizes = [int(s) for s in sizes]
-    if not sizes or any(s < 8 or s % 8 for s in sizes):
-        raise ValueError(f"--sizes {sizes}: each image size must be a positive multiple of 8 (the digits are 8x8)")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise ValueError(f"--out {out}: the folder is not empty (give --force to overwrite)")
-    digits = load_digits()
-    images, targets = digits.images, digits.target
-    held = heldout_indices(targets, held_out, seed)
-    held_set = set(held)
-    train_pool = [i for i in range(len(targets)) if i not in held_set]
+    out, sizes, images, targets, held, train_pool = digit_pools(
+        out, samples, val_samples, held_out, seed, sizes, train_shards, force
+    )
     rs = np.random.RandomState
     train = speech_plan(train_pool, targets, samples, sizes, TRAIN_VOICES, rs([seed, 0]))
     val = speech_plan(held, targets, val_samples, sizes, VAL_VOICES, rs([seed, 1]))
@@ -160,14 +133,17 @@ def write_digits_speech_dataset(
             clips[phrase, voice] = _npy(log_mel(speak(phrase, by_label[voice]), mel_bins, fe))
         return clips[phrase, voice]
 
+    def add_clips(tf, key: str, rec: dict) -> None:
+        for part, phrase, voice in zip(rec["speech"], rec["phrases"], rec["voices"]):
+            add_tar_member(tf, f"{key}.{part}", clip(phrase, voice))
+
     out.mkdir(parents=True, exist_ok=True)
-    train_tars = _write_shards(out / TRAIN_DIR, train, images, clip, train_shards, 0)
-    val_tars = _write_shards(out / VAL_DIR, val, images, clip, 1, samples)
+    train_tars = write_shards(out / TRAIN_DIR, train, images, train_shards, 0, add_clips)
+    val_tars = write_shards(out / VAL_DIR, val, images, 1, samples, add_clips)
     info = {"marker": SPEECH_MARKER, "mel_bins": mel_bins, "features": "log-mel float32 [frames, bins] (.npy)"}
     (out / SPEECH_INFO).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     if prepare:
-        parts = [f"train:{TRAIN_DIR}/.*"] + [f"{split}:{VAL_DIR}/.*" for split in HELDOUT_SPLITS]
-        energon_prepare(out, parts, ["--sample-type", "CrudeWebdataset"])
+        prepare_conversations(out)
     recs = train + val
     frames = [np.load(io.BytesIO(b)).shape[0] for b in clips.values()]
     return {
