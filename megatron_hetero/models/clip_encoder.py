@@ -29,7 +29,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.compat import clip_vit_norm_kwargs
 from megatron_hetero.layout.spec import ModuleLayout
-from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.models.one_stage_encoder import OneStageEncoder
 from megatron_hetero.models.layer_specs import encoder_layer_spec
 
 
@@ -46,7 +46,7 @@ def activation(name: str):
     return {"quick_gelu": quick_gelu, "gelu": torch.nn.functional.gelu}[name]
 
 
-class ClipEncoderModule(torch.nn.Module):
+class ClipEncoderModule(OneStageEncoder):
     """[b, tokens, 3*p*p] patch features -> CLIP ViT -> drop the class token -> projector ->
     [b, tokens, llm_hidden]. One pipeline stage, cp 1; TP on the module's own TP group."""
 
@@ -62,26 +62,12 @@ class ClipEncoderModule(torch.nn.Module):
     ) -> None:
         """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
         super().__init__()
-        from megatron_hetero.models.llava import build_projector, freeze_trunk, transformer_config
+        from megatron_hetero.models.llava import build_projector, freeze_trunk
 
-        if m.cp != 1 or m.pp != 1:
-            raise ValueError(f"module {name}: a CLIP encoder runs with pp 1 and cp 1, got {m.arithmetic()}")
-        self.name, self.frozen = name, m.frozen
-        self.first = self.last = True
+        self._one_stage(name, m, "a CLIP encoder")
         self.patch = enc.patch_size
         self.grid = round(enc.tokens**0.5)
-        config = transformer_config(
-            num_layers=enc.num_layers,
-            hidden=enc.hidden_size,
-            heads=enc.num_attention_heads,
-            ffn=enc.ffn_hidden_size,
-            m=m,
-            recompute=True,
-            layernorm_epsilon=enc.norm_epsilon,
-            activation_func=activation(enc.activation),
-            bias_activation_fusion=False,
-            add_bias_linear=True,
-        )
+        config = self._config(enc, m, activation(enc.activation))
         layer_spec = encoder_layer_spec(impl)
         side = self.grid * self.patch
         self.vit = CLIPViTModel(
@@ -98,16 +84,11 @@ class ClipEncoderModule(torch.nn.Module):
         )
         self.ln_post = torch.nn.LayerNorm(enc.hidden_size, eps=enc.norm_epsilon)
         self.projector = build_projector(enc, llm_hidden, m, pgs)
-        deterministic_init(
-            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
-        )
+        self._init(seed, pgs)
         for p in self.ln_post.parameters():
             p.requires_grad_(False)
         if self.frozen:
             freeze_trunk(self)
-
-    def trainable(self) -> bool:
-        return any(p.requires_grad for p in self.parameters())
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
         """[b, g*g, 3*p*p] patches -> [b, 3, g*p, g*p] (`patches_to_image`)."""
@@ -133,9 +114,6 @@ class ClipEncoderModule(torch.nn.Module):
         """Hugging Face's `pooler_output`: ln_post of the class token's last hidden state [b, h]."""
         return self.ln_post(self.features(x)[:, 0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            h = self.features(x)[:, 1:]  # LLaVA's "default" selection: the patch tokens
-        if self.frozen:
-            h = h.detach()
-        return self.projector(h.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+    def projected(self, x: torch.Tensor) -> torch.Tensor:
+        """LLaVA's "default" selection: the patch tokens [b, tokens, h] (the class token dropped)."""
+        return self.features(x)[:, 1:]

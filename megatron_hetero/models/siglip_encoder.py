@@ -42,7 +42,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_hetero.compat import clip_vit_norm_kwargs
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models.clip_encoder import patches_to_image
-from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.models.one_stage_encoder import OneStageEncoder
 from megatron_hetero.models.layer_specs import encoder_layer_spec
 
 
@@ -84,7 +84,7 @@ class PoolingHead(torch.nn.Module):
         return pooled[:, 0]
 
 
-class SiglipEncoderModule(torch.nn.Module):
+class SiglipEncoderModule(OneStageEncoder):
     """[b, tokens, 3*p*p] patch features -> SigLIP ViT (-> ln_post with `post_norm`) -> projector ->
     [b, tokens, llm_hidden]. One pipeline stage, cp 1; TP on the module's own TP group."""
 
@@ -100,28 +100,14 @@ class SiglipEncoderModule(torch.nn.Module):
     ) -> None:
         """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
         super().__init__()
-        from megatron_hetero.models.llava import build_projector, freeze_trunk, transformer_config
+        from megatron_hetero.models.llava import build_projector, freeze_trunk
 
-        if m.cp != 1 or m.pp != 1:
-            raise ValueError(f"module {name}: a SigLIP encoder runs with pp 1 and cp 1, got {m.arithmetic()}")
-        self.name, self.frozen = name, m.frozen
-        self.first = self.last = True
+        self._one_stage(name, m, "a SigLIP encoder")
         self.patch = enc.patch_size
         self.grid = round(enc.tokens**0.5)
         self.post_norm = enc.post_norm
         act = siglip_activation(enc.activation)
-        config = transformer_config(
-            num_layers=enc.num_layers,
-            hidden=enc.hidden_size,
-            heads=enc.num_attention_heads,
-            ffn=enc.ffn_hidden_size,
-            m=m,
-            recompute=True,
-            layernorm_epsilon=enc.norm_epsilon,
-            activation_func=act,
-            bias_activation_fusion=False,
-            add_bias_linear=True,
-        )
+        config = self._config(enc, m, act)
         side = self.grid * self.patch
         self.vit = CLIPViTModel(
             config,
@@ -142,9 +128,7 @@ class SiglipEncoderModule(torch.nn.Module):
         if enc.pooling_head:
             self.head = PoolingHead(enc.hidden_size, enc.num_attention_heads, ffn, enc.norm_epsilon, act)
         self.projector = build_projector(enc, llm_hidden, m, pgs)
-        deterministic_init(
-            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
-        )
+        self._init(seed, pgs)
         kept = [self.head] if enc.pooling_head else []
         if not self.post_norm:
             kept.append(self.ln_post)
@@ -153,9 +137,6 @@ class SiglipEncoderModule(torch.nn.Module):
                 p.requires_grad_(False)
         if self.frozen:
             freeze_trunk(self)
-
-    def trainable(self) -> bool:
-        return any(p.requires_grad for p in self.parameters())
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
         """[b, g*g, 3*p*p] patches -> [b, 3, g*p, g*p] (`patches_to_image`)."""
@@ -196,10 +177,3 @@ class SiglipEncoderModule(torch.nn.Module):
         if not hasattr(self, "head"):
             raise ValueError(f"module {self.name}: this SigLIP tower has no pooling head")
         return self.head(self.ln_post(self.trunk(x)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            h = self.features(x)
-        if self.frozen:
-            h = h.detach()
-        return self.projector(h.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()

@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.layout.validate import check_heads
-from megatron_hetero.models.init import deterministic_init
+from megatron_hetero.models.one_stage_encoder import OneStageEncoder
 from megatron_hetero.models.layer_specs import encoder_layer_spec
 
 
@@ -79,7 +79,7 @@ def pairs_to_mel(x: torch.Tensor, bins: int) -> torch.Tensor:
     return x.reshape(b, 2 * tokens, bins).transpose(1, 2)
 
 
-class WhisperEncoderModule(torch.nn.Module):
+class WhisperEncoderModule(OneStageEncoder):
     """[b, tokens, 2*mel] frame pairs -> Whisper encoder -> projector -> [b, tokens, llm_hidden].
     `enc`: an `EncoderSpec` (feature_dim = 2 * mel bins, tokens = max_source_positions)."""
 
@@ -94,27 +94,13 @@ class WhisperEncoderModule(torch.nn.Module):
         impl: str = "local",
     ) -> None:
         super().__init__()
-        from megatron_hetero.models.llava import build_projector, freeze_trunk, transformer_config
+        from megatron_hetero.models.llava import build_projector, freeze_trunk
 
-        if m.cp != 1 or m.pp != 1:
-            raise ValueError(f"module {name}: a Whisper encoder runs with pp 1 and cp 1, got {m.arithmetic()}")
+        self._one_stage(name, m, "a Whisper encoder")
         check_heads(m, enc.num_attention_heads)
-        self.name, self.frozen = name, m.frozen
-        self.first = self.last = True
         self.max_tokens, self.mel = enc.tokens, mel_bins(enc)
         h = enc.hidden_size
-        config = transformer_config(
-            num_layers=enc.num_layers,
-            hidden=h,
-            heads=enc.num_attention_heads,
-            ffn=enc.ffn_hidden_size,
-            m=m,
-            recompute=True,
-            layernorm_epsilon=enc.norm_epsilon,
-            activation_func=torch.nn.functional.gelu,
-            bias_activation_fusion=False,
-            add_bias_linear=True,
-        )
+        config = self._config(enc, m, torch.nn.functional.gelu)
         self.conv1 = torch.nn.Conv1d(self.mel, h, kernel_size=3, padding=1)
         self.conv2 = torch.nn.Conv1d(h, h, kernel_size=3, stride=2, padding=1)
         self.positions = torch.nn.Embedding(enc.tokens, h)
@@ -122,9 +108,7 @@ class WhisperEncoderModule(torch.nn.Module):
             config, encoder_layer_spec(impl), pre_process=True, post_process=True, pg_collection=pgs
         )
         self.projector = build_projector(enc, llm_hidden, m, pgs)
-        deterministic_init(
-            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
-        )
+        self._init(seed, pgs)
         with torch.no_grad():
             self.positions.weight.copy_(sinusoids(enc.tokens, h))
         self.positions.weight.requires_grad_(False)
@@ -143,9 +127,6 @@ class WhisperEncoderModule(torch.nn.Module):
         mask = torch.zeros(bias.numel() // (3 * head_dim), 3, head_dim, dtype=torch.bool)
         mask[:, 1] = True
         return mask.reshape(bias.shape)
-
-    def trainable(self) -> bool:
-        return any(p.requires_grad for p in self.parameters())
 
     def mel_features(self, input_features: torch.Tensor) -> torch.Tensor:
         """Hugging Face's `input_features` [b, mel, frames] -> `last_hidden_state` [b, tokens, h]."""
@@ -168,10 +149,3 @@ class WhisperEncoderModule(torch.nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """[b, tokens, 2*mel] frame pairs -> what the projector reads [b, tokens, h]."""
         return self.mel_features(pairs_to_mel(x, self.mel))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen):
-            h = self.features(x)
-        if self.frozen:
-            h = h.detach()
-        return self.projector(h.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
