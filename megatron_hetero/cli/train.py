@@ -20,7 +20,7 @@ Megatron-style flags for sizes (`cli.model_flags`), architecture (`cli.arch_flag
 rope, grouped-query attention, QKV bias, tied embeddings, a CLIP encoder), batch and optimizer;
 `--load DIR` without size/architecture flags builds the model the checkpoint records (e.g. weights
 converted by `megatron-hetero convert hf-to-checkpoint`, which start training at iteration 0); the layout from
-`--hetero-layout FILE` or `--hetero-module ...`. The job is built by `training.job.job_from_args`
+`--hetero-layout FILE` or `--hetero-module ...`. The job is built by `cli.train_door.job_from_args` (train's door: nothing below it reads the flags)
 and validated (`training.setup.validate_job`) before any rank starts (exit 2 with the message).
 
 `--trace FILE.json` records every rank's spans (`runtime.trace`: encoder and LLM forward/backward per
@@ -118,7 +118,8 @@ def precheck(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings, run_as_rank, run_local
+    from megatron_hetero.cli.train_door import job_from_args
+    from megatron_hetero.training.job import quiet_upstream_warnings, run_as_rank, run_local
     from megatron_hetero.launch.rank_env import rank_env
 
     quiet_upstream_warnings()

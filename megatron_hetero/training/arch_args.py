@@ -1,6 +1,6 @@
 """Megatron-LM's architecture flags for the model family (`train`), declared once (`ArchFlags`: the
-flags `cli.arch_flags` generates), and applied to a `LlavaSpec`; ValueError for contradictory
-flags. Every flag defaults to None (unset): the model keeps its description's defaults
+flags `cli.arch_flags` generates; train's door reads them into one), and applied to a `LlavaSpec`
+(`apply_arch_flags`); ValueError for contradictory flags. Every flag defaults to None (unset): the model keeps its description's defaults
 (`planner.model.LlavaSpec`, the tiny GPT). Pure: no torch."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_hetero.layout.flags import flag_field, flags_of, values
+from megatron_hetero.layout.flags import flag_field, flags_of
+from megatron_hetero.planner.model import ModelFlags
 
 
 def _arch(help: Optional[str] = None, **kw: Any) -> Any:
@@ -51,11 +52,6 @@ class ArchFlags:
         "M Mamba (GPU), | pipeline stage (e.g. '*-*-|*-*E'); sets --num-layers"
     )
 
-    @classmethod
-    def from_args(cls, args: Any) -> "ArchFlags":
-        """The flags of a namespace parsed by a parser with them (`cli.arch_flags.add_arch_flags`)."""
-        return cls(**values(cls, args))
-
     def given(self) -> bool:
         return any(getattr(self, f.name) is not None for f in flags_of(ArchFlags))
 
@@ -71,10 +67,6 @@ _SAME_NAME = (
     "kv_channels",
     "add_qkv_bias",
 )
-
-
-def arch_flags_given(args: Any) -> bool:
-    return ArchFlags.from_args(args).given()
 
 
 # What `--vision-model-type` sets on every encoder beside its kind, patch size and features: SigLIP
@@ -109,10 +101,11 @@ def _rope_scaling(g: ArchFlags, spec) -> dict[str, Any]:
     return out
 
 
-def apply_arch_args(args: Any, spec):
-    """`spec` with the language-model and encoder architecture the flags in `args` set (and
-    --encoder-feature-dim, None when not given, checked against a CLIP or SigLIP encoder's)."""
-    g = ArchFlags.from_args(args)
+def apply_arch_flags(g: ArchFlags, spec, model: Optional[ModelFlags] = None):
+    """`spec` with the language-model and encoder architecture the flags `g` set; the size flags
+    given in `model` are checked against them (--num-layers against --hybrid-layer-pattern,
+    --encoder-feature-dim against a CLIP or SigLIP encoder's)."""
+    model = model or ModelFlags()
     if g.share_embeddings_and_output_weights and g.untie_embeddings_and_output_weights:
         raise ValueError("--share-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict")
     if g.group_query_attention and g.num_query_groups is None:
@@ -126,7 +119,7 @@ def apply_arch_args(args: Any, spec):
     spec = dataclasses.replace(spec, **_rope_scaling(g, spec))
     if g.hybrid_layer_pattern is not None:
         layers = len(g.hybrid_layer_pattern.replace("|", ""))
-        given_layers = getattr(args, "num_layers", None)
+        given_layers = model.language.get("num_layers")
         if given_layers is not None and given_layers != layers:
             raise ValueError(
                 f"--num-layers {given_layers} contradicts --hybrid-layer-pattern {g.hybrid_layer_pattern!r} "
@@ -139,9 +132,10 @@ def apply_arch_args(args: Any, spec):
         if not g.patch_dim or g.patch_dim < 1:
             raise ValueError(f"--vision-model-type {kind} needs --patch-dim P (>= 1)")
         p = g.patch_dim
-        if args.encoder_feature_dim not in (None, 3 * p * p):
+        feature_dim = model.encoder.get("feature_dim")
+        if feature_dim not in (None, 3 * p * p):
             raise ValueError(
-                f"--encoder-feature-dim {args.encoder_feature_dim}: a {kind.upper()} encoder's features are "
+                f"--encoder-feature-dim {feature_dim}: a {kind.upper()} encoder's features are "
                 f"3 * --patch-dim**2 = {3 * p * p}"
             )
         fields = dict(VIT_FIELDS[kind], kind=kind, patch_size=p, feature_dim=3 * p * p)

@@ -30,7 +30,7 @@ class JobConfig:
     their own; the fields of this one are grouped by their flags' `group` (the argument groups of
     `train --help`). A field without a flag is set by the code that builds the job."""
 
-    # the model: its description (planner.model; train: `training.job.job_from_args` from the model,
+    # the model: its description (planner.model; train: `cli.train_door.job_from_args` from the model,
     # architecture, MoE and data flags, or the model a checkpoint under --load records)
     spec: LlavaSpec = field(default_factory=LlavaSpec)
     # the batch (the shared model flags, `cli.model_flags`; None in the parser: not given)
@@ -111,7 +111,7 @@ class JobConfig:
     )
     no_load_rng: bool = flag_field(False, "on --load, do not restore the RNG states", group="checkpoints")
     # Megatron-LM's --pretrained-checkpoint: where a job starts when --load holds no checkpoint yet
-    # (`training.job.resolve_pretrained`), so a requeued fine-tuning job resumes its own saves
+    # (`cli.train_door.resolve_pretrained`), so a requeued fine-tuning job resumes its own saves
     pretrained_checkpoint: Optional[str] = flag_field(
         None,
         "when --load holds no checkpoint (or is not given): --finetune from this one (Megatron-LM's flag; a "
@@ -230,6 +230,17 @@ def job_recompute(job: JobConfig) -> Optional[Recompute]:
             raise ValueError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
         return None
     return Recompute(job.recompute_granularity, job.recompute_method, job.recompute_num_layers)
+
+
+# JobConfig's flags whose value a front end derives rather than takes as given: the batch (the
+# micro-batch defaults to the layout's), the trace (made an absolute path)
+DERIVED_JOB_FLAGS = ("global_batch_size", "micro_batch_size", "trace")
+
+
+def plain_job_flags() -> list[dataclasses.Field]:
+    """JobConfig's flags that take the value of their flag as it is: every field with a flag (the
+    declaration says which) but `DERIVED_JOB_FLAGS`."""
+    return [f for f in flags_of(JobConfig) if f.name not in DERIVED_JOB_FLAGS]
 
 
 def train_flag_fields() -> list[dataclasses.Field]:
