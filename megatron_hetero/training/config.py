@@ -4,7 +4,8 @@ description `planner.model.LlavaSpec`), the batch, the loop, the optimizer
 checkpoints, evaluation, logging, the data and the runtime's settings; and `LaunchFlags`, how
 `train` starts the job's ranks. Their fields carry the defaults; those with a `train` flag carry its
 name and help too (`layout.flags`), and `train`'s parser is generated from them (`cli.train`;
-`train_flag_fields` lists them in --help order). Pure: no torch.
+`train_flag_fields` lists them in --help order); `Job`, a JobConfig on its layout as validated once.
+Pure: no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field, flags_of
-from megatron_hetero.layout.spec import Recompute
+from megatron_hetero.layout.spec import HeteroLayout, Recompute
 from megatron_hetero.planner.model import LlavaSpec
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.training.autotune_config import AutotuneConfig
@@ -220,6 +221,19 @@ class LaunchFlags:
     )
     log_jsonl: Optional[str] = flag_field(None, "one JSON object per iteration", group="launch")
     launch_timeout: float = flag_field(3600.0, "seconds before hung ranks are killed", group="launch")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training job as validated, once per process, by `training.setup.validate_job` (the only
+    maker): the layout, its `JobConfig`, and `checked`, what every rank plan of the layout and batch
+    rests on (`plan.rank_plan.check_rank_plans`: the roles, the micro-batching, the disjoint tables),
+    so that a rank builds its plan from it without computing it again (`plan.rank_plan.rank_plan`'s
+    `checked`). The forked ranks inherit it; nothing of it goes over a wire."""
+
+    layout: HeteroLayout
+    config: JobConfig
+    checked: tuple = field(repr=False, compare=False)
 
 
 def job_recompute(job: JobConfig) -> Optional[Recompute]:

@@ -17,6 +17,7 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.roles import language_modules
 from megatron_hetero.planner.model import ENCODER_FLAGS, LlavaSpec, ModelFlags
 from megatron_hetero.training.arch_args import ArchFlags
+from megatron_hetero.training.config import Job
 
 
 def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
@@ -231,22 +232,19 @@ def quiet_upstream_warnings() -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
 
 
-def run_local(layout: HeteroLayout, job, timeout: float = 3600.0, validated: bool = False) -> list[dict[str, Any]]:
-    """Validate `job` on `layout` (unless the caller did: `validated`), fork one rank per layout rank on
-    the local host (gloo on CPU, NCCL on GPU), train, and return the merged per-iteration records.
-    ValueError before any rank starts; `runtime.launcher.RankFailure` / `RankTimeout` when a rank
-    fails or hangs."""
+def run_local(job: Job, timeout: float = 3600.0) -> list[dict[str, Any]]:
+    """Fork one rank per layout rank of the validated `job` (`training.setup.validate_job`) on the
+    local host (gloo on CPU, NCCL on GPU), train, and return the merged per-iteration records.
+    `runtime.launcher.RankFailure` / `RankTimeout` when a rank fails or hangs."""
     import signal
 
     from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
-    if not validated:
-        validate_job(layout, job)
+    layout, config = job.layout, job.config
     require_compat("training.job.run_local")
-    lines = _LinesFromRanks() if job.log_interval or job.progress else None
+    lines = _LinesFromRanks() if config.log_interval or config.progress else None
     try:
         # SIGTERM to this process reaches every rank (they lead their own process groups); with
         # --exit-signal-handler they stop after the same step and save, else they die of it
@@ -254,12 +252,13 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0, validated: boo
             layout.world_size,
             train_rank,
             layout,
-            job,
+            config,
             timeout=timeout,
             backend=default_backend(),
             forward_signals=(signal.SIGTERM,),
-            pg_timeout=min(job.comm_timeout_s, timeout),
+            pg_timeout=min(config.comm_timeout_s, timeout),
             log_write=lines.write if lines else None,
+            checked=job.checked,  # inherited over fork: each rank builds only its own plan from it
         )
     finally:
         if lines is not None:
@@ -267,14 +266,12 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0, validated: boo
     return merge_records(per_rank)
 
 
-def run_as_rank(
-    layout: HeteroLayout, job, env, timeout_s: float, validated: bool = False
-) -> Optional[list[dict[str, Any]]]:
-    """Run `job` as the one rank `env` (a `launch.rank_env.RankEnv`: torchrun, srun) describes:
-    join the job's process group through env:// (the launcher's rendezvous address, never a local
-    default), train, and gather every rank's records. Returns the merged records on global rank 0,
-    None elsewhere. ValueError (every rank says the same) before any group exists; `validated`: this
-    process already ran `validate_job` on the job (it runs once per process)."""
+def run_as_rank(job: Job, env, timeout_s: float) -> Optional[list[dict[str, Any]]]:
+    """Run the validated `job` (`training.setup.validate_job`, once in this process) as the one rank
+    `env` (a `launch.rank_env.RankEnv`: torchrun, srun) describes: join the job's process group
+    through env:// (the launcher's rendezvous address, never a local default), train, and gather
+    every rank's records. Returns the merged records on global rank 0, None elsewhere. ValueError
+    (every rank says the same) before any group exists."""
     import socket
     from datetime import timedelta
 
@@ -283,12 +280,9 @@ def run_as_rank(
 
     from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
-    from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
-    check_world_size(env, layout.world_size)
-    if not validated:
-        validate_job(layout, job)
+    check_world_size(env, job.layout.world_size)
     apply_rank_env(env)
     require_compat("training.job.run_as_rank")
     backend = default_backend()
@@ -303,7 +297,7 @@ def run_as_rank(
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
-            result = train_rank(layout, job, log_write=write)
+            result = train_rank(job.layout, job.config, log_write=write, checked=job.checked)
         except Exception as exc:
             raise RuntimeError(
                 f"rank {env.rank} on {socket.gethostname()} (local rank {env.local_rank}): {type(exc).__name__}: {exc}"
