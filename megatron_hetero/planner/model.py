@@ -243,10 +243,6 @@ class ModelFlags:
         seed = values.get("seed")
         return cls(language=lang, encoder=enc, moe=moe, seed=LlavaSpec.seed if seed is None else int(seed))
 
-    def sizes_given(self) -> bool:
-        """Whether any size flag (or --num-experts) was given."""
-        return bool(self.language or self.encoder) or self.moe.get("num_experts") is not None
-
 
 def check_sizes(spec: LlavaSpec, encoder: EncoderSpec) -> None:
     """ValueError, naming the flags, for sizes the model cannot be built with: the language model's

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_hetero.layout.flags import flag_field, flags_of
+from megatron_hetero.layout.flags import flag_field
 from megatron_hetero.planner.model import ModelFlags
 
 
@@ -51,9 +51,6 @@ class ArchFlags:
         "the language model is Megatron's HybridModel over these layers: * attention, - MLP, E MoE, "
         "M Mamba (GPU), | pipeline stage (e.g. '*-*-|*-*E'); sets --num-layers"
     )
-
-    def given(self) -> bool:
-        return any(getattr(self, f.name) is not None for f in flags_of(ArchFlags))
 
 
 # the spec's language-model fields that take the flag of their own name
