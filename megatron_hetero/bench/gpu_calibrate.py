@@ -206,6 +206,7 @@ def traced_run(shape: dict[str, int], work: Path, name: str, steps: int, bf16: b
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.runtime.config import OptimConfig
     from megatron_hetero.training.job import run_local
+    from megatron_hetero.training.setup import validate_job
 
     import yaml
 
@@ -221,7 +222,7 @@ def traced_run(shape: dict[str, int], work: Path, name: str, steps: int, bf16: b
         )
     layout = layout_from_dict(yaml.safe_load(WORLD1_LAYOUT), world_size=1)
     work.mkdir(parents=True, exist_ok=True)
-    run_local(layout, job, timeout=timeout)
+    run_local(validate_job(layout, job), timeout=timeout)
     return json.loads(trace.read_text()), layout, job
 
 

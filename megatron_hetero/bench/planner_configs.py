@@ -31,14 +31,12 @@ class BenchModel:
 
     def resized(self, **sizes) -> "BenchModel":
         """This model with some of train's size flags changed (by dest: num_layers, encoder_tokens, ...)."""
-        from types import SimpleNamespace
-
-        from megatron_hetero.planner.model import spec_from_flags
+        from megatron_hetero.planner.model import ModelFlags, spec_from_flags
 
         unknown = set(sizes) - set(flag_values(self.spec, keep_none=True))
         assert not unknown, f"not size flags: {sorted(unknown)}"
-        args = SimpleNamespace(**{**flag_values(self.spec, keep_none=True), **sizes})
-        return dataclasses.replace(self, spec=spec_from_flags(args))
+        flags = ModelFlags.from_dests({**flag_values(self.spec, keep_none=True), **sizes})
+        return dataclasses.replace(self, spec=spec_from_flags(flags))
 
     def to_dict(self) -> dict:
         """The model as train's flags (`planner.model.flag_values`) and the batch."""

@@ -131,7 +131,8 @@ def state_table(doc: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     from megatron_hetero.layout.args import layout_from_args
     from megatron_hetero.training.dryrun_world import dry_world, parse_ranks
-    from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings
+    from megatron_hetero.cli.train_door import job_from_args
+    from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
     regime = None

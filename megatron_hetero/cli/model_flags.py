@@ -4,8 +4,8 @@ encoder's `EncoderSpec`) and the batch (`training.config.JobConfig`). Their defa
 on those fields.
 
 Every flag defaults to None in the parser, so a subcommand can tell a given value from a default
-(`layout.flags.given`); `planner.model.spec_from_flags(args)` and `layout.flags.value` fill in the
-fields' defaults. A subcommand that needs only some of them passes `names` (e.g. `plan`: the edge
+(`layout.flags.given`); a door reads them once (`cli.train_door.model_flags`: a
+`planner.model.ModelFlags`), and `planner.model.spec_from_flags` fills in the fields' defaults. A subcommand that needs only some of them passes `names` (e.g. `plan`: the edge
 shape).
 """
 

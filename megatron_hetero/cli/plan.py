@@ -126,9 +126,7 @@ def run(args: argparse.Namespace) -> int:
         return _summary(args, layout, shape, experts)
     memory = None
     if args.memory:
-        from megatron_hetero.report.memory import memory_rows
-
-        memory = memory_rows(args, layout)
+        memory = _memory_rows(args, layout)
     if args.json:
         doc = layout_json(layout, shape, experts)
         if memory is not None:
@@ -151,9 +149,9 @@ def _summary(args: argparse.Namespace, layout, shape, experts) -> int:
 
     doc = summary_json(layout, shape, experts)
     if args.memory:  # the memory model of the sample ranks only
-        from megatron_hetero.report.memory import memory_rows, memory_text
+        from megatron_hetero.report.memory import memory_text
 
-        rows = memory_rows(args, layout, [r["rank"] for r in doc["sample_ranks"]])
+        rows = _memory_rows(args, layout, [r["rank"] for r in doc["sample_ranks"]])
         for entry, row in zip(doc["sample_ranks"], rows):
             entry.update({k: v for k, v in row.items() if k != "rank"})
     print(json.dumps(doc, indent=1) if args.json else summary_text(doc))
@@ -164,10 +162,47 @@ def _summary(args: argparse.Namespace, layout, shape, experts) -> int:
     return 0
 
 
+def _memory_rows(args: argparse.Namespace, layout, ranks=None) -> list[dict]:
+    """`report.memory.memory_rows` for train's model, batch, optimizer and recompute flags in `args`
+    (read here, at plan's door, as `train` reads them: `cli.train_door`). ValueError for bad sizes,
+    batches or recompute flags."""
+    import dataclasses
+
+    from megatron_hetero.cli.train_door import arch_flags, batch_from_args, model_flags
+    from megatron_hetero.layout.flags import values
+    from megatron_hetero.layout.validate import check_recompute
+    from megatron_hetero.planner.memory import StateFeatures
+    from megatron_hetero.planner.model import spec_from_flags
+    from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS, memory_rows
+    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.training.arch_args import apply_arch_flags
+    from megatron_hetero.training.config import JobConfig, job_recompute
+
+    global_batch, micro_batch = batch_from_args(args, layout)
+    model = model_flags(args)
+    spec = spec_from_flags(model, layout)
+    spec = apply_arch_flags(arch_flags(args), dataclasses.replace(spec, **model.moe), model)
+    o = values(OptimConfig, args, OPTIM_FLAGS)
+    spec = dataclasses.replace(spec, bf16=bool(o["bf16"]), fp16=bool(o["fp16"]))
+    j = values(JobConfig, args, JOB_FLAGS)
+    recompute = job_recompute(JobConfig(spec=spec, **j))
+    if recompute is not None:
+        check_recompute(recompute, "--recompute-granularity/--recompute-method/--recompute-num-layers")
+    features = StateFeatures(
+        precision="bf16" if o["bf16"] else "fp16" if o["fp16"] else "fp32",
+        optimizer=o["optimizer"],
+        distributed_optimizer=bool(o["use_distributed_optimizer"]),
+    )
+    offload = bool(getattr(args, "hetero_offload_encoder", False))
+    return memory_rows(
+        layout, spec, global_batch, micro_batch, features, bool(j["sequence_parallel"]), recompute, offload, ranks
+    )
+
+
 def _schedule_lines(args: argparse.Namespace, layout, rank: int) -> list[str]:
     """The rank's schedule table for the batch flags (its colocated phases or its stage's 1F1B)."""
     from megatron_hetero.plan.rank_plan import rank_plan
-    from megatron_hetero.training.job import batch_from_args
+    from megatron_hetero.cli.train_door import batch_from_args
 
     g, mbs = batch_from_args(args, layout)
     plan = rank_plan(layout, rank, g, mbs, bool(getattr(args, "hetero_offload_encoder", False)))
@@ -186,9 +221,9 @@ def _rank(args: argparse.Namespace, layout, shape, experts) -> int:
     schedule = _schedule_lines(args, layout, args.rank) if args.global_batch_size is not None else None
     doc = rank_json(layout, shape, args.rank, experts, schedule)
     if args.memory:
-        from megatron_hetero.report.memory import memory_rows, memory_text
+        from megatron_hetero.report.memory import memory_text
 
-        (row,) = memory_rows(args, layout, [args.rank])
+        (row,) = _memory_rows(args, layout, [args.rank])
         doc.update({k: v for k, v in row.items() if k != "rank"})
     print(json.dumps(doc, indent=1) if args.json else rank_text(doc))
     if args.memory and not args.json:

@@ -207,12 +207,13 @@ def workload_from_args(args):
     planner.model.workload) with the model flags given, or, with --encoder/--llm, a preset whose
     sizes the model flags override."""
     from megatron_hetero.layout.flags import value
+    from megatron_hetero.cli.train_door import model_flags
     from megatron_hetero.planner.model import spec_from_flags, workload
     from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP, TOWER_PRESETS
     from megatron_hetero.planner.workload import Workload
 
     if not uses_presets(args):
-        spec = spec_from_flags(args)
+        spec = spec_from_flags(model_flags(args))
         enc = spec.encoders["vision"]
         # train's encoders: an MLP of 4 * hidden, one input of encoder_tokens per sample
         for name, v in (("encoder_ffn_hidden_size", 4 * enc.hidden_size), ("images_per_sample", 1)):

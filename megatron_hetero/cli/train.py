@@ -20,7 +20,7 @@ Megatron-style flags for sizes (`cli.model_flags`), architecture (`cli.arch_flag
 rope, grouped-query attention, QKV bias, tied embeddings, a CLIP encoder), batch and optimizer;
 `--load DIR` without size/architecture flags builds the model the checkpoint records (e.g. weights
 converted by `megatron-hetero convert hf-to-checkpoint`, which start training at iteration 0); the layout from
-`--hetero-layout FILE` or `--hetero-module ...`. The job is built by `training.job.job_from_args`
+`--hetero-layout FILE` or `--hetero-module ...`. The job is built by `cli.train_door.job_from_args` (train's door: nothing below it reads the flags)
 and validated (`training.setup.validate_job`) before any rank starts (exit 2 with the message).
 
 `--trace FILE.json` records every rank's spans (`runtime.trace`: encoder and LLM forward/backward per
@@ -118,7 +118,8 @@ def precheck(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from megatron_hetero.training.job import job_from_args, quiet_upstream_warnings, run_as_rank, run_local
+    from megatron_hetero.cli.train_door import job_from_args
+    from megatron_hetero.training.job import quiet_upstream_warnings, run_as_rank, run_local
     from megatron_hetero.launch.rank_env import rank_env
 
     quiet_upstream_warnings()
@@ -144,15 +145,15 @@ def run(args: argparse.Namespace) -> int:
         if reason:
             raise ValueError(reason)  # exit 2 before any rank starts
     layout = layout_from_args(args, world_size=args.nproc_per_node)
-    job = job_from_args(args, layout)
-    job = dataclasses.replace(job, progress=bool(getattr(sys.stdout, "isatty", lambda: False)()))
+    config = job_from_args(args, layout)
+    config = dataclasses.replace(config, progress=bool(getattr(sys.stdout, "isatty", lambda: False)()))
     if env is not None:
         check_world_size(env, layout.world_size)
-    validate_job(layout, job)  # before anything is printed or started
-    if job.load and (env is None or env.rank == 0):
+    job = validate_job(layout, config)  # once in this process, before anything is printed or started
+    if config.load and (env is None or env.rank == 0):
         from megatron_hetero.checkpoint.loadable import load_note
 
-        note = load_note(job.load, job.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
+        note = load_note(config.load, config.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
         if note:
             print(note, file=sys.stderr, flush=True)
     if env is None or env.rank == 0:
@@ -164,31 +165,31 @@ def run(args: argparse.Namespace) -> int:
         )
     if env is not None:
         try:
-            records = run_as_rank(layout, job, env, timeout_s=job.comm_timeout_s, validated=True)
+            records = run_as_rank(job, env, timeout_s=config.comm_timeout_s)
         except RuntimeError as exc:
             import traceback
 
             from megatron_hetero.cli.failure import advice
 
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            todo = advice(str(exc), job.save)
+            todo = advice(str(exc), config.save)
             raise CommandFailed(f"failed: {first}" + (f"; {todo}" if todo else ""), traceback.format_exc()) from None
         if records is None:  # not global rank 0: nothing to print or write
             return 0
     else:
         try:
-            records = run_local(layout, job, timeout=args.launch_timeout, validated=True)
+            records = run_local(job, timeout=args.launch_timeout)
         except RankFailure as exc:
             from megatron_hetero.cli.failure import rank_failure_line
 
-            line = rank_failure_line(exc.failures, exc.killed, job.save)
+            line = rank_failure_line(exc.failures, exc.killed, config.save)
             raise CommandFailed(f"failed: {line}", str(exc)) from None
         except RankTimeout as exc:
             raise CommandFailed(f"failed: {exc}") from None
     # the iteration lines were printed by global rank 0 while it trained
-    if job.save:
-        latest = records[-1]["iteration"] if records else job.train_iters  # earlier: stopped on SIGTERM
-        print(f"checkpoints in {job.save} (latest: iteration {latest})", flush=True)
+    if config.save:
+        latest = records[-1]["iteration"] if records else config.train_iters  # earlier: stopped on SIGTERM
+        print(f"checkpoints in {config.save} (latest: iteration {latest})", flush=True)
     if layout.placement == "colocated" and records:
         mem = records[-1]["resident_bytes"]["0"]
         print(

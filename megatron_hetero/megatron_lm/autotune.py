@@ -192,8 +192,7 @@ def train_autotuned_script(
         if j.load:  # a switch or a revert: the whole run from Megatron's checkpoint in --save
             reference_session_args(args, j.load)
         args.micro_batch_size = j.micro_batch_size  # samples per micro-batch on the first language module's ranks
-        s = ScriptSession(model, args, lay, datasets_provider, model_provider, tracer=tracer)
-        s.job = j
+        s = ScriptSession(model, args, lay, datasets_provider, model_provider, tracer=tracer, job=j)
         if lines:  # Megatron's log lines go on as one run's (no first-line averaging after a switch)
             s.front.interval_log = lines[0]
         else:

@@ -26,6 +26,7 @@ from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.schedules import schedule_for
+from megatron_hetero.training.config import JobConfig
 
 PREFIX = "megatron-hetero megatron-lm"
 
@@ -52,7 +53,9 @@ def optim_config(args: Any) -> OptimConfig:
 class ScriptSession:
     """Everything one rank trains the script's model with under `layout` (module docstring), from
     iteration `start` (0, or the checkpoint's under `args.load`). `tracer`: a recording tracer for
-    the schedule (`--hetero-autotune`'s windows). The `model` is the script's `driver.ScriptModel`."""
+    the schedule (`--hetero-autotune`'s windows); `job`: the `JobConfig` a `--hetero-autotune` run
+    prices and moves (`megatron_lm.autotune.cost_job`; `training.autotune_run` reads `session.job`),
+    None otherwise. The `model` is the script's `driver.ScriptModel`."""
 
     def __init__(
         self,
@@ -62,6 +65,7 @@ class ScriptSession:
         datasets_provider: Callable,
         model_provider: Callable,
         tracer=None,
+        job: Optional[JobConfig] = None,
     ) -> None:
         from megatron.training.training import get_optimizer_param_scheduler
 
@@ -70,7 +74,7 @@ class ScriptSession:
         from megatron_hetero.runtime.topology import Topology
 
         ensure_global_memory_buffer()
-        self.args, self.layout = args, layout
+        self.args, self.layout, self.job = args, layout, job
         source = None
         if args.load or args.hetero_init == "reference":
             source = weights_mod.ReferenceSource.build(model_provider, keep=bool(args.save))

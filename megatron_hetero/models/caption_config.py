@@ -2,7 +2,8 @@
 `models.energon_data`). `CaptionDataConfig` is the resolved configuration a job carries
 (`training.config.JobConfig.data`); `DataFlags` the choice of the data source on `train`'s command
 line. The fields with a flag carry its name and help (`layout.flags`): `cli.data.add_train_data_flags`
-generates train's data flags from them, `models.caption_runner.caption_job_data` reads them back.
+generates train's data flags from them; train's door reads them into a `DataRequest`, what
+`models.caption_runner.caption_job_data` takes.
 """
 
 from __future__ import annotations
@@ -134,6 +135,36 @@ class CaptionDataConfig:
                     f"image size {h}x{w} is not divisible by --patch-size {self.patch_size} "
                     f"(remainders {h % self.patch_size}, {w % self.patch_size})"
                 )
+
+
+def _config_default(name: str):
+    """The default of `CaptionDataConfig`'s field `name` (its flag's, when not given)."""
+    return next(f.default for f in dataclasses.fields(CaptionDataConfig) if f.name == name)
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """What `train`'s flags ask of the data, read once at its door (`cli.train_door.data_request`)
+    and taken by `models.job_data.job_data`: the data flags' values (`data_flag_fields`: a flag not
+    given holds its field's default), --seed, and the model flags the data fills in or checks (None:
+    not given): --vocab-size, --encoder-tokens, --encoder-feature-dim, --audio-model-type, and whether
+    --seq-length was given (with --load: the checkpoint's model gives the vocabulary and the sequence length)."""
+
+    data_path: Optional[str] = None
+    mock_data: bool = False
+    tokenizer_model: Optional[str] = _config_default("tokenizer_model")
+    patch_size: int = _config_default("patch_size")
+    image_processor: Optional[str] = _config_default("image_processor")
+    prompt: str = _config_default("prompt")
+    trust_code: bool = _config_default("trust_code")
+    num_workers: int = _config_default("num_workers")
+    max_image_tiles: int = _config_default("max_image_tiles")
+    seed: int = 1234
+    vocab_size: Optional[int] = None
+    encoder_tokens: Optional[int] = None
+    encoder_feature_dim: Optional[int] = None
+    audio_model_type: Optional[str] = None
+    seq_length_given: bool = False
 
 
 def data_flag_fields() -> list[dataclasses.Field]:

@@ -14,20 +14,18 @@ count is exact and needs no communication.
 `caption_runner_factory(data, spec, global_batch)` is what a trainer plugs in:
     runner = factory(plan, states) if factory else None
     schedule = make_schedule(plan, job, topo, states, runner=runner)
-and `caption_job_data(args, spec)` what `train --data-path DIR` does in the launching process: the
+and `caption_job_data(req, spec)` what `train --data-path DIR` does in the launching process: the
 resolved `CaptionDataConfig` and the model spec fitted to the data and the tokenizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
-from megatron_hetero.layout.flags import default, value
-from megatron_hetero.models.caption_config import data_flag_fields
+from megatron_hetero.models.caption_config import DataRequest
 from megatron_hetero.models.caption_eval import digit_hits
 from megatron_hetero.models.dataset_trust import check_dataset, trusted_message
 from megatron_hetero.models.caption_batches import CaptionBatches
@@ -182,38 +180,36 @@ def caption_runner_factory(
     return make
 
 
-def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[CaptionDataConfig]]:
+def caption_job_data(req: DataRequest, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[CaptionDataConfig]]:
     """`train`'s data flags -> (spec, data config), in the launching process (and on every rank under
     torchrun/srun: deterministic). Without --data-path: (spec, None), the synthetic data (--mock-data).
     With it: the dataset's image format resolved (`energon_data.resolve_config`), and `spec` with the
     encoder's tokens/feature_dim from the data and the vocabulary from the tokenizer
-    (`energon_data.caption_spec`). `args`: a namespace of train's parser: the data flags
-    (`models.caption_config.data_flag_fields`), --seed, and the model flags --vocab-size,
-    --encoder-tokens, --encoder-feature-dim (None: not given). ValueError for conflicting or
+    (`energon_data.caption_spec`). `req`: train's data flags, --seed, and the model flags
+    --vocab-size, --encoder-tokens, --encoder-feature-dim (None: not given), as its door read them. ValueError for conflicting or
     impossible values, and `dataset_trust.UntrustedDataset` (a ValueError) for a dataset that names
     code without --trust-dataset-code."""
-    fields = {f.name: f for f in data_flag_fields()}
-    path, tokenizer_model = args.data_path, value(args, fields["tokenizer_model"])
+    path, tokenizer_model = req.data_path, req.tokenizer_model
     if not path:
         if tokenizer_model:
             raise ValueError("--tokenizer-model applies to --data-path (the synthetic data has no text)")
         return spec, None
-    if args.mock_data:
+    if req.mock_data:
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
-    if value(args, fields["max_image_tiles"]):
+    if req.max_image_tiles:
         raise ValueError(f"--max-image-tiles: applies to conversation data; --data-path {path} holds captions")
     # before energon opens it: a dataset that names code is refused unless --trust-dataset-code
-    trust = value(args, fields["trust_code"])
+    trust = req.trust_code
     trusted = tuple(f.line() for f in check_dataset(path, trust=trust))
     # a CLIP encoder fixes the image format: RGB, its image size (images are resized), its patch size
     clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
     side = round(clip.tokens**0.5) * clip.patch_size if clip else None
-    patch = value(args, fields["patch_size"]) or default(fields["patch_size"])  # --patch-size 0: the default, as ever
+    patch = req.patch_size or DataRequest.patch_size  # --patch-size 0: the default, as ever
     # a Qwen2.5-VL tower reads one pixel block a merged token (`models.qwen_encoder.blocks_to_patches`)
     qwen = next((e for e in spec.encoders.values() if e.kind == "qwen2.5-vl"), None)
     if qwen is not None:
         patch = qwen.merge_size * qwen.patch_size
-        if value(args, fields["image_processor"]):
+        if req.image_processor:
             raise ValueError(
                 "--image-processor: a Qwen2.5-VL tower on caption data reads each merged token's pixel block "
                 "(scaled to [-1, 1]); its native-resolution processor is not wired into the data yet"
@@ -224,18 +220,18 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
             tokenizer_model=tokenizer_model,
             trust_code=trust,
             trusted=trusted,
-            seed=int(args.seed),
+            seed=int(req.seed),
             patch_size=clip.patch_size if clip else int(patch),
             image_size=(side, side) if clip else None,
             channels=3 if clip else None,
-            prompt=value(args, fields["prompt"]),
-            image_processor=value(args, fields["image_processor"]),
-            num_workers=int(value(args, fields["num_workers"])),
+            prompt=req.prompt,
+            image_processor=req.image_processor,
+            num_workers=int(req.num_workers),
         )
     )
     for flag, given, derived in (
-        ("--encoder-tokens", args.encoder_tokens, cfg.image_tokens),
-        ("--encoder-feature-dim", args.encoder_feature_dim, cfg.feature_dim),
+        ("--encoder-tokens", req.encoder_tokens, cfg.image_tokens),
+        ("--encoder-feature-dim", req.encoder_feature_dim, cfg.feature_dim),
     ):
         if given is not None and given != derived:
             h, w = cfg.image_size
@@ -245,7 +241,7 @@ def caption_job_data(args: Any, spec: LlavaSpec) -> tuple[LlavaSpec, Optional[Ca
                 f"leave it out or change --patch-size"
             )
     tok = load_tokenizer(cfg.tokenizer_model)
-    out = caption_spec(spec, cfg, tok, vocab_size=args.vocab_size)
+    out = caption_spec(spec, cfg, tok, vocab_size=req.vocab_size)
     if qwen is not None:  # the image's rows of merged tokens
         out = dataclasses.replace(
             out,

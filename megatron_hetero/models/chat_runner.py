@@ -27,9 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from megatron_hetero.layout.flags import default, flags_of, value
-from megatron_hetero.layout.flags import given as flag_given
-from megatron_hetero.models.caption_config import CaptionDataConfig, data_flag_fields
+from megatron_hetero.models.caption_config import CaptionDataConfig, DataRequest
 from megatron_hetero.models.caption_runner import gathered_eval_ids
 from megatron_hetero.models.chat_batches import (
     DEFAULT_TILE,
@@ -288,7 +286,7 @@ def chat_runner_factory(
 
 
 def chat_job_data(
-    args: Any, spec: LlavaSpec, global_batch: Optional[int] = None
+    req: DataRequest, spec: LlavaSpec, global_batch: Optional[int] = None
 ) -> tuple[LlavaSpec, CaptionDataConfig]:
     """`train --data-path DIR` on a conversation dataset, in the launching process (as
     `caption_runner.caption_job_data` for captions): the resolved config (`resolve_chat_config`: the
@@ -300,36 +298,35 @@ def chat_job_data(
     batch (`check_first_batch`), --mock-data with it, --data-prompt
     (caption-only), a dataset that names code (conversation data runs none, even when trusted),
     --encoder-tokens/--encoder-feature-dim that differ from the data's."""
-    fields = {f.name: f for f in data_flag_fields()}
-    path, tokenizer_model = str(args.data_path), value(args, fields["tokenizer_model"])
-    if args.mock_data:
+    path, tokenizer_model = str(req.data_path), req.tokenizer_model
+    if req.mock_data:
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
-    if value(args, fields["prompt"]):
+    if req.prompt:
         raise ValueError(f"--data-prompt: applies to caption data; --data-path {path} holds conversations")
-    trust = value(args, fields["trust_code"])
+    trust = req.trust_code
     if check_dataset(path, trust=trust):  # refused unless trusted; trusted, it would still not run
         raise ValueError(f"--data-path {path}: the dataset names code; conversation data is read by index only")
     clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
     tile = round(clip.tokens**0.5) * clip.patch_size if clip else DEFAULT_TILE
-    patch = value(args, fields["patch_size"]) or default(fields["patch_size"])
+    patch = req.patch_size or DataRequest.patch_size
     cfg = resolve_chat_config(
         CaptionDataConfig(
             path=path,
             tokenizer_model=tokenizer_model,
             trust_code=trust,
-            seed=int(args.seed),
+            seed=int(req.seed),
             patch_size=clip.patch_size if clip else int(patch),
             channels=3 if clip else None,
-            image_processor=value(args, fields["image_processor"]),
-            num_workers=int(value(args, fields["num_workers"])),
-            max_image_tiles=int(value(args, fields["max_image_tiles"])),
+            image_processor=req.image_processor,
+            num_workers=int(req.num_workers),
+            max_image_tiles=int(req.max_image_tiles),
         ),
         tile=tile,
     )
     tile = cfg.image_size[0]  # --image-processor: its output size
     for flag, given, derived in (
-        ("--encoder-tokens", args.encoder_tokens, cfg.image_tokens),
-        ("--encoder-feature-dim", args.encoder_feature_dim, cfg.feature_dim),
+        ("--encoder-tokens", req.encoder_tokens, cfg.image_tokens),
+        ("--encoder-feature-dim", req.encoder_feature_dim, cfg.feature_dim),
     ):
         if given is not None and given != derived:
             raise ValueError(
@@ -338,7 +335,7 @@ def chat_job_data(
             )
     tok = load_tokenizer(cfg.tokenizer_model)
     template = chat_template_for(cfg.tokenizer_model)
-    if not flag_given(args, flags_of(LlavaSpec, ["seq_length"])[0]):  # the data's (--load: the checkpoint's)
+    if not req.seq_length_given:  # the data's (--load: the checkpoint's)
         seq = data_seq_length(cfg, tok, template, tile)
         shift = seq - spec.seq_length  # output heads keep their span before the end of the sequence
         outputs = {n: replace(o, offset=o.offset + shift) for n, o in spec.outputs.items()}
@@ -354,7 +351,7 @@ def chat_job_data(
         max_tiles = max(max_tiles, max_sample_tiles(cfg, tile, split=HELDOUT_SPLIT))
     except ValueError:  # no held-out split: evaluation says so when asked for
         pass
-    spec = chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=args.vocab_size, template=template)
+    spec = chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=req.vocab_size, template=template)
     if global_batch is not None:
         check_first_batch(cfg, tok, template, spec, global_batch)
     return spec, cfg

@@ -21,9 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_hetero.layout.flags import default, flags_of, value
-from megatron_hetero.layout.flags import given as flag_given
-from megatron_hetero.models.caption_config import CaptionDataConfig, data_flag_fields
+from megatron_hetero.models.caption_config import CaptionDataConfig, DataRequest
 from megatron_hetero.models.caption_runner import gathered_eval_ids
 from megatron_hetero.models.chat_batches import DEFAULT_TILE, HELDOUT_SPLIT, resolve_chat_config, tiles_of
 from megatron_hetero.models.chat_default import chat_template_for
@@ -238,7 +236,7 @@ def speech_runner_factory(
 
 
 def speech_job_data(
-    args: Any, spec: LlavaSpec, global_batch: Optional[int] = None
+    req: DataRequest, spec: LlavaSpec, global_batch: Optional[int] = None
 ) -> tuple[LlavaSpec, CaptionDataConfig]:
     """`train --data-path DIR` on a spoken-digits dataset, in the launching process: the resolved
     config (`chat_batches.resolve_chat_config`, kind "speech": the image encoder's tiles) and `spec`
@@ -246,34 +244,33 @@ def speech_job_data(
     ValueError for --mock-data with it, --data-prompt, a dataset that names code, encoders other than
     an image encoder and `audio`, --encoder-tokens / --encoder-feature-dim that differ from the image
     tiles', or a first global batch without a loss token."""
-    fields = {f.name: f for f in data_flag_fields()}
-    path = str(args.data_path)
-    if args.mock_data:
+    path = str(req.data_path)
+    if req.mock_data:
         raise ValueError(f"--mock-data and --data-path {path}: give one (synthetic or real data)")
-    if value(args, fields["prompt"]):
+    if req.prompt:
         raise ValueError(f"--data-prompt: applies to caption data; --data-path {path} holds conversations")
-    trust = value(args, fields["trust_code"])
+    trust = req.trust_code
     if check_dataset(path, trust=trust):
         raise ValueError(f"--data-path {path}: the dataset names code; spoken-digits data is read by index only")
     image = _encoder_names(spec)
     bins = int(speech_info(path)["mel_bins"])
-    patch = int(value(args, fields["patch_size"]) or default(fields["patch_size"]))
+    patch = int(req.patch_size or DataRequest.patch_size)
     cfg = resolve_chat_config(
         CaptionDataConfig(
             path=path,
-            tokenizer_model=value(args, fields["tokenizer_model"]),
+            tokenizer_model=req.tokenizer_model,
             trust_code=trust,
-            seed=int(args.seed),
+            seed=int(req.seed),
             patch_size=patch,
-            num_workers=int(value(args, fields["num_workers"])),
-            max_image_tiles=int(value(args, fields["max_image_tiles"])),
+            num_workers=int(req.num_workers),
+            max_image_tiles=int(req.max_image_tiles),
         ),
         tile=DEFAULT_TILE,
     )
     cfg = replace(cfg, kind="speech")
     for flag, given, derived in (
-        ("--encoder-tokens", args.encoder_tokens, cfg.image_tokens),
-        ("--encoder-feature-dim", args.encoder_feature_dim, cfg.feature_dim),
+        ("--encoder-tokens", req.encoder_tokens, cfg.image_tokens),
+        ("--encoder-feature-dim", req.encoder_feature_dim, cfg.feature_dim),
     ):
         if given is not None and given != derived:
             raise ValueError(
@@ -283,7 +280,7 @@ def speech_job_data(
     tok = load_tokenizer(cfg.tokenizer_model)
     template = chat_template_for(cfg.tokenizer_model)
     shape = speech_data_shape(cfg, tok, template, bins)
-    if not flag_given(args, flags_of(LlavaSpec, ["seq_length"])[0]):
+    if not req.seq_length_given:
         seq = shape["seq_length"]
         shift = seq - spec.seq_length
         outputs = {n: replace(o, offset=o.offset + shift) for n, o in spec.outputs.items()}
@@ -296,8 +293,8 @@ def speech_job_data(
         bins=bins,
         max_tiles=shape["max_tiles"],
         max_chunks=shape["max_chunks"],
-        whisper=getattr(args, "audio_model_type", None) is None,
-        vocab_size=args.vocab_size,
+        whisper=req.audio_model_type is None,
+        vocab_size=req.vocab_size,
     )
     if global_batch is not None:
         data = SpeechBatches(

@@ -24,7 +24,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_hetero.layout.flags import dest, flag_field, flags_of, given, option, value
+from megatron_hetero.layout.flags import default, dest, flag_field, flags_of, option
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner.workload import ModelSpec, Workload
 from megatron_hetero.plan.roles import language_layers, roles
@@ -244,9 +244,27 @@ def size_flags() -> list[dataclasses.Field]:
     return flags_of(LlavaSpec, LANGUAGE_FLAGS) + flags_of(EncoderSpec, ENCODER_FLAGS)
 
 
-def sizes_given(args: Any) -> bool:
-    """Whether any size flag (or --num-experts) was given in `args` (train's parser)."""
-    return any(given(args, f) for f in size_flags()) or args.num_experts is not None
+@dataclass(frozen=True)
+class ModelFlags:
+    """The model flags a front end was given, read once at its door (`cli.train_door.model_flags`):
+    the language model's size flags given (field name -> value; a flag not given is absent), one
+    encoder's (`--encoder-*`: every encoder alike), the MoE flags that are not None (Megatron's:
+    their defaults included) and --seed. What the floors below take instead of the flags."""
+
+    language: dict[str, Any] = field(default_factory=dict)
+    encoder: dict[str, Any] = field(default_factory=dict)
+    moe: dict[str, Any] = field(default_factory=dict)
+    seed: int = 1234
+
+    @classmethod
+    def from_dests(cls, values: dict[str, Any]) -> "ModelFlags":
+        """The flags of `values` (by argparse dest, as `flag_values` writes them; None or absent: not
+        given)."""
+        lang = {f.name: values[dest(f)] for f in flags_of(LlavaSpec, LANGUAGE_FLAGS) if values.get(dest(f)) is not None}
+        enc = {f.name: values[dest(f)] for f in flags_of(EncoderSpec, ENCODER_FLAGS) if values.get(dest(f)) is not None}
+        moe = {f.name: values[dest(f)] for f in flags_of(LlavaSpec, MOE_FLAGS) if values.get(dest(f)) is not None}
+        seed = values.get("seed")
+        return cls(language=lang, encoder=enc, moe=moe, seed=LlavaSpec.seed if seed is None else int(seed))
 
 
 def check_sizes(spec: LlavaSpec, encoder: EncoderSpec) -> None:
@@ -266,14 +284,16 @@ def check_sizes(spec: LlavaSpec, encoder: EncoderSpec) -> None:
         )
 
 
-def spec_from_flags(args: Any, layout: Optional[HeteroLayout] = None) -> LlavaSpec:
-    """The model the size flags in `args` describe (a flag not given: the field's default), on
+def spec_from_flags(flags: ModelFlags, layout: Optional[HeteroLayout] = None) -> LlavaSpec:
+    """The model the size flags given in `flags` describe (a flag not given: the field's default), on
     `layout` (`spec_on_layout`; --num-layers not given: the layers the layout's language segments
     cover). Without a layout: one encoder, `vision` (what `search` plans). ValueError for sizes the
     model cannot be built with."""
-    lang = {f.name: value(args, f) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS)}
-    encoder = EncoderSpec(**{f.name: value(args, f) for f in flags_of(EncoderSpec, ENCODER_FLAGS)})
-    if layout is not None and not given(args, flags_of(LlavaSpec, ["num_layers"])[0]):
+    lang = {f.name: flags.language.get(f.name, default(f)) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS)}
+    encoder = EncoderSpec(
+        **{f.name: flags.encoder.get(f.name, default(f)) for f in flags_of(EncoderSpec, ENCODER_FLAGS)}
+    )
+    if layout is not None and "num_layers" not in flags.language:
         lang["num_layers"] = language_layers(layout, lang["num_layers"])
     sizes = LlavaSpec(**lang, encoders={"vision": encoder})
     check_sizes(sizes, encoder)
@@ -424,7 +444,7 @@ def qwen_encoder_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
 def flag_values(spec: LlavaSpec, keep_none: bool = False) -> dict[str, Any]:
     """The size flags' values of `spec` with one encoder, by dest ({'num_layers': 2, ...,
     'encoder_feature_dim': 24}); a size left to its rule (ffn_hidden_size None) is left out unless
-    `keep_none`. `spec_from_flags` of them (as a namespace) gives `spec` back."""
+    `keep_none`. `spec_from_flags(ModelFlags.from_dests(...))` of them gives `spec` back."""
     (e,) = spec.encoders.values()
     out = {dest(f): getattr(spec, f.name) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS)}
     out.update({dest(f): getattr(e, f.name) for f in flags_of(EncoderSpec, ENCODER_FLAGS)})

@@ -1,13 +1,14 @@
 """`megatron-hetero plan`'s memory columns: every rank's predicted resident state and activation peak
-of one training step (`planner.memory`), from the model, batch and feature flags `train` takes.
+of one training step (`planner.memory`), for the model, batch and features of train's flags (read
+at `plan`'s door: `cli.plan`).
 Pure: no torch."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Iterable, Optional
 
-from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.spec import HeteroLayout, Recompute
+from megatron_hetero.planner.model import LlavaSpec
 from megatron_hetero.planner.memory import (
     StateFeatures,
     rank_activation_bytes,
@@ -21,43 +22,27 @@ OPTIM_FLAGS = ("optimizer", "bf16", "fp16", "use_distributed_optimizer")
 JOB_FLAGS = ("sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers")
 
 
-def memory_rows(args: Any, layout: HeteroLayout, ranks: Optional[Iterable[int]] = None) -> list[dict[str, Any]]:
+def memory_rows(
+    layout: HeteroLayout,
+    spec: LlavaSpec,
+    global_batch: int,
+    micro_batch: int,
+    features: StateFeatures,
+    sequence_parallel: bool = False,
+    recompute: Optional[Recompute] = None,
+    offload_encoder: bool = False,
+    ranks: Optional[Iterable[int]] = None,
+) -> list[dict[str, Any]]:
     """Per rank: {rank, predicted_state_bytes, predicted_activation_bytes, predicted_peak_bytes (the
-    most at one moment: less than their sum with --hetero-offload-encoder), state (per module: params,
-    grads, optimizer), activations (per module)} for `train` with these flags on `layout` (every rank,
-    or the given `ranks`). ValueError for bad sizes or batches."""
-    from megatron_hetero.layout.flags import values
-    from megatron_hetero.layout.validate import check_recompute
-    from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec, spec_from_flags
-    from megatron_hetero.runtime.config import OptimConfig
-    from megatron_hetero.training.arch_args import apply_arch_args
-    from megatron_hetero.training.config import JobConfig, job_recompute
-    from megatron_hetero.training.job import batch_from_args
-
-    global_batch, micro_batch = batch_from_args(args, layout)
-    spec = spec_from_flags(args, layout)
-    moe = {k: v for k, v in values(LlavaSpec, args, MOE_FLAGS).items() if v is not None}
-    spec = apply_arch_args(args, dataclasses.replace(spec, **moe))
-    o = values(OptimConfig, args, OPTIM_FLAGS)
-    spec = dataclasses.replace(spec, bf16=bool(o["bf16"]), fp16=bool(o["fp16"]))
-    j = values(JobConfig, args, JOB_FLAGS)
-    recompute = job_recompute(JobConfig(spec=spec, **j))
-    if recompute is not None:
-        check_recompute(recompute, "--recompute-granularity/--recompute-method/--recompute-num-layers")
-    features = StateFeatures(
-        precision="bf16" if o["bf16"] else "fp16" if o["fp16"] else "fp32",
-        optimizer=o["optimizer"],
-        distributed_optimizer=bool(o["use_distributed_optimizer"]),
-    )
+    most at one moment: less than their sum with `offload_encoder`), state (per module: params,
+    grads, optimizer), activations (per module)} for a training step of `spec` on `layout` (every
+    rank, or the given `ranks`); what `plan --memory` reads from train's flags (`cli.plan`)."""
     rows = []
     for r in range(layout.world_size) if ranks is None else ranks:
         state = rank_state_bytes(layout, spec, r, features)
-        acts = rank_activation_bytes(
-            layout, spec, r, global_batch, micro_batch, bool(j["sequence_parallel"]), recompute
-        )
-        offload = bool(getattr(args, "hetero_offload_encoder", False))
+        acts = rank_activation_bytes(layout, spec, r, global_batch, micro_batch, sequence_parallel, recompute)
         peak = rank_peak_bytes(
-            layout, spec, r, features, global_batch, micro_batch, bool(j["sequence_parallel"]), recompute, offload
+            layout, spec, r, features, global_batch, micro_batch, sequence_parallel, recompute, offload_encoder
         )
         rows.append(
             {

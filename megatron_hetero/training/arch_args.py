@@ -1,6 +1,6 @@
 """Megatron-LM's architecture flags for the model family (`train`), declared once (`ArchFlags`: the
-flags `cli.arch_flags` generates), and applied to a `LlavaSpec`; ValueError for contradictory
-flags. Every flag defaults to None (unset): the model keeps its description's defaults
+flags `cli.arch_flags` generates; train's door reads them into one), and applied to a `LlavaSpec`
+(`apply_arch_flags`); ValueError for contradictory flags. Every flag defaults to None (unset): the model keeps its description's defaults
 (`planner.model.LlavaSpec`, the tiny GPT). Pure: no torch."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_hetero.layout.flags import flag_field, flags_of, values
+from megatron_hetero.layout.flags import flag_field
+from megatron_hetero.planner.model import ModelFlags
 
 
 def _arch(help: Optional[str] = None, **kw: Any) -> Any:
@@ -59,14 +60,6 @@ class ArchFlags:
         "M Mamba (GPU), | pipeline stage (e.g. '*-*-|*-*E'); sets --num-layers"
     )
 
-    @classmethod
-    def from_args(cls, args: Any) -> "ArchFlags":
-        """The flags of a namespace parsed by a parser with them (`cli.arch_flags.add_arch_flags`)."""
-        return cls(**values(cls, args))
-
-    def given(self) -> bool:
-        return any(getattr(self, f.name) is not None for f in flags_of(ArchFlags))
-
 
 # the spec's language-model fields that take the flag of their own name
 _SAME_NAME = (
@@ -80,10 +73,6 @@ _SAME_NAME = (
     "add_qkv_bias",
     "mrope_section",
 )
-
-
-def arch_flags_given(args: Any) -> bool:
-    return ArchFlags.from_args(args).given()
 
 
 # What `--vision-model-type` sets on every encoder beside its kind, patch size and features: SigLIP
@@ -148,10 +137,11 @@ def qwen_encoder(enc, patch: Optional[int], feature_dim: Optional[int]):
     )
 
 
-def apply_arch_args(args: Any, spec):
-    """`spec` with the language-model and encoder architecture the flags in `args` set (and
-    --encoder-feature-dim, None when not given, checked against a CLIP or SigLIP encoder's)."""
-    g = ArchFlags.from_args(args)
+def apply_arch_flags(g: ArchFlags, spec, model: Optional[ModelFlags] = None):
+    """`spec` with the language-model and encoder architecture the flags `g` set; the size flags
+    given in `model` are checked against them (--num-layers against --hybrid-layer-pattern,
+    --encoder-feature-dim against a CLIP or SigLIP encoder's)."""
+    model = model or ModelFlags()
     if g.share_embeddings_and_output_weights and g.untie_embeddings_and_output_weights:
         raise ValueError("--share-embeddings-and-output-weights and --untie-embeddings-and-output-weights contradict")
     if g.group_query_attention and g.num_query_groups is None:
@@ -167,7 +157,7 @@ def apply_arch_args(args: Any, spec):
     spec = dataclasses.replace(spec, **_rope_scaling(g, spec))
     if g.hybrid_layer_pattern is not None:
         layers = len(g.hybrid_layer_pattern.replace("|", ""))
-        given_layers = getattr(args, "num_layers", None)
+        given_layers = model.language.get("num_layers")
         if given_layers is not None and given_layers != layers:
             raise ValueError(
                 f"--num-layers {given_layers} contradicts --hybrid-layer-pattern {g.hybrid_layer_pattern!r} "
@@ -180,9 +170,10 @@ def apply_arch_args(args: Any, spec):
         if not g.patch_dim or g.patch_dim < 1:
             raise ValueError(f"--vision-model-type {kind} needs --patch-dim P (>= 1)")
         p = g.patch_dim
-        if args.encoder_feature_dim not in (None, 3 * p * p):
+        feature_dim = model.encoder.get("feature_dim")
+        if feature_dim not in (None, 3 * p * p):
             raise ValueError(
-                f"--encoder-feature-dim {args.encoder_feature_dim}: a {kind.upper()} encoder's features are "
+                f"--encoder-feature-dim {feature_dim}: a {kind.upper()} encoder's features are "
                 f"3 * --patch-dim**2 = {3 * p * p}"
             )
         fields = dict(VIT_FIELDS[kind], kind=kind, patch_size=p, feature_dim=3 * p * p)
@@ -191,7 +182,10 @@ def apply_arch_args(args: Any, spec):
         )
     elif kind == QWEN:
         spec = dataclasses.replace(
-            spec, encoders={n: qwen_encoder(e, g.patch_dim, args.encoder_feature_dim) for n, e in spec.encoders.items()}
+            spec,
+            encoders={
+                n: qwen_encoder(e, g.patch_dim, model.encoder.get("feature_dim")) for n, e in spec.encoders.items()
+            },
         )
     elif g.patch_dim is not None:
         raise ValueError("--patch-dim applies to --vision-model-type clip, siglip or qwen2.5-vl")

@@ -4,7 +4,8 @@ description `planner.model.LlavaSpec`), the batch, the loop, the optimizer
 checkpoints, evaluation, logging, the data and the runtime's settings; and `LaunchFlags`, how
 `train` starts the job's ranks. Their fields carry the defaults; those with a `train` flag carry its
 name and help too (`layout.flags`), and `train`'s parser is generated from them (`cli.train`;
-`train_flag_fields` lists them in --help order). Pure: no torch.
+`train_flag_fields` lists them in --help order); `Job`, a JobConfig on its layout as validated once.
+Pure: no torch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field, flags_of
-from megatron_hetero.layout.spec import Recompute
+from megatron_hetero.layout.spec import HeteroLayout, Recompute
 from megatron_hetero.planner.model import LlavaSpec
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.training.autotune_config import AutotuneConfig
@@ -30,7 +31,7 @@ class JobConfig:
     their own; the fields of this one are grouped by their flags' `group` (the argument groups of
     `train --help`). A field without a flag is set by the code that builds the job."""
 
-    # the model: its description (planner.model; train: `training.job.job_from_args` from the model,
+    # the model: its description (planner.model; train: `cli.train_door.job_from_args` from the model,
     # architecture, MoE and data flags, or the model a checkpoint under --load records)
     spec: LlavaSpec = field(default_factory=LlavaSpec)
     # the batch (the shared model flags, `cli.model_flags`; None in the parser: not given)
@@ -111,7 +112,7 @@ class JobConfig:
     )
     no_load_rng: bool = flag_field(False, "on --load, do not restore the RNG states", group="checkpoints")
     # Megatron-LM's --pretrained-checkpoint: where a job starts when --load holds no checkpoint yet
-    # (`training.job.resolve_pretrained`), so a requeued fine-tuning job resumes its own saves
+    # (`cli.train_door.resolve_pretrained`), so a requeued fine-tuning job resumes its own saves
     pretrained_checkpoint: Optional[str] = flag_field(
         None,
         "when --load holds no checkpoint (or is not given): --finetune from this one (Megatron-LM's flag; a "
@@ -222,6 +223,19 @@ class LaunchFlags:
     launch_timeout: float = flag_field(3600.0, "seconds before hung ranks are killed", group="launch")
 
 
+@dataclass(frozen=True)
+class Job:
+    """A training job as validated, once per process, by `training.setup.validate_job` (the only
+    maker): the layout, its `JobConfig`, and `checked`, what every rank plan of the layout and batch
+    rests on (`plan.rank_plan.check_rank_plans`: the roles, the micro-batching, the disjoint tables),
+    so that a rank builds its plan from it without computing it again (`plan.rank_plan.rank_plan`'s
+    `checked`). The forked ranks inherit it; nothing of it goes over a wire."""
+
+    layout: HeteroLayout
+    config: JobConfig
+    checked: tuple = field(repr=False, compare=False)
+
+
 def job_recompute(job: JobConfig) -> Optional[Recompute]:
     """The job's whole-model recompute (its --recompute-* flags), None without --recompute-granularity;
     ValueError for a method or layer count without a granularity (the values: `validate.check_recompute`)."""
@@ -230,6 +244,17 @@ def job_recompute(job: JobConfig) -> Optional[Recompute]:
             raise ValueError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
         return None
     return Recompute(job.recompute_granularity, job.recompute_method, job.recompute_num_layers)
+
+
+# JobConfig's flags whose value a front end derives rather than takes as given: the batch (the
+# micro-batch defaults to the layout's), the trace (made an absolute path)
+DERIVED_JOB_FLAGS = ("global_batch_size", "micro_batch_size", "trace")
+
+
+def plain_job_flags() -> list[dataclasses.Field]:
+    """JobConfig's flags that take the value of their flag as it is: every field with a flag (the
+    declaration says which) but `DERIVED_JOB_FLAGS`."""
+    return [f for f in flags_of(JobConfig) if f.name not in DERIVED_JOB_FLAGS]
 
 
 def train_flag_fields() -> list[dataclasses.Field]:

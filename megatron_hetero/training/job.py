@@ -1,17 +1,13 @@
-"""A training job from `train`'s flags, and the local run of it on forked ranks.
+"""The training job's run on forked ranks or as one launched rank, and the model a checkpoint records.
 
-`job_from_args` maps the flag values of `train`'s parser (an argparse namespace; the flags are
-generated from the fields of `training.config.JobConfig` and the sections it nests, so every one is
-there with its field's default) and a layout to the `training.config.JobConfig` the trainer runs:
-which modules are encoders (every module except the language module(s): the sink of the module
-graph, or the modules that declare `layers`, i.e. pipeline segments), each encoder with the
-`--encoder-*` sizes and its placeholder span in the text following the previous one from position 1
-(`planner.model.spec_from_flags`). `run_local` launches `training.trainer.train_rank` on one forked
-rank per layout rank and merges their records.
+(`train`'s flags become a `training.config.JobConfig` at its door, `cli.train_door.job_from_args`.)
 `recorded_spec`: `train --load DIR` without model-size flags builds the model the checkpoint
-records (its `spec_record`), so a converted Llama/Qwen2 + CLIP model needs no flags repeated.
-Importing this module does not import torch.
-"""
+records (its `spec_record`), so a converted Llama/Qwen2 + CLIP model needs no flags repeated; the
+flags given (`planner.model.ModelFlags`, `training.arch_args.ArchFlags`) must agree with it.
+`default_micro_batch_size`: the micro-batch a layout takes when none is given. `run_local` launches
+`training.trainer.train_rank` on one forked rank per layout rank and merges their records;
+`run_as_rank` runs one rank under torchrun/srun.
+Importing this module does not import torch."""
 
 from __future__ import annotations
 
@@ -19,8 +15,9 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.roles import language_modules
-from megatron_hetero.planner.model import ENCODER_FLAGS, MOE_FLAGS, LlavaSpec, spec_from_flags
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.planner.model import ENCODER_FLAGS, LlavaSpec, ModelFlags
+from megatron_hetero.training.arch_args import ArchFlags
+from megatron_hetero.training.config import Job
 
 
 def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
@@ -37,46 +34,38 @@ def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
     return 1  # nothing fits: validation explains why with the arithmetic
 
 
-def batch_from_args(args: Any, layout: HeteroLayout) -> tuple[int, int]:
-    """(global batch size, micro-batch size) of the batch flags in `args` on `layout`: a flag not
-    given takes JobConfig's default, the micro-batch size the layout's (`default_micro_batch_size`)."""
-    from megatron_hetero.layout.flags import flags_of, given, value
-
-    gbs, mbs = flags_of(JobConfig, ("global_batch_size", "micro_batch_size"))
-    g = value(args, gbs)
-    return g, value(args, mbs) if given(args, mbs) else default_micro_batch_size(layout, g)
-
-
-def recorded_spec(args: Any, spec):
-    """`spec`, or, when `args.load` names a checkpoint that records its model, that model (with this
-    job's seed and precision: --bf16, --fp16). Model flags given next to --load (sizes, architecture,
-    MoE) must agree with the record: Megatron-LM users pass the full model flags, so a flag that says
-    what the checkpoint records is accepted and every flag not given is filled from the record
-    (`overlay_flags`); a given flag that differs is refused (ValueError naming its field and flag).
-    With --finetune or converted weights, a different --seq-length is a training choice when the
-    recorded model has no position table (rope): it is taken."""
+def recorded_spec(
+    spec: LlavaSpec, load: Optional[str], finetune: bool, model: ModelFlags, arch: ArchFlags
+) -> LlavaSpec:
+    """`spec`, or, when `load` names a checkpoint that records its model, that model (with this
+    job's seed and precision: --bf16, --fp16). Model flags given next to --load (`model`, `arch`:
+    sizes, architecture, MoE) must agree with the record: Megatron-LM users pass the full model
+    flags, so a flag that says what the checkpoint records is accepted and every flag not given is
+    filled from the record (`overlay_flags`); a given flag that differs is refused (ValueError naming
+    its field and flag). With `finetune` (--finetune) or converted weights, a different --seq-length
+    is a training choice when the recorded model has no position table (rope): it is taken."""
     import dataclasses
 
-    if not args.load:
+    if not load:
         return spec
     from megatron_hetero.checkpoint.files import read_train_state
 
-    state = read_train_state(args.load)[1]
+    state = read_train_state(load)[1]
     record = state.get("model")
     if not isinstance(record, dict):
         return spec
     saved = LlavaSpec.from_record(record, seed=spec.seed)
-    wanted = overlay_flags(args, saved)
+    wanted = overlay_flags(model, arch, saved)
     from megatron_hetero.checkpoint.pretrained import ORIGIN
 
-    weights_only = bool(getattr(args, "finetune", False)) or state.get("origin") == ORIGIN
+    weights_only = finetune or state.get("origin") == ORIGIN
     diffs = spec_differences(saved, wanted)
     if weights_only and saved.position_embedding_type == "rope":
         diffs = [d for d in diffs if d[0] != "seq_length" and not d[0].endswith(".offset")]
     if diffs:
         named = "; ".join(f"{field} ({flag}): {a!r} in the checkpoint, {b!r} given" for field, flag, a, b in diffs)
         raise ValueError(
-            f"--load {args.load}: the model flags given differ from the checkpoint's model ({named}); "
+            f"--load {load}: the model flags given differ from the checkpoint's model ({named}); "
             "give the flags of the recorded model, or none (the record fills them)"
         )
     if wanted.seq_length != saved.seq_length:  # --finetune / converted weights of a rope model
@@ -84,32 +73,28 @@ def recorded_spec(args: Any, spec):
     return dataclasses.replace(saved, bf16=spec.bf16, fp16=spec.fp16)
 
 
-def overlay_flags(args: Any, spec: LlavaSpec) -> LlavaSpec:
-    """`spec` with the model flags GIVEN in `args` applied on top (a flag not given keeps `spec`'s
-    value): the language model's sizes (--num-layers ...), every encoder's (--encoder-*), the MoE
-    flags (with --num-experts) and the architecture flags (`training.arch_args.apply_arch_args`).
+def overlay_flags(model: ModelFlags, arch: ArchFlags, spec: LlavaSpec) -> LlavaSpec:
+    """`spec` with the model flags given (`model`, `arch`) applied on top (a flag not given keeps
+    `spec`'s value): the language model's sizes (--num-layers ...), every encoder's (--encoder-*), the
+    MoE flags (with --num-experts) and the architecture flags (`training.arch_args.apply_arch_flags`).
     Output heads keep their span before the end of the sequence (`spec_on_layout`)."""
     import dataclasses
 
-    from megatron_hetero.layout.flags import flags_of, given, value
-    from megatron_hetero.planner.model import ENCODER_FLAGS, LANGUAGE_FLAGS, EncoderSpec
-    from megatron_hetero.training.arch_args import apply_arch_args
+    from megatron_hetero.training.arch_args import apply_arch_flags
 
-    lang = {f.name: value(args, f) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS) if given(args, f)}
-    enc = {f.name: value(args, f) for f in flags_of(EncoderSpec, ENCODER_FLAGS) if given(args, f)}
-    out = dataclasses.replace(spec, **lang)
-    if enc:
-        out = dataclasses.replace(out, encoders={n: dataclasses.replace(e, **enc) for n, e in out.encoders.items()})
-    if args.num_experts is not None:
-        from megatron_hetero.layout.flags import values
-
-        out = dataclasses.replace(out, **{k: v for k, v in values(LlavaSpec, args, MOE_FLAGS).items() if v is not None})
+    out = dataclasses.replace(spec, **model.language)
+    if model.encoder:
+        out = dataclasses.replace(
+            out, encoders={n: dataclasses.replace(e, **model.encoder) for n, e in out.encoders.items()}
+        )
+    if model.moe.get("num_experts") is not None:
+        out = dataclasses.replace(out, **model.moe)
     if out.seq_length != spec.seq_length and out.outputs:
         shift = out.seq_length - spec.seq_length
         out = dataclasses.replace(
             out, outputs={n: dataclasses.replace(o, offset=o.offset + shift) for n, o in out.outputs.items()}
         )
-    return apply_arch_args(args, out)
+    return apply_arch_flags(arch, out, model)
 
 
 # the flag that sets a spec field, where it is not `--` + the field's name
@@ -151,126 +136,6 @@ def spec_differences(saved: LlavaSpec, now: LlavaSpec) -> list[tuple[str, str, A
         if oa != ob:
             out.append((f"outputs.{name}.offset", "--seq-length", oa, ob))
     return sorted(out)
-
-
-def resolve_pretrained(args: Any) -> Any:
-    """Megatron-LM's `--pretrained-checkpoint DIR`: when `--load` is not given or holds no checkpoint
-    yet (no `latest_checkpointed_iteration.txt`), the job starts from DIR with `--finetune` (the
-    weights only); once `--load` holds a save of this job (a requeue), that one resumes. Returns
-    `args`, or a copy with `load` and `finetune` set."""
-    pretrained = getattr(args, "pretrained_checkpoint", None)
-    if not pretrained:
-        return args
-    from pathlib import Path
-
-    from megatron_hetero.checkpoint.files import TRACKER
-
-    if args.load and (Path(args.load) / TRACKER).is_file():
-        return args
-    import copy
-
-    out = copy.copy(args)
-    out.load, out.finetune = pretrained, True
-    return out
-
-
-# JobConfig's fields that take the value of their train flag as it is
-_JOB_FLAGS = (
-    "train_iters",
-    "recompute_granularity",
-    "recompute_method",
-    "recompute_num_layers",
-    "sequence_parallel",
-    "save",
-    "save_interval",
-    "load",
-    "load_fallback",
-    "finetune",
-    "no_load_optim",
-    "no_load_rng",
-    "pretrained_checkpoint",
-    "override_opt_param_scheduler",
-    "log_interval",
-    "eval_interval",
-    "eval_iters",
-    "exit_signal_handler",
-    "tensorboard_dir",
-    "tensorboard_log_interval",
-    "log_validation_ppl_to_tensorboard",
-    "wandb_project",
-    "wandb_exp_name",
-    "wandb_save_dir",
-    "log_throughput",
-    "log_memory",
-)
-
-
-def job_from_args(args: Any, layout: HeteroLayout) -> JobConfig:
-    """The `JobConfig` of `train`'s flags on `layout`. `args`: a namespace of train's parser (every
-    flag it declares is there, with the default of the field that declares it: `cli.train`): the
-    model (the sizes: `planner.model.spec_from_flags`; --seed and the MoE flags: LlavaSpec's fields;
-    the architecture: `training.arch_args`; --load without size or architecture flags: the model the
-    checkpoint records; the data: `models.job_data.job_data`: captions or conversations), the batch
-    (`batch_from_args`), the optimizer (OptimConfig's flags; --bf16 and --fp16 also set the model's
-    precision), the schedule (LRSchedule's), the layout's runtime flags (--hetero-offload-encoder,
-    --hetero-comm-timeout) and JobConfig's own. `progress` stays False (the CLI sets it when stdout is
-    a terminal). ValueError for invalid sizes."""
-    import dataclasses
-
-    from megatron_hetero.layout.flags import values
-    from megatron_hetero.models.job_data import job_data
-    from megatron_hetero.runtime.config import OptimConfig
-    from megatron_hetero.training.arch_args import apply_arch_args
-    from megatron_hetero.training.lr_schedule import LRSchedule
-
-    args = resolve_pretrained(args)  # --pretrained-checkpoint: --load and --finetune
-    global_batch_size, micro_batch_size = batch_from_args(args, layout)
-    spec = spec_from_flags(args, layout)  # the sizes; then the seed and Megatron's MoE flags
-    moe = {k: v for k, v in values(LlavaSpec, args, MOE_FLAGS).items() if v is not None}
-    spec = dataclasses.replace(spec, **values(LlavaSpec, args, ["seed"]), **moe)
-    spec = apply_arch_args(args, spec)  # Megatron-LM's architecture flags (RMSNorm, swiglu, rope, CLIP, ...)
-    recorded = recorded_spec(args, spec)  # --load without model flags: the model the checkpoint records
-    if recorded is not spec:  # the data keeps the recorded vocabulary (a pretrained LM's)
-        import copy
-
-        args = copy.copy(args)
-        args.vocab_size = recorded.vocab_size
-        args.seq_length = recorded.seq_length  # and its sequence length (never taken from the data)
-    spec = recorded
-    spec = dataclasses.replace(spec, transformer_impl=getattr(args, "transformer_impl", "local"))
-    spec, data = job_data(args, spec, global_batch_size)  # (spec, None) without --data-path; captions or conversations
-    optim = OptimConfig(**values(OptimConfig, args))
-    if optim.bf16 or optim.fp16:
-        spec = dataclasses.replace(spec, bf16=optim.bf16, fp16=optim.fp16)
-    job = values(JobConfig, args, _JOB_FLAGS)
-    from megatron_hetero.training.autotune_config import AutotuneConfig
-
-    tune = AutotuneConfig(**values(AutotuneConfig, args)) if getattr(args, "hetero_autotune", False) else None
-    return JobConfig(
-        spec=spec,
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size,
-        optim=optim,
-        schedule=LRSchedule(**values(LRSchedule, args)),
-        offload_encoder=args.hetero_offload_encoder,
-        comm_timeout_s=args.hetero_comm_timeout,
-        hetero_schedule=getattr(args, "hetero_schedule", "1f1b"),
-        data=data,
-        trace=_trace_path(args.trace),
-        autotune=tune,
-        **job,
-    )
-
-
-def _trace_path(path: Optional[str]) -> Optional[str]:
-    """`--trace FILE`: the absolute path (every rank writes into the same file's folder), its folder made."""
-    if not path:
-        return None
-    from pathlib import Path
-
-    p = Path(path).resolve()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    return str(p)
 
 
 def merge_records(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -368,22 +233,19 @@ def quiet_upstream_warnings() -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
 
 
-def run_local(layout: HeteroLayout, job, timeout: float = 3600.0, validated: bool = False) -> list[dict[str, Any]]:
-    """Validate `job` on `layout` (unless the caller did: `validated`), fork one rank per layout rank on
-    the local host (gloo on CPU, NCCL on GPU), train, and return the merged per-iteration records.
-    ValueError before any rank starts; `runtime.launcher.RankFailure` / `RankTimeout` when a rank
-    fails or hangs."""
+def run_local(job: Job, timeout: float = 3600.0) -> list[dict[str, Any]]:
+    """Fork one rank per layout rank of the validated `job` (`training.setup.validate_job`) on the
+    local host (gloo on CPU, NCCL on GPU), train, and return the merged per-iteration records.
+    `runtime.launcher.RankFailure` / `RankTimeout` when a rank fails or hangs."""
     import signal
 
     from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
-    if not validated:
-        validate_job(layout, job)
+    layout, config = job.layout, job.config
     require_compat("training.job.run_local")
-    lines = _LinesFromRanks() if job.log_interval or job.progress else None
+    lines = _LinesFromRanks() if config.log_interval or config.progress else None
     try:
         # SIGTERM to this process reaches every rank (they lead their own process groups); with
         # --exit-signal-handler they stop after the same step and save, else they die of it
@@ -391,12 +253,13 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0, validated: boo
             layout.world_size,
             train_rank,
             layout,
-            job,
+            config,
             timeout=timeout,
             backend=default_backend(),
             forward_signals=(signal.SIGTERM,),
-            pg_timeout=min(job.comm_timeout_s, timeout),
+            pg_timeout=min(config.comm_timeout_s, timeout),
             log_write=lines.write if lines else None,
+            checked=job.checked,  # inherited over fork: each rank builds only its own plan from it
         )
     finally:
         if lines is not None:
@@ -404,14 +267,12 @@ def run_local(layout: HeteroLayout, job, timeout: float = 3600.0, validated: boo
     return merge_records(per_rank)
 
 
-def run_as_rank(
-    layout: HeteroLayout, job, env, timeout_s: float, validated: bool = False
-) -> Optional[list[dict[str, Any]]]:
-    """Run `job` as the one rank `env` (a `launch.rank_env.RankEnv`: torchrun, srun) describes:
-    join the job's process group through env:// (the launcher's rendezvous address, never a local
-    default), train, and gather every rank's records. Returns the merged records on global rank 0,
-    None elsewhere. ValueError (every rank says the same) before any group exists; `validated`: this
-    process already ran `validate_job` on the job (it runs once per process)."""
+def run_as_rank(job: Job, env, timeout_s: float) -> Optional[list[dict[str, Any]]]:
+    """Run the validated `job` (`training.setup.validate_job`, once in this process) as the one rank
+    `env` (a `launch.rank_env.RankEnv`: torchrun, srun) describes: join the job's process group
+    through env:// (the launcher's rendezvous address, never a local default), train, and gather
+    every rank's records. Returns the merged records on global rank 0, None elsewhere. ValueError
+    (every rank says the same) before any group exists."""
     import socket
     from datetime import timedelta
 
@@ -420,12 +281,9 @@ def run_as_rank(
 
     from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
-    from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
-    check_world_size(env, layout.world_size)
-    if not validated:
-        validate_job(layout, job)
+    check_world_size(env, job.layout.world_size)
     apply_rank_env(env)
     require_compat("training.job.run_as_rank")
     backend = default_backend()
@@ -440,7 +298,7 @@ def run_as_rank(
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
-            result = train_rank(layout, job, log_write=write)
+            result = train_rank(job.layout, job.config, log_write=write, checked=job.checked)
         except Exception as exc:
             raise RuntimeError(
                 f"rank {env.rank} on {socket.gethostname()} (local rank {env.local_rank}): {type(exc).__name__}: {exc}"

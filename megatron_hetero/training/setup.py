@@ -25,11 +25,13 @@ from megatron_hetero.models.llava import (
 from megatron_hetero.plan.rank_plan import RankPlan, check_rank_plans
 from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.training.config import JobConfig, job_recompute
+from megatron_hetero.training.config import Job, JobConfig, job_recompute
 
 
-def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
-    """Every user error of a job, as ValueError with the arithmetic, before any group is created."""
+def validate_job(layout: HeteroLayout, job: JobConfig) -> Job:
+    """Every user error of a job, as ValueError with the arithmetic, before any group is created;
+    the validated `Job` (which carries the rank plans' checked arithmetic: each rank then builds its
+    own plan without computing it again). Once per process: the doors call it (`cli.train`)."""
     spec = job.spec
     job.optim.validate()
     job.schedule.validate(job.optim.lr, job.train_iters)
@@ -115,7 +117,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
     check_schedule_choice(job.hetero_schedule, layout)
     # Batch arithmetic and the schedule tables (colocated phases, disjoint 1F1B per stage): arithmetic on
     # module degrees, once per process; each rank then builds only its own plan (`rank_plan`).
-    check_rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+    checked = check_rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
     for name, enc in spec.encoders.items():
         m = layout.module(name)
         if enc.num_layers % m.pp:
@@ -140,6 +142,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> None:
         from megatron_hetero.checkpoint.pretrained import check_converted, is_converted
 
         (check_converted if is_converted(job.load) else check_loadable)(job.load, layout, job)
+    return Job(layout, job, checked)
 
 
 def build_module(

@@ -212,8 +212,9 @@ class Session:
     """Everything one rank trains with under one layout: its topology (process groups), plan, module
     states, learning-rate schedulers, schedule and front end, and the iteration it starts at (0, or
     the checkpoint's under `job.load`). `tracer`: a recording tracer for the schedule instead of the
-    job's (`--hetero-autotune`'s windows). `destroy()` destroys the topology's groups. Collective:
-    every rank builds its session together."""
+    job's (`--hetero-autotune`'s windows). `checked`: the rank plans' arithmetic for this layout and
+    batch when this process validated it (`training.config.Job.checked`; else computed here).
+    `destroy()` destroys the topology's groups. Collective: every rank builds its session together."""
 
     def __init__(
         self,
@@ -222,6 +223,7 @@ class Session:
         log,
         step_hook: Optional[Callable[[int], Any]] = None,
         tracer=None,
+        checked: Optional[tuple] = None,
     ) -> None:
         import dataclasses
 
@@ -232,7 +234,9 @@ class Session:
         self.layout, self.job = layout, job
         self.topo = topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
         try:
-            plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+            plan = rank_plan(
+                layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder, checked=checked
+            )
             self.plan = plan
             self.states = states = build_states(plan, job, topo)
             self.schedulers = schedulers = {
@@ -335,6 +339,7 @@ def train_rank(
     collect_params: bool = False,
     log_write: Optional[Callable[[str], None]] = None,
     step_hook: Optional[Callable[[int], Any]] = None,
+    checked: Optional[tuple] = None,
 ) -> dict[str, Any]:
     """Run iterations [start, job.train_iters) on this rank (start: 0, or the iteration of the
     checkpoint under job.load); returns per-step records (loss is global, the same on every rank)
@@ -344,7 +349,9 @@ def train_rank(
     after every step on every rank; its return value is the record's `probe`. With
     job.exit_signal_handler, SIGTERM stops every rank after the same step (training/signals.py).
     With job.autotune (`--hetero-autotune`) the run may move to another layout on the way
-    (`training/autotune_run.py`); the records and parameters are those of the layout it ends on."""
+    (`training/autotune_run.py`); the records and parameters are those of the layout it ends on.
+    `checked`: the rank plans' arithmetic when this process validated the job (`training.job`'s
+    `run_local` / `run_as_rank` pass their `Job`'s), so the rank's plan is computed once."""
     from megatron_hetero.training.iteration_log import IterationLog
     from megatron_hetero.training.loop import run_loop
     from megatron_hetero.training.writers import open_writers
@@ -368,7 +375,7 @@ def train_rank(
 
             session, records = train_autotuned(layout, job, log, stop, writers, Session, step_hook)
         else:
-            session = Session(layout, job, log, step_hook)
+            session = Session(layout, job, log, step_hook, checked=checked)
             outcome = run_loop(
                 session.loop_schedule(),
                 session.schedulers,

@@ -329,7 +329,11 @@ def test_train_flags_on_a_conversation_dataset_pick_the_chat_runner(ds):
     from megatron_hetero.planner.model import EncoderSpec
 
     spec = LlavaSpec(seq_length=SEQ, encoders={ENC: EncoderSpec(offset=1)})
-    parse = cli.build_parser().parse_args
+    from megatron_hetero.cli.train_door import data_request
+
+    def parse(argv):
+        return data_request(cli.build_parser().parse_args(argv))
+
     got, data = job_data(parse(["train", "--data-path", str(ds), "--seq-length", str(SEQ)]), spec)
     assert data.kind == "chat" and data.image_size == (8, 8) and data.channels == 1
     enc = got.encoders[ENC]
@@ -465,13 +469,16 @@ def test_without_seq_length_the_data_gives_it(ds, cfg, tok, shards):
     """No --seq-length: the length that holds the longest conversation whole (its tokens - 1: the last
     one is only a label), a multiple of 8; every answer of the first batch is then whole."""
     from megatron_hetero import cli
+    from megatron_hetero.cli.train_door import data_request
     from megatron_hetero.models.job_data import job_data
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.planner.model import EncoderSpec
 
     longest = max(_stored_lengths(cfg, tok, shards)) - 1  # 40 samples: all within the probe
     spec = LlavaSpec(encoders={ENC: EncoderSpec(offset=1)})  # seq_length: the flag's default, 32
-    got, _ = job_data(cli.build_parser().parse_args(["train", "--data-path", str(ds), "--seed", "5"]), spec, G)
+    got, _ = job_data(
+        data_request(cli.build_parser().parse_args(["train", "--data-path", str(ds), "--seed", "5"])), spec, G
+    )
     assert got.seq_length == -(-longest // 8) * 8 and got.seq_length - 8 < longest <= got.seq_length
     b = _batches(cfg, tok, seq=got.seq_length)
     for i in range(G):

@@ -116,7 +116,7 @@ def test_pretrained_checkpoint_finetunes_until_load_holds_a_save(saved, tmp_path
     that one."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     root, _, _ = saved
     layout = layout_from_dict(TP2, world_size=2)

@@ -330,7 +330,7 @@ def test_train_load_builds_the_recorded_model_and_trains(converted, tmp_path):
     with a finite, falling loss; the frozen LM's weights are still the converted ones."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout.args import layout_from_args
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     from parity import run_job
 
@@ -405,7 +405,7 @@ def test_megatron_architecture_flags_build_the_same_family():
     family cannot run are ValueErrors (tied embeddings need the LM on one pipeline stage)."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
     from megatron_hetero.training.setup import validate_job
 
     doc = _layout({"dp": 2}, {"pp": 2})
@@ -523,7 +523,7 @@ def test_load_with_agreeing_model_flags_builds_the_recorded_model(converted):
     given flag that differs is refused naming its field, its flag and both values."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
     from megatron_hetero.training.setup import validate_job
 
     layout = layout_from_dict(_layout({"dp": 2}, {"tp": 2}), world_size=2)
@@ -559,7 +559,7 @@ def test_bf16_run_loads_the_converted_fp32_weights(converted, tmp_path):
     precision (and the two layouts' within it too)."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     from parity import full_params, run_job
 

@@ -411,7 +411,7 @@ def test_train_load_trains_the_siglip_tower_but_not_its_head(current, tmp_path):
 
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout.args import layout_from_args
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     from parity import run_job
 

@@ -224,7 +224,7 @@ def _train_loss(doc: dict, world: int, root: Path) -> float:
     """The training runtime's loss of step 1 (recorded before the update) from the checkpoint."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     from parity import run_job
 
@@ -287,7 +287,7 @@ def test_convert_train_and_back(family, tmp_path):
     loads it, its loss on the batch equals our trained model's loss there, the config carries over."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     from parity import run_job
 

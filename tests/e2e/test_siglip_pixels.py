@@ -188,7 +188,7 @@ def test_load_with_flags_that_drop_the_rope_scaling_names_it(converted):
     and what differs is named, field and flag: the encoder built by --vision-model-type siglip has no
     pooling head, the converted one has."""
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     doc = {"modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
     layout = layout_from_dict(doc, world_size=1)

@@ -108,7 +108,11 @@ def test_train_flags_fit_the_spec_to_the_speech_data(ds):
     from megatron_hetero.planner.model import EncoderSpec
 
     spec = LlavaSpec(encoders={"vision": EncoderSpec(offset=1), "audio": EncoderSpec(offset=17)})
-    parse = cli.build_parser().parse_args
+    from megatron_hetero.cli.train_door import data_request
+
+    def parse(argv):
+        return data_request(cli.build_parser().parse_args(argv))
+
     got, data = job_data(parse(["train", "--data-path", str(ds)]), spec, G)
     assert data.kind == "speech" and data.image_size == (8, 8) and data.channels == 1
     v, a = got.encoders["vision"], got.encoders["audio"]

@@ -216,7 +216,7 @@ def _predicted() -> list[dict[str, int]]:
     """The memory model's bytes per rank of the fixture's job (`run_stats.predicted_memory`)."""
     from megatron_hetero.cli import build_parser
     from megatron_hetero.layout.args import layout_from_args
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
     from megatron_hetero.training.run_stats import predicted_memory
 
     args = build_parser().parse_args(["train", *LAYOUT, "--optimizer", "adam", "--log-memory"])

@@ -12,6 +12,7 @@ import pytest
 from megatron_hetero import cli
 from megatron_hetero.cli import search as cli_search
 from megatron_hetero.cli.model_flags import MODEL_FLAGS
+from megatron_hetero.cli.train_door import model_flags
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, spec_from_flags, workload
 
@@ -113,7 +114,7 @@ def test_train_and_search_share_the_model_flags() -> None:
             "vision": EncoderSpec(num_layers=3, hidden_size=48, num_attention_heads=6, tokens=16, feature_dim=12)
         },
     )
-    assert spec_from_flags(train) == spec_from_flags(search) == want
+    assert spec_from_flags(model_flags(train)) == spec_from_flags(model_flags(search)) == want
     assert (
         (train.global_batch_size, train.micro_batch_size)
         == (search.global_batch_size, search.micro_batch_size)
@@ -176,11 +177,11 @@ def test_model_flags_default_to_the_model_description() -> None:
     from megatron_hetero.layout import load_layout
     from megatron_hetero.layout.flags import dest, value
     from megatron_hetero.training.config import JobConfig
-    from megatron_hetero.training.job import batch_from_args
+    from megatron_hetero.cli.train_door import batch_from_args
 
     layout = load_layout(REPO / "examples/layouts/homogeneous.yaml")
     args = cli.build_parser().parse_args(["train"])
-    assert spec_from_flags(args, layout) == LlavaSpec(encoders={"vision": EncoderSpec()}) == LlavaSpec()
+    assert spec_from_flags(model_flags(args), layout) == LlavaSpec(encoders={"vision": EncoderSpec()}) == LlavaSpec()
     assert batch_from_args(args, layout) == (JobConfig().global_batch_size, 1) == (8, 1)
     assert all(getattr(args, d) is None for d in MODEL_FLAGS)  # None: not given
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()

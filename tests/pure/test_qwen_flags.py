@@ -12,7 +12,8 @@ from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.architecture import check_architecture
 from megatron_hetero.planner.model import LlavaSpec, spec_from_flags
-from megatron_hetero.training.arch_args import apply_arch_args
+from megatron_hetero.cli.train_door import arch_flags, model_flags
+from megatron_hetero.training.arch_args import apply_arch_flags
 
 QWEN = ["--vision-model-type", "qwen2.5-vl", "--patch-dim", "2", "--encoder-tokens", "4"]
 MROPE = ["--position-embedding-type", "mrope", "--mrope-section", "2", "3", "3"]
@@ -21,7 +22,7 @@ LAYOUT = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "
 
 def _spec(*flags: str) -> LlavaSpec:
     args = cli.build_parser().parse_args(["train", *flags])
-    return apply_arch_args(args, spec_from_flags(args))
+    return apply_arch_flags(arch_flags(args), spec_from_flags(model_flags(args)), model_flags(args))
 
 
 def _check(spec: LlavaSpec, modules: dict | None = None) -> None:

@@ -14,14 +14,15 @@ from megatron_hetero import cli
 from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.models import hf_config
 from megatron_hetero.planner.model import LlavaSpec, spec_from_flags
-from megatron_hetero.training.arch_args import apply_arch_args
+from megatron_hetero.cli.train_door import arch_flags, model_flags
+from megatron_hetero.training.arch_args import apply_arch_flags
 
 ROPE = ["--position-embedding-type", "rope"]
 
 
 def _spec(*flags: str) -> LlavaSpec:
     args = cli.build_parser().parse_args(["train", *flags])
-    return apply_arch_args(args, spec_from_flags(args))
+    return apply_arch_flags(arch_flags(args), spec_from_flags(model_flags(args)), model_flags(args))
 
 
 def test_rope_scaling_flags_take_megatrons_default_factor() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hetero.cli.train_door import data_request
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.caption_runner import CaptionStageRunner, caption_runner_factory
 from megatron_hetero.models.digits import write_digits_dataset
@@ -182,7 +183,7 @@ def _train_args(*argv: str):
     add_model_flags(p)
     add_train_data_flags(p)
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(list(argv))
+    return data_request(p.parse_args(list(argv)))
 
 
 def test_train_flags_to_caption_job_data(digits):

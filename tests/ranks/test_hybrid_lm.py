@@ -68,7 +68,7 @@ def test_patterns_this_build_cannot_run_are_refused(pattern, language, over, mes
 
 def test_flag_sets_the_pattern_and_the_layer_count():
     from megatron_hetero.cli import build_parser
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     layout = layout_from_dict(_doc({"dp": 2}, {"pp": 2}), world_size=2)
     base = ["train", "--hetero-module", "vision:dp=2", "--hetero-module", "language:pp=2"]

@@ -192,7 +192,7 @@ def test_train_flag_sets_sequence_parallel_and_bad_input_exits_2(capsys, monkeyp
     from megatron_hetero import cli
     from megatron_hetero.layout.args import layout_from_args
     from megatron_hetero.runtime import launcher
-    from megatron_hetero.training.job import job_from_args
+    from megatron_hetero.cli.train_door import job_from_args
 
     argv = ["train", "--hetero-module", "vision:dp=4", "--hetero-module", "language:tp=4"]
     argv += ["--hetero-edge", "vision->language", "--train-iters", "1"]
