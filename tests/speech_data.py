@@ -1,4 +1,4 @@
-"""A small spoken-digits dataset for tests that needs no synthesiser: `models.digits_speech`'s writer
+"""A small spoken-digits dataset for tests that needs no synthesiser: `data.digits_speech`'s writer
 with tones standing in for eSpeak NG's voice (each word its own frequency, the voice's speed its
 length and its pitch a shift), through Whisper's real log-mel features. The digit said is in the
 clip, so a model can learn it; clips differ in length, so the speech tokens vary per sample."""
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hetero.models.digits import DIGIT_WORDS
-from megatron_hetero.models.speech_synth import SAMPLE_RATE, Voice
+from megatron_hetero.data.digits import DIGIT_WORDS
+from megatron_hetero.data.speech_synth import SAMPLE_RATE, Voice
 
 WORDS = ("number", *DIGIT_WORDS)
 
@@ -28,7 +28,7 @@ def tone_speaker(phrase: str, voice: Voice) -> np.ndarray:
 
 def write_tone_dataset(out: Path, samples: int = 24, val_samples: int = 8, mel_bins: int = 8, seed: int = 0) -> Path:
     """The spoken-digits dataset at `out` with `tone_speaker`'s clips (one train shard)."""
-    from megatron_hetero.models.digits_speech import write_digits_speech_dataset
+    from megatron_hetero.data.digits_speech import write_digits_speech_dataset
 
     write_digits_speech_dataset(
         out, samples=samples, val_samples=val_samples, mel_bins=mel_bins, train_shards=1, seed=seed, speak=tone_speaker

@@ -8,13 +8,13 @@
 as an energon-prepared WebDataset of captioning samples ("a handwritten seven"): a `train` split and
 a stratified held-out split (`val`, also registered as `test`), deterministic in --seed; `energon
 info DIR` and `energon lint DIR` accept it. Train on it with `megatron-hetero train --data-path DIR`.
-With `--chat` it writes conversations instead (`models.digits_chat`): multi-turn questions about one or
+With `--chat` it writes conversations instead (`data.digits_chat`): multi-turn questions about one or
 two digit images at several sizes, and text-only arithmetic, as an energon crude dataset that
-`models.chat_data` reads (train and val; val's images are the held-out digits only).
+`data.chat_data` reads (train and val; val's images are the held-out digits only).
 Needs the `data` extra (megatron-energon, scikit-learn, pillow, tokenizers).
 
 `check` reads an energon dataset (or metadataset) as data and lists what in it would run code
-(`models.dataset_trust`); exit 2 when it names any and --trust-dataset-code is not given.
+(`data.dataset_trust`); exit 2 when it names any and --trust-dataset-code is not given.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run_check(args: argparse.Namespace) -> int:
     """`data check PATH`: the findings of `dataset_trust.inspect_dataset`, read as data (no energon)."""
-    from megatron_hetero.models.dataset_trust import check_dataset, inspect_dataset, trusted_message
+    from megatron_hetero.data.dataset_trust import check_dataset, inspect_dataset, trusted_message
 
     if args.json:
         found = inspect_dataset(args.path)
@@ -79,26 +79,26 @@ def run_check(args: argparse.Namespace) -> int:
 
 def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`train`'s data flags (Megatron-LM's names where it has them), generated from the fields that
-    declare them (`models.caption_config.data_flag_fields`); read by
+    declare them (`data.caption_config.data_flag_fields`); read by
     `models.caption_runner.caption_job_data`."""
     from megatron_hetero.layout.flags import add_flags
-    from megatron_hetero.models.caption_config import data_flag_fields
+    from megatron_hetero.data.caption_config import data_flag_fields
 
     add_flags(parser, data_flag_fields(), {"data": "data"})
     return parser
 
 
 def add_trust_flag(parser) -> None:
-    """`--trust-dataset-code` (`models.dataset_trust`), for every command that opens a dataset."""
+    """`--trust-dataset-code` (`data.dataset_trust`), for every command that opens a dataset."""
     from megatron_hetero.layout.flags import add_flags, flags_of
-    from megatron_hetero.models.caption_config import CaptionDataConfig
+    from megatron_hetero.data.caption_config import CaptionDataConfig
 
     add_flags(parser, flags_of(CaptionDataConfig, ["trust_code"]))
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    """`data digits --chat`: the conversation dataset of `models.digits_chat`."""
-    from megatron_hetero.models.digits_chat import write_digits_chat_dataset
+    """`data digits --chat`: the conversation dataset of `data.digits_chat`."""
+    from megatron_hetero.data.digits_chat import write_digits_chat_dataset
 
     summary = write_conversations(args, write_digits_chat_dataset, CommandFailed)
     if args.json:
@@ -110,7 +110,7 @@ def run_chat(args: argparse.Namespace) -> int:
         f"({len(summary['shards']) - 1} shards), val {summary['val']} (splits val and test; held-out digits); "
         f"{k['one']} with one image, {k['two']} with two, {k['text']} text-only; image sizes "
         f"{', '.join(f'{s}x{s}' for s in summary['sizes'])}; energon-prepared (CrudeWebdataset: read with "
-        f"megatron_hetero.models.chat_data)"
+        f"megatron_hetero.data.chat_data)"
     )
     return 0
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         return run_check(args)
     import importlib.util
 
-    from megatron_hetero.models.digits import write_digits_dataset
+    from megatron_hetero.data.digits import write_digits_dataset
 
     for mod in ("megatron.energon", "sklearn", "PIL"):  # the prepare step runs energon in a subprocess
         try:

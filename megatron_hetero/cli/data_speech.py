@@ -1,4 +1,4 @@
-"""`megatron-hetero data digits --speech`: the spoken-digits dataset of `models.digits_speech`."""
+"""`megatron-hetero data digits --speech`: the spoken-digits dataset of `data.digits_speech`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def add_speech_flags(d: argparse.ArgumentParser) -> None:
 def run_speech(args: argparse.Namespace, failed: type[Exception]) -> int:
     """Write the dataset; `failed` (the CLI's exit-1 error) carries a missing synthesiser's install
     hint or energon's failure."""
-    from megatron_hetero.models.digits_speech import write_digits_speech_dataset
+    from megatron_hetero.data.digits_speech import write_digits_speech_dataset
 
     if args.chat:
         raise ValueError("--speech and --chat are two datasets: give one")

@@ -6,7 +6,7 @@ takes the same flags); the floors below take what it reads:
 - `model_flags(args)`: the size, MoE flags and --seed given (`planner.model.ModelFlags`);
 - `arch_flags(args)`: Megatron-LM's architecture flags (`training.arch_args.ArchFlags`);
 - `data_request(args)`: the data flags and the model flags the data fills or checks
-  (`models.caption_config.DataRequest`);
+  (`data.caption_config.DataRequest`);
 - `batch_from_args(args, layout)`: (global batch, micro-batch), the layout's default micro-batch;
 - `job_from_args(args, layout)`: the whole `training.config.JobConfig`: the model
   (`planner.model.spec_from_flags`, the architecture, --load without model flags: the model the
@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.flags import flags_of, given, value, values
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.models.caption_config import DataRequest, data_flag_fields
+from megatron_hetero.data.caption_config import DataRequest, data_flag_fields
 from megatron_hetero.planner.model import LlavaSpec, ModelFlags, spec_from_flags
 from megatron_hetero.training.arch_args import ArchFlags, apply_arch_flags
 from megatron_hetero.training.config import JobConfig, plain_job_flags
@@ -46,7 +46,7 @@ def arch_flags(args: Any) -> ArchFlags:
 
 
 def data_request(args: Any) -> DataRequest:
-    """train's data flags in `args` (`models.caption_config.data_flag_fields`; a flag not given: its
+    """train's data flags in `args` (`data.caption_config.data_flag_fields`; a flag not given: its
     field's default), --seed, and the model flags the data fills or checks (None: not given)."""
     data = {f.name: value(args, f) for f in data_flag_fields()}
     return DataRequest(

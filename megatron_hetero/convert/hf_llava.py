@@ -24,7 +24,7 @@ model.safetensors, with a LLaVA config.json around the tower's and the language 
 converted folder's own (kept in the checkpoint, or `like`: the LLaVA folder it came from, for a
 checkpoint `train --save` wrote, which keeps no hf/ folder), with `vision_feature_layer` -1 (the
 written tower ends at the feature layer) and the strategy of the tower. Without either, the image
-token id is 0 (`models.data.PLACEHOLDER_ID`). A SigLIP tower cut before its last layer (features
+token id is 0 (`data.samples.PLACEHOLDER_ID`). A SigLIP tower cut before its last layer (features
 without the post LayerNorm) has no LLaVA form: the written tower would end at the feature layer and
 transformers would apply the post LayerNorm there; refused (the three-part form writes it).
 """

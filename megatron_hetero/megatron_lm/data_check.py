@@ -5,7 +5,7 @@ With a layout, `pretrain_gpt.py` reads Megatron's indexed datasets (`--data-path
 buffers, but the index cache (`PREFIX/cache/GPTDataset_indices/*.npy`, or `--data-cache-path`) is
 read with `numpy.load(allow_pickle=True)`, which unpickles a file that is not numpy's format.
 A path that is an energon dataset (a folder with `.nv-meta/`, or a metadataset YAML) gets the energon
-inspection (`models.dataset_trust.inspect_dataset`). `pretrain_vlm.py` reads Megatron's mock
+inspection (`data.dataset_trust.inspect_dataset`). `pretrain_vlm.py` reads Megatron's mock
 multimodal data (no files).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_hetero.models.dataset_trust import (
+from megatron_hetero.data.dataset_trust import (
     TRUST_FLAG,
     Finding,
     UntrustedDataset,

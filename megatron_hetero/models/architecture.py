@@ -167,7 +167,7 @@ LANGUAGE_DEFAULTS = {
     "add_bias_linear": True,
     "add_qkv_bias": False,
     "untie_embeddings_and_output_weights": True,
-    # sequence packing and the synthetic documents (`models.documents`): not architecture, but fields
+    # sequence packing and the synthetic documents (`data.documents`): not architecture, but fields
     # whose defaults keep a record what checkpoints before them hold
     "reset_position_ids": False,
     "reset_attention_mask": False,

@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from megatron_hetero.models.digits import digit_of_caption
-from megatron_hetero.models.tokenizer import CaptionTokenizer
+from megatron_hetero.data.digits import digit_of_caption
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 
 def greedy_captions(logits: torch.Tensor, loss_mask: torch.Tensor, tok: CaptionTokenizer) -> list[str]:

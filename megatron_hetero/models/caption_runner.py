@@ -1,5 +1,5 @@
 """The stage runner for image-caption data: `LlavaStageRunner` with its samples from an energon
-captioning dataset (`models.caption_batches.CaptionBatches`) instead of the synthetic `models.data`.
+captioning dataset (`data.caption_batches.CaptionBatches`) instead of the synthetic `data.samples`.
 
 Everything else (encoder and language stages, edge and stage tensors, the loss) is LlavaStageRunner's
 own code; this class changes where a micro-batch's samples come from (`batch`) and the per-step
@@ -25,15 +25,15 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_hetero.models.caption_config import DataRequest
+from megatron_hetero.data.caption_config import DataRequest
 from megatron_hetero.models.caption_eval import digit_hits
-from megatron_hetero.models.dataset_trust import check_dataset, trusted_message
-from megatron_hetero.models.caption_batches import CaptionBatches
-from megatron_hetero.models.caption_reader import heldout_batch
-from megatron_hetero.models.energon_data import CaptionDataConfig, caption_spec, resolve_config
+from megatron_hetero.data.dataset_trust import check_dataset, trusted_message
+from megatron_hetero.data.caption_batches import CaptionBatches
+from megatron_hetero.data.caption_reader import heldout_batch
+from megatron_hetero.data.energon_data import CaptionDataConfig, caption_spec, resolve_config
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.models.llava_runner import LlavaStageRunner
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.tokenizer import load_tokenizer
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 

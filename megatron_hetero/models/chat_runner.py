@@ -1,5 +1,5 @@
 """The stage runner for conversation data with image tiles: `LlavaStageRunner` with its samples from
-`models.chat_batches.ChatBatches` (a variable number of image tiles per sample).
+`data.chat_batches.ChatBatches` (a variable number of image tiles per sample).
 
 As for captions (`models.caption_runner.CaptionStageRunner`), this class changes where a
 micro-batch's samples come from (`batch`: the lazy `ChatRowBatch`, whose keys are the batch contract
@@ -27,9 +27,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig, DataRequest
+from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
 from megatron_hetero.models.caption_runner import gathered_eval_ids
-from megatron_hetero.models.chat_batches import (
+from megatron_hetero.data.chat_batches import (
     DEFAULT_TILE,
     ChatBatches,
     HELDOUT_SPLIT,
@@ -38,20 +38,20 @@ from megatron_hetero.models.chat_batches import (
     resolve_chat_config,
     tiles_of,
 )
-from megatron_hetero.models.chat_default import chat_template_for
+from megatron_hetero.data.chat_default import chat_template_for
 from megatron_hetero.models.chat_eval import answer_hits
-from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import (
+from megatron_hetero.data.chat_template import ChatTemplate
+from megatron_hetero.data.chat_tokens import (
     ChatTokens,
     conversation_vocab_size,
     marker_tokenizer,
     tokenize_conversation,
 )
-from megatron_hetero.models.dataset_trust import check_dataset
-from megatron_hetero.models.energon_data import VOCAB_MULTIPLE
+from megatron_hetero.data.dataset_trust import check_dataset
+from megatron_hetero.data.energon_data import VOCAB_MULTIPLE
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.models.llava_runner import LlavaStageRunner
-from megatron_hetero.models.tokenizer import CaptionTokenizer, load_tokenizer
+from megatron_hetero.data.tokenizer import CaptionTokenizer, load_tokenizer
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 
@@ -234,7 +234,7 @@ def chat_spec(
 ) -> LlavaSpec:
     """`spec` (ONE encoder) fitted to conversation data: the encoder's `tokens` = T (per tile),
     `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode
-    of `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `models.data`
+    of `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `data.samples`
     checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the
     vocabulary from the tokenizer (padded up to a multiple of 128, or `vocab_size` if given and large
     enough). ValueError for another number of encoders, a --seq-length that holds no tile, or a

@@ -1,7 +1,7 @@
 """A CLIP-style vision encoder module: Megatron-core's `CLIPViTModel` + the LLaVA projector.
 
-Input: the encoder features `[b, tokens, 3 * p * p]` that the data produces (`models.data`,
-`models.energon_data.patchify`: an image cut into non-overlapping p x p patches in row-major order,
+Input: the encoder features `[b, tokens, 3 * p * p]` that the data produces (`data.samples`,
+`data.energon_data.patchify`: an image cut into non-overlapping p x p patches in row-major order,
 each flattened as (channel, row, column)). They are put back together into the image
 `[b, 3, H, W]` and fed to `CLIPViTModel` (patch convolution without bias, a class token at position
 0, learned absolute positions, `ln_pre`, pre-norm LayerNorm transformer layers with quick-GELU,
@@ -10,7 +10,7 @@ Face's `CLIPVisionModel.last_hidden_state` (`features`). LLaVA's feature selecti
 drop the class token) leaves `tokens` patch features, which the projector (Megatron's
 `MultimodalProjector`, linear -> GELU -> linear) maps to the language model's hidden size.
 
-Pixels from the tower's own preprocessing (`models.image_processor`, which reads the Hugging Face
+Pixels from the tower's own preprocessing (`data.image_processor`, which reads the Hugging Face
 `preprocessor_config.json`): `image_processor.to_patches(pixels, p)` gives exactly these features
 (`image` below undoes it with a reshape, so the convolution sees the processor's pixels bit for bit),
 and `pixel_features(pixels)` takes `[b, 3, H, W]` directly. Either way the patch embedding is the

@@ -146,6 +146,6 @@ def llava_config_json(vision: dict, language: dict, tokens: int, siglip: bool, l
         image_seq_length=tokens,
         torch_dtype="float32",
     )
-    out.setdefault("image_token_index", 0)  # models.data.PLACEHOLDER_ID when no original config is given
+    out.setdefault("image_token_index", 0)  # data.samples.PLACEHOLDER_ID when no original config is given
     out["tie_word_embeddings"] = bool(language.get("tie_word_embeddings", False))
     return out

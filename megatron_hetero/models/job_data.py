@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from megatron_hetero.models.caption_config import CaptionDataConfig, DataRequest
+from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
 from megatron_hetero.models.llava import LlavaSpec
 
 
@@ -22,8 +22,8 @@ def job_data(
 ) -> tuple[LlavaSpec, Optional[CaptionDataConfig]]:
     """(spec fitted to the data, data config) for train's data flags `req` (None: the synthetic data).
     `global_batch`: the job's; conversation data checks its first global batch against --seq-length."""
-    from megatron_hetero.models.chat_batches import is_chat_dataset
-    from megatron_hetero.models.digits_speech import is_speech_dataset
+    from megatron_hetero.data.chat_batches import is_chat_dataset
+    from megatron_hetero.data.digits_speech import is_speech_dataset
 
     if req.data_path and is_speech_dataset(req.data_path):
         from megatron_hetero.models.speech_runner import speech_job_data

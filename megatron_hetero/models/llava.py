@@ -64,7 +64,7 @@ from megatron_hetero.models.image_tokens import gather_cp_chunks, place_by_mask
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.layer_specs import encoder_layer_spec, language_layer_spec
 from megatron_hetero.models.llava_checks import check_encoder_cp
-from megatron_hetero.models.data import DataConfig, EncoderInput
+from megatron_hetero.data.samples import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec  # noqa: F401 (the model's description)
 

@@ -1,7 +1,7 @@
 """The tiny LLaVA model's stage runner: what the schedules call to build a micro-batch's inputs and
 run a stage (`runtime.stage_runner.StageRunner`).
 
-Data comes from `models/data.py` by global sample index, so every layout sees the same samples.
+Data comes from `data/samples.py` by global sample index, so every layout sees the same samples.
 Tensors crossing edges are `[rows, tokens, hidden]`: encoder tokens (from the projector); between
 language segments, the hidden states of this CP rank's positions; from the language model to its
 output modules, its final hidden states over the span of text positions the output heads read
@@ -27,7 +27,7 @@ import torch
 
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.layout.spec import Edge
-from megatron_hetero.models import synthetic
+from megatron_hetero.data import synthetic
 from megatron_hetero.models import image_tokens
 from megatron_hetero.models.cp_attention import cp_chunk_positions
 from megatron_hetero.models.llava import LlavaSpec, OutputSpec, data_config, dtype_of
@@ -57,7 +57,7 @@ class LlavaStageRunner(StageRunner):
         self.evaluating = False
 
     def batch(self, samples: range) -> dict:
-        """The global samples `samples` (`models.data.batch`'s keys): the one place stages read data."""
+        """The global samples `samples` (`data.samples.batch`'s keys): the one place stages read data."""
         start = samples.start + (EVAL_OFFSET if self.evaluating else 0)
         return synthetic.batch(self.dcfg, start, len(samples))
 

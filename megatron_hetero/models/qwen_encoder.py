@@ -4,7 +4,7 @@
 Input: `[b, tokens, feature]`, every encoder's shape here: one image a sample at the spec's fixed
 size, `tokens` merged tokens in `image_rows` rows, each token's features its merge**2 patches side
 by side (`feature = merge**2 * 3 * temporal_patch * patch**2`), which is the Qwen image processor's
-patch order (`models.qwen_image_processor`: patches in merge blocks). The module flattens them to
+patch order (`data.qwen_image_processor`: patches in merge blocks). The module flattens them to
 the tower's `[b * tokens * merge**2, 3 * T * p * p]` with `grid_thw` one row `(1, merge * rows,
 merge * cols)` per sample, runs `models.qwen_vision.QwenVisionTower` (its merger projects into the
 language model's width) and returns `[b, tokens, llm_hidden]`, the tokens in the image's row-major

@@ -23,7 +23,7 @@ tensor of the tower) and `pooled` computes Hugging Face's `pooler_output` with i
 All `tokens` features go to the projector (Megatron's `MultimodalProjector`): there is no class
 token to drop.
 
-Pixels from the tower's own preprocessing (`models.image_processor`, a `SiglipImageProcessor`
+Pixels from the tower's own preprocessing (`data.image_processor`, a `SiglipImageProcessor`
 config): `pixel_features(pixels)` takes `[b, 3, S, S]` straight into the tower's convolution. S is
 the tower's Hugging Face `image_size`, which may exceed the g * p square the encoder is built for by
 up to p - 1 (so400m-patch14-384: 384 for 27 * 14 = 378): the "valid" stride-p convolution never

@@ -1,4 +1,4 @@
-"""Held-out accuracy PER MODALITY on the spoken-digits conversations (`models.digits_speech`): is
+"""Held-out accuracy PER MODALITY on the spoken-digits conversations (`data.digits_speech`): is
 the digit SHOWN (the image) right, is the digit SAID (the clip) right?
 
 Teacher-forced, as `models.chat_eval.answer_hits`: the answers are the runs of `loss_mask`, the

@@ -1,5 +1,5 @@
 """`train --data-path DIR` on the spoken-digits dataset (`data digits --speech`): the stage runner
-(`SpeechStageRunner`, `ChatStageRunner` over `models.speech_batches.SpeechBatches`), its factory, and
+(`SpeechStageRunner`, `ChatStageRunner` over `data.speech_batches.SpeechBatches`), its factory, and
 `speech_job_data` (the spec fitted to the data, in the launching process).
 
 The layout names two encoders: the image encoder (any name) and `audio`, the speech encoder. On this
@@ -21,18 +21,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig, DataRequest
+from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
 from megatron_hetero.models.caption_runner import gathered_eval_ids
-from megatron_hetero.models.chat_batches import DEFAULT_TILE, HELDOUT_SPLIT, resolve_chat_config, tiles_of
-from megatron_hetero.models.chat_default import chat_template_for
+from megatron_hetero.data.chat_batches import DEFAULT_TILE, HELDOUT_SPLIT, resolve_chat_config, tiles_of
+from megatron_hetero.data.chat_default import chat_template_for
 from megatron_hetero.models.chat_eval import answer_hits
 from megatron_hetero.models.chat_runner import SEQ_MULTIPLE, SEQ_PROBE, ChatStageRunner
-from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import conversation_vocab_size, marker_tokenizer
-from megatron_hetero.models.dataset_trust import check_dataset
-from megatron_hetero.models.energon_data import VOCAB_MULTIPLE
+from megatron_hetero.data.chat_template import ChatTemplate
+from megatron_hetero.data.chat_tokens import conversation_vocab_size, marker_tokenizer
+from megatron_hetero.data.dataset_trust import check_dataset
+from megatron_hetero.data.energon_data import VOCAB_MULTIPLE
 from megatron_hetero.models.llava import LlavaSpec
-from megatron_hetero.models.speech_batches import (
+from megatron_hetero.data.speech_batches import (
     AUDIO,
     SpeechBatches,
     SpeechIndex,
@@ -42,7 +42,7 @@ from megatron_hetero.models.speech_batches import (
     tokenize_speech_conversation,
 )
 from megatron_hetero.models.speech_eval import PARTS, modality_hits
-from megatron_hetero.models.tokenizer import CaptionTokenizer, load_tokenizer
+from megatron_hetero.data.tokenizer import CaptionTokenizer, load_tokenizer
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 

@@ -62,7 +62,7 @@ class EncoderSpec:
         group="encoder",
         given=True,
     )
-    # variable image tokens (`models.data`, `models.llava_runner`): K >= 1 tiles of `tokens` tokens each at
+    # variable image tokens (`data.samples`, `models.llava_runner`): K >= 1 tiles of `tokens` tokens each at
     # most per sample (0..K per sample: text-only samples have none), placed by the sample's image mask
     max_tiles: int = flag_field(
         0,
@@ -188,7 +188,7 @@ class LlavaSpec:
     # and positions restart after every EOD token (`models.llava_runner`)
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
-    # synthetic documents (`models.documents`): `documents` P >= 1 documents of at most seq_length // P
+    # synthetic documents (`data.documents`): `documents` P >= 1 documents of at most seq_length // P
     # tokens (EOD included) each; `pack_documents`: P of them per sequence, else one per sequence
     # (the unpacked run of the same documents)
     documents: int = 0

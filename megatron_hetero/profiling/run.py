@@ -157,7 +157,7 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
     from megatron_hetero.runtime.config import OptimConfig
     from megatron_hetero.runtime.module_state import ModuleState
     from megatron_hetero.runtime.topology import Topology
-    from megatron_hetero.models import data as data_mod
+    from megatron_hetero.data import samples as data_mod
 
     world = dist.get_world_size()
     device = get_device()

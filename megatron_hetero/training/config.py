@@ -129,8 +129,8 @@ class JobConfig:
     # a carriage-return progress line in between when `progress` (train: stdout is a terminal)
     log_interval: int = flag_field(0, "iteration lines every N iterations", cli=1, group="launch")
     progress: bool = False
-    # real image-caption data (models.caption_config.CaptionDataConfig); None: the synthetic data.
-    # train: from the data flags (models.caption_config.DataFlags, models.caption_runner.caption_job_data)
+    # real image-caption data (data.caption_config.CaptionDataConfig); None: the synthetic data.
+    # train: from the data flags (data.caption_config.DataFlags, models.caption_runner.caption_job_data)
     data: Optional[Any] = None
     # held-out evaluation every eval_interval iterations and after the last (0: none), over eval_iters
     # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)

@@ -12,7 +12,7 @@ import torch
 
 from megatron_hetero.layout.spec import HeteroLayout, Recompute
 from megatron_hetero.layout.validate import check_heads, check_recompute
-from megatron_hetero.models import synthetic
+from megatron_hetero.data import synthetic
 from megatron_hetero.models.llava_checks import check_sequence_parallel, validate_model
 from megatron_hetero.models.llava import (
     EncoderModule,

@@ -1,4 +1,4 @@
-"""The caption data path that scales (`models/caption_index.py`, `models/caption_reader.py`, `models/caption_batches.py`): random
+"""The caption data path that scales (`data/caption_index.py`, `data/caption_reader.py`, `data/caption_batches.py`): random
 access through energon's index, each rank decoding only the rows its stages read, the loss-token
 count from caption text alone, resume without replay, prefetch workers. Prints the figures quoted in
 docs/data.md (rows decoded per rank and data time per step at world 1, 4 and 8; resume time on a
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from megatron_hetero.layout import layout_from_dict
-from megatron_hetero.models.caption_index import CaptionIndex, indexable
-from megatron_hetero.models.digits import write_digits_dataset
-from megatron_hetero.models.caption_batches import CaptionBatches
-from megatron_hetero.models.caption_reader import IndexSource
-from megatron_hetero.models.energon_data import (
+from megatron_hetero.data.caption_index import CaptionIndex, indexable
+from megatron_hetero.data.digits import write_digits_dataset
+from megatron_hetero.data.caption_batches import CaptionBatches
+from megatron_hetero.data.caption_reader import IndexSource
+from megatron_hetero.data.energon_data import (
     CaptionDataConfig,
     caption_loss_tokens,
     epoch_seed,
@@ -32,7 +32,7 @@ from megatron_hetero.models.energon_data import (
     resolve_config,
     text_sample,
 )
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.tokenizer import load_tokenizer
 from megatron_hetero.plan.batch import dp_rows
 from megatron_hetero.plan.rank_plan import rank_plan
 
@@ -358,8 +358,8 @@ def test_resume_on_100k_samples_takes_well_under_a_second(tmp_path, tok):
 def test_energon_stream_fallback_reads_a_step_in_any_order_without_replay(cfg, tok, monkeypatch):
     """A dataset the index does not read goes through energon's loader (StreamSource): a step's rows
     asked in any order, and the loss-token count, cost no replay; the rows are the whole step's."""
-    from megatron_hetero.models import caption_reader
-    from megatron_hetero.models.caption_reader import StreamSource
+    from megatron_hetero.data import caption_reader
+    from megatron_hetero.data.caption_reader import StreamSource
 
     monkeypatch.setattr(caption_reader, "indexable", lambda path: "forced for the test")
     ref, data = _batches(cfg, tok), _batches(cfg, tok)

@@ -1,4 +1,4 @@
-"""Conversation training batches with image tiles (`models/chat_batches.py`) on a small digits
+"""Conversation training batches with image tiles (`data/chat_batches.py`) on a small digits
 conversation dataset (`write_digits_chat_dataset`, energon-prepared once per module).
 
 The expected values are computed here from the shards themselves (tarfile + PIL + json), not through
@@ -18,20 +18,20 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig
-from megatron_hetero.models.caption_reader import epoch_order
-from megatron_hetero.models.chat_batches import (
+from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.data.caption_reader import epoch_order
+from megatron_hetero.data.chat_batches import (
     ChatBatches,
     chat_heldout,
     is_chat_dataset,
     resolve_chat_config,
     tile_features,
 )
-from megatron_hetero.models.chat_default import CHATML_TEMPLATE, chat_template_for, default_chat_template
-from megatron_hetero.models.chat_tokens import tokenize_conversation, train_sample
-from megatron_hetero.models.digits_chat import write_digits_chat_dataset
-from megatron_hetero.models.energon_data import patchify
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.chat_default import CHATML_TEMPLATE, chat_template_for, default_chat_template
+from megatron_hetero.data.chat_tokens import tokenize_conversation, train_sample
+from megatron_hetero.data.digits_chat import write_digits_chat_dataset
+from megatron_hetero.data.energon_data import patchify
+from megatron_hetero.data.tokenizer import load_tokenizer
 
 G, SEQ, ENC = 8, 384, "vision"
 
@@ -68,7 +68,7 @@ def tok():
 
 def _with_markers(tok):
     """The tokenizer the conversations are tokenised with: the image and ChatML markers added."""
-    from megatron_hetero.models.chat_tokens import marker_tokenizer
+    from megatron_hetero.data.chat_tokens import marker_tokenizer
 
     return marker_tokenizer(tok.tokenizer, extra=default_chat_template().markers)[0]
 
@@ -102,7 +102,7 @@ def test_format_and_detection(cfg, ds):
     assert cfg.image_size == (8, 8) and cfg.channels == 1  # grey digits, 8x8 tile
     assert (cfg.image_tokens, cfg.feature_dim) == (4, 16)  # T = (8/4)^2, F = 1 * 4^2
     assert is_chat_dataset(ds) and not is_chat_dataset(ds / "train")
-    from megatron_hetero.models.chat_batches import ChatIndex
+    from megatron_hetero.data.chat_batches import ChatIndex
 
     index = ChatIndex(ds, "train")  # without "sizes" in a JSON, the image headers give them (no decoding)
     with_sizes = [index.record(pos) for pos in range(6)]
@@ -252,7 +252,7 @@ def test_chat_template_choice(tmp_path, tok):
 
 
 def test_markers_that_do_not_match_the_images_name_the_sample(cfg, tok):
-    from megatron_hetero.models.chat_batches import ChatRecord
+    from megatron_hetero.data.chat_batches import ChatRecord
 
     b = _batches(cfg, tok)
     bad = ChatRecord("k1", [{"role": "user", "content": "<image><image>"}, {"role": "assistant", "content": "x"}],
@@ -396,8 +396,8 @@ def test_train_cli_on_conversations_is_the_same_in_two_layouts(ds, tmp_path, cap
 def test_an_image_processor_preprocesses_each_tile_as_the_tower_was_trained(ds, tmp_path):
     """--image-processor on conversations: the tile side is the processor's output size, and every
     tile of an image gets the processor's whole recipe on its own (RGB, rescale, CLIP's mean/std)."""
-    from megatron_hetero.models.chat_batches import tile_features
-    from megatron_hetero.models.image_processor import caption_features, load_image_processor
+    from megatron_hetero.data.chat_batches import tile_features
+    from megatron_hetero.data.image_processor import caption_features, load_image_processor
 
     pre = {
         "image_processor_type": "CLIPImageProcessor",
@@ -429,7 +429,7 @@ def test_an_image_processor_preprocesses_each_tile_as_the_tower_was_trained(ds, 
 
 
 def test_max_image_tiles_resizes_an_image_to_fit_its_grid(ds):
-    from megatron_hetero.models.chat_batches import tile_features, tile_grid
+    from megatron_hetero.data.chat_batches import tile_features, tile_grid
 
     assert tile_grid((16, 16), 8) == (2, 2) and tile_grid((16, 16), 8, 1) == (1, 1)
     assert tile_grid((24, 40), 8, 6) == (2, 3) and tile_grid((600, 800), 336, 1) == (1, 1)

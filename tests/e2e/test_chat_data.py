@@ -1,5 +1,5 @@
-"""The digits conversation dataset (`megatron-hetero data digits --chat`, `models/digits_chat.py`) read back
-through energon with our cooker (`models/chat_data.py`), and tokenised with a chat template.
+"""The digits conversation dataset (`megatron-hetero data digits --chat`, `data/digits_chat.py`) read back
+through energon with our cooker (`data/chat_data.py`), and tokenised with a chat template.
 
 The answers are checked against scikit-learn's digit labels by a checker written here (it reads the
 question, not the builder's code), and every image against the digit it claims to be.
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from megatron_hetero import cli
-from megatron_hetero.models.chat_data import conversation_of, open_chat_split, read_conversations
-from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import tokenize_conversation
-from megatron_hetero.models.dataset_trust import UntrustedDataset
-from megatron_hetero.models.digits_chat import number_word, write_digits_chat_dataset
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.chat_data import conversation_of, open_chat_split, read_conversations
+from megatron_hetero.data.chat_template import ChatTemplate
+from megatron_hetero.data.chat_tokens import tokenize_conversation
+from megatron_hetero.data.dataset_trust import UntrustedDataset
+from megatron_hetero.data.digits_chat import number_word, write_digits_chat_dataset
+from megatron_hetero.data.tokenizer import load_tokenizer
 
 TRAIN, VAL = 240, 60
 WORDS = "zero one two three four five six seven eight nine".split()

@@ -158,7 +158,7 @@ def test_train_cli_eval_on_digits(tmp_path, capsys):
     lines and writes eval_loss / eval_accuracy into those records; on synthetic data the held-out
     loss has no accuracy. --eval-iters without --eval-interval is refused (exit 2)."""
     from megatron_hetero.cli import main
-    from megatron_hetero.models.digits import write_digits_dataset
+    from megatron_hetero.data.digits import write_digits_dataset
 
     data = tmp_path / "digits"
     write_digits_dataset(data)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetero.models.dataset_trust import (
+from megatron_hetero.data.dataset_trust import (
     CODE_EXTENSIONS,
     TRUST_FLAG,
     UntrustedDataset,
@@ -28,7 +28,7 @@ from megatron_hetero.models.dataset_trust import (
     inspect_dataset,
     npy_cache_findings,
 )
-from megatron_hetero.models.digits import (
+from megatron_hetero.data.digits import (
     digits_sample_args,
     digits_split_parts,
     energon_prepare,
@@ -251,7 +251,7 @@ def test_train_refuses_untrusted_and_runs_trusted(digits, tmp_path, capfd, monke
 def test_secure_decoding_refuses_a_member_the_inspection_missed(digits, tmp_path, monkeypatch):
     """With the inspection switched off (standing for a member it did not see), opening the crafted
     `.pyd` dataset still runs nothing: webdataset's secure mode refuses to unpickle the member."""
-    from megatron_hetero.models import energon_data
+    from megatron_hetero.data import energon_data
 
     ds, marker = _copy(digits, tmp_path)
     _members("pyd")(ds, marker)

@@ -1,5 +1,5 @@
 """The digits captioning dataset (`megatron-hetero data digits`) and reading energon caption data by
-global sample index (`models/energon_data.py`), plus the held-out accuracy helper."""
+global sample index (`data/energon_data.py`), plus the held-out accuracy helper."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import torch
 
 from megatron_hetero import cli
 from megatron_hetero.models.caption_eval import digit_accuracy, greedy_captions, greedy_digit_accuracy
-from megatron_hetero.models.data import PLACEHOLDER_ID
-from megatron_hetero.models.digits import (
+from megatron_hetero.data.samples import PLACEHOLDER_ID
+from megatron_hetero.data.digits import (
     DIGIT_WORDS,
     digit_caption,
     digit_of_caption,
     heldout_indices,
     write_digits_dataset,
 )
-from megatron_hetero.models.caption_batches import CaptionBatches
-from megatron_hetero.models.caption_reader import heldout_batch
-from megatron_hetero.models.energon_data import (
+from megatron_hetero.data.caption_batches import CaptionBatches
+from megatron_hetero.data.caption_reader import heldout_batch
+from megatron_hetero.data.energon_data import (
     CaptionDataConfig,
     caption_spec,
     patchify,
@@ -33,7 +33,7 @@ from megatron_hetero.models.energon_data import (
     text_sample,
 )
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.tokenizer import load_tokenizer
 
 S, G = 16, 8
 
@@ -202,8 +202,8 @@ def test_image_processor_flag_preprocesses_as_the_tower_was_trained(digits, tok,
     held = heldout_batch(up, tok, encoder="vision", seq_length=S + 12, limit=3)
     assert held["features"]["vision"].shape == (3, 16, 48)
     transformers = pytest.importorskip("transformers")
-    from megatron_hetero.models.energon_data import open_split
-    from megatron_hetero.models.image_processor import to_patches
+    from megatron_hetero.data.energon_data import open_split
+    from megatron_hetero.data.image_processor import to_patches
 
     hf = transformers.CLIPImageProcessor(**{k: v for k, v in clip16.items() if k != "image_processor_type"})
     _, it = open_split(str(digits), "val")

@@ -12,7 +12,7 @@ import tarfile
 import pytest
 
 from megatron_hetero.cli import main
-from megatron_hetero.models import speech_synth
+from megatron_hetero.data import speech_synth
 
 pytest.importorskip("sklearn")
 pytest.importorskip("megatron.energon")
@@ -51,8 +51,8 @@ def _samples(path) -> dict[str, dict[str, bytes]]:
 def test_spoken_conversations_clips_and_held_out_voices(spoken):
     import numpy as np
 
-    from megatron_hetero.models.digits import DIGIT_WORDS
-    from megatron_hetero.models.digits_speech import TRAIN_VOICES, VAL_VOICES
+    from megatron_hetero.data.digits import DIGIT_WORDS
+    from megatron_hetero.data.digits_speech import TRAIN_VOICES, VAL_VOICES
 
     voices = {}
     kinds = set()
@@ -86,7 +86,7 @@ def test_spoken_conversations_clips_and_held_out_voices(spoken):
 
 @NEEDS_ESPEAK
 def test_energon_reads_the_conversations(spoken):
-    from megatron_hetero.models.chat_data import read_conversations
+    from megatron_hetero.data.chat_data import read_conversations
 
     samples = read_conversations(str(spoken), "val", limit=8)
     assert len(samples) == 8

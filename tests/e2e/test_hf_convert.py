@@ -128,7 +128,7 @@ def converted(tmp_path_factory):
 
 
 def _patches(pixels: torch.Tensor) -> torch.Tensor:
-    """[b, 3, H, W] -> the data's encoder features [b, (H/p)*(W/p), 3*p*p] (models.energon_data.patchify)."""
+    """[b, 3, H, W] -> the data's encoder features [b, (H/p)*(W/p), 3*p*p] (data.energon_data.patchify)."""
     b, c, g = pixels.shape[0], pixels.shape[1], IMG // PATCH
     return pixels.reshape(b, c, g, PATCH, g, PATCH).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * PATCH * PATCH)
 

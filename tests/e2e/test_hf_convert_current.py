@@ -160,7 +160,7 @@ def current(tmp_path_factory):
 
 def _patches(pixels: torch.Tensor) -> torch.Tensor:
     """[b, 3, H, W] -> the data's encoder features [b, g*g, 3*p*p] of its top-left g*p square, g = H // p
-    (models.energon_data.patchify)."""
+    (data.energon_data.patchify)."""
     b, c, g = pixels.shape[0], pixels.shape[1], pixels.shape[2] // PATCH
     pixels = pixels[:, :, : g * PATCH, : g * PATCH]
     return pixels.reshape(b, c, g, PATCH, g, PATCH).permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * PATCH * PATCH)

@@ -8,7 +8,7 @@ Two tiny random LLaVA models are built offline and saved with `save_pretrained`:
   into two pipeline stages, which tied embeddings do not allow here), vision_feature_layer -1
   (transformers 4.57 gives last_hidden_state, after the post LayerNorm, as hidden_states[-1]),
   strategy "full".
-Image token id 0 (`models.data.PLACEHOLDER_ID`), so the synthetic data's own samples are LLaVA inputs:
+Image token id 0 (`data.samples.PLACEHOLDER_ID`), so the synthetic data's own samples are LLaVA inputs:
 the image's 16 placeholders at positions 1..16, the text after them.
 
 After `convert hf-to-checkpoint --model`, on the first global batch of the job's data:
@@ -142,7 +142,7 @@ def _hf_reference(folder: Path, batch: dict) -> tuple[float, torch.Tensor]:
 
 def _batch(root: Path) -> dict:
     from megatron_hetero.checkpoint.files import read_train_state
-    from megatron_hetero.models import data
+    from megatron_hetero.data import samples as data
     from megatron_hetero.models.llava import LlavaSpec, data_config
 
     spec = LlavaSpec.from_record(read_train_state(root)[1]["model"])

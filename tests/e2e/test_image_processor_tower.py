@@ -5,7 +5,7 @@ with a `preprocessor_config.json` (CLIPImageProcessor: shortest edge 32, center 
 mean/std), converted with `megatron-hetero convert hf-to-checkpoint` (with a tiny Llama: the
 converter writes a whole LLaVA model), and loaded on one forked rank. scikit-learn's two
 photographs, a grey copy of one (converted to RGB) and one decoded the way energon decodes
-(float CHW in [0, 1]) go through `models.image_processor` (our pixels equal
+(float CHW in [0, 1]) go through `data.image_processor` (our pixels equal
 `CLIPImageProcessor`'s: checked) and into the encoder both ways the data can hand them over: as
 patch features (`image_processor.to_patches`, the layout of the data path) and as pixels
 (`ClipEncoderModule.pixel_features`), bitwise the same. Against `CLIPVisionModel(pixel_values=
@@ -26,7 +26,7 @@ pytest.importorskip("PIL")
 import torch  # noqa: E402
 
 from megatron_hetero.cli import main  # noqa: E402
-from megatron_hetero.models import image_processor as ip  # noqa: E402
+from megatron_hetero.data import image_processor as ip  # noqa: E402
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 
 TOL = 1e-5

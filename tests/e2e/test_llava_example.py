@@ -48,7 +48,7 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory) -> Path:
-    from megatron_hetero.models.digits import write_digits_dataset
+    from megatron_hetero.data.digits import write_digits_dataset
 
     out = tmp_path_factory.mktemp("digits")
     write_digits_dataset(out)
@@ -57,7 +57,7 @@ def digits(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory) -> Path:
-    from megatron_hetero.models.digits_chat import write_digits_chat_dataset
+    from megatron_hetero.data.digits_chat import write_digits_chat_dataset
 
     out = tmp_path_factory.mktemp("chat")
     write_digits_chat_dataset(out, samples=120, val_samples=20)

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's native-resolution preprocessing (`models.qwen_image_processor`) gives transformers'
+"""Qwen2.5-VL's native-resolution preprocessing (`data.qwen_image_processor`) gives transformers'
 `Qwen2VLImageProcessor` pixel_values and image_grid_thw: scikit-learn's two photographs, a grey copy, a 4:1 crop
 and digits at 8, 32 and 64 px (as the digits data writes them: `digit_png`), with small min/max
 pixels so that both the down- and the up-scaling branch of `smart_resize` run; the token counts
@@ -34,7 +34,7 @@ def _images() -> list:
     from PIL import Image
     from sklearn.datasets import load_digits
 
-    from megatron_hetero.models.digits import digit_png
+    from megatron_hetero.data.digits import digit_png
     from sample_photos import photos
 
     pics = photos()
@@ -74,7 +74,7 @@ def test_native_resolution_pixels_and_tower_match_transformers(tmp_path):
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from megatron_hetero.models.qwen_image_processor import QwenImageProcessor
+    from megatron_hetero.data.qwen_image_processor import QwenImageProcessor
     from qwen_vision_case import CONFIG as TOWER
 
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(CONFIG))
@@ -105,7 +105,7 @@ def test_native_resolution_pixels_and_tower_match_transformers(tmp_path):
 
 
 def test_qwen_image_processor_refuses_other_configs():
-    from megatron_hetero.models.qwen_image_processor import QwenImageProcessor
+    from megatron_hetero.data.qwen_image_processor import QwenImageProcessor
 
     with pytest.raises(ValueError, match="image_processor_type 'CLIPImageProcessor' is not one of"):
         QwenImageProcessor.from_dict({"image_processor_type": "CLIPImageProcessor"})

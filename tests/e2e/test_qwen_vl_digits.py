@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from megatron_hetero.cli import main
-from megatron_hetero.models.digits import write_digits_dataset
-from megatron_hetero.models.energon_data import CaptionDataConfig, patchify
+from megatron_hetero.data.digits import write_digits_dataset
+from megatron_hetero.data.energon_data import CaptionDataConfig, patchify
 from megatron_hetero.models.qwen_encoder import blocks_to_patches
 
 QWEN = ["--vision-model-type", "qwen2.5-vl", "--patch-dim", "2", "--position-embedding-type", "mrope"]

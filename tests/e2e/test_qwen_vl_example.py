@@ -35,7 +35,7 @@ def _env() -> dict:
 
 @pytest.mark.timeout(300)
 def test_cpu_twin_runs_and_learns(tmp_path):
-    from megatron_hetero.models.digits import write_digits_dataset
+    from megatron_hetero.data.digits import write_digits_dataset
 
     digits = tmp_path / "digits"
     write_digits_dataset(digits)

@@ -5,7 +5,7 @@ A tiny random `SiglipVisionModel` (gelu tanh, pooling head; 18 px images in 4 px
 convolution never reads the last 2 rows and columns, as so400m-patch14-384's never reads 6) is saved
 with a `preprocessor_config.json` (SiglipImageProcessor: 18 x 18 bicubic, mean = std = 0.5),
 converted with a tiny Llama 3.1-style LM (llama3 rope scaling factor 8) and loaded on one forked
-rank. scikit-learn's two photographs and a grey copy of one go through `models.image_processor`
+rank. scikit-learn's two photographs and a grey copy of one go through `data.image_processor`
 (our pixels equal `SiglipImageProcessor`'s: checked) into `SiglipEncoderModule.pixel_features`
 (the 18 x 18 pixels, cut to the 16 x 16 the convolution reads) and, bitwise the same, into
 `features` as patches of that square. Against `SiglipVisionModel(pixel_values=
@@ -25,7 +25,7 @@ pytest.importorskip("PIL")
 import torch  # noqa: E402
 
 from megatron_hetero.cli import main  # noqa: E402
-from megatron_hetero.models import image_processor as ip  # noqa: E402
+from megatron_hetero.data import image_processor as ip  # noqa: E402
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
 
 TOL = 1e-5

@@ -43,11 +43,11 @@ def ds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batches(ds):
-    from megatron_hetero.models.caption_config import CaptionDataConfig
-    from megatron_hetero.models.chat_batches import resolve_chat_config
-    from megatron_hetero.models.chat_default import chat_template_for
-    from megatron_hetero.models.speech_batches import SpeechBatches
-    from megatron_hetero.models.tokenizer import load_tokenizer
+    from megatron_hetero.data.caption_config import CaptionDataConfig
+    from megatron_hetero.data.chat_batches import resolve_chat_config
+    from megatron_hetero.data.chat_default import chat_template_for
+    from megatron_hetero.data.speech_batches import SpeechBatches
+    from megatron_hetero.data.tokenizer import load_tokenizer
 
     cfg = replace(resolve_chat_config(CaptionDataConfig(str(ds), patch_size=4, num_workers=0)), kind="speech")
     tok, template = load_tokenizer(None), chat_template_for(None)
@@ -68,9 +68,9 @@ def _shards(ds) -> dict[str, dict[str, bytes]]:
 def test_batches_place_each_encoders_tokens_and_match_the_shards(ds, batches):
     import numpy as np
 
-    from megatron_hetero.models.chat_batches import tile_features
-    from megatron_hetero.models.caption_index import decode_image
-    from megatron_hetero.models.speech_batches import clip_chunks, clip_features
+    from megatron_hetero.data.chat_batches import tile_features
+    from megatron_hetero.data.caption_index import decode_image
+    from megatron_hetero.data.speech_batches import clip_chunks, clip_features
 
     shards = _shards(ds)
     rows = range(0, 24)

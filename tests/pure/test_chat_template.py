@@ -1,4 +1,4 @@
-"""Chat templates without transformers (`models/chat_template.py`, `models/chat_tokens.py`), compared with
+"""Chat templates without transformers (`data/chat_template.py`, `data/chat_tokens.py`), compared with
 transformers' `apply_chat_template(tokenize=True, return_dict=True, return_assistant_tokens_mask=True)`.
 
 Three template styles written here (ChatML/Qwen2, Llama-3 headers, Mistral `[INST]` with
@@ -15,10 +15,10 @@ import re
 
 import pytest
 
-from megatron_hetero.models.chat_template import ChatTemplate, TemplateRaised, load_chat_template, normalize_messages
-from megatron_hetero.models.chat_tokens import tokenize_conversation, train_sample
-from megatron_hetero.models.data import PLACEHOLDER_ID
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.chat_template import ChatTemplate, TemplateRaised, load_chat_template, normalize_messages
+from megatron_hetero.data.chat_tokens import tokenize_conversation, train_sample
+from megatron_hetero.data.samples import PLACEHOLDER_ID
+from megatron_hetero.data.tokenizer import load_tokenizer
 
 SPECIALS = [
     "<pad>",
@@ -235,7 +235,7 @@ def torch_tensor(x):
 
 def test_placeholder_without_image_token_in_the_tokenizer():
     """The shipped tokenizer has <image> = PLACEHOLDER_ID; a tokenizer without <image> is given one."""
-    from megatron_hetero.models.tokenizer import CaptionTokenizer, train_caption_bpe
+    from megatron_hetero.data.tokenizer import CaptionTokenizer, train_caption_bpe
     from tokenizers import Tokenizer
 
     shipped = load_tokenizer()
@@ -293,7 +293,7 @@ def test_template_errors_are_value_errors(tmp_path):
 def test_llava_roles_and_template_list():
     msgs = normalize_messages([{"from": "human", "value": "<image>\nhi"}, {"from": "gpt", "value": "yo"}])
     assert msgs == [{"role": "user", "content": "<image>\nhi"}, {"role": "assistant", "content": "yo"}]
-    from megatron_hetero.models.chat_template import template_from_config
+    from megatron_hetero.data.chat_template import template_from_config
 
     t = template_from_config(
         {

@@ -1,4 +1,4 @@
-"""`models.image_processor` gives the pixel_values transformers' own processors give, on real photographs.
+"""`data.image_processor` gives the pixel_values transformers' own processors give, on real photographs.
 
 scikit-learn's two bundled photographs (china.jpg, flower.jpg, 640x427 RGB) go through our
 processor and through transformers' `CLIPImageProcessor` / `SiglipImageProcessor`, both reading
@@ -26,7 +26,7 @@ PIL = pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
-from megatron_hetero.models import image_processor as ip  # noqa: E402
+from megatron_hetero.data import image_processor as ip  # noqa: E402
 import sample_photos  # noqa: E402  (tests/sample_photos.py)
 from sample_photos import energon_decoded  # noqa: E402
 
@@ -168,8 +168,8 @@ def test_batch_and_patches_round_trip(photos, tmp_path):
     # the same layout as the data path's own patches (energon_data.patchify), and a config that fits
     from dataclasses import replace
 
-    from megatron_hetero.models.caption_config import CaptionDataConfig
-    from megatron_hetero.models.energon_data import patchify
+    from megatron_hetero.data.caption_config import CaptionDataConfig
+    from megatron_hetero.data.energon_data import patchify
 
     cfg = replace(CaptionDataConfig(path="unused", patch_size=8), **ip.caption_format(proc, 8))
     x = torch.rand(3, 32, 32)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_hetero.models import data as data_mod
-from megatron_hetero.models import synthetic
+from megatron_hetero.data import samples as data_mod
+from megatron_hetero.data import synthetic
 from megatron_hetero.models.image_tokens import edge_seq, pack_tiles, place_by_mask
 
 CFG = data_mod.DataConfig(
@@ -87,7 +87,7 @@ def test_mismatched_tiles_are_input_errors():
 def test_a_packed_row_is_its_documents_one_after_the_other():
     import dataclasses
 
-    from megatron_hetero.models.documents import document, eod_id
+    from megatron_hetero.data.documents import document, eod_id
 
     cfg = data_mod.DataConfig(
         seq_length=64,

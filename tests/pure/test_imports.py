@@ -62,7 +62,10 @@ FLOORS: tuple[Floor, ...] = (
     Floor("checkpoint", ("models",), False, "save/load under any layout, the file format, the restricted unpickler"),
     Floor("launch", ("models",), False, "the environment torchrun/srun give a rank; SLURM scripts"),
     Floor("profiling", ("models",), False, "`megatron-hetero profile`: timing kernels, model-free and the model's own"),
-    Floor("models", ("runtime",), False, "the LLaVA-style model from Megatron-core parts, data, stage runners"),
+    Floor("models", ("runtime", "data"), False, "the LLaVA-style model from Megatron-core parts, stage runners"),
+    Floor(
+        "data", ("layout",), False, "datasets, energon readers, chat templates, tokenizers, image and speech processing"
+    ),
     Floor("runtime", ("planner", "compat"), False, "process groups, boundaries, schedule interpreters, fork launcher"),
     Floor(
         "compat",

@@ -268,7 +268,7 @@ def test_script_data_that_runs_code_is_refused_unless_trusted(tmp_path, capsys):
     import numpy as np
 
     from megatron_hetero.megatron_lm.data_check import check_script_data, data_findings
-    from megatron_hetero.models.dataset_trust import UntrustedDataset
+    from megatron_hetero.data.dataset_trust import UntrustedDataset
 
     prefix = tmp_path / "corpus_text_document"
     (prefix / "cache" / "GPTDataset_indices").mkdir(parents=True)

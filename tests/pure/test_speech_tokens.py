@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_hetero.models.chat_default import chat_template_for
-from megatron_hetero.models.chat_tokens import marker_tokenizer, tokenize_conversation
-from megatron_hetero.models.speech_batches import clip_chunks, clip_features, tokenize_speech_conversation
+from megatron_hetero.data.chat_default import chat_template_for
+from megatron_hetero.data.chat_tokens import marker_tokenizer, tokenize_conversation
+from megatron_hetero.data.speech_batches import clip_chunks, clip_features, tokenize_speech_conversation
 from megatron_hetero.models.speech_eval import SAID, SHOWN, modality_hits
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from megatron_hetero.models.data import PLACEHOLDER_ID
-from megatron_hetero.models.digits import DIGIT_WORDS, digit_caption
-from megatron_hetero.models.tokenizer import SHIPPED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer, train_caption_bpe
+from megatron_hetero.data.samples import PLACEHOLDER_ID
+from megatron_hetero.data.digits import DIGIT_WORDS, digit_caption
+from megatron_hetero.data.tokenizer import SHIPPED_TOKENIZER, SPECIAL_TOKENS, load_tokenizer, train_caption_bpe
 
 TEXTS = [
     "a handwritten seven",

@@ -19,10 +19,10 @@ import pytest
 from megatron_hetero.cli.train_door import data_request
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.caption_runner import CaptionStageRunner, caption_runner_factory
-from megatron_hetero.models.digits import write_digits_dataset
-from megatron_hetero.models.energon_data import CaptionDataConfig, caption_spec, resolve_config
+from megatron_hetero.data.digits import write_digits_dataset
+from megatron_hetero.data.energon_data import CaptionDataConfig, caption_spec, resolve_config
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.tokenizer import load_tokenizer
 from megatron_hetero.plan.batch import dp_rows
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.runtime.launcher import run_ranks

@@ -22,10 +22,10 @@ import torch
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.caption_eval import digit_hits, greedy_digit_accuracy
 from megatron_hetero.models.caption_runner import caption_runner_factory
-from megatron_hetero.models.digits import digit_of_caption, write_digits_dataset
-from megatron_hetero.models.energon_data import CaptionDataConfig, caption_spec, resolve_config
+from megatron_hetero.data.digits import digit_of_caption, write_digits_dataset
+from megatron_hetero.data.energon_data import CaptionDataConfig, caption_spec, resolve_config
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
-from megatron_hetero.models.tokenizer import load_tokenizer
+from megatron_hetero.data.tokenizer import load_tokenizer
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
@@ -40,7 +40,7 @@ TRAIN_STEPS = 31  # evaluated after step 30 (the captions are half learnt), and 
 
 def test_digit_hits_is_the_reference_accuracy():
     tok = load_tokenizer(None)
-    from megatron_hetero.models.energon_data import text_sample
+    from megatron_hetero.data.energon_data import text_sample
 
     caps = ["a handwritten seven", "a handwritten one", "a handwritten three", "a handwritten zero"]
     rows = [text_sample(c, tok, seq_length=16, image_tokens=4) for c in caps]

@@ -34,12 +34,12 @@ def ds(tmp_path_factory):
 def test_the_speech_chunks_vary_per_sample(ds):
     from dataclasses import replace
 
-    from megatron_hetero.models.caption_config import CaptionDataConfig
-    from megatron_hetero.models.chat_batches import resolve_chat_config
-    from megatron_hetero.models.chat_default import chat_template_for
-    from megatron_hetero.models.speech_batches import SpeechBatches
+    from megatron_hetero.data.caption_config import CaptionDataConfig
+    from megatron_hetero.data.chat_batches import resolve_chat_config
+    from megatron_hetero.data.chat_default import chat_template_for
+    from megatron_hetero.data.speech_batches import SpeechBatches
     from megatron_hetero.models.speech_runner import SPEECH_CHUNK
-    from megatron_hetero.models.tokenizer import load_tokenizer
+    from megatron_hetero.data.tokenizer import load_tokenizer
 
     cfg = replace(resolve_chat_config(CaptionDataConfig(str(ds), patch_size=4, num_workers=0)), kind="speech")
     data = SpeechBatches(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hetero.models import data as data_mod
+from megatron_hetero.data import samples as data_mod
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, data_config
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.training.setup import JobConfig

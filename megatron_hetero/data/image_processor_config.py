@@ -1,6 +1,6 @@
 """Reading a vision tower's Hugging Face `preprocessor_config.json` (pure: no torch, no PIL): which
 processor it is (CLIP or SigLIP), the recipe's fields with each class's defaults where a key is absent,
-and a ValueError naming the option for anything `models.image_processor` cannot reproduce (its
+and a ValueError naming the option for anything `data.image_processor` cannot reproduce (its
 docstring lists what is read and refused). transformers is not imported.
 """
 
@@ -97,7 +97,7 @@ def processor_kind(cfg: dict, where: str = "preprocessor config") -> str:
 def recipe_fields(cfg: dict, where: str = "preprocessor config") -> dict[str, Any]:
     """The recipe of a preprocessor_config.json object as `image_processor.ImageProcessor`'s fields,
     with the class's defaults where a key is absent; ValueError naming the option for anything it
-    cannot reproduce (`models.image_processor`'s docstring)."""
+    cannot reproduce (`data.image_processor`'s docstring)."""
     kind = processor_kind(cfg, where)
     for key, value in cfg.items():
         if key in _METADATA or key in _READ[kind]:

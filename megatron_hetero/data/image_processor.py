@@ -71,7 +71,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_hetero.models.image_processor_config import (  # noqa: F401 (re-exported)
+from megatron_hetero.data.image_processor_config import (  # noqa: F401 (re-exported)
     CLIP,
     CONFIG_NAME,
     SIGLIP,

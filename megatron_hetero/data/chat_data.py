@@ -6,10 +6,10 @@ texts without roles; `CaptioningSample` one image and a caption. For any other f
 intended route is a *crude* dataset: `.nv-meta/dataset.yaml` names `megatron.energon`'s
 `CrudeWebdataset` (no code), each sample arrives as a plain dict of its decoded parts, and a `Cooker`
 in the TASK ENCODER (the reading program's code, here this module) turns it into a typed sample. So
-the dataset names no code, and `models.dataset_trust` accepts it; a dataset that brings its own
+the dataset names no code, and `data.dataset_trust` accepts it; a dataset that brings its own
 `sample_loader.py` is refused unless `--trust-dataset-code`, as everywhere.
 
-A conversation sample (the layout `models.digits_chat` writes):
+A conversation sample (the layout `data.digits_chat` writes):
 
     KEY.json      {"conversation": [{"role": "user", "content": "<image>\\nWhat digit is this?"},
                                     {"role": "assistant", "content": "seven"}],
@@ -23,7 +23,7 @@ samples have no image parts.
 `open_chat_split(path, split)` -> (number of samples, iterator of `ChatSample`): `conversation`
 (normalised `{role, content}` messages), `images` (float [3, H, W] tensors in [0, 1], energon's
 default decoding; images of one sample may differ in size) and `meta`. It opens the split with
-`models.energon_data.open_split` and this module's cooker, so the same trust path runs first: `dataset_trust.check_dataset` (refuses a dataset naming
+`data.energon_data.open_split` and this module's cooker, so the same trust path runs first: `dataset_trust.check_dataset` (refuses a dataset naming
 code unless `trust_code`) and webdataset's secure decoding. The split is read as rank 0 of a world of 1,
 epoch seed `energon_data.epoch_seed(seed, epoch)`, like the caption data. A typed `VQASample`
 (question -> first answer) or `CaptioningSample` (image -> caption) dataset is read as one-turn
@@ -36,9 +36,9 @@ import functools
 import re
 from typing import Any, Iterator, Optional
 
-from megatron_hetero.models.chat_template import normalize_messages
-from megatron_hetero.models.chat_tokens import IMAGE_MARKER
-from megatron_hetero.models.energon_data import _quiet, open_split
+from megatron_hetero.data.chat_template import normalize_messages
+from megatron_hetero.data.chat_tokens import IMAGE_MARKER
+from megatron_hetero.data.energon_data import _quiet, open_split
 
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp")
 _IMAGE_PART = re.compile(r"^(.*\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$")

@@ -3,14 +3,14 @@ sequence packing (`LlavaSpec.documents`, `pack_documents`).
 
 Document j (deterministic in (seed, j)) has L_j tokens, L_j drawn from [D // 2, D] with D =
 seq_length // P (P = `documents`): a random first token, the same affine bigram rule as
-`models.data` (ids 1..V-2), and the EOD token (id V-1) last. Each variable encoder (`max_tiles` K
+`data.samples` (ids 1..V-2), and the EOD token (id V-1) last. Each variable encoder (`max_tiles` K
 >= 1) gives it n_j tiles (0..K) whose n_j*T placeholders start at the document's own position
 `offset`. All lengths and tile counts are drawn before any feature, so `document_tiles` and
 `document_loss_tokens` read no feature.
 
 Row i of the packed data (`pack_documents`) is documents [i*P, (i+1)*P) one after the other; row i
 of the unpacked data is document i alone. Rows are padded with EOD to seq_length + 1 and cut into
-`tokens` and `labels` (the next token) as in `models.data`. The loss mask is Megatron's with
+`tokens` and `labels` (the next token) as in `data.samples`. The loss mask is Megatron's with
 --eod-mask-loss: a label counts unless its input token is EOD (so no label crosses from one document
 into the next, and padding never counts) or it is an image placeholder. The packed run of G rows and
 the unpacked run of G*P rows therefore train on the same documents and the same loss tokens;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_hetero.models.data import PLACEHOLDER_ID, DataConfig, variable_encoders
+from megatron_hetero.data.samples import PLACEHOLDER_ID, DataConfig, variable_encoders
 
 
 def eod_id(cfg: DataConfig) -> int:
@@ -84,7 +84,7 @@ def row_documents(cfg: DataConfig, i: int) -> range:
 
 
 def document_rows(cfg: DataConfig, start: int, count: int) -> list[dict]:
-    """Rows [start, start+count) as `models.data.sample` dicts (tokens, labels, loss_mask, features,
+    """Rows [start, start+count) as `data.samples.sample` dicts (tokens, labels, loss_mask, features,
     tiles, image_mask)."""
     eod, n = eod_id(cfg), cfg.seq_length + 1
     out = []

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_hetero.models.image_processor import _pil_filter, as_pil
+from megatron_hetero.data.image_processor import _pil_filter, as_pil
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -1,12 +1,12 @@
 """Spoken digits made offline: conversations mixing a handwritten digit image and a spoken question,
-speech-only and text-only samples, as an energon-prepared crude WebDataset (as `models.digits_chat`).
+speech-only and text-only samples, as an energon-prepared crude WebDataset (as `data.digits_chat`).
 
     OUT/train/shard-00000{0..N-1}.tar   `--samples` conversations: training digits, training voices
     OUT/val/shard-000000.tar            `--val-samples`: held-out digit images, held-out voices only
     OUT/.nv-meta/                       energon's index, split.yaml, dataset.yaml (CrudeWebdataset)
 
 A sample is `KEY.json`, one PNG per image (`KEY.img0.png`) and one log-mel array per clip
-(`KEY.speech0.npy`: numpy float32 [frames, bins], frames even: `models.speech_synth.log_mel`):
+(`KEY.speech0.npy`: numpy float32 [frames, bins], frames even: `data.speech_synth.log_mel`):
 
     {"conversation": [{"role": "user", "content": "<image>\\n<speech>\\nWhat digit is shown, and which
                        digit was said?"}, {"role": "assistant", "content": "seven and three"}],
@@ -16,10 +16,10 @@ A sample is `KEY.json`, one PNG per image (`KEY.img0.png`) and one log-mel array
 
 Kinds (probabilities 0.4 / 0.35 / 0.25): `image_speech` (an image and a spoken digit in one user turn),
 `speech` ("<speech>\\nWhich digit was said?", sometimes "Is it odd or even?" after), `text` (the
-arithmetic turns of `models.digits_chat`). Each clip is eSpeak NG speaking the digit word or "number
+arithmetic turns of `data.digits_chat`). Each clip is eSpeak NG speaking the digit word or "number
 <word>" in one of the split's voices (voice, speed, pitch): train and val voices are disjoint, so val
 measures speech from speakers never heard. Clips are synthesised once per (phrase, voice).
-Deterministic in `seed` (the same numpy streams as `models.digits_chat`); byte-identical rebuilds
+Deterministic in `seed` (the same numpy streams as `data.digits_chat`); byte-identical rebuilds
 given the same eSpeak NG and transformers versions.
 """
 
@@ -31,8 +31,8 @@ from itertools import product
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member
-from megatron_hetero.models.digits_chat import (
+from megatron_hetero.data.digits import DIGIT_WORDS, add_tar_member
+from megatron_hetero.data.digits_chat import (
     TRAIN_DIR,
     VAL_DIR,
     _turns_text,
@@ -40,7 +40,7 @@ from megatron_hetero.models.digits_chat import (
     prepare_conversations,
     write_shards,
 )
-from megatron_hetero.models.speech_synth import Voice, espeak_path, feature_extractor, log_mel, synthesize
+from megatron_hetero.data.speech_synth import Voice, espeak_path, feature_extractor, log_mel, synthesize
 
 SPEECH_MARKER = "<speech>"
 SPEECH_INFO = "speech.json"  # OUT/speech.json: {"marker", "mel_bins", "features"}: a speech dataset

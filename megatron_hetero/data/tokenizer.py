@@ -5,7 +5,7 @@ byte-level BPE (GPT-2 style: every byte is a base token, so ANY text encodes and
 exactly) whose merges were trained with the `tokenizers` library on the digit captions
 (`train_caption_bpe(digit captions)`), so "a handwritten seven" is 3 tokens (306 tokens in all: the
 merges stop once every caption word is one token). Its special tokens come first: 0 `<image>` (the
-image placeholder, `models.data.PLACEHOLDER_ID`), 1 `<pad>`, 2 `<s>` (BOS), 3 `</s>` (EOS).
+image placeholder, `data.samples.PLACEHOLDER_ID`), 1 `<pad>`, 2 `<s>` (BOS), 3 `</s>` (EOS).
 
 `load_tokenizer(FILE)` loads any Hugging Face `tokenizer.json` (`tokenizers.Tokenizer.from_file`) for
 real runs (`train --tokenizer-model FILE`). Its BOS/EOS/PAD are found by the usual token names
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from megatron_hetero.models.data import PLACEHOLDER_ID
+from megatron_hetero.data.samples import PLACEHOLDER_ID
 
 SHIPPED_TOKENIZER = Path(__file__).with_name("digits_tokenizer.json")
 SPECIAL_TOKENS = ("<image>", "<pad>", "<s>", "</s>")  # ids 0..3 in the shipped tokenizer
@@ -109,7 +109,7 @@ def train_caption_bpe(texts: Iterable[str], vocab_size: int = 320):
 
 def build_shipped_tokenizer(path: Path = SHIPPED_TOKENIZER) -> Path:
     """(Re)write the shipped tokenizer from the digit captions (each caption once per digit)."""
-    from megatron_hetero.models.digits import DIGIT_WORDS, digit_caption
+    from megatron_hetero.data.digits import DIGIT_WORDS, digit_caption
 
     train_caption_bpe([digit_caption(d) for d in range(len(DIGIT_WORDS))]).save(str(path))
     return path

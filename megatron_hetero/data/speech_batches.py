@@ -1,6 +1,6 @@
 """`SpeechBatches`: the spoken-digits dataset (`megatron-hetero data digits --speech`,
-`models.digits_speech`) as TRAINING batches for a LLaVA model with two variable encoders: an image
-encoder (tiles, as `models.chat_batches`) and the `audio` encoder (speech chunks).
+`data.digits_speech`) as TRAINING batches for a LLaVA model with two variable encoders: an image
+encoder (tiles, as `data.chat_batches`) and the `audio` encoder (speech chunks).
 
 Speech chunks. A clip is `KEY.speechK.npy`, log-mel float32 [frames, bins] (frames even). Its frames
 are read two a speech token (the Whisper encoder's input, `whisper_encoder.mel_to_pairs`) and cut into
@@ -39,9 +39,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig
-from megatron_hetero.models.caption_reader import IndexSource
-from megatron_hetero.models.chat_batches import (
+from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.data.caption_reader import IndexSource
+from megatron_hetero.data.chat_batches import (
     HELDOUT_SPLIT,
     JSON_PART,
     ChatBatches,
@@ -51,16 +51,16 @@ from megatron_hetero.models.chat_batches import (
     tile_features,
     tiles_of,
 )
-from megatron_hetero.models.chat_template import ChatTemplate, normalize_messages
-from megatron_hetero.models.chat_tokens import (
+from megatron_hetero.data.chat_template import ChatTemplate, normalize_messages
+from megatron_hetero.data.chat_tokens import (
     IMAGE_MARKER,
     ChatTokens,
     kept_images,
     tokenize_conversation,
     train_sample,
 )
-from megatron_hetero.models.digits_speech import SPEECH_INFO, SPEECH_MARKER
-from megatron_hetero.models.tokenizer import CaptionTokenizer
+from megatron_hetero.data.digits_speech import SPEECH_INFO, SPEECH_MARKER
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 AUDIO = "audio"  # the speech encoder's module name in layouts
 _MARKERS = re.compile(f"{re.escape(IMAGE_MARKER)}|{re.escape(SPEECH_MARKER)}")

@@ -1,6 +1,6 @@
 """Image-caption training data from ANY energon captioning dataset, addressed by GLOBAL sample index.
 
-What a sample becomes (the `models.data` contract, so `LlavaStageRunner` and the model are unchanged):
+What a sample becomes (the `data.samples` contract, so `LlavaStageRunner` and the model are unchanged):
 
   * image -> `features[encoder]` [tokens, feature_dim]: the image (energon decodes it to float RGB in
     [0, 1]) is reduced to `channels` (1: the mean of R, G, B), resized to `image_size` (bilinear,
@@ -12,22 +12,22 @@ What a sample becomes (the `models.data` contract, so `LlavaStageRunner` and the
     (grey when all of the first 32 have R = G = B) unless given, and `caption_spec` puts the result
     into the model's `LlavaSpec`. With `--image-processor` (`CaptionDataConfig.image_processor`: the
     vision tower's Hugging Face preprocessor_config.json) the image goes through the tower's own
-    preprocessing instead (`models.image_processor`: RGB, resize, center crop, rescale, normalise, the
+    preprocessing instead (`data.image_processor`: RGB, resize, center crop, rescale, normalise, the
     pixels transformers' processor gives) and is cut into the same patches; the processor's output
     size is `image_size` and `channels` is 3.
   * caption -> text: `[BOS] [PLACEHOLDER_ID] * tokens  prompt  caption  [EOS]  [PAD] ...`, cut or
     padded to seq_length + 1; the image placeholder span sits at the encoder's `offset` (= 1, right
-    after BOS), as in `models.data`. `tokens` = the first seq_length, `labels` = the next token at
+    after BOS), as in `data.samples`. `tokens` = the first seq_length, `labels` = the next token at
     each position, and `loss_mask` = 1 exactly where the label is a CAPTION token (the caption's
     tokens and its EOS, which ends the caption), 0 for the prompt, BOS, placeholders and padding.
     A caption longer than the sequence is cut (then without EOS).
 
-Reading a run's samples by global index (`models.caption_reader`: random access through energon's
-index, or energon's own loader) and batching them per rank (`models.caption_batches.CaptionBatches`)
+Reading a run's samples by global index (`data.caption_reader`: random access through energon's
+index, or energon's own loader) and batching them per rank (`data.caption_batches.CaptionBatches`)
 build on the pieces here: the energon loader (`open_split`), the format (`resolve_config`), the
 encoder features (`encoder_features`) and the text sample (`text_sample`, `caption_loss_tokens`).
 
-Trust. A dataset is data: every open first reads it as data (`models.dataset_trust`) and refuses one
+Trust. A dataset is data: every open first reads it as data (`data.dataset_trust`) and refuses one
 that names code (energon Python files and imports, pickle/torch.load-decoded members) unless the
 config says `trust_code` (`--trust-dataset-code`); the index reader decodes images only with PIL and
 captions only as UTF-8 text, and energon's loader decodes with webdataset's secure mode on unless
@@ -44,17 +44,17 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig
-from megatron_hetero.models.data import PLACEHOLDER_ID
-from megatron_hetero.models.dataset_trust import UntrustedDataset, check_dataset, secure_decoding
-from megatron_hetero.models.image_processor import (
+from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.data.samples import PLACEHOLDER_ID
+from megatron_hetero.data.dataset_trust import UntrustedDataset, check_dataset, secure_decoding
+from megatron_hetero.data.image_processor import (
     ImageProcessor,
     caption_features,
     caption_format,
     check_fits,
     load_image_processor,
 )
-from megatron_hetero.models.tokenizer import CaptionTokenizer
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 VOCAB_MULTIPLE = 128  # the model's vocabulary is the tokenizer's padded up to a multiple of this (Megatron's default)
 

@@ -1,4 +1,4 @@
-"""`ChatBatches`: a conversation dataset (`megatron-hetero data digits --chat`, `models.chat_data`) as
+"""`ChatBatches`: a conversation dataset (`megatron-hetero data digits --chat`, `data.chat_data`) as
 TRAINING batches for the LLaVA model, with a variable number of image tokens per sample (image tiles).
 
 Image tiles (LLaVA-NeXT "anyres"-like). Every image is cut into square tiles of the encoder's native
@@ -35,7 +35,7 @@ lazy `ChatRowBatch` keys, the cache of the current and previous step, `state_dic
 are CaptionBatches' own.
 
 Which datasets: an `energon prepare`d crude WebDataset (`dataset.yaml`: megatron.energon's
-`CrudeWebdataset`, no `sample_loader`/`part_filter`/`subflavors`) of the layout `models.chat_data`
+`CrudeWebdataset`, no `sample_loader`/`part_filter`/`subflavors`) of the layout `data.chat_data`
 reads (`KEY.json` with a "conversation", image members in its "images" order); images are decoded only
 with PIL, the JSON only as JSON. A dataset that names code is refused (`dataset_trust`), also under
 --trust-dataset-code: energon's loader, which would run it, is not wired to the tiles path.
@@ -54,9 +54,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_hetero.models.caption_batches import CaptionBatches, RowBatch
-from megatron_hetero.models.caption_config import CaptionDataConfig
-from megatron_hetero.models.caption_index import (
+from megatron_hetero.data.caption_batches import CaptionBatches, RowBatch
+from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.data.caption_index import (
     IMAGE_EXTENSIONS,
     META_DIR,
     SplitIndex,
@@ -64,20 +64,20 @@ from megatron_hetero.models.caption_index import (
     decode_image,
     image_size_of,
 )
-from megatron_hetero.models.caption_reader import IndexSource
-from megatron_hetero.models.chat_data import conversation_of
-from megatron_hetero.models.chat_template import ChatTemplate
-from megatron_hetero.models.chat_tokens import (
+from megatron_hetero.data.caption_reader import IndexSource
+from megatron_hetero.data.chat_data import conversation_of
+from megatron_hetero.data.chat_template import ChatTemplate
+from megatron_hetero.data.chat_tokens import (
     ChatTokens,
     kept_images,
     marker_tokenizer,
     tokenize_conversation,
     train_sample,
 )
-from megatron_hetero.models.dataset_trust import check_dataset
-from megatron_hetero.models.energon_data import image_processor_of, patchify
-from megatron_hetero.models.image_processor import caption_features, caption_format
-from megatron_hetero.models.tokenizer import CaptionTokenizer
+from megatron_hetero.data.dataset_trust import check_dataset
+from megatron_hetero.data.energon_data import image_processor_of, patchify
+from megatron_hetero.data.image_processor import caption_features, caption_format
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 HELDOUT_SPLIT = "val"
 DEFAULT_TILE = 8  # the digits' side: one 8x8 digit is one tile

@@ -1,5 +1,5 @@
 """`CaptionBatches`: one rank's view of a training run's caption samples, addressed by GLOBAL sample
-index (`models.caption_reader`), in the `models.data` batch contract (`models.energon_data` shapes
+index (`data.caption_reader`), in the `data.samples` batch contract (`data.energon_data` shapes
 each sample).
 
 Determinism across layouts. The samples of a run are ONE global stream, the same on every rank and
@@ -8,7 +8,7 @@ e reads the split's stored positions (its shards in `split.yaml` order, each sha
 the order `epoch_order(N, seed, e, shuffle)`: `random.Random(seed * 1_000_003 + e).shuffle` of
 0..N-1, each epoch exactly a permutation of the split. Step t covers global samples [t*G, (t+1)*G).
 
-What each rank reads. The reader is random access (`IndexSource`: `models.caption_index` over
+What each rank reads. The reader is random access (`IndexSource`: `data.caption_index` over
 energon's `.nv-meta/index.sqlite`; no process group, no layout). The stage runner asks `batch` for
 the global indices a module's DP rank needs, and gets a lazy `RowBatch`: an encoder's first stage
 reads `features`, so this rank decodes and patchifies exactly the images of its encoder rows; a
@@ -47,10 +47,10 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig
-from megatron_hetero.models.caption_reader import IndexSource, open_source
-from megatron_hetero.models.energon_data import caption_loss_tokens, encoder_features, text_sample
-from megatron_hetero.models.tokenizer import CaptionTokenizer
+from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.data.caption_reader import IndexSource, open_source
+from megatron_hetero.data.energon_data import caption_loss_tokens, encoder_features, text_sample
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 #: every CaptionBatches of this process, quiesced before a fork (the fork launcher forks ranks)
 _LIVE: "weakref.WeakSet[CaptionBatches]" = weakref.WeakSet()
@@ -65,7 +65,7 @@ os.register_at_fork(before=_quiesce_all)
 
 
 class RowBatch(Mapping):
-    """The rows `samples` of one step, as `models.data.batch` gives them (tokens, labels, loss_mask
+    """The rows `samples` of one step, as `data.samples.batch` gives them (tokens, labels, loss_mask
     [rows, S], features {encoder: [rows, tokens, feature_dim]}), built on first access of each key:
     an encoder stage reads only `features` (images decoded), a language stage only the text keys
     (captions tokenised), a middle pipeline stage nothing."""
@@ -220,7 +220,7 @@ class CaptionBatches:
         return step
 
     def batch(self, samples: range) -> RowBatch:
-        """Global samples `samples` (within one step), stacked as `models.data.batch` stacks them;
+        """Global samples `samples` (within one step), stacked as `data.samples.batch` stacks them;
         each key is built when first read (`RowBatch`)."""
         self._rows(samples)
         return RowBatch(self, samples)

@@ -1,12 +1,12 @@
-"""The synthetic data source of a `DataConfig`: one sample per row (`models.data`) or EOD-separated
-documents (`models.documents`, `DataConfig.documents` >= 1). The four calls a runner or a check makes
+"""The synthetic data source of a `DataConfig`: one sample per row (`data.samples`) or EOD-separated
+documents (`data.documents`, `DataConfig.documents` >= 1). The four calls a runner or a check makes
 (`validate`, `batch`, `image_tiles`, `loss_tokens`) pick the source here, so neither module imports
 the other's."""
 
 from __future__ import annotations
 
-from megatron_hetero.models import data, documents
-from megatron_hetero.models.data import DataConfig
+from megatron_hetero.data import samples as data, documents
+from megatron_hetero.data.samples import DataConfig
 
 
 def validate(cfg: DataConfig) -> None:
@@ -18,7 +18,7 @@ def validate(cfg: DataConfig) -> None:
 
 
 def batch(cfg: DataConfig, start: int, count: int) -> dict:
-    """Rows [start, start+count) (`models.data.batch`'s keys)."""
+    """Rows [start, start+count) (`data.samples.batch`'s keys)."""
     if cfg.documents:
         return data.stack(cfg, documents.document_rows(cfg, start, count))
     return data.batch(cfg, start, count)

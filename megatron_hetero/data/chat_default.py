@@ -14,7 +14,7 @@ after `<|im_end|>` is outside the generation block: the model never has to gener
 `chat_template_for(tokenizer_model)`: the chat template of a `--tokenizer-model` tokenizer.json whose
 folder has one (`chat_template.jinja`, or `chat_template` in `tokenizer_config.json`:
 `chat_template.load_chat_template`), else `default_chat_template()`. A tokenizer without the ChatML
-markers (the shipped digits tokenizer, `models.tokenizer`) is given both as added special tokens
+markers (the shipped digits tokenizer, `data.tokenizer`) is given both as added special tokens
 (`ChatTemplate.markers`, `chat_tokens.marker_tokenizer`), as ChatML tokenizers have them: one token
 each instead of about 8 bytes, so a digits conversation takes about half the sequence.
 """
@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from megatron_hetero.models.chat_template import ChatTemplate, load_chat_template
+from megatron_hetero.data.chat_template import ChatTemplate, load_chat_template
 
 START_OF_TURN, END_OF_TURN = "<|im_start|>", "<|im_end|>"
 

@@ -1,7 +1,7 @@
 """A small REAL visual-instruction (conversation) dataset built offline from scikit-learn's digits.
 
 `write_digits_chat_dataset(out)` writes multi-turn conversations about one or two handwritten digit
-images (or none), as an energon-prepared crude WebDataset that `models.chat_data` reads back:
+images (or none), as an energon-prepared crude WebDataset that `data.chat_data` reads back:
 
     OUT/train/shard-00000{0..N-1}.tar   `--samples` conversations, images from the training digits
     OUT/val/shard-000000.tar            `--val-samples` conversations, images from the held-out digits only
@@ -24,10 +24,10 @@ A third of the conversations start with a system turn. Each image is stored at a
 `sizes` (default 8 and 16: the 8x8 digit upscaled by pixel repetition), so images of one conversation
 can have different token counts. Pixels 0..16 are scaled to 0..255 (round(v * 255 / 16)).
 
-Deterministic in `seed`: the held-out digits are `models.digits.heldout_indices(held_out, seed)` (a
+Deterministic in `seed`: the held-out digits are `data.digits.heldout_indices(held_out, seed)` (a
 stratified choice) and each split's conversations come from `numpy.random.RandomState` seeded from
 (seed, split). Rebuilding gives byte-identical shards (mtime 0, no owner). Imports neither torch nor
-energon in this process (`energon prepare` runs as a subprocess, as for `models.digits`).
+energon in this process (`energon prepare` runs as a subprocess, as for `data.digits`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import tarfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from megatron_hetero.models.digits import DIGIT_WORDS, add_tar_member, digit_png, energon_prepare, heldout_indices
+from megatron_hetero.data.digits import DIGIT_WORDS, add_tar_member, digit_png, energon_prepare, heldout_indices
 
 TRAIN_DIR, VAL_DIR = "train", "val"
 HELDOUT_SPLITS = ("val", "test")

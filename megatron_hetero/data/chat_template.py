@@ -31,7 +31,7 @@ belong to assistant turns, found one of two ways (`method`):
     of the whole conversation's text; a template for which that does not hold (one that renders an
     earlier turn differently once later turns exist) is refused with a ValueError naming the turn.
 
-Used by `models.chat_tokens` (conversation -> token ids + loss mask).
+Used by `data.chat_tokens` (conversation -> token ids + loss mask).
 """
 
 from __future__ import annotations

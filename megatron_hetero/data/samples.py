@@ -51,11 +51,11 @@ class DataConfig:
     vocab_size: int
     encoders: dict[str, EncoderInput] = field(default_factory=dict)
     seed: int = 1234
-    documents: int = 0  # >= 1: EOD-separated documents (`models.documents`)
+    documents: int = 0  # >= 1: EOD-separated documents (`data.documents`)
     pack_documents: bool = True
 
     def validate(self) -> None:
-        if self.documents:  # EOD-separated documents: `models.synthetic.validate` checks them
+        if self.documents:  # EOD-separated documents: `data.synthetic.validate` checks them
             return
         spans = sorted((e.offset, e.offset + e.span, n) for n, e in self.encoders.items())
         for n, e in self.encoders.items():

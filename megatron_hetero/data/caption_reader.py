@@ -1,5 +1,5 @@
 """The samples of a caption split by GLOBAL sample index: random access where the dataset allows, else
-energon's own loader (used by `models.caption_batches` and for evaluation, `heldout_batch`).
+energon's own loader (used by `data.caption_batches` and for evaluation, `heldout_batch`).
 
 Datasets the index does not read (`caption_index.indexable`: a metadataset, another sample type, or
 a dataset that names code and runs under --trust-dataset-code) are read by `StreamSource`: energon's
@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from megatron_hetero.models.caption_config import CaptionDataConfig
-from megatron_hetero.models.caption_index import CaptionIndex, SplitIndex, indexable
-from megatron_hetero.models.dataset_trust import check_dataset, secure_decoding
-from megatron_hetero.models.energon_data import (
+from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.data.caption_index import CaptionIndex, SplitIndex, indexable
+from megatron_hetero.data.dataset_trust import check_dataset, secure_decoding
+from megatron_hetero.data.energon_data import (
     _next,
     caption_text,
     encoder_features,
@@ -32,7 +32,7 @@ from megatron_hetero.models.energon_data import (
     open_split,
     text_sample,
 )
-from megatron_hetero.models.tokenizer import CaptionTokenizer
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:

@@ -1,5 +1,5 @@
 """Where `train`'s image-caption data comes from, as plain data (pure: no torch; the loader is
-`models.energon_data`). `CaptionDataConfig` is the resolved configuration a job carries
+`data.energon_data`). `CaptionDataConfig` is the resolved configuration a job carries
 (`training.config.JobConfig.data`); `DataFlags` the choice of the data source on `train`'s command
 line. The fields with a flag carry its name and help (`layout.flags`): `cli.data.add_train_data_flags`
 generates train's data flags from them; train's door reads them into a `DataRequest`, what
@@ -36,7 +36,7 @@ class CaptionDataConfig:
     `image_size` (H, W) and `channels` None: taken from the data by `resolve_config`."""
 
     path: str
-    tokenizer_model: Optional[str] = flag_field(  # None: the shipped tokenizer (models/tokenizer.py)
+    tokenizer_model: Optional[str] = flag_field(  # None: the shipped tokenizer (data/tokenizer.py)
         None, "a Hugging Face tokenizer.json (default: the shipped byte-level BPE, no download)", group="data"
     )
     split: str = "train"
@@ -46,7 +46,7 @@ class CaptionDataConfig:
     )
     image_size: Optional[tuple[int, int]] = None
     channels: Optional[int] = None
-    # --image-processor: the tower's own preprocessing (models/image_processor.py) instead of `patchify`'s
+    # --image-processor: the tower's own preprocessing (data/image_processor.py) instead of `patchify`'s
     # [-1, 1] scaling; it fixes image_size (its output size) and channels (3)
     image_processor: Optional[str] = flag_field(
         None,
@@ -65,7 +65,7 @@ class CaptionDataConfig:
     shuffle: bool = True
     shuffle_buffer_size: int = 100
     max_samples_per_sequence: int = 100
-    # --trust-dataset-code: let the dataset run the code it names (`models.dataset_trust`); `trusted`:
+    # --trust-dataset-code: let the dataset run the code it names (`data.dataset_trust`); `trusted`:
     # what it names (`Finding.line()`s), printed once on rank 0
     trust_code: bool = flag_field(
         False,
@@ -90,7 +90,7 @@ class CaptionDataConfig:
     # speech clips, `speech_runner`); `job_data` picks it from the dataset
     kind: str = "caption"
 
-    # conversations (`models.chat_batches`): at most this many tiles per image, 0: no bound
+    # conversations (`data.chat_batches`): at most this many tiles per image, 0: no bound
     max_image_tiles: int = flag_field(
         0,
         "conversation data: at most N tiles per image; a larger image is resized to fit the grid (1: "

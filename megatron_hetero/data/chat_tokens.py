@@ -12,7 +12,7 @@
      tokenises as it does in a tokenizer that has `<image>` (a tokenizer without it is copied and given it);
   3. each marker token becomes a run of `image_tokens[k]` placeholder ids (image k, in order; images can
      have different token counts); the placeholder id is the tokenizer's own `<image>` id when it has
-     one, else `models.data.PLACEHOLDER_ID`;
+     one, else `data.samples.PLACEHOLDER_ID`;
   4. the loss mask is 1 exactly for the tokens whose character range overlaps an assistant span: the
      assistant content and the end-of-turn token that closes it; never system/user turns, role
      headers, the generation prompt or image placeholders.
@@ -23,7 +23,7 @@ number of images given (ValueError otherwise, naming both counts). `transformers
 to the one holding its last; for a tokenizer whose tokens cover every character (byte-level BPE) that
 is the same set (`tests/pure/test_chat_template.py` compares both).
 
-`train_sample(chat, seq_length, pad_id)` turns the result into the `models.data` sample contract:
+`train_sample(chat, seq_length, pad_id)` turns the result into the `data.samples` sample contract:
 `tokens`, `labels` (next token), `loss_mask` (on the label: 1 where the label is an assistant token)
 and `image_mask` (1 at placeholder positions of `tokens`), cut or padded to `seq_length`.
 """
@@ -35,9 +35,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from megatron_hetero.models.chat_template import ChatTemplate, normalize_messages
-from megatron_hetero.models.data import PLACEHOLDER_ID
-from megatron_hetero.models.tokenizer import CaptionTokenizer
+from megatron_hetero.data.chat_template import ChatTemplate, normalize_messages
+from megatron_hetero.data.samples import PLACEHOLDER_ID
+from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 IMAGE_MARKER = "<image>"
 

@@ -1,0 +1,1 @@
+"""Data: datasets, energon readers, chat templates, tokenizers, image and speech processing."""
