@@ -123,8 +123,9 @@ class Workload:
     (global_batch * images_per_sample / dp_enc images).
 
     extra_encoders: more encoder modules beside `encoder` (e.g. a speech encoder beside the vision
-    one), each one input of its own `seq` tokens per sample (a speech encoder's seq is set by the clip
-    length, chunks x tokens per chunk, not by the language context); every encoder's tokens feed the
+    one), each with `extra_inputs` inputs of its own `seq` tokens per sample (default 1 each; a speech
+    encoder: seq the tokens of one chunk, inputs the chunks of a clip, so its tokens per sample are set
+    by the clip's length, not by the language context); every encoder's tokens feed the
     language model, whose `seq` already holds them. `encoder_views` gives one single-encoder workload
     per encoder: the cost model prices each encoder with the one-encoder terms.
     """
@@ -145,6 +146,7 @@ class Workload:
     recompute: Optional[str] = "selective"  # None, "selective", or "full" (uniform, one layer per unit)
     keeps_scores: bool = True  # Megatron-core's local attention keeps its softmax output (unless recomputed)
     extra_encoders: tuple[ModelSpec, ...] = ()
+    extra_inputs: tuple[int, ...] = ()
 
     def __post_init__(self):
         for key in ("global_batch", "micro_batch", "images_per_sample", "dtype_bytes"):
@@ -155,6 +157,12 @@ class Workload:
             raise ValueError(f"workload: dtype_bytes must be 2 (bf16) or 4 (fp32), got {self.dtype_bytes}")
         _ = self.state_features  # ValueError for an unknown optimizer
         self.activation_features(False)  # ValueError for an unknown recompute
+        if self.extra_inputs and len(self.extra_inputs) != len(self.extra_encoders):
+            raise ValueError(
+                f"workload: {len(self.extra_inputs)} extra_inputs for {len(self.extra_encoders)} extra encoders"
+            )
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.extra_inputs):
+            raise ValueError(f"workload: extra_inputs must be positive integers, got {self.extra_inputs}")
         names = [e.name for e in self.encoders]
         if len(set(names)) != len(names):
             raise ValueError(f"workload: encoder names must differ, got {names}")
@@ -166,11 +174,14 @@ class Workload:
 
     def encoder_views(self) -> list["Workload"]:
         """One single-encoder workload per encoder (in `encoders` order): this workload without the
-        extra encoders, then each extra encoder in the place of `encoder` with one input per sample."""
+        extra encoders, then each extra encoder in the place of `encoder` with its `extra_inputs`."""
         if not self.extra_encoders:
             return [self]
-        one = dataclasses.replace(self, extra_encoders=())
-        return [one] + [dataclasses.replace(one, encoder=e, images_per_sample=1) for e in self.extra_encoders]
+        one = dataclasses.replace(self, extra_encoders=(), extra_inputs=())
+        inputs = self.extra_inputs or (1,) * len(self.extra_encoders)
+        return [one] + [
+            dataclasses.replace(one, encoder=e, images_per_sample=k) for e, k in zip(self.extra_encoders, inputs)
+        ]
 
     @property
     def state_features(self) -> StateFeatures:

@@ -114,3 +114,33 @@ def test_candidate_layout_and_checks():
         )
     with pytest.raises(ValueError, match="encoder names must differ"):
         _wl(VISION)
+
+
+def test_train_model_with_a_whisper_encoder_as_the_cost_model_sees_it():
+    """`planner.model.workload` of a vision + Whisper model: the audio encoder is an extra encoder on
+    its own sequence (chunk tokens x chunks per clip), with Whisper's convolutions in its parameters."""
+    import dataclasses
+
+    from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout
+    from megatron_hetero.layout.validate import resolve_layout
+    from megatron_hetero.planner.model import spec_on_layout, workload
+
+    mods = (ModuleLayout(name="vision", dp=2), ModuleLayout(name="audio", tp=2), ModuleLayout(name="language", tp=2))
+    edges = (Edge("vision", "language"), Edge("audio", "language"))
+    lay = resolve_layout(HeteroLayout(placement="colocated", modules=mods, edges=edges), 2)
+    spec = spec_on_layout(lay)
+    audio = dataclasses.replace(spec.encoders["audio"], kind="whisper", feature_dim=160, tokens=15)
+    spec = dataclasses.replace(spec, encoders={**spec.encoders, "audio": audio})
+    wl = workload(spec, 8, 4, inputs={"audio": 2})
+    (a,) = wl.extra_encoders
+    assert (wl.encoder.name, a.name, a.seq, wl.extra_inputs) == ("vision", "audio", 15, (2,))
+    eh, h = audio.hidden_size, spec.hidden_size
+    convs = 80 * eh * 3 + eh + 3 * eh * eh + eh  # mel bins -> h and h -> h, kernel 3, with biases
+    layers = audio.num_layers * (4 * eh * eh + 2 * eh * 4 * eh)
+    assert a.params == layers + convs + 15 * eh + (eh + 1) * h + (h + 1) * h
+    cand = Candidate("colocated", Segment.of(dp=2, layers=2), (Segment.of(tp=2, layers=2),))
+    vision_only = workload(dataclasses.replace(spec, encoders={"vision": spec.encoders["vision"]}), 8, 4)
+    both = dataclasses.replace(cand, extra_encoders=(Segment.of(tp=2, layers=2),))
+    assert evaluate(both, wl, _profile()).total > evaluate(cand, vision_only, _profile()).total
+    with pytest.raises(ValueError, match="inputs for encoders \\['speech'\\]"):
+        workload(spec, 8, 4, inputs={"speech": 2})
