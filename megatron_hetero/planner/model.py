@@ -344,7 +344,7 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int, inputs: Optio
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"encoder {name}: inputs per sample must be a positive integer, got {k!r}")
         h = spec.hidden_size
-        specs.append(qwen_encoder_spec(name, e, h) if e.kind == "qwen2.5-vl" else _encoder_spec(name, e, h))
+        specs.append(qwen_encoder_spec(name, e, h) if e.kind == "qwen2.5-vl" else encoder_model_spec(name, e, h))
         counts.append(k)
     enc = specs[0]
     h = spec.hidden_size
@@ -383,7 +383,7 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int, inputs: Optio
     )
 
 
-def _encoder_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
+def encoder_model_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
     """The cost model's encoder of `train`'s fixed-token encoders (linear, CLIP, SigLIP, Whisper)."""
     eh = e.hidden_size
     enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
