@@ -43,7 +43,7 @@ _OLD_FLAGS = {
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names
-    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOWER_PRESETS
+    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, SPEECH_PRESETS, TOWER_PRESETS
 
     p = sub.add_parser(
         NAME,
@@ -94,6 +94,27 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="encoder inputs of --encoder-tokens per sample (presets only; default 1)",
+    )
+    a = p.add_argument_group(
+        "a second encoder",
+        "A speech encoder beside the image encoder: the layout's `audio` module, with its own layout in every "
+        "candidate (its own TP/PP/DP colocated, its own island disjoint).",
+    )
+    a.add_argument(
+        "--audio-encoder",
+        choices=["whisper", *SPEECH_PRESETS],
+        default=None,
+        help="whisper: train's Whisper encoder (`train --audio-model-type whisper`) with the --encoder-* sizes, "
+        "--encoder-tokens tokens a chunk; whisper-*: Whisper's sizes, 1500 tokens a chunk (30 s; with the "
+        "--encoder/--llm presets)",
+    )
+    a.add_argument(
+        "--audio-chunks",
+        type=int,
+        default=None,
+        metavar="K",
+        help="chunks per sample's clip (default 1): the speech encoder runs K chunks a sample, so its tokens "
+        "per sample follow the clip's length (K x tokens a chunk), not --seq-length",
     )
     for old, dest in _OLD_FLAGS.items():
         (src if dest == "hardware" else p).add_argument(
@@ -206,12 +227,21 @@ def workload_from_args(args):
     """The cost model's workload: `train`'s model (planner.model.spec_from_flags, costed by
     planner.model.workload) with the model flags given, or, with --encoder/--llm, a preset whose
     sizes the model flags override."""
+    import dataclasses
+
     from megatron_hetero.layout.flags import value
     from megatron_hetero.cli.train_door import model_flags
-    from megatron_hetero.planner.model import spec_from_flags, workload
-    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, TOKENS_PER_STEP, TOWER_PRESETS
+    from megatron_hetero.planner.model import encoder_model_spec, spec_from_flags, workload
+    from megatron_hetero.planner.presets import (
+        ENCODER_PRESETS,
+        LLM_PRESETS,
+        SPEECH_PRESETS,
+        TOKENS_PER_STEP,
+        TOWER_PRESETS,
+    )
     from megatron_hetero.planner.workload import Workload
 
+    audio = _audio_encoder(args)
     if not uses_presets(args):
         spec = spec_from_flags(model_flags(args))
         enc = spec.encoders["vision"]
@@ -223,8 +253,14 @@ def workload_from_args(args):
                     f"`train` runs encoders with an MLP of 4 * --encoder-hidden-size "
                     f"(= {4 * enc.hidden_size}) and one input of --encoder-tokens per sample"
                 )
+        if audio is not None:  # train's `audio` module: the --encoder-* sizes, Whisper's structure
+            whisper = dataclasses.replace(enc, kind="whisper", activation="gelu", patch_size=0)
+            spec = dataclasses.replace(spec, encoders={**spec.encoders, "audio": whisper})
         return workload(
-            spec, value(args, MODEL_FLAGS["global_batch_size"]), value(args, MODEL_FLAGS["micro_batch_size"])
+            spec,
+            value(args, MODEL_FLAGS["global_batch_size"]),
+            value(args, MODEL_FLAGS["micro_batch_size"]),
+            inputs={"audio": args.audio_chunks or 1} if audio is not None else None,
         )
 
     def given(value, default):
@@ -238,13 +274,40 @@ def workload_from_args(args):
         enc_base = ENCODER_PRESETS[given(args.encoder, "1B")]
         enc = _preset_spec(enc_base, args, "encoder", given(args.encoder_tokens, enc_base.seq))
     gbs = given(args.global_batch_size, max(1, TOKENS_PER_STEP // max(seq, 1)))
+    extra = (encoder_model_spec("audio", SPEECH_PRESETS[audio], llm.hidden),) if audio is not None else ()
     return Workload(
         enc,
         llm,
         global_batch=gbs,
         micro_batch=given(args.micro_batch_size, 1),
         images_per_sample=given(args.images_per_sample, 1),
+        extra_encoders=extra,
+        extra_inputs=(given(args.audio_chunks, 1),) if extra else (),
     )
+
+
+def _audio_encoder(args):
+    """--audio-encoder's value, checked against the model it joins: 'whisper' (train's model) or a
+    Whisper preset (with --encoder/--llm); None without one. ValueError for a mismatch or bad chunks."""
+    audio = getattr(args, "audio_encoder", None)
+    chunks = getattr(args, "audio_chunks", None)
+    if audio is None:
+        if chunks is not None:
+            raise ValueError("--audio-chunks applies to a speech encoder: give --audio-encoder")
+        return None
+    if chunks is not None and chunks < 1:
+        raise ValueError(f"--audio-chunks must be >= 1, got {chunks}")
+    if uses_presets(args) and audio == "whisper":
+        raise ValueError(
+            "--audio-encoder whisper is train's encoder (the --encoder-* sizes); with --encoder/--llm presets "
+            "choose a Whisper preset (whisper-tiny ... whisper-large-v3)"
+        )
+    if not uses_presets(args) and audio != "whisper":
+        raise ValueError(
+            f"--audio-encoder {audio} is a preset: give --encoder/--llm presets too, or --audio-encoder whisper "
+            "for train's model (every encoder with the --encoder-* sizes)"
+        )
+    return audio
 
 
 def train_command(args, out: str, wl, micro_batch_size: int) -> str:
@@ -261,6 +324,8 @@ def train_command(args, out: str, wl, micro_batch_size: int) -> str:
             for f in size_flags()
             if getattr(args, dest(f)) is not None and f.name != "max_tiles"
         ]
+    if wl.extra_encoders and not uses_presets(args):
+        words.append("--audio-model-type whisper")
     words += [f"--global-batch-size {wl.global_batch} --micro-batch-size {micro_batch_size}"]
     words += feature_flags(wl)
     return " ".join(words)
@@ -303,6 +368,11 @@ def result_text(res, wl, prof) -> str:
         f"workload: encoder {_params(e.total_params)} ({e.num_layers} layers, h={e.hidden}, "
         f"{wl.images_per_sample}x{e.seq} tokens/sample) -> LLM {_params(m.total_params)} ({m.num_layers} layers, "
         f"h={m.hidden}, context {m.seq}); global batch {wl.global_batch}, micro-batch {wl.micro_batch}",
+        *(
+            f"second encoder {x.name}: {_params(x.total_params)} ({x.num_layers} layers, h={x.hidden}, "
+            f"{k}x{x.seq} tokens/sample)"
+            for x, k in zip(wl.extra_encoders, wl.extra_inputs or (1,) * len(wl.extra_encoders))
+        ),
         f"cost model: {prof.source or 'profile'}; {res.world_size} ranks; memory limit {_gb(res.memory_limit)} GB/rank",
         f"space: {res.space_size:,} candidates, {res.evaluated:,} evaluated in {res.seconds:.3f} s",
         "",
@@ -396,6 +466,11 @@ def run(args: argparse.Namespace) -> int:
     if args.segments is not None and (args.regime_table or args.all_layouts):
         raise ValueError(
             f"--segments plans one language model's segments; drop {'--regime-table' if args.regime_table else '--all-layouts'}"
+        )
+    if getattr(args, "audio_encoder", None) and (args.regime_table or args.segments is not None):
+        raise ValueError(
+            f"--audio-encoder plans a second encoder's layout; {'--regime-table' if args.regime_table else '--segments'} "
+            "plans one encoder (or the language model alone): drop one of them"
         )
     if args.regime_table:
         rows = regime_table(prof, memory_limit=limit, space=space)

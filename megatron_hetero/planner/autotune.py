@@ -113,7 +113,12 @@ def same_layout(a: Candidate, b: Candidate) -> bool:
     """Whether two candidates run the same layout (a homogeneous candidate runs as the colocated one
     with equal layouts)."""
     kind = lambda c: "colocated" if c.placement == "homogeneous" else c.placement  # noqa: E731
-    key = lambda c: (kind(c), c.encoder.par, c.encoder.layers, tuple((s.par, s.layers) for s in c.llm), c.offload)  # noqa: E731
+    key = lambda c: (  # noqa: E731
+        kind(c),
+        tuple((e.par, e.layers) for e in c.encoders),
+        tuple((s.par, s.layers) for s in c.llm),
+        c.offload,
+    )
     return key(a) == key(b)
 
 

@@ -57,6 +57,11 @@ def _stage_work(
     return ModuleTerms(compute=runs * (layers * c + io_c + d), comm=runs * (layers * (t + q) + io_q))
 
 
+def _sum_terms(terms) -> ModuleTerms:
+    terms = list(terms)
+    return ModuleTerms(compute=sum(t.compute for t in terms), comm=sum(t.comm for t in terms))
+
+
 def predicted_terms(c: Candidate, wl: Workload, prof: Profile) -> dict[str, Any]:
     """The cost model's prediction, per step, of what the trace measures for candidate `c`:
     'encoder' and 'llm' (`ModuleTerms` of the busiest stage: its layers, the run's `<kind>_io` and
@@ -64,21 +69,40 @@ def predicted_terms(c: Candidate, wl: Workload, prof: Profile) -> dict[str, Any]
     all-reduces), 'boundary', 'optimizer' (optimizer step and state snapshots) and 'total'."""
     b = check_candidate(c, wl)
     bd = evaluate(c, wl, prof)
-    e, G, k, m = c.encoder, wl.global_batch, wl.images_per_sample, wl.micro_batch
+    G, m = wl.global_batch, wl.micro_batch
     ceil = lambda a, p: -(-a // p)  # noqa: E731
+    views = list(zip(c.encoders, wl.encoder_views()))
     if c.placement == "disjoint":
         M = m * max(s.dp for s in c.llm)
-        enc = _stage_work(prof, wl, wl.encoder, e.tp, e.cp, 1, ceil(e.layers, e.pp), M * k / e.dp, b, True)
+        # every encoder on its own island: the busiest rank is the busiest island's
+        enc = max(
+            (
+                _stage_work(
+                    prof, v, v.encoder, e.tp, e.cp, 1, ceil(e.layers, e.pp), M * v.images_per_sample / e.dp, b, True
+                )
+                for e, v in views
+            ),
+            key=lambda t: t.total,
+        )
         segs = [_stage_work(prof, wl, wl.llm, s.tp, s.cp, s.ep, ceil(s.layers, s.pp), M / s.dp, b, True) for s in c.llm]
         llm = max(segs, key=lambda t: t.total)
     else:
         s = c.llm[0]
+        # every encoder on the same ranks: their busiest stages' work adds up
         if c.placement == "homogeneous":
-            enc = _stage_work(prof, wl, wl.encoder, s.tp, s.cp, 1, e.layers, m * k, b, False)
+            enc = _sum_terms(
+                _stage_work(prof, v, v.encoder, s.tp, s.cp, 1, e.layers, m * v.images_per_sample, b, False)
+                for e, v in views
+            )
             rest = ceil(s.layers - c.first_stage_layers, s.pp - 1) if s.pp > 1 else 0
             layers = max(c.first_stage_layers, rest) if s.pp > 1 else s.layers
         else:
-            enc = _stage_work(prof, wl, wl.encoder, e.tp, e.cp, 1, ceil(e.layers, e.pp), G * k / e.dp, 1, True)
+            enc = _sum_terms(
+                _stage_work(
+                    prof, v, v.encoder, e.tp, e.cp, 1, ceil(e.layers, e.pp), G * v.images_per_sample / e.dp, 1, True
+                )
+                for e, v in views
+            )
             layers = ceil(s.layers, s.pp)
         llm = _stage_work(prof, wl, wl.llm, s.tp, s.cp, s.ep, layers, m, b, True)
     return {
@@ -391,22 +415,23 @@ def rank_calibrated(
     top: int = 10,
     encoder_name: str = "vision",
     llm_name: str = "language",
+    extra_names: tuple = (),
 ) -> list[tuple[Candidate, float]]:
     """The best candidates at the run's speed under its constraints: `search` on the calibrated
     profile with the fixed tp/cp/pp in its space (`space_with_fixes`), then the rest of the fixes
-    (`honours`); [(candidate, predicted step seconds)], fastest first. The search's ValueError when
-    nothing fits."""
+    (`honours`); [(candidate, predicted step seconds)], fastest first (`extra_names`: the module
+    names of the workload's extra encoders). The search's ValueError when nothing fits."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
     fixes = fixes or {}
-    sp = space_with_fixes(space, fixes, encoder_name, llm_name)
+    sp = space_with_fixes(space, fixes, encoder_name, llm_name, extra_names)
     k = top
     while True:  # the fixes the space cannot hold filter the ranking: widen it until `top` honour them
         res = search(wl, calib.profile, world_size, memory_limit=memory_limit, space=sp, top=k)
         out = [
             (r.candidate, r.breakdown.total * calib.factors["residual"])
             for r in res.ranked
-            if honours(r.candidate, fixes, encoder_name, llm_name)
+            if honours(r.candidate, fixes, encoder_name, llm_name, extra_names)
         ]
         if len(out) >= top or len(res.ranked) < k or k >= MAX_RANKED:
             return out[:top]

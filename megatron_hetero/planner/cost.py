@@ -55,6 +55,16 @@ Placements (see `evaluate`):
 - disjoint: one 1F1B pipeline through the encoder island's stages and the LLM island's segments;
   the bottleneck is the most expensive stage of either island; each island reduces its own
   gradients concurrently (the step waits for the slower).
+Several encoders (`Workload.extra_encoders`, e.g. a speech encoder beside the vision one; each
+priced with the one-encoder terms on its own sequence, `Workload.encoder_views`):
+- homogeneous: every encoder inside LLM stage 0, one after the other (their costs add up);
+- colocated: each encoder's forward and backward pass on the same ranks, one after the other (their
+  passes, gradient reductions, optimizer steps, state, kept activations, boundaries and offload add
+  up);
+- disjoint: each encoder on its own island, the islands in parallel, joined at the LLM's first
+  stage, which receives every encoder's boundary: the pipeline's fill is the longest island's,
+  the bottleneck the most expensive stage of any island or segment:
+    t_pipe = max_e E_sum(e) + LLM_sum + (B-1) * max(max_e E_max(e), LLM_max).
 Boundaries (encoder -> LLM, forward activations + backward gradients):
 - disjoint, per micro-batch, on the LLM's first stage: 2 * sendrecv(samples/dp_llm * image_tokens
   / cp_llm * h * dtype), the bytes one destination rank needs (direct routing spreads senders; the
@@ -104,7 +114,7 @@ import numpy as np
 
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.workload import Candidate, CostBreakdown, Workload, check_candidate
-from megatron_hetero.planner.placements import homogeneous, colocated, encoder_island, llm_chain, disjoint
+from megatron_hetero.planner.placements import homogeneous, colocated, encoder_islands, llm_chain, disjoint
 
 
 # --- one candidate ----------------------------------------------------------------------------
@@ -116,11 +126,13 @@ def evaluate(c: Candidate, wl: Workload, prof: Profile) -> CostBreakdown:
     if c.placement == "homogeneous":
         out = homogeneous(prof, wl, s.tp, s.cp, s.pp, s.dp, c.first_stage_layers, s.ep)
     elif c.placement == "colocated":
-        out = colocated(prof, wl, s.tp, s.cp, s.pp, s.dp, e.tp, e.cp, e.pp, e.dp, c.offload, s.ep)
+        extra = tuple((x.tp, x.cp, x.pp, x.dp) for x in c.extra_encoders)
+        out = colocated(prof, wl, s.tp, s.cp, s.pp, s.dp, e.tp, e.cp, e.pp, e.dp, c.offload, s.ep, extra)
     else:
         mb = wl.micro_batch * max(x.dp for x in c.llm)
         llm, llm_mem = llm_chain(prof, wl, [(x.tp, x.cp, x.pp, x.dp, x.layers, x.ep) for x in c.llm], c.world_size)
-        enc, enc_mem = encoder_island(prof, wl, e.tp, e.cp, e.pp, e.dp, mb, sum(x.pp for x in c.llm))
+        degrees = [(x.tp, x.cp, x.pp, x.dp) for x in c.encoders]
+        enc, enc_mem = encoder_islands(prof, wl, degrees, mb, sum(x.pp for x in c.llm))
         out = disjoint(prof, wl, enc, llm, c.world_size, b)
         out["memory_per_rank_peak"] = np.maximum(enc_mem, llm_mem)
     # each field gets its own type (int for micro_batches, float for the rest); mypy sees one union

@@ -339,22 +339,35 @@ def layer_mix_of(pattern: str) -> tuple[float, float, float]:
     return (layers.count("*") / n, layers.count("-") / n, layers.count("E") / n)
 
 
-def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
-    """The cost model's `Workload` of `spec` (one encoder), trained as `train` trains it: fp32 with
-    Adam (fp32 weights and main grads: 4 + 4 bytes, two fp32 moments: 8 bytes, no distributed
-    optimizer), one encoder input of the encoder's tokens per sample, the encoder's MLP 4 * its
-    hidden size. micro_batch: the cost model's (samples per replica of the largest language DP)."""
-    if len(spec.encoders) != 1:
-        raise ValueError(f"the cost model takes one encoder; the model has {sorted(spec.encoders)}")
-    ((name, e),) = spec.encoders.items()
-    check_sizes(spec, e)
-    if e.max_tiles:
-        raise ValueError(
-            f"--encoder-max-tiles {e.max_tiles}: the cost model prices a fixed number of image tokens per "
-            "sample; plan with --encoder-tokens set to the tokens of a typical sample (tiles x tokens per tile)"
-        )
+def workload(spec: LlavaSpec, global_batch: int, micro_batch: int, inputs: Optional[dict] = None) -> Workload:
+    """The cost model's `Workload` of `spec` (its first encoder `Workload.encoder`, the others
+    `extra_encoders`), trained as `train` trains it: fp32 with Adam (fp32 weights and main grads:
+    4 + 4 bytes, two fp32 moments: 8 bytes, no distributed optimizer), the encoders' MLP 4 * their
+    hidden size. inputs: encoder name -> inputs per sample (default 1: one input of the encoder's
+    tokens; a speech encoder's clip of k chunks: k); an encoder with variable tiles needs its entry.
+    micro_batch: the cost model's (samples per replica of the largest language DP)."""
+    if not spec.encoders:
+        raise ValueError("the cost model prices a model with at least one encoder; this one has none")
+    inputs = dict(inputs or {})
+    unknown = sorted(set(inputs) - set(spec.encoders))
+    if unknown:
+        raise ValueError(f"inputs for encoders {unknown} the model does not have ({sorted(spec.encoders)})")
+    specs, counts = [], []
+    for name, e in spec.encoders.items():
+        check_sizes(spec, e)
+        if e.max_tiles and name not in inputs:
+            raise ValueError(
+                f"--encoder-max-tiles {e.max_tiles}: the cost model prices a fixed number of image tokens per "
+                "sample; plan with --encoder-tokens set to the tokens of a typical sample (tiles x tokens per tile)"
+            )
+        k = inputs.get(name, 1)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"encoder {name}: inputs per sample must be a positive integer, got {k!r}")
+        h = spec.hidden_size
+        specs.append(qwen_encoder_spec(name, e, h) if e.kind == "qwen2.5-vl" else encoder_model_spec(name, e, h))
+        counts.append(k)
+    enc = specs[0]
     h = spec.hidden_size
-    enc = qwen_encoder_spec(name, e, h) if e.kind == "qwen2.5-vl" else _encoder_spec(name, e, h)
     hybrid: dict[str, Any] = {}
     if spec.hybrid_layer_pattern is not None:  # each layer one type: their shares, E's experts
         hybrid["layer_mix"] = layer_mix_of(spec.hybrid_layer_pattern)
@@ -380,20 +393,27 @@ def workload(spec: LlavaSpec, global_batch: int, micro_batch: int) -> Workload:
         llm,
         global_batch=global_batch,
         micro_batch=micro_batch,
-        images_per_sample=1,
+        images_per_sample=counts[0],
         dtype_bytes=4,  # train's defaults: fp32 Adam, no distributed optimizer, SP or recompute
         distributed_optimizer=False,
         sequence_parallel=False,
         recompute=None,
+        extra_encoders=tuple(specs[1:]),
+        extra_inputs=tuple(counts[1:]),
     )
 
 
-def _encoder_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
+def encoder_model_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
     """The cost model's encoder of `train`'s fixed-token encoders (linear, CLIP, SigLIP, Whisper)."""
     eh = e.hidden_size
     enc_layer = 4 * eh**2 + 2 * eh * _ffn(eh, None)
-    # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers
-    extra = (e.feature_dim + 1) * eh + e.tokens * eh + (eh + 1) * h + (h + 1) * h
+    # the encoder's non-layer parameters (patch embedding, positions, projector) count with its layers;
+    # Whisper's embedding is two kernel-3 convolutions (mel bins -> h, h -> h) over 2 frames a token
+    if e.kind == "whisper":
+        embed = (e.feature_dim // 2) * eh * 3 + eh + 3 * eh * eh + eh
+    else:
+        embed = (e.feature_dim + 1) * eh
+    extra = embed + e.tokens * eh + (eh + 1) * h + (h + 1) * h
     return ModelSpec(
         name,
         e.num_layers,

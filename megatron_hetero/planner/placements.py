@@ -28,22 +28,26 @@ def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers, ep=1)
     """Breakdown arrays of homogeneous candidates: the encoder on the LLM's layout inside LLM
     stage 0, which holds `first_layers` LLM layers (pp = 1: all of them); the other LLM layers
     split evenly over the other stages."""
-    enc, llm, m, k = wl.encoder, wl.llm, wl.micro_batch, wl.images_per_sample
+    llm, m = wl.llm, wl.micro_batch
     tp, cp, pp, dp, first_layers, ep = np.broadcast_arrays(*(np.asarray(x) for x in (tp, cp, pp, dp, first_layers, ep)))
     L = llm.num_layers
     l0 = np.where(pp == 1, L, first_layers)
     b = wl.global_batch // (m * dp)
     world = tp * cp * pp * dp
     inter = world > prof.devices_per_node
-    ec, et, eq = layer_parts(prof, wl, enc, m * k, tp, cp)
-    head = {
-        "compute": enc.num_layers * ec + io_time(prof, wl, enc, m * k, tp, cp),
-        "tp": enc.num_layers * et,
-        "cp": enc.num_layers * eq,
-        # the encoder's layers and (times tp: the stage divides by it) its parameters outside them
-        "params": float(enc.total_params) + tp * np.add(*wl.encoder_io_params(tp)),
-        "act": act_bytes(wl, enc, m * k, tp, cp, enc.num_layers),
-    }
+    head: dict = {}
+    for v in wl.encoder_views():  # every encoder on stage 0, one after the other
+        enc, k = v.encoder, v.images_per_sample
+        ec, et, eq = layer_parts(prof, v, enc, m * k, tp, cp)
+        one = {
+            "compute": enc.num_layers * ec + io_time(prof, v, enc, m * k, tp, cp),
+            "tp": enc.num_layers * et,
+            "cp": enc.num_layers * eq,
+            # the encoder's layers and (times tp: the stage divides by it) its parameters outside them
+            "params": float(enc.total_params) + tp * np.add(*v.encoder_io_params(tp)),
+            "act": act_bytes(v, enc, m * k, tp, cp, enc.num_layers),
+        }
+        head = one if not head else {key: head[key] + one[key] for key in head}
     common = dict(runs=b, p2p=pp > 1, inter=inter, placement="homogeneous", data="all", ep=ep)
     st = Stages.cat(
         module_stages(
@@ -72,14 +76,23 @@ def homogeneous(prof: Profile, wl: Workload, tp, cp, pp, dp, first_layers, ep=1)
 
 
 # --- colocated --------------------------------------------------------------------------------
-def colocated(prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep=1) -> dict:
+def colocated(
+    prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep=1, extra: tuple = ()
+) -> dict:
     """Breakdown arrays of colocated three-phase candidates (LLM tp/cp/pp/dp (and ep, with experts),
-    encoder etp/ecp/epp/edp on the same ranks; `offload`: the encoder's state leaves the device
-    during the LLM phase)."""
-    enc, llm, G, k = wl.encoder, wl.llm, wl.global_batch, wl.images_per_sample
-    tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep = np.broadcast_arrays(
-        *(np.asarray(x) for x in (tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep))
+    encoder etp/ecp/epp/edp on the same ranks; `offload`: the encoders' state leaves the device
+    during the LLM phase). extra: (etp, ecp, epp, edp) of each of the workload's extra encoders: every
+    encoder's passes run one after the other on the same ranks, their activations and state add up,
+    each crosses its own boundary."""
+    llm, G = wl.llm, wl.global_batch
+    views = wl.encoder_views()
+    if len(extra) != len(views) - 1:
+        raise ValueError(f"colocated: {len(views) - 1} extra encoders, {len(extra)} layouts given")
+    flat = [x for e in extra for x in e]
+    tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep, *flat = np.broadcast_arrays(
+        *(np.asarray(x) for x in (tp, cp, pp, dp, etp, ecp, epp, edp, offload, ep, *flat))
     )
+    degrees = [(etp, ecp, epp, edp)] + [tuple(flat[4 * i : 4 * i + 4]) for i in range(len(extra))]
     b = G // (wl.micro_batch * dp)
     world = tp * cp * pp * dp
     inter = world > prof.devices_per_node
@@ -103,40 +116,49 @@ def colocated(prof: Profile, wl: Workload, tp, cp, pp, dp, etp, ecp, epp, edp, o
         data="all",
         ep=ep,
     )
-    be = G * k / edp  # images of the rank's encoder-DP share: one pass
-    est = module_stages(
-        prof,
-        wl,
-        enc,
-        etp,
-        ecp,
-        epp,
-        edp,
-        enc.num_layers,
-        be,
-        runs=1,
-        p2p=epp > 1,
-        inter=inter,
-        placement="colocated",
-        io_last=True,
-        data="first",
-    )
-    ls, es = Side.of(lst), Side.of(est)
-    pipe = (ls.sum + (b - 1) * ls.max) + es.sum
-    parts = {n: b * ls.parts[n] + es.parts[n] for n in _PARTS}
-    busy = {n: ls.busy[n] + es.busy[n] for n in ls.busy}
-    enc_state, enc_acts = _valid_max(est, est.state), _valid_max(est, est.act)
+    ls = Side.of(lst)
+    pipe = ls.sum + (b - 1) * ls.max
+    parts = {n: b * ls.parts[n] for n in _PARTS}
+    busy, enc_busy = dict(ls.busy), {n: 0.0 for n in ls.busy}
+    tail_dp, tail_opt = ls.tail_dp, ls.tail_opt
+    zero = np.zeros(np.shape(tp))
+    enc_sum, enc_state, enc_acts, bnd = zero, zero, zero, zero
+    for v, (etp, ecp, epp, edp) in zip(views, degrees):
+        be = G * v.images_per_sample / edp  # inputs of the rank's encoder-DP share: one pass
+        est = module_stages(
+            prof,
+            v,
+            v.encoder,
+            etp,
+            ecp,
+            epp,
+            edp,
+            v.encoder.num_layers,
+            be,
+            runs=1,
+            p2p=epp > 1,
+            inter=inter,
+            placement="colocated",
+            io_last=True,
+            data="first",
+        )
+        es = Side.of(est)
+        pipe, enc_sum = pipe + es.sum, enc_sum + es.sum
+        parts = {n: parts[n] + es.parts[n] for n in _PARTS}
+        busy = {n: busy[n] + es.busy[n] for n in busy}
+        enc_busy = {n: enc_busy[n] + es.busy[n] for n in enc_busy}
+        tail_dp, tail_opt = tail_dp + es.tail_dp, tail_opt + es.tail_opt
+        enc_state = enc_state + _valid_max(est, est.state)
+        enc_acts = enc_acts + _valid_max(est, est.act)
+        bnd = bnd + colocated_boundary(prof, v, etp, ecp, epp, edp, tp, cp, pp, dp)
     mem = np.maximum(
         _valid_max(lst, lst.state) + enc_state + enc_acts,
         peak_memory(lst, pp, b) + enc_acts + np.where(offload, 0.0, enc_state),
     )
-    bnd = colocated_boundary(prof, wl, etp, ecp, epp, edp, tp, cp, pp, dp)
     off = np.where(offload, 2.0 * enc_state / prof.host_bandwidth, 0.0)
     # the encoder passes run alone (every rank waits at the boundary): on shared units their own phase
-    enc_phase = (es.sum, es.busy)
-    return finish(
-        prof, world, b, pipe, parts, ls.tail_dp + es.tail_dp, ls.tail_opt + es.tail_opt, busy, bnd, off, mem, enc_phase
-    )
+    enc_phase = (enc_sum, enc_busy)
+    return finish(prof, world, b, pipe, parts, tail_dp, tail_opt, busy, bnd, off, mem, enc_phase)
 
 
 # --- disjoint: an encoder island and an LLM chain, one 1F1B pipeline ---------------------------
@@ -208,12 +230,25 @@ def llm_chain(prof: Profile, wl: Workload, segments: list, world) -> tuple[Side,
             data="all",
             ep=ep,
         )
-        if i == 0:
-            st.boundary[:, :1] = disjoint_boundary(prof, wl, M / dps, cp, world)[..., None]
+        if i == 0:  # every encoder's tokens arrive here (the join)
+            bnd = sum(disjoint_boundary(prof, v, M / dps, cp, world) for v in wl.encoder_views())
+            st.boundary[:, :1] = np.asarray(bnd)[..., None]
         parts.append(st)
         offset = offset + pp
     st = Stages.cat(*parts)
     return Side.of(st), peak_memory(st, P, b)
+
+
+def encoder_islands(prof: Profile, wl: Workload, degrees: list, micro_samples, llm_stages) -> tuple[Side, np.ndarray]:
+    """Every encoder's island of disjoint candidates (`degrees`: (etp, ecp, epp, edp) per encoder, in
+    `Workload.encoders` order), side by side: they run in parallel and the language model's first
+    stage waits for all of them (`Side.parallel`); the memory peak is the largest island's."""
+    sides, mems = [], []
+    for v, (etp, ecp, epp, edp) in zip(wl.encoder_views(), degrees, strict=True):
+        side, mem = encoder_island(prof, v, etp, ecp, epp, edp, micro_samples, llm_stages)
+        sides.append(side)
+        mems.append(mem)
+    return Side.parallel(sides), np.maximum.reduce(mems) if len(mems) > 1 else mems[0]
 
 
 def disjoint(prof: Profile, wl: Workload, enc: Side, llm: Side, world, b, full: bool = True):

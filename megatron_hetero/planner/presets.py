@@ -39,6 +39,28 @@ TOWER_PRESETS = {
         activation="silu",
     )
 }
+# Speech encoders (`search --audio-encoder NAME`, the layout's `audio` module): Whisper's encoders as
+# `train --audio-model-type whisper` builds them (`planner.model.encoder_model_spec`), one 30 s chunk
+# = 1500 tokens (two log-mel frames a token, 80 mel bins; large-v3: 128), a clip of k chunks k inputs.
+WHISPER_CHUNK_TOKENS = 1500
+SPEECH_PRESETS = {
+    name: EncoderSpec(
+        kind="whisper",
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        tokens=WHISPER_CHUNK_TOKENS,
+        feature_dim=2 * mels,
+        activation="gelu",
+    )
+    for name, layers, hidden, heads, mels in (
+        ("whisper-tiny", 4, 384, 6, 80),
+        ("whisper-base", 6, 512, 8, 80),
+        ("whisper-small", 12, 768, 12, 80),
+        ("whisper-medium", 24, 1024, 16, 80),
+        ("whisper-large-v3", 32, 1280, 20, 128),
+    )
+}
 # LLMs: gated (SwiGLU) MLP, 128K vocabulary, untied embeddings; seq is set per context.
 LLM_PRESETS = {
     "14B": ModelSpec("llm-14B", 40, 5120, 13824, 40, 8192, vocab=128256, gated=True),

@@ -17,6 +17,10 @@ default). The exact layer-partition search of one model is `planner/heteropipe.p
 regime table are `planner/presets.py`. The search's files: its space and result types
 (`planner/search_space.py`), the homogeneous and colocated rows (`planner/search_rows.py`) and the
 disjoint pairs (`planner/search_disjoint.py`).
+Several encoders (`Workload.extra_encoders`): each encoder gets its own layout; homogeneous and
+colocated candidates are every combination of the encoders' layouts on the same ranks; disjoint
+candidates give each encoder its own island (every combination of island sizes and layouts) and the
+language model one segment on the rest, evaluated exhaustively (`planner/search_encoders.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from megatron_hetero.planner.workload import PLACEMENT_KINDS, Candidate, Segment
 from megatron_hetero.planner.search_space import INF, SearchSpace, Ranked, SearchResult
 from megatron_hetero.planner.search_rows import _layouts, _Pool, _homogeneous, _colocated
 from megatron_hetero.planner.search_disjoint import _disjoint, _pairs, _chain_candidate
+from megatron_hetero.planner.search_encoders import disjoint_islands
 
 
 def train_micro_batch_size(cand: Candidate, wl: Workload) -> int:
@@ -76,7 +81,11 @@ def search(
         evaluated += n
         size += n
     groups: list = []
-    if "disjoint" in space.placements and world_size > 1:
+    if "disjoint" in space.placements and world_size > 1 and wl.extra_encoders:
+        n = disjoint_islands(wl, prof, world_size, space, limit, pool)
+        evaluated += n
+        size += n
+    elif "disjoint" in space.placements and world_size > 1:
         size += _disjoint(wl, prof, world_size, space, limit, groups)
     exact = [t[np.isfinite(t)] for t in pool.totals]
     tau = INF
@@ -130,10 +139,13 @@ def _runtime_baseline(wl: Workload, prof: Profile, world: int, space: SearchSpac
     LLM's own layout (cp = 1: the runtime's encoders do not take CP)."""
     best = None
     for t, c, p, d in _layouts(world, space.tp, (1,), space.pp, wl.llm, True, True):
-        if wl.encoder.heads % t or wl.encoder.num_layers % p:
+        if any(e.heads % t or e.num_layers % p for e in wl.encoders):
             continue
         cand = Candidate(
-            "colocated", Segment.of(t, c, p, d, wl.encoder.num_layers), (Segment.of(t, c, p, d, wl.llm.num_layers),)
+            "colocated",
+            Segment.of(t, c, p, d, wl.encoder.num_layers),
+            (Segment.of(t, c, p, d, wl.llm.num_layers),),
+            extra_encoders=tuple(Segment.of(t, c, p, d, e.num_layers) for e in wl.extra_encoders),
         )
         try:
             bd = evaluate(cand, wl, prof)

@@ -5,6 +5,7 @@ batched evaluator (`planner/placements.py`). Pure (numpy only).
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -76,9 +77,8 @@ def _homogeneous(wl: Workload, prof: Profile, world: int, space: SearchSpace, li
         r
         for r in _layouts(world, space.tp, space.cp, space.pp, wl.llm, True)
         if wl.global_batch % (wl.micro_batch * r[3]) == 0
-        and wl.encoder.heads % r[0] == 0
         and wl.global_batch % r[3] == 0
-        and wl.encoder.num_layers >= r[2]
+        and all(e.heads % r[0] == 0 and e.num_layers >= r[2] for e in wl.encoders)
     ]
     if not rows:
         return 0
@@ -103,6 +103,7 @@ def _homogeneous(wl: Workload, prof: Profile, world: int, space: SearchSpace, li
             Segment.of(t_, c_, p_, d_, Le),
             (Segment.of(t_, c_, p_, d_, L, ep=eps[i]),),
             first_stage_layers=int(best_l0[i]) + 1 if p_ > 1 else 0,
+            extra_encoders=tuple(Segment.of(t_, c_, p_, d_, e.num_layers) for e in wl.extra_encoders),
         )
 
     pool.add(totals, build, "homogeneous")
@@ -116,36 +117,50 @@ def _colocated(wl: Workload, prof: Profile, world: int, space: SearchSpace, limi
         if wl.global_batch % (wl.micro_batch * r[3]) == 0
     ]
     enc_rows = [
-        r
-        for r in _layouts(world, space.encoder_tp, space.encoder_cp, space.encoder_pp, wl.encoder, False, space.runtime)
-        if wl.global_batch % r[3] == 0
+        [
+            r
+            for r in _layouts(world, space.encoder_tp, space.encoder_cp, space.encoder_pp, spec, False, space.runtime)
+            if wl.global_batch % r[3] == 0
+        ]
+        for spec in wl.encoders
     ]
+    # every encoder's layout on the same ranks (several encoders: every combination of theirs)
     combos = [
-        (a, e, o, x)
+        (a, es, o, x)
         for a in llm_rows
-        for e in enc_rows
+        for es in itertools.product(*enc_rows)
         for o in space.offload
         for x in _eps(wl, a)
-        if max(a[3], e[3]) % min(a[3], e[3]) == 0
+        if all(max(a[3], e[3]) % min(a[3], e[3]) == 0 for e in es)
     ]
     if not combos:
         return 0
-    la, ea = [c[0] for c in combos], [c[1] for c in combos]
-    # mypy cannot count the two starred generators (4 arguments each)
+    la = [c[0] for c in combos]
+    per_enc = [[c[1][j] for c in combos] for j in range(len(wl.encoders))]
+    extra = tuple(tuple(_arr(ej, k) for k in range(4)) for ej in per_enc[1:])
+    lt, et = [_arr(la, k) for k in range(4)], [_arr(per_enc[0], k) for k in range(4)]
     out = PL.colocated(
         prof,
         wl,
-        *(_arr(la, k) for k in range(4)),
-        *(_arr(ea, k) for k in range(4)),  # type: ignore[call-arg]
+        lt[0],
+        lt[1],
+        lt[2],
+        lt[3],
+        et[0],
+        et[1],
+        et[2],
+        et[3],
         np.array([c[2] for c in combos], dtype=bool),
         np.array([c[3] for c in combos], dtype=np.int64),
+        extra=extra,
     )
     total = np.where(out["memory_per_rank_peak"] <= limit, out["total"], INF)
-    L, Le = wl.llm.num_layers, wl.encoder.num_layers
+    L = wl.llm.num_layers
 
     def build(i: int) -> Candidate:
-        a, e, o, x = combos[i]
-        return Candidate("colocated", Segment.of(*e, Le), (Segment.of(*a, L, ep=x),), offload=o)
+        a, es, o, x = combos[i]
+        segs = [Segment.of(*e, spec.num_layers) for e, spec in zip(es, wl.encoders)]
+        return Candidate("colocated", segs[0], (Segment.of(*a, L, ep=x),), offload=o, extra_encoders=tuple(segs[1:]))
 
     pool.add(total, build, "colocated")
     return len(combos)

@@ -55,6 +55,33 @@ class Side:
             work=sum(busy.values()),
         )
 
+    @staticmethod
+    def parallel(sides: list) -> "Side":
+        """Sides that run side by side and join at the next stage (disjoint encoder islands): the
+        longest fill (max of the sums), the bottleneck of all (its parts: the side holding it, the
+        first on ties), the longest tail, the busy time of all their ranks."""
+        if len(sides) == 1:
+            return sides[0]
+        mx = np.stack([s.max for s in sides])
+        top = np.argmax(mx, axis=0)
+        tails = np.stack([s.tail for s in sides])
+        tt = np.argmax(tails, axis=0)
+
+        def pick(arrays, which):
+            return np.choose(which, arrays)
+
+        busy = {k: sum(s.busy[k] for s in sides) for k in sides[0].busy}
+        return Side(
+            sum=np.max(np.stack([s.sum for s in sides]), axis=0),
+            max=pick([s.max for s in sides], top),
+            parts={k: pick([s.parts[k] for s in sides], top) for k in sides[0].parts},
+            tail=pick([s.tail for s in sides], tt),
+            tail_dp=pick([s.tail_dp for s in sides], tt),
+            tail_opt=pick([s.tail_opt for s in sides], tt),
+            busy=busy,
+            work=sum(s.work for s in sides),
+        )
+
     def rows(self, idx, full: bool = True) -> "Side":
         """Rows `idx`; without `full`, only what the step time needs (no breakdown parts)."""
         pick = (lambda d: {k: v[idx] for k, v in d.items()}) if full else (lambda d: {})

@@ -121,6 +121,13 @@ class Workload:
     Micro-batches: a pipeline micro-batch carries M = micro_batch * dp samples (the largest dp of
     the LLM segments), B = global_batch / M. Colocated encoders run once per step over their DP share
     (global_batch * images_per_sample / dp_enc images).
+
+    extra_encoders: more encoder modules beside `encoder` (e.g. a speech encoder beside the vision
+    one), each with `extra_inputs` inputs of its own `seq` tokens per sample (default 1 each; a speech
+    encoder: seq the tokens of one chunk, inputs the chunks of a clip, so its tokens per sample are set
+    by the clip's length, not by the language context); every encoder's tokens feed the
+    language model, whose `seq` already holds them. `encoder_views` gives one single-encoder workload
+    per encoder: the cost model prices each encoder with the one-encoder terms.
     """
 
     encoder: ModelSpec
@@ -138,6 +145,8 @@ class Workload:
     sequence_parallel: bool = True
     recompute: Optional[str] = "selective"  # None, "selective", or "full" (uniform, one layer per unit)
     keeps_scores: bool = True  # Megatron-core's local attention keeps its softmax output (unless recomputed)
+    extra_encoders: tuple[ModelSpec, ...] = ()
+    extra_inputs: tuple[int, ...] = ()
 
     def __post_init__(self):
         for key in ("global_batch", "micro_batch", "images_per_sample", "dtype_bytes"):
@@ -148,6 +157,31 @@ class Workload:
             raise ValueError(f"workload: dtype_bytes must be 2 (bf16) or 4 (fp32), got {self.dtype_bytes}")
         _ = self.state_features  # ValueError for an unknown optimizer
         self.activation_features(False)  # ValueError for an unknown recompute
+        if self.extra_inputs and len(self.extra_inputs) != len(self.extra_encoders):
+            raise ValueError(
+                f"workload: {len(self.extra_inputs)} extra_inputs for {len(self.extra_encoders)} extra encoders"
+            )
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.extra_inputs):
+            raise ValueError(f"workload: extra_inputs must be positive integers, got {self.extra_inputs}")
+        names = [e.name for e in self.encoders]
+        if len(set(names)) != len(names):
+            raise ValueError(f"workload: encoder names must differ, got {names}")
+
+    @property
+    def encoders(self) -> tuple[ModelSpec, ...]:
+        """Every encoder: `encoder`, then `extra_encoders`."""
+        return (self.encoder, *self.extra_encoders)
+
+    def encoder_views(self) -> list["Workload"]:
+        """One single-encoder workload per encoder (in `encoders` order): this workload without the
+        extra encoders, then each extra encoder in the place of `encoder` with its `extra_inputs`."""
+        if not self.extra_encoders:
+            return [self]
+        one = dataclasses.replace(self, extra_encoders=(), extra_inputs=())
+        inputs = self.extra_inputs or (1,) * len(self.extra_encoders)
+        return [one] + [
+            dataclasses.replace(one, encoder=e, images_per_sample=k) for e, k in zip(self.extra_encoders, inputs)
+        ]
 
     @property
     def state_features(self) -> StateFeatures:
@@ -229,6 +263,8 @@ class Segment:
 @dataclass(frozen=True)
 class Candidate:
     """One configuration. encoder_ranks: size of the encoder island (disjoint; else 0).
+    extra_encoders: the layouts of the workload's `extra_encoders` (one Segment each, in order; disjoint:
+    each on its own island after the first encoder's, colocated: on the same ranks).
     offload: colocated encoder state offloaded during the LLM phase. first_stage_layers:
     homogeneous with pp > 1, the LLM layers sharing stage 0 with the encoder. The LLM is one
     segment, or (disjoint) a chain of segments with their own TP/DP and contiguous layers."""
@@ -239,18 +275,27 @@ class Candidate:
     encoder_ranks: int = 0
     offload: bool = False
     first_stage_layers: int = 0
+    extra_encoders: tuple = ()
+
+    @property
+    def encoders(self) -> tuple:
+        """Every encoder's Segment: `encoder`, then `extra_encoders`."""
+        return (self.encoder, *self.extra_encoders)
 
     @property
     def world_size(self) -> int:
         if self.placement == "disjoint":
-            return self.encoder.size + sum(s.size for s in self.llm)
+            return sum(e.size for e in self.encoders) + sum(s.size for s in self.llm)
         return self.llm[0].size
 
     def describe(self) -> str:
         llm = " + ".join(f"{s.short()}[{s.layers}L]" if len(self.llm) > 1 else s.short() for s in self.llm)
-        text = f"{self.placement}: encoder {self.encoder.short()}, LLM {llm}"
+        text = f"{self.placement}: encoder {self.encoder.short()}"
+        text += "".join(f", encoder {i + 2} {e.short()}" for i, e in enumerate(self.extra_encoders))
+        text += f", LLM {llm}"
         if self.placement == "disjoint":
-            text += f", islands {self.encoder.size}+{self.world_size - self.encoder.size}"
+            islands = [e.size for e in self.encoders] + [self.world_size - sum(e.size for e in self.encoders)]
+            text += ", islands " + "+".join(str(x) for x in islands)
         if self.offload:
             text += ", encoder offload"
         if self.placement == "homogeneous" and self.llm[0].pp > 1:
@@ -265,20 +310,25 @@ class Candidate:
             "encoder_ranks": self.encoder_ranks,
             "offload": self.offload,
             "first_stage_layers": self.first_stage_layers,
+            **({"extra_encoders": [e.to_dict() for e in self.extra_encoders]} if self.extra_encoders else {}),
         }
 
-    def to_layout(self, encoder_name: str = "vision", llm_name: str = "language"):
-        """The resolved `HeteroLayout` of this candidate (homogeneous -> colocated, equal layouts)."""
+    def to_layout(self, encoder_name: str = "vision", llm_name: str = "language", extra_names: tuple = ("audio",)):
+        """The resolved `HeteroLayout` of this candidate (homogeneous -> colocated, equal layouts):
+        the encoders (`encoder_name`, then `extra_names` for the extra encoders), each with an edge to
+        the language model's first module, then the language model's modules in a chain."""
         from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
         from megatron_hetero.layout.validate import resolve_layout
 
-        e = self.encoder
-        enc = ModuleLayout(name=encoder_name, tp=e.tp, cp=e.cp, pp=e.pp, dp=e.dp)
+        names = (encoder_name, *extra_names)
+        if len(names) < len(self.encoders):
+            raise ValueError(f"to_layout: {len(self.encoders)} encoders, names for {len(names)}: {list(names)}")
+        encs = [ModuleLayout(name=n, tp=e.tp, cp=e.cp, pp=e.pp, dp=e.dp) for n, e in zip(names, self.encoders)]
         if len(self.llm) == 1:
             s = self.llm[0]
-            mods = [enc, ModuleLayout(name=llm_name, tp=s.tp, cp=s.cp, pp=s.pp, dp=s.dp, ep=s.ep)]
+            mods = [*encs, ModuleLayout(name=llm_name, tp=s.tp, cp=s.cp, pp=s.pp, dp=s.dp, ep=s.ep)]
         else:
-            mods, start = [enc], 0
+            mods, start = list(encs), 0
             for i, s in enumerate(self.llm):
                 mods.append(
                     ModuleLayout(
@@ -292,8 +342,8 @@ class Candidate:
                     )
                 )
                 start += s.layers
-        names = [m.name for m in mods]
-        edges = tuple(Edge(a, b) for a, b in zip(names, names[1:]))
+        chain = [m.name for m in mods[len(encs) - 1 :]]
+        edges = tuple(Edge(m.name, chain[1]) for m in encs[:-1]) + tuple(Edge(a, b) for a, b in zip(chain, chain[1:]))
         placement = "disjoint" if self.placement == "disjoint" else "colocated"
         return resolve_layout(HeteroLayout(placement=placement, modules=tuple(mods), edges=edges), self.world_size)
 
@@ -352,18 +402,26 @@ def check_candidate(c: Candidate, wl: Workload) -> int:
             raise ValueError(f"pipeline micro-batch {mb} is not divisible by segment dp {s.dp}")
         if s.layers < s.pp:
             raise ValueError(f"segment {s.short()} holds {s.layers} layers, fewer than its pp {s.pp}")
-    e = c.encoder
-    if e.layers != wl.encoder.num_layers or e.layers < e.pp:
+    if len(c.extra_encoders) != len(wl.extra_encoders):
         raise ValueError(
-            f"encoder segment holds {e.layers} layers; the encoder has {wl.encoder.num_layers} (>= pp {e.pp})"
+            f"the candidate lays out {len(c.encoders)} encoders, the workload has {len(wl.encoders)}: "
+            f"{[x.name for x in wl.encoders]}"
         )
     batch = mb if c.placement == "disjoint" else wl.global_batch
-    if batch % e.dp:
-        raise ValueError(f"encoder dp {e.dp} does not divide the {batch} samples crossing the boundary")
+    for e, spec in zip(c.encoders, wl.encoders):
+        if e.layers != spec.num_layers or e.layers < e.pp:
+            raise ValueError(
+                f"encoder {spec.name}'s segment holds {e.layers} layers; it has {spec.num_layers} (>= pp {e.pp})"
+            )
+        if batch % e.dp:
+            raise ValueError(
+                f"encoder {spec.name}: dp {e.dp} does not divide the {batch} samples crossing the boundary"
+            )
     if c.placement == "homogeneous":
         s = llm[0]
-        if (e.tp, e.cp, e.pp, e.dp) != (s.tp, s.cp, s.pp, s.dp):
-            raise ValueError(f"homogeneous: encoder {e.short()} must equal the LLM's layout {s.short()}")
+        for e in c.encoders:
+            if (e.tp, e.cp, e.pp, e.dp) != (s.tp, s.cp, s.pp, s.dp):
+                raise ValueError(f"homogeneous: encoder {e.short()} must equal the LLM's layout {s.short()}")
         if s.pp > 1 and not 1 <= c.first_stage_layers <= s.layers - (s.pp - 1):
             raise ValueError(f"homogeneous: first_stage_layers {c.first_stage_layers} outside 1..{s.layers - s.pp + 1}")
     return wl.global_batch // mb

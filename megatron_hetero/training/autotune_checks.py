@@ -13,11 +13,17 @@ from megatron_hetero.planner import autotune as A
 from megatron_hetero.training.config import JobConfig
 
 
+def encoder_names(layout: HeteroLayout, spec) -> tuple[str, ...]:
+    """The layout's encoder modules in the model's order (the cost model's first encoder, then its
+    extra encoders: `training.layout_cost.candidate_for`)."""
+    return tuple(n for n in spec.encoders if n in layout.names)
+
+
 def module_names(layout: HeteroLayout, spec) -> tuple[str, str]:
-    """(encoder module name, language module name as the candidate's layouts name it)."""
+    """(first encoder module name, language module name as the candidate's layouts name it)."""
     from megatron_hetero.models.llava import language_modules
 
-    (enc,) = [m.name for m in layout.modules if m.name in spec.encoders]
+    enc = encoder_names(layout, spec)[0]
     langs = [m.name for m in language_modules(layout, spec)]
     llm = langs[0] if len(langs) == 1 else langs[0].rsplit("_", 1)[0]
     return enc, llm
@@ -26,7 +32,7 @@ def module_names(layout: HeteroLayout, spec) -> tuple[str, str]:
 def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
     """ValueError (before any rank starts) for a job `--hetero-autotune` cannot tune: no --save (the
     switch goes through a checkpoint there), --trace (the autotune traces its own windows), a model
-    the cost model does not price (one encoder, fixed image tokens, no output modules), or a bad
+    the cost model does not price (fixed image tokens, no output modules), or a bad
     setting (`AutotuneConfig.validate`, --autotune-fix, --autotune-profile)."""
     tune = job.autotune
     if tune is None:
@@ -49,10 +55,11 @@ def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
         workload(spec, job.global_batch_size, cost_micro_batch(layout, spec, job.micro_batch_size))
         candidate_for(layout, spec, job.offload_encoder)
         enc, llm = module_names(layout, spec)
+        encs = encoder_names(layout, spec)
         fixes = A.parse_fix(tune.autotune_fix)
-        unknown = sorted(set(fixes) - {enc, llm})
+        unknown = sorted(set(fixes) - {*encs, llm})
         if unknown:
-            raise ValueError(f"--autotune-fix names {unknown}; the modules are {enc} and {llm}")
+            raise ValueError(f"--autotune-fix names {unknown}; the modules are {', '.join(encs)} and {llm}")
         base_profile(tune)
     except ValueError as exc:
         raise ValueError(f"--hetero-autotune: {exc}") from None

@@ -11,7 +11,14 @@ from typing import Any, Callable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import autotune as A
-from megatron_hetero.training.autotune_checks import base_profile, carry_settings, job_on, module_names, workload_of
+from megatron_hetero.training.autotune_checks import (
+    base_profile,
+    carry_settings,
+    encoder_names,
+    job_on,
+    module_names,
+    workload_of,
+)
 from megatron_hetero.training.config import JobConfig
 
 
@@ -82,6 +89,7 @@ def plan_switch(
     current = candidate_for(layout, spec, job.offload_encoder)
     steps, calib = calibrated(doc, layout, job, timings, shared)
     enc, llm = module_names(layout, spec)
+    extra = encoder_names(layout, spec)[1:]
     try:
         from megatron_hetero.planner.search_space import SearchSpace
 
@@ -95,6 +103,7 @@ def plan_switch(
             top=10 * (1 + 3 * len(tried)),  # room to re-rank by the tried layouts' fits
             encoder_name=enc,
             llm_name=llm,
+            extra_names=extra,
         )
     except ValueError as exc:  # nothing fits the constraints: stay
         ranked, why = [], str(exc)
@@ -111,7 +120,7 @@ def plan_switch(
         if cand.describe() in gone_back:
             continue
         try:
-            lay = carry_settings(layout, cand.to_layout(enc, llm), spec)  # frozen modules stay frozen
+            lay = carry_settings(layout, cand.to_layout(enc, llm, extra), spec)  # frozen modules stay frozen
             (check or validate_job)(lay, job_on(lay, job, wl, load=None))  # the checkpoint is written on a switch
         except ValueError:
             continue  # e.g. its micro-batches do not split over a module's DP

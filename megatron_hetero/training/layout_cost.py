@@ -53,12 +53,12 @@ def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> Candidat
     from megatron_hetero.models.llava import language_modules, segment_layers
 
     langs = language_modules(layout, spec)
-    encs = [m for m in layout.modules if m.name in spec.encoders]
-    if len(encs) != 1:
-        raise ValueError(f"the cost model takes one encoder; the layout has {[m.name for m in encs]}")
-    e = encs[0]
-    enc = Segment(e.par, spec.encoders[e.name].num_layers)
+    # in the model's encoder order: the workload's first encoder, then its extra encoders
+    encs = [layout.module(n) for n in spec.encoders if n in layout.names]
+    if not encs:
+        raise ValueError(f"the cost model prices a model with an encoder; the layout has none ({list(layout.names)})")
+    segs_e = [Segment(e.par, spec.encoders[e.name].num_layers) for e in encs]
     segs = tuple(Segment(m.par, segment_layers(m, spec).size) for m in langs)
     if layout.placement == "disjoint":
-        return Candidate("disjoint", enc, segs, encoder_ranks=e.size)
-    return Candidate("colocated", enc, segs, offload=offload)
+        return Candidate("disjoint", segs_e[0], segs, encoder_ranks=encs[0].size, extra_encoders=tuple(segs_e[1:]))
+    return Candidate("colocated", segs_e[0], segs, offload=offload, extra_encoders=tuple(segs_e[1:]))
