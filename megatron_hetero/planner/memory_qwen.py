@@ -9,7 +9,8 @@ replicated); per block two RMSNorms (h each), QKV `3h/t x h` with bias, the outp
 the merger, Megatron's MLP projector `u h -> u h -> H` (column-, row-parallel, biases). A frozen tower
 trains its merger and `ln_q` only.
 
-Activations of one forward of `rows` images: the runtime packs them into one sequence of
+Activations of one forward of `rows` images (native resolution, `max_tiles` K: rows x K tiles, the
+worst case): the runtime packs them into one sequence of
 N = rows x tokens x u patches (batch 1) and the local attention masks whole N x N scores (windows and
 frames are boolean masks, not a varlen kernel), so a layer keeps `layer_activation_bytes(N, 1, ...)`
 (gated MLP, RMSNorm; the scores `heads/t x N^2`, quadratic in the images of one forward) plus the
@@ -76,7 +77,7 @@ def qwen_activation_bytes(
     h, heads, tp = enc.hidden_size, enc.num_attention_heads, m.tp
     f = enc.ffn_hidden_size or 4 * h
     u, b = enc.merge_size**2, features.dtype_bytes
-    n = rows * enc.tokens * u
+    n = rows * max(1, enc.max_tiles) * enc.tokens * u  # native resolution: the worst case, K tiles a sample
     plain = ActivationFeatures(dtype_bytes=b, keeps_scores=features.keeps_scores)
     layer = layer_activation_bytes(n, 1, h, f, heads, tp, plain, gated=True, normalization="RMSNorm")
     layer += (4 * n * (h // heads) + 2 * n * h // tp) * b  # rotary: cos, sin (query, key); rotated halves
