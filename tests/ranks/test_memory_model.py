@@ -325,6 +325,12 @@ MEMORY_CASES = {
         },
         ON,
     ),
+    "colocated qwen2.5-vl tower dp2 + m-rope language tp2": (
+        {"modules": {"vision": {"dp": 2}, "language": {"tp": 2}}, "edges": ["vision -> language"]},
+        2,
+        {"spec": QWEN_SPEC},
+        {**ON, "sequence_parallel": True},
+    ),
     "disjoint vision dp2 @0-1 -> language tp2 @2-3": (
         {
             "placement": "disjoint",
