@@ -108,14 +108,17 @@ def check_mrope(spec) -> None:
 def check_qwen(name: str, enc, layout: HeteroLayout, spec) -> None:
     """A Qwen2.5-VL tower (`models.qwen_encoder`) against the layout and its image: one pipeline stage
     and cp 1 here (the runtime hands encoder stages [tokens, b, h], the tower's stages [patches, 1,
-    h]), heads divisible by tp, its features the merge**2 patches of a token, the image's rows."""
+    h]), heads divisible by tp, its features the merge**2 patches of a token, the image's rows; with
+    `max_tiles` (native resolution: a sample's tiles are one image) one image a row, no packing."""
     m = layout.module(name)
     if m.pp > 1 or m.cp > 1:
         raise ValueError(f"encoder {name}: a Qwen2.5-VL tower trains with pp 1 and cp 1 here; got {m.arithmetic()}")
     if enc.num_attention_heads % m.tp or (enc.ffn_hidden_size or 4 * enc.hidden_size) % m.tp:
         raise ValueError(f"encoder {name}: heads and MLP width must divide by tp({m.tp})")
-    if enc.max_tiles:
-        raise ValueError(f"encoder {name}: a Qwen2.5-VL tower takes one image a sample (max_tiles 0)")
+    if enc.max_tiles and spec.documents:  # native resolution: one image per row for its M-RoPE ids
+        raise ValueError(
+            f"encoder {name}: a Qwen2.5-VL tower with max_tiles takes one image a row, not packed documents"
+        )
     want = enc.merge_size**2 * 3 * enc.temporal_patch_size * enc.patch_size**2
     side = enc.merge_size * enc.patch_size
     if enc.patch_size < 1 or enc.feature_dim not in (want, side * side, 3 * side * side):

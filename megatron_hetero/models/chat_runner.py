@@ -237,11 +237,16 @@ def chat_spec(
     of `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `data.samples`
     checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the
     vocabulary from the tokenizer (padded up to a multiple of 128, or `vocab_size` if given and large
-    enough). ValueError for another number of encoders, a --seq-length that holds no tile, or a
+    enough). ValueError for another number of encoders, a Qwen2.5-VL tower, a --seq-length that holds no tile, or a
     `vocab_size` that is too small."""
     if len(spec.encoders) != 1:
         raise ValueError(f"conversation data feeds one image encoder; the layout has encoders {sorted(spec.encoders)}")
     ((name, enc),) = spec.encoders.items()
+    if enc.kind == "qwen2.5-vl":  # its tiles are bands of one image a row, not a grid of crops per image
+        raise ValueError(
+            "conversation data with a Qwen2.5-VL tower is not wired yet (images of several sizes and counts a "
+            "conversation): train it on captions or the synthetic data (--encoder-max-tiles)"
+        )
     if spec.seq_length < enc.offset + cfg.image_tokens:
         raise ValueError(
             f"--seq-length {spec.seq_length}: too short for any image (one tile is {cfg.image_tokens} tokens)"

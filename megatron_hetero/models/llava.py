@@ -456,6 +456,11 @@ class LanguageModule(torch.nn.Module):
         """Megatron's pipeline schedules hand a non-first stage its input here."""
         self.gpt.set_input_tensor(tensor)
 
+    def set_mrope_ids(self, ids: torch.Tensor) -> None:
+        """The next forward's M-RoPE ids [3, b, S] (native-resolution images: each row its own image
+        size, `models.qwen_positions.batch_mrope_ids`), set by the runner before each call."""
+        self.mrope_ids = ids
+
     def forward(
         self,
         hidden: Optional[torch.Tensor],

@@ -191,6 +191,8 @@ class LlavaStageRunner(StageRunner):
                 y = state.model(x.new_zeros(1, *x.shape[1:]))
                 keep = 0 * y.sum()
                 y = y[:0]
+            elif self.spec.encoders[module].kind == "qwen2.5-vl":  # a sample's tiles are one image
+                y, keep = state.model(x, tiles=tiles), None
             else:
                 y, keep = state.model(x), None
             if cp > 1:  # each CP rank holds its chunks of every tile: gather the tiles, keep its edge chunks
@@ -210,6 +212,13 @@ class LlavaStageRunner(StageRunner):
         b = self.batch(samples)
         hidden = None
         attention_mask, position_ids = self._document_masks(b["tokens"])
+        native = [n for n in sorted(self.variable) if self.spec.encoders[n].kind == "qwen2.5-vl"]
+        if native:  # M-RoPE ids per image size (one Qwen2.5-VL encoder: its image per row)
+            from megatron_hetero.models.qwen_positions import batch_mrope_ids
+
+            (name,) = native
+            tiles = self.image_tiles(samples)[name]
+            lang.set_mrope_ids(batch_mrope_ids(self.spec.encoders[name], b["image_mask"][name], tiles))
         if lang.first_stage:
             masks = {n: b["image_mask"][n] for n in self.variable} if self.variable else None
             hidden = lang.embed(b["tokens"].to(self.device), dict(inputs), masks, position_ids)

@@ -16,6 +16,12 @@ the merger (`ln_q`, `merger`: the tower's projector) trains, as a frozen LLaVA t
 
 The language model's M-RoPE ids for this image: `models.qwen_positions.mrope_ids`.
 
+Native resolution (`max_tiles` K >= 1, the variable image tokens of docs/variable-tokens.md): a
+sample carries 0..K tiles, each a band of `image_rows` x cols merged tokens, and its n tiles are ONE
+image of n * image_rows rows (`tile_grid_thw`): images of different heights in one batch, the tower's
+windows and full attention over each whole image; the M-RoPE ids follow each sample's image
+(`models.qwen_positions.batch_mrope_ids`).
+
 Image data (`train --data-path`, `models.caption_runner`) gives pixel blocks instead: each token's
 features the `[C, merge*p, merge*p]` pixels it covers (`energon_data.patchify` at patch merge * p,
 C 1 or 3, scaled to [-1, 1]); `blocks_to_patches` cuts them into the processor order above (grey
@@ -24,6 +30,8 @@ still frame).
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -55,6 +63,16 @@ def grid_thw(enc, images: int) -> torch.Tensor:
     """[images, 3] (1, merge * rows, merge * cols): the tower's grid of `images` images of the spec."""
     rows, cols = image_grid(enc)
     return torch.tensor([[1, enc.merge_size * rows, enc.merge_size * cols]] * images)
+
+
+def tile_grid_thw(enc, tiles: Sequence[int], total: int) -> torch.Tensor:
+    """[images, 3]: one image per sample with n >= 1 tiles, (1, merge * rows * n, merge * cols) (native
+    resolution: a sample's tiles are bands of its image, top to bottom); `total` the tiles given."""
+    rows, cols = image_grid(enc)
+    counts = [int(n) for n in tiles if n]
+    if any(n < 0 for n in tiles) or sum(counts) != total:
+        raise ValueError(f"tile counts {list(tiles)} do not add up to the {total} tiles given")
+    return torch.tensor([[1, enc.merge_size * rows * n, enc.merge_size * cols] for n in counts])
 
 
 class QwenEncoderModule(torch.nn.Module):
@@ -90,7 +108,10 @@ class QwenEncoderModule(torch.nn.Module):
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tiles: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """`x` [b, tokens, features]: b images of the spec's size; with variable image tokens
+        (`max_tiles`) `x` is the call's tiles and `tiles` the samples' tile counts: a sample's n tiles
+        (bands of `image_rows` rows) are one image n times as tall (`tile_grid_thw`)."""
         if x.shape[-1] in pixel_widths(self.enc):
             x = blocks_to_patches(x, self.enc)
         b, n, f = x.shape
@@ -102,7 +123,8 @@ class QwenEncoderModule(torch.nn.Module):
         patches = x.reshape(b * n * unit, f // unit)
         # frozen: the graph still runs through the blocks (the merger after them trains); the
         # frozen parameters take no gradient
-        out = self.tower(patches, grid_thw(self.enc, b).to(x.device))  # [b * n, llm_hidden]
+        grid = grid_thw(self.enc, b) if tiles is None else tile_grid_thw(self.enc, tiles, b)
+        out = self.tower(patches, grid.to(x.device))  # [b * n, llm_hidden]
         return out.view(b, n, -1)
 
 

@@ -34,3 +34,28 @@ def mrope_ids(spec, seq_length: int) -> torch.Tensor:
     tokens[0, enc.offset : enc.offset + enc.tokens] = _IMAGE
     grid = torch.tensor([[1, rows * enc.merge_size, cols * enc.merge_size]])
     return rope_index(tokens, grid, image_token=_IMAGE, vision_start=_START, merge=enc.merge_size)
+
+
+def batch_mrope_ids(enc, image_mask: torch.Tensor, tiles: list[int]) -> torch.Tensor:
+    """[3, b, S] M-RoPE ids of a batch with native-resolution images (`max_tiles`): row r's image is
+    its `tiles[r]` tiles stacked (`models.qwen_encoder.tile_grid_thw`), at the positions its
+    `image_mask` [b, S] sets (the placeholder before them plays the vision start); a row without
+    tiles has text ids 0..S-1."""
+    b, s = image_mask.shape
+    if len(tiles) != b:
+        raise ValueError(f"{len(tiles)} tile counts for a batch of {b} rows")
+    rows, cols = image_grid(enc)
+    tokens = torch.full((b, s), _TEXT)
+    tokens[image_mask.bool()] = _IMAGE
+    grids = []
+    for r, n in enumerate(tiles):
+        if not n:
+            continue
+        first = int(image_mask[r].nonzero()[0])
+        if first < 1 or int(image_mask[r].sum()) != n * enc.tokens:
+            raise ValueError(f"row {r}: {n} tiles need {n * enc.tokens} image positions after a vision start")
+        tokens[r, first - 1] = _START
+        grids.append([1, rows * n * enc.merge_size, cols * enc.merge_size])
+    if not grids:
+        return torch.arange(s).expand(3, b, -1).clone()
+    return rope_index(tokens, torch.tensor(grids), image_token=_IMAGE, vision_start=_START, merge=enc.merge_size)

@@ -33,6 +33,7 @@ from megatron_hetero.planner.memory_params import (  # re-exported: the public p
     hybrid_stage_symbols,
     stage_params,
 )
+from megatron_hetero.planner.memory_qwen import qwen_activation_bytes
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
 from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.plan.roles import language_modules
@@ -99,6 +100,8 @@ def stage_activation_bytes(
     peak during its backward under full recompute (its units' inputs and one unit recomputed; 0
     without full recompute)."""
     m = layout.module(module)
+    if module in spec.encoders and spec.encoders[module].kind == "qwen2.5-vl":  # no recompute on the tower
+        return qwen_activation_bytes(spec.encoders[module], spec.hidden_size, m, pp_rank, rows, features), 0
     if module in spec.encoders:
         enc = spec.encoders[module]
         rows *= max(1, enc.max_tiles)  # variable image tokens: the encoder's batch is tiles, at most K per sample

@@ -20,7 +20,7 @@ Parameters per rank, counted as the runtime builds its modules (Megatron-core's 
   siglip variant (patch convolution `3 p^2 h + h` with bias, `tokens` positions, no class token, no
   ln_pre), its layers (MLP `ffn_hidden_size`), the post LayerNorm, with `pooling_head` SigLIP's
   attention-pooling head (probe h, attention `4 h^2 + 4 h`, LayerNorm 2h, MLP `2 h f + f + h`), and
-  the projector. Frozen parameters (`encoder_frozen_params`: CLIP's ln_post, SigLIP's head and,
+  the projector; `kind: qwen2.5-vl`: the Qwen2.5-VL tower (`memory_qwen.py`). Frozen parameters (`encoder_frozen_params`: CLIP's ln_post, SigLIP's head and,
   without `post_norm`, its post LayerNorm; every parameter but the projector's of a frozen
   encoder) count in `total` only, never in `trainable`;
 * an output head: the MLP projector `H -> hidden -> out_dim`.
@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.planner.memory_qwen import merger_params, qwen_stage_params
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec
 from megatron_hetero.plan.roles import language_modules, roles
 
@@ -164,6 +165,8 @@ def stage_params(layout: HeteroLayout, spec: LlavaSpec, module: str, pp_rank: in
         enc = spec.encoders[module]
         last = pp_rank == m.pp - 1
         projector = _projector_params(enc.hidden_size, spec.hidden_size, m.tp) if last else 0
+        if enc.kind == "qwen2.5-vl":  # a frozen tower trains its merger and ln_q
+            projector = merger_params(enc, spec.hidden_size, m.tp) if last else 0
         return StageParams(total, 0, projector if m.frozen else total - encoder_frozen_params(enc), 0)
     if module in spec.outputs:
         out: OutputSpec = spec.outputs[module]
@@ -201,6 +204,8 @@ def _language_stage(layout: HeteroLayout, spec: LlavaSpec, m: ModuleLayout, pp_r
 
 
 def _encoder_stage(enc: EncoderSpec, llm_hidden: int, m: ModuleLayout, pp_rank: int) -> int:
+    if enc.kind == "qwen2.5-vl":
+        return qwen_stage_params(enc, llm_hidden, m, pp_rank)
     h = enc.hidden_size
     layers = _stage_layers(enc.num_layers, m.pp) * _encoder_layer_params(enc, m.tp)
     first, last = pp_rank == 0, pp_rank == m.pp - 1

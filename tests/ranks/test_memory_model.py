@@ -1,7 +1,7 @@
 """The planner's memory model (`planner/memory.py`) against the modules `megatron-hetero train`
 builds: every rank's parameter count per module stage (all, experts, trainable) equals the count of
 the module's own parameters, over layouts and model variants (TP, PP, EP, disjoint, frozen
-encoders, a CLIP encoder, SigLIP encoders with and without their post norm and pooling head, GQA/RMSNorm/SwiGLU/no biases/rope, tied embeddings, MoE)."""
+encoders, a CLIP encoder, a Qwen2.5-VL tower, SigLIP encoders with and without their post norm and pooling head, GQA/RMSNorm/SwiGLU/no biases/rope, tied embeddings, MoE)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.planner.memory import stage_params
 from megatron_hetero.planner.model import EncoderSpec
 from megatron_hetero.runtime.launcher import run_ranks
+
+from qwen_train_case import SPEC as QWEN_SPEC
 
 LLAMA = LlavaSpec(
     normalization="RMSNorm",
@@ -137,6 +139,17 @@ CASES = {
                 "frozen_audio": dataclasses.replace(WHISPER, offset=20),
             },
         ),
+        2,
+    ),
+    # the Qwen2.5-VL tower (`planner/memory_qwen.py`); frozen, its merger and ln_q still train
+    "qwen2.5-vl tower tp2 + m-rope language tp2": (
+        {"modules": {"vision": {"tp": 2}, "language": {"tp": 2}}, "edges": ["vision -> language"]},
+        QWEN_SPEC,
+        2,
+    ),
+    "frozen qwen2.5-vl tower dp2 + language pp2": (
+        {"modules": {"vision": {"dp": 2, "frozen": True}, "language": {"pp": 2}}, "edges": ["vision -> language"]},
+        QWEN_SPEC,
         2,
     ),
     "moe language dp2·ep2, segments": (
@@ -311,6 +324,12 @@ MEMORY_CASES = {
             )
         },
         ON,
+    ),
+    "colocated qwen2.5-vl tower dp2 + m-rope language tp2": (
+        {"modules": {"vision": {"dp": 2}, "language": {"tp": 2}}, "edges": ["vision -> language"]},
+        2,
+        {"spec": QWEN_SPEC},
+        {**ON, "sequence_parallel": True},
     ),
     "disjoint vision dp2 @0-1 -> language tp2 @2-3": (
         {
