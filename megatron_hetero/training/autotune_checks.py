@@ -45,14 +45,13 @@ def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
             "--hetero-autotune records its own measuring windows; leave out --trace (trace the chosen layout, "
             "autotune-layout.yaml, in a run of its own)"
         )
-    from megatron_hetero.planner.model import workload
-    from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch
+    from megatron_hetero.training.layout_cost import candidate_for
 
     spec = job.spec
     try:
         if spec.outputs:
             raise ValueError(f"the cost model does not price output modules ({sorted(spec.outputs)})")
-        workload(spec, job.global_batch_size, cost_micro_batch(layout, spec, job.micro_batch_size))
+        workload_of(job, layout)
         candidate_for(layout, spec, job.offload_encoder)
         enc, llm = module_names(layout, spec)
         encs = encoder_names(layout, spec)
@@ -98,12 +97,22 @@ def job_on(layout: HeteroLayout, job: JobConfig, wl, load: Optional[str]) -> Job
     return out
 
 
+def variable_inputs(spec) -> dict[str, int]:
+    """Inputs per sample the cost model prices for each encoder with a variable number of tiles or
+    speech chunks (`--encoder-max-tiles`, conversation and spoken-digits data): the most a sample
+    holds, as the memory model does. The calibration to the run's measured spans scales the encoder
+    term, so the worst case sets how the candidates compare, not the predicted seconds alone."""
+    return {n: e.max_tiles for n, e in spec.encoders.items() if e.max_tiles}
+
+
 def workload_of(job: JobConfig, layout: HeteroLayout):
-    """The cost model's `Workload` of `job` run on `layout` (its micro-batch as the cost model counts it)."""
+    """The cost model's `Workload` of `job` run on `layout` (its micro-batch as the cost model counts
+    it; variable tiles priced at `variable_inputs`)."""
     from megatron_hetero.planner.model import workload
     from megatron_hetero.training.layout_cost import cost_micro_batch
 
-    return workload(job.spec, job.global_batch_size, cost_micro_batch(layout, job.spec, job.micro_batch_size))
+    micro = cost_micro_batch(layout, job.spec, job.micro_batch_size)
+    return workload(job.spec, job.global_batch_size, micro, inputs=variable_inputs(job.spec))
 
 
 def carry_settings(src: HeteroLayout, dst: HeteroLayout, spec) -> HeteroLayout:

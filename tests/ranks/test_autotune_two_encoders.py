@@ -107,3 +107,35 @@ def test_real_round_switches_to_its_two_encoder_pick_and_trains_on(tmp_path, meg
     print(f"\ntwo-encoder autotune switch: {d['from_layout']} -> {d['to_layout']}, kept {d['kept']}")
     assert d["iteration"] == K and d["to_layout"] != d["from_layout"] and "encoder 2" in d["to_layout"]
     assert d["measured_after_s"] is not None and d["measured_after_s"] > 0
+
+
+#: the spoken-digits shape: images of 0..2 tiles and clips of 0..3 speech chunks per sample
+VARIABLE = dataclasses.replace(
+    SPEC,
+    encoders={
+        "vision": EncoderSpec(offset=1, max_tiles=2),
+        "audio": dataclasses.replace(WHISPER, offset=20, max_tiles=3),
+    },
+)
+
+
+def test_variable_tiles_are_priced_at_the_most_a_sample_holds(tmp_path):
+    """Conversation and speech data (`--encoder-max-tiles`): autotune accepts them and prices each
+    encoder at its most tiles or chunks per sample, as the memory model does."""
+    layout = layout_from_dict(AV, world_size=2)
+    job = dataclasses.replace(_job(tmp_path), spec=VARIABLE)
+    validate_job(layout, job)
+    wl = workload_of(job, layout)
+    fixed = workload_of(dataclasses.replace(job, spec=SPEC), layout)
+    assert (wl.images_per_sample, wl.extra_inputs) == (2, (3,))
+    assert (fixed.images_per_sample, fixed.extra_inputs) == (1, (1,))
+
+
+@pytest.mark.timeout(600)
+def test_real_round_with_variable_tiles_trains_on(tmp_path, megatron_compat):
+    save = tmp_path / "run"
+    got = run_job(AV, 2, dataclasses.replace(_job(save, autotune_min_gain=100.0), spec=VARIABLE))
+    plain = run_job(AV, 2, JobConfig(train_iters=ITERS, spec=VARIABLE))
+    assert losses(got) == losses(plain)
+    (cal,) = json.loads((save / "autotune.json").read_text())["calibration"]
+    assert cal["reason"].startswith("stay") and "no candidate layout fits" not in cal["reason"], cal["reason"]
