@@ -16,7 +16,7 @@ from megatron_hetero.runtime.trace import gather_trace
 from megatron_hetero.training.config import JobConfig
 
 
-class LlavaSpec:
+class LlavaTrainSpec:
     """LLaVA under `job` (module docstring). `log`: the run's `IterationLog` (None: no lines, e.g. the
     dry run's real rank); `step_hook(iteration)`: runs after every step, its value the record's
     `probe`. Holds nothing of its own between sessions: `prepare` and `release` do nothing."""

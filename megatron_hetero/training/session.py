@@ -1,7 +1,7 @@
 """One `Session` for every front end: what one rank trains with under one layout.
 
 A session assembles, in this order and the same way for `megatron-hetero train` (LLaVA,
-`training.llava_spec.LlavaSpec`) and the patched Megatron-LM scripts
+`training.llava_spec.LlavaTrainSpec`) and the patched Megatron-LM scripts
 (`megatron_lm.session.ScriptSpec`): the spec's `prepare()` (what must exist before any process
 group), the layout's process groups (`runtime.topology.Topology`, with the spec's comm timeout), this
 rank's plan (`plan.rank_plan.rank_plan`, with the validated arithmetic when given), the spec's module

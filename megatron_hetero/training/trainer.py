@@ -13,7 +13,7 @@ from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.schedules import schedule_for
 from megatron_hetero.training.config import JobConfig
-from megatron_hetero.training.llava_spec import LlavaSpec
+from megatron_hetero.training.llava_spec import LlavaTrainSpec
 from megatron_hetero.training.session import Session
 from megatron_hetero.training.signals import ExitSignal
 
@@ -45,11 +45,11 @@ def train_session(
     tracer=None,
     checked: Optional[tuple] = None,
 ) -> Session:
-    """The `Session` LLaVA trains with under `layout` (`training.llava_spec.LlavaSpec`): its iteration
+    """The `Session` LLaVA trains with under `layout` (`training.llava_spec.LlavaTrainSpec`): its iteration
     lines through `log` (None: none), `step_hook` after every step, `tracer` instead of the job's
     (`--hetero-autotune`'s windows), `checked`: the rank plans' arithmetic when this process validated
     the job. The `make_session` of `training.autotune_run.train_autotuned`. Collective."""
-    return Session(layout, LlavaSpec(job, log, step_hook), tracer=tracer, checked=checked)
+    return Session(layout, LlavaTrainSpec(job, log, step_hook), tracer=tracer, checked=checked)
 
 
 def train_rank(
