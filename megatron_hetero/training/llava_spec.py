@@ -14,6 +14,7 @@ from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.trace import gather_trace
 from megatron_hetero.training.config import JobConfig
+from megatron_hetero.training.memory_log import ActivationMeter
 
 
 class LlavaTrainSpec:
@@ -30,7 +31,7 @@ class LlavaTrainSpec:
         self.global_batch_size, self.micro_batch_size = job.global_batch_size, job.micro_batch_size
         self.offload_encoder = job.offload_encoder
         self.save_dir, self.save_interval = job.save, job.save_interval
-        self.meter = None
+        self.meter: Optional[ActivationMeter] = None  # --log-memory's, attached in `front_end`
 
     def prepare(self, layout: HeteroLayout) -> None:
         """Nothing: `training.trainer.prepare_rank` set up the process before the first session."""
@@ -76,7 +77,6 @@ class LlavaTrainSpec:
         """`TrainFrontEnd` with --log-memory's activation meter attached to the modules (after the
         schedule is built), the run's figures (`RunStats`) and the project's checkpoint as `save`."""
         from megatron_hetero.checkpoint.save_load import save_checkpoint
-        from megatron_hetero.training.memory_log import ActivationMeter
         from megatron_hetero.training.run_stats import RunStats
         from megatron_hetero.training.train_front_end import TrainFrontEnd
 

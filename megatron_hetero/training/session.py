@@ -43,13 +43,17 @@ class ModelSpec(Protocol):
     offload_encoder: bool
     #: a step's increment of the schedulers (train: 1 per iteration; Megatron's: the global batch)
     scheduler_increment: int
-    #: the directory and interval of the run's checkpoints (None / 0: none)
-    save_dir: Optional[str]
+    #: the interval of the run's checkpoints (0: only the last iteration's, when `save_dir` is set)
     save_interval: int
     #: True: `finish()` ends with a world barrier (the scripts do)
     barrier_at_finish: bool
     #: the activation meter the loop's schedule is wrapped with (--log-memory), or None
     meter: Any
+
+    @property
+    def save_dir(self) -> Optional[str]:
+        """The directory of the run's checkpoints (None: none); read when a loop starts."""
+        ...
 
     def prepare(self, layout: HeteroLayout) -> None:
         """What must exist before the layout's process groups (collective where it builds a model)."""
