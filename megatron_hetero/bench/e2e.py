@@ -83,23 +83,19 @@ def e2e_grid():
 
 # ---------------------------------------------------------------------------------------------
 def _rank_side_by_side(cases: list, steps: int) -> dict[str, Any]:
-    """One rank of `side_by_side`: every case's topology, model and schedule built on this rank, then
-    `steps` steps of each case, step by step in a rotated order."""
+    """One rank of `side_by_side`: every case's session (`training.trainer.train_session`: topology,
+    model and schedule) built on this rank, then `steps` steps of each case's schedule, step by step
+    in a rotated order (no loop, no front end: the schedules only)."""
     import torch.distributed as dist
 
-    from megatron_hetero.plan.rank_plan import rank_plan
-    from megatron_hetero.runtime.topology import Topology
-    from megatron_hetero.training.setup import build_states
-    from megatron_hetero.training.trainer import make_schedule, prepare_rank
+    from megatron_hetero.training.trainer import prepare_rank, train_session
 
     prepare_rank(cases[0][1])
-    topos, scheds = [], []
+    sessions = []
     try:
         for lay, job in cases:  # every rank builds every case's groups in the same order
-            topo = Topology.build(lay, timeout_s=job.comm_timeout_s)
-            topos.append(topo)
-            plan = rank_plan(lay, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-            scheds.append(make_schedule(plan, job, topo, build_states(plan, job, topo)))
+            sessions.append(train_session(lay, job, log=None))
+        scheds = [s.schedule for s in sessions]
         n = len(cases)
         out = {"times": [[] for _ in cases], "losses": [[] for _ in cases], "peak": [0] * n}
         for it in range(steps):
@@ -114,8 +110,8 @@ def _rank_side_by_side(cases: list, steps: int) -> dict[str, Any]:
         dist.barrier()
         return out
     finally:
-        for t in reversed(topos):
-            t.destroy()
+        for s in reversed(sessions):
+            s.destroy()
 
 
 def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]:

@@ -124,16 +124,13 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
     from megatron_hetero.models.llava_runner import LlavaStageRunner
-    from megatron_hetero.plan.rank_plan import rank_plan
-    from megatron_hetero.runtime.topology import Topology
     from megatron_hetero.training.setup import build_states
-    from megatron_hetero.training.trainer import make_schedule, prepare_rank
+    from megatron_hetero.training.trainer import prepare_rank, train_session
 
     prepare_rank(job)
-    topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
+    session = train_session(layout, job, log=None)  # ours: the session `train` builds, its schedule only
     try:
-        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        ours = make_schedule(plan, job, topo, build_states(plan, job, topo))
+        plan, topo, ours = session.plan, session.topo, session.schedule
         plain = {}
         for mode in MODES[1:]:
             st = build_states(plan, job, topo)
@@ -158,7 +155,7 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
         dist.barrier()
         return {"times": times, "cpu": cpu, "losses": losses}
     finally:
-        topo.destroy()
+        session.destroy()
 
 
 def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, Any]:

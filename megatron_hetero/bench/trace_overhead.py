@@ -41,28 +41,18 @@ def _span_cost_s(reps: int = 5, n: int = 20000) -> float:
 def _rank(layout, job, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from megatron_hetero.models.llava_runner import LlavaStageRunner
-    from megatron_hetero.plan.rank_plan import rank_plan
-    from megatron_hetero.runtime.topology import Topology
+    from megatron_hetero.runtime.schedules import schedule_for
     from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
-    from megatron_hetero.training.setup import build_states
-    from megatron_hetero.training.trainer import prepare_rank
+    from megatron_hetero.training.trainer import prepare_rank, train_session
 
     prepare_rank(job)
-    topo = Topology.build(layout, timeout_s=job.comm_timeout_s)
+    # off: the session `train` builds, untraced; on: a second schedule over the same modules and runner
+    session = train_session(layout, job, log=None, tracer=NULL_TRACER)
     try:
-        plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
-        states = build_states(plan, job, topo)
-        runner = LlavaStageRunner(job.spec, plan, states)
-        if layout.placement == "colocated":
-            from megatron_hetero.runtime.colocated import ColocatedSchedule as Schedule
-        else:
-            from megatron_hetero.runtime.disjoint import DisjointSchedule as Schedule
+        topo, off = session.topo, session.schedule
         tracer = Tracer(topo.rank)
-        schedules = {
-            "off": Schedule(plan, replace(job.runtime_config(), tracer=NULL_TRACER), topo, states, runner),
-            "on": Schedule(plan, replace(job.runtime_config(), tracer=tracer), topo, states, runner),
-        }
+        on = schedule_for(session.plan, replace(off.config, tracer=tracer), topo, session.states, session.runner)
+        schedules = {"off": off, "on": on}
         wall: dict[str, list[float]] = {"off": [], "on": []}
         cpu: dict[str, list[float]] = {"off": [], "on": []}
         spans: list[int] = []
@@ -79,7 +69,7 @@ def _rank(layout, job, steps: int) -> dict[str, Any]:
         dist.barrier()
         return {"wall": wall, "cpu": cpu, "spans": spans, "span_cost_s": _span_cost_s() if topo.rank == 0 else None}
     finally:
-        topo.destroy()
+        session.destroy()
 
 
 def measure(layout, job, steps: int = 40, timeout: float = 900.0) -> dict[str, Any]:

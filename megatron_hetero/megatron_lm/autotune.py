@@ -12,7 +12,7 @@ What is the script's own here:
   * which candidate layouts the script can train (`candidate_check`: the script's and the driver's
     checks, the batch arithmetic, the vocabulary over TP; the degrees the script's model cannot
     change, vision PP 1 and CP 1 everywhere, are pinned in the search: `script_fixes`);
-  * the session: `ScriptSession` (Megatron's reference model, the layout's modules, schedule and
+  * the session: `session.script_session` (Megatron's reference model, the layout's modules, schedule and
     log lines); a switch writes Megatron's own checkpoint of the reference model into `--save`
     (`save_checkpoint`) and the next session reads it back with Megatron's `load_checkpoint`
     (`--load` set to `--save`), as a run restarted on the new layout would.
@@ -178,7 +178,7 @@ def train_autotuned_script(
 ) -> None:
     """The script's run from `layout` with --hetero-autotune (module docstring). Collective."""
     from megatron_hetero.megatron_lm.log import print_last
-    from megatron_hetero.megatron_lm.session import PREFIX, ScriptSession, reference_session_args
+    from megatron_hetero.megatron_lm.session import PREFIX, reference_session_args, script_session
     from megatron_hetero.training.autotune_run import train_autotuned
     from megatron_hetero.training.signals import ExitSignal
 
@@ -188,11 +188,11 @@ def train_autotuned_script(
 
     lines: list = []  # the first session's IntervalLog: the lines of one run across the switches
 
-    def make_session(lay: HeteroLayout, j, log, step_hook, tracer=None) -> ScriptSession:
+    def make_session(lay: HeteroLayout, j, log, step_hook, tracer=None):
         if j.load:  # a switch or a revert: the whole run from Megatron's checkpoint in --save
             reference_session_args(args, j.load)
         args.micro_batch_size = j.micro_batch_size  # samples per micro-batch on the first language module's ranks
-        s = ScriptSession(model, args, lay, datasets_provider, model_provider, tracer=tracer, job=j)
+        s = script_session(model, args, lay, datasets_provider, model_provider, tracer=tracer, job=j)
         if lines:  # Megatron's log lines go on as one run's (no first-line averaging after a switch)
             s.front.interval_log = lines[0]
         else:

@@ -63,7 +63,7 @@ from megatron_hetero.megatron_lm.checks import (  # noqa: F401 - the checks' nam
 )
 from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.log import print_last
-from megatron_hetero.megatron_lm.session import PREFIX, ScriptSession
+from megatron_hetero.megatron_lm.session import PREFIX, script_session
 from megatron_hetero.plan.rank_plan import check_rank_plans
 from megatron_hetero.training.loop import run_loop
 from megatron_hetero.training.signals import ExitSignal
@@ -183,14 +183,14 @@ def pretrain_with_layout(
 def _train(
     model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Callable, model_provider: Callable
 ) -> None:
-    """The run on `layout` (one `ScriptSession`), or with --hetero-autotune the run that measures
+    """The run on `layout` (one `training.session.Session` of the script's `ScriptSpec`), or with --hetero-autotune the run that measures
     itself and may move to another layout (`megatron_lm/autotune.py`). Collective over the world."""
     if getattr(args, "hetero_autotune", False):
         from megatron_hetero.megatron_lm.autotune import train_autotuned_script
 
         train_autotuned_script(model, args, layout, datasets_provider, model_provider)
         return
-    session = ScriptSession(model, args, layout, datasets_provider, model_provider)
+    session = script_session(model, args, layout, datasets_provider, model_provider)
     try:
         if session.start and session.start >= args.train_iters:
             print_last(

@@ -4,7 +4,7 @@ runs them on the ranks (`train_autotuned`, called by `training.trainer.train_ran
 
 One round, on every rank (the world never changes; only global rank 0 decides):
 
-1. `--autotune-steps` K steps of the current layout with a recording tracer (a `Session` whose
+1. `--autotune-steps` K steps of the current layout with a recording tracer (a `training.session.Session` whose
    schedule records spans; the job's own --trace is refused with --hetero-autotune); the window's
    trace is gathered on rank 0 and the tracer stops recording;
 2. unless --autotune-skip-layers: one layer of each module timed in-process at the other TP/CP
@@ -118,9 +118,9 @@ def train_autotuned(
 ):
     """Train `job` from `layout` with one autotune round (module docstring); returns (the session
     the run ended on, every iteration's record). `make_session(layout, job, log, step_hook,
-    tracer=None)`: the trainer's `Session` (or a patched Megatron-LM script's,
-    `megatron_lm/autotune.py`), with the attributes `start`, `job`, `front`, `schedulers`,
-    `loop_schedule()`, `loop_spec(start, end, final_save)` and `destroy()`. `check(layout, job)`:
+    tracer=None)`: a `training.session.Session` (`training.trainer.train_session`, or a patched
+    Megatron-LM script's, `megatron_lm/autotune.py`); the rounds use its `start`, `job`, `front`,
+    `schedulers`, `loop_schedule()`, `loop_spec(start, end, final_save)` and `destroy()`. `check(layout, job)`:
     ValueError for a candidate layout the run cannot train (default `training.setup.validate_job`).
     Collective over the world."""
     from megatron_hetero.training.loop import run_loop

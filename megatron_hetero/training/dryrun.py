@@ -3,7 +3,7 @@ torch's fake process-group backend, timed by phase.
 
 `dry_rank(layout, job)` runs in a process whose torch.distributed is initialised with the "fake"
 backend at the layout's world size (`training.dryrun_world` forks one per sampled rank). It calls
-train's own setup code, in the Session's order (`training.trainer.Session`):
+train's own setup code, in the Session's order (`training.session.Session`):
 
 * `validate_job` (train's validation: the same ValueError, so the same exit-2 message);
 * `Topology.build` (every module's groups through Megatron's `HyperCommGrid`), with every

@@ -7,7 +7,7 @@ to switch to the layout `LAYOUT` (a layout YAML's mapping, placed on the run's w
 the current layout recorded as measured `S` seconds (a tiny `S`: the new layout measures slower and the
 run goes back). `report()`: one line `autotune probe rank R: {"rounds": N, "sessions": [...]}`, with
 the live process groups, threads and open file descriptors (`bench soak`'s counters) right after each
-`ScriptSession` of the run was built, in order.
+`training.session.Session` of the run was built, in order.
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ def install() -> None:
     R.plan_switch = plan
 
     from megatron_hetero.bench.soak import probe
-    from megatron_hetero.megatron_lm.session import ScriptSession
+    from megatron_hetero.training.session import Session
 
-    build = ScriptSession.__init__
+    build = Session.__init__
 
     def counted(self, *args, **kwargs):
         build(self, *args, **kwargs)
         p = probe()
         SESSIONS.append({k: p[k] for k in ("process_groups", "threads", "open_fds")})
 
-    ScriptSession.__init__ = counted
+    Session.__init__ = counted
 
 
 def report() -> str:

@@ -56,11 +56,11 @@ def _real_rank(layout, job) -> dict:
     """A real rank: train's Session (groups counted), its plan and boundaries, one step, the bytes."""
     from megatron_hetero.training.dryrun import GroupCounter, _digest, boundary_digest
     from megatron_hetero.runtime.schedules import Schedule
-    from megatron_hetero.training.trainer import Session, prepare_rank
+    from megatron_hetero.training.trainer import prepare_rank, train_session
 
     prepare_rank(job)
     with GroupCounter() as gc:
-        s = Session(layout, job, log=None)
+        s = train_session(layout, job, log=None)
     try:
         assert isinstance(s.schedule, Schedule), type(s.schedule)  # both placements' interpreters
         member = sorted(

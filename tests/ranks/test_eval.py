@@ -31,7 +31,8 @@ from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.training.setup import JobConfig, build_states, validate_job
-from megatron_hetero.training.trainer import evaluate, make_schedule, prepare_rank, train_rank
+from megatron_hetero.training.train_front_end import evaluate
+from megatron_hetero.training.trainer import make_schedule, prepare_rank, train_rank
 
 G = 8
 EVAL_ITERS = 3  # 24 held-out samples
