@@ -1,0 +1,102 @@
+"""Conversation data at native resolution for a Qwen2.5-VL tower (`data.chat_batches` with `native`,
+`models.chat_runner.chat_job_data`): each image through the Qwen image processor whole, a tile one
+merged token, each row's image grids from the sizes alone; the features equal the processor's own
+output on the decoded PNGs (computed here from the shards)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_hetero import cli
+from megatron_hetero.cli.train_door import data_request
+from megatron_hetero.data.chat_batches import ChatBatches
+from megatron_hetero.data.chat_default import default_chat_template
+from megatron_hetero.data.qwen_image_processor import QwenImageProcessor
+from megatron_hetero.data.tokenizer import load_tokenizer
+from megatron_hetero.models.chat_runner import chat_job_data, native_processor
+
+from qwen_chat_case import GRIDS, PROCESSOR, write_case
+from qwen_train_case import SPEC
+
+G = 8
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    return write_case(tmp_path_factory.mktemp("qwen-chat"))
+
+
+def _fitted(data, proc, *more):
+    argv = ["train", "--data-path", str(data), "--image-processor", str(proc), *more]
+    return chat_job_data(data_request(cli.build_parser().parse_args(argv)), SPEC, G)
+
+
+def _sizes(data) -> dict[str, list[int]]:
+    out = {}
+    for tar in sorted(data.glob("train/shard-*.tar")):
+        with tarfile.open(tar) as tf:
+            for m in tf.getmembers():
+                if m.name.endswith(".json"):
+                    out[m.name[: -len(".json")]] = json.loads(tf.extractfile(m).read())["sizes"]
+    return out
+
+
+def test_the_spec_takes_merged_tokens_and_the_processors_features(case):
+    data, proc = case
+    spec, cfg = _fitted(*case)
+    enc = spec.encoders["vision"]
+    most = max(sum(GRIDS[s][0] * GRIDS[s][1] for s in sizes) for sizes in _sizes(data).values())
+    assert (enc.tokens, enc.image_rows, enc.feature_dim) == (1, 0, 4 * 3 * 2 * 2 * 2)
+    assert enc.max_tiles == most == 18  # two 16x16 digits: 2 x 3 x 3 merged tokens
+    assert (cfg.kind, cfg.image_tokens, cfg.image_processor) == ("chat", 1, str(proc))
+    assert native_processor(cfg, enc) == QwenImageProcessor.from_dict(PROCESSOR)
+
+
+def test_batches_hold_each_images_merged_tokens_and_grid(case):
+    data, _ = case
+    spec, cfg = _fitted(*case)
+    enc = spec.encoders["vision"]
+    native = native_processor(cfg, enc)
+    tok = load_tokenizer(cfg.tokenizer_model)
+    b = ChatBatches(
+        cfg, tok, default_chat_template(), encoder="vision", seq_length=spec.seq_length, global_batch=G,
+        num_workers=0, native=native,
+    )  # fmt: skip
+    rows = range(0, G)
+    got = b.batch(rows)
+    grids = b.image_grids(rows)["vision"]
+    tiles = got["tiles"]["vision"].tolist()
+    assert tiles == [sum(h * w for h, w in g) for g in grids]
+    assert got["image_mask"]["vision"].sum(1).tolist() == tiles
+    assert {g for row in grids for g in row} == set(GRIDS.values())  # both sizes in one batch
+    assert any(len(g) == 2 for g in grids) and any(not g for g in grids)  # two images; text only
+    # the features: the processor on each decoded image, computed from the shards
+    want = []
+    for i in rows:
+        rec, _, kept = b.conversation(i)
+        assert [GRIDS[s[0]] for s in rec.sizes[: len(kept)]] == grids[i]
+        for name in rec.images[: len(kept)]:
+            with tarfile.open(next(data.glob("train/shard-*.tar"))) as tf:
+                png = tf.extractfile(f"{rec.key}.{name}").read()
+            from PIL import Image
+
+            want.append(native(Image.open(io.BytesIO(png)).convert("RGB"))[0].reshape(-1, 1, enc.feature_dim))
+    feats = got["features"]["vision"]
+    assert feats.shape == (sum(tiles), 1, enc.feature_dim)
+    assert torch.allclose(feats, torch.cat(want), atol=1e-6)
+    b.close()
+
+
+def test_an_image_processor_of_another_patch_is_refused(case, tmp_path):
+    data, _ = case
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PROCESSOR, "patch_size": 14}))
+    with pytest.raises(ValueError, match="not the tower's"):
+        _fitted(data, tmp_path)
+    without = replace(SPEC.encoders["vision"], kind="clip")
+    assert native_processor(_fitted(*case)[1], without) is None
