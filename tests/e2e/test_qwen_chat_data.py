@@ -37,13 +37,19 @@ def _fitted(data, proc, *more):
     return chat_job_data(data_request(cli.build_parser().parse_args(argv)), SPEC, G)
 
 
-def _sizes(data) -> dict[str, list[int]]:
-    out = {}
+def _sizes(data) -> dict[str, list[tuple[int, int]]]:
+    """Each training sample's image (H, W), from the PNGs of the shards."""
+    from PIL import Image
+
+    out: dict[str, list[tuple[int, int]]] = {}
     for tar in sorted(data.glob("train/shard-*.tar")):
         with tarfile.open(tar) as tf:
-            for m in tf.getmembers():
-                if m.name.endswith(".json"):
-                    out[m.name[: -len(".json")]] = json.loads(tf.extractfile(m).read())["sizes"]
+            for m in sorted(tf.getmembers(), key=lambda m: m.name):
+                key, part = m.name.split(".", 1)
+                out.setdefault(key, [])
+                if part.endswith(".png"):
+                    with Image.open(io.BytesIO(tf.extractfile(m).read())) as im:
+                        out[key].append((im.height, im.width))
     return out
 
 
@@ -51,9 +57,11 @@ def test_the_spec_takes_merged_tokens_and_the_processors_features(case):
     data, proc = case
     spec, cfg = _fitted(*case)
     enc = spec.encoders["vision"]
-    most = max(sum(GRIDS[s][0] * GRIDS[s][1] for s in sizes) for sizes in _sizes(data).values())
+    sizes = _sizes(data)
+    assert set(GRIDS) == {s for v in sizes.values() for s in v}  # 8x8, 16x16 and 8x16 images
+    most = max(sum(GRIDS[s][0] * GRIDS[s][1] for s in v) for v in sizes.values())
     assert (enc.tokens, enc.image_rows, enc.feature_dim) == (1, 0, 4 * 3 * 2 * 2 * 2)
-    assert enc.max_tiles == most == 18  # two 16x16 digits: 2 x 3 x 3 merged tokens
+    assert enc.max_tiles == most
     assert (cfg.kind, cfg.image_tokens, cfg.image_processor) == ("chat", 1, str(proc))
     assert native_processor(cfg, enc) == QwenImageProcessor.from_dict(PROCESSOR)
 
@@ -80,7 +88,7 @@ def test_batches_hold_each_images_merged_tokens_and_grid(case):
     want = []
     for i in rows:
         rec, _, kept = b.conversation(i)
-        assert [GRIDS[s[0]] for s in rec.sizes[: len(kept)]] == grids[i]
+        assert [GRIDS[s] for s in rec.sizes[: len(kept)]] == grids[i]
         for name in rec.images[: len(kept)]:
             with tarfile.open(next(data.glob("train/shard-*.tar"))) as tf:
                 png = tf.extractfile(f"{rec.key}.{name}").read()
@@ -100,3 +108,27 @@ def test_an_image_processor_of_another_patch_is_refused(case, tmp_path):
         _fitted(data, tmp_path)
     without = replace(SPEC.encoders["vision"], kind="clip")
     assert native_processor(_fitted(*case)[1], without) is None
+
+
+QWEN = ["--vision-model-type", "qwen2.5-vl", "--patch-dim", "2", "--position-embedding-type", "mrope"]
+QWEN += ["--mrope-section", "2", "3", "3", "--encoder-hidden-size", "32", "--encoder-num-attention-heads", "2"]
+
+
+@pytest.mark.timeout(300)
+def test_train_reads_the_conversations_at_native_resolution(case, tmp_path, capsys):
+    data, proc = case
+    log = tmp_path / "log.jsonl"
+    argv = ["train", "--hetero-placement", "colocated", "--hetero-edge", "vision->language", *QWEN]
+    argv += ["--hetero-module", "vision:dp=1", "--hetero-module", "language:tp=1", "--data-path", str(data)]
+    argv += ["--image-processor", str(proc), "--global-batch-size", "8", "--micro-batch-size", "4"]
+    argv += ["--train-iters", "2", "--eval-interval", "2", "--lr", "1e-3", "--log-jsonl", str(log)]
+    assert cli.main(argv) == 0
+    records = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    assert sorted({r["iteration"] for r in records if "loss" in r}) == [1, 2]
+    assert "held-out answers" in capsys.readouterr().out
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "preprocessor_config.json").write_text(json.dumps({**PROCESSOR, "merge_size": 1}))
+    argv[argv.index(str(proc))] = str(tmp_path / "bad")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not the tower's" in err[0], err

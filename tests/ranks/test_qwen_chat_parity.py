@@ -1,6 +1,6 @@
 """Native-resolution conversation data through the runtime: the digits conversations read by the
-Qwen2.5-VL tower through the Qwen image processor (`tests/qwen_chat_case.py`: 8x8 digits 2 x 2
-merged tokens, 16x16 ones 3 x 3; up to two images a sample, text-only samples), each image its own
+Qwen2.5-VL tower through the Qwen image processor (`tests/qwen_chat_case.py`: images of 2 x 2, 3 x 3
+and 2 x 4 merged tokens; up to two images a sample, text-only samples), each image its own
 grid in the tower and the M-RoPE ids (`qwen_encoder.images_grid_thw`, `qwen_positions.grid_mrope_ids`),
 its merged tokens through the boundaries as variable tokens: loss and parameter parity of a colocated
 and a disjoint held-out layout with the world-1 run (fp32, SGD)."""
@@ -62,7 +62,9 @@ def test_the_steps_mix_sizes_counts_and_text_only(job):
     )  # fmt: skip
     steps = [b.image_grids(range(s * G, (s + 1) * G))["vision"] for s in range(STEPS)]
     b.close()
-    assert any({g for row in step for g in row} == set(GRIDS.values()) for step in steps), steps
+    per_step = [{g for row in step for g in row} for step in steps]
+    assert any(len({h for h, _ in g}) > 1 and len({w for _, w in g}) > 1 for g in per_step), steps
+    assert set().union(*per_step) == set(GRIDS.values()), steps  # 2 x 2, 3 x 3 and 2 x 4 images
     assert any(len(row) == 2 for step in steps for row in step), steps  # a sample with two images
     assert any(not row for step in steps for row in step), steps  # a text-only sample
 
