@@ -20,7 +20,10 @@ Native resolution (`max_tiles` K >= 1, the variable image tokens of docs/variabl
 sample carries 0..K tiles, each a band of `image_rows` x cols merged tokens, and its n tiles are ONE
 image of n * image_rows rows (`tile_grid_thw`): images of different heights in one batch, the tower's
 windows and full attention over each whole image; the M-RoPE ids follow each sample's image
-(`models.qwen_positions.batch_mrope_ids`).
+(`models.qwen_positions.batch_mrope_ids`). On conversation data (`data.chat_batches` native
+resolution) a tile is ONE merged token (`tokens` 1) and the runner also hands each sample's images'
+(rows, cols) (`grids`, from the data on every rank: not on the wire): each image is its own grid
+row (`images_grid_thw`), any size, several a sample (`models.qwen_positions.grid_mrope_ids`).
 
 Image data (`train --data-path`, `models.caption_runner`) gives pixel blocks instead: each token's
 features the `[C, merge*p, merge*p]` pixels it covers (`energon_data.patchify` at patch merge * p,
