@@ -101,6 +101,14 @@ def test_batches_hold_each_images_merged_tokens_and_grid(case):
     b.close()
 
 
+def test_without_a_processor_config_qwens_bounds_at_the_towers_patch(case):
+    spec, cfg = _fitted(*case)
+    got = native_processor(replace(cfg, image_processor=None), spec.encoders["vision"])
+    assert got == QwenImageProcessor.for_tower(2, 2, 2)
+    assert (got.min_pixels, got.max_pixels) == (4 * 16, 1280 * 16)  # 4 and 1280 merged tokens of 4x4 pixels
+    assert [got.merged_grid(s) for s in ((8, 8), (16, 16), (8, 16), (2, 2))] == [(2, 2), (4, 4), (2, 4), (2, 2)]
+
+
 def test_an_image_processor_of_another_patch_is_refused(case, tmp_path):
     data, _ = case
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({**PROCESSOR, "patch_size": 14}))

@@ -34,6 +34,12 @@ CASES = [
         {"vision": {"dp": 2, "ranks": "0-1"}, "language": {"pp": 2, "ranks": "2-3"}},
         4,
     ),
+    (
+        "disjoint: vision TP1 | language CP2",
+        "disjoint",
+        {"vision": {"ranks": "0"}, "language": {"cp": 2, "ranks": "1-2"}},
+        3,
+    ),
 ]
 _REF: dict = {}
 
