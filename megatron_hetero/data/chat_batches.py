@@ -40,6 +40,15 @@ reads (`KEY.json` with a "conversation", image members in its "images" order); i
 with PIL, the JSON only as JSON. A dataset that names code is refused (`dataset_trust`), also under
 --trust-dataset-code: energon's loader, which would run it, is not wired to the tiles path.
 
+Native resolution (`native`: a Qwen2.5-VL tower, `data.qwen_image_processor.QwenImageProcessor`):
+no tiles; each image goes through the Qwen image processor whole (`smart_resize` to multiples of
+patch * merge within its min/max pixels), so its token count is its (rows x cols) of merged tokens
+and a "tile" is ONE merged token (T = 1, `cfg.image_size` = `cfg.patch_size` = patch * merge):
+`features` [n_tokens, 1, merge**2 * 3*T*p*p] (the images' merged tokens, row by row, image by
+image, each row-major), `tiles` the merged tokens per row, and `image_grids(samples)` each row's
+kept images' (rows, cols), from the sizes alone (no image decoded): every rank derives the tower's
+`grid_thw` and the M-RoPE ids from it; nothing about it crosses the wire.
+
 `chat_heldout(...)`: the held-out split ("val") the same way, in stored order (global sample i is
 held-out sample i mod N), for evaluation (`models.chat_runner`).
 """
@@ -77,6 +86,7 @@ from megatron_hetero.data.chat_tokens import (
 from megatron_hetero.data.dataset_trust import check_dataset
 from megatron_hetero.data.energon_data import image_processor_of, patchify
 from megatron_hetero.data.image_processor import caption_features, caption_format
+from megatron_hetero.data.qwen_image_processor import QwenImageProcessor
 from megatron_hetero.data.tokenizer import CaptionTokenizer
 
 HELDOUT_SPLIT = "val"
@@ -209,6 +219,17 @@ def tile_features(image: torch.Tensor, cfg: CaptionDataConfig) -> torch.Tensor:
     return x.reshape(gh, q, gw, q, x.shape[-1]).permute(0, 2, 1, 3, 4).reshape(gh * gw, q * q, x.shape[-1])
 
 
+def resolve_native_config(cfg: CaptionDataConfig, proc: QwenImageProcessor) -> CaptionDataConfig:
+    """`cfg` for conversation data read at native resolution (module docstring): `kind` "chat", RGB,
+    `image_size` and `patch_size` one merged token's side (patch * merge), so `cfg.image_tokens` is 1.
+    ValueError for a dataset that names code."""
+    check_dataset(cfg.path, trust=cfg.trust_code)
+    side = proc.patch_size * proc.merge_size
+    out = replace(cfg, image_size=(side, side), patch_size=side, channels=3, kind="chat")
+    out.validate()
+    return out
+
+
 def resolve_chat_config(cfg: CaptionDataConfig, tile: int = DEFAULT_TILE, probe: int = 32) -> CaptionDataConfig:
     """`cfg` for conversation data (`kind` "chat"): `image_size` = (tile, tile) (so `cfg.image_tokens` is T and
     `cfg.feature_dim` F) and `channels` (given, else 1 when the images of the split's first `probe`
@@ -278,10 +299,14 @@ class ChatBatches(CaptionBatches):
         seq_length: int,
         global_batch: int,
         num_workers: Optional[int] = None,
+        native: Optional[QwenImageProcessor] = None,
     ) -> None:
         if not cfg.resolved() or cfg.image_size[0] != cfg.image_size[1]:
             raise ValueError("ChatBatches needs a config from resolve_chat_config (square tile, channels known)")
-        if cfg.image_processor:
+        self.native = native
+        if native is not None and cfg.image_tokens != 1:
+            raise ValueError("native-resolution conversation data needs a config from resolve_native_config")
+        if cfg.image_processor and native is None:
             raise ValueError("--image-processor: conversation data cuts images into tiles itself (not supported yet)")
         if check_dataset(cfg.path, trust=cfg.trust_code):  # refused above unless trusted; trusted code is not run
             raise ValueError(
@@ -312,6 +337,13 @@ class ChatBatches(CaptionBatches):
         self._lock = threading.Lock()  # _records is also filled from the prefetch threads
 
     # -- per sample ------------------------------------------------------------------------------
+    def image_count(self, size: tuple[int, int]) -> int:
+        """Tiles (native resolution: merged tokens) of an image of `size` (H, W), no pixel read."""
+        if self.native is not None:
+            h, w = self.native.merged_grid(size)
+            return h * w
+        return tiles_of(size, self.tile, self.cfg.max_image_tiles)
+
     def conversation(self, i: int) -> tuple[ChatRecord, ChatTokens, list[int]]:
         """(record, tokenised conversation, tiles of each KEPT image) of global sample i (no image
         decoded; read and tokenised once per step window)."""
@@ -319,7 +351,7 @@ class ChatBatches(CaptionBatches):
             v = self._records.get(i)
         if v is None:
             rec = self.source.index.record(self.source.position(i))
-            tiles = [tiles_of(s, self.tile, self.cfg.max_image_tiles) for s in rec.sizes]
+            tiles = [self.image_count(s) for s in rec.sizes]
             try:
                 ct = tokenize_conversation(
                     rec.messages, [t * self.tokens_per_tile for t in tiles], self.tok, self.template
@@ -341,9 +373,14 @@ class ChatBatches(CaptionBatches):
         rec, _, kept = self.conversation(i)
         self.image_reads.append(i)
         pos = self.source.position(i)
-        parts = [tile_features(self.source.index.image(pos, name), self.cfg) for name in rec.images[: len(kept)]]
+        images = (self.source.index.image(pos, name) for name in rec.images[: len(kept)])
+        if self.native is not None:
+            parts = [self.native.merged_tokens(im).unsqueeze(1) for im in images]
+        else:
+            parts = [tile_features(im, self.cfg) for im in images]
         if not parts:
-            return torch.zeros((0, self.tokens_per_tile, self.cfg.feature_dim), dtype=torch.float32)
+            width = self.cfg.feature_dim if self.native is None else self.native.feature_dim
+            return torch.zeros((0, self.tokens_per_tile, width), dtype=torch.float32)
         out = torch.cat(parts)
         if out.shape[0] != sum(kept):
             raise ValueError(f"sample {rec.key}: its images give {out.shape[0]} tiles, its JSON sizes {sum(kept)}")
@@ -387,6 +424,19 @@ class ChatBatches(CaptionBatches):
             self._touch(i)
         return {self.encoder: [self.sample_tiles(i) for i in samples]}
 
+    def image_grids(self, samples: range) -> dict[str, list[list[tuple[int, int]]]]:
+        """{encoder: per row its kept images' (rows, cols) of merged tokens} (native resolution only;
+        module docstring), from the sizes: no image decoded."""
+        if self.native is None:
+            raise ValueError("image grids: conversation data read in tiles has none (native resolution only)")
+        self._rows(samples)
+        out = []
+        for i in samples:
+            self._touch(i)
+            rec, _, kept = self.conversation(i)
+            out.append([self.native.merged_grid(s) for s in rec.sizes[: len(kept)]])
+        return {self.encoder: out}
+
     def loss_tokens(self, step: int) -> int:
         """Sum of `loss_mask` over the whole global batch of `step` (text only: no image decoded)."""
         if step not in self._loss:
@@ -416,6 +466,7 @@ def chat_heldout(
     seq_length: int,
     global_batch: int,
     split: str = HELDOUT_SPLIT,
+    native: Optional[QwenImageProcessor] = None,
 ) -> ChatBatches:
     """The held-out split read the same way, in stored order (no shuffle): global sample i is held-out
     sample i mod N. ValueError when the split is empty or missing."""
@@ -427,6 +478,7 @@ def chat_heldout(
         seq_length=seq_length,
         global_batch=global_batch,
         num_workers=0,
+        native=native,
     )
     if out.source.samples_per_epoch == 0:
         raise ValueError(f"--data-path {cfg.path}: the held-out split '{split}' is empty")

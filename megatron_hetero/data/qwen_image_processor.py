@@ -9,6 +9,13 @@ image -> rescale (float64 x factor -> float32) -> normalise per channel in float
 repeated to `temporal_patch_size` -> cut into the tower's flat patches `[t*h*w, 3*T*p*p]` in merge
 blocks (`models.qwen_vision`'s input order). `batch(images)` concatenates the patches of images of
 any sizes and stacks their `grid_thw` rows (t, h, w in patches).
+
+For training on conversations (`data.chat_batches` with a Qwen2.5-VL tower): `merged_grid(size)`
+gives an image's (rows, cols) of merged tokens from its size alone (no pixel decoded),
+`merged_tokens(image)` its features `[rows * cols, merge**2 * 3*T*p*p]` (a merged token's
+merge**2 patches side by side: the encoder module's input), and `for_tower(...)` the processor a
+tower of another patch size reads by default: Qwen2.5-VL's bounds in merged tokens (min_pixels 4,
+max_pixels 1280 merged tokens of (patch * merge)**2 pixels).
 """
 
 from __future__ import annotations
@@ -97,6 +104,44 @@ class QwenImageProcessor:
         gh, gw = h // p, w // p
         blocks = frames.reshape(1, t, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
         return torch.from_numpy(np.ascontiguousarray(blocks.reshape(gh * gw, 3 * t * p * p))), (1, gh, gw)
+
+    @classmethod
+    def for_tower(cls, patch_size: int, merge_size: int, temporal_patch_size: int) -> "QwenImageProcessor":
+        """Qwen2.5-VL's processor for a tower of these sizes: its min/max pixels as 4 and 1280 merged tokens
+        (56*56 and 28*28*1280 at patch 14, merge 2), the rest Qwen's defaults."""
+        side = patch_size * merge_size
+        return cls(
+            min_pixels=4 * side * side,
+            max_pixels=1280 * side * side,
+            patch_size=patch_size,
+            merge_size=merge_size,
+            temporal_patch_size=temporal_patch_size,
+        )
+
+    def check_tower(self, patch_size: int, merge_size: int, temporal_patch_size: int, where: str) -> None:
+        """ValueError when the processor's patch, merge and temporal patch sizes are not the tower's."""
+        mine = (self.patch_size, self.merge_size, self.temporal_patch_size)
+        if mine != (patch_size, merge_size, temporal_patch_size):
+            raise ValueError(
+                f"{where}: the image processor's patch_size, merge_size, temporal_patch_size {mine} are not the "
+                f"tower's {(patch_size, merge_size, temporal_patch_size)}"
+            )
+
+    @property
+    def feature_dim(self) -> int:
+        """Features of one merged token: merge**2 patches of 3 * T * p * p."""
+        return self.merge_size**2 * 3 * self.temporal_patch_size * self.patch_size**2
+
+    def merged_grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(rows, cols) of merged tokens of an (H, W) image after `smart_resize` (no pixel read)."""
+        side = self.patch_size * self.merge_size
+        h, w = smart_resize(int(size[0]), int(size[1]), side, self.min_pixels, self.max_pixels)
+        return h // side, w // side
+
+    def merged_tokens(self, image: Any) -> torch.Tensor:
+        """[rows * cols, feature_dim] of one image: its merged tokens row-major (module docstring)."""
+        patches, _ = self(image)
+        return patches.reshape(-1, self.feature_dim)
 
     def batch(self, images: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(patches of all images one after the other, grid_thw [images, 3])."""

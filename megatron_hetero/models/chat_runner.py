@@ -16,6 +16,12 @@ answer the argmax, its closing end-of-turn marker not scored) on the ranks that 
 (`caption_runner.gathered_eval_ids`: TP rank 0, CP rank 0 after the gathers). `take_eval_counts()`
 returns and resets this rank's (hits, answers); the trainer sums them over the world.
 
+A Qwen2.5-VL tower reads the conversations at native resolution (`chat_batches`' module docstring):
+each image through the tower's image processor (`native_processor`: --image-processor's
+Qwen2VLImageProcessor config, else Qwen's bounds scaled to the tower's patch), the encoder's
+`tokens` 1 (a tile is one merged token), `max_tiles` the most merged tokens a sample has, and
+`image_grids(samples)` each row's images' (rows, cols) for the tower and the M-RoPE ids.
+
 `chat_runner_factory(data, spec, global_batch)` is what a trainer plugs in (as
 `caption_runner_factory`), `chat_job_data(...)` fits the spec to the data in the launching process.
 """
@@ -36,8 +42,11 @@ from megatron_hetero.data.chat_batches import (
     ChatIndex,
     chat_heldout,
     resolve_chat_config,
+    resolve_native_config,
     tiles_of,
 )
+from megatron_hetero.data.image_processor_config import read_preprocessor_config
+from megatron_hetero.data.qwen_image_processor import QwenImageProcessor
 from megatron_hetero.data.chat_default import chat_template_for
 from megatron_hetero.models.chat_eval import answer_hits
 from megatron_hetero.data.chat_template import ChatTemplate
@@ -98,7 +107,13 @@ class ChatStageRunner(LlavaStageRunner):
         if self._heldout is None:
             d = self.data
             self._heldout = chat_heldout(
-                d.cfg, d.tok, d.template, encoder=d.encoder, seq_length=d.seq_length, global_batch=d.global_batch
+                d.cfg,
+                d.tok,
+                d.template,
+                encoder=d.encoder,
+                seq_length=d.seq_length,
+                global_batch=d.global_batch,
+                native=d.native,
             )
         return self._heldout
 
@@ -119,6 +134,11 @@ class ChatStageRunner(LlavaStageRunner):
         """{encoder: tiles per row} of the global samples `samples`, no image decoded (= batch's tiles)."""
         return self._source().image_tiles(samples)
 
+    def image_grids(self, samples: range) -> Optional[dict[str, list[list[tuple[int, int]]]]]:
+        """Native resolution: {encoder: per row its images' (rows, cols) of merged tokens}, from the
+        sizes (no image decoded, nothing on the wire); None for tiles."""
+        return None if self.data.native is None else self._source().image_grids(samples)
+
     # -- answer accuracy -------------------------------------------------------------------------
     def eval_logits(self, module: str, logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
         got = gathered_eval_ids(self, module, logits, labels, mask)
@@ -134,28 +154,55 @@ class ChatStageRunner(LlavaStageRunner):
         return out
 
 
-def max_sample_tiles(cfg: CaptionDataConfig, tile: int, split: Optional[str] = None) -> int:
-    """The most tiles any sample of the split has (from the JSON sizes / image headers: no image is
-    decoded), before any cut at --seq-length."""
+def native_processor(cfg: CaptionDataConfig, enc) -> Optional[QwenImageProcessor]:
+    """The Qwen image processor a Qwen2.5-VL encoder `enc` reads conversations through (--image-processor's
+    Qwen2VLImageProcessor config, else `QwenImageProcessor.for_tower`); None for another encoder.
+    ValueError when its patch, merge or temporal patch size is not the tower's."""
+    if enc.kind != "qwen2.5-vl":
+        return None
+    sizes = (enc.patch_size, enc.merge_size, enc.temporal_patch_size)
+    if not cfg.image_processor:
+        return QwenImageProcessor.for_tower(*sizes)
+    where = f"--image-processor {cfg.image_processor}"
+    proc = QwenImageProcessor.from_dict(read_preprocessor_config(cfg.image_processor), where)
+    proc.check_tower(*sizes, where=where)
+    return proc
+
+
+def _counter(cfg: CaptionDataConfig, tile: int, native: Optional[QwenImageProcessor]) -> Callable[[Any], int]:
+    """Tiles (native resolution: merged tokens) of an image of size (H, W), no pixel read."""
+    if native is not None:
+        return lambda s: native.merged_grid(s)[0] * native.merged_grid(s)[1]
+    return lambda s: tiles_of(s, tile, cfg.max_image_tiles)
+
+
+def max_sample_tiles(
+    cfg: CaptionDataConfig, tile: int, split: Optional[str] = None, native: Optional[QwenImageProcessor] = None
+) -> int:
+    """The most tiles (native: merged tokens) any sample of the split has (from the JSON sizes / image
+    headers: no image is decoded), before any cut at --seq-length."""
     index = ChatIndex(cfg.path, split or cfg.split)
+    count = _counter(cfg, tile, native)
     try:
-        return max(
-            (sum(tiles_of(s, tile, cfg.max_image_tiles) for s in index.record(p).sizes) for p in range(len(index))),
-            default=0,
-        )
+        return max((sum(count(s) for s in index.record(p).sizes) for p in range(len(index))), default=0)
     finally:
         index.close()
 
 
 def _stored_conversations(
-    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int
+    cfg: CaptionDataConfig,
+    tok: CaptionTokenizer,
+    template: ChatTemplate,
+    tile: int,
+    native: Optional[QwenImageProcessor] = None,
 ) -> Iterator[tuple[Any, ChatTokens]]:
     """(record, tokenised conversation) of the split's samples in stored order (no image decoded)."""
     index = ChatIndex(cfg.path, cfg.split)
+    count = _counter(cfg, tile, native)
     try:
         for pos in range(len(index)):
             rec = index.record(pos)
-            counts = [tiles_of(s, tile, cfg.max_image_tiles) * cfg.image_tokens for s in rec.sizes]
+            counts = [count(s) * cfg.image_tokens for s in rec.sizes]
             try:
                 yield rec, tokenize_conversation(rec.messages, counts, tok, template)
             except ValueError as exc:
@@ -165,12 +212,17 @@ def _stored_conversations(
 
 
 def first_image_end(
-    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int, probe: int = 32
+    cfg: CaptionDataConfig,
+    tok: CaptionTokenizer,
+    template: ChatTemplate,
+    tile: int,
+    probe: int = 32,
+    native: Optional[QwenImageProcessor] = None,
 ) -> Optional[int]:
     """The fewest sequence positions that keep an image: over the split's first `probe` samples with
     images (stored order), the smallest end of a first image's placeholder run; None without images."""
     ends: list[int] = []
-    for rec, ct in _stored_conversations(cfg, tok, template, tile):
+    for rec, ct in _stored_conversations(cfg, tok, template, tile, native):
         if len(ends) >= probe:
             break
         if rec.images:
@@ -180,13 +232,18 @@ def first_image_end(
 
 
 def data_seq_length(
-    cfg: CaptionDataConfig, tok: CaptionTokenizer, template: ChatTemplate, tile: int, probe: int = SEQ_PROBE
+    cfg: CaptionDataConfig,
+    tok: CaptionTokenizer,
+    template: ChatTemplate,
+    tile: int,
+    probe: int = SEQ_PROBE,
+    native: Optional[QwenImageProcessor] = None,
 ) -> int:
     """The sequence length `train` takes from conversation data when --seq-length is not given: the
     one that holds the longest of the split's first `probe` conversations (stored order) whole, i.e.
     its tokens - 1 (the last token is only a label), rounded up to a multiple of `SEQ_MULTIPLE`."""
     longest = 0
-    for k, (_, ct) in enumerate(_stored_conversations(cfg, tok, template, tile)):
+    for k, (_, ct) in enumerate(_stored_conversations(cfg, tok, template, tile, native)):
         if k >= probe:
             break
         longest = max(longest, len(ct) - 1)
@@ -201,9 +258,16 @@ def check_first_batch(
     --seq-length and the tokens the batch's samples need: the --seq-length that reaches the earliest
     answer (its first token's position), and the one that holds the longest conversation whole. A
     batch without any answer (no assistant turn) is not the length's doing: not refused."""
-    (encoder,) = spec.encoders
+    ((encoder, enc),) = spec.encoders.items()
     data = ChatBatches(
-        cfg, tok, template, encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch, num_workers=0
+        cfg,
+        tok,
+        template,
+        encoder=encoder,
+        seq_length=spec.seq_length,
+        global_batch=global_batch,
+        num_workers=0,
+        native=native_processor(cfg, enc),
     )
     try:
         if data.loss_tokens(0):
@@ -231,21 +295,24 @@ def chat_spec(
     max_tiles: int,
     vocab_size: Optional[int] = None,
     template: Optional[ChatTemplate] = None,
+    native: Optional[QwenImageProcessor] = None,
 ) -> LlavaSpec:
     """`spec` (ONE encoder) fitted to conversation data: the encoder's `tokens` = T (per tile),
     `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode
     of `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `data.samples`
     checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the
     vocabulary from the tokenizer (padded up to a multiple of 128, or `vocab_size` if given and large
-    enough). ValueError for another number of encoders, a Qwen2.5-VL tower, a --seq-length that holds no tile, or a
-    `vocab_size` that is too small."""
+    enough). A Qwen2.5-VL tower (`native`: its image processor) takes T = 1 (a tile is one merged
+    token), F = the processor's merged token, `max_tiles` the most merged tokens a sample has.
+    ValueError for another number of encoders, a Qwen2.5-VL tower without `native` (or `native` for
+    another tower), a --seq-length that holds no tile, or a `vocab_size` that is too small."""
     if len(spec.encoders) != 1:
         raise ValueError(f"conversation data feeds one image encoder; the layout has encoders {sorted(spec.encoders)}")
     ((name, enc),) = spec.encoders.items()
-    if enc.kind == "qwen2.5-vl":  # its tiles are bands of one image a row, not a grid of crops per image
+    if (enc.kind == "qwen2.5-vl") != (native is not None):  # native resolution: the tower's processor
         raise ValueError(
-            "conversation data with a Qwen2.5-VL tower is not wired yet (images of several sizes and counts a "
-            "conversation): train it on captions or the synthetic data (--encoder-max-tiles)"
+            f"encoder {name} ({enc.kind}): conversation data reads images through the Qwen image processor "
+            "for a Qwen2.5-VL tower, and only for it"
         )
     if spec.seq_length < enc.offset + cfg.image_tokens:
         raise ValueError(
@@ -262,7 +329,10 @@ def chat_spec(
             "with the template's turn markers)"
         )
     fits = (spec.seq_length - enc.offset) // cfg.image_tokens  # the reserved span [offset, offset + K*T) fits
-    enc = replace(enc, tokens=cfg.image_tokens, feature_dim=cfg.feature_dim, max_tiles=max(1, min(max_tiles, fits)))
+    feature_dim = cfg.feature_dim if native is None else native.feature_dim
+    enc = replace(enc, tokens=cfg.image_tokens, feature_dim=feature_dim, max_tiles=max(1, min(max_tiles, fits)))
+    if native is not None:  # a tile is one merged token; each image's grid comes from the data
+        enc = replace(enc, image_rows=0)
     return replace(spec, vocab_size=vocab_size, encoders={name: enc})
 
 
@@ -272,19 +342,15 @@ def chat_runner_factory(
     """A function (plan, states) -> ChatStageRunner for one rank. `data` comes from
     `chat_batches.resolve_chat_config` and `spec` from `chat_spec`, both in the launching process.
     `heldout`: open the held-out split first (as `caption_runner_factory`)."""
-    (encoder,) = spec.encoders
+    ((encoder, enc),) = spec.encoders.items()
+    native = native_processor(data, enc)
 
     def make(plan: RankPlan, states: dict[str, ModuleState]) -> ChatStageRunner:
         tok = load_tokenizer(data.tokenizer_model)
         template = chat_template_for(data.tokenizer_model)
-        held = (
-            chat_heldout(data, tok, template, encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch)
-            if heldout
-            else None
-        )
-        batches = ChatBatches(
-            data, tok, template, encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch
-        )
+        kw = dict(encoder=encoder, seq_length=spec.seq_length, global_batch=global_batch, native=native)
+        held = chat_heldout(data, tok, template, **kw) if heldout else None  # type: ignore[arg-type]
+        batches = ChatBatches(data, tok, template, **kw)  # type: ignore[arg-type]
         return ChatStageRunner(spec, plan, states, batches, heldout=held)
 
     return make
@@ -297,7 +363,8 @@ def chat_job_data(
     `caption_runner.caption_job_data` for captions): the resolved config (`resolve_chat_config`: the
     tile side `DEFAULT_TILE`, or a CLIP encoder's image side with its patch size and RGB; channels from
     the data) and `spec` fitted to it (`chat_spec`: T, F, the most tiles a training or held-out
-    sample has, the tokenizer's vocabulary). Without --seq-length (nor a checkpoint's model: `--load`)
+    sample has, the tokenizer's vocabulary; a Qwen2.5-VL tower: native resolution through
+    `native_processor`, `resolve_native_config`). Without --seq-length (nor a checkpoint's model: `--load`)
     the sequence length is the data's (`data_seq_length`). ValueError for a --seq-length that would
     cut every image (`first_image_end`) or, given `global_batch`, every answer of the first global
     batch (`check_first_batch`), --mock-data with it, --data-prompt
@@ -314,24 +381,24 @@ def chat_job_data(
     clip = next((e for e in spec.encoders.values() if e.kind == "clip"), None)
     tile = round(clip.tokens**0.5) * clip.patch_size if clip else DEFAULT_TILE
     patch = req.patch_size or DataRequest.patch_size
-    cfg = resolve_chat_config(
-        CaptionDataConfig(
-            path=path,
-            tokenizer_model=tokenizer_model,
-            trust_code=trust,
-            seed=int(req.seed),
-            patch_size=clip.patch_size if clip else int(patch),
-            channels=3 if clip else None,
-            image_processor=req.image_processor,
-            num_workers=int(req.num_workers),
-            max_image_tiles=int(req.max_image_tiles),
-        ),
-        tile=tile,
+    base = CaptionDataConfig(
+        path=path,
+        tokenizer_model=tokenizer_model,
+        trust_code=trust,
+        seed=int(req.seed),
+        patch_size=clip.patch_size if clip else int(patch),
+        channels=3 if clip else None,
+        image_processor=req.image_processor,
+        num_workers=int(req.num_workers),
+        max_image_tiles=int(req.max_image_tiles),
     )
-    tile = cfg.image_size[0]  # --image-processor: its output size
+    qwen = next((e for e in spec.encoders.values() if e.kind == "qwen2.5-vl"), None)
+    native = native_processor(base, qwen) if qwen is not None and len(spec.encoders) == 1 else None
+    cfg = resolve_native_config(base, native) if native else resolve_chat_config(base, tile=tile)
+    tile = cfg.image_size[0]  # --image-processor: its output size (native: one merged token's side)
     for flag, given, derived in (
         ("--encoder-tokens", req.encoder_tokens, cfg.image_tokens),
-        ("--encoder-feature-dim", req.encoder_feature_dim, cfg.feature_dim),
+        ("--encoder-feature-dim", req.encoder_feature_dim, native.feature_dim if native else cfg.feature_dim),
     ):
         if given is not None and given != derived:
             raise ValueError(
@@ -341,22 +408,22 @@ def chat_job_data(
     tok = load_tokenizer(cfg.tokenizer_model)
     template = chat_template_for(cfg.tokenizer_model)
     if not req.seq_length_given:  # the data's (--load: the checkpoint's)
-        seq = data_seq_length(cfg, tok, template, tile)
+        seq = data_seq_length(cfg, tok, template, tile, native=native)
         shift = seq - spec.seq_length  # output heads keep their span before the end of the sequence
         outputs = {n: replace(o, offset=o.offset + shift) for n, o in spec.outputs.items()}
         spec = replace(spec, seq_length=seq, outputs=outputs)
-    end = first_image_end(cfg, tok, template, tile)
+    end = first_image_end(cfg, tok, template, tile, native=native)
     if end is not None and spec.seq_length < end:
         raise ValueError(
             f"--seq-length {spec.seq_length}: too short for the images of --data-path {path}: the first "
             f"image of a sample ends at position {end} at the earliest (every image would be cut)"
         )
-    max_tiles = max_sample_tiles(cfg, tile)
+    max_tiles = max_sample_tiles(cfg, tile, native=native)
     try:  # the held-out samples run through the same model
-        max_tiles = max(max_tiles, max_sample_tiles(cfg, tile, split=HELDOUT_SPLIT))
+        max_tiles = max(max_tiles, max_sample_tiles(cfg, tile, split=HELDOUT_SPLIT, native=native))
     except ValueError:  # no held-out split: evaluation says so when asked for
         pass
-    spec = chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=req.vocab_size, template=template)
+    spec = chat_spec(spec, cfg, tok, max_tiles=max_tiles, vocab_size=req.vocab_size, template=template, native=native)
     if global_batch is not None:
         check_first_batch(cfg, tok, template, spec, global_batch)
     return spec, cfg

@@ -97,6 +97,13 @@ class LlavaStageRunner(StageRunner):
         start = samples.start + (EVAL_OFFSET if self.evaluating else 0)
         return synthetic.image_tiles(self.dcfg, start, len(samples))
 
+    def image_grids(self, samples: range) -> Optional[dict[str, list[list[tuple[int, int]]]]]:
+        """{encoder: per sample its images' (rows, cols) of merged tokens} where the data gives each
+        image its own grid (a Qwen2.5-VL tower on conversation data: `models.chat_runner`), from the
+        data's metadata (no image read; every rank derives it, nothing crosses the wire); None on the
+        synthetic data (a sample's tiles are one image: `qwen_encoder.tile_grid_thw`)."""
+        return None
+
     def call_samples(self, samples: range) -> range:
         """The global samples of the boundary call that carries `samples`: the step's global batch
         (colocated: one call per step) or their micro-batch (disjoint)."""
@@ -191,8 +198,9 @@ class LlavaStageRunner(StageRunner):
                 y = state.model(x.new_zeros(1, *x.shape[1:]))
                 keep = 0 * y.sum()
                 y = y[:0]
-            elif self.spec.encoders[module].kind == "qwen2.5-vl":  # a sample's tiles are one image
-                y, keep = state.model(x, tiles=tiles), None
+            elif self.spec.encoders[module].kind == "qwen2.5-vl":  # a sample's tiles are one image, or its grids
+                grids = self.image_grids(samples)
+                y, keep = state.model(x, tiles=tiles, grids=None if grids is None else grids[module]), None
             else:
                 y, keep = state.model(x), None
             if cp > 1:  # each CP rank holds its chunks of every tile: gather the tiles, keep its edge chunks
@@ -217,8 +225,14 @@ class LlavaStageRunner(StageRunner):
             from megatron_hetero.models.qwen_positions import batch_mrope_ids
 
             (name,) = native
-            tiles = self.image_tiles(samples)[name]
-            lang.set_mrope_ids(batch_mrope_ids(self.spec.encoders[name], b["image_mask"][name], tiles))
+            grids = self.image_grids(samples)
+            if grids is not None:  # each image its own grid (several a row, any sizes)
+                from megatron_hetero.models.qwen_positions import grid_mrope_ids
+
+                lang.set_mrope_ids(grid_mrope_ids(b["image_mask"][name], grids[name]))
+            else:
+                tiles = self.image_tiles(samples)[name]
+                lang.set_mrope_ids(batch_mrope_ids(self.spec.encoders[name], b["image_mask"][name], tiles))
         if lang.first_stage:
             masks = {n: b["image_mask"][n] for n in self.variable} if self.variable else None
             hidden = lang.embed(b["tokens"].to(self.device), dict(inputs), masks, position_ids)

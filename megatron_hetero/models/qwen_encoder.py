@@ -20,7 +20,10 @@ Native resolution (`max_tiles` K >= 1, the variable image tokens of docs/variabl
 sample carries 0..K tiles, each a band of `image_rows` x cols merged tokens, and its n tiles are ONE
 image of n * image_rows rows (`tile_grid_thw`): images of different heights in one batch, the tower's
 windows and full attention over each whole image; the M-RoPE ids follow each sample's image
-(`models.qwen_positions.batch_mrope_ids`).
+(`models.qwen_positions.batch_mrope_ids`). On conversation data (`data.chat_batches` native
+resolution) a tile is ONE merged token (`tokens` 1) and the runner also hands each sample's images'
+(rows, cols) (`grids`, from the data on every rank: not on the wire): each image is its own grid
+row (`images_grid_thw`), any size, several a sample (`models.qwen_positions.grid_mrope_ids`).
 
 Image data (`train --data-path`, `models.caption_runner`) gives pixel blocks instead: each token's
 features the `[C, merge*p, merge*p]` pixels it covers (`energon_data.patchify` at patch merge * p,
@@ -75,6 +78,16 @@ def tile_grid_thw(enc, tiles: Sequence[int], total: int) -> torch.Tensor:
     return torch.tensor([[1, enc.merge_size * rows * n, enc.merge_size * cols] for n in counts])
 
 
+def images_grid_thw(enc, grids: Sequence[Sequence[tuple[int, int]]], total: int) -> torch.Tensor:
+    """[images, 3] (1, merge * rows, merge * cols) of every image of the samples `grids` (per sample
+    its images' (rows, cols) of merged tokens), sample by sample; `total` the merged tokens given."""
+    flat = [(int(h), int(w)) for g in grids for h, w in g]
+    if any(h < 1 or w < 1 for h, w in flat) or sum(h * w for h, w in flat) != total:
+        raise ValueError(f"image grids {[list(g) for g in grids]} do not add up to the {total} merged tokens given")
+    m = enc.merge_size
+    return torch.tensor([[1, m * h, m * w] for h, w in flat], dtype=torch.long).reshape(-1, 3)
+
+
 class QwenEncoderModule(torch.nn.Module):
     """[b, tokens, merge**2 * 3*T*p*p] -> the Qwen2.5-VL tower -> [b, tokens, llm_hidden] (module docstring)."""
 
@@ -108,10 +121,19 @@ class QwenEncoderModule(torch.nn.Module):
     def trainable(self) -> bool:
         return any(p.requires_grad for p in self.parameters())
 
-    def forward(self, x: torch.Tensor, tiles: Optional[Sequence[int]] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        tiles: Optional[Sequence[int]] = None,
+        grids: Optional[Sequence[Sequence[tuple[int, int]]]] = None,
+    ) -> torch.Tensor:
         """`x` [b, tokens, features]: b images of the spec's size; with variable image tokens
         (`max_tiles`) `x` is the call's tiles and `tiles` the samples' tile counts: a sample's n tiles
-        (bands of `image_rows` rows) are one image n times as tall (`tile_grid_thw`)."""
+        (bands of `image_rows` rows) are one image n times as tall (`tile_grid_thw`). With `grids`
+        (per sample its images' (rows, cols) of merged tokens, e.g. the Qwen image processor's
+        conversation data) the tiles are the images' merged tokens one after the other, image by
+        image (`spec tokens` 1: a tile is one merged token) and each image is its own grid
+        (`images_grid_thw`)."""
         if x.shape[-1] in pixel_widths(self.enc):
             x = blocks_to_patches(x, self.enc)
         b, n, f = x.shape
@@ -123,7 +145,12 @@ class QwenEncoderModule(torch.nn.Module):
         patches = x.reshape(b * n * unit, f // unit)
         # frozen: the graph still runs through the blocks (the merger after them trains); the
         # frozen parameters take no gradient
-        grid = grid_thw(self.enc, b) if tiles is None else tile_grid_thw(self.enc, tiles, b)
+        if grids is not None:
+            grid = images_grid_thw(self.enc, grids, b * n)
+        elif tiles is None:
+            grid = grid_thw(self.enc, b)
+        else:
+            grid = tile_grid_thw(self.enc, tiles, b)
         out = self.tower(patches, grid.to(x.device))  # [b * n, llm_hidden]
         return out.view(b, n, -1)
 

@@ -59,3 +59,40 @@ def batch_mrope_ids(enc, image_mask: torch.Tensor, tiles: list[int]) -> torch.Te
     if not grids:
         return torch.arange(s).expand(3, b, -1).clone()
     return rope_index(tokens, torch.tensor(grids), image_token=_IMAGE, vision_start=_START, merge=enc.merge_size)
+
+
+def grid_mrope_ids(image_mask: torch.Tensor, grids: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """[3, b, S] M-RoPE ids of a batch whose rows hold any number of images of any size: row r's
+    images are `grids[r]`, (rows, cols) of merged tokens each, in order, over the positions its
+    `image_mask` [b, S] sets (image after image; adjacent images need no text between them). Qwen2.5-VL's
+    rule (`qwen_mrope.rope_index`, the text before an image playing its vision start): text counts on
+    from the previous id + 1, an image's tokens are (base, base + row, base + column) with base the
+    next id, the text after it continuing from base + max(rows, cols). Pure: from the data's grids and
+    the mask, which every language stage has (nothing crosses the wire for them)."""
+    b, s = image_mask.shape
+    if len(grids) != b:
+        raise ValueError(f"{len(grids)} rows of image grids for a batch of {b} rows")
+    out = torch.empty(3, b, s, dtype=torch.long)
+    for r in range(b):
+        where = image_mask[r].bool().nonzero().flatten().tolist()
+        sizes = [int(h) * int(w) for h, w in grids[r]]
+        if any(n < 1 for n in sizes) or sum(sizes) != len(where):
+            raise ValueError(
+                f"row {r}: images of {list(grids[r])} merged tokens need {sum(sizes)} image positions, "
+                f"its mask sets {len(where)}"
+            )
+        ids = torch.empty(3, s, dtype=torch.long)
+        nxt, pos, k = 0, 0, 0
+        for (h, w), n in zip(grids[r], sizes):
+            first = where[k]
+            if where[k + n - 1] != first + n - 1:
+                raise ValueError(f"row {r}: an image's {n} positions from {first} are not one run")
+            ids[:, pos:first] = torch.arange(first - pos) + nxt
+            base = nxt + first - pos
+            rows = torch.arange(h).repeat_interleave(w)
+            cols = torch.arange(w).repeat(h)
+            ids[:, first : first + n] = torch.stack([torch.zeros(n, dtype=torch.long), rows, cols]) + base
+            nxt, pos, k = base + max(h, w), first + n, k + n
+        ids[:, pos:] = torch.arange(s - pos) + nxt
+        out[:, r] = ids
+    return out

@@ -319,7 +319,7 @@ def test_spec_is_fitted_to_the_data(cfg, tok, shards):
     assert (enc.tokens, enc.feature_dim, enc.max_tiles, spec.vocab_size) == (4, 16, want, 384)
     with pytest.raises(ValueError, match="too short for any image"):
         chat_spec(LlavaSpec(seq_length=4, encoders={ENC: EncoderSpec(offset=1)}), cfg, tok, max_tiles=want)
-    with pytest.raises(ValueError, match="Qwen2.5-VL tower is not wired"):  # its tiles are one image's bands
+    with pytest.raises(ValueError, match="through the Qwen image processor"):  # native resolution needs it
         chat_spec(LlavaSpec(seq_length=SEQ, encoders={ENC: EncoderSpec(kind="qwen2.5-vl")}), cfg, tok, max_tiles=want)
 
 
