@@ -26,8 +26,7 @@ def world1_doc(job: JobConfig, frozen: tuple[str, ...] = ()) -> dict:
 
 def run_job(doc: dict, world: int, job: JobConfig, timeout: float = 180) -> list[dict]:
     layout = layout_from_dict(doc, world_size=world)
-    validate_job(layout, job)
-    return run_ranks(world, train_rank, layout, job, collect_params=True, timeout=timeout)
+    return run_ranks(world, train_rank, validate_job(layout, job), collect_params=True, timeout=timeout)
 
 
 def losses(per_rank: list[dict]) -> list[float]:

@@ -52,7 +52,7 @@ def _fix(w: E2EWorkload) -> str:
     return f"language.tp={w.llm_tp},language.cp={w.llm_cp}"
 
 
-def _rank(layout, job) -> dict[str, Any]:
+def _rank(job) -> dict[str, Any]:
     """One rank of a run: its records and, timed by the step hook, the training time."""
     from megatron_hetero.training.trainer import train_rank
 
@@ -61,7 +61,7 @@ def _rank(layout, job) -> dict[str, Any]:
     def hook(iteration: int) -> None:
         marks[iteration] = time.perf_counter()
 
-    out = train_rank(layout, job, step_hook=hook)
+    out = train_rank(job, step_hook=hook)
     recs = out["records"]
     first, last = recs[0]["iteration"], recs[-1]["iteration"]
     return {
@@ -77,8 +77,7 @@ def _run(layout, job, timeout: float) -> dict[str, Any]:
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
 
-    validate_job(layout, job)
-    return run_ranks(WORLD, _rank, layout, job, timeout=timeout, backend=default_backend())[0]
+    return run_ranks(WORLD, _rank, validate_job(layout, job), timeout=timeout, backend=default_backend())[0]
 
 
 def checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:

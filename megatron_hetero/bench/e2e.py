@@ -82,22 +82,22 @@ def e2e_grid():
 
 
 # ---------------------------------------------------------------------------------------------
-def _rank_side_by_side(cases: list, steps: int) -> dict[str, Any]:
-    """One rank of `side_by_side`: every case's session (`training.trainer.train_session`: topology,
+def _rank_side_by_side(jobs: list, steps: int) -> dict[str, Any]:
+    """One rank of `side_by_side`: every validated job's session (`training.trainer.train_session`: topology,
     model and schedule) built on this rank, then `steps` steps of each case's schedule, step by step
     in a rotated order (no loop, no front end: the schedules only)."""
     import torch.distributed as dist
 
     from megatron_hetero.training.trainer import prepare_rank, train_session
 
-    prepare_rank(cases[0][1])
+    prepare_rank(jobs[0].config)
     sessions = []
     try:
-        for lay, job in cases:  # every rank builds every case's groups in the same order
-            sessions.append(train_session(lay, job, log=None))
+        for job in jobs:  # every rank builds every case's groups in the same order
+            sessions.append(train_session(job, log=None))
         scheds = [s.schedule for s in sessions]
-        n = len(cases)
-        out = {"times": [[] for _ in cases], "losses": [[] for _ in cases], "peak": [0] * n}
+        n = len(jobs)
+        out = {"times": [[] for _ in jobs], "losses": [[] for _ in jobs], "peak": [0] * n}
         for it in range(steps):
             for i in [(it + j) % n for j in range(n)]:
                 dist.barrier()
@@ -126,9 +126,8 @@ def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]
     worlds = {lay.world_size for lay, _ in cases}
     if len(worlds) != 1:
         raise ValueError(f"side-by-side cases must share one world size, got {sorted(worlds)}")
-    for lay, job in cases:
-        validate_job(lay, job)
-    per_rank = run_ranks(worlds.pop(), _rank_side_by_side, cases, steps, timeout=timeout, backend=default_backend())
+    jobs = [validate_job(lay, job) for lay, job in cases]
+    per_rank = run_ranks(worlds.pop(), _rank_side_by_side, jobs, steps, timeout=timeout, backend=default_backend())
     return [
         {
             "steps_s": [max(r["times"][i][k] for r in per_rank) for k in range(steps)],

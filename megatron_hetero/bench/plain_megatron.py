@@ -120,15 +120,16 @@ def plain_step(step: int, spec, layout, job, states, runner, forward_backward, b
     return float(total.item()) / loss_tokens
 
 
-def _rank(layout, job, steps: int) -> dict[str, Any]:
+def _rank(validated, steps: int) -> dict[str, Any]:
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
     from megatron_hetero.models.llava_runner import LlavaStageRunner
     from megatron_hetero.training.setup import build_states
     from megatron_hetero.training.trainer import prepare_rank, train_session
 
+    layout, job = validated.layout, validated.config
     prepare_rank(job)
-    session = train_session(layout, job, log=None)  # ours: the session `train` builds, its schedule only
+    session = train_session(validated, log=None)  # ours: the session `train` builds, its schedule only
     try:
         plan, topo, ours = session.plan, session.topo, session.schedule
         plain = {}
@@ -169,9 +170,9 @@ def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, A
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     check_layout(layout)
-    validate_job(layout, job)
+    validated = validate_job(layout, job)
     require_compat("bench.plain_megatron.measure")
-    per_rank = run_ranks(layout.world_size, _rank, layout, job, steps + 1, timeout=timeout, backend=default_backend())
+    per_rank = run_ranks(layout.world_size, _rank, validated, steps + 1, timeout=timeout, backend=default_backend())
     step = {m: [max(r["times"][m][i] for r in per_rank) for i in range(steps + 1)][1:] for m in MODES}
     med = {m: float(statistics.median(v)) for m, v in step.items()}
     # CPU time summed over the ranks: the work each mode does, less disturbed by other processes

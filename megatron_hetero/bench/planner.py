@@ -62,9 +62,9 @@ def measure_step(
     job = model.job(warmup + iters)
     if micro_batch_size is not None:
         job = dataclasses.replace(job, micro_batch_size=micro_batch_size)
-    validate_job(layout, job)
+    validated = validate_job(layout, job)
     t0 = time.perf_counter()
-    per_rank = run_ranks(layout.world_size, train_rank, layout, job, timeout=timeout, backend=default_backend())
+    per_rank = run_ranks(layout.world_size, train_rank, validated, timeout=timeout, backend=default_backend())
     steps = [max(r["records"][i]["step_time_s"] for r in per_rank) for i in range(job.train_iters)]
     kept = steps[warmup:]
     return {

@@ -95,13 +95,13 @@ def run_layout(doc: dict, steps: int, warmup: int, world: int = WORLD, timeout: 
     quiet_upstream_warnings()
     layout = layout_from_dict(doc, world_size=world)
     job = JobConfig(train_iters=steps, micro_batch_size=default_micro_batch_size(layout, JobConfig.global_batch_size))
-    validate_job(layout, job)
+    validated = validate_job(layout, job)
     at = sample_steps(steps, warmup)
     # garbage of an earlier run in this process (its pipes) would be inherited by the forked ranks and
     # closed there by a later collection, showing as fewer descriptors: collect it before forking
     gc.collect()
     t0 = time.perf_counter()
-    per_rank = run_ranks(world, train_rank, layout, job, timeout=timeout, step_hook=_Prober(at))
+    per_rank = run_ranks(world, train_rank, validated, timeout=timeout, step_hook=_Prober(at))
     wall = time.perf_counter() - t0
     ranks = [
         rank_summary(rank, {r["iteration"]: r["probe"] for r in res["records"] if r.get("probe")}, warmup, steps)

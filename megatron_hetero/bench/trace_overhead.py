@@ -38,16 +38,16 @@ def _span_cost_s(reps: int = 5, n: int = 20000) -> float:
     return max(per_span(Tracer(0)) - per_span(NULL_TRACER), 0.0)
 
 
-def _rank(layout, job, steps: int) -> dict[str, Any]:
+def _rank(job, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from megatron_hetero.runtime.schedules import schedule_for
     from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
     from megatron_hetero.training.trainer import prepare_rank, train_session
 
-    prepare_rank(job)
+    prepare_rank(job.config)
     # off: the session `train` builds, untraced; on: a second schedule over the same modules and runner
-    session = train_session(layout, job, log=None, tracer=NULL_TRACER)
+    session = train_session(job, log=None, tracer=NULL_TRACER)
     try:
         topo, off = session.topo, session.schedule
         tracer = Tracer(topo.rank)
@@ -78,9 +78,9 @@ def measure(layout, job, steps: int = 40, timeout: float = 900.0) -> dict[str, A
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
 
-    validate_job(layout, job)
+    validated = validate_job(layout, job)
     require_compat("bench.trace_overhead.measure")
-    per_rank = run_ranks(layout.world_size, _rank, layout, job, steps, timeout=timeout, backend=default_backend())
+    per_rank = run_ranks(layout.world_size, _rank, validated, steps, timeout=timeout, backend=default_backend())
     n = len(per_rank[0]["wall"]["on"])
     wall = {m: [max(r["wall"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
     cpu = {m: [sum(r["cpu"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}

@@ -142,14 +142,15 @@ def _guard(what: str, fn, *args, **kwargs):
         f"checkpoint save of iteration {iteration} under {root} (barriers and writes over the world)"
     )
 )
-def save_checkpoint(
-    root: str | Path, iteration: int, layout: HeteroLayout, job, topo, states: dict, schedulers: dict
-) -> Path:
-    """Save iteration `iteration` under `root` (see the module docstring); returns its directory."""
+def save_checkpoint(root: str | Path, iteration: int, job, topo, states: dict, schedulers: dict) -> Path:
+    """Save iteration `iteration` of `job` (a `training.config.Job`: its layout and `JobConfig`) under
+    `root` (see the module docstring); returns its directory."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     from megatron_hetero.layout.yaml_io import dump_layout
+
+    layout, config = job.layout, job.config
 
     _writer_results_in_process()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -169,10 +170,10 @@ def save_checkpoint(
             st = states.get(mod_name)
             if st is None:
                 continue
-            model_sd = model_sharded_state_dict(st, layout, job.spec)
+            model_sd = model_sharded_state_dict(st, layout, config.spec)
             sd.update({f"{mod_name}.model.{k}": v for k, v in model_sd.items()})
             rec: dict[str, Any] = {}
-            if st.optimizer is not None and optimizer_is_stateless(st, job.optim.optimizer):
+            if st.optimizer is not None and optimizer_is_stateless(st, config.optim.optimizer):
                 # Adam builds its state at its first step: under --fp16 every step so far may have been
                 # skipped (non-finite gradients at the first loss scales), leaving none to save
                 rec["common_steps"], rec["stateless"] = {}, True
@@ -211,14 +212,14 @@ def save_checkpoint(
             models[name] = {
                 "layout_modules": mods,
                 "frozen": {m: layout.module(m).frozen for m in mods},
-                "optimizer": job.optim.optimizer if any("common_steps" in r for r in recs) else None,
+                "optimizer": config.optim.optimizer if any("common_steps" in r for r in recs) else None,
                 # its state then holds the fp32 main weights too (`optimizer.state.param.*`)
-                "distributed_optimizer": bool(job.optim.use_distributed_optimizer),
+                "distributed_optimizer": bool(config.optim.use_distributed_optimizer),
                 "common_steps": steps[0] if steps else {},
                 # no optimizer state saved (every step skipped so far): a resume starts it afresh
                 "optimizer_stateless": any(r.get("stateless") for r in recs),
                 "scheduler": sched,
-                "scheduler_config": job.schedule.scheduler_config(job.optim.lr, job.train_iters),
+                "scheduler_config": config.schedule.scheduler_config(config.optim.lr, config.train_iters),
             }
         layout_text = dump_layout(layout)
         (d / LAYOUT_FILE).write_text(layout_text)
@@ -226,13 +227,13 @@ def save_checkpoint(
             "format": FORMAT,
             "version": VERSION,
             "iteration": iteration,
-            "consumed_samples": iteration * job.global_batch_size,
-            "data": data_position(job, iteration),
-            "global_batch_size": job.global_batch_size,
+            "consumed_samples": iteration * config.global_batch_size,
+            "data": data_position(config, iteration),
+            "global_batch_size": config.global_batch_size,
             "world_size": world,
             "layout": layout_text,
             "layout_dict": layout.to_dict(),
-            "model": spec_record(job.spec),
+            "model": spec_record(config.spec),
             "modules": models,
         }
         scaler = rank_loss_scaler(states)
@@ -245,11 +246,12 @@ def save_checkpoint(
     return iteration_dir(root, iteration)
 
 
-def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: dict, schedulers: dict) -> int:
+def load_checkpoint(root: str | Path, job, topo, states: dict, schedulers: dict) -> int:
     """Load the latest checkpoint under `root` into this rank's modules, optimizers, schedulers (and
-    RNG, if saved under this very layout); returns its iteration. ValueError naming the directory.
-    `job.finetune`: the model weights only, returns 0; `job.no_load_optim`: no optimizer, scheduler
-    nor loss scale; `job.no_load_rng`: no RNG. A module whose optimizer starts afresh takes its fp32
+    RNG, if saved under this very layout) of `job` (a `training.config.Job`: its layout and
+    `JobConfig`; `load_weights` for a layout and model alone); returns its iteration. ValueError
+    naming the directory. Its config's `finetune`: the model weights only, returns 0; `no_load_optim`:
+    no optimizer, scheduler nor loss scale; `no_load_rng`: no RNG. A module whose optimizer starts afresh takes its fp32
     main weights (--bf16/--fp16) from the loaded model weights, cast to the model's precision (a
     checkpoint of another precision loads so: the model's weights are cast on load)."""
     import torch.distributed as dist
@@ -262,15 +264,16 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
     # the launcher's choice again (same files, same answer; the hashes are cached or quick)
     from megatron_hetero.checkpoint.loadable import loads_optimizer, loads_rng, weights_only
 
-    d, state, _ = select_checkpoint(root, getattr(job, "load_fallback", False))
+    layout, config = job.layout, job.config
+    d, state, _ = select_checkpoint(root, getattr(config, "load_fallback", False))
     # --finetune: the weights only, iteration 0; --no-load-optim: no optimizer nor scheduler state;
     # --no-load-rng: no RNG state (Megatron-LM's flags)
-    it = 0 if weights_only(job) else state["iteration"]
-    with_optim, with_rng = loads_optimizer(job), loads_rng(job)
+    it = 0 if weights_only(config) else state["iteration"]
+    with_optim, with_rng = loads_optimizer(config), loads_rng(config)
     logical = logical_models(layout)
     # the checkpoint's precision is this job's model's (check_loadable compares the models; the job's
     # optimizer has the same precision: training.setup checks it; `convert` passes only the spec)
-    mixed = bool(job.spec.bf16 or job.spec.fp16)
+    mixed = bool(config.spec.bf16 or config.spec.fp16)
     for name in sorted(logical):
         saved = state["modules"][name]
         # Optimizer state moves with the parameters only if the same parameters train (a changed
@@ -283,7 +286,7 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
             st = states.get(mod_name)
             if st is None:
                 continue
-            model_sd = model_sharded_state_dict(st, layout, job.spec)
+            model_sd = model_sharded_state_dict(st, layout, config.spec)
             sd[f"{mod_name}.model"] = model_sd
             if (
                 st.optimizer is not None
@@ -355,6 +358,15 @@ def load_checkpoint(root: str | Path, layout: HeteroLayout, job, topo, states: d
         _set_rng(loaded)
     dist.barrier()
     return it
+
+
+def load_weights(root: str | Path, layout: HeteroLayout, spec, topo, states: dict) -> int:
+    """`load_checkpoint` of the latest checkpoint under `root` for a `layout` and model `spec` alone
+    (no `JobConfig`: `convert`'s exports and the tests' model loads): the modules' weights, and their
+    optimizers' state where `states` hold any; returns its iteration."""
+    from types import SimpleNamespace
+
+    return load_checkpoint(root, SimpleNamespace(layout=layout, config=SimpleNamespace(spec=spec)), topo, states, {})
 
 
 def tensor_shapes(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:

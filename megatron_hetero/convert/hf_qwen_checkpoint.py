@@ -179,7 +179,7 @@ def checkpoint_states(root: str | Path) -> SimpleNamespace:
     layout = world_of_one_layout([VISION])
     with world_of_one(layout) as topo:
         states = build_whole(layout, spec, topo)
-        ckpt.load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
+        ckpt.load_weights(root, layout, spec, topo, states)
         sd = {
             n: {k: v for k, v in st.module.state_dict().items() if not k.endswith("_extra_state")}
             for n, st in states.items()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.training.autotune_config import AutotuneConfig
+from megatron_hetero.training.config import Job, JobConfig
 
 #: the degrees Megatron's LLaVA in `pretrain_vlm.py` keeps with a layout (`vlm.check_vlm`)
 VLM_FIXES = {"vision": {"pp": 1, "cp": 1}, "language": {"cp": 1}}
@@ -106,8 +107,6 @@ def cost_job(args: Any, tune: AutotuneConfig):
     (`cost_spec`), the batch, the loop, --save and the autotune settings with `script_fixes`."""
     import dataclasses
 
-    from megatron_hetero.training.config import JobConfig
-
     return JobConfig(
         spec=cost_spec(args),
         global_batch_size=args.global_batch_size,
@@ -143,20 +142,22 @@ def check_script_autotune(script: str, args: Any, layout: HeteroLayout) -> None:
 
 
 def candidate_check(model, args: Any) -> Callable:
-    """`check(layout, job)` for the rounds' candidates: ValueError for a layout the script cannot train
-    (its own checks and the driver's, the batch arithmetic of `job`'s micro-batch, the padded
-    vocabulary over each module's TP)."""
+    """`check(layout, config)` for the rounds' candidates and the layouts the run moves to: the
+    `training.config.Job` of `layout` and the `JobConfig`, ValueError for a layout the script cannot
+    train (its own checks and the driver's, the batch arithmetic of `config`'s micro-batch, the
+    padded vocabulary over each module's TP)."""
     from megatron_hetero.megatron_lm.checks import check_common
     from megatron_hetero.plan.rank_plan import check_rank_plans
 
-    def check(layout: HeteroLayout, job) -> None:
+    def check(layout: HeteroLayout, config: JobConfig) -> Job:
         model.check(args, layout)
         check_common(args, layout)
-        check_rank_plans(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+        checked = check_rank_plans(layout, config.global_batch_size, config.micro_batch_size, config.offload_encoder)
         vocab = getattr(args, "padded_vocab_size", None)
         for m in layout.modules:
             if vocab and vocab % m.tp:
                 raise ValueError(f"module {m.name}: padded vocabulary {vocab} is not divisible by tp({m.tp})")
+        return Job(layout, config, checked)
 
     return check
 
@@ -188,7 +189,8 @@ def train_autotuned_script(
 
     lines: list = []  # the first session's IntervalLog: the lines of one run across the switches
 
-    def make_session(lay: HeteroLayout, j, log, step_hook, tracer=None):
+    def make_session(run: Job, log, step_hook, tracer=None):
+        lay, j = run.layout, run.config
         if j.load:  # a switch or a revert: the whole run from Megatron's checkpoint in --save
             reference_session_args(args, j.load)
         args.micro_batch_size = j.micro_batch_size  # samples per micro-batch on the first language module's ranks
@@ -204,9 +206,8 @@ def train_autotuned_script(
     stop = ExitSignal(getattr(args, "exit_signal_handler", False)).install()
     session = None
     try:
-        session, _ = train_autotuned(
-            layout, job, _RankZeroLog(), stop, None, make_session, check=candidate_check(model, args)
-        )
+        check = candidate_check(model, args)
+        session, _ = train_autotuned(check(layout, job), _RankZeroLog(), stop, None, make_session, check=check)
         if session.start >= args.train_iters:
             print_last(
                 f"{PREFIX}: checkpoint iteration {session.start} >= --train-iters {args.train_iters}: nothing to do"

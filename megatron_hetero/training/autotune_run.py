@@ -44,7 +44,7 @@ from megatron_hetero.runtime.step import run_collective
 from megatron_hetero.runtime.trace import Tracer, gather_trace, recording_tracer
 from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end, stay_because
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.training.config import Job, JobConfig
 
 
 def _broadcast(obj: Any, what: str) -> Any:
@@ -78,7 +78,8 @@ def _move(
     holder: list,
     iteration: int,
     layout: HeteroLayout,
-    job: JobConfig,
+    config: JobConfig,
+    make_job: Callable[[HeteroLayout, JobConfig], Job],
     make_session: Callable,
     log,
     step_hook: Optional[Callable],
@@ -88,8 +89,9 @@ def _move(
     """The run at `iteration` moved from the session in `holder` (taken out of it: the caller keeps
     no reference, so the old session can be collected) to `layout`: a checkpoint of `iteration` under
     --save (unless --save-interval just wrote it, or `saved`: it is the one this session resumed), `session` destroyed (its process groups, then its
-    modules, optimizers and the groups' threads and sockets, collected), and the session of `layout`
-    resumed from that checkpoint (`job.load`). Collective."""
+    modules, optimizers and the groups' threads and sockets, collected), and the session of the `Job`
+    `make_job(layout, config)` (validated now that the checkpoint exists) resumed from that checkpoint
+    (`config.load`). Collective."""
     import gc
 
     session = holder.pop()
@@ -99,7 +101,7 @@ def _move(
     session.destroy()
     del session
     gc.collect()  # the old modules and optimizers hold the destroyed groups until they are collected
-    new = make_session(layout, job, log, step_hook, tracer=tracer)
+    new = make_session(make_job(layout, config), log, step_hook, tracer=tracer)
     if new.start != iteration:
         new.destroy()
         raise RuntimeError(f"autotune: the checkpoint of iteration {iteration} resumed at iteration {new.start}")
@@ -107,28 +109,31 @@ def _move(
 
 
 def train_autotuned(
-    layout: HeteroLayout,
-    job: JobConfig,
+    start: Job,
     log,
     stop,
     writers,
     make_session: Callable,
     step_hook: Optional[Callable] = None,
-    check: Optional[Callable[[HeteroLayout, JobConfig], None]] = None,
+    check: Optional[Callable[[HeteroLayout, JobConfig], Job]] = None,
 ):
-    """Train `job` from `layout` with one autotune round (module docstring); returns (the session
-    the run ended on, every iteration's record). `make_session(layout, job, log, step_hook,
-    tracer=None)`: a `training.session.Session` (`training.trainer.train_session`, or a patched
-    Megatron-LM script's, `megatron_lm/autotune.py`); the rounds use its `start`, `job`, `front`,
-    `schedulers`, `loop_schedule()`, `loop_spec(start, end, final_save)` and `destroy()`. `check(layout, job)`:
-    ValueError for a candidate layout the run cannot train (default `training.setup.validate_job`).
-    Collective over the world."""
+    """Train the validated job `start` from its layout with one autotune round (module docstring);
+    returns (the session the run ended on, every iteration's record). `make_session(job, log,
+    step_hook, tracer=None)`: the `training.session.Session` of a `Job` (`training.trainer.train_session`,
+    or a patched Megatron-LM script's, `megatron_lm/autotune.py`); the rounds use its `start`, `job`,
+    `front`, `schedulers`, `loop_schedule()`, `loop_spec(start, end, final_save)` and `destroy()`.
+    `check(layout, config)`: the `Job` of a layout and `JobConfig`, ValueError for a candidate layout
+    the run cannot train (default `training.setup.validate_job`); it makes the Job of every layout
+    the run moves to. Collective over the world."""
     from megatron_hetero.training.loop import run_loop
+    from megatron_hetero.training.setup import validate_job
 
+    make_job = check or validate_job
+    layout, job = start.layout, start.config
     tune, rank, world = job.autotune, dist.get_rank(), dist.get_world_size()
     say = (lambda text: log.write(text + "\n")) if (log.write is not None) else (lambda text: None)
     tracer = recording_tracer(rank)
-    session = make_session(layout, job, log, step_hook, tracer=tracer)
+    session = make_session(start, log, step_hook, tracer=tracer)
     records: list[dict[str, Any]] = []
     decisions: list[A.AutotuneRecord] = []
     calibrations: list[dict[str, Any]] = []
@@ -161,7 +166,7 @@ def train_autotuned(
                 else:
                     shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
                     try:
-                        plan = plan_switch(doc, layout, job, it, world, timings, shared, tried, check)
+                        plan = plan_switch(doc, layout, job, it, world, timings, shared, tried, make_job)
                     except ValueError as exc:  # the fit or the search refused what it was given: train on
                         plan = stay_because(
                             doc, layout, job, it, f"stay: the cost model could not price this run ({exc})"
@@ -181,6 +186,7 @@ def train_autotuned(
                 it,
                 plan.layout,
                 job_on(plan.layout, job, workload_of(job, layout), load=job.save),
+                make_job,
                 make_session,
                 log,
                 step_hook,
@@ -223,6 +229,7 @@ def train_autotuned(
                 it,
                 layout,
                 job_on(layout, job, workload_of(job, layout), load=job.save),
+                make_job,
                 make_session,
                 log,
                 step_hook,

@@ -225,11 +225,14 @@ class LaunchFlags:
 
 @dataclass(frozen=True)
 class Job:
-    """A training job as validated, once per process, by `training.setup.validate_job` (the only
-    maker): the layout, its `JobConfig`, and `checked`, what every rank plan of the layout and batch
-    rests on (`plan.rank_plan.check_rank_plans`: the roles, the micro-batching, the disjoint tables),
+    """A training job as validated, once per process, by `training.setup.validate_job` (`train`'s
+    maker; a patched Megatron-LM script's `--hetero-autotune` makes its own with its candidate check,
+    `megatron_lm.autotune.candidate_check`): the layout, its `JobConfig`, and `checked`, what every
+    rank plan of the layout and batch rests on (`plan.rank_plan.check_rank_plans`: the roles, the micro-batching, the disjoint tables),
     so that a rank builds its plan from it without computing it again (`plan.rank_plan.rank_plan`'s
-    `checked`). The forked ranks inherit it; nothing of it goes over a wire."""
+    `checked`). What the train path carries instead of a (layout, config) pair: `train_rank`, the
+    session, the checkpoints and the autotune switches take it. The forked ranks inherit it; nothing
+    of it goes over a wire."""
 
     layout: HeteroLayout
     config: JobConfig

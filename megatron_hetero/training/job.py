@@ -252,14 +252,12 @@ def run_local(job: Job, timeout: float = 3600.0) -> list[dict[str, Any]]:
         per_rank = run_ranks(
             layout.world_size,
             train_rank,
-            layout,
-            config,
+            job,  # inherited over fork: each rank builds only its own plan from its checked arithmetic
             timeout=timeout,
             backend=default_backend(),
             forward_signals=(signal.SIGTERM,),
             pg_timeout=min(config.comm_timeout_s, timeout),
             log_write=lines.write if lines else None,
-            checked=job.checked,  # inherited over fork: each rank builds only its own plan from it
         )
     finally:
         if lines is not None:
@@ -298,7 +296,7 @@ def run_as_rank(job: Job, env, timeout_s: float) -> Optional[list[dict[str, Any]
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
-            result = train_rank(job.layout, job.config, log_write=write, checked=job.checked)
+            result = train_rank(job, log_write=write)
         except Exception as exc:
             raise RuntimeError(
                 f"rank {env.rank} on {socket.gethostname()} (local rank {env.local_rank}): {type(exc).__name__}: {exc}"

@@ -13,24 +13,28 @@ from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.trace import gather_trace
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.training.config import Job, JobConfig
 from megatron_hetero.training.memory_log import ActivationMeter
 
 
 class LlavaTrainSpec:
-    """LLaVA under `job` (module docstring). `log`: the run's `IterationLog` (None: no lines, e.g. the
-    dry run's real rank); `step_hook(iteration)`: runs after every step, its value the record's
+    """LLaVA under the validated `job` (a `training.config.Job`; module docstring): `self.job` is its
+    `JobConfig`, `self.validated` the whole, whose layout the checkpoints save and load. `log`: the
+    run's `IterationLog` (None: no lines, e.g. the dry run's real rank); `step_hook(iteration)`: runs after every step, its value the record's
     `probe`. Holds nothing of its own between sessions: `prepare` and `release` do nothing."""
 
     scheduler_increment = 1  # train's schedulers count iterations (training/lr_schedule.py)
     barrier_at_finish = False
 
-    def __init__(self, job: JobConfig, log=None, step_hook: Optional[Callable[[int], Any]] = None) -> None:
-        self.job, self.log, self.step_hook = job, log, step_hook
-        self.comm_timeout_s = job.comm_timeout_s
-        self.global_batch_size, self.micro_batch_size = job.global_batch_size, job.micro_batch_size
-        self.offload_encoder = job.offload_encoder
-        self.save_dir, self.save_interval = job.save, job.save_interval
+    def __init__(self, job: Job, log=None, step_hook: Optional[Callable[[int], Any]] = None) -> None:
+        self.validated = job
+        self.job: JobConfig = job.config
+        self.log, self.step_hook = log, step_hook
+        job_config = job.config
+        self.comm_timeout_s = job_config.comm_timeout_s
+        self.global_batch_size, self.micro_batch_size = job_config.global_batch_size, job_config.micro_batch_size
+        self.offload_encoder = job_config.offload_encoder
+        self.save_dir, self.save_interval = job_config.save, job_config.save_interval
         self.meter: Optional[ActivationMeter] = None  # --log-memory's, attached in `front_end`
 
     def prepare(self, layout: HeteroLayout) -> None:
@@ -55,7 +59,7 @@ class LlavaTrainSpec:
             for n, s in states.items()
             if s.optimizer is not None
         }
-        start = load_checkpoint(job.load, plan.layout, job, topo, states, schedulers) if job.load else 0
+        start = load_checkpoint(job.load, self.validated, topo, states, schedulers) if job.load else 0
         return states, schedulers, start
 
     def build_runner(self, plan: RankPlan, states: dict):
@@ -80,9 +84,9 @@ class LlavaTrainSpec:
         from megatron_hetero.training.run_stats import RunStats
         from megatron_hetero.training.train_front_end import TrainFrontEnd
 
-        job, layout, topo, states, schedulers = (
+        job, validated, topo, states, schedulers = (
             session.job,
-            session.layout,
+            self.validated,
             session.topo,
             session.states,
             session.schedulers,
@@ -98,7 +102,7 @@ class LlavaTrainSpec:
             states,
             session.schedule,
             self.log,
-            save=lambda it: save_checkpoint(job.save, it, layout, job, topo, states, schedulers),
+            save=lambda it: save_checkpoint(job.save, it, validated, topo, states, schedulers),
             step_hook=self.step_hook,
             stats=stats,
         )

@@ -8,11 +8,10 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megatron_hetero.compat import ensure_global_memory_buffer, require_compat, set_local_device
-from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.schedules import schedule_for
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.training.config import Job, JobConfig
 from megatron_hetero.training.llava_spec import LlavaTrainSpec
 from megatron_hetero.training.session import Session
 from megatron_hetero.training.signals import ExitSignal
@@ -38,67 +37,64 @@ def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
 
 
 def train_session(
-    layout: HeteroLayout,
-    job: JobConfig,
+    job: Job,
     log,
     step_hook: Optional[Callable[[int], Any]] = None,
     tracer=None,
-    checked: Optional[tuple] = None,
 ) -> Session:
-    """The `Session` LLaVA trains with under `layout` (`training.llava_spec.LlavaTrainSpec`): its iteration
-    lines through `log` (None: none), `step_hook` after every step, `tracer` instead of the job's
-    (`--hetero-autotune`'s windows), `checked`: the rank plans' arithmetic when this process validated
-    the job. The `make_session` of `training.autotune_run.train_autotuned`. Collective."""
-    return Session(layout, LlavaTrainSpec(job, log, step_hook), tracer=tracer, checked=checked)
+    """The `Session` LLaVA trains with under the validated `job`'s layout
+    (`training.llava_spec.LlavaTrainSpec`; the rank's plan from the job's checked arithmetic): its
+    iteration lines through `log` (None: none), `step_hook` after every step, `tracer` instead of the
+    job's (`--hetero-autotune`'s windows). The `make_session` of `training.autotune_run.train_autotuned`.
+    Collective."""
+    return Session(job.layout, LlavaTrainSpec(job, log, step_hook), tracer=tracer, checked=job.checked)
 
 
 def train_rank(
-    layout: HeteroLayout,
-    job: JobConfig,
+    job: Job,
     collect_params: bool = False,
     log_write: Optional[Callable[[str], None]] = None,
     step_hook: Optional[Callable[[int], Any]] = None,
-    checked: Optional[tuple] = None,
 ) -> dict[str, Any]:
-    """Run iterations [start, job.train_iters) on this rank (start: 0, or the iteration of the
-    checkpoint under job.load); returns per-step records (loss is global, the same on every rank)
-    and, if asked, this rank's parameters by module (for parity tests). Saves a checkpoint every
-    job.save_interval iterations and after the last one when job.save is set. Global rank 0 writes
-    iteration lines through `log_write` (job.log_interval, job.progress). `step_hook(iteration)` runs
-    after every step on every rank; its return value is the record's `probe`. With
-    job.exit_signal_handler, SIGTERM stops every rank after the same step (training/signals.py).
-    With job.autotune (`--hetero-autotune`) the run may move to another layout on the way
-    (`training/autotune_run.py`); the records and parameters are those of the layout it ends on.
-    `checked`: the rank plans' arithmetic when this process validated the job (`training.job`'s
-    `run_local` / `run_as_rank` pass their `Job`'s), so the rank's plan is computed once."""
+    """Run iterations [start, train_iters) of the validated `job` (`training.setup.validate_job`) on
+    this rank (start: 0, or the iteration of the checkpoint under its --load); returns per-step
+    records (loss is global, the same on every rank) and, if asked, this rank's parameters by module
+    (for parity tests). Saves a checkpoint every --save-interval iterations and after the last one
+    with --save. Global rank 0 writes iteration lines through `log_write` (--log-interval,
+    --progress). `step_hook(iteration)` runs after every step on every rank; its return value is the
+    record's `probe`. With --exit-signal-handler, SIGTERM stops every rank after the same step
+    (training/signals.py). With --hetero-autotune the run may move to another layout on the way
+    (`training/autotune_run.py`); the records and parameters are those of the layout it ends on. The
+    rank builds its plan from the job's checked arithmetic, computed once per process."""
     from megatron_hetero.training.iteration_log import IterationLog
     from megatron_hetero.training.loop import run_loop
     from megatron_hetero.training.writers import open_writers
 
-    prepare_rank(job)
-    stop = ExitSignal(job.exit_signal_handler).install()  # SIGTERM sets a flag (signals.py)
+    config = job.config
+    prepare_rank(config)
+    stop = ExitSignal(config.exit_signal_handler).install()  # SIGTERM sets a flag (signals.py)
     writers = None
     session: Optional[Session] = None
     try:
         rank = dist.get_rank()
-        writers = open_writers(job, rank, layout.world_size)  # the last rank's TensorBoard / W&B
+        writers = open_writers(config, rank, job.layout.world_size)  # the last rank's TensorBoard / W&B
         log = IterationLog(
             log_write if rank == 0 else None,
-            job.train_iters,
-            job.global_batch_size,
-            job.log_interval,
-            job.progress,
+            config.train_iters,
+            config.global_batch_size,
+            config.log_interval,
+            config.progress,
         )
-        if job.autotune is not None:
+        if config.autotune is not None:
             from megatron_hetero.training.autotune_run import train_autotuned
 
-            session, records = train_autotuned(layout, job, log, stop, writers, train_session, step_hook)
+            session, records = train_autotuned(job, log, stop, writers, train_session, step_hook)
         else:
-            session = train_session(layout, job, log, step_hook, checked=checked)
+            session = train_session(job, log, step_hook)
             outcome = run_loop(
                 session.loop_schedule(),
                 session.schedulers,
-                session.loop_spec(session.start, job.train_iters),
+                session.loop_spec(session.start, config.train_iters),
                 session.front,
                 stop,
                 write=log.write,

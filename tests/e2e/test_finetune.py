@@ -45,12 +45,12 @@ def saved(tmp_path_factory, megatron_compat):
     return root, per_rank[0]["records"], full_params(per_rank)
 
 
-def _train_from_weights(layout, job, weights: dict[str, dict[str, torch.Tensor]]) -> dict:
+def _train_from_weights(job, weights: dict[str, dict[str, torch.Tensor]]) -> dict:
     """train_rank of a fresh job (no --load) on a world-1 layout whose modules, once built, take
     `weights` (full tensors by module and parameter name) by hand; the optimizers start afresh."""
-    from megatron_hetero.training import trainer
+    from megatron_hetero.training import setup, trainer
 
-    build = trainer.build_states
+    build = setup.build_states  # what the session's spec builds its states with
 
     def build_with_weights(plan, job_, topo):
         states = build(plan, job_, topo)
@@ -62,8 +62,8 @@ def _train_from_weights(layout, job, weights: dict[str, dict[str, torch.Tensor]]
                     p.copy_(weights[name][k])
         return states
 
-    trainer.build_states = build_with_weights  # in this forked rank only
-    return trainer.train_rank(layout, job)
+    setup.build_states = build_with_weights  # in this forked rank only
+    return trainer.train_rank(job)
 
 
 @pytest.mark.timeout(300)
@@ -82,8 +82,7 @@ def test_finetune_takes_the_weights_only_at_another_batch_and_sequence_length(sa
     assert [r["iteration"] for r in tuned] == [1, 2, 3]
     assert [r["consumed_samples"] for r in tuned] == [4, 8, 12]
     layout = layout_from_dict(WORLD1, world_size=1)
-    validate_job(layout, job)
-    ref = run_ranks(1, _train_from_weights, layout, job, weights, timeout=180)[0]["records"]
+    ref = run_ranks(1, _train_from_weights, validate_job(layout, job), weights, timeout=180)[0]["records"]
     got, want = [r["loss"] for r in tuned], [r["loss"] for r in ref]
     diff = max_loss_rel_diff(got, want)
     print(f"--finetune (TP2) vs weights by hand (world 1): losses {got} / {want}, max relative difference {diff:.2e}")

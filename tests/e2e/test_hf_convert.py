@@ -145,7 +145,7 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.runtime.topology import Topology
     from megatron_hetero.checkpoint.files import read_train_state
-    from megatron_hetero.checkpoint.save_load import load_checkpoint
+    from megatron_hetero.checkpoint.save_load import load_weights
     from megatron_hetero.training.setup import build_module
 
     ensure_global_memory_buffer()
@@ -160,7 +160,7 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
             states[m.name] = SimpleNamespace(
                 name=m.name, module=build_module(m.name, layout, spec, pgs).eval(), pgs=pgs, optimizer=None
             )
-    load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
+    load_weights(root, layout, spec, topo, states)
     out: dict = {}
     with torch.no_grad():
         if "vision" in states:

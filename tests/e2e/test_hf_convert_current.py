@@ -173,7 +173,7 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_hetero.checkpoint.files import read_train_state
-    from megatron_hetero.checkpoint.save_load import load_checkpoint
+    from megatron_hetero.checkpoint.save_load import load_weights
     from megatron_hetero.compat import ensure_global_memory_buffer
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.cp_attention import cp_chunk_positions
@@ -192,7 +192,7 @@ def _forward_rank(doc: dict, root: str, features: torch.Tensor, tokens: torch.Te
         states[m.name] = SimpleNamespace(
             name=m.name, module=build_module(m.name, layout, spec, pgs).eval(), pgs=pgs, optimizer=None
         )
-    load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
+    load_weights(root, layout, spec, topo, states)
     out: dict = {}
     with torch.no_grad():
         vis = states["vision"].module

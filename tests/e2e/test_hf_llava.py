@@ -168,7 +168,7 @@ def _forward_rank(doc: dict, root: str, batch: dict) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_hetero.checkpoint.files import read_train_state
-    from megatron_hetero.checkpoint.save_load import load_checkpoint
+    from megatron_hetero.checkpoint.save_load import load_weights
     from megatron_hetero.compat import ensure_global_memory_buffer
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.llava import LlavaSpec
@@ -187,7 +187,7 @@ def _forward_rank(doc: dict, root: str, batch: dict) -> dict:
             states[m.name] = SimpleNamespace(
                 name=m.name, module=build_module(m.name, layout, spec, pgs).eval(), pgs=pgs, optimizer=None
             )
-    load_checkpoint(root, layout, SimpleNamespace(spec=spec), topo, states, {})
+    load_weights(root, layout, spec, topo, states)
     out: dict = {}
     enc = spec.encoders["vision"]
     with torch.no_grad():

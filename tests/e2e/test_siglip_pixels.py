@@ -98,7 +98,7 @@ def _rank(siglip: str, llama: str, out: str, pixels: torch.Tensor) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_hetero.checkpoint.files import read_train_state
-    from megatron_hetero.checkpoint.save_load import load_checkpoint
+    from megatron_hetero.checkpoint.save_load import load_weights
     from megatron_hetero.compat import ensure_global_memory_buffer
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.llava import LlavaSpec
@@ -116,7 +116,7 @@ def _rank(siglip: str, llama: str, out: str, pixels: torch.Tensor) -> dict:
     pgs = topo.pg_collection("vision")
     vision = build_module("vision", layout, spec, pgs).eval()
     states = {"vision": SimpleNamespace(name="vision", module=vision, pgs=pgs, optimizer=None)}
-    load_checkpoint(out, layout, SimpleNamespace(spec=spec), topo, states, {})
+    load_weights(out, layout, spec, topo, states)
     side = GRID * PATCH
     with torch.no_grad():
         res = {

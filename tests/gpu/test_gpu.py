@@ -32,8 +32,7 @@ JOB = JobConfig(train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5))
 
 def _losses(doc: dict, world: int) -> list[float]:
     layout = layout_from_dict(doc, world_size=world)
-    validate_job(layout, JOB)
-    per_rank = run_ranks(world, train_rank, layout, JOB, backend="nccl", timeout=500)
+    per_rank = run_ranks(world, train_rank, validate_job(layout, JOB), backend="nccl", timeout=500)
     return [r["loss"] for r in per_rank[0]["records"]]
 
 

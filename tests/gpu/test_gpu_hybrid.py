@@ -44,8 +44,7 @@ def _losses(pattern: str, impl: str) -> list[float]:
     job = JobConfig(spec=spec, train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5))
     doc = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
     layout = layout_from_dict(doc, world_size=1)
-    validate_job(layout, job)
-    per_rank = run_ranks(1, train_rank, layout, job, backend="nccl", timeout=500)
+    per_rank = run_ranks(1, train_rank, validate_job(layout, job), backend="nccl", timeout=500)
     return [r["loss"] for r in per_rank[0]["records"]]
 
 

@@ -81,14 +81,13 @@ def colocated_job(offload: bool) -> JobConfig:
 def _train(job: JobConfig, backend: str, log: str = "") -> list[float]:
     doc = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
     layout = layout_from_dict(doc, world_size=1)
-    validate_job(layout, job)
 
-    def rank(layout, job):
+    def rank(validated):
         if log:
             language_phase_memory(log)
-        return train_rank(layout, job)
+        return train_rank(validated)
 
-    per_rank = run_ranks(1, rank, layout, job, backend=backend, timeout=300)
+    per_rank = run_ranks(1, rank, validate_job(layout, job), backend=backend, timeout=300)
     return [r["loss"] for r in per_rank[0]["records"]]
 
 

@@ -117,7 +117,9 @@ def test_candidates_pass_the_scripts_own_checks():
     args = _args(padded_vocab_size=128)
     job = MA.cost_job(args, AutotuneConfig(True))
     check = MA.candidate_check(VLM, args)
-    check(_layout({**COLOC, "placement": "disjoint", "modules": {"vision": {}, "language": {}}}), job)
+    layout = _layout({**COLOC, "placement": "disjoint", "modules": {"vision": {}, "language": {}}})
+    made = check(layout, job)  # the Job the run moves to
+    assert (made.layout, made.config) == (layout, job) and made.checked is not None
     for doc, says in [
         ({**COLOC, "modules": {"vision": {"dp": 1, "pp": 2}, "language": {"dp": 1, "pp": 2}}}, "pp=2"),
         ({**COLOC, "modules": {"vision": {"dp": 1, "cp": 2}, "language": {"dp": 1, "cp": 2}}}, "cp=2"),

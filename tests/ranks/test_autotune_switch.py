@@ -86,11 +86,10 @@ def test_switch_and_revert_leaves_the_first_layout_as_it_was(tmp_path, monkeypat
     save, iters = tmp_path / "run", 4 * K  # two rounds (--autotune-rounds 2): switch, back, switch, back
     layout = layout_from_dict(COLOC, world_size=2)
     j = job(save, iters, autotune_rounds=2)
-    validate_job(layout, j)
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.trainer import train_rank
 
-    got = run_ranks(2, train_rank, layout, j, collect_params=True, step_hook=probe_hook, timeout=300)
+    got = run_ranks(2, train_rank, validate_job(layout, j), collect_params=True, step_hook=probe_hook, timeout=300)
     assert [r["iteration"] for r in got[0]["records"]] == list(range(1, iters + 1))
     doc = json.loads((save / "autotune.json").read_text())
     assert [(d["iteration"], d["kept"]) for d in doc["decisions"]] == [(K, False), (2 * K, False)]

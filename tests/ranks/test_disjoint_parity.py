@@ -63,11 +63,9 @@ def _dis(edges: list[str], **modules) -> dict:
     return {"placement": "disjoint", "modules": modules, "edges": edges}
 
 
-def _run(doc: dict, world: int, job: JobConfig, validate: bool = True):
+def _run(doc: dict, world: int, job: JobConfig):
     layout = layout_from_dict(doc, world_size=world)
-    if validate:
-        validate_job(layout, job)
-    return layout, run_ranks(world, train_rank, layout, job, collect_params=True, timeout=120)
+    return layout, run_ranks(world, train_rank, validate_job(layout, job), collect_params=True, timeout=120)
 
 
 def _losses(per_rank) -> list[float]:
@@ -149,20 +147,18 @@ def _assert_parity(layout, spec, per_rank, ref, label: str) -> tuple[float, floa
 
 V2L = ["vision -> language"]
 CASES = [
-    # (id, layout doc, world, job, validate_job applies)
+    # (id, layout doc, world, job)
     (
         "fan-in enc DP4@0-3 -> LLM TP2·DP2@4-7",
         _dis(V2L, vision={"dp": 4}, language={"tp": 2, "dp": 2}),
         8,
         _job(ONE, mbs=2),
-        True,
     ),
     (
         "fan-out enc TP2·DP1@0-1 -> LLM CP2·DP2@2-5",
         _dis(V2L, vision={"tp": 2}, language={"cp": 2, "dp": 2}),
         6,
         _job(ONE),
-        True,
     ),
     (
         "two encoders vision DP2@0-1 + audio TP2@2-3 -> LLM TP2·DP2@4-7",
@@ -171,14 +167,12 @@ CASES = [
         ),
         8,
         _job(TWO, mbs=2),
-        True,
     ),
     (
         "enc PP2·DP2@0-3 -> LLM PP2·DP2@4-7 (M=4, adam)",
         _dis(V2L, vision={"pp": 2, "dp": 2}, language={"pp": 2, "dp": 2}),
         8,
         _job(ONE, optim=ADAM),
-        True,
     ),
     (
         "segments enc DP2@0-1 -> LLM layers 0-1 TP2·DP2@2-5 -> layers 2-3 TP1·DP2@6-7",
@@ -190,7 +184,6 @@ CASES = [
         ),
         8,
         _job(ONE),
-        True,
     ),
     (
         "segments enc DP1@0 -> LLM layers 0-1 CP2@1-2 -> layers 2-3 TP2·PP2@3-6",
@@ -202,7 +195,6 @@ CASES = [
         ),
         7,
         _job(ONE, mbs=2),
-        True,
     ),
     # A TP-heavy segment followed by a DP-heavy one: segments with different DP run different
     # per-rank micro-batch sizes (2 and 1 samples of each 2-sample micro-batch).
@@ -216,7 +208,6 @@ CASES = [
         ),
         5,
         _job(ONE, mbs=2),
-        True,
     ),
 ]
 
@@ -224,8 +215,8 @@ CASES = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_disjoint_parity_with_world1(case):
-    label, doc, world, job, validate = case
-    layout, per_rank = _run(doc, world, job, validate=validate)
+    label, doc, world, job = case
+    layout, per_rank = _run(doc, world, job)
     _assert_parity(layout, job.spec, per_rank, _reference(job.spec, job.optim), label)
 
 
@@ -297,7 +288,7 @@ def test_micro_batch_not_divisible_by_encoder_dp():
     assert (mb.count, mb.samples) == (2, 4)
 
 
-def _train_with_failure(layout, job, fail_rank: int, fail_step: int, fail_mb: int, stall_s: float = 0.0):
+def _train_with_failure(job, fail_rank: int, fail_step: int, fail_mb: int, stall_s: float = 0.0):
     """train_rank, but `fail_rank` raises (or, with `stall_s`, hangs that long) in the forward of
     micro-batch `fail_mb` of step `fail_step`."""
     from megatron_hetero.runtime import disjoint
@@ -312,7 +303,7 @@ def _train_with_failure(layout, job, fail_rank: int, fail_step: int, fail_mb: in
         return orig(self, mb)
 
     disjoint.DisjointSchedule._forward = forward
-    return train_rank(layout, job)
+    return train_rank(job)
 
 
 @pytest.mark.timeout(60)
@@ -328,10 +319,10 @@ def test_rank_failure_stops_all_ranks_naming_the_edge(fail_rank, stall_s):
     timeout_s = 3.0
     job = _job(ONE, steps=3, timeout=timeout_s)
     layout = layout_from_dict(_dis(V2L, vision={}, language={"dp": 2}), world_size=3)
-    validate_job(layout, job)
+    validated = validate_job(layout, job)
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        run_ranks(3, _train_with_failure, layout, job, fail_rank, 1, 1, stall_s, timeout=60)
+        run_ranks(3, _train_with_failure, validated, fail_rank, 1, 1, stall_s, timeout=60)
     elapsed = time.monotonic() - t0
     err = info.value
     text = str(err)

@@ -52,15 +52,15 @@ CASES = {
 }
 
 
-def _real_rank(layout, job) -> dict:
+def _real_rank(job) -> dict:
     """A real rank: train's Session (groups counted), its plan and boundaries, one step, the bytes."""
     from megatron_hetero.training.dryrun import GroupCounter, _digest, boundary_digest
     from megatron_hetero.runtime.schedules import Schedule
     from megatron_hetero.training.trainer import prepare_rank, train_session
 
-    prepare_rank(job)
+    prepare_rank(job.config)
     with GroupCounter() as gc:
-        s = train_session(layout, job, log=None)
+        s = train_session(job, log=None)
     try:
         assert isinstance(s.schedule, Schedule), type(s.schedule)  # both placements' interpreters
         member = sorted(
@@ -105,11 +105,12 @@ def _real_rank(layout, job) -> dict:
 def test_dryrun_builds_what_the_real_ranks_build(case: str) -> None:
     from megatron_hetero.compat import default_backend
     from megatron_hetero.training.dryrun_world import dry_world
+    from megatron_hetero.training.setup import validate_job
 
     doc, world, job = CASES[case]
     layout = layout_from_dict(doc, world_size=world)
     dry = dry_world(layout, job, list(range(world)), jobs=2, baseline=False)
-    real = run_ranks(world, _real_rank, layout, job, backend=default_backend(), timeout=300)
+    real = run_ranks(world, _real_rank, validate_job(layout, job), backend=default_backend(), timeout=300)
     assert [r["rank"] for r in dry["ranks"]] == list(range(world))
     for d, r in zip(dry["ranks"], real):
         rank = d["rank"]

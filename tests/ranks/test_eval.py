@@ -173,8 +173,7 @@ def trained(setup, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
     layout = layout_from_dict(_doc({}, {}), world_size=1)
     job = dataclasses.replace(job, train_iters=TRAIN_STEPS - 1, save=ckpt, data=cfg)
-    validate_job(layout, job)
-    run_ranks(1, train_rank, layout, job, timeout=300)
+    run_ranks(1, train_rank, validate_job(layout, job), timeout=300)
     return ckpt
 
 
@@ -182,8 +181,7 @@ def _resume_and_eval(doc, world, job, ckpt):
     """`train_rank` from the checkpoint: one more step, then the evaluation (--eval-interval)."""
     layout = layout_from_dict(doc, world_size=world)
     job = dataclasses.replace(job, load=ckpt, train_iters=TRAIN_STEPS, eval_interval=TRAIN_STEPS, eval_iters=EVAL_ITERS)
-    validate_job(layout, job)
-    return run_ranks(world, train_rank, layout, job, timeout=300)
+    return run_ranks(world, train_rank, validate_job(layout, job), timeout=300)
 
 
 LAYOUTS = [

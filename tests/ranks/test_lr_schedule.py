@@ -136,10 +136,13 @@ def _initial_params(doc: dict, world: int, job: JobConfig) -> list[dict]:
     """The parameters every run of `job` starts from: the trainer with no iteration to run."""
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.runtime.launcher import run_ranks
+    from megatron_hetero.training.setup import validate_job
     from megatron_hetero.training.trainer import train_rank
 
-    none = dataclasses.replace(job, train_iters=0, schedule=LRSchedule(lr_decay_iters=1))
-    return run_ranks(world, train_rank, layout_from_dict(doc, world_size=world), none, collect_params=True, timeout=180)
+    one = dataclasses.replace(job, train_iters=1, schedule=LRSchedule(lr_decay_iters=1))
+    validated = validate_job(layout_from_dict(doc, world_size=world), one)  # --train-iters 0 is refused
+    none = dataclasses.replace(validated, config=dataclasses.replace(one, train_iters=0))
+    return run_ranks(world, train_rank, none, collect_params=True, timeout=180)
 
 
 DISJ = {

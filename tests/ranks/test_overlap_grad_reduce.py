@@ -70,7 +70,7 @@ def _checkpoint_root(tmp_path_factory):
     _RUNS.clear()  # their checkpoints go with the folder
 
 
-def traced_train_rank(layout, job):
+def traced_train_rank(job):
     """`train_rank`, recording every launch of a DDP bucket group's gradient reduction (whether inside
     a backward pass, inside `finish_grad_sync`, in an evaluation step) and every gradient DDP's hook
     registered as ready (the backward pass it ran in, and whether outside `no_sync`)."""
@@ -146,7 +146,7 @@ def traced_train_rank(layout, job):
     DistributedDataParallel.finish_grad_sync = finish_grad_sync
     wrap_step(colocated.ColocatedSchedule)
     wrap_step(disjoint.DisjointSchedule)
-    out = train_rank(layout, job, collect_params=True)
+    out = train_rank(job, collect_params=True)
     out["launches"], out["ready"], out["bucket_groups"], out["gathers"] = launches, ready, groups, gathers
     return out
 
@@ -169,8 +169,7 @@ def _run(case: str, distributed: bool, overlap: bool, gather: bool = False) -> l
         if case == "colocated" and distributed and overlap and not gather:  # saved at 2 (and 3): resumed below
             job = dataclasses.replace(job, save=str(_CKPT["root"]), save_interval=2)
         layout = layout_from_dict(doc, world_size=world)
-        validate_job(layout, job)
-        _RUNS[key] = run_ranks(world, traced_train_rank, layout, job, timeout=180)
+        _RUNS[key] = run_ranks(world, traced_train_rank, validate_job(layout, job), timeout=180)
     return _RUNS[key]
 
 
@@ -288,8 +287,7 @@ def test_distributed_optimizer_checkpoint_resumes_across_bucket_counts_and_layou
     doc, world, _ = CASES[case]
     job = JobConfig(train_iters=ITERS, optim=_optim(True, overlap), eval_interval=2, load=str(root))
     layout = layout_from_dict(doc, world_size=world)
-    validate_job(layout, job)
-    resumed = run_ranks(world, train_rank, layout, job, timeout=180)
+    resumed = run_ranks(world, train_rank, validate_job(layout, job), timeout=180)
     dl = max_loss_rel_diff(losses(resumed), losses(full)[2:])
     de = max_loss_rel_diff(_records(resumed, "eval_loss"), _records(full, "eval_loss")[1:])
     print(

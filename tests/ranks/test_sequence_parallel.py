@@ -25,6 +25,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec, OutputSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
+from megatron_hetero.training.config import Job
 from megatron_hetero.training.setup import JobConfig, validate_job
 
 from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, world1_doc
@@ -51,7 +52,7 @@ DISJOINT = {
 }
 
 
-def _train(layout, job: JobConfig, skip_tp_reduce: bool = False) -> dict:
+def _train(job: Job, skip_tp_reduce: bool = False) -> dict:
     """One rank of the job; `skip_tp_reduce`: Megatron's all-reduce of the sequence-parallel gradients
     over TP made a no-op (what a forgotten reduction would give)."""
     import importlib
@@ -61,13 +62,12 @@ def _train(layout, job: JobConfig, skip_tp_reduce: bool = False) -> dict:
     if skip_tp_reduce:  # the module (megatron.core.distributed's attribute of that name is the function)
         fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
         fmg._allreduce_non_tensor_model_parallel_grads = lambda *a, **k: None
-    return train_rank(layout, job, collect_params=True)
+    return train_rank(job, collect_params=True)
 
 
 def _run(doc: dict, world: int, job: JobConfig, skip_tp_reduce: bool = False) -> list[dict]:
     layout = layout_from_dict(doc, world_size=world)
-    validate_job(layout, job)
-    return run_ranks(world, _train, layout, job, skip_tp_reduce, timeout=180)
+    return run_ranks(world, _train, validate_job(layout, job), skip_tp_reduce, timeout=180)
 
 
 def _norms(per_rank: list[dict]) -> list[float]:

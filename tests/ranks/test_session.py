@@ -11,7 +11,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig
+from megatron_hetero.training.setup import JobConfig, validate_job
 
 DOC = {
     "placement": "colocated",
@@ -23,7 +23,7 @@ JOB = JobConfig(
 )
 
 
-def _rank_fails_then_builds(layout, job) -> dict:
+def _rank_fails_then_builds(job) -> dict:
     from megatron_hetero.runtime.topology import Topology
     from megatron_hetero.training.llava_spec import LlavaTrainSpec
     from megatron_hetero.training.session import Session
@@ -45,13 +45,13 @@ def _rank_fails_then_builds(layout, job) -> dict:
         def release(self) -> None:
             calls.append("release")
 
-    prepare_rank(job)
+    prepare_rank(job.config)
     try:
-        Session(layout, Failing(job))
+        Session(job.layout, Failing(job))
     except ValueError as exc:
         calls.append(str(exc))
     failed = list(calls)
-    s = Session(layout, LlavaTrainSpec(job))  # the same groups again, in the same processes
+    s = Session(job.layout, LlavaTrainSpec(job))  # the same groups again, in the same processes
     try:
         loss = s.schedule.step(0).loss
     finally:
@@ -62,9 +62,9 @@ def _rank_fails_then_builds(layout, job) -> dict:
 def test_a_spec_failing_while_building_leaves_no_groups_behind() -> None:
     from megatron_hetero.training.trainer import train_rank
 
-    layout = layout_from_dict(DOC, world_size=2)
-    got = run_ranks(2, _rank_fails_then_builds, layout, JOB, timeout=120)
-    want = run_ranks(2, train_rank, layout, JOB, timeout=120)[0]["records"][0]["loss"]
+    job = validate_job(layout_from_dict(DOC, world_size=2), JOB)
+    got = run_ranks(2, _rank_fails_then_builds, job, timeout=120)
+    want = run_ranks(2, train_rank, job, timeout=120)[0]["records"][0]["loss"]
     for r in got:
         # the topology destroyed after the spec released what it held, then the error raised
         assert r["failed"] == ["release", "destroy", "the front end refused"], r["failed"]
@@ -72,15 +72,15 @@ def test_a_spec_failing_while_building_leaves_no_groups_behind() -> None:
         assert r["loss"] == want  # the rebuilt session trains as train's own first step, bit for bit
 
 
-def _rank_finish(layout, job, barrier: bool) -> list[str]:
+def _rank_finish(job, barrier: bool) -> list[str]:
     from megatron_hetero.training.llava_spec import LlavaTrainSpec
     from megatron_hetero.training.session import Session
     from megatron_hetero.training.trainer import prepare_rank
 
-    prepare_rank(job)
+    prepare_rank(job.config)
     spec = LlavaTrainSpec(job)
     spec.barrier_at_finish = barrier
-    s = Session(layout, spec)
+    s = Session(job.layout, spec)
     calls: list[str] = []
     close, barrier_fn = s.schedule.close, dist.barrier
     try:
@@ -95,6 +95,6 @@ def _rank_finish(layout, job, barrier: bool) -> list[str]:
 
 
 def test_finish_closes_the_schedule_and_meets_where_the_spec_asks() -> None:
-    layout = layout_from_dict(DOC, world_size=2)
-    assert run_ranks(2, _rank_finish, layout, JOB, False, timeout=120) == [["close"]] * 2
-    assert run_ranks(2, _rank_finish, layout, JOB, True, timeout=120) == [["close", "barrier"]] * 2
+    job = validate_job(layout_from_dict(DOC, world_size=2), JOB)
+    assert run_ranks(2, _rank_finish, job, False, timeout=120) == [["close"]] * 2
+    assert run_ranks(2, _rank_finish, job, True, timeout=120) == [["close", "barrier"]] * 2

@@ -55,8 +55,7 @@ CASES = [
 
 def _run(doc: dict, world: int, job: JobConfig):
     layout = layout_from_dict(doc, world_size=world)
-    validate_job(layout, job)
-    return run_ranks(world, train_rank, layout, job, collect_params=True, timeout=120)
+    return run_ranks(world, train_rank, validate_job(layout, job), collect_params=True, timeout=120)
 
 
 @pytest.mark.timeout(240)
