@@ -71,7 +71,7 @@ def plan_switch(
     timings=None,
     shared: bool = False,
     tried: tuple = (),
-    check: Optional[Callable[[HeteroLayout, JobConfig], None]] = None,
+    check: Optional[Callable[[HeteroLayout, JobConfig], object]] = None,
 ) -> Plan:
     """Rank 0's round (pure; no collective): the cost model fitted to the trace `doc` of the measuring
     window of `layout` (`calibrated`), the layouts this job can run ranked under its constraints,
@@ -79,8 +79,8 @@ def plan_switch(
     the layouts tried already and gone back from; they are left out, and the model is fitted to
     each of their windows too: every candidate is priced by the slowest of the fits (what a tried
     layout showed the model to underestimate counts against the layouts like it). `check(layout,
-    job)`: ValueError for a candidate the run cannot train (default: `train`'s `validate_job`; a
-    patched Megatron-LM script passes its own checks)."""
+    job)`: ValueError for a candidate the run cannot train, its value unused here (default: `train`'s
+    `validate_job`; a patched Megatron-LM script passes its own `candidate_check`)."""
     from megatron_hetero.training.layout_cost import candidate_for
     from megatron_hetero.training.setup import validate_job
 
