@@ -44,6 +44,10 @@ HELDOUT_SPLITS = ("val", "test")
 SYSTEM_PROMPT = "You are a helpful assistant that reads handwritten digits."
 KINDS = ("one", "two", "text")
 _KIND_P = (0.45, 0.35, 0.2)
+#: the questions whose answers read the images, by the part of the held-out accuracy they count for
+#: (`models.chat_eval.question_hits`): the one digit shown, the two digits shown (named in order)
+DIGIT_NAMED, TWO_NAMED = "What digit is this?", "What are the two digits?"
+IMAGE_QUESTIONS = {"digit named": DIGIT_NAMED, "two digits named": TWO_NAMED}
 _TEENS = ("ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
 _TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 
@@ -63,7 +67,7 @@ def number_word(n: int) -> str:
 
 
 def _turns_one(d: int, rng) -> list[tuple[str, str]]:
-    turns = [("<image>\nWhat digit is this?", DIGIT_WORDS[d])]
+    turns = [(f"<image>\n{DIGIT_NAMED}", DIGIT_WORDS[d])]
     follow = [
         ("Is it odd or even?", "odd" if d % 2 else "even"),
         ("What is it times two?", number_word(2 * d)),
@@ -76,7 +80,7 @@ def _turns_one(d: int, rng) -> list[tuple[str, str]]:
 
 def _turns_two(a: int, b: int, rng) -> list[tuple[str, str]]:
     larger = "the first" if a > b else "the second" if b > a else "they are equal"
-    first = ("<image> <image>\nWhat are the two digits?", f"{DIGIT_WORDS[a]} and {DIGIT_WORDS[b]}")
+    first = (f"<image> <image>\n{TWO_NAMED}", f"{DIGIT_WORDS[a]} and {DIGIT_WORDS[b]}")
     follow = [
         ("What is the sum of the two digits?", f"{number_word(a + b)} ({a + b})"),
         ("Which one is larger?", larger),

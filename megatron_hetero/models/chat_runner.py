@@ -14,7 +14,9 @@ Evaluation (`set_eval(True)`): `batch`, `loss_tokens` and `image_tiles` read the
 stage counts correct ANSWERS (`chat_eval.answer_hits`: teacher-forced, every token of an assistant
 answer the argmax, its closing end-of-turn marker not scored) on the ranks that count the loss
 (`caption_runner.gathered_eval_ids`: TP rank 0, CP rank 0 after the gathers). `take_eval_counts()`
-returns and resets this rank's (hits, answers); the trainer sums them over the world.
+returns and resets this rank's (hits, answers); the trainer sums them over the world. On the
+digits conversations `take_eval_parts()` gives the same per image question (`chat_eval.question_hits`
+with `digits_chat.IMAGE_QUESTIONS`): the answers that can only be right by reading the images.
 
 A Qwen2.5-VL tower reads the conversations at native resolution (`chat_batches`' module docstring):
 each image through the tower's image processor (`native_processor`: --image-processor's
@@ -48,7 +50,8 @@ from megatron_hetero.data.chat_batches import (
 from megatron_hetero.data.image_processor_config import read_preprocessor_config
 from megatron_hetero.data.qwen_image_processor import QwenImageProcessor
 from megatron_hetero.data.chat_default import chat_template_for
-from megatron_hetero.models.chat_eval import answer_hits
+from megatron_hetero.models.chat_eval import answer_hits, question_hits
+from megatron_hetero.data.digits_chat import IMAGE_QUESTIONS
 from megatron_hetero.data.chat_template import ChatTemplate
 from megatron_hetero.data.chat_tokens import (
     ChatTokens,
@@ -101,6 +104,8 @@ class ChatStageRunner(LlavaStageRunner):
         self._heldout = heldout  # opened on first use unless given (see chat_runner_factory)
         self.end_ids = end_of_turn_ids(data.tok, data.template)
         self._counts = [0, 0]  # (correct answers, answers) of the evaluation so far on this rank
+        self._parts = {p: [0, 0] for p in IMAGE_QUESTIONS}  # the same, per image question
+        self._marker_tok: Any = None  # the tokenizer with the template's markers, built on first count
 
     def heldout(self) -> ChatBatches:
         """The held-out split's batches (`chat_batches.chat_heldout`), opened once."""
@@ -148,9 +153,22 @@ class ChatStageRunner(LlavaStageRunner):
         hits, answers = answer_hits(ids, labels, mask, self.end_ids)
         self._counts[0] += hits
         self._counts[1] += answers
+        if self._marker_tok is None:
+            self._marker_tok, _ = marker_tokenizer(self.data.tok.tokenizer, extra=self.data.template.markers)
+        for part, (h, n) in question_hits(ids, labels, mask, self._marker_tok, IMAGE_QUESTIONS, self.end_ids).items():
+            self._parts[part][0] += h
+            self._parts[part][1] += n
 
     def take_eval_counts(self) -> tuple[int, int]:
         out, self._counts = tuple(self._counts), [0, 0]
+        return out
+
+    def take_eval_parts(self) -> dict[str, tuple[int, int]]:
+        """This rank's {part: (hits, answers)} of the answers to the digits conversations' image
+        questions (`digits_chat.IMAGE_QUESTIONS`: "digit named", "two digits named"; 0 answers on other
+        data) since the last call; resets them."""
+        out = {p: (h, n) for p, (h, n) in self._parts.items()}
+        self._parts = {p: [0, 0] for p in IMAGE_QUESTIONS}
         return out
 
 

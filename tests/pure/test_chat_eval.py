@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_hetero.models.chat_eval import answer_hits, answer_runs
+from megatron_hetero.models.chat_eval import answer_hits, answer_runs, question_hits
 
 END = [7, 8]  # a two-token end-of-turn marker
 
@@ -38,3 +38,36 @@ def test_logits_are_argmaxed_and_a_marker_alone_is_scored():
     assert answer_hits(logits, labels, mask, END) == (0, 1)
     with pytest.raises(ValueError, match="must all be"):
         answer_hits(labels, labels, mask[:, :3])
+
+
+class _Words:
+    """A hand-made word-level tokenizer (the `tokenizers.Tokenizer` calls `question_hits` makes)."""
+
+    WORDS = ["<s>", "what", "digit", "is", "this?", "seven", "<end>", "odd", "or", "even?", "odd", "two"]
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return len(self.WORDS)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(self.WORDS[i] for i in ids if not (skip_special_tokens and self.WORDS[i].startswith("<")))
+
+
+def test_question_hits_count_the_answers_to_each_question():
+    q = {"digit named": "What digit is THIS?", "parity": "odd or even?", "never": "what is two"}
+    # <s> what digit is this? [seven <end>] is odd or even? [odd <end>] what digit is this? [seven <end>]
+    labels = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 3, 7, 8, 9, 10, 6, 1, 2, 3, 4, 5, 6]])
+    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1]])
+    end = [6]
+    ids = labels.clone()
+    got = question_hits(ids, labels, mask, _Words(), q, end)
+    assert got == {"digit named": (2, 2), "parity": (1, 1), "never": (0, 0)}
+    ids[0, 17] = 11  # the second digit answer wrong
+    ids[0, 12] = 0  # the parity answer's closing marker wrong: not scored
+    got = question_hits(ids, labels, mask, _Words(), q, end)
+    assert got == {"digit named": (1, 2), "parity": (1, 1), "never": (0, 0)}
+    assert sum(h for h, _ in got.values()) == answer_hits(ids, labels, mask, end)[0]
+    placeholders = labels.clone()
+    placeholders[0, 0] = 99  # an id outside the vocabulary (an image placeholder) is skipped, not decoded
+    assert question_hits(ids, placeholders, mask, _Words(), q, end)["digit named"] == (1, 2)
+    with pytest.raises(ValueError, match="must all be"):
+        question_hits(ids, labels, mask[:, :3], _Words(), q)
