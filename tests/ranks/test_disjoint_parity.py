@@ -358,7 +358,7 @@ HIERARCHICAL_CASES = [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]]
 @pytest.mark.parametrize("case", HIERARCHICAL_CASES, ids=[c[0] for c in HIERARCHICAL_CASES])
 def test_hierarchical_boundary_mode_parity(case):
     """boundary_mode hierarchical trains to the losses of direct mode and of world 1 (fp32, 1e-5)."""
-    label, doc, world, job, _ = case
+    label, doc, world, job = case
     layout, per_rank = _run(_hierarchical(doc), world, job)
     assert layout.boundary_mode == "hierarchical"
     _assert_parity(layout, job.spec, per_rank, _reference(job.spec, job.optim), f"hierarchical {label}")
