@@ -190,11 +190,11 @@ def train_autotuned_script(
     lines: list = []  # the first session's IntervalLog: the lines of one run across the switches
 
     def make_session(run: Job, log, step_hook, tracer=None):
-        lay, j = run.layout, run.config
+        j = run.config
         if j.load:  # a switch or a revert: the whole run from Megatron's checkpoint in --save
             reference_session_args(args, j.load)
         args.micro_batch_size = j.micro_batch_size  # samples per micro-batch on the first language module's ranks
-        s = script_session(model, args, lay, datasets_provider, model_provider, tracer=tracer, job=j)
+        s = script_session(model, args, run, datasets_provider, model_provider, tracer=tracer)
         if lines:  # Megatron's log lines go on as one run's (no first-line averaging after a switch)
             s.front.interval_log = lines[0]
         else:

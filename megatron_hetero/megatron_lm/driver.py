@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
@@ -65,6 +64,7 @@ from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.log import print_last
 from megatron_hetero.megatron_lm.session import PREFIX, script_session
 from megatron_hetero.plan.rank_plan import check_rank_plans
+from megatron_hetero.training.config import Job
 from megatron_hetero.training.loop import run_loop
 from megatron_hetero.training.signals import ExitSignal
 
@@ -121,7 +121,9 @@ def chain(*providers: Optional[Callable]) -> Callable:
 
 
 def parse_and_validate(model: ScriptModel, extra_args_provider: Optional[Callable], args_defaults: dict):
-    """Megatron's argument parsing with the plugin flags; (args, layout). ValueError for bad input."""
+    """Megatron's argument parsing with the plugin flags; (args, the validated `Job`: the layout and
+    the rank plans' checked arithmetic, no `JobConfig`: Megatron's args are the script's). ValueError
+    for bad input."""
     from megatron.training.arguments import parse_args
 
     args = parse_args(extra_args_provider=chain(extra_args_provider, add_megatron_lm_args))
@@ -137,8 +139,8 @@ def parse_and_validate(model: ScriptModel, extra_args_provider: Optional[Callabl
     check_script_autotune(model.script, args, layout)  # --hetero-autotune's settings and model
     check_script_data(args, int(os.environ.get("RANK", "0")))  # before any rank reads data
     # Batch arithmetic and schedule tables (ValueError with the arithmetic): module degrees, not ranks.
-    check_rank_plans(layout, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
-    return args, layout
+    checked = check_rank_plans(layout, args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
+    return args, Job(layout, None, checked)
 
 
 # -- the entry point the patches reach -------------------------------------------------------------
@@ -154,7 +156,7 @@ def pretrain_with_layout(
     """Train the script's model with the layout of the `--hetero-*` flags; returns the exit code
     (2: invalid input, printed as one paragraph before any process group or model exists)."""
     try:
-        given, _ = parse_and_validate(model, extra_args_provider, args_defaults or {})
+        given, job = parse_and_validate(model, extra_args_provider, args_defaults or {})
     except ValueError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"{PREFIX}: invalid input: {exc}", file=sys.stderr, flush=True)
@@ -175,22 +177,24 @@ def pretrain_with_layout(
     for attr in UNEVEN_PP:
         setattr(args, "hetero_" + attr, getattr(args, attr, None))
         setattr(args, attr, None)
-    layout = layout_from_args(args, dist.get_world_size())
-    _train(model, args, layout, train_valid_test_datasets_provider, model_provider)
+    batch = (args.global_batch_size, args.micro_batch_size, args.hetero_offload_encoder)
+    if batch != (given.global_batch_size, given.micro_batch_size, given.hetero_offload_encoder):
+        # Megatron's validation derived the batch (e.g. --global-batch-size from the micro-batch and DP):
+        # the rank plans' arithmetic of that batch (the layout is the door's: the same --hetero-* flags)
+        job = Job(job.layout, None, check_rank_plans(job.layout, *batch))
+    _train(model, args, job, train_valid_test_datasets_provider, model_provider)
     return 0
 
 
-def _train(
-    model: ScriptModel, args, layout: HeteroLayout, datasets_provider: Callable, model_provider: Callable
-) -> None:
-    """The run on `layout` (one `training.session.Session` of the script's `ScriptSpec`), or with --hetero-autotune the run that measures
+def _train(model: ScriptModel, args, job: Job, datasets_provider: Callable, model_provider: Callable) -> None:
+    """The run on the validated `job`'s layout (one `training.session.Session` of the script's `ScriptSpec`), or with --hetero-autotune the run that measures
     itself and may move to another layout (`megatron_lm/autotune.py`). Collective over the world."""
     if getattr(args, "hetero_autotune", False):
         from megatron_hetero.megatron_lm.autotune import train_autotuned_script
 
-        train_autotuned_script(model, args, layout, datasets_provider, model_provider)
+        train_autotuned_script(model, args, job.layout, datasets_provider, model_provider)
         return
-    session = script_session(model, args, layout, datasets_provider, model_provider)
+    session = script_session(model, args, job, datasets_provider, model_provider)
     try:
         if session.start and session.start >= args.train_iters:
             print_last(

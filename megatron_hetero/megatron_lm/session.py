@@ -21,7 +21,7 @@ from megatron_hetero.megatron_lm.front_end import ScriptFrontEnd
 from megatron_hetero.megatron_lm.log import Evaluator, print_last
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.training.config import Job, JobConfig
 from megatron_hetero.training.session import Session
 
 PREFIX = "megatron-hetero megatron-lm"
@@ -185,16 +185,16 @@ class ScriptSpec:
 def script_session(
     model,
     args: Any,
-    layout: HeteroLayout,
+    job: Job,
     datasets_provider: Callable,
     model_provider: Callable,
     tracer=None,
-    job: Optional[JobConfig] = None,
 ) -> Session:
-    """The `Session` the script's model trains with under `layout` (`ScriptSpec`), from iteration
-    `session.start` (0, or the checkpoint's under `args.load`). `tracer`: a recording tracer for the
-    schedule (`--hetero-autotune`'s windows). Collective over the world."""
-    return Session(layout, ScriptSpec(model, args, datasets_provider, model_provider, job=job), tracer=tracer)
+    """The `Session` the script's model trains with under the validated `job` (`ScriptSpec`; its
+    `JobConfig` is the one `--hetero-autotune` prices, None without), from iteration `session.start`
+    (0, or the checkpoint's under `args.load`). `tracer`: a recording tracer for the schedule
+    (`--hetero-autotune`'s windows). Collective over the world."""
+    return Session(job, ScriptSpec(model, args, datasets_provider, model_provider, job=job.config), tracer=tracer)
 
 
 def reference_session_args(args: Any, load: Optional[str]) -> None:

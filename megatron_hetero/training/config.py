@@ -235,7 +235,8 @@ class Job:
     of it goes over a wire."""
 
     layout: HeteroLayout
-    config: JobConfig
+    #: None for a patched Megatron-LM script without --hetero-autotune (Megatron's args are its job)
+    config: Optional[JobConfig]
     checked: tuple = field(repr=False, compare=False)
 
 

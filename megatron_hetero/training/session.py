@@ -27,6 +27,7 @@ from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.schedules import Schedule, schedule_for
 from megatron_hetero.runtime.topology import Topology
+from megatron_hetero.training.config import Job
 
 
 class ModelSpec(Protocol):
@@ -94,13 +95,15 @@ class ModelSpec(Protocol):
 
 
 class Session:
-    """Everything one rank trains with under `layout` (module docstring): `topo`, `plan`, `states`,
-    `schedulers`, `start`, `runner`, `schedule` and `front`. `tracer`: a recording tracer for the
-    schedule instead of the spec's (`--hetero-autotune`'s windows). `checked`: the rank plans'
-    arithmetic for this layout and batch when this process validated it (`training.config.Job.checked`;
-    else computed here). Collective: every rank builds its session together."""
+    """Everything one rank trains with under the validated `job` (`training.config.Job`: the layout,
+    its `JobConfig` where the front end has one, and the rank plans' checked arithmetic) and the
+    front end's `spec` (module docstring): `topo`, `plan`, `states`, `schedulers`, `start`, `runner`,
+    `schedule` and `front`. `tracer`: a recording tracer for the schedule instead of the spec's
+    (`--hetero-autotune`'s windows). The rank's plan is built from `job.checked`, so nothing the door
+    validated is computed again. Collective: every rank builds its session together."""
 
-    def __init__(self, layout: HeteroLayout, spec: ModelSpec, tracer=None, checked: Optional[tuple] = None) -> None:
+    def __init__(self, job: Job, spec: ModelSpec, tracer=None) -> None:
+        layout = job.layout
         self.layout, self.spec, self.job = layout, spec, spec.job
         spec.prepare(layout)
         self.topo = topo = Topology.build(layout, timeout_s=spec.comm_timeout_s)
@@ -111,7 +114,7 @@ class Session:
                 spec.global_batch_size,
                 spec.micro_batch_size,
                 spec.offload_encoder,
-                checked=checked,
+                checked=job.checked,
             )
             self.states, self.schedulers, self.start = spec.build_states(plan, topo)
             self.runner = spec.build_runner(plan, self.states)

@@ -47,7 +47,7 @@ def train_session(
     iteration lines through `log` (None: none), `step_hook` after every step, `tracer` instead of the
     job's (`--hetero-autotune`'s windows). The `make_session` of `training.autotune_run.train_autotuned`.
     Collective."""
-    return Session(job.layout, LlavaTrainSpec(job, log, step_hook), tracer=tracer, checked=job.checked)
+    return Session(job, LlavaTrainSpec(job, log, step_hook), tracer=tracer)
 
 
 def train_rank(

@@ -47,11 +47,11 @@ def _rank_fails_then_builds(job) -> dict:
 
     prepare_rank(job.config)
     try:
-        Session(job.layout, Failing(job))
+        Session(job, Failing(job))
     except ValueError as exc:
         calls.append(str(exc))
     failed = list(calls)
-    s = Session(job.layout, LlavaTrainSpec(job))  # the same groups again, in the same processes
+    s = Session(job, LlavaTrainSpec(job))  # the same groups again, in the same processes
     try:
         loss = s.schedule.step(0).loss
     finally:
@@ -80,7 +80,7 @@ def _rank_finish(job, barrier: bool) -> list[str]:
     prepare_rank(job.config)
     spec = LlavaTrainSpec(job)
     spec.barrier_at_finish = barrier
-    s = Session(job.layout, spec)
+    s = Session(job, spec)
     calls: list[str] = []
     close, barrier_fn = s.schedule.close, dist.barrier
     try:
