@@ -39,6 +39,8 @@ from typing import Any, Optional
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.bench.e2e_workloads import WORLD, E2EWorkload, WORKLOADS, quick_workloads
 from megatron_hetero.bench.planner_configs import describe, resolve
+from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER
+from megatron_hetero.layout import load_layout
 
 #: the autotune's measuring window in the full run (one warm-up step and seven measured)
 STEPS = 8
@@ -82,7 +84,6 @@ def _run(layout, job, timeout: float) -> dict[str, Any]:
 
 def checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:
     """A copy of `save` whose tracker points at `iteration` (what --load resumes)."""
-    from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER
 
     shutil.copytree(save, dest)
     digest = hashlib.sha256((dest / f"iter_{iteration:07d}" / STATE_FILE).read_bytes()).hexdigest()
@@ -154,7 +155,6 @@ def run_workload(
     w: E2EWorkload, iters: int, steps: int, e2e: Optional[dict], tmp: Path, timeout: float
 ) -> dict[str, Any]:
     """The four runs of one workload (module docstring) and its figures."""
-    from megatron_hetero.layout import load_layout
     from megatron_hetero.training.autotune_config import AutotuneConfig
 
     homo = resolve(w.homogeneous, WORLD)

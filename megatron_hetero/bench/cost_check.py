@@ -33,6 +33,7 @@ import statistics
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
+from megatron_hetero.bench.common import markdown_table
 
 TERMS = ("compute", "boundary", "pipeline", "dp", "optimizer", "other")
 MEASURED = {
@@ -170,7 +171,6 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
 
 
 def table(doc: dict[str, Any]) -> str:
-    from megatron_hetero.bench.common import markdown_table
 
     head = ["configuration", "step meas/model"] + [f"{t} meas/model" for t in TERMS]
     rows = []

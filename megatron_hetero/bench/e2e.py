@@ -46,10 +46,14 @@ from megatron_hetero.bench.planner_configs import describe, resolve
 from megatron_hetero.planner import search as S
 from megatron_hetero.planner.model import workload
 from megatron_hetero.bench.e2e_workloads import WORLD, E2EWorkload, WORKLOADS, quick_workloads
+from megatron_hetero.planner import cost as C
+from megatron_hetero.planner import profile_fit as F
+from megatron_hetero.planner.profile_fit import ProfileGrid
+from megatron_hetero.training.job import quiet_upstream_warnings
+from megatron_hetero.training.layout_cost import cost_micro_batch
 
 
 def quick_grid():
-    from megatron_hetero.planner.profile_fit import ProfileGrid
 
     return ProfileGrid(
         layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 64, 2)), "encoder": ((64, 4, 16, 1), (64, 4, 32, 2))},
@@ -65,7 +69,6 @@ def quick_grid():
 
 def e2e_grid():
     """The profile grid: shapes around the workloads' (hidden 64, up to 512 tokens per micro-batch)."""
-    from megatron_hetero.planner.profile_fit import ProfileGrid
 
     return ProfileGrid(
         layer_shapes={
@@ -182,10 +185,7 @@ def run(
     (+ e2e.png). quick: smaller models, a small profile grid, one round; `profile`: use this fitted
     profile instead of measuring one (tests)."""
     from megatron_hetero.compat import default_backend, require_compat
-    from megatron_hetero.planner import cost as C
-    from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import run as T
-    from megatron_hetero.training.job import quiet_upstream_warnings
 
     from megatron_hetero.bench import plain_megatron as PM
 
@@ -326,7 +326,6 @@ def run(
 
 
 def _cost_mbs(layout, spec, mbs: int) -> int:
-    from megatron_hetero.training.layout_cost import cost_micro_batch
 
     return cost_micro_batch(layout, spec, mbs)
 

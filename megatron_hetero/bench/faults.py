@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_hetero.runtime.faults import FAULT_ENV, FAULT_LOG_ENV, KINDS, PHASES
+from megatron_hetero.bench.common import write_json
+from megatron_hetero.checkpoint.files import read_tracker
+from megatron_hetero.checkpoint.files import select_checkpoint
 
 LAYOUTS: dict[str, dict] = {
     "colocated": {
@@ -339,7 +342,6 @@ def _run_torchrun(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, An
 
 
 def _latest(root: Path) -> Optional[int]:
-    from megatron_hetero.checkpoint.files import read_tracker
 
     try:
         return read_tracker(root)
@@ -349,7 +351,6 @@ def _latest(root: Path) -> Optional[int]:
 
 def _refuses_without_fallback(root: Path) -> Optional[bool]:
     """None when no save under `root` was cut short; else whether `--load` alone refuses to resume."""
-    from megatron_hetero.checkpoint.files import select_checkpoint
 
     if not any(p.name.endswith(".saving") for p in root.iterdir()):
         return None
@@ -422,7 +423,6 @@ def run(
     cells = list(cells if cells is not None else (QUICK if quick else full_matrix()))
     t0 = time.time()
     refs = {lay: reference_losses(lay, comm_timeout_s) for lay in sorted({c.layout for c in cells})}
-    from megatron_hetero.bench.common import write_json
 
     records: list[dict[str, Any]] = []
 

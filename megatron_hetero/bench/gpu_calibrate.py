@@ -37,6 +37,7 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
+from megatron_hetero.planner.hardware_presets import load_hardware
 
 #: the fit run's model and batch (train's flags by name) on a GPU (bf16): a 4-layer, 1024-wide
 #: language model of 1024 tokens and a 2-layer, 1024-wide encoder of 256 tokens, 4 samples per micro-batch
@@ -132,7 +133,6 @@ def calibration_report(runs: Sequence[tuple[str, dict, Any, Any]], hardware: str
     every run (`run_report`). ValueError for no runs or a trace the calibration cannot use."""
     from megatron_hetero.planner import autotune as A
     from megatron_hetero.planner.hardware import Profile
-    from megatron_hetero.planner.hardware_presets import load_hardware
     from megatron_hetero.training.autotune_checks import workload_of
     from megatron_hetero.training.layout_cost import candidate_for
 
@@ -250,8 +250,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = Path(args.work) if args.work else out.parent / (out.stem + "_traces")
     runs = []
     try:
-        from megatron_hetero.planner.hardware_presets import load_hardware
-
         load_hardware(args.hardware)  # refused before any run
         shapes = {"fit": parse_shape(args.fit, FIT), "held-out": parse_shape(args.held_out, HELD_OUT)}
         for name, shape in shapes.items():

@@ -11,6 +11,7 @@ CPU. Nothing else is changed; a failure after these is the script's own (the ben
 from __future__ import annotations
 
 import sys
+from megatron_hetero.megatron_lm.run import run_script
 
 
 def main() -> int:
@@ -18,7 +19,6 @@ def main() -> int:
         print(__doc__.strip())
         return 2
     from megatron_hetero.compat.startup import import_megatron_core
-    from megatron_hetero.megatron_lm.run import run_script
 
     import_megatron_core()  # the launcher's first step, before anything imports megatron.core
     from megatron_hetero.compat.mimo_example import mimo_example_cpu_bringup

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_hetero.bench.common import bar_plot, markdown_table, write_json
+from megatron_hetero.megatron_lm.tree import apply_patches
 
 WORLD = 4
 WARMUP = 2  # iterations dropped from each run's step times (start-up, first allocations)
@@ -213,7 +214,6 @@ def run_script(module: str, script: Path, args: list[str], nproc: int, iters: in
 
 def _trees(tree: Path, work: Path) -> dict[str, Path]:
     """{'pristine': the tree itself, 'patched': a copy under `work` with the project's patches}."""
-    from megatron_hetero.megatron_lm.tree import apply_patches
 
     patched = work / "patched"
     shutil.copytree(tree, patched, ignore=shutil.ignore_patterns("__pycache__", ".git"))

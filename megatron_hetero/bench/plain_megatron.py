@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron_hetero.compat import default_backend, require_compat
+from megatron_hetero.runtime.launcher import run_ranks
 
 
 #: ours; Megatron-core with the encoder per micro-batch (as Megatron-LM's LLaVA runs it); Megatron-core
@@ -163,8 +165,6 @@ def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, A
     """`steps` steps of each mode (after one dropped warm-up step each), alternated; the step time of
     a step is the slowest rank's. Returns the medians, ours over each plain variant (ratio of the
     medians, and the median of the per-step ratios) and the losses."""
-    from megatron_hetero.compat import default_backend, require_compat
-    from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
 
     if steps < 1:

@@ -40,6 +40,9 @@ from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch, kind_of
 from megatron_hetero.bench.planner_configs import CONFIGS, WORLDS, BenchModel, describe, resolve
 from megatron_hetero.planner.model import workload
+from megatron_hetero.planner import profile_fit as F
+from megatron_hetero.planner.profile_fit import ProfileGrid
+from megatron_hetero.training.job import quiet_upstream_warnings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +81,6 @@ def measure_step(
 def bench_grid():
     """The profile grid of the benchmark: the generic grid's shapes around the benchmark model's
     (hidden 32-128, up to 128 tokens per micro-batch), every TP/CP degree and collective."""
-    from megatron_hetero.planner.profile_fit import ProfileGrid
 
     return ProfileGrid(
         layer_shapes={
@@ -141,10 +143,8 @@ def run(
     round; profile_rounds: the same for the profile; retries: re-measurements of a round that
     another process disturbed; grid: the profile grid (default `bench_grid()`)."""
     from megatron_hetero.compat import default_backend, require_compat
-    from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import kernels as P
     from megatron_hetero.profiling import run as T
-    from megatron_hetero.training.job import quiet_upstream_warnings
 
     if iters < 1 or rounds < 1 or profile_rounds < 1 or warmup < 0 or retries < 0:
         raise ValueError(

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, flag_values
+from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.planner.model import ModelFlags, spec_from_flags
 
 
 WORLDS = (4, 8)
@@ -31,7 +33,6 @@ class BenchModel:
 
     def resized(self, **sizes) -> "BenchModel":
         """This model with some of train's size flags changed (by dest: num_layers, encoder_tokens, ...)."""
-        from megatron_hetero.planner.model import ModelFlags, spec_from_flags
 
         unknown = set(sizes) - set(flag_values(self.spec, keep_none=True))
         assert not unknown, f"not size flags: {sorted(unknown)}"
@@ -112,7 +113,6 @@ CONFIGS: list[tuple[int, dict]] = [
 
 
 def resolve(doc: dict, world: int) -> HeteroLayout:
-    from megatron_hetero.layout import layout_from_dict
 
     return layout_from_dict(doc, world_size=world)
 

@@ -19,11 +19,11 @@ import statistics
 import time
 from dataclasses import replace
 from typing import Any
+from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
 
 
 def _span_cost_s(reps: int = 5, n: int = 20000) -> float:
     """Best-of-`reps` time of one recorded span minus one null span (the tracer's own cost)."""
-    from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
 
     def per_span(tr) -> float:
         best = float("inf")
@@ -42,7 +42,6 @@ def _rank(job, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from megatron_hetero.runtime.schedules import schedule_for
-    from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
     from megatron_hetero.training.trainer import prepare_rank, train_session
 
     prepare_rank(job.config)

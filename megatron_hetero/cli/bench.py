@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from megatron_hetero.bench.suite import BENCHMARKS
+from megatron_hetero.bench.suite import run_benchmark, table
 
 NAME = "bench"
 USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from megatron_hetero.bench.suite import BENCHMARKS
 
     p = sub.add_parser(NAME, help="benchmarks (ratios measured side by side in one run; JSON + PNG)")
     p.add_argument("name", choices=BENCHMARKS)
@@ -43,7 +44,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.bench.suite import run_benchmark, table
 
     out = Path(args.out)
     doc = run_benchmark(args.name, out, args.iters, quick=args.quick, before_tree=args.before_tree)

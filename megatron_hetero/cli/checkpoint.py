@@ -18,6 +18,8 @@ import argparse
 import json
 import re
 from pathlib import Path
+from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
+from megatron_hetero.checkpoint.files import saves
 
 NAME = "checkpoint"
 
@@ -49,11 +51,9 @@ def run(args: argparse.Namespace) -> int:
     # which its fused kernels' decorations would import (compat.startup)
     import_megatron_core()
     from megatron_hetero.checkpoint import save_load as ckpt
-    from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
     from megatron_hetero.checkpoint.loadable import read_torch_files
 
     root, iteration = _locate(args.dir, args.iteration)
-    from megatron_hetero.checkpoint.files import saves
 
     d, state = read_train_state(root, iteration)
     verify_manifest(d, state)

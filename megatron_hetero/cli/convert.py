@@ -45,6 +45,10 @@ Runs in this process as a world of one (gloo, file store: no port), builds the m
 from __future__ import annotations
 
 import argparse
+from megatron_hetero.convert import hf_llava
+from megatron_hetero.convert import hf_qwen_checkpoint as qwen
+from megatron_hetero.convert import hf_weights as convert
+from megatron_hetero.convert.hf_export import checkpoint_to_hf
 
 NAME = "convert"
 USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
@@ -118,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
-    from megatron_hetero.convert import hf_weights as convert
 
     if args.action == "hf-to-checkpoint":
         if args.seq_length is not None and args.seq_length < 1:
@@ -129,13 +132,11 @@ def run(args: argparse.Namespace) -> int:
                     "--model takes a whole LLaVA folder: --vision, --language, --projector and "
                     "--vision-feature-layer come from it (its config.json's vision_feature_layer)"
                 )
-            from megatron_hetero.convert import hf_qwen_checkpoint as qwen
 
             if qwen.is_qwen_vl(args.model):
                 return _qwen_to_checkpoint(args)
             if args.image_size is not None:
                 raise ValueError("--image-size goes with a Qwen2.5-VL --model folder")
-            from megatron_hetero.convert import hf_llava
 
             summary = hf_llava.llava_to_checkpoint(
                 args.model, args.out, seq_length=args.seq_length, hybrid_layer_pattern=args.hybrid_layer_pattern
@@ -186,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
             f"(no model flags: the checkpoint records the model)"
         )
         return 0
-    from megatron_hetero.convert import hf_qwen_checkpoint as qwen
 
     if qwen.is_qwen_checkpoint(args.dir):
         if not args.model:
@@ -194,13 +194,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"qwen2.5-vl: {qwen.checkpoint_to_qwen(args.dir, args.out, like=args.like)}")
         return 0
     if args.model:
-        from megatron_hetero.convert import hf_llava
-
         print(f"llava: {hf_llava.checkpoint_to_llava(args.dir, args.out, like=args.like)}")
         return 0
     if args.like is not None:
         raise ValueError("--like goes with --model (one LLaVA folder)")
-    from megatron_hetero.convert.hf_export import checkpoint_to_hf
 
     written = checkpoint_to_hf(args.dir, args.out)
     for name, folder in written.items():
@@ -210,7 +207,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _qwen_to_checkpoint(args: argparse.Namespace) -> int:
     """`hf-to-checkpoint --model` of a Qwen2.5-VL folder (`convert.hf_qwen_checkpoint`)."""
-    from megatron_hetero.convert import hf_qwen_checkpoint as qwen
 
     if args.hybrid_layer_pattern is not None:
         raise ValueError("--hybrid-layer-pattern: a Qwen2.5-VL language model is a GPT decoder with M-RoPE")

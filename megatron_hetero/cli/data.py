@@ -25,6 +25,8 @@ import json
 from megatron_hetero.cli import CommandFailed
 from megatron_hetero.cli.data_speech import add_speech_flags, run_speech
 from megatron_hetero.cli.data_write import write_conversations
+from megatron_hetero.data.digits import write_digits_dataset
+from megatron_hetero.data.digits_chat import write_digits_chat_dataset
 
 NAME = "data"
 
@@ -98,7 +100,6 @@ def add_trust_flag(parser) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     """`data digits --chat`: the conversation dataset of `data.digits_chat`."""
-    from megatron_hetero.data.digits_chat import write_digits_chat_dataset
 
     summary = write_conversations(args, write_digits_chat_dataset, CommandFailed)
     if args.json:
@@ -119,8 +120,6 @@ def run(args: argparse.Namespace) -> int:
     if args.data_command == "check":
         return run_check(args)
     import importlib.util
-
-    from megatron_hetero.data.digits import write_digits_dataset
 
     for mod in ("megatron.energon", "sklearn", "PIL"):  # the prepare step runs energon in a subprocess
         try:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from megatron_hetero.cli.data_write import write_conversations
+from megatron_hetero.data.digits_speech import write_digits_speech_dataset
 
 
 def add_speech_flags(d: argparse.ArgumentParser) -> None:
@@ -21,7 +22,6 @@ def add_speech_flags(d: argparse.ArgumentParser) -> None:
 def run_speech(args: argparse.Namespace, failed: type[Exception]) -> int:
     """Write the dataset; `failed` (the CLI's exit-1 error) carries a missing synthesiser's install
     hint or energon's failure."""
-    from megatron_hetero.data.digits_speech import write_digits_speech_dataset
 
     if args.chat:
         raise ValueError("--speech and --chat are two datasets: give one")

@@ -15,6 +15,8 @@ megatron-hetero megatron-lm run SCRIPT [ARGS...]
 from __future__ import annotations
 
 import argparse
+from megatron_hetero.megatron_lm.run import run_script
+from megatron_hetero.megatron_lm.tree import apply_patches, check_tree
 
 NAME = "megatron-lm"
 
@@ -37,11 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.megatron_lm_action == "run":
-        from megatron_hetero.megatron_lm.run import run_script
-
         run_script(args.script, args.script_args)
         return 0
-    from megatron_hetero.megatron_lm.tree import apply_patches, check_tree
 
     if args.apply or args.revert:
         st = apply_patches(args.dir, reverse=args.revert)

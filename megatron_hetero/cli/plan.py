@@ -18,14 +18,38 @@ import json
 
 from megatron_hetero.cli.model_flags import MODEL_FLAGS, add_model_flags
 from megatron_hetero.layout.flags import value
+from megatron_hetero.cli import CommandFailed
+from megatron_hetero.cli.arch_flags import add_arch_flags
+from megatron_hetero.cli.train_door import arch_flags, batch_from_args, model_flags
+from megatron_hetero.layout.args import add_hetero_args
+from megatron_hetero.layout.args import layout_from_args
+from megatron_hetero.layout.flags import add_flags, flags_of
+from megatron_hetero.layout.flags import values
+from megatron_hetero.layout.validate import check_experts
+from megatron_hetero.layout.validate import check_recompute
+from megatron_hetero.plan.rank_plan import rank_plan
+from megatron_hetero.plan.roles import roles
+from megatron_hetero.planner.memory import StateFeatures
+from megatron_hetero.planner.model import LlavaSpec
+from megatron_hetero.planner.model import MOE_FLAGS
+from megatron_hetero.planner.model import spec_from_flags
+from megatron_hetero.report.draw import draw_layout
+from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS
+from megatron_hetero.report.memory import memory_rows
+from megatron_hetero.report.memory import memory_text
+from megatron_hetero.report.plan import default_shape, layout_json, layout_text
+from megatron_hetero.report.plan_summary import SUMMARY_ABOVE
+from megatron_hetero.report.plan_summary import rank_json, rank_text
+from megatron_hetero.report.plan_summary import summary_json, summary_text
+from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.training.arch_args import apply_arch_flags
+from megatron_hetero.training.config import JobConfig
+from megatron_hetero.training.config import job_recompute
 
 NAME = "plan"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from megatron_hetero.layout.args import add_hetero_args
-    from megatron_hetero.layout.flags import add_flags, flags_of
-    from megatron_hetero.planner.model import LlavaSpec
 
     p = sub.add_parser(NAME, help="validate a layout and print the rank map and boundary plans")
     p.add_argument("layout", nargs="?", default=None, help="layout YAML (or use --hetero-layout / --hetero-module)")
@@ -79,12 +103,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _add_memory_flags(p: argparse.ArgumentParser) -> None:
     """--memory and the flags of `train` that the memory model reads: the rest of the model's sizes,
     the batch, the architecture, MoE, precision, optimizer, distributed optimizer, SP and recompute."""
-    from megatron_hetero.cli.arch_flags import add_arch_flags
-    from megatron_hetero.layout.flags import add_flags, flags_of
-    from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec
-    from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS
-    from megatron_hetero.runtime.config import OptimConfig
-    from megatron_hetero.training.config import JobConfig
 
     p.add_argument(
         "--memory",
@@ -101,15 +119,11 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.layout.args import layout_from_args
-    from megatron_hetero.report.plan import default_shape, layout_json, layout_text
 
     if args.layout and args.hetero_layout:
         raise ValueError("give the layout file once: positional LAYOUT or --hetero-layout, not both")
     if args.layout:
         args.hetero_layout = args.layout
-    from megatron_hetero.layout.validate import check_experts
-    from megatron_hetero.plan.roles import roles
 
     layout = layout_from_args(args, world_size=args.world_size)
     experts = {}
@@ -118,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
         check_experts(layout, experts)
     hidden = value(args, MODEL_FLAGS["hidden_size"])  # the model's hidden size unless given
     shape = default_shape(layout, args.global_batch_size, args.seq_length, hidden, args.dtype_bytes)
-    from megatron_hetero.report.plan_summary import SUMMARY_ABOVE
 
     if args.rank is not None:
         return _rank(args, layout, shape, experts)
@@ -136,8 +149,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(layout_text(layout, shape, experts))
         if memory is not None:
-            from megatron_hetero.report.memory import memory_text
-
             print(memory_text(memory))
     if args.draw:
         _draw(layout, shape, args.draw, quiet=args.json)
@@ -145,12 +156,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace, layout, shape, experts) -> int:
-    from megatron_hetero.report.plan_summary import summary_json, summary_text
 
     doc = summary_json(layout, shape, experts)
     if args.memory:  # the memory model of the sample ranks only
-        from megatron_hetero.report.memory import memory_text
-
         rows = _memory_rows(args, layout, [r["rank"] for r in doc["sample_ranks"]])
         for entry, row in zip(doc["sample_ranks"], rows):
             entry.update({k: v for k, v in row.items() if k != "rank"})
@@ -167,16 +175,6 @@ def _memory_rows(args: argparse.Namespace, layout, ranks=None) -> list[dict]:
     (read here, at plan's door, as `train` reads them: `cli.train_door`). ValueError for bad sizes,
     batches or recompute flags."""
     import dataclasses
-
-    from megatron_hetero.cli.train_door import arch_flags, batch_from_args, model_flags
-    from megatron_hetero.layout.flags import values
-    from megatron_hetero.layout.validate import check_recompute
-    from megatron_hetero.planner.memory import StateFeatures
-    from megatron_hetero.planner.model import spec_from_flags
-    from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS, memory_rows
-    from megatron_hetero.runtime.config import OptimConfig
-    from megatron_hetero.training.arch_args import apply_arch_flags
-    from megatron_hetero.training.config import JobConfig, job_recompute
 
     global_batch, micro_batch = batch_from_args(args, layout)
     model = model_flags(args)
@@ -201,8 +199,6 @@ def _memory_rows(args: argparse.Namespace, layout, ranks=None) -> list[dict]:
 
 def _schedule_lines(args: argparse.Namespace, layout, rank: int) -> list[str]:
     """The rank's schedule table for the batch flags (its colocated phases or its stage's 1F1B)."""
-    from megatron_hetero.plan.rank_plan import rank_plan
-    from megatron_hetero.cli.train_door import batch_from_args
 
     g, mbs = batch_from_args(args, layout)
     plan = rank_plan(layout, rank, g, mbs, bool(getattr(args, "hetero_offload_encoder", False)))
@@ -214,15 +210,12 @@ def _schedule_lines(args: argparse.Namespace, layout, rank: int) -> list[str]:
 
 
 def _rank(args: argparse.Namespace, layout, shape, experts) -> int:
-    from megatron_hetero.report.plan_summary import rank_json, rank_text
 
     if not 0 <= args.rank < layout.world_size:
         raise ValueError(f"--rank {args.rank} is outside the layout's world size {layout.world_size}")
     schedule = _schedule_lines(args, layout, args.rank) if args.global_batch_size is not None else None
     doc = rank_json(layout, shape, args.rank, experts, schedule)
     if args.memory:
-        from megatron_hetero.report.memory import memory_text
-
         (row,) = _memory_rows(args, layout, [args.rank])
         doc.update({k: v for k, v in row.items() if k != "rank"})
     print(json.dumps(doc, indent=1) if args.json else rank_text(doc))
@@ -233,9 +226,6 @@ def _rank(args: argparse.Namespace, layout, shape, experts) -> int:
 
 def _draw(layout, shape, out: str, quiet: bool) -> None:
     import sys
-
-    from megatron_hetero.report.draw import draw_layout
-    from megatron_hetero.cli import CommandFailed
 
     try:
         summary = draw_layout(layout, out, shape)

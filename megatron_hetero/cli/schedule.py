@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 from megatron_hetero.cli import CommandFailed
+from megatron_hetero.report.draw import draw_schedule
 
 NAME = "schedule"
 
@@ -75,8 +76,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _draw(layout, args: argparse.Namespace, **kwargs) -> None:
     import sys
-
-    from megatron_hetero.report.draw import draw_schedule
 
     try:
         summary = draw_schedule(layout, args.draw, **kwargs)

@@ -23,6 +23,24 @@ import json
 from pathlib import Path
 
 from megatron_hetero.cli.model_flags import MODEL_FLAGS, add_model_flags, flag
+from megatron_hetero.cli.train_door import model_flags
+from megatron_hetero.layout.flags import dest, option
+from megatron_hetero.layout.flags import value
+from megatron_hetero.layout.yaml_io import dump_layout
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names
+from megatron_hetero.planner.hardware_presets import load_hardware
+from megatron_hetero.planner.heteropipe import strategy_label
+from megatron_hetero.planner.model import encoder_model_spec, spec_from_flags, workload
+from megatron_hetero.planner.model import qwen_encoder_spec
+from megatron_hetero.planner.model import size_flags
+from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, SPEECH_PRESETS, TOWER_PRESETS
+from megatron_hetero.planner.presets import paper_direction
+from megatron_hetero.planner.presets import regime_table
+from megatron_hetero.planner.search import search, train_micro_batch_size
+from megatron_hetero.planner.search_space import SearchSpace
+from megatron_hetero.planner.workload import ModelSpec
+from megatron_hetero.planner.workload import Workload
 
 NAME = "search"
 
@@ -42,8 +60,6 @@ _OLD_FLAGS = {
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names
-    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, SPEECH_PRESETS, TOWER_PRESETS
 
     p = sub.add_parser(
         NAME,
@@ -116,9 +132,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="chunks per sample's clip (default 1): the speech encoder runs K chunks a sample, so its tokens "
         "per sample follow the clip's length (K x tokens a chunk), not --seq-length",
     )
-    for old, dest in _OLD_FLAGS.items():
-        (src if dest == "hardware" else p).add_argument(
-            old, dest=dest, type=str if dest == "hardware" else int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    for old, name in _OLD_FLAGS.items():
+        (src if name == "hardware" else p).add_argument(
+            old, dest=name, type=str if name == "hardware" else int, default=argparse.SUPPRESS, help=argparse.SUPPRESS
         )
     p.add_argument("--memory-limit-gb", type=float, default=None, help="per-rank limit (default 90%% of device memory)")
     p.add_argument("--placements", default="homogeneous,colocated,disjoint", help="comma-separated placements to try")
@@ -152,8 +168,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _profile(args):
-    from megatron_hetero.planner.hardware import Profile
-    from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
 
     if args.profile:
         return Profile.load(args.profile)
@@ -176,8 +190,6 @@ def _tower_spec(base, args, llm_hidden: int):
     cost model's encoder (`planner.model.qwen_encoder_spec`: priced over its patches, its windows)."""
     import dataclasses
 
-    from megatron_hetero.planner.model import qwen_encoder_spec
-
     sizes = {
         "num_layers": args.encoder_num_layers,
         "hidden_size": args.encoder_hidden_size,
@@ -193,7 +205,6 @@ def _tower_spec(base, args, llm_hidden: int):
 
 
 def _preset_spec(base, args, side: str, seq: int):
-    from megatron_hetero.planner.workload import ModelSpec
 
     names = {
         "encoder": (
@@ -229,9 +240,6 @@ def workload_from_args(args):
     sizes the model flags override."""
     import dataclasses
 
-    from megatron_hetero.layout.flags import value
-    from megatron_hetero.cli.train_door import model_flags
-    from megatron_hetero.planner.model import encoder_model_spec, spec_from_flags, workload
     from megatron_hetero.planner.presets import (
         ENCODER_PRESETS,
         LLM_PRESETS,
@@ -239,7 +247,6 @@ def workload_from_args(args):
         TOKENS_PER_STEP,
         TOWER_PRESETS,
     )
-    from megatron_hetero.planner.workload import Workload
 
     audio = _audio_encoder(args)
     if not uses_presets(args):
@@ -312,12 +319,9 @@ def _audio_encoder(args):
 
 def train_command(args, out: str, wl, micro_batch_size: int) -> str:
     """The `megatron-hetero train` line that runs the layout written to `out` with the searched model."""
-    from megatron_hetero.layout.flags import dest, option
 
     words = ["megatron-hetero train --hetero-layout", Path(out).name]
     if not uses_presets(args):  # the model flags given, so train builds the model that was searched
-        from megatron_hetero.planner.model import size_flags
-
         # --encoder-max-tiles: never searched (the cost model refuses it), so never written
         words += [
             f"{option(f)} {getattr(args, dest(f))}"
@@ -424,7 +428,6 @@ def result_text(res, wl, prof) -> str:
 
 
 def regime_markdown(rows: list) -> str:
-    from megatron_hetero.planner.presets import paper_direction
 
     head = (
         "| encoder | LLM | context | GPUs | global batch | picked | configuration | step (s) | homogeneous (s) | "
@@ -446,7 +449,6 @@ def regime_markdown(rows: list) -> str:
 
 
 def _space(args):
-    from megatron_hetero.planner.search_space import SearchSpace
 
     placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
     runtime = not (args.all_layouts or args.regime_table)  # the regime table studies the whole space
@@ -454,9 +456,6 @@ def _space(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.layout.yaml_io import dump_layout
-    from megatron_hetero.planner.presets import regime_table
-    from megatron_hetero.planner.search import search, train_micro_batch_size
 
     prof = _profile(args)
     limit = None if args.memory_limit_gb is None else args.memory_limit_gb * 1e9
@@ -524,8 +523,6 @@ def _run_segments(args: argparse.Namespace, wl, prof, limit) -> int:
     """`search --segments N`: the heteropipe DP's layer partition x TP/DP of the language model."""
     import time
 
-    from megatron_hetero.layout.yaml_io import dump_layout
-    from megatron_hetero.planner.heteropipe import strategy_label
     from megatron_hetero.planner.segments import (
         plan_segments,
         segments_layout,

@@ -12,19 +12,19 @@ The checks are `launch/slurm.py`, the script `launch/sbatch.py`; the train argum
 from __future__ import annotations
 
 import argparse
+from megatron_hetero.launch.slurm import add_arguments
+from megatron_hetero.launch.slurm import run as run_slurm
 
 NAME = "slurm"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from megatron_hetero.cli.train import add_parser as add_train_parser
-    from megatron_hetero.launch.slurm import add_arguments
 
     p = sub.add_parser(NAME, help="write/submit an sbatch script that runs train on N nodes")
     return add_arguments(p, add_train_parser=add_train_parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.launch.slurm import run as run_slurm
 
     return run_slurm(args)

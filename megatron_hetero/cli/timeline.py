@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from megatron_hetero.cli import CommandFailed
+from megatron_hetero.report.draw import draw_timeline
 
 NAME = "timeline"
 
@@ -28,7 +29,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hetero.report.draw import draw_timeline
 
     path = Path(args.trace)
     try:

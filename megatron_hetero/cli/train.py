@@ -54,6 +54,20 @@ from pathlib import Path
 
 from megatron_hetero.cli import CommandFailed
 from megatron_hetero.cli.model_flags import add_model_flags
+from megatron_hetero.checkpoint.loadable import load_note
+from megatron_hetero.cli.arch_flags import add_arch_flags
+from megatron_hetero.cli.data import add_train_data_flags
+from megatron_hetero.cli.failure import advice
+from megatron_hetero.cli.failure import rank_failure_line
+from megatron_hetero.cli.train_door import job_from_args
+from megatron_hetero.launch.rank_env import check_world_size
+from megatron_hetero.launch.rank_env import rank_env
+from megatron_hetero.layout.args import add_hetero_args
+from megatron_hetero.layout.args import layout_from_args
+from megatron_hetero.layout.flags import add_flags
+from megatron_hetero.planner.model import TRANSFORMER_IMPLS
+from megatron_hetero.training.config import train_flag_fields
+from megatron_hetero.training.job import quiet_upstream_warnings, run_as_rank, run_local
 
 NAME = "train"
 USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
@@ -83,18 +97,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """Every flag of train on parser `p` (`dryrun` takes the same ones)."""
-    from megatron_hetero.cli.arch_flags import add_arch_flags
-    from megatron_hetero.cli.data import add_train_data_flags
-    from megatron_hetero.layout.args import add_hetero_args
-    from megatron_hetero.layout.flags import add_flags
-    from megatron_hetero.training.config import train_flag_fields
 
     add_model_flags(p)
     add_arch_flags(p)
     add_train_data_flags(p)
     add_flags(p, train_flag_fields(), GROUPS)
     add_hetero_args(p)
-    from megatron_hetero.planner.model import TRANSFORMER_IMPLS
 
     p.add_argument(
         "--transformer-impl",
@@ -110,7 +118,6 @@ def precheck(args: argparse.Namespace) -> None:
     """The layout read and checked before torch and Megatron-core are imported (`run_command`): a bad
     layout exits 2 within a second, on every rank under torchrun/srun, instead of after ~10 s of
     imports. `run` reads it again (the same pure call) with the rest of the job."""
-    from megatron_hetero.layout.args import layout_from_args
 
     layout_from_args(args, world_size=args.nproc_per_node)
 
@@ -118,15 +125,9 @@ def precheck(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from megatron_hetero.cli.train_door import job_from_args
-    from megatron_hetero.training.job import quiet_upstream_warnings, run_as_rank, run_local
-    from megatron_hetero.launch.rank_env import rank_env
-
     quiet_upstream_warnings()
     from megatron_hetero.compat import default_backend
-    from megatron_hetero.layout.args import layout_from_args
     from megatron_hetero.runtime.launcher import RankFailure, RankTimeout
-    from megatron_hetero.launch.rank_env import check_world_size
     from megatron_hetero.training.setup import validate_job
 
     env = rank_env(os.environ)
@@ -151,8 +152,6 @@ def run(args: argparse.Namespace) -> int:
         check_world_size(env, layout.world_size)
     job = validate_job(layout, config)  # once in this process, before anything is printed or started
     if config.load and (env is None or env.rank == 0):
-        from megatron_hetero.checkpoint.loadable import load_note
-
         note = load_note(config.load, config.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
         if note:
             print(note, file=sys.stderr, flush=True)
@@ -169,8 +168,6 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             import traceback
 
-            from megatron_hetero.cli.failure import advice
-
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             todo = advice(str(exc), config.save)
             raise CommandFailed(f"failed: {first}" + (f"; {todo}" if todo else ""), traceback.format_exc()) from None
@@ -180,8 +177,6 @@ def run(args: argparse.Namespace) -> int:
         try:
             records = run_local(job, timeout=args.launch_timeout)
         except RankFailure as exc:
-            from megatron_hetero.cli.failure import rank_failure_line
-
             line = rank_failure_line(exc.failures, exc.killed, config.save)
             raise CommandFailed(f"failed: {line}", str(exc)) from None
         except RankTimeout as exc:

@@ -32,6 +32,10 @@ from megatron_hetero.planner.model import LlavaSpec, ModelFlags, spec_from_flags
 from megatron_hetero.training.arch_args import ArchFlags, apply_arch_flags
 from megatron_hetero.training.config import JobConfig, plain_job_flags
 from megatron_hetero.training.job import default_micro_batch_size, recorded_spec
+from megatron_hetero.checkpoint.files import TRACKER
+from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.training.autotune_config import AutotuneConfig
+from megatron_hetero.training.lr_schedule import LRSchedule
 
 
 def model_flags(args: Any) -> ModelFlags:
@@ -75,7 +79,6 @@ def resolve_pretrained(load: Optional[str], finetune: bool, pretrained: Optional
     resumes."""
     if not pretrained:
         return load, finetune
-    from megatron_hetero.checkpoint.files import TRACKER
 
     if load and (Path(load) / TRACKER).is_file():
         return load, finetune
@@ -88,9 +91,6 @@ def job_from_args(args: argparse.Namespace, layout: HeteroLayout) -> JobConfig:
     it: `cli.train`). `progress` stays False (the CLI sets it when stdout is a terminal). ValueError
     for invalid sizes."""
     from megatron_hetero.models.job_data import job_data
-    from megatron_hetero.runtime.config import OptimConfig
-    from megatron_hetero.training.autotune_config import AutotuneConfig
-    from megatron_hetero.training.lr_schedule import LRSchedule
 
     load, finetune = resolve_pretrained(args.load, bool(args.finetune), getattr(args, "pretrained_checkpoint", None))
     global_batch_size, micro_batch_size = batch_from_args(args, layout)

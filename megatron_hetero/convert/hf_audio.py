@@ -15,6 +15,8 @@ import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
+from megatron_hetero.models.hf_whisper_config import whisper_config_json
+from megatron_hetero.models.hf_whisper_config import whisper_fields
 
 AUDIO = "audio"
 AUDIO_PROJECTOR = "audio_projector"
@@ -33,7 +35,6 @@ def audio_prefix(shapes: dict, where: str) -> str:
 def with_audio(spec, cfg: dict, where: str, seq_length_given: bool):
     """`spec` with an `audio` Whisper encoder after the vision one's tokens; a default sequence length
     grows to hold both (a given one must already)."""
-    from megatron_hetero.models.hf_whisper_config import whisper_fields
     from megatron_hetero.models.llava import EncoderSpec
 
     vision = spec.encoders["vision"]
@@ -67,7 +68,6 @@ def audio_to_ours(source, enc, prefix: str) -> dict:
 def audio_parts(sd: dict, enc, saved: Optional[dict]) -> SimpleNamespace:
     """The audio module's state dict -> {tensors: {audio, audio_projector}, configs: {audio}}."""
     from megatron_hetero.models import hf_names
-    from megatron_hetero.models.hf_whisper_config import whisper_config_json
     from megatron_hetero.models.hf_whisper_names import whisper_to_hf
 
     cfg = dict(saved) if saved is not None else whisper_config_json(enc)

@@ -23,6 +23,8 @@ from megatron_hetero.convert.hf_weights import (
     world_of_one_layout,
 )
 from megatron_hetero.models import hf_config
+from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
+from megatron_hetero.convert import hf_audio
 
 
 def checkpoint_to_hf(root: str | Path, out: str | Path) -> dict[str, Path]:
@@ -54,13 +56,11 @@ def hf_parts(root: str | Path) -> SimpleNamespace:
     from megatron_hetero.models import hf_names
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.checkpoint import save_load as ckpt
-    from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
 
     d, state = read_train_state(root)
     verify_manifest(d, state)
     spec = LlavaSpec.from_record(state.get("model") or {})
     hf_config.check_hf_expressible(spec)
-    from megatron_hetero.convert import hf_audio
 
     encoders = [n for n, e in spec.encoders.items() if e.kind in ("clip", "siglip")]
     speech = [n for n, e in spec.encoders.items() if e.kind == "whisper"]

@@ -39,6 +39,8 @@ from megatron_hetero.convert.hf_weights import (
     world_of_one_layout,
     write_checkpoint,
 )
+from megatron_hetero.checkpoint.files import read_train_state
+from megatron_hetero.checkpoint.files import verify_manifest
 
 QWEN_VL = "qwen2_5_vl"  # the model_type, and the folder under hf/ keeping its config and files
 PROCESSOR_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
@@ -168,7 +170,6 @@ def checkpoint_states(root: str | Path) -> SimpleNamespace:
     language: GPTModel state} (whole tensors, `read_qwen_vl`'s names), `spec`, `directory`, `config`
     (the kept config.json or None); ValueError for another model."""
     from megatron_hetero.checkpoint import save_load as ckpt
-    from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
     from megatron_hetero.models.llava import LlavaSpec
 
     d, state = read_train_state(root)
@@ -198,7 +199,6 @@ def checkpoint_states(root: str | Path) -> SimpleNamespace:
 
 def is_qwen_checkpoint(root: str | Path) -> bool:
     """Whether the latest checkpoint under `root` records a Qwen2.5-VL model."""
-    from megatron_hetero.checkpoint.files import read_train_state
 
     _, state = read_train_state(root)
     encs = (state.get("model") or {}).get("encoders") or {}

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_hetero.convert.hf_qwen_vision import hf_to_tower, tower_to_hf
+from megatron_hetero.models.hf_names import language_to_hf
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
 
@@ -91,7 +92,6 @@ def write_qwen_vl(cfg: dict, states: dict[str, dict[str, torch.Tensor]], out: st
     """OUT/config.json + OUT/model.safetensors (hub names) of the two modules' whole states."""
     from safetensors.torch import save_file
 
-    from megatron_hetero.models.hf_names import language_to_hf
     from megatron_hetero.models.qwen_vision import QwenVisionSpec
     from megatron_hetero.models.qwen_vl import QwenTextSpec
 

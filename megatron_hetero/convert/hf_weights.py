@@ -37,6 +37,12 @@ from typing import Iterator, Optional
 
 from megatron_hetero.models import hf_config
 from megatron_hetero.checkpoint.pretrained import ORIGIN
+from megatron_hetero.checkpoint.files import FORMAT, LAYOUT_FILE, publish, stage_dir, write_train_state
+from megatron_hetero.checkpoint.records import spec_record
+from megatron_hetero.convert import hf_audio
+from megatron_hetero.models.hybrid_pattern import gpt_to_hybrid_name
+from megatron_hetero.models.hybrid_pattern import hybrid_to_gpt_name
+from megatron_hetero.models.hybrid_pattern import is_gpt_pairs, pattern_layers
 
 HF_DIR = "hf"
 VISION, LANGUAGE = "vision", "language"
@@ -238,7 +244,6 @@ def hf_to_checkpoint(
     """Convert (module docstring); returns a summary {model, tensors per module, directory}.
     `hybrid_layer_pattern`: the language model as Megatron's HybridModel (`with_hybrid_pattern`);
     `audio`: a Whisper folder whose encoder becomes the `audio` module (`convert.hf_audio`)."""
-    from megatron_hetero.convert import hf_audio
     from megatron_hetero.models import hf_names
 
     # refusal happens here, before any weight is read
@@ -302,7 +307,6 @@ def convert_sources(
     fuse, load into the whole modules and write the checkpoint; `extra_files`: name under `hf/` ->
     a file copied there (a LLaVA folder's processor and tokenizer files); `audio`: a Whisper
     folder's tensors for the `audio` encoder of `spec` (`convert.hf_audio`)."""
-    from megatron_hetero.convert import hf_audio
     from megatron_hetero.models import hf_names
 
     aprefix = hf_audio.check_audio(audio, spec.encoders[hf_audio.AUDIO]) if audio is not None else None
@@ -368,8 +372,6 @@ def with_hybrid_pattern(spec, pattern: Optional[str]):
     per Hugging Face layer (pipes between pairs), express a Llama/Qwen2 model; ValueError otherwise."""
     import dataclasses
 
-    from megatron_hetero.models.hybrid_pattern import is_gpt_pairs, pattern_layers
-
     if pattern is None:
         return spec
     if not is_gpt_pairs(pattern) or len(pattern_layers(pattern)) != 2 * spec.num_layers:
@@ -394,7 +396,6 @@ def gpt_view(spec):
 
 def to_hybrid_names(tensors: dict, spec) -> dict:
     """GPT language-module names -> the HybridModel's (`models.hybrid_lm.gpt_to_hybrid_name`)."""
-    from megatron_hetero.models.hybrid_pattern import gpt_to_hybrid_name
 
     if spec.hybrid_layer_pattern is None:
         return tensors
@@ -402,7 +403,6 @@ def to_hybrid_names(tensors: dict, spec) -> dict:
 
 
 def from_hybrid_names(tensors: dict, spec) -> dict:
-    from megatron_hetero.models.hybrid_pattern import hybrid_to_gpt_name
 
     if spec.hybrid_layer_pattern is None:
         return tensors
@@ -421,9 +421,7 @@ def write_checkpoint(
     from megatron_hetero.layout.yaml_io import dump_layout
     from megatron_hetero.checkpoint import save_load as ckpt
     from megatron_hetero.checkpoint.keys import logical_models
-    from megatron_hetero.checkpoint.records import spec_record
     from megatron_hetero.checkpoint.sharded import model_sharded_state_dict
-    from megatron_hetero.checkpoint.files import FORMAT, LAYOUT_FILE, publish, stage_dir, write_train_state
 
     ckpt._writer_results_in_process()
     d = stage_dir(root, 0)

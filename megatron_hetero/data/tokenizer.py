@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from megatron_hetero.data.samples import PLACEHOLDER_ID
+from megatron_hetero.data.digits import DIGIT_WORDS, digit_caption
 
 SHIPPED_TOKENIZER = Path(__file__).with_name("digits_tokenizer.json")
 SPECIAL_TOKENS = ("<image>", "<pad>", "<s>", "</s>")  # ids 0..3 in the shipped tokenizer
@@ -109,7 +110,6 @@ def train_caption_bpe(texts: Iterable[str], vocab_size: int = 320):
 
 def build_shipped_tokenizer(path: Path = SHIPPED_TOKENIZER) -> Path:
     """(Re)write the shipped tokenizer from the digit captions (each caption once per digit)."""
-    from megatron_hetero.data.digits import DIGIT_WORDS, digit_caption
 
     train_caption_bpe([digit_caption(d) for d in range(len(DIGIT_WORDS))]).save(str(path))
     return path

@@ -11,6 +11,7 @@ import shlex
 from typing import Optional, Sequence
 
 from megatron_hetero.launch.rank_env import PORT_BASE, PORT_SPAN
+from megatron_hetero.launch.rank_env import MARKER_ENV
 
 
 DEFAULT_ENTRY_MODULE = "megatron_hetero"
@@ -207,7 +208,6 @@ def sbatch_script(
 
 def _resume_lines(save_dir: str, signal_seconds: int) -> list[str]:
     """Shell lines: resume from the save directory's checkpoint, and where rank 0 marks a stop on SIGTERM."""
-    from megatron_hetero.launch.rank_env import MARKER_ENV
 
     return [
         f"save_dir={shlex.quote(save_dir)}",

@@ -32,6 +32,18 @@ import torch.distributed as dist
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.training.autotune_config import AutotuneConfig
 from megatron_hetero.training.config import Job, JobConfig
+from megatron_hetero.layout.flags import add_flags, flags_of
+from megatron_hetero.layout.flags import values
+from megatron_hetero.megatron_lm.build import num_image_embeddings
+from megatron_hetero.megatron_lm.checks import check_common
+from megatron_hetero.megatron_lm.checks import decoder_layers
+from megatron_hetero.megatron_lm.log import print_last
+from megatron_hetero.plan.rank_plan import check_rank_plans
+from megatron_hetero.planner.autotune import parse_fix
+from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.training.autotune_checks import check_autotune
+from megatron_hetero.training.autotune_run import train_autotuned
+from megatron_hetero.training.signals import ExitSignal
 
 #: the degrees Megatron's LLaVA in `pretrain_vlm.py` keeps with a layout (`vlm.check_vlm`)
 VLM_FIXES = {"vision": {"pp": 1, "cp": 1}, "language": {"cp": 1}}
@@ -39,7 +51,6 @@ VLM_FIXES = {"vision": {"pp": 1, "cp": 1}, "language": {"cp": 1}}
 
 def add_autotune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """train's `--hetero-autotune` and `--autotune-*` flags (`AutotuneConfig`) on Megatron's parser."""
-    from megatron_hetero.layout.flags import add_flags, flags_of
 
     add_flags(parser, flags_of(AutotuneConfig), {"autotune": "megatron-hetero auto-layout (--hetero-autotune)"})
     return parser
@@ -47,7 +58,6 @@ def add_autotune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 def autotune_config(args: Any) -> Optional[AutotuneConfig]:
     """The run's `AutotuneConfig`, or None without --hetero-autotune."""
-    from megatron_hetero.layout.flags import values
 
     if not getattr(args, "hetero_autotune", False):
         return None
@@ -57,7 +67,6 @@ def autotune_config(args: Any) -> Optional[AutotuneConfig]:
 def script_fixes(tune: AutotuneConfig) -> str:
     """`--autotune-fix` with the degrees the script's model keeps (`VLM_FIXES`) added where the user
     pinned none of their own."""
-    from megatron_hetero.planner.autotune import parse_fix
 
     given = parse_fix(tune.autotune_fix)
     items = [] if not tune.autotune_fix else [tune.autotune_fix]
@@ -71,9 +80,6 @@ def script_fixes(tune: AutotuneConfig) -> str:
 def cost_spec(args: Any):
     """The cost model's `LlavaSpec` of `pretrain_vlm.py`'s model from Megatron's arguments (before or
     after `build.vlm_sizes` rewrote the sequence lengths)."""
-    from megatron_hetero.megatron_lm.build import num_image_embeddings
-    from megatron_hetero.megatron_lm.checks import decoder_layers
-    from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
 
     n_img = num_image_embeddings(args)
     text = args.dataloader_seq_length if getattr(args, "dataloader_seq_length", None) is not None else args.seq_length
@@ -124,7 +130,6 @@ def check_script_autotune(script: str, args: Any, layout: HeteroLayout) -> None:
     """ValueError (before any process group exists) for a run `--hetero-autotune` cannot tune: a script
     other than pretrain_vlm.py (the cost model prices an encoder and a language model), no --save,
     or what `training.autotune_checks.check_autotune` refuses (the settings, the model)."""
-    from megatron_hetero.training.autotune_checks import check_autotune
 
     tune = autotune_config(args)
     if tune is None:
@@ -146,8 +151,6 @@ def candidate_check(model, args: Any) -> Callable:
     `training.config.Job` of `layout` and the `JobConfig`, ValueError for a layout the script cannot
     train (its own checks and the driver's, the batch arithmetic of `config`'s micro-batch, the
     padded vocabulary over each module's TP)."""
-    from megatron_hetero.megatron_lm.checks import check_common
-    from megatron_hetero.plan.rank_plan import check_rank_plans
 
     def check(layout: HeteroLayout, config: JobConfig) -> Job:
         model.check(args, layout)
@@ -178,10 +181,7 @@ def train_autotuned_script(
     model, args: Any, layout: HeteroLayout, datasets_provider: Callable, model_provider: Callable
 ) -> None:
     """The script's run from `layout` with --hetero-autotune (module docstring). Collective."""
-    from megatron_hetero.megatron_lm.log import print_last
     from megatron_hetero.megatron_lm.session import PREFIX, reference_session_args, script_session
-    from megatron_hetero.training.autotune_run import train_autotuned
-    from megatron_hetero.training.signals import ExitSignal
 
     tune = autotune_config(args)
     assert tune is not None

@@ -62,6 +62,7 @@ from megatron_hetero.megatron_lm.weights import (
     grad_scalers,
     is_expert,
 )
+from megatron_hetero.compat.device import get_device
 
 
 def _holdings(states: dict, first_layers: dict[str, int]) -> dict[str, tuple[torch.Tensor, Any, bool]]:
@@ -95,7 +96,6 @@ def save_reference_checkpoint(source, iteration: int, states: dict, first_layers
     from megatron.training.checkpointing import save_checkpoint
 
     from megatron_hetero.checkpoint.save_load import _writer_results_in_process
-    from megatron_hetero.compat.device import get_device
     from megatron_hetero.runtime.loss_scale import rank_loss_scaler
 
     assert source.kept is not None, "the reference model was not kept"

@@ -12,6 +12,7 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.layout.validate import check_heads
 from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.config import check_optimizer_flags
+from megatron_hetero.plan.roles import language_modules
 
 #: Megatron flags no layout supports yet (attribute -> flag).
 REFUSED = {
@@ -124,7 +125,6 @@ def check_uneven_pipeline(args: Any, layout: HeteroLayout) -> Optional[tuple[str
     own pipeline (`pipeline_split`); refused with GPT segments, whose `layers:` already say which
     layers each segment's pipeline holds (each segment splits its own evenly). Returns (module,
     layers per stage) when the flags are given, else None; ValueError naming the flag."""
-    from megatron_hetero.plan.roles import language_modules
 
     given = uneven_pp_flags(args)
     if not given:

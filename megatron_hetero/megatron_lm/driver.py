@@ -67,6 +67,9 @@ from megatron_hetero.plan.rank_plan import check_rank_plans
 from megatron_hetero.training.config import Job
 from megatron_hetero.training.loop import run_loop
 from megatron_hetero.training.signals import ExitSignal
+from megatron_hetero.megatron_lm.autotune import add_autotune_args
+from megatron_hetero.megatron_lm.autotune import check_script_autotune
+from megatron_hetero.megatron_lm.autotune import train_autotuned_script
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,6 @@ def add_megatron_lm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="let the data run the code it names (energon Python files and imports, pickled "
         "members, a pickled index cache); without it such data is refused (exit 2)",
     )
-    from megatron_hetero.megatron_lm.autotune import add_autotune_args
 
     return add_autotune_args(parser)
 
@@ -134,7 +136,6 @@ def parse_and_validate(model: ScriptModel, extra_args_provider: Optional[Callabl
     layout = layout_from_args(args, world)
     model.check(args, layout)
     check_common(args, layout)
-    from megatron_hetero.megatron_lm.autotune import check_script_autotune
 
     check_script_autotune(model.script, args, layout)  # --hetero-autotune's settings and model
     check_script_data(args, int(os.environ.get("RANK", "0")))  # before any rank reads data
@@ -190,8 +191,6 @@ def _train(model: ScriptModel, args, job: Job, datasets_provider: Callable, mode
     """The run on the validated `job`'s layout (one `training.session.Session` of the script's `ScriptSpec`), or with --hetero-autotune the run that measures
     itself and may move to another layout (`megatron_lm/autotune.py`). Collective over the world."""
     if getattr(args, "hetero_autotune", False):
-        from megatron_hetero.megatron_lm.autotune import train_autotuned_script
-
         train_autotuned_script(model, args, job.layout, datasets_provider, model_provider)
         return
     session = script_session(model, args, job, datasets_provider, model_provider)

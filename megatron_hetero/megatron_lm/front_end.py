@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_hetero.megatron_lm.log import Evaluator, IntervalLog
 from megatron_hetero.runtime.loss_scale import loss_scale_of
+from megatron_hetero.compat.device import get_device
 
 
 class ScriptFrontEnd:
@@ -70,7 +71,6 @@ class ScriptFrontEnd:
 def current_lr(states: dict) -> float:
     """The learning rate of the first trained module on this rank after the step's scheduler step;
     the same on every rank after an all-reduce of max (ranks without a trained module report 0)."""
-    from megatron_hetero.compat.device import get_device
 
     lr = 0.0
     for s in states.values():

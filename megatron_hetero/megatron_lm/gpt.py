@@ -39,6 +39,9 @@ from megatron_hetero.megatron_lm.runner import MegatronDataRunner
 from megatron_hetero.plan.roles import language_modules, roles
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum
 from megatron_hetero.runtime.step import loss_normaliser
+from megatron_hetero.layout.validate import check_experts
+from megatron_hetero.megatron_lm.build import module_config
+from megatron_hetero.runtime.loss_scale import loss_scale_of
 
 #: Megatron GPT flags a layout refuses beyond `driver.REFUSED` (attribute -> flag)
 REFUSED_GPT = {
@@ -110,7 +113,6 @@ def check_moe(args: Any, layout: HeteroLayout) -> None:
     expert TP from the reference, `weights.copy_into`); Megatron's `--expert-tensor-parallel-size`
     itself names the reference layout's. Expert TP > 1 runs on gloo too: Megatron's all-gather of
     uneven token counts over expert TP goes through compat's `cpu.gloo_uneven_all_gather`."""
-    from megatron_hetero.layout.validate import check_experts
 
     check_experts(layout, {m.name: args.num_experts for m in language_modules(layout)})
     if args.expert_model_parallel_size != 1:
@@ -139,7 +141,6 @@ def check_moe(args: Any, layout: HeteroLayout) -> None:
 
 def build_gpt_segment(args: Any, layout: HeteroLayout, m: ModuleLayout, pgs, model_provider: Callable):
     """Module `m`'s stage of Megatron's GPT on this rank, built by the script's model provider."""
-    from megatron_hetero.megatron_lm.build import module_config
 
     if args.padded_vocab_size % m.tp:
         raise ValueError(
@@ -211,8 +212,6 @@ class MegatronGptRunner(MegatronDataRunner):
         (from `grad_scale_func`); the disjoint schedule's stages rely on this one (measured: 30 times
         this scale moves the segments case's losses by 3.7e-4 while the colocated case stays exact)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-        from megatron_hetero.runtime.loss_scale import loss_scale_of
 
         step = samples.start // self.plan.global_batch
         scale = loss_scale_of(self.states) / loss_normaliser(self.loss_tokens(step))

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.runtime.loss_scale import LossScaler
 
 
 def model_dtype(args: Any) -> torch.dtype:
@@ -63,7 +64,6 @@ def optim_fields(args: Any) -> dict[str, Any]:
 
 def loss_scaler(optim: OptimConfig):
     """This rank's one loss scaler for every module it serves (--fp16), or None."""
-    from megatron_hetero.runtime.loss_scale import LossScaler
 
     return LossScaler(optim) if optim.fp16 else None
 

@@ -25,6 +25,7 @@ from megatron_hetero.megatron_lm.precision import model_dtype
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
+from megatron_hetero.megatron_lm.build import num_image_embeddings
 
 
 SPLITS = ("train", "valid", "test")
@@ -117,7 +118,6 @@ class MegatronVlmRunner(MegatronDataRunner):
     float_keys = ("image", "loss_mask")
 
     def __init__(self, args: Any, plan: RankPlan, states: dict[str, ModuleState], datasets_provider: Callable) -> None:
-        from megatron_hetero.megatron_lm.build import num_image_embeddings
 
         super().__init__(args, plan, states, datasets_provider)
         self.img_seq = num_image_embeddings(args)

@@ -23,6 +23,8 @@ from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.training.config import Job, JobConfig
 from megatron_hetero.training.session import Session
+from megatron_hetero.compat import ensure_global_memory_buffer
+from megatron_hetero.megatron_lm.checks import check_uneven_pipeline
 
 PREFIX = "megatron-hetero megatron-lm"
 
@@ -82,7 +84,6 @@ class ScriptSpec:
     def prepare(self, layout: HeteroLayout) -> None:
         """The attention buffer; with --load or --hetero-init reference, Megatron's own model on the
         reference layout (`weights.ReferenceSource`, collective); what the model provider sets on args."""
-        from megatron_hetero.compat import ensure_global_memory_buffer
 
         ensure_global_memory_buffer()
         args = self.args
@@ -96,8 +97,6 @@ class ScriptSpec:
         weights (and with --load its optimizer state) copied in, Megatron DDP, optimizer and scheduler;
         with --save the reference model's scheduler follows the modules' (`"<reference>"`)."""
         from megatron.training.training import get_optimizer_param_scheduler
-
-        from megatron_hetero.megatron_lm.checks import check_uneven_pipeline
 
         args, model, source, layout = self.args, self.model, self.source, plan.layout
         optim = optim_config(args)

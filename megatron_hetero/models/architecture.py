@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.layout.validate import check_heads
+from megatron_hetero.models.hybrid_pattern import check_pattern, check_pipeline, pattern_layers
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "mrope")
@@ -138,7 +139,6 @@ def check_hybrid(layout: HeteroLayout, spec, langs) -> None:
     """A HybridModel language model (`--hybrid-layer-pattern`) against the other options and the
     layout: the pattern's symbols and stages (`models.hybrid_lm.check_pattern` / `check_pipeline`),
     one language module (no segments), no llama3 rope scaling (HybridModel has no such option)."""
-    from megatron_hetero.models.hybrid_pattern import check_pattern, check_pipeline, pattern_layers
 
     pattern = spec.hybrid_layer_pattern
     check_pattern(pattern, spec.transformer_impl, spec.num_experts)

@@ -36,6 +36,7 @@ from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.data.tokenizer import load_tokenizer
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
+from megatron_hetero.models.cp_attention import cp_chunk_positions
 
 #: the energon split evaluation reads (`megatron-hetero data digits` registers its held-out shard as `val`)
 HELDOUT_SPLIT = "val"
@@ -124,8 +125,6 @@ def gathered_eval_ids(
     The vocabulary is gathered over TP and the positions over CP (collectives: every TP/CP rank of the
     module calls this)."""
     import torch.distributed as dist
-
-    from megatron_hetero.models.cp_attention import cp_chunk_positions
 
     me, pgs = runner.plan.modules[module], runner.states[module].pgs
     tp = pgs.tp.size()

@@ -31,6 +31,7 @@ from megatron_hetero.compat import clip_vit_norm_kwargs
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models.one_stage_encoder import OneStageEncoder
 from megatron_hetero.models.layer_specs import encoder_layer_spec
+from megatron_hetero.models.llava import build_projector, freeze_trunk
 
 
 def patches_to_image(x: torch.Tensor, grid: int, patch: int) -> torch.Tensor:
@@ -62,7 +63,6 @@ class ClipEncoderModule(OneStageEncoder):
     ) -> None:
         """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
         super().__init__()
-        from megatron_hetero.models.llava import build_projector, freeze_trunk
 
         self._one_stage(name, m, "a CLIP encoder")
         self.patch = enc.patch_size

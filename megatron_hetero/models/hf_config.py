@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from megatron_hetero.models.hybrid_pattern import is_gpt_pairs
 
 VISION_TYPES = ("clip_vision_model", "clip", "siglip_vision_model", "siglip")
 SIGLIP_TYPES = ("siglip_vision_model", "siglip")
@@ -268,7 +269,6 @@ def language_config_json(spec) -> dict:
 def check_hf_expressible(spec) -> None:
     """ValueError unless the checkpoint's model is one `checkpoint-to-hf` can write (Llama/Qwen2-style
     language model; CLIP encoders)."""
-    from megatron_hetero.models.hybrid_pattern import is_gpt_pairs
 
     if spec.hybrid_layer_pattern is not None and not is_gpt_pairs(spec.hybrid_layer_pattern):
         raise ValueError(

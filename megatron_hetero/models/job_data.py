@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
 from megatron_hetero.models.llava import LlavaSpec
+from megatron_hetero.data.digits_speech import is_speech_dataset
 
 
 def job_data(
@@ -23,7 +24,6 @@ def job_data(
     """(spec fitted to the data, data config) for train's data flags `req` (None: the synthetic data).
     `global_batch`: the job's; conversation data checks its first global batch against --seq-length."""
     from megatron_hetero.data.chat_batches import is_chat_dataset
-    from megatron_hetero.data.digits_speech import is_speech_dataset
 
     if req.data_path and is_speech_dataset(req.data_path):
         from megatron_hetero.models.speech_runner import speech_job_data

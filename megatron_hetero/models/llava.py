@@ -67,6 +67,7 @@ from megatron_hetero.models.llava_checks import check_encoder_cp
 from megatron_hetero.data.samples import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec  # noqa: F401 (the model's description)
+from megatron_hetero.models.qwen_positions import mrope_ids
 
 
 def dtype_of(spec: LlavaSpec) -> torch.dtype:
@@ -353,8 +354,6 @@ class LanguageModule(torch.nn.Module):
         # Megatron builds its M-RoPE with the global CP group, the module's own cuts the angles
         self.mrope_ids: Optional[torch.Tensor] = None
         if spec.position_embedding_type == "mrope":
-            from megatron_hetero.models.qwen_positions import mrope_ids
-
             self.mrope_ids = mrope_ids(spec, spec.seq_length)
             self.gpt.rotary_pos_emb.cp_group = pgs.cp
         local_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0

@@ -35,6 +35,9 @@ from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
 from megatron_hetero.runtime.step import loss_normaliser
+from megatron_hetero.models.qwen_positions import batch_mrope_ids
+from megatron_hetero.models.qwen_positions import grid_mrope_ids
+from megatron_hetero.runtime.loss_scale import loss_scale_of
 
 #: evaluation on the synthetic data reads global samples EVAL_OFFSET + i, which no training step reaches
 EVAL_OFFSET = 1 << 40
@@ -222,13 +225,9 @@ class LlavaStageRunner(StageRunner):
         attention_mask, position_ids = self._document_masks(b["tokens"])
         native = [n for n in sorted(self.variable) if self.spec.encoders[n].kind == "qwen2.5-vl"]
         if native:  # M-RoPE ids per image size (one Qwen2.5-VL encoder: its image per row)
-            from megatron_hetero.models.qwen_positions import batch_mrope_ids
-
             (name,) = native
             grids = self.image_grids(samples)
             if grids is not None:  # each image its own grid (several a row, any sizes)
-                from megatron_hetero.models.qwen_positions import grid_mrope_ids
-
                 lang.set_mrope_ids(grid_mrope_ids(b["image_mask"][name], grids[name]))
             else:
                 tiles = self.image_tiles(samples)[name]
@@ -289,8 +288,6 @@ class LlavaStageRunner(StageRunner):
         if not self.spec.num_experts:
             return run()
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
-
-        from megatron_hetero.runtime.loss_scale import loss_scale_of
 
         # times the whole model's loss scale under --fp16, as the loss itself (runtime.loss_scale)
         tokens = loss_normaliser(self.loss_tokens(samples.start // self.plan.global_batch))

@@ -23,6 +23,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models.qwen_mrope import rope_index
+from megatron_hetero.models.hf_names import language_to_ours
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,6 @@ def build_language(spec: QwenTextSpec, m: ModuleLayout, pgs: ProcessGroupCollect
 def language_from_hf(get: Callable[[str], torch.Tensor], spec: QwenTextSpec) -> dict[str, torch.Tensor]:
     """`GPTModel` state (whole tensors) of a `Qwen2_5_VLForConditionalGeneration` state dict read by
     `get` (names `model.language_model.*`, `lm_head.weight`)."""
-    from megatron_hetero.models.hf_names import language_to_ours
 
     def legacy(name: str) -> torch.Tensor:
         return get(name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name)

@@ -44,6 +44,7 @@ from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models.clip_encoder import patches_to_image
 from megatron_hetero.models.one_stage_encoder import OneStageEncoder
 from megatron_hetero.models.layer_specs import encoder_layer_spec
+from megatron_hetero.models.llava import build_projector, freeze_trunk
 
 
 def siglip_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -100,7 +101,6 @@ class SiglipEncoderModule(OneStageEncoder):
     ) -> None:
         """`impl`: --transformer-impl (`models.layer_specs.encoder_layer_spec`)."""
         super().__init__()
-        from megatron_hetero.models.llava import build_projector, freeze_trunk
 
         self._one_stage(name, m, "a SigLIP encoder")
         self.patch = enc.patch_size

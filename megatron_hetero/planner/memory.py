@@ -37,6 +37,8 @@ from megatron_hetero.planner.memory_qwen import qwen_activation_bytes
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
 from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.plan.roles import language_modules
+from megatron_hetero.plan.batch import dp_rows
+from megatron_hetero.plan.rank_plan import rank_plan
 
 
 def _expert_dp(m: ModuleLayout) -> int:
@@ -238,8 +240,6 @@ def rank_activation_bytes(
       1F1B (stage i of P keeps min(P - i, M) micro-batches of `micro_batch` rows) and each output head
       its forward and backward over its DP share; the encoders' own recompute units come back in phase 3,
       when the language model has freed its activations."""
-    from megatron_hetero.plan.batch import dp_rows
-    from megatron_hetero.plan.rank_plan import rank_plan
 
     plan = rank_plan(layout, rank, global_batch, micro_batch)
     feats = {n: module_activation_features(layout.module(n), spec, sequence_parallel, recompute) for n in plan.modules}

@@ -28,6 +28,7 @@ from megatron_hetero.layout.flags import default, dest, flag_field, flags_of, op
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner.workload import ModelSpec, Workload
 from megatron_hetero.plan.roles import language_layers, roles
+from megatron_hetero.planner.qwen_vision_cost import attention_span
 
 
 @dataclass(frozen=True)
@@ -432,7 +433,6 @@ def qwen_encoder_spec(name: str, e: EncoderSpec, h: int) -> ModelSpec:
     (`planner.qwen_vision_cost.attention_span`), the merger handing `tokens` to the language model;
     parameters: the blocks (QKV and output with biases, SwiGLU with biases, two RMSNorms), the Conv3d
     patch embedding, the merger (RMSNorm, m^2 h -> m^2 h -> h_llm)."""
-    from megatron_hetero.planner.qwen_vision_cost import attention_span
 
     eh, unit = e.hidden_size, e.merge_size**2
     ffn = e.ffn_hidden_size or 4 * eh

@@ -11,6 +11,8 @@ from typing import Optional
 
 from megatron_hetero.layout.degrees import Degrees
 from megatron_hetero.planner.memory_terms import ActivationFeatures, StateFeatures
+from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.validate import resolve_layout
 
 PLACEMENT_KINDS = ("homogeneous", "colocated", "disjoint")
 
@@ -317,8 +319,6 @@ class Candidate:
         """The resolved `HeteroLayout` of this candidate (homogeneous -> colocated, equal layouts):
         the encoders (`encoder_name`, then `extra_names` for the extra encoders), each with an edge to
         the language model's first module, then the language model's modules in a chain."""
-        from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout, RankRange
-        from megatron_hetero.layout.validate import resolve_layout
 
         names = (encoder_name, *extra_names)
         if len(names) < len(self.encoders):

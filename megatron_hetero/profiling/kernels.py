@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from megatron_hetero.compat.device import get_device
+from megatron_hetero.compat.device import synchronize
 
 
 def timed(fn, iters: int, warmup: int, reps: int = 1) -> list[float]:
@@ -41,7 +43,6 @@ def timed(fn, iters: int, warmup: int, reps: int = 1) -> list[float]:
 
 
 def rank_collectives(cases: list[dict], iters: int, warmup: int, reps: int) -> list[list[float]]:
-    from megatron_hetero.compat.device import get_device, synchronize
 
     world, rank = dist.get_world_size(), dist.get_rank()
     device = get_device()
@@ -96,7 +97,6 @@ def rank_collectives(cases: list[dict], iters: int, warmup: int, reps: int) -> l
 
 def rank_host_bandwidth(nbytes: int = 1 << 25) -> float:
     """Bytes/s of a host copy of `nbytes` (device -> host on GPU), all ranks at once."""
-    from megatron_hetero.compat.device import get_device, synchronize
 
     device = get_device()
     src = torch.ones(nbytes // 4, device=device)
@@ -111,7 +111,6 @@ def rank_host_bandwidth(nbytes: int = 1 << 25) -> float:
 
 def rank_memory(world_size: int) -> float:
     """Memory one rank may use: its device's, or on CPU the host's share of the ranks."""
-    from megatron_hetero.compat.device import get_device
 
     device = get_device()
     if device.type != "cpu":

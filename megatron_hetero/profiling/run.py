@@ -51,6 +51,15 @@ from megatron_hetero.profiling.kernels import (
     undisturbed,
     wait_quiet,
 )
+from megatron_hetero.compat import default_backend, require_compat
+from megatron_hetero.compat import ensure_global_memory_buffer
+from megatron_hetero.compat import set_local_device
+from megatron_hetero.compat.device import get_device, synchronize
+from megatron_hetero.data import samples as data_mod
+from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
+from megatron_hetero.layout.validate import resolve_layout
+from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.runtime.launcher import run_ranks
 
 #: Layers per timed block (the per-layer time is the block time / this).
 LAYERS_PER_BLOCK = 2
@@ -71,10 +80,6 @@ def _rank_layers(
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_hetero.compat import ensure_global_memory_buffer
-    from megatron_hetero.compat.device import get_device, synchronize
-    from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
-    from megatron_hetero.layout.validate import resolve_layout
     from megatron_hetero.models.layer_specs import (
         encoder_layer_spec,
         get_gpt_layer_local_spec_with_cp,
@@ -149,15 +154,9 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
     wrapper, and the module's optimizer step (+ zero_grad), on a grid TP x DP = world."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hetero.compat import ensure_global_memory_buffer
-    from megatron_hetero.compat.device import get_device, synchronize
-    from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
-    from megatron_hetero.layout.validate import resolve_layout
     from megatron_hetero.models.llava import EncoderModule, EncoderSpec, LanguageModule, LlavaSpec, data_config
-    from megatron_hetero.runtime.config import OptimConfig
     from megatron_hetero.runtime.module_state import ModuleState
     from megatron_hetero.runtime.topology import Topology
-    from megatron_hetero.data import samples as data_mod
 
     world = dist.get_world_size()
     device = get_device()
@@ -257,7 +256,6 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
 def _rank_main(
     lcases: list[dict], mcases: list[dict], ccases: list[dict], iters: int, warmup: int, reps: int
 ) -> dict[str, Any]:
-    from megatron_hetero.compat import set_local_device
 
     set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
     layers, solo = _rank_layers(lcases, iters, warmup, reps)
@@ -300,8 +298,6 @@ def cpu_cores() -> int:
 
 
 def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait_s: float) -> dict[str, Any]:
-    from megatron_hetero.compat import default_backend, require_compat
-    from megatron_hetero.runtime.launcher import run_ranks
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"--world-size must be an integer >= 2 (collectives need two ranks), got {world_size!r}")

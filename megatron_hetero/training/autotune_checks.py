@@ -11,6 +11,12 @@ from typing import Optional
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import autotune as A
 from megatron_hetero.training.config import JobConfig
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.hardware_presets import load_hardware
+from megatron_hetero.planner.model import workload
+from megatron_hetero.training.layout_cost import candidate_for
+from megatron_hetero.training.layout_cost import cost_micro_batch
+from megatron_hetero.training.layout_cost import train_micro_batch
 
 
 def encoder_names(layout: HeteroLayout, spec) -> tuple[str, ...]:
@@ -45,7 +51,6 @@ def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
             "--hetero-autotune records its own measuring windows; leave out --trace (trace the chosen layout, "
             "autotune-layout.yaml, in a run of its own)"
         )
-    from megatron_hetero.training.layout_cost import candidate_for
 
     spec = job.spec
     try:
@@ -66,8 +71,6 @@ def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
 
 def base_profile(tune):
     """The profile the run is calibrated from: --autotune-profile, or the --autotune-hardware preset."""
-    from megatron_hetero.planner.hardware import Profile
-    from megatron_hetero.planner.hardware_presets import load_hardware
 
     if tune.autotune_profile:
         return Profile.load(tune.autotune_profile)
@@ -79,7 +82,6 @@ def job_on(layout: HeteroLayout, job: JobConfig, wl, load: Optional[str]) -> Job
     replica (`layout_cost.train_micro_batch`) and, with `load`, resuming that checkpoint whole
     (optimizer, schedulers, RNG and data position: none of the weights-only options); without, a job
     that loads nothing (the candidates' check before the switch checkpoint exists)."""
-    from megatron_hetero.training.layout_cost import train_micro_batch
 
     out = dataclasses.replace(job, micro_batch_size=train_micro_batch(layout, job.spec, wl.micro_batch))
     if load is None:
@@ -108,8 +110,6 @@ def variable_inputs(spec) -> dict[str, int]:
 def workload_of(job: JobConfig, layout: HeteroLayout):
     """The cost model's `Workload` of `job` run on `layout` (its micro-batch as the cost model counts
     it; variable tiles priced at `variable_inputs`)."""
-    from megatron_hetero.planner.model import workload
-    from megatron_hetero.training.layout_cost import cost_micro_batch
 
     micro = cost_micro_batch(layout, job.spec, job.micro_batch_size)
     return workload(job.spec, job.global_batch_size, micro, inputs=variable_inputs(job.spec))

@@ -16,6 +16,9 @@ import torch.distributed as dist
 from megatron_hetero.planner.autotune import LayerCase
 from megatron_hetero.planner.profile_fit import slowest_median
 from megatron_hetero.planner.workload import ModelSpec, Workload
+from megatron_hetero.checkpoint.sharded import rng_states, set_rng_states
+from megatron_hetero.profiling.run import _rank_layers
+from megatron_hetero.runtime.step import run_collective
 
 #: timed iterations per case (after one warm-up): the cases are small and the search needs their order
 ITERS = 3
@@ -93,9 +96,6 @@ def measure_layer_cases(wl: Workload, encoder_images: int) -> LayerTimings:
     slowest rank's time; and the first case timed with one busy rank. Torch's and Megatron's RNG
     states are restored afterwards (the kernel seeds and draws its own inputs), so training after
     it draws what it would have drawn."""
-    from megatron_hetero.checkpoint.sharded import rng_states, set_rng_states
-    from megatron_hetero.profiling.run import _rank_layers
-    from megatron_hetero.runtime.step import run_collective
 
     world = dist.get_world_size()
     cases = layer_case_dicts(wl, world, encoder_images)

@@ -20,6 +20,8 @@ from megatron_hetero.training.autotune_checks import (
     workload_of,
 )
 from megatron_hetero.training.config import JobConfig
+from megatron_hetero.planner.search_space import SearchSpace
+from megatron_hetero.training.layout_cost import candidate_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,6 @@ def calibrated(doc: dict[str, Any], layout: HeteroLayout, job: JobConfig, timing
     (`planner.autotune.calibrate`); with `timings`, their layers folded into that (the measured TP/CP
     costs and layer models) and calibrated once more, so the measured layers are taken at the run's
     speed and the communication factor of the first pass does not scale the measured in-layer costs."""
-    from megatron_hetero.training.layout_cost import candidate_for
 
     wl = workload_of(job, layout)
     current = candidate_for(layout, job.spec, job.offload_encoder)
@@ -81,7 +82,6 @@ def plan_switch(
     layout showed the model to underestimate counts against the layouts like it). `check(layout,
     job)`: ValueError for a candidate the run cannot train, its value unused here (default: `train`'s
     `validate_job`; a patched Megatron-LM script passes its own `candidate_check`)."""
-    from megatron_hetero.training.layout_cost import candidate_for
     from megatron_hetero.training.setup import validate_job
 
     tune, spec = job.autotune, job.spec
@@ -91,8 +91,6 @@ def plan_switch(
     enc, llm = module_names(layout, spec)
     extra = encoder_names(layout, spec)[1:]
     try:
-        from megatron_hetero.planner.search_space import SearchSpace
-
         space = SearchSpace(runtime=True, offload=(job.offload_encoder,))  # offloading is the user's memory choice
         ranked = A.rank_calibrated(
             calib,
@@ -169,7 +167,6 @@ def stay_at_end(doc, layout: HeteroLayout, job: JobConfig, iteration: int) -> Pl
 def stay_because(doc, layout: HeteroLayout, job: JobConfig, iteration: int, reason: str) -> Plan:
     """A round that stays on `layout` at `iteration` for `reason` (a line starting 'stay: '): the
     window's measured step recorded, no prediction."""
-    from megatron_hetero.training.layout_cost import candidate_for
 
     steps = A.step_times_from_trace(doc).drop(1)
     current = candidate_for(layout, job.spec, job.offload_encoder)

@@ -45,6 +45,7 @@ from megatron_hetero.runtime.trace import Tracer, gather_trace, recording_tracer
 from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end, stay_because
 from megatron_hetero.training.config import Job, JobConfig
+from megatron_hetero.training.autotune_layers import measure_layer_cases
 
 
 def _broadcast(obj: Any, what: str) -> Any:
@@ -152,8 +153,6 @@ def train_autotuned(
         t0 = time.perf_counter()
         timings = None
         if it < job.train_iters and not tune.autotune_skip_layers:
-            from megatron_hetero.training.autotune_layers import measure_layer_cases
-
             wl = workload_of(job, layout)
             timings = measure_layer_cases(wl, wl.micro_batch * wl.images_per_sample)
         spent["layer_timings_s"], t0 = time.perf_counter() - t0, time.perf_counter()

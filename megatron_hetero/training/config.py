@@ -21,6 +21,8 @@ from megatron_hetero.planner.model import LlavaSpec
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.training.autotune_config import AutotuneConfig
 from megatron_hetero.training.lr_schedule import LRSchedule
+from megatron_hetero.planner.model import MOE_FLAGS
+from megatron_hetero.runtime.trace import NULL_TRACER, recording_tracer
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,6 @@ class JobConfig:
 
     def runtime_config(self, rank: int = 0) -> RuntimeConfig:
         """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
-        from megatron_hetero.runtime.trace import NULL_TRACER, recording_tracer
 
         return RuntimeConfig(
             comm_timeout_s=self.comm_timeout_s,
@@ -266,7 +267,6 @@ def train_flag_fields() -> list[dataclasses.Field]:
     (`cli.model_flags`), the architecture's (`cli.arch_flags`) and the data's (`cli.data`), before the
     layout's (`layout.args`): the loop, the optimizer, the seed and the schedule; evaluation;
     checkpoints; mixture of experts; launch; logging; the trace; the autotune."""
-    from megatron_hetero.planner.model import MOE_FLAGS
 
     return (
         flags_of(JobConfig, ["train_iters"])

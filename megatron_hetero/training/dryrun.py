@@ -40,6 +40,10 @@ import torch.distributed as dist
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.training.config import JobConfig
+from megatron_hetero.plan.rank_plan import rank_plan
+from megatron_hetero.plan.roles import language_modules
+from megatron_hetero.planner.memory import rank_state_bytes
+from megatron_hetero.planner.memory_terms import StateFeatures
 
 #: the MIMO example's topology file inside a Megatron-LM tree
 MIMO_TOPOLOGY = os.path.join("examples", "mimo", "training", "topology.py")
@@ -99,7 +103,6 @@ def _timed(phases: dict[str, float], name: str) -> Iterator[None]:
 
 def state_features(job: JobConfig):
     """The memory model's features of the job's optimizer (as `training.run_stats.predicted_memory`)."""
-    from megatron_hetero.planner.memory_terms import StateFeatures
 
     o = job.optim
     return StateFeatures(
@@ -188,7 +191,6 @@ def load_mimo_topology(tree: Optional[str]):
 def _mimo_specs(mimo, layout: HeteroLayout) -> list:
     """The MIMO example's grid specs of the layout's modules (its language key on the first language
     module); ValueError where the example cannot express the layout."""
-    from megatron_hetero.plan.roles import language_modules
 
     langs = language_modules(layout)
     if len(langs) != 1:
@@ -209,7 +211,6 @@ def megatron_baseline(layout: HeteroLayout, tree: Optional[str], backend: Option
     """The layout's module grids created by Megatron's MIMO example (`create_topology`), and a
     homogeneous grid of the whole world (the first language module's tp/cp/pp, dp = the rest),
     each timed and counted on this rank; `error` where the example is missing or refuses."""
-    from megatron_hetero.plan.roles import language_modules
 
     mimo = load_mimo_topology(tree)
     if mimo is None:
@@ -254,8 +255,6 @@ def dry_rank(
     Returns {rank, plugin_s, groups_s, megatron_baseline_s, groups_member, groups_created,
     group_members (sorted global ranks of every group this rank is in), state_bytes {built,
     predicted, modules}, phases, plan_digest, boundaries {edge: {seq: digest}}, baseline}."""
-    from megatron_hetero.plan.rank_plan import rank_plan
-    from megatron_hetero.planner.memory import rank_state_bytes
     from megatron_hetero.runtime.schedules import schedule_boundaries
     from megatron_hetero.runtime.topology import Topology
     from megatron_hetero.models.llava_runner import LlavaStageRunner

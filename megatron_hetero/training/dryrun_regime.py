@@ -16,11 +16,19 @@ from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.training.config import JobConfig
+from megatron_hetero.plan.placement import coord_of
+from megatron_hetero.planner.hardware import Profile
+from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
+from megatron_hetero.planner.model import EncoderSpec
+from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS
+from megatron_hetero.planner.presets import regime_workload
+from megatron_hetero.planner.search import search
+from megatron_hetero.planner.stages import module_stages
+from megatron_hetero.runtime.config import OptimConfig
 
 
 def parse_row(text: str) -> tuple[str, str, int]:
     """`1B,14B,8192` -> (encoder preset, LLM preset, context). ValueError naming the presets."""
-    from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS
 
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 3 or parts[0] not in ENCODER_PRESETS or parts[1] not in LLM_PRESETS or not parts[2].isdigit():
@@ -35,12 +43,6 @@ def regime_case(text: str, world_size: int, hardware: str | None = None) -> tupl
     """(layout, job, workload, candidate) of the regime row `text` on `world_size` ranks: the search's
     best candidate (default hardware preset) as a layout, and the job of the module docstring."""
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.planner.hardware import Profile
-    from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
-    from megatron_hetero.planner.model import EncoderSpec
-    from megatron_hetero.planner.presets import regime_workload
-    from megatron_hetero.planner.search import search
-    from megatron_hetero.runtime.config import OptimConfig
 
     enc_name, llm_name, context = parse_row(text)
     wl = regime_workload(enc_name, llm_name, context)
@@ -87,10 +89,6 @@ def search_state_bytes(wl, cand, layout: HeteroLayout, rank: int) -> dict[str, f
     """Module -> the search's state bytes (weights, grads, optimizer) of rank `rank`'s stage of it:
     `planner.stages.module_stages` of the candidate's module (one row), the stage class of the
     rank's pipeline stage (first, middle, last; layers split evenly, as the runtime requires)."""
-    from megatron_hetero.plan.placement import coord_of
-    from megatron_hetero.planner.hardware import Profile
-    from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
-    from megatron_hetero.planner.stages import module_stages
 
     prof = Profile.from_hardware(load_hardware(DEFAULT_HARDWARE))
     out: dict[str, float] = {}

@@ -17,6 +17,10 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.training.config import JobConfig
+from megatron_hetero.plan.colocated import check_colocated_tables, colocated_tables
+from megatron_hetero.plan.rank_plan import step_micro_batching
+from megatron_hetero.plan.schedule import build_tables
+from megatron_hetero.plan.schedule_check import check_tables
 
 #: `--ranks all` is refused above this world size (one process per rank)
 ALL_RANKS_LIMIT = 256
@@ -88,19 +92,13 @@ def schedule_check(layout: HeteroLayout, job: JobConfig) -> dict[str, Any]:
     """The schedule checker over every rank's table, once for the world: the colocated tables'
     simulation (`plan.colocated.check_colocated_tables`) or the disjoint 1F1B tables in rendezvous
     mode (`plan.schedule_check.check_tables`, what the runtime's batches do). ValueError on failure."""
-    from megatron_hetero.plan.rank_plan import step_micro_batching
 
     t0 = time.perf_counter()
     if layout.placement == "colocated":
-        from megatron_hetero.plan.colocated import check_colocated_tables, colocated_tables
-
         tables = colocated_tables(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
         check_colocated_tables(tables)
         what = f"colocated tables of {len(tables)} ranks"
     else:
-        from megatron_hetero.plan.schedule import build_tables
-        from megatron_hetero.plan.schedule_check import check_tables
-
         m = step_micro_batching(layout, job.global_batch_size, job.micro_batch_size).count
         tables = build_tables(layout, m)
         check_tables(tables, layout=layout, micro_batches=m, mode="rendezvous")

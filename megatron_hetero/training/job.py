@@ -18,6 +18,10 @@ from megatron_hetero.plan.roles import language_modules
 from megatron_hetero.planner.model import ENCODER_FLAGS, LlavaSpec, ModelFlags
 from megatron_hetero.training.arch_args import ArchFlags
 from megatron_hetero.training.config import Job
+from megatron_hetero.checkpoint.files import read_train_state
+from megatron_hetero.checkpoint.pretrained import ORIGIN
+from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
+from megatron_hetero.training.arch_args import apply_arch_flags
 
 
 def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:
@@ -48,7 +52,6 @@ def recorded_spec(
 
     if not load:
         return spec
-    from megatron_hetero.checkpoint.files import read_train_state
 
     state = read_train_state(load)[1]
     record = state.get("model")
@@ -56,7 +59,6 @@ def recorded_spec(
         return spec
     saved = LlavaSpec.from_record(record, seed=spec.seed)
     wanted = overlay_flags(model, arch, saved)
-    from megatron_hetero.checkpoint.pretrained import ORIGIN
 
     weights_only = finetune or state.get("origin") == ORIGIN
     diffs = spec_differences(saved, wanted)
@@ -79,8 +81,6 @@ def overlay_flags(model: ModelFlags, arch: ArchFlags, spec: LlavaSpec) -> LlavaS
     MoE flags (with --num-experts) and the architecture flags (`training.arch_args.apply_arch_flags`).
     Output heads keep their span before the end of the sequence (`spec_on_layout`)."""
     import dataclasses
-
-    from megatron_hetero.training.arch_args import apply_arch_flags
 
     out = dataclasses.replace(spec, **model.language)
     if model.encoder:
@@ -278,7 +278,6 @@ def run_as_rank(job: Job, env, timeout_s: float) -> Optional[list[dict[str, Any]
     import torch.distributed as dist
 
     from megatron_hetero.compat import default_backend, require_compat
-    from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
     from megatron_hetero.training.trainer import train_rank
 
     check_world_size(env, job.layout.world_size)

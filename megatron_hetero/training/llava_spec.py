@@ -15,6 +15,11 @@ from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.trace import gather_trace
 from megatron_hetero.training.config import Job, JobConfig
 from megatron_hetero.training.memory_log import ActivationMeter
+from megatron_hetero.checkpoint.save_load import load_checkpoint
+from megatron_hetero.checkpoint.save_load import save_checkpoint
+from megatron_hetero.models.job_data import runner_factory  # captions or conversations
+from megatron_hetero.training.lr_schedule import build_scheduler
+from megatron_hetero.training.setup import build_states
 
 
 class LlavaTrainSpec:
@@ -41,9 +46,6 @@ class LlavaTrainSpec:
         """Nothing: `training.trainer.prepare_rank` set up the process before the first session."""
 
     def build_states(self, plan: RankPlan, topo: Topology) -> tuple[dict, dict, int]:
-        from megatron_hetero.checkpoint.save_load import load_checkpoint
-        from megatron_hetero.training.lr_schedule import build_scheduler
-        from megatron_hetero.training.setup import build_states
 
         job = self.job
         states = build_states(plan, job, topo)
@@ -65,8 +67,6 @@ class LlavaTrainSpec:
     def build_runner(self, plan: RankPlan, states: dict):
         job = self.job
         if job.data is not None:
-            from megatron_hetero.models.job_data import runner_factory  # captions or conversations
-
             runner = runner_factory(job.data, job.spec, job.global_batch_size, heldout=bool(job.eval_interval))(
                 plan, states
             )
@@ -80,7 +80,6 @@ class LlavaTrainSpec:
     def front_end(self, session):
         """`TrainFrontEnd` with --log-memory's activation meter attached to the modules (after the
         schedule is built), the run's figures (`RunStats`) and the project's checkpoint as `save`."""
-        from megatron_hetero.checkpoint.save_load import save_checkpoint
         from megatron_hetero.training.run_stats import RunStats
         from megatron_hetero.training.train_front_end import TrainFrontEnd
 

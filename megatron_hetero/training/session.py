@@ -28,6 +28,8 @@ from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.schedules import Schedule, schedule_for
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.training.config import Job
+from megatron_hetero.training.loop import LoopSpec
+from megatron_hetero.training.run_stats import MeteredSchedule
 
 
 class ModelSpec(Protocol):
@@ -137,14 +139,12 @@ class Session:
 
     def loop_schedule(self):
         """The schedule `training.loop.run_loop` steps (metered with the spec's activation meter)."""
-        from megatron_hetero.training.run_stats import MeteredSchedule
 
         meter = self.spec.meter
         return MeteredSchedule(self.schedule, meter) if meter is not None else self.schedule
 
     def loop_spec(self, start: int, end: int, final_save: bool = True):
         """The `LoopSpec` of iterations [start, end) with the spec's checkpoints and scheduler step."""
-        from megatron_hetero.training.loop import LoopSpec
 
         spec = self.spec
         return LoopSpec(

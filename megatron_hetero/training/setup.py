@@ -26,6 +26,16 @@ from megatron_hetero.plan.rank_plan import RankPlan, check_rank_plans
 from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.training.config import Job, JobConfig, job_recompute
+from megatron_hetero.checkpoint.loadable import check_loadable
+from megatron_hetero.checkpoint.pretrained import check_converted, is_converted
+from megatron_hetero.compat.device import get_device
+from megatron_hetero.models.clip_encoder import ClipEncoderModule
+from megatron_hetero.models.qwen_encoder import QwenEncoderModule
+from megatron_hetero.models.siglip_encoder import SiglipEncoderModule
+from megatron_hetero.models.whisper_encoder import WhisperEncoderModule
+from megatron_hetero.runtime.loss_scale import LossScaler
+from megatron_hetero.training.autotune_checks import check_autotune
+from megatron_hetero.training.writers import check_logging
 
 
 def validate_job(layout: HeteroLayout, job: JobConfig) -> Job:
@@ -52,12 +62,9 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> Job:
         raise ValueError(f"--eval-interval must be >= 0, got {job.eval_interval!r}")
     if job.eval_iters is not None and (not isinstance(job.eval_iters, int) or job.eval_iters < 1):
         raise ValueError(f"--eval-iters must be a positive integer, got {job.eval_iters!r}")
-    from megatron_hetero.training.writers import check_logging
 
     check_logging(job)  # --tensorboard-dir, --wandb-*: the packages and the folders
     if job.autotune is not None:
-        from megatron_hetero.training.autotune_checks import check_autotune
-
         check_autotune(layout, job)
     if job.eval_iters is not None and not job.eval_interval:
         raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
@@ -138,9 +145,6 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> Job:
         if on and not job.load:
             raise ValueError(f"{flag} applies to --load DIR (none given)")
     if job.load:
-        from megatron_hetero.checkpoint.loadable import check_loadable
-        from megatron_hetero.checkpoint.pretrained import check_converted, is_converted
-
         (check_converted if is_converted(job.load) else check_loadable)(job.load, layout, job)
     return Job(layout, job, checked)
 
@@ -159,28 +163,19 @@ def build_module(
     job's --sequence-parallel (language modules with tp > 1 only: `models.llava`). `device`: where
     it ends (default the compute device; `torch.device("meta")` for `dryrun`, which builds it under
     a meta-device context: the same module code, shapes and dtypes, no storage)."""
-    from megatron_hetero.compat.device import get_device
 
     m = layout.module(name)
     if m.recompute is None and recompute is not None:
         m = m.replace(recompute=recompute)
     if name in spec.encoders and spec.encoders[name].kind == "clip":
-        from megatron_hetero.models.clip_encoder import ClipEncoderModule
-
         mod = ClipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.encoders and spec.encoders[name].kind == "siglip":
-        from megatron_hetero.models.siglip_encoder import SiglipEncoderModule
-
         mod = SiglipEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.encoders and spec.encoders[name].kind == "whisper":
-        from megatron_hetero.models.whisper_encoder import WhisperEncoderModule
-
         mod = WhisperEncoderModule(
             name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl
         )
     elif name in spec.encoders and spec.encoders[name].kind == "qwen2.5-vl":
-        from megatron_hetero.models.qwen_encoder import QwenEncoderModule
-
         mod = QwenEncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
     elif name in spec.encoders:
         mod = EncoderModule(name, spec.encoders[name], spec.hidden_size, m, pgs, spec.seed, spec.transformer_impl)
@@ -231,8 +226,6 @@ def build_states(plan: RankPlan, job: JobConfig, topo) -> dict[str, ModuleState]
     """Every module this rank serves (its plan's), wrapped with DDP and its optimizer (none if frozen),
     on the module's groups of `topo`."""
     import dataclasses
-
-    from megatron_hetero.runtime.loss_scale import LossScaler
 
     optim = dataclasses.replace(job.optim, min_lr=job.schedule.min_lr)  # the param groups' floor (the scheduler's)
     # --fp16: one loss scaler on this rank for every module it serves (runtime.loss_scale)

@@ -13,6 +13,8 @@ from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.loss_scale import loss_scale_of
 from megatron_hetero.training.config import JobConfig
 from megatron_hetero.training.run_stats import RunStats
+from megatron_hetero.compat.device import get_device
+from megatron_hetero.runtime.step import run_collective
 
 
 def module_stats(plan: RankPlan, states: dict) -> tuple[Optional[float], dict[str, float], Optional[float]]:
@@ -20,9 +22,6 @@ def module_stats(plan: RankPlan, states: dict) -> tuple[Optional[float], dict[st
     every rank: one all-reduce of each module's squared norm and rate, contributed by one rank of
     the module (TP 0, DP·CP 0, last pipeline stage: the one stage sure to hold an optimizer)."""
     import torch
-
-    from megatron_hetero.compat.device import get_device
-    from megatron_hetero.runtime.step import run_collective
 
     names, rank = plan.layout.names, plan.rank
     vec = torch.zeros(3 * len(names), dtype=torch.float64, device=get_device())
@@ -51,9 +50,6 @@ def evaluate(schedule, iters: int, rank: int) -> dict[str, Any]:
     captions over held-out samples, summed over the world (the runner counts only on the ranks that
     count the loss). Collective: every rank calls it at the same iterations."""
     import torch
-
-    from megatron_hetero.compat.device import get_device
-    from megatron_hetero.runtime.step import run_collective
 
     runner = schedule.runner
     runner.set_eval(True)

@@ -15,6 +15,10 @@ from megatron_hetero.training.config import Job, JobConfig
 from megatron_hetero.training.llava_spec import LlavaTrainSpec
 from megatron_hetero.training.session import Session
 from megatron_hetero.training.signals import ExitSignal
+from megatron_hetero.training.autotune_run import train_autotuned
+from megatron_hetero.training.iteration_log import IterationLog
+from megatron_hetero.training.loop import run_loop
+from megatron_hetero.training.writers import open_writers
 
 
 def prepare_rank(job: JobConfig) -> None:
@@ -66,9 +70,6 @@ def train_rank(
     (training/signals.py). With --hetero-autotune the run may move to another layout on the way
     (`training/autotune_run.py`); the records and parameters are those of the layout it ends on. The
     rank builds its plan from the job's checked arithmetic, computed once per process."""
-    from megatron_hetero.training.iteration_log import IterationLog
-    from megatron_hetero.training.loop import run_loop
-    from megatron_hetero.training.writers import open_writers
 
     config = job.config
     prepare_rank(config)
@@ -86,8 +87,6 @@ def train_rank(
             config.progress,
         )
         if config.autotune is not None:
-            from megatron_hetero.training.autotune_run import train_autotuned
-
             session, records = train_autotuned(job, log, stop, writers, train_session, step_hook)
         else:
             session = train_session(job, log, step_hook)

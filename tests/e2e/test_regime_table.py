@@ -37,7 +37,7 @@ def test_cli_regime_table_row_per_combination(capsys, monkeypatch) -> None:
     assert sum(r["picked"] is not None for r in rows) >= 30
 
     # the markdown form of the same table (the search is not run a second time)
-    monkeypatch.setattr(PR, "regime_table", lambda *a, **k: rows)
+    monkeypatch.setattr(cli_search, "regime_table", lambda *a, **k: rows)
     assert cli.main(["search", "--regime-table"]) == 0
     text = capsys.readouterr().out
     assert text.strip() == cli_search.regime_markdown(rows).strip()

@@ -229,12 +229,12 @@ def test_argparse_errors_exit_2(capsys) -> None:
 
 
 def test_unexpected_failure_exits_1(capsys, monkeypatch) -> None:
-    from megatron_hetero.report import plan as report
+    from megatron_hetero.cli import plan as cli_plan
 
     def boom(*_a, **_k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(report, "layout_text", boom)
+    monkeypatch.setattr(cli_plan, "layout_text", boom)
     rc, out, err = _run(capsys, "plan", str(REPO / "examples/layouts/homogeneous.yaml"))
     assert rc == 1
     assert "RuntimeError: boom" in err
