@@ -171,7 +171,6 @@ def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Opti
 
 
 def table(doc: dict[str, Any]) -> str:
-
     head = ["configuration", "step meas/model"] + [f"{t} meas/model" for t in TERMS]
     rows = []
     for r in doc["rows"]:

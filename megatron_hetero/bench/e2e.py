@@ -41,20 +41,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
-from megatron_hetero.training.layout_cost import candidate_for
+from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch
 from megatron_hetero.bench.planner_configs import describe, resolve
-from megatron_hetero.planner import search as S
+from megatron_hetero.planner import cost as C, profile_fit as F, search as S
 from megatron_hetero.planner.model import workload
 from megatron_hetero.bench.e2e_workloads import WORLD, E2EWorkload, WORKLOADS, quick_workloads
-from megatron_hetero.planner import cost as C
-from megatron_hetero.planner import profile_fit as F
 from megatron_hetero.planner.profile_fit import ProfileGrid
 from megatron_hetero.training.job import quiet_upstream_warnings
-from megatron_hetero.training.layout_cost import cost_micro_batch
 
 
 def quick_grid():
-
     return ProfileGrid(
         layer_shapes={"llm": ((64, 4, 32, 1), (64, 4, 64, 2)), "encoder": ((64, 4, 16, 1), (64, 4, 32, 2))},
         module_shapes={"llm": ((64, 4, 32, 2, 128),), "encoder": ((64, 4, 16, 2, 64),)},
@@ -326,7 +322,6 @@ def run(
 
 
 def _cost_mbs(layout, spec, mbs: int) -> int:
-
     return cost_micro_batch(layout, spec, mbs)
 
 

@@ -39,8 +39,7 @@ from typing import Any, Optional
 
 from megatron_hetero.runtime.faults import FAULT_ENV, FAULT_LOG_ENV, KINDS, PHASES
 from megatron_hetero.bench.common import write_json
-from megatron_hetero.checkpoint.files import read_tracker
-from megatron_hetero.checkpoint.files import select_checkpoint
+from megatron_hetero.checkpoint.files import read_tracker, select_checkpoint
 
 LAYOUTS: dict[str, dict] = {
     "colocated": {
@@ -342,7 +341,6 @@ def _run_torchrun(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, An
 
 
 def _latest(root: Path) -> Optional[int]:
-
     try:
         return read_tracker(root)
     except ValueError:

@@ -33,14 +33,11 @@ from typing import Any, Optional, Sequence
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.planner import cost as C
-from megatron_hetero.planner import search as S
-from megatron_hetero.planner import search_space as SP
+from megatron_hetero.planner import cost as C, profile_fit as F, search as S, search_space as SP
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch, kind_of
 from megatron_hetero.bench.planner_configs import CONFIGS, WORLDS, BenchModel, describe, resolve
 from megatron_hetero.planner.model import workload
-from megatron_hetero.planner import profile_fit as F
 from megatron_hetero.planner.profile_fit import ProfileGrid
 from megatron_hetero.training.job import quiet_upstream_warnings
 

@@ -9,9 +9,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, flag_values
+from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, ModelFlags, flag_values, spec_from_flags
 from megatron_hetero.layout import layout_from_dict
-from megatron_hetero.planner.model import ModelFlags, spec_from_flags
 
 
 WORLDS = (4, 8)
@@ -113,7 +112,6 @@ CONFIGS: list[tuple[int, dict]] = [
 
 
 def resolve(doc: dict, world: int) -> HeteroLayout:
-
     return layout_from_dict(doc, world_size=world)
 
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from megatron_hetero.bench.suite import BENCHMARKS
-from megatron_hetero.bench.suite import run_benchmark, table
+from megatron_hetero.bench.suite import BENCHMARKS, run_benchmark, table
 
 NAME = "bench"
 USES_MEGATRON = True  # run_command applies megatron_hetero.compat first
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-
     p = sub.add_parser(NAME, help="benchmarks (ratios measured side by side in one run; JSON + PNG)")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("--out", default="bench-results", help="folder for NAME.json and NAME.png")
@@ -44,7 +42,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-
     out = Path(args.out)
     doc = run_benchmark(args.name, out, args.iters, quick=args.quick, before_tree=args.before_tree)
     print(json.dumps(doc, indent=1) if args.json else table(args.name, doc))

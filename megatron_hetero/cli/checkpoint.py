@@ -18,8 +18,7 @@ import argparse
 import json
 import re
 from pathlib import Path
-from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
-from megatron_hetero.checkpoint.files import saves
+from megatron_hetero.checkpoint.files import read_train_state, saves, verify_manifest
 
 NAME = "checkpoint"
 

@@ -45,9 +45,7 @@ Runs in this process as a world of one (gloo, file store: no port), builds the m
 from __future__ import annotations
 
 import argparse
-from megatron_hetero.convert import hf_llava
-from megatron_hetero.convert import hf_qwen_checkpoint as qwen
-from megatron_hetero.convert import hf_weights as convert
+from megatron_hetero.convert import hf_llava, hf_qwen_checkpoint as qwen, hf_weights as convert
 from megatron_hetero.convert.hf_export import checkpoint_to_hf
 
 NAME = "convert"

@@ -17,40 +17,28 @@ import argparse
 import json
 
 from megatron_hetero.cli.model_flags import MODEL_FLAGS, add_model_flags
-from megatron_hetero.layout.flags import value
+from megatron_hetero.layout.flags import add_flags, flags_of, value, values
 from megatron_hetero.cli import CommandFailed
 from megatron_hetero.cli.arch_flags import add_arch_flags
 from megatron_hetero.cli.train_door import arch_flags, batch_from_args, model_flags
-from megatron_hetero.layout.args import add_hetero_args
-from megatron_hetero.layout.args import layout_from_args
-from megatron_hetero.layout.flags import add_flags, flags_of
-from megatron_hetero.layout.flags import values
-from megatron_hetero.layout.validate import check_experts
-from megatron_hetero.layout.validate import check_recompute
+from megatron_hetero.layout.args import add_hetero_args, layout_from_args
+from megatron_hetero.layout.validate import check_experts, check_recompute
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.plan.roles import roles
 from megatron_hetero.planner.memory import StateFeatures
-from megatron_hetero.planner.model import LlavaSpec
-from megatron_hetero.planner.model import MOE_FLAGS
-from megatron_hetero.planner.model import spec_from_flags
+from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec, spec_from_flags
 from megatron_hetero.report.draw import draw_layout
-from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS
-from megatron_hetero.report.memory import memory_rows
-from megatron_hetero.report.memory import memory_text
+from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS, memory_rows, memory_text
 from megatron_hetero.report.plan import default_shape, layout_json, layout_text
-from megatron_hetero.report.plan_summary import SUMMARY_ABOVE
-from megatron_hetero.report.plan_summary import rank_json, rank_text
-from megatron_hetero.report.plan_summary import summary_json, summary_text
+from megatron_hetero.report.plan_summary import SUMMARY_ABOVE, rank_json, rank_text, summary_json, summary_text
 from megatron_hetero.runtime.config import OptimConfig
 from megatron_hetero.training.arch_args import apply_arch_flags
-from megatron_hetero.training.config import JobConfig
-from megatron_hetero.training.config import job_recompute
+from megatron_hetero.training.config import JobConfig, job_recompute
 
 NAME = "plan"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-
     p = sub.add_parser(NAME, help="validate a layout and print the rank map and boundary plans")
     p.add_argument("layout", nargs="?", default=None, help="layout YAML (or use --hetero-layout / --hetero-module)")
     p.add_argument("--world-size", type=int, default=None, help="total ranks (default: what the layout uses)")
@@ -119,7 +107,6 @@ def _add_memory_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     if args.layout and args.hetero_layout:
         raise ValueError("give the layout file once: positional LAYOUT or --hetero-layout, not both")
     if args.layout:
@@ -156,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace, layout, shape, experts) -> int:
-
     doc = summary_json(layout, shape, experts)
     if args.memory:  # the memory model of the sample ranks only
         rows = _memory_rows(args, layout, [r["rank"] for r in doc["sample_ranks"]])
@@ -210,7 +196,6 @@ def _schedule_lines(args: argparse.Namespace, layout, rank: int) -> list[str]:
 
 
 def _rank(args: argparse.Namespace, layout, shape, experts) -> int:
-
     if not 0 <= args.rank < layout.world_size:
         raise ValueError(f"--rank {args.rank} is outside the layout's world size {layout.world_size}")
     schedule = _schedule_lines(args, layout, args.rank) if args.global_batch_size is not None else None

@@ -24,23 +24,23 @@ from pathlib import Path
 
 from megatron_hetero.cli.model_flags import MODEL_FLAGS, add_model_flags, flag
 from megatron_hetero.cli.train_door import model_flags
-from megatron_hetero.layout.flags import dest, option
-from megatron_hetero.layout.flags import value
+from megatron_hetero.layout.flags import dest, option, value
 from megatron_hetero.layout.yaml_io import dump_layout
 from megatron_hetero.planner.hardware import Profile
-from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names
-from megatron_hetero.planner.hardware_presets import load_hardware
+from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
 from megatron_hetero.planner.heteropipe import strategy_label
-from megatron_hetero.planner.model import encoder_model_spec, spec_from_flags, workload
-from megatron_hetero.planner.model import qwen_encoder_spec
-from megatron_hetero.planner.model import size_flags
-from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, SPEECH_PRESETS, TOWER_PRESETS
-from megatron_hetero.planner.presets import paper_direction
-from megatron_hetero.planner.presets import regime_table
+from megatron_hetero.planner.model import encoder_model_spec, qwen_encoder_spec, size_flags, spec_from_flags, workload
+from megatron_hetero.planner.presets import (
+    ENCODER_PRESETS,
+    LLM_PRESETS,
+    SPEECH_PRESETS,
+    TOWER_PRESETS,
+    paper_direction,
+    regime_table,
+)
 from megatron_hetero.planner.search import search, train_micro_batch_size
 from megatron_hetero.planner.search_space import SearchSpace
-from megatron_hetero.planner.workload import ModelSpec
-from megatron_hetero.planner.workload import Workload
+from megatron_hetero.planner.workload import ModelSpec, Workload
 
 NAME = "search"
 
@@ -60,7 +60,6 @@ _OLD_FLAGS = {
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-
     p = sub.add_parser(
         NAME,
         help="rank per-module layouts and placements by predicted step time",
@@ -168,7 +167,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _profile(args):
-
     if args.profile:
         return Profile.load(args.profile)
     if args.hardware:
@@ -205,7 +203,6 @@ def _tower_spec(base, args, llm_hidden: int):
 
 
 def _preset_spec(base, args, side: str, seq: int):
-
     names = {
         "encoder": (
             "encoder_num_layers",
@@ -428,7 +425,6 @@ def result_text(res, wl, prof) -> str:
 
 
 def regime_markdown(rows: list) -> str:
-
     head = (
         "| encoder | LLM | context | GPUs | global batch | picked | configuration | step (s) | homogeneous (s) | "
         "colocated (s) | disjoint (s) | gain vs homogeneous | paper's direction |"
@@ -449,14 +445,12 @@ def regime_markdown(rows: list) -> str:
 
 
 def _space(args):
-
     placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
     runtime = not (args.all_layouts or args.regime_table)  # the regime table studies the whole space
     return SearchSpace(placements=placements, max_segments=args.max_segments, runtime=runtime)
 
 
 def run(args: argparse.Namespace) -> int:
-
     prof = _profile(args)
     limit = None if args.memory_limit_gb is None else args.memory_limit_gb * 1e9
     if limit is not None and limit <= 0:

@@ -12,8 +12,7 @@ The checks are `launch/slurm.py`, the script `launch/sbatch.py`; the train argum
 from __future__ import annotations
 
 import argparse
-from megatron_hetero.launch.slurm import add_arguments
-from megatron_hetero.launch.slurm import run as run_slurm
+from megatron_hetero.launch.slurm import add_arguments, run as run_slurm
 
 NAME = "slurm"
 
@@ -26,5 +25,4 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-
     return run_slurm(args)

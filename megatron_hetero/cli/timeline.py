@@ -29,7 +29,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-
     path = Path(args.trace)
     try:
         doc = json.loads(path.read_text())

@@ -57,13 +57,10 @@ from megatron_hetero.cli.model_flags import add_model_flags
 from megatron_hetero.checkpoint.loadable import load_note
 from megatron_hetero.cli.arch_flags import add_arch_flags
 from megatron_hetero.cli.data import add_train_data_flags
-from megatron_hetero.cli.failure import advice
-from megatron_hetero.cli.failure import rank_failure_line
+from megatron_hetero.cli.failure import advice, rank_failure_line
 from megatron_hetero.cli.train_door import job_from_args
-from megatron_hetero.launch.rank_env import check_world_size
-from megatron_hetero.launch.rank_env import rank_env
-from megatron_hetero.layout.args import add_hetero_args
-from megatron_hetero.layout.args import layout_from_args
+from megatron_hetero.launch.rank_env import check_world_size, rank_env
+from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.flags import add_flags
 from megatron_hetero.planner.model import TRANSFORMER_IMPLS
 from megatron_hetero.training.config import train_flag_fields

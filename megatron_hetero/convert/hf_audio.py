@@ -15,8 +15,7 @@ import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
-from megatron_hetero.models.hf_whisper_config import whisper_config_json
-from megatron_hetero.models.hf_whisper_config import whisper_fields
+from megatron_hetero.models.hf_whisper_config import whisper_config_json, whisper_fields
 
 AUDIO = "audio"
 AUDIO_PROJECTOR = "audio_projector"

@@ -39,8 +39,7 @@ from megatron_hetero.convert.hf_weights import (
     world_of_one_layout,
     write_checkpoint,
 )
-from megatron_hetero.checkpoint.files import read_train_state
-from megatron_hetero.checkpoint.files import verify_manifest
+from megatron_hetero.checkpoint.files import read_train_state, verify_manifest
 
 QWEN_VL = "qwen2_5_vl"  # the model_type, and the folder under hf/ keeping its config and files
 PROCESSOR_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")

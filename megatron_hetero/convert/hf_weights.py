@@ -40,9 +40,7 @@ from megatron_hetero.checkpoint.pretrained import ORIGIN
 from megatron_hetero.checkpoint.files import FORMAT, LAYOUT_FILE, publish, stage_dir, write_train_state
 from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.convert import hf_audio
-from megatron_hetero.models.hybrid_pattern import gpt_to_hybrid_name
-from megatron_hetero.models.hybrid_pattern import hybrid_to_gpt_name
-from megatron_hetero.models.hybrid_pattern import is_gpt_pairs, pattern_layers
+from megatron_hetero.models.hybrid_pattern import gpt_to_hybrid_name, hybrid_to_gpt_name, is_gpt_pairs, pattern_layers
 
 HF_DIR = "hf"
 VISION, LANGUAGE = "vision", "language"
@@ -403,7 +401,6 @@ def to_hybrid_names(tensors: dict, spec) -> dict:
 
 
 def from_hybrid_names(tensors: dict, spec) -> dict:
-
     if spec.hybrid_layer_pattern is None:
         return tensors
     return {hybrid_to_gpt_name(k): v for k, v in tensors.items()}

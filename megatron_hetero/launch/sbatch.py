@@ -10,8 +10,7 @@ import re
 import shlex
 from typing import Optional, Sequence
 
-from megatron_hetero.launch.rank_env import PORT_BASE, PORT_SPAN
-from megatron_hetero.launch.rank_env import MARKER_ENV
+from megatron_hetero.launch.rank_env import MARKER_ENV, PORT_BASE, PORT_SPAN
 
 
 DEFAULT_ENTRY_MODULE = "megatron_hetero"

@@ -32,11 +32,9 @@ import torch.distributed as dist
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.training.autotune_config import AutotuneConfig
 from megatron_hetero.training.config import Job, JobConfig
-from megatron_hetero.layout.flags import add_flags, flags_of
-from megatron_hetero.layout.flags import values
+from megatron_hetero.layout.flags import add_flags, flags_of, values
 from megatron_hetero.megatron_lm.build import num_image_embeddings
-from megatron_hetero.megatron_lm.checks import check_common
-from megatron_hetero.megatron_lm.checks import decoder_layers
+from megatron_hetero.megatron_lm.checks import check_common, decoder_layers
 from megatron_hetero.megatron_lm.log import print_last
 from megatron_hetero.plan.rank_plan import check_rank_plans
 from megatron_hetero.planner.autotune import parse_fix

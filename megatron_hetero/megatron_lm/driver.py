@@ -67,9 +67,7 @@ from megatron_hetero.plan.rank_plan import check_rank_plans
 from megatron_hetero.training.config import Job
 from megatron_hetero.training.loop import run_loop
 from megatron_hetero.training.signals import ExitSignal
-from megatron_hetero.megatron_lm.autotune import add_autotune_args
-from megatron_hetero.megatron_lm.autotune import check_script_autotune
-from megatron_hetero.megatron_lm.autotune import train_autotuned_script
+from megatron_hetero.megatron_lm.autotune import add_autotune_args, check_script_autotune, train_autotuned_script
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,6 @@ class MegatronVlmRunner(MegatronDataRunner):
     float_keys = ("image", "loss_mask")
 
     def __init__(self, args: Any, plan: RankPlan, states: dict[str, ModuleState], datasets_provider: Callable) -> None:
-
         super().__init__(args, plan, states, datasets_provider)
         self.img_seq = num_image_embeddings(args)
 

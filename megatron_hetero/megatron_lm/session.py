@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.megatron_lm import checkpoints, precision
-from megatron_hetero.megatron_lm import weights as weights_mod
+from megatron_hetero.megatron_lm import checkpoints, precision, weights as weights_mod
 from megatron_hetero.megatron_lm.front_end import ScriptFrontEnd
 from megatron_hetero.megatron_lm.log import Evaluator, print_last
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig

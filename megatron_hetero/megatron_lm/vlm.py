@@ -16,8 +16,7 @@ from typing import Any, Callable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.megatron_lm.driver import ScriptModel, pretrain_with_layout, uneven_pp_flags
-from megatron_hetero.megatron_lm.build import build_vlm_module
-from megatron_hetero.megatron_lm.build import vlm_sizes
+from megatron_hetero.megatron_lm.build import build_vlm_module, vlm_sizes
 from megatron_hetero.megatron_lm.runner import MegatronVlmRunner
 
 VISION, LANGUAGE = "vision", "language"
@@ -75,17 +74,14 @@ def check_vlm(args: Any, layout: HeteroLayout) -> None:
 
 
 def _build(args: Any, layout: HeteroLayout, m, pgs, model_provider: Callable):
-
     return build_vlm_module(args, m, pgs)
 
 
 def _prepare(args: Any) -> None:
-
     vlm_sizes(args)
 
 
 def _runner(args, plan, states, datasets_provider):
-
     return MegatronVlmRunner(args, plan, states, datasets_provider)
 
 

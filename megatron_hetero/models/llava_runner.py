@@ -35,8 +35,7 @@ from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.runtime.stage_runner import EdgeTensor, LossSum, StageRunner
 from megatron_hetero.runtime.step import loss_normaliser
-from megatron_hetero.models.qwen_positions import batch_mrope_ids
-from megatron_hetero.models.qwen_positions import grid_mrope_ids
+from megatron_hetero.models.qwen_positions import batch_mrope_ids, grid_mrope_ids
 from megatron_hetero.runtime.loss_scale import loss_scale_of
 
 #: evaluation on the synthetic data reads global samples EVAL_OFFSET + i, which no training step reaches

@@ -21,8 +21,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from megatron_hetero.compat.device import get_device
-from megatron_hetero.compat.device import synchronize
+from megatron_hetero.compat.device import get_device, synchronize
 
 
 def timed(fn, iters: int, warmup: int, reps: int = 1) -> list[float]:
@@ -43,7 +42,6 @@ def timed(fn, iters: int, warmup: int, reps: int = 1) -> list[float]:
 
 
 def rank_collectives(cases: list[dict], iters: int, warmup: int, reps: int) -> list[list[float]]:
-
     world, rank = dist.get_world_size(), dist.get_rank()
     device = get_device()
     groups: dict[int, Any] = {}

@@ -51,9 +51,7 @@ from megatron_hetero.profiling.kernels import (
     undisturbed,
     wait_quiet,
 )
-from megatron_hetero.compat import default_backend, require_compat
-from megatron_hetero.compat import ensure_global_memory_buffer
-from megatron_hetero.compat import set_local_device
+from megatron_hetero.compat import default_backend, ensure_global_memory_buffer, require_compat, set_local_device
 from megatron_hetero.compat.device import get_device, synchronize
 from megatron_hetero.data import samples as data_mod
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
@@ -256,7 +254,6 @@ def _rank_modules(cases: list[dict], iters: int, warmup: int, reps: int) -> list
 def _rank_main(
     lcases: list[dict], mcases: list[dict], ccases: list[dict], iters: int, warmup: int, reps: int
 ) -> dict[str, Any]:
-
     set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
     layers, solo = _rank_layers(lcases, iters, warmup, reps)
     return {
@@ -298,7 +295,6 @@ def cpu_cores() -> int:
 
 
 def _measure_once(world_size: int, grid: ProfileGrid, timeout: float, quiet_wait_s: float) -> dict[str, Any]:
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
         raise ValueError(f"--world-size must be an integer >= 2 (collectives need two ranks), got {world_size!r}")
     if grid.iters < 1 or grid.reps < 1 or grid.warmup < 0:

@@ -14,9 +14,7 @@ from megatron_hetero.training.config import JobConfig
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import load_hardware
 from megatron_hetero.planner.model import workload
-from megatron_hetero.training.layout_cost import candidate_for
-from megatron_hetero.training.layout_cost import cost_micro_batch
-from megatron_hetero.training.layout_cost import train_micro_batch
+from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch, train_micro_batch
 
 
 def encoder_names(layout: HeteroLayout, spec) -> tuple[str, ...]:

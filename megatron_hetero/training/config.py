@@ -17,11 +17,10 @@ from typing import Any, Optional
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field, flags_of
 from megatron_hetero.layout.spec import HeteroLayout, Recompute
-from megatron_hetero.planner.model import LlavaSpec
+from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec
 from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
 from megatron_hetero.training.autotune_config import AutotuneConfig
 from megatron_hetero.training.lr_schedule import LRSchedule
-from megatron_hetero.planner.model import MOE_FLAGS
 from megatron_hetero.runtime.trace import NULL_TRACER, recording_tracer
 
 

@@ -20,8 +20,7 @@ from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
 from megatron_hetero.planner.model import EncoderSpec
-from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS
-from megatron_hetero.planner.presets import regime_workload
+from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, regime_workload
 from megatron_hetero.planner.search import search
 from megatron_hetero.planner.stages import module_stages
 from megatron_hetero.runtime.config import OptimConfig

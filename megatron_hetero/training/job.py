@@ -16,12 +16,11 @@ from typing import Any, Optional
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.roles import language_modules
 from megatron_hetero.planner.model import ENCODER_FLAGS, LlavaSpec, ModelFlags
-from megatron_hetero.training.arch_args import ArchFlags
+from megatron_hetero.training.arch_args import ArchFlags, apply_arch_flags
 from megatron_hetero.training.config import Job
 from megatron_hetero.checkpoint.files import read_train_state
 from megatron_hetero.checkpoint.pretrained import ORIGIN
 from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
-from megatron_hetero.training.arch_args import apply_arch_flags
 
 
 def default_micro_batch_size(layout: HeteroLayout, global_batch: int) -> int:

@@ -15,8 +15,7 @@ from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.trace import gather_trace
 from megatron_hetero.training.config import Job, JobConfig
 from megatron_hetero.training.memory_log import ActivationMeter
-from megatron_hetero.checkpoint.save_load import load_checkpoint
-from megatron_hetero.checkpoint.save_load import save_checkpoint
+from megatron_hetero.checkpoint.save_load import load_checkpoint, save_checkpoint
 from megatron_hetero.models.job_data import runner_factory  # captions or conversations
 from megatron_hetero.training.lr_schedule import build_scheduler
 from megatron_hetero.training.setup import build_states
@@ -46,7 +45,6 @@ class LlavaTrainSpec:
         """Nothing: `training.trainer.prepare_rank` set up the process before the first session."""
 
     def build_states(self, plan: RankPlan, topo: Topology) -> tuple[dict, dict, int]:
-
         job = self.job
         states = build_states(plan, job, topo)
         schedulers = {
