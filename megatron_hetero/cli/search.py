@@ -22,25 +22,23 @@ import argparse
 import json
 from pathlib import Path
 
-from megatron_hetero.cli.model_flags import MODEL_FLAGS, add_model_flags, flag
-from megatron_hetero.cli.train_door import model_flags
-from megatron_hetero.layout.flags import dest, option, value
+from megatron_hetero.cli.model_flags import add_model_flags
+from megatron_hetero.cli.search_text import regime_markdown, result_text, time_unit, train_command
+from megatron_hetero.cli.search_workload import workload_from_args
 from megatron_hetero.layout.yaml_io import dump_layout
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
 from megatron_hetero.planner.heteropipe import strategy_label
-from megatron_hetero.planner.model import encoder_model_spec, qwen_encoder_spec, size_flags, spec_from_flags, workload
 from megatron_hetero.planner.presets import (
     ENCODER_PRESETS,
     LLM_PRESETS,
     SPEECH_PRESETS,
     TOWER_PRESETS,
-    paper_direction,
     regime_table,
 )
 from megatron_hetero.planner.search import search, train_micro_batch_size
 from megatron_hetero.planner.search_space import SearchSpace
-from megatron_hetero.planner.workload import ModelSpec, Workload
+
 
 NAME = "search"
 
@@ -179,271 +177,6 @@ def _profile(args):
     )
 
 
-def uses_presets(args) -> bool:
-    return args.encoder is not None or args.llm is not None
-
-
-def _tower_spec(base, args, llm_hidden: int):
-    """A tower preset (`presets.TOWER_PRESETS`, an `EncoderSpec`) with the encoder flags given, as the
-    cost model's encoder (`planner.model.qwen_encoder_spec`: priced over its patches, its windows)."""
-    import dataclasses
-
-    sizes = {
-        "num_layers": args.encoder_num_layers,
-        "hidden_size": args.encoder_hidden_size,
-        "num_attention_heads": args.encoder_num_attention_heads,
-        "ffn_hidden_size": args.encoder_ffn_hidden_size,
-        "tokens": args.encoder_tokens,
-    }
-    e = dataclasses.replace(base, **{k: v for k, v in sizes.items() if v is not None})
-    if e.tokens != round(e.tokens**0.5) ** 2:
-        raise ValueError(f"--encoder-tokens {e.tokens}: the {base.kind} preset's images are square (a square count)")
-    full = tuple(i for i in e.fullatt_block_indexes if i < e.num_layers)
-    return qwen_encoder_spec("vision", dataclasses.replace(e, fullatt_block_indexes=full), llm_hidden)
-
-
-def _preset_spec(base, args, side: str, seq: int):
-    names = {
-        "encoder": (
-            "encoder_num_layers",
-            "encoder_hidden_size",
-            "encoder_ffn_hidden_size",
-            "encoder_num_attention_heads",
-        ),
-        "llm": ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"),
-    }[side]
-    layers, hidden, ffn, heads = (getattr(args, n) for n in names)
-
-    def pick(v, d):
-        return d if v is None else v
-
-    vocab = base.vocab if side == "encoder" or args.vocab_size is None else args.vocab_size
-    return ModelSpec(
-        base.name.split("-")[0] if side == "encoder" else "language",
-        pick(layers, base.num_layers),
-        pick(hidden, base.hidden),
-        pick(ffn, base.ffn_hidden),
-        pick(heads, base.heads),
-        seq,
-        kind=base.kind,
-        vocab=vocab,
-        gated=base.gated,
-    )
-
-
-def workload_from_args(args):
-    """The cost model's workload: `train`'s model (planner.model.spec_from_flags, costed by
-    planner.model.workload) with the model flags given, or, with --encoder/--llm, a preset whose
-    sizes the model flags override."""
-    import dataclasses
-
-    from megatron_hetero.planner.presets import (
-        ENCODER_PRESETS,
-        LLM_PRESETS,
-        SPEECH_PRESETS,
-        TOKENS_PER_STEP,
-        TOWER_PRESETS,
-    )
-
-    audio = _audio_encoder(args)
-    if not uses_presets(args):
-        spec = spec_from_flags(model_flags(args))
-        enc = spec.encoders["vision"]
-        # train's encoders: an MLP of 4 * hidden, one input of encoder_tokens per sample
-        for name, v in (("encoder_ffn_hidden_size", 4 * enc.hidden_size), ("images_per_sample", 1)):
-            if getattr(args, name) not in (None, v):
-                raise ValueError(
-                    f"{flag(name)} {getattr(args, name)} applies to the --encoder/--llm presets; "
-                    f"`train` runs encoders with an MLP of 4 * --encoder-hidden-size "
-                    f"(= {4 * enc.hidden_size}) and one input of --encoder-tokens per sample"
-                )
-        if audio is not None:  # train's `audio` module: the --encoder-* sizes, Whisper's structure
-            whisper = dataclasses.replace(enc, kind="whisper", activation="gelu", patch_size=0)
-            spec = dataclasses.replace(spec, encoders={**spec.encoders, "audio": whisper})
-        return workload(
-            spec,
-            value(args, MODEL_FLAGS["global_batch_size"]),
-            value(args, MODEL_FLAGS["micro_batch_size"]),
-            inputs={"audio": args.audio_chunks or 1} if audio is not None else None,
-        )
-
-    def given(value, default):
-        return default if value is None else value
-
-    seq = given(args.seq_length, 8192)
-    llm = _preset_spec(LLM_PRESETS[given(args.llm, "14B")], args, "llm", seq)
-    if args.encoder in TOWER_PRESETS:
-        enc = _tower_spec(TOWER_PRESETS[args.encoder], args, llm.hidden)
-    else:
-        enc_base = ENCODER_PRESETS[given(args.encoder, "1B")]
-        enc = _preset_spec(enc_base, args, "encoder", given(args.encoder_tokens, enc_base.seq))
-    gbs = given(args.global_batch_size, max(1, TOKENS_PER_STEP // max(seq, 1)))
-    extra = (encoder_model_spec("audio", SPEECH_PRESETS[audio], llm.hidden),) if audio is not None else ()
-    return Workload(
-        enc,
-        llm,
-        global_batch=gbs,
-        micro_batch=given(args.micro_batch_size, 1),
-        images_per_sample=given(args.images_per_sample, 1),
-        extra_encoders=extra,
-        extra_inputs=(given(args.audio_chunks, 1),) if extra else (),
-    )
-
-
-def _audio_encoder(args):
-    """--audio-encoder's value, checked against the model it joins: 'whisper' (train's model) or a
-    Whisper preset (with --encoder/--llm); None without one. ValueError for a mismatch or bad chunks."""
-    audio = getattr(args, "audio_encoder", None)
-    chunks = getattr(args, "audio_chunks", None)
-    if audio is None:
-        if chunks is not None:
-            raise ValueError("--audio-chunks applies to a speech encoder: give --audio-encoder")
-        return None
-    if chunks is not None and chunks < 1:
-        raise ValueError(f"--audio-chunks must be >= 1, got {chunks}")
-    if uses_presets(args) and audio == "whisper":
-        raise ValueError(
-            "--audio-encoder whisper is train's encoder (the --encoder-* sizes); with --encoder/--llm presets "
-            "choose a Whisper preset (whisper-tiny ... whisper-large-v3)"
-        )
-    if not uses_presets(args) and audio != "whisper":
-        raise ValueError(
-            f"--audio-encoder {audio} is a preset: give --encoder/--llm presets too, or --audio-encoder whisper "
-            "for train's model (every encoder with the --encoder-* sizes)"
-        )
-    return audio
-
-
-def train_command(args, out: str, wl, micro_batch_size: int) -> str:
-    """The `megatron-hetero train` line that runs the layout written to `out` with the searched model."""
-
-    words = ["megatron-hetero train --hetero-layout", Path(out).name]
-    if not uses_presets(args):  # the model flags given, so train builds the model that was searched
-        # --encoder-max-tiles: never searched (the cost model refuses it), so never written
-        words += [
-            f"{option(f)} {getattr(args, dest(f))}"
-            for f in size_flags()
-            if getattr(args, dest(f)) is not None and f.name != "max_tiles"
-        ]
-    if wl.extra_encoders and not uses_presets(args):
-        words.append("--audio-model-type whisper")
-    words += [f"--global-batch-size {wl.global_batch} --micro-batch-size {micro_batch_size}"]
-    words += feature_flags(wl)
-    return " ".join(words)
-
-
-def feature_flags(wl) -> list[str]:
-    """train's flags for the features the workload was priced with (precision, distributed optimizer,
-    SP, recompute): the run the printed line starts is the one the search priced."""
-    out = ["--bf16"] if wl.dtype_bytes == 2 else []
-    if wl.optimizer != "adam":
-        out.append(f"--optimizer {wl.optimizer}")
-    if wl.distributed_optimizer:
-        out.append("--use-distributed-optimizer")
-    if wl.sequence_parallel:
-        out.append("--sequence-parallel")
-    if wl.recompute == "selective":
-        out.append("--recompute-granularity selective")
-    elif wl.recompute == "full":
-        out.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-    return out
-
-
-def _params(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
-
-
-def _unit(seconds: float) -> tuple[str, float]:
-    """Seconds, or milliseconds where seconds would print as 0.00x (tiny models on fast hardware)."""
-    return ("s", 1.0) if seconds >= 0.01 else ("ms", 1e3)
-
-
-def result_text(res, wl, prof) -> str:
-    e, m = wl.encoder, wl.llm
-    unit, scale = _unit(res.best.breakdown.total)
-    lines = [
-        f"workload: encoder {_params(e.total_params)} ({e.num_layers} layers, h={e.hidden}, "
-        f"{wl.images_per_sample}x{e.seq} tokens/sample) -> LLM {_params(m.total_params)} ({m.num_layers} layers, "
-        f"h={m.hidden}, context {m.seq}); global batch {wl.global_batch}, micro-batch {wl.micro_batch}",
-        *(
-            f"second encoder {x.name}: {_params(x.total_params)} ({x.num_layers} layers, h={x.hidden}, "
-            f"{k}x{x.seq} tokens/sample)"
-            for x, k in zip(wl.extra_encoders, wl.extra_inputs or (1,) * len(wl.extra_encoders))
-        ),
-        f"cost model: {prof.source or 'profile'}; {res.world_size} ranks; memory limit {_gb(res.memory_limit)} GB/rank",
-        f"space: {res.space_size:,} candidates, {res.evaluated:,} evaluated in {res.seconds:.3f} s",
-        "",
-        f"| # | step ({unit}) | vs homog. | configuration | compute | tp | cp | pp | dp | optimizer | boundary | offload "
-        "| bubble | mem (GB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    base = res.baseline.breakdown.total if res.baseline else None
-    for i, r in enumerate(res.ranked, 1):
-        b = r.breakdown
-        rel = f"{base / b.total - 1:+.1%}" if base else "n/a"
-        t = [
-            x * scale
-            for x in (
-                b.total,
-                b.compute,
-                b.tp_comm,
-                b.cp_comm,
-                b.pp_comm,
-                b.dp_comm,
-                b.optimizer,
-                b.boundary,
-                b.offload,
-                b.bubble,
-            )
-        ]
-        lines.append(
-            f"| {i} | {t[0]:.3f} | {rel} | {r.candidate.describe()} | {t[1]:.3f} | {t[2]:.3f} | "
-            f"{t[3]:.3f} | {t[4]:.3f} | {t[5]:.3f} | {t[6]:.3f} | {t[7]:.3f} | {t[8]:.3f} | "
-            f"{t[9]:.3f} | {_gb(b.memory_per_rank_peak)} |"
-        )
-    lines.append("")
-    lines.append("best per placement:")
-    for kind in ("homogeneous", "colocated", "disjoint"):
-        r = res.by_placement.get(kind)
-        if kind == "homogeneous" and r is None:
-            r = res.baseline  # runnable space: the colocated candidate whose modules share one layout
-        lines.append(
-            f"  {kind:12s} "
-            + (f"{r.breakdown.total * scale:.3f} {unit}  {r.candidate.describe()}" if r else "none fits")
-        )
-    gain = res.gain
-    lines.append(
-        f"predicted gain over homogeneous: {gain:+.1%}"
-        if gain is not None
-        else "predicted gain over homogeneous: n/a (no homogeneous configuration fits)"
-    )
-    return "\n".join(lines)
-
-
-def regime_markdown(rows: list) -> str:
-    head = (
-        "| encoder | LLM | context | GPUs | global batch | picked | configuration | step (s) | homogeneous (s) | "
-        "colocated (s) | disjoint (s) | gain vs homogeneous | paper's direction |"
-    )
-    out = [head, "|" + "---|" * 13]
-
-    def f(x):
-        return "OOM" if x is None else f"{x:.2f}"
-
-    for r in rows:
-        gain = ("n/a" if r["step_s"] is None else "n/a (homogeneous OOM)") if r["gain"] is None else f"{r['gain']:+.1%}"
-        out.append(
-            f"| {r['encoder']} | {r['llm']} | {r['context'] // 1024}K | {r['gpus']} | {r['global_batch']} | "
-            f"{r['picked'] or 'none fits'} | {r['layout'] or ''} | {f(r['step_s'])} | {f(r['homogeneous_s'])} | "
-            f"{f(r['colocated_s'])} | {f(r['disjoint_s'])} | {gain} | {paper_direction(r)} |"
-        )
-    return "\n".join(out)
-
-
 def _space(args):
     placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
     runtime = not (args.all_layouts or args.regime_table)  # the regime table studies the whole space
@@ -490,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     text = dump_layout(layout)
     if args.out:
         best = res.best.breakdown.total
-        unit, scale = _unit(best)
+        unit, scale = time_unit(best)
         header = (
             f"# megatron-hetero search: best of {res.space_size} candidates on {res.world_size} ranks\n"
             f"# {res.best.candidate.describe()}\n# predicted step {best * scale:.3f} {unit}"
@@ -530,7 +263,7 @@ def _run_segments(args: argparse.Namespace, wl, prof, limit) -> int:
     seconds = time.perf_counter() - t0
     layout = segments_layout(plan)
     text = dump_layout(layout)
-    unit, scale = _unit(plan.objective)
+    unit, scale = time_unit(plan.objective)
     summary = (
         f"language model {wl.llm.num_layers} layers in {args.segments} segments on {args.world_size} ranks, "
         f"{problem.num_microbatches} micro-batches of {problem.microbatch_samples} samples; strategies "
