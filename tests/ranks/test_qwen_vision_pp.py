@@ -3,7 +3,8 @@
 stage 1 full attention and the merger): losses and every parameter after two SGD steps equal the
 world-1 run (fp32, 1e-5 relative, as the tower's other parity tests) on a colocated, a disjoint and a
 TP2 x PP2 layout; frozen, the merger on the last stage trains and the blocks stay put; native-
-resolution images with pp 2 are refused at validation with the reason."""
+resolution images with pp 2, and cp 2 on the tower, are refused at validation (`train` exits 2 with
+the reason on one line)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,34 @@ def test_native_resolution_tower_with_pipeline_stages_is_refused():
     doc = {"placement": "colocated", "modules": {"vision": {"pp": 2}, "language": {"dp": 2}}, "edges": E}
     with pytest.raises(ValueError, match=r"variable image tokens .* one pipeline stage .*got pp\(2\)"):
         validate_job(layout_from_dict(doc, world_size=2), dataclasses.replace(JOB, spec=spec))
+
+
+QWEN_FLAGS = ["--vision-model-type", "qwen2.5-vl", "--patch-dim", "2", "--encoder-tokens", "4"]
+QWEN_FLAGS += ["--position-embedding-type", "mrope", "--mrope-section", "2", "3", "3", "--train-iters", "1"]
+
+
+@pytest.mark.parametrize(
+    "vision, extra, words",
+    [
+        (
+            "{pp: 2}",
+            ["--encoder-max-tiles", "2"],
+            r"variable image tokens \(--encoder-max-tiles 2\) run with the encoder on one",
+        ),
+        ("{cp: 2}", [], "a Qwen2.5-VL tower runs with cp 1: its windows and images are attention segments"),
+    ],
+    ids=["native-resolution pp2", "cp2"],
+)
+def test_train_refuses_what_the_tower_cannot_split_with_the_reason(tmp_path, capsys, vision, extra, words):
+    import re
+
+    from megatron_hetero.cli import main
+
+    layout = tmp_path / "layout.yaml"
+    layout.write_text(
+        f"placement: colocated\nmodules:\n  vision: {vision}\n  language: {{dp: 2}}\nedges: ['vision -> language']\n"
+    )
+    argv = ["train", "--hetero-layout", str(layout), "--nproc-per-node", "2", *QWEN_FLAGS, *extra]
+    assert main(argv) == 2  # refused at the door, before any rank starts
+    err = capsys.readouterr().err
+    assert re.search(words, err) and len(err.strip().splitlines()) == 1, err
