@@ -78,15 +78,17 @@ def test_pipelined_qwen_tower_matches_world_1(label, placement, modules, world):
     _assert_parity(label, per_rank, ref)
 
 
+FROZEN = [
+    ("colocated", {"vision": {"pp": 2, "frozen": True}, "language": {"dp": 2}}, 2),
+    ("disjoint", {"vision": {"pp": 2, "frozen": True, "ranks": "0-1"}, "language": {"ranks": "2-2"}}, 3),
+]
+
+
 @pytest.mark.timeout(400)
-def test_frozen_pipelined_qwen_tower_trains_its_merger_on_the_last_stage():
-    doc = {
-        "placement": "colocated",
-        "modules": {"vision": {"pp": 2, "frozen": True}, "language": {"dp": 2}},
-        "edges": E,
-    }
-    per_rank = run_job(doc, 2, JOB, timeout=360)
-    got = _assert_parity("frozen vision PP2", per_rank, _reference(JOB, ("vision",)))
+@pytest.mark.parametrize("placement,modules,world", FROZEN, ids=[c[0] for c in FROZEN])
+def test_frozen_pipelined_qwen_tower_trains_its_merger_on_the_last_stage(placement, modules, world):
+    per_rank = run_job({"placement": placement, "modules": modules, "edges": E}, world, JOB, timeout=360)
+    got = _assert_parity(f"{placement}: frozen vision PP2", per_rank, _reference(JOB, ("vision",)))
     still = JobConfig(spec=SPEC, global_batch_size=4, micro_batch_size=2, train_iters=1, optim=OptimConfig(lr=1e-30))
     init = full_params(run_job(world1_doc(still, ("vision",)), 1, still), gated=True)["vision"]
     merger = [n for n in got["vision"] if n.startswith(("tower.merger.", "tower.ln_q."))]
