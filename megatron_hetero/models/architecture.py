@@ -15,6 +15,16 @@ QWEN = "qwen2.5-vl"
 CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
 SIGLIP_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 VIT_KINDS = ("clip", "siglip")  # Megatron's CLIPViTModel: a square RGB image cut into patches
+#: why a Qwen2.5-VL tower with native-resolution images (`max_tiles`) keeps one pipeline stage
+PP_NATIVE_REASON = (
+    "a Qwen2.5-VL tower with native-resolution images (max_tiles) runs with pp 1: the images of a call "
+    "vary in number and size, so the hidden states between tower stages have no one static shape"
+)
+#: why a Qwen2.5-VL tower keeps cp 1
+CP_REASON = (
+    "a Qwen2.5-VL tower runs with cp 1: its windows and images are attention segments over the patches "
+    "of whole images (not a text sequence), which a context-parallel split of the sequence would cut"
+)
 
 
 def check_architecture(layout: HeteroLayout, spec, langs) -> None:
@@ -107,13 +117,17 @@ def check_mrope(spec) -> None:
 
 
 def check_qwen(name: str, enc, layout: HeteroLayout, spec) -> None:
-    """A Qwen2.5-VL tower (`models.qwen_encoder`) against the layout and its image: one pipeline stage
-    and cp 1 here (the runtime hands encoder stages [tokens, b, h], the tower's stages [patches, 1,
-    h]), heads divisible by tp, its features the merge**2 patches of a token, the image's rows; with
+    """A Qwen2.5-VL tower (`models.qwen_encoder`) against the layout and its image: cp 1 (`CP_REASON`),
+    its blocks split evenly over pp, pp 1 with native-resolution images (`PP_NATIVE_REASON`), heads
+    divisible by tp, its features the merge**2 patches of a token, the image's rows; with
     `max_tiles` (native resolution: a sample's tiles are one image) one image a row, no packing."""
     m = layout.module(name)
-    if m.pp > 1 or m.cp > 1:
-        raise ValueError(f"encoder {name}: a Qwen2.5-VL tower trains with pp 1 and cp 1 here; got {m.arithmetic()}")
+    if m.cp > 1:
+        raise ValueError(f"encoder {name}: {CP_REASON}; got {m.arithmetic()}")
+    if m.pp > 1 and enc.max_tiles:
+        raise ValueError(f"encoder {name}: {PP_NATIVE_REASON}; got {m.arithmetic()}")
+    if enc.num_layers % m.pp:
+        raise ValueError(f"encoder {name}: the tower's {enc.num_layers} blocks do not split evenly over pp({m.pp})")
     if enc.num_attention_heads % m.tp or (enc.ffn_hidden_size or 4 * enc.hidden_size) % m.tp:
         raise ValueError(f"encoder {name}: heads and MLP width must divide by tp({m.tp})")
     if enc.max_tiles and spec.documents:  # native resolution: one image per row for its M-RoPE ids

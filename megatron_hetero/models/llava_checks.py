@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.layout.validate import check_experts
-from megatron_hetero.models.architecture import check_architecture
+from megatron_hetero.models.architecture import CP_REASON, QWEN, check_architecture
 from megatron_hetero.plan import roles as plan_roles
 from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
 
@@ -85,7 +85,9 @@ def check_encoder_cp(name: str, enc: EncoderSpec, m: ModuleLayout, impl: str = "
     if m.cp == 1:
         return
     why = None
-    if enc.kind != "linear":
+    if enc.kind == QWEN:
+        why = CP_REASON
+    elif enc.kind != "linear":
         why = f"a {enc.kind} tower runs with cp 1"
     elif m.pp != 1:
         why = f"an encoder with cp > 1 runs on one pipeline stage (pp {m.pp})"

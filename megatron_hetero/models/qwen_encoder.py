@@ -8,8 +8,15 @@ patch order (`data.qwen_image_processor`: patches in merge blocks). The module f
 the tower's `[b * tokens * merge**2, 3 * T * p * p]` with `grid_thw` one row `(1, merge * rows,
 merge * cols)` per sample, runs `models.qwen_vision.QwenVisionTower` (its merger projects into the
 language model's width) and returns `[b, tokens, llm_hidden]`, the tokens in the image's row-major
-order. One pipeline stage, cp 1 (the runtime hands encoder stages `[tokens, b, h]`; the tower's
-stages `[patches, 1, h]` in window order: not wired); TP and DP on the module's layout.
+order. TP, DP and PP on the module's layout; cp 1 (refused: `models.architecture.check_qwen`).
+
+Pipeline stages (pp > 1, fixed-size images only): the blocks split evenly over the stages, the
+first stage holds the patch embedding, the last `ln_q` and the merger. Between stages goes
+`[tokens * merge**2, b, h]` (the runtime's `[seq, b, h]`: `LlavaStageRunner.stage_tensor`): each
+sample's patches in the tower's window order (a fixed-size image's windows are its own, so the b
+images stay apart). The rotary angles, window order and attention masks are recomputed on every
+stage from the spec's image grid, never sent. Native resolution (`max_tiles`) has no one shape
+between stages and keeps pp 1.
 
 Frozen (`frozen: true` in the layout): the blocks and the patch embedding stop taking gradients,
 the merger (`ln_q`, `merger`: the tower's projector) trains, as a frozen LLaVA tower's projector does.
@@ -40,6 +47,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.layout.spec import ModuleLayout
+from megatron_hetero.models.architecture import PP_NATIVE_REASON
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.qwen_positions import image_grid
 from megatron_hetero.models.qwen_vision import QwenVisionSpec, QwenVisionTower
@@ -105,13 +113,19 @@ class QwenEncoderModule(torch.nn.Module):
         super().__init__()
         if impl != "local":
             raise ValueError(f"module {name}: the Qwen2.5-VL tower is built from local layers, not {impl}")
-        if m.pp != 1 or m.cp != 1:
-            raise ValueError(f"module {name}: a Qwen2.5-VL tower trains with pp 1 and cp 1 here, got {m.arithmetic()}")
+        if m.pp > 1 and enc.max_tiles:
+            raise ValueError(f"module {name}: {PP_NATIVE_REASON}, got {m.arithmetic()}")
         self.name, self.enc, self.frozen = name, enc, m.frozen
-        self.first = self.last = True
-        self.tower = QwenVisionTower(tower_spec(enc, llm_hidden), m, pgs, name)
+        self.tower = QwenVisionTower(tower_spec(enc, llm_hidden), m, pgs, name)  # refuses cp > 1
+        self.first, self.last = self.tower.first, self.tower.last
+        # blocks by global index (`init.global_name`): every pp starts from the same weights
         deterministic_init(
-            self.named_parameters(), seed=seed, module=name, tp_rank=pgs.tp.rank(), tp_size=pgs.tp.size()
+            self.named_parameters(),
+            seed=seed,
+            module=name,
+            tp_rank=pgs.tp.rank(),
+            tp_size=pgs.tp.size(),
+            layer_offset=self.tower.first_layer,
         )
         if self.frozen:
             for n, p in self.named_parameters():
@@ -127,13 +141,16 @@ class QwenEncoderModule(torch.nn.Module):
         tiles: Optional[Sequence[int]] = None,
         grids: Optional[Sequence[Sequence[tuple[int, int]]]] = None,
     ) -> torch.Tensor:
-        """`x` [b, tokens, features]: b images of the spec's size; with variable image tokens
+        """`x` [b, tokens, features]: b images of the spec's size (a later pipeline stage: the stage
+        before's `[tokens * merge**2, b, h]`, `stage_forward`); with variable image tokens
         (`max_tiles`) `x` is the call's tiles and `tiles` the samples' tile counts: a sample's n tiles
         (bands of `image_rows` rows) are one image n times as tall (`tile_grid_thw`). With `grids`
         (per sample its images' (rows, cols) of merged tokens, e.g. the Qwen image processor's
         conversation data) the tiles are the images' merged tokens one after the other, image by
         image (`spec tokens` 1: a tile is one merged token) and each image is its own grid
         (`images_grid_thw`)."""
+        if not self.first:
+            return self.stage_forward(x)
         if x.shape[-1] in pixel_widths(self.enc):
             x = blocks_to_patches(x, self.enc)
         b, n, f = x.shape
@@ -151,8 +168,28 @@ class QwenEncoderModule(torch.nn.Module):
             grid = grid_thw(self.enc, b)
         else:
             grid = tile_grid_thw(self.enc, tiles, b)
-        out = self.tower(patches, grid.to(x.device))  # [b * n, llm_hidden]
-        return out.view(b, n, -1)
+        out = self.tower(patches, grid.to(x.device))  # [b * n, llm_hidden]; before the last stage [N, 1, h]
+        return out.view(b, n, -1) if self.last else self._to_stage(out, b)
+
+    def stage_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """A later pipeline stage: `x` [tokens * merge**2, b, h] from the stage before (each sample's
+        patches in window order) -> the next stage's [tokens * merge**2, b, h], or on the last stage
+        the merged tokens [b, tokens, llm_hidden] in the image's row-major order."""
+        patches = self.enc.tokens * self.enc.merge_size**2
+        if x.dim() != 3 or x.shape[0] != patches:
+            raise ValueError(
+                f"encoder {self.name}: a later tower stage takes [{patches}, b, h] (tokens * merge**2 patches "
+                f"of each image), got {list(x.shape)}"
+            )
+        b = x.shape[1]
+        hidden = x.transpose(0, 1).reshape(b * patches, 1, x.shape[2])  # images one after the other
+        out = self.tower(None, grid_thw(self.enc, b).to(x.device), hidden=hidden)
+        return out.view(b, self.enc.tokens, -1) if self.last else self._to_stage(out, b)
+
+    @staticmethod
+    def _to_stage(out: torch.Tensor, b: int) -> torch.Tensor:
+        """The tower's [b * P, 1, h] (window order, image by image) -> the runtime's [P, b, h]."""
+        return out.view(b, -1, out.shape[-1]).transpose(0, 1).contiguous()
 
 
 def pixel_widths(enc) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models import qwen_vision_windows as win
+from megatron_hetero.models.architecture import CP_REASON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +107,7 @@ class QwenVisionTower(torch.nn.Module):
         if spec.depth % m.pp:
             raise ValueError(f"module {name}: the tower's {spec.depth} blocks do not split over pp({m.pp})")
         if m.cp != 1:
-            raise ValueError(
-                f"module {name}: the Qwen2.5-VL tower runs with cp 1: its windows and images are attention "
-                f"segments of varying length that a sequence split would cut, got {m.arithmetic()}"
-            )
+            raise ValueError(f"module {name}: {CP_REASON}, got {m.arithmetic()}")
         self.spec, self.name, self.tp_group = spec, name, pgs.tp
         self.first, self.last = pgs.pp.rank() == 0, pgs.pp.rank() == m.pp - 1
         k = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
@@ -175,7 +173,7 @@ class QwenVisionTower(torch.nn.Module):
         return out
 
     def forward(
-        self, patches: torch.Tensor, grid_thw: torch.Tensor, hidden: Optional[torch.Tensor] = None
+        self, patches: Optional[torch.Tensor], grid_thw: torch.Tensor, hidden: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         """First stage: `patches` [N, C*T*P*P]; a later stage: `hidden` [N, 1, h] from the stage before,
         in window order (`patches` unused). Returns [N, 1, h] in window order on a stage before the
@@ -187,9 +185,10 @@ class QwenVisionTower(torch.nn.Module):
         order, windows = win.window_index(grid_thw, merge, s.window_size // merge // s.patch_size)
         if self.first:
             width = s.in_channels * s.temporal_patch_size * s.patch_size**2
-            if patches.dim() != 2 or patches.shape != (n, width):
+            if patches is None or patches.dim() != 2 or patches.shape != (n, width):
                 raise ValueError(
-                    f"patches must be [{n}, {width}] for grid_thw {grid_thw.tolist()}, got {list(patches.shape)}"
+                    f"patches must be [{n}, {width}] for grid_thw {grid_thw.tolist()}, "
+                    f"got {None if patches is None else list(patches.shape)}"
                 )
             x = patches.view(-1, s.in_channels, s.temporal_patch_size, s.patch_size, s.patch_size)
             x = self.patch_embed(x.to(self.patch_embed.weight.dtype)).view(n, -1)

@@ -1,7 +1,8 @@
 """`convert hf-to-checkpoint --model` of a tiny random `Qwen2_5_VLForConditionalGeneration` folder
 (`convert.hf_qwen_checkpoint`): a checkpoint of the family's model (the Qwen2.5-VL encoder kind at
 --image-size 8x12: 2 x 3 merged tokens; the M-RoPE decoder). Loaded into the training runtime's
-modules at world 1 and at colocated vision TP2 + language TP2, two samples with the image at text
+modules at world 1, at colocated vision TP2 + language TP2 and with the tower on two pipeline
+stages (vision PP2 + language DP2), two samples with the image at text
 position 1 give transformers' logits within 1e-4 relative; `checkpoint-to-hf --model` returns every
 tensor bit for bit with the config and the processor files; `train --load` trains from it on a
 disjoint layout (the loss falls). Bad input (image size, flags) exits 2 with the reason."""
@@ -67,13 +68,34 @@ def _forward_rank(doc: dict, root: str) -> dict:
     load_weights(root, layout, spec, topo, states)
     tokens, features = _batch()
     with torch.no_grad():
-        image = states["vision"].module(features)
+        image = _tower_tokens(states["vision"], spec, features)
         lm = states["language"].module
         logits = lm(lm.embed(tokens, {"vision": image}))
         tp = states["language"].pgs.tp
         parts = [torch.empty_like(logits) for _ in range(tp.size())]
         dist.all_gather(parts, logits.contiguous(), group=tp)
     return {"logits": torch.cat(parts, dim=-1), "spec": spec}
+
+
+def _tower_tokens(state, spec, features: torch.Tensor) -> torch.Tensor:
+    """The vision module's merged tokens [B, tokens, H] on every rank of its pipeline: a stage before
+    the last sends its [tokens * merge**2, B, h] to the next, and the last broadcasts the tokens."""
+    import torch.distributed as dist
+
+    pp = state.pgs.pp
+    if pp.size() == 1:
+        return state.module(features)
+    ranks, r, enc = dist.get_process_group_ranks(pp), pp.rank(), spec.encoders["vision"]
+    x = features
+    if r > 0:
+        x = torch.empty(enc.tokens * enc.merge_size**2, features.shape[0], enc.hidden_size)
+        dist.recv(x, src=ranks[r - 1])
+    y = state.module(x)
+    if r < pp.size() - 1:
+        dist.send(y.contiguous(), dst=ranks[r + 1])
+        y = torch.empty(features.shape[0], enc.tokens, spec.hidden_size)
+    dist.broadcast(y, src=ranks[-1], group=pp)
+    return y
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +127,15 @@ LAYOUTS = {
         1,
         {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]},
     ),
+    # the tower's blocks on two pipeline stages: the checkpoint's blocks by global index
+    "colocated vision PP2, language DP2": (
+        2,
+        {
+            "placement": "colocated",
+            "modules": {"vision": {"pp": 2}, "language": {"dp": 2}},
+            "edges": ["vision -> language"],
+        },
+    ),
     "colocated vision TP2, language TP2": (
         2,
         {
@@ -128,6 +159,17 @@ def test_converted_qwen_checkpoint_gives_transformers_logits(converted, name):
         rel = float((r["logits"] - converted.want).abs().max() / converted.want.abs().max())
         print(f"\nQwen2.5-VL checkpoint, {name}, vs transformers: logits {rel:.2e} relative")
         assert rel <= 1e-4, rel
+
+
+@pytest.mark.timeout(300)
+def test_the_checkpoint_on_two_tower_stages_gives_the_one_stage_logits(converted):
+    """The tower's blocks load by global index onto each stage: PP2's logits are the world-1 run's."""
+    one = run_ranks(1, _forward_rank, LAYOUTS["world 1"][1], str(converted.ckpt), timeout=240)[0]["logits"]
+    world, doc = LAYOUTS["colocated vision PP2, language DP2"]
+    for r in run_ranks(world, _forward_rank, doc, str(converted.ckpt), timeout=240):
+        rel = float((r["logits"] - one).abs().max() / one.abs().max())
+        print(f"\nQwen2.5-VL checkpoint, vision PP2 vs world 1: logits {rel:.2e} relative")
+        assert rel <= 1e-6, rel
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,8 @@
 """`--vision-model-type qwen2.5-vl` with `--position-embedding-type mrope --mrope-section T H W` on
 `train`: the Qwen2.5-VL tower's fields (features of a merged token's 2 x 2 patches, windows of 8
 patches, full attention every eighth block), a record that reads back equal, and each inconsistent
-combination a ValueError naming what is wrong. Pure: no torch."""
+combination a ValueError naming what is wrong (cp on the tower, pipeline stages with native-resolution
+images or blocks that do not split evenly); pipeline stages on fixed-size images pass. Pure: no torch."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ def _spec(*flags: str) -> LlavaSpec:
     return apply_arch_flags(arch_flags(args), spec_from_flags(model_flags(args)), model_flags(args))
 
 
-def _check(spec: LlavaSpec, modules: dict | None = None) -> None:
+def _check(spec: LlavaSpec, modules: dict | None = None, world: int = 1) -> None:
     doc = dict(LAYOUT, modules=modules or LAYOUT["modules"])
-    check_architecture(layout_from_dict(doc, world_size=1), spec, ["language"])
+    check_architecture(layout_from_dict(doc, world_size=world), spec, ["language"])
 
 
 def test_qwen_flags_set_the_tower_and_its_record_reads_back() -> None:
@@ -42,6 +43,15 @@ def test_qwen_flags_set_the_tower_and_its_record_reads_back() -> None:
     assert "mrope_section" not in plain and "window_size" not in plain["encoders"]["vision"]
 
 
+def test_qwen_tower_takes_pipeline_stages_on_fixed_size_images() -> None:
+    _check(_spec(*QWEN, *MROPE), {"vision": {"pp": 2}, "language": {"dp": 2}}, world=2)
+    _check(
+        _spec(*QWEN, *MROPE, "--encoder-num-layers", "4"),
+        {"vision": {"tp": 2, "pp": 2}, "language": {"dp": 4}},
+        world=4,
+    )
+
+
 @pytest.mark.parametrize(
     "flags, modules, words",
     [
@@ -50,7 +60,17 @@ def test_qwen_flags_set_the_tower_and_its_record_reads_back() -> None:
         ([*QWEN, "--encoder-feature-dim", "12", *MROPE], None, "96"),
         ([*QWEN, "--position-embedding-type", "mrope", "--mrope-section", "2", "2", "2"], None, "head dimension"),
         (MROPE, None, "one Qwen2.5-VL encoder"),
-        ([*QWEN, *MROPE], {"vision": {"pp": 2}, "language": {"dp": 2}}, "pp 1 and cp 1"),
+        ([*QWEN, *MROPE], {"vision": {"cp": 2}, "language": {"dp": 2}}, "runs with cp 1: its windows and images"),
+        (
+            [*QWEN, *MROPE, "--encoder-max-tiles", "2"],
+            {"vision": {"pp": 2}, "language": {"dp": 2}},
+            "native-resolution images .* runs with pp 1: .* no one static shape",
+        ),
+        (
+            [*QWEN, *MROPE, "--encoder-num-layers", "3"],
+            {"vision": {"pp": 2}, "language": {"dp": 2}},
+            r"3 blocks do not split evenly over pp\(2\)",
+        ),
         ([*QWEN, "--encoder-tokens", "5", *MROPE], None, "rows"),
     ],
 )

@@ -1,6 +1,7 @@
 """`megatron-hetero dryrun` against the real thing: every rank of a world-4 colocated, a world-8
-colocated one with modules of equal shape (one set of groups for both) and a world-8 disjoint layout
-(with the distributed optimizer), dry-run on the fake process group in
+colocated one with modules of equal shape (one set of groups for both), a world-8 disjoint layout
+(with the distributed optimizer) and a world-3 disjoint one with a Qwen2.5-VL tower on two pipeline
+stages, dry-run on the fake process group in
 processes of their own, builds what the real fork-launched ranks of `train` build in their Session
 (gloo): the same rank plan, the same boundary plans, the same process groups (created, and the rank
 sets of those this rank belongs to: from the real groups' own ranks) and the same state bytes
@@ -18,6 +19,8 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.runtime.config import OptimConfig
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.training.config import JobConfig
+
+from qwen_train_case import SPEC as QWEN_SPEC
 
 pytestmark = pytest.mark.usefixtures("megatron_compat")
 
@@ -40,8 +43,20 @@ EQUAL8 = {
     "modules": {"vision": {"tp": 2, "pp": 2, "dp": 2}, "language": {"tp": 2, "pp": 2, "dp": 2}},
     "edges": ["vision -> language"],
 }
+# the Qwen2.5-VL tower on two pipeline stages (its stage tensor: the image's patches) and an M-RoPE
+# language model (its position ids built with data under the meta device)
+QWEN_PP3 = {
+    "placement": "disjoint",
+    "modules": {"vision": {"pp": 2, "ranks": "0-1"}, "language": {"ranks": "2-2"}},
+    "edges": ["vision -> language"],
+}
 PLAIN = OptimConfig(adam_eps=1e-5)
 CASES = {
+    "qwen-tower-pp2-disjoint-3": (
+        QWEN_PP3,
+        3,
+        JobConfig(spec=QWEN_SPEC, train_iters=1, micro_batch_size=2, optim=PLAIN),
+    ),
     "colocated-4": (COLOC4, 4, JobConfig(train_iters=1, optim=PLAIN)),
     "colocated-equal-8": (EQUAL8, 8, JobConfig(train_iters=1, optim=PLAIN)),
     "disjoint-8": (

@@ -152,6 +152,20 @@ CASES = {
         QWEN_SPEC,
         2,
     ),
+    # the tower on two pipeline stages: the patch embedding on the first, the merger on the last
+    "qwen2.5-vl tower pp2 + m-rope language dp2": (
+        {"modules": {"vision": {"pp": 2}, "language": {"dp": 2}}, "edges": ["vision -> language"]},
+        QWEN_SPEC,
+        2,
+    ),
+    "frozen qwen2.5-vl tower tp2·pp2 + language dp4": (
+        {
+            "modules": {"vision": {"tp": 2, "pp": 2, "frozen": True}, "language": {"dp": 4}},
+            "edges": ["vision -> language"],
+        },
+        QWEN_SPEC,
+        4,
+    ),
     "moe language dp2·ep2, segments": (
         {
             "placement": "disjoint",
@@ -330,6 +344,12 @@ MEMORY_CASES = {
         2,
         {"spec": QWEN_SPEC},
         {**ON, "sequence_parallel": True},
+    ),
+    "colocated qwen2.5-vl tower pp2 + m-rope language dp2": (
+        {"modules": {"vision": {"pp": 2}, "language": {"dp": 2}}, "edges": ["vision -> language"]},
+        2,
+        {"spec": QWEN_SPEC},
+        ON,
     ),
     "disjoint vision dp2 @0-1 -> language tp2 @2-3": (
         {
