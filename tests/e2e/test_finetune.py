@@ -48,9 +48,9 @@ def saved(tmp_path_factory, megatron_compat):
 def _train_from_weights(job, weights: dict[str, dict[str, torch.Tensor]]) -> dict:
     """train_rank of a fresh job (no --load) on a world-1 layout whose modules, once built, take
     `weights` (full tensors by module and parameter name) by hand; the optimizers start afresh."""
-    from megatron_hetero.training import setup, trainer
+    from megatron_hetero.training import llava_spec, trainer
 
-    build = setup.build_states  # what the session's spec builds its states with
+    build = llava_spec.build_states  # what the session's spec (`LlavaTrainSpec`) builds its states with
 
     def build_with_weights(plan, job_, topo):
         states = build(plan, job_, topo)
@@ -62,7 +62,7 @@ def _train_from_weights(job, weights: dict[str, dict[str, torch.Tensor]]) -> dic
                     p.copy_(weights[name][k])
         return states
 
-    setup.build_states = build_with_weights  # in this forked rank only
+    llava_spec.build_states = build_with_weights  # in this forked rank only
     return trainer.train_rank(job)
 
 
