@@ -31,7 +31,6 @@ import gc
 import multiprocessing
 import os
 import pickle
-import random
 import signal
 import socket
 import sys
@@ -97,39 +96,8 @@ class RankTimeout(RuntimeError):
         )
 
 
-#: where the kernel's ephemeral ports (a connecting socket's own port) are listed on Linux
-EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-
-
-def ephemeral_low(path: str = EPHEMERAL_RANGE_FILE) -> int:
-    """The lowest port the kernel gives a connecting socket (32768, Linux's default, where `path` is
-    missing or unreadable)."""
-    try:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(span: int = 12000) -> int:
-    """Return a TCP port on 127.0.0.1 that was free when this function looked, from the `span` ports
-    just below the kernel's ephemeral range. Below it, because the ranks connect to the store's port
-    while rank 0 may not listen yet: a port in the ephemeral range can then be taken as a connecting
-    rank's own port, and that rank is connected to itself (TCP's self-connect on the loopback), its
-    store reads answered by nothing (seen as gloo's full mesh or a store read failing on loaded
-    machines). Random within the span, so that worlds started at the same time rarely meet; a port
-    the kernel gives (port 0) where none of 200 tries binds."""
-    low = ephemeral_low()
-    first = max(1024, low - span)
-    pick = random.Random(int.from_bytes(os.urandom(8), "little"))
-    for _ in range(200 if low > first else 0):
-        port = pick.randrange(first, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free when this function looked."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

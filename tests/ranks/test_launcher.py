@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import numpy as np
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_hetero.runtime import launcher
-from megatron_hetero.runtime.launcher import RankFailure, RankTimeout, ephemeral_low, free_port, run_ranks
+from megatron_hetero.runtime.launcher import RankFailure, RankTimeout, free_port, run_ranks
 
 LARGE_N = 10 * 1024 * 1024 // 4  # ~10 MB of float32
 
@@ -175,18 +173,9 @@ def test_unpicklable_return_value_is_a_failure() -> None:
     assert "pickle" in str(info.value).lower()
 
 
-def test_free_port_and_argument_checks(tmp_path) -> None:
-    # below the kernel's ephemeral range: a rank connecting before the store listens can never be
-    # given the store's port as its own (a self-connected TCP socket on the loopback)
-    low = ephemeral_low()
-    ports = {free_port() for _ in range(20)}
-    assert all(isinstance(p, int) and max(1024, low - 12000) <= p < low for p in ports), (low, ports)
-    assert len(ports) > 1  # random within the span
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", ports.pop()))  # free when given
-    (tmp_path / "range").write_text("40000\t60999\n")
-    assert ephemeral_low(str(tmp_path / "range")) == 40000
-    assert ephemeral_low(str(tmp_path / "missing")) == 32768
+def test_free_port_and_argument_checks() -> None:
+    port = free_port()
+    assert isinstance(port, int) and 0 < port < 65536
     with pytest.raises(ValueError, match="world_size"):
         run_ranks(0, _environment)
     with pytest.raises(ValueError, match="timeout"):
