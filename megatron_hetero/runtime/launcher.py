@@ -9,9 +9,10 @@ Each child rank:
 1. becomes its own process group leader (so the parent can kill it together with anything it spawned),
 2. sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` and the
    caller's ``env``, and ``torch.set_num_threads(1)``,
-3. optionally calls ``torch.distributed.init_process_group`` (a failure there is a *setup failure*:
-   a broken connection of the store or of gloo's full mesh, seen on loaded machines; the parent then
-   runs the whole world once more on a new port, and says so on stderr),
+3. optionally calls ``torch.distributed.init_process_group`` and, on gloo, a barrier of the world, so
+   that no rank runs ``fn`` (and may finish and exit, rank 0 with the store) while a peer still
+   connects (a failure there is a *setup failure*: a broken connection of the store or of gloo's full
+   mesh; the parent then runs the whole world once more on a new port, and says so on stderr),
 4. runs ``fn(*args, **kwargs)`` and sends the pickled return value (or the formatted traceback)
    back through its own pipe,
 5. destroys the process group, flushes stdout/stderr and leaves with ``os._exit`` so that no atexit
@@ -156,6 +157,12 @@ def _child_main(
                     dist.init_process_group(
                         backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
                     )
+                    if backend == "gloo":
+                        # Every rank holds the whole mesh before any runs `fn`: gloo's full mesh is no
+                        # barrier, so a rank done with its side could finish `fn` and exit (rank 0
+                        # taking the store with it) while a slower peer still reads its handshake or
+                        # the store ("Connection closed by peer", "Failed to recv, got 0 bytes").
+                        dist.barrier()
                 except BaseException:  # noqa: BLE001 - reported as a setup failure
                     writer.send_bytes(pickle.dumps((_SETUP, traceback.format_exc())))
                     writer.close()

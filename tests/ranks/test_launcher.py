@@ -242,6 +242,39 @@ def test_second_setup_failure_is_raised(tmp_path, monkeypatch) -> None:
     assert info.value.failures[0][1].startswith("init_process_group failed:")
 
 
+def _init_last_rank_lingers(go: str, seen: str):
+    """A stand-in for ``init_process_group``: the real one, then the last rank stays in setup for up to
+    a second, watching for `go` (which rank 0 writes when its `fn` starts), and writes to `seen`
+    whether it saw it."""
+    real = dist.init_process_group
+
+    def init(*args, **kwargs):
+        real(*args, **kwargs)
+        if kwargs["rank"] == kwargs["world_size"] - 1:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not os.path.exists(go):
+                time.sleep(0.01)
+            with open(seen, "w") as f:
+                f.write("seen" if os.path.exists(go) else "not seen")
+
+    return init
+
+
+def _rank0_says_go(go: str) -> int:
+    if dist.get_rank() == 0:
+        open(go, "w").close()
+    return dist.get_rank()
+
+
+def test_no_rank_runs_fn_before_every_rank_finished_setup(tmp_path, monkeypatch) -> None:
+    """gloo's full mesh is no barrier: without the launcher's barrier after it, rank 0 would start (and
+    could finish and exit, taking the store with it) while the last rank is still in its setup."""
+    go, seen = str(tmp_path / "go"), tmp_path / "seen"
+    monkeypatch.setattr(dist, "init_process_group", _init_last_rank_lingers(go, str(seen)))
+    assert run_ranks(3, _rank0_says_go, go, timeout=60) == [0, 1, 2]
+    assert seen.read_text() == "not seen"
+
+
 def test_failure_in_fn_is_not_retried(tmp_path) -> None:
     calls = tmp_path / "calls"
 
