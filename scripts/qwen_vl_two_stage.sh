@@ -13,7 +13,9 @@
 # `scripts/install.sh data`). STAGE1_ITERS / STAGE2_ITERS / EVAL / SEED / WARMUP (environment) change
 # the iterations of each stage (stage 1 at 600 is the caption run, seed 1234 alike), stage 2's
 # evaluation interval (each evaluation reads the whole held-out split), the seed of both stages
-# (initialisation and data order) and the warm-up iterations of each (20; below the iterations).
+# (initialisation and data order) and the warm-up iterations of each (20; below the iterations);
+# FREEZE_TOWER=1 freezes the tower's blocks in stage 2 as LLaVA's stage 2 freezes its encoder (the
+# patch merger, the projector, trains with the language model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-results/qwen-vl-two-stage}"
@@ -26,17 +28,16 @@ mkdir -p "$out"
 [ -d "$out/chat/.nv-meta" ] || $mh data digits --chat --out "$out/chat" --force
 rm -rf "$out/stage1" "$out/stage1.jsonl" "$out/stage2.jsonl"
 common=(--hetero-placement colocated --hetero-edge "vision->language" --nproc-per-node 2
-        --hetero-module vision:dp=2 --hetero-module language:tp=2
         --vision-model-type qwen2.5-vl --patch-dim 2 --encoder-hidden-size 32 --encoder-num-attention-heads 2
         --position-embedding-type mrope --mrope-section 2 3 3 --normalization RMSNorm --swiglu --add-qkv-bias
         --disable-bias-linear --group-query-attention --num-query-groups 2 --seed "$SEED" --log-interval 10)
 t0=$SECONDS
-$mh train "${common[@]}" \
+$mh train --hetero-module vision:dp=2 --hetero-module language:tp=2 "${common[@]}" \
     --data-path "$out/digits" --seq-length 16 --global-batch-size 40 --micro-batch-size 20 \
     --lr 5e-3 --lr-warmup-iters "${WARMUP:-20}" --lr-decay-style cosine --train-iters "$STAGE1_ITERS" \
     --eval-interval 200 --save "$out/stage1" --log-jsonl "$out/stage1.jsonl"
 t1=$SECONDS
-$mh train "${common[@]}" \
+$mh train --hetero-module "vision:dp=2${FREEZE_TOWER:+,frozen}" --hetero-module language:tp=2 "${common[@]}" \
     --data-path "$out/chat" --seq-length 128 --global-batch-size 32 --micro-batch-size 16 \
     --pretrained-checkpoint "$out/stage1" \
     --lr 5e-3 --lr-warmup-iters "${WARMUP:-20}" --lr-decay-style cosine --train-iters "$STAGE2_ITERS" \
