@@ -103,7 +103,7 @@ def main() -> None:
         s1 = [json.loads(x) for x in (a.run / "stage1.jsonl").read_text().splitlines() if x.strip()]
         s1_train = [r for r in s1 if "loss" in r and "eval_loss" not in r]
         summary["stage1"] = {
-            "iterations": s1_train[-1]["iteration"],
+            "iterations": max(r["iteration"] for r in s1),
             "loss": {"first": s1_train[0]["loss"], "last": s1_train[-1]["loss"]},
             "evaluations": [
                 {"iteration": r["iteration"], "eval_loss": r["eval_loss"], "caption_accuracy": r["eval_accuracy"]}
@@ -145,7 +145,10 @@ def main() -> None:
         "(colocated, 2 CPU ranks)"
     )
     if two_stage:
-        title = title.replace("digits conversations", "stage 2 (conversations, from the caption stage)")
+        title = (
+            "Qwen2.5-VL tower + M-RoPE LM, stage 2: digits conversations from the caption stage's weights\n"
+            "native resolution, vision DP2 + language TP2 (colocated, 2 CPU ranks)"
+        )
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(a.out.with_suffix(".png"), dpi=110)
