@@ -77,7 +77,7 @@ def main() -> None:
         )
     summary = {
         "job": job,
-        "iterations": train[-1]["iteration"],
+        "iterations": max(r["iteration"] for r in recs),
         "loss": {"first": train[0]["loss"], "last": train[-1]["loss"]},
         "evaluations": [
             {

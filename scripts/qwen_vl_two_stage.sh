@@ -8,7 +8,7 @@
 #            processor), from stage 1's weights (--pretrained-checkpoint: the weights only, a fresh
 #            optimizer and schedule); held-out answer accuracy every EVAL iterations.
 # docs/benchmarks/2026-12-07-qwen-vl-chat.md#two-stages-captions-then-conversations. Then:
-#   python scripts/plot_qwen_vl_chat.py OUT --log stage2.jsonl --out docs/benchmarks/qwen_vl_two_stage_800
+#   python scripts/plot_qwen_vl_chat.py OUT --log stage2.jsonl --out docs/benchmarks/qwen_vl_two_stage_1200   (1200: STAGE2_ITERS)
 # Usage: bash scripts/qwen_vl_two_stage.sh [OUT]   (default bench-results/qwen-vl-two-stage; needs
 # `scripts/install.sh data`). STAGE1_ITERS / STAGE2_ITERS / EVAL / SEED / WARMUP (environment) change
 # the iterations of each stage (stage 1 at 600 is the caption run, seed 1234 alike), stage 2's
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 out="${1:-bench-results/qwen-vl-two-stage}"
 mh="${MEGATRON_HETERO:-.venv/bin/megatron-hetero}"  # or e.g. MEGATRON_HETERO="python -m megatron_hetero"
 STAGE1_ITERS="${STAGE1_ITERS:-600}"
-STAGE2_ITERS="${STAGE2_ITERS:-800}"
+STAGE2_ITERS="${STAGE2_ITERS:-1200}"
 SEED="${SEED:-1234}"
 mkdir -p "$out"
 [ -d "$out/digits/.nv-meta" ] || $mh data digits --out "$out/digits" --force
@@ -41,7 +41,7 @@ $mh train --hetero-module "vision:dp=2${FREEZE_TOWER:+,frozen}" --hetero-module 
     --data-path "$out/chat" --seq-length 128 --global-batch-size 32 --micro-batch-size 16 \
     --pretrained-checkpoint "$out/stage1" \
     --lr 5e-3 --lr-warmup-iters "${WARMUP:-20}" --lr-decay-style cosine --train-iters "$STAGE2_ITERS" \
-    --eval-interval "${EVAL:-100}" --log-jsonl "$out/stage2.jsonl"
+    --eval-interval "${EVAL:-200}" --log-jsonl "$out/stage2.jsonl"
 t2=$SECONDS
 echo "{\"stage1_s\": $((t1 - t0)), \"stage2_s\": $((t2 - t1))}" > "$out/wall.json"
 echo "wall time: stage 1 $((t1 - t0)) s, stage 2 $((t2 - t1)) s; logs in $out/stage1.jsonl, $out/stage2.jsonl"
