@@ -4,6 +4,9 @@ the two digits?"), from its --log-jsonl file; writes a PNG and a JSON summary, w
 model blind to the images could reach at best on the held-out conversations (`blind_ceiling`).
 
     python scripts/plot_qwen_vl_chat.py bench-results/qwen-vl-chat --out docs/benchmarks/qwen_vl_chat_800
+The two-stage run (scripts/qwen_vl_two_stage.sh) plots its stage 2, with stage 1's held-out caption
+accuracy in the JSON:
+    python scripts/plot_qwen_vl_chat.py bench-results/qwen-vl-two-stage --log stage2.jsonl --out ...
 Needs matplotlib (the `bench` extra).
 """
 
@@ -56,16 +59,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("run", type=Path, help="the output folder of scripts/qwen_vl_chat.sh")
     ap.add_argument("--out", type=Path, required=True, help="output path without suffix (.png and .json)")
+    ap.add_argument("--log", default="run.jsonl", help="the run's --log-jsonl file in RUN (stage2.jsonl: two stages)")
     a = ap.parse_args()
-    recs = [json.loads(x) for x in (a.run / "run.jsonl").read_text().splitlines() if x.strip()]
+    recs = [json.loads(x) for x in (a.run / a.log).read_text().splitlines() if x.strip()]
+    two_stage = a.log == "stage2.jsonl"
     train = [r for r in recs if "loss" in r and "eval_loss" not in r]
     evals = [r for r in recs if "eval_loss" in r]
     wall = json.loads((a.run / "wall.json").read_text()) if (a.run / "wall.json").exists() else {}
     blind = blind_ceiling(a.run / "chat")
+    job = (
+        "Qwen2.5-VL tower + M-RoPE language model on the digits conversations at native resolution "
+        "(scripts/qwen_vl_chat.sh): 2 CPU ranks, colocated, vision DP2, language TP2, from scratch"
+    )
+    if two_stage:
+        job = job.replace("scripts/qwen_vl_chat.sh", "scripts/qwen_vl_two_stage.sh, stage 2").replace(
+            "from scratch", "from stage 1's weights (the digits captions, everything trained from scratch)"
+        )
     summary = {
-        "job": "Qwen2.5-VL tower + M-RoPE language model on the digits conversations at native resolution "
-        "(scripts/qwen_vl_chat.sh): 2 CPU ranks, colocated, vision DP2, language TP2, from scratch",
-        "iterations": train[-1]["iteration"],
+        "job": job,
+        "iterations": max(r["iteration"] for r in recs),
         "loss": {"first": train[0]["loss"], "last": train[-1]["loss"]},
         "evaluations": [
             {
@@ -87,6 +99,19 @@ def main() -> None:
         "wall_time_s": wall,
         "train_loss": [[r["iteration"], round(r["loss"], 6)] for r in train],
     }
+    if two_stage:
+        s1 = [json.loads(x) for x in (a.run / "stage1.jsonl").read_text().splitlines() if x.strip()]
+        s1_train = [r for r in s1 if "loss" in r and "eval_loss" not in r]
+        summary["stage1"] = {
+            "iterations": max(r["iteration"] for r in s1),
+            "loss": {"first": s1_train[0]["loss"], "last": s1_train[-1]["loss"]},
+            "evaluations": [
+                {"iteration": r["iteration"], "eval_loss": r["eval_loss"], "caption_accuracy": r["eval_accuracy"]}
+                for r in s1
+                if "eval_loss" in r
+            ],
+            "mean_step_time_s": sum(r["step_time_s"] for r in s1_train) / len(s1_train),
+        }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
 
@@ -115,11 +140,16 @@ def main() -> None:
     ax2.set_ylabel("held-out accuracy (%)")
     h1, h2 = ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()
     ax.legend(h1[0] + h2[0], h1[1] + h2[1], loc="upper right", fontsize=7)
-    ax.set_title(
+    title = (
         "Qwen2.5-VL tower + M-RoPE LM, digits conversations at native resolution: vision DP2 + language TP2 "
-        "(colocated, 2 CPU ranks)",
-        fontsize=8,
+        "(colocated, 2 CPU ranks)"
     )
+    if two_stage:
+        title = (
+            "Qwen2.5-VL tower + M-RoPE LM, stage 2: digits conversations from the caption stage's weights\n"
+            "native resolution, vision DP2 + language TP2 (colocated, 2 CPU ranks)"
+        )
+    ax.set_title(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(a.out.with_suffix(".png"), dpi=110)
     final = summary["final"]

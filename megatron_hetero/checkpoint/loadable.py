@@ -49,6 +49,27 @@ DATA_FIELDS = (
 )
 
 
+# position embeddings with no table of positions: no parameter's size depends on --seq-length
+NO_POSITION_TABLE = ("rope", "mrope")
+
+
+def weights_only_fields(now: dict) -> tuple[str, ...]:
+    """The recorded model's fields a run from the weights only (--finetune, converted weights) may
+    change, for the model `now` (a `spec_record`): `DATA_FIELDS`; the sequence length (and the output
+    heads' offsets from its end) when the model has no position table; when every encoder is a
+    Qwen2.5-VL tower, its image tokens, their rows and its `feature_dim`: the tower has no position
+    table (2-D RoPE) and its features are a data format (pixel blocks, grey or RGB, or the image
+    processor's patches: `models.qwen_encoder.blocks_to_patches`) before one patch embedding of the
+    same size (e.g. captions of fixed-size images, then conversations at native resolution)."""
+    out = DATA_FIELDS
+    if now.get("position_embedding_type") in NO_POSITION_TABLE:
+        out += ("seq_length", "outputs")
+    encoders = now.get("encoders") or {}
+    if encoders and all(isinstance(e, dict) and e.get("kind") == "qwen2.5-vl" for e in encoders.values()):
+        out += ("encoders.tokens", "encoders.image_rows", "encoders.feature_dim")
+    return out
+
+
 def model_differences(saved: object, now: dict, ignore: tuple[str, ...] = ()) -> list[str]:
     """'field: saved in the checkpoint, now now' for every field of the recorded model `saved` (a
     `spec_record`) that differs from `now`, fields of `ignore` left out (a missing fp16 is False)."""
@@ -93,8 +114,8 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     --no-load-optim: the fp32 main weights then come from the loaded weights), the same global batch
     (the data position is iteration x batch), the same data stream, and the checkpoint's learning-rate
     schedule (unless --override-opt-param-scheduler or --no-load-optim). --finetune takes the weights
-    only: any batch, data, schedule, --train-iters and precision; the model must be the same (a rope
-    model may change --seq-length: it has no position table)."""
+    only: any batch, data, schedule, --train-iters and precision; the model must be the same but for
+    `weights_only_fields` (a rope or mrope model may change --seq-length: it has no position table)."""
     d, state, note = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     read_torch_files(d, state)
@@ -103,9 +124,7 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     finetune, with_optim = weights_only(job), loads_optimizer(job)
     ignore: tuple[str, ...] = () if with_optim else PRECISION_FIELDS
     if finetune:
-        ignore += DATA_FIELDS
-    if finetune and spec.get("position_embedding_type") == "rope":
-        ignore += ("seq_length", "outputs")
+        ignore += weights_only_fields(spec)
     diffs = model_differences(saved_spec, spec, ignore)
     if diffs:
         why = ""
@@ -115,7 +134,7 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
                 "precision's: pass --no-load-optim or --finetune to start it afresh in this one"
             )
         elif finetune and any(x.startswith("seq_length") for x in diffs):
-            why = "; --seq-length sizes the learned absolute position table (change it with a rope model only)"
+            why = "; --seq-length sizes the learned absolute position table (change it with a rope or mrope model only)"
         problems.append("the model differs (" + "; ".join(diffs) + ")" + why)
     saved_models = state.get("modules", {})
     now = logical_models(layout)

@@ -37,14 +37,12 @@ def check_converted(root: str | Path, layout, job) -> int:
     verify_manifest(d, state)
     read_torch_files(d, state)  # the ranks' restricted unpicklers, here first: a bad file stops the job now
     problems = []
-    from megatron_hetero.checkpoint.loadable import DATA_FIELDS, PRECISION_FIELDS, model_differences
+    from megatron_hetero.checkpoint.loadable import PRECISION_FIELDS, model_differences, weights_only_fields
 
     # the precision is the job's: the fp32 (or bf16) weights are cast into a --bf16/--fp16 model, whose
     # fresh optimizer takes its fp32 main weights from them (as Megatron-LM's load without optimizer state)
-    ignore: tuple[str, ...] = PRECISION_FIELDS + DATA_FIELDS
     now = spec_record(job.spec)
-    if now.get("position_embedding_type") == "rope":
-        ignore += ("seq_length", "outputs")  # no position table: the sequence length is the job's
+    ignore: tuple[str, ...] = PRECISION_FIELDS + weights_only_fields(now)
     diffs = model_differences(state.get("model"), now, ignore)
     if diffs:
         problems.append(

@@ -19,7 +19,9 @@ from megatron_hetero.planner.model import ENCODER_FLAGS, LlavaSpec, ModelFlags
 from megatron_hetero.training.arch_args import ArchFlags, apply_arch_flags
 from megatron_hetero.training.config import Job
 from megatron_hetero.checkpoint.files import read_train_state
+from megatron_hetero.checkpoint.loadable import weights_only_fields
 from megatron_hetero.checkpoint.pretrained import ORIGIN
+from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.launch.rank_env import apply_rank_env, check_world_size
 
 
@@ -60,18 +62,27 @@ def recorded_spec(
     wanted = overlay_flags(model, arch, saved)
 
     weights_only = finetune or state.get("origin") == ORIGIN
-    diffs = spec_differences(saved, wanted)
-    if weights_only and saved.position_embedding_type == "rope":
-        diffs = [d for d in diffs if d[0] != "seq_length" and not d[0].endswith(".offset")]
+    everything = spec_differences(saved, wanted)
+    free = weights_only_fields(spec_record(saved)) if weights_only else ()
+    diffs = [d for d in everything if not _among(d[0], free)]
     if diffs:
         named = "; ".join(f"{field} ({flag}): {a!r} in the checkpoint, {b!r} given" for field, flag, a, b in diffs)
         raise ValueError(
             f"--load {load}: the model flags given differ from the checkpoint's model ({named}); "
             "give the flags of the recorded model, or none (the record fills them)"
         )
-    if wanted.seq_length != saved.seq_length:  # --finetune / converted weights of a rope model
+    if everything:  # --finetune / converted weights: the job's data fields, sequence length, features
         saved = wanted
     return dataclasses.replace(saved, bf16=spec.bf16, fp16=spec.fp16)
+
+
+def _among(field: str, fields: tuple[str, ...]) -> bool:
+    """Whether the `spec_differences` field `field` ("seq_length", "encoders.NAME.FIELD",
+    "outputs.NAME.offset") is one of the record fields `fields` ("encoders.FIELD": of every encoder)."""
+    parts = field.split(".")
+    if parts[0] == "encoders" and len(parts) == 3:
+        return f"encoders.{parts[2]}" in fields
+    return parts[0] in fields
 
 
 def overlay_flags(model: ModelFlags, arch: ArchFlags, spec: LlavaSpec) -> LlavaSpec:
