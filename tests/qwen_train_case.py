@@ -1,13 +1,15 @@
 """A tiny model with the Qwen2.5-VL tower as its vision encoder (`EncoderSpec.kind` "qwen2.5-vl": two
 blocks, the second with full attention, windows of 2 x 2 merged tokens over a 2 x 3 token image) and
 a Qwen2.5 language model with M-RoPE, shared by the runtime's parity (tests/ranks) and module
-(tests/e2e) tests."""
+(tests/e2e) tests; `TOWER`, the tower alone, also by the planner's pure tests. Pure: no torch."""
 
 from __future__ import annotations
 
-from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
+import dataclasses
 
-QWEN = EncoderSpec(
+from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+
+TOWER = EncoderSpec(
     kind="qwen2.5-vl",
     num_layers=2,
     hidden_size=32,
@@ -20,8 +22,8 @@ QWEN = EncoderSpec(
     window_size=8,
     fullatt_block_indexes=(1,),
     activation="silu",
-    offset=2,
 )
+QWEN = dataclasses.replace(TOWER, offset=2)
 SPEC = LlavaSpec(
     seq_length=24,
     hidden_size=64,

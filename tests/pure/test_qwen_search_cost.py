@@ -10,23 +10,11 @@ import dataclasses
 
 from megatron_hetero.planner.cost_terms import layer_flops_of
 from megatron_hetero.planner.hardware import layer_flops
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, workload
+from megatron_hetero.planner.model import LlavaSpec, workload
 from megatron_hetero.planner.qwen_vision_cost import attention_span
+from qwen_train_case import TOWER
 
-QWEN = EncoderSpec(
-    kind="qwen2.5-vl",
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=2,
-    ffn_hidden_size=48,
-    tokens=6,
-    image_rows=2,
-    patch_size=2,
-    feature_dim=96,
-    window_size=8,
-    fullatt_block_indexes=(1,),
-    activation="silu",
-)
+QWEN = TOWER
 SPEC = LlavaSpec(hidden_size=64, seq_length=24, encoders={"vision": QWEN})
 
 

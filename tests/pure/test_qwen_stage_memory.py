@@ -20,22 +20,10 @@ from megatron_hetero.planner.memory_qwen import (
     qwen_stage_params,
 )
 from megatron_hetero.planner.memory_terms import ActivationFeatures, norm_activation_bytes
-from megatron_hetero.planner.model import EncoderSpec, qwen_encoder_spec
+from megatron_hetero.planner.model import qwen_encoder_spec
+from qwen_train_case import TOWER
 
-QWEN = EncoderSpec(
-    kind="qwen2.5-vl",
-    num_layers=4,
-    hidden_size=32,
-    num_attention_heads=2,
-    ffn_hidden_size=48,
-    tokens=6,
-    image_rows=2,
-    patch_size=2,
-    feature_dim=96,
-    window_size=8,
-    fullatt_block_indexes=(1, 3),
-    activation="silu",
-)
+QWEN = dataclasses.replace(TOWER, num_layers=4, fullatt_block_indexes=(1, 3))
 H = 64
 
 
