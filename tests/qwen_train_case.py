@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 
 TOWER = EncoderSpec(
     kind="qwen2.5-vl",

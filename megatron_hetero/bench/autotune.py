@@ -155,7 +155,7 @@ def run_workload(
     w: E2EWorkload, iters: int, steps: int, e2e: Optional[dict], tmp: Path, timeout: float
 ) -> dict[str, Any]:
     """The four runs of one workload (module docstring) and its figures."""
-    from megatron_hetero.training.autotune_config import AutotuneConfig
+    from megatron_hetero.config.autotune import AutotuneConfig
 
     homo = resolve(w.homogeneous, WORLD)
     base = w.model.job(iters)

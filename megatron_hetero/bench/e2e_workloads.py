@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from megatron_hetero.bench.planner_configs import BenchModel, _colo
 from megatron_hetero.planner import search_space as SP
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 
 
 WORLD = 4

@@ -181,7 +181,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
 def parse_shape(text: str, base: dict[str, int]) -> dict[str, int]:
     """`base` with the `NAME=INT,...` items of `text` (train's flags by name: num_layers=8,
     hidden_size=2048, global_batch_size=8, ...). ValueError for an item that is not NAME=INT."""
-    from megatron_hetero.planner.model import LlavaSpec, flag_values
+    from megatron_hetero.config.model import LlavaSpec, flag_values
 
     names = {*flag_values(LlavaSpec(), keep_none=True), "global_batch_size", "micro_batch_size"}
     out = dict(base)
@@ -204,7 +204,7 @@ def traced_run(shape: dict[str, int], work: Path, name: str, steps: int, bf16: b
 
     from megatron_hetero.bench.planner_configs import BenchModel
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.config.optim import OptimConfig
     from megatron_hetero.training.job import run_local
     from megatron_hetero.training.setup import validate_job
 

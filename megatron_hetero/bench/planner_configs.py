@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, ModelFlags, flag_values, spec_from_flags
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec, ModelFlags, flag_values, spec_from_flags
 from megatron_hetero.layout import layout_from_dict
 
 
@@ -18,7 +18,7 @@ WORLDS = (4, 8)
 
 @dataclass(frozen=True)
 class BenchModel:
-    """The benchmark's model (the model's description, `planner.model.LlavaSpec`: the tiny model
+    """The benchmark's model (the model's description, `config.model.LlavaSpec`: the tiny model
     with 4 language-model layers, one `vision` encoder) and batch (train's flags)."""
 
     spec: LlavaSpec = field(default_factory=lambda: LlavaSpec(num_layers=4))
@@ -39,7 +39,7 @@ class BenchModel:
         return dataclasses.replace(self, spec=spec_from_flags(flags))
 
     def to_dict(self) -> dict:
-        """The model as train's flags (`planner.model.flag_values`) and the batch."""
+        """The model as train's flags (`config.model.flag_values`) and the batch."""
         return {
             **flag_values(self.spec),
             "global_batch_size": self.global_batch_size,
@@ -47,7 +47,7 @@ class BenchModel:
         }
 
     def job(self, train_iters: int):
-        from megatron_hetero.training.config import JobConfig
+        from megatron_hetero.config.job import JobConfig
 
         return JobConfig(
             spec=self.spec,

@@ -23,7 +23,7 @@ from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
 from megatron_hetero.plan.schedule import build_tables
 from megatron_hetero.plan.schedule_check import check_tables
 from megatron_hetero.plan.rank_plan import step_micro_batching
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.training.setup import JobConfig, validate_job
 
 TWO = {"vision": EncoderSpec(offset=1), "audio": EncoderSpec(tokens=4, feature_dim=12, offset=10)}

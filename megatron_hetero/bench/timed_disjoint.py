@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from megatron_hetero.runtime.config import runtime_config
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import rank_plan
@@ -52,7 +53,7 @@ def _rank_main(doc: dict, job: JobConfig, steps: int) -> dict[str, Any]:
     try:
         plan = rank_plan(layout, topo.rank, job.global_batch_size, job.micro_batch_size)
         states = build_states(plan, job, topo)
-        sched = TimedDisjoint(plan, job.runtime_config(), topo, states, LlavaStageRunner(job.spec, plan, states))
+        sched = TimedDisjoint(plan, runtime_config(job), topo, states, LlavaStageRunner(job.spec, plan, states))
         out = []
         for it in range(steps):
             dist.barrier()

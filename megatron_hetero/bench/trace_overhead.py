@@ -100,8 +100,8 @@ def measure(layout, job, steps: int = 40, timeout: float = 900.0) -> dict[str, A
 
 def main(argv=None) -> int:
     from megatron_hetero.layout.yaml_io import load_layout
-    from megatron_hetero.planner.model import spec_on_layout
-    from megatron_hetero.training.config import JobConfig
+    from megatron_hetero.config.model import spec_on_layout
+    from megatron_hetero.config.job import JobConfig
     from megatron_hetero.training.job import default_micro_batch_size, quiet_upstream_warnings
 
     p = argparse.ArgumentParser(prog="python -m megatron_hetero.bench.trace_overhead")

@@ -143,7 +143,7 @@ def _guard(what: str, fn, *args, **kwargs):
     )
 )
 def save_checkpoint(root: str | Path, iteration: int, job, topo, states: dict, schedulers: dict) -> Path:
-    """Save iteration `iteration` of `job` (a `training.config.Job`: its layout and `JobConfig`) under
+    """Save iteration `iteration` of `job` (a `config.job.Job`: its layout and `JobConfig`) under
     `root` (see the module docstring); returns its directory."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -248,7 +248,7 @@ def save_checkpoint(root: str | Path, iteration: int, job, topo, states: dict, s
 
 def load_checkpoint(root: str | Path, job, topo, states: dict, schedulers: dict) -> int:
     """Load the latest checkpoint under `root` into this rank's modules, optimizers, schedulers (and
-    RNG, if saved under this very layout) of `job` (a `training.config.Job`: its layout and
+    RNG, if saved under this very layout) of `job` (a `config.job.Job`: its layout and
     `JobConfig`; `load_weights` for a layout and model alone); returns its iteration. ValueError
     naming the directory. Its config's `finetune`: the model weights only, returns 0; `no_load_optim`:
     no optimizer, scheduler nor loss scale; `no_load_rng`: no RNG. A module whose optimizer starts afresh takes its fp32

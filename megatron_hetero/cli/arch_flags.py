@@ -14,7 +14,7 @@ model and a CLIP or SigLIP vision encoder without a Hugging Face config.json.
                                                   sample, --encoder-tokens merged tokens, a square;
                                                   features 4 * 3 * 2 * patch-dim**2; M-RoPE language model)
 
-The flags are declared once, on `training.arch_args.ArchFlags`. Every flag defaults to None
+The flags are declared once, on `config.arch.ArchFlags`. Every flag defaults to None
 (unset): the model family's defaults stay the tiny GPT's (LayerNorm, GELU, learned positions,
 biases, untied embeddings: Megatron's `--untie-embeddings-and-output-weights` is accepted and is the
 default here; `--share-embeddings-and-output-weights` ties). Importing this module does not import
@@ -29,9 +29,9 @@ TITLE = "model architecture (Megatron-LM's flags; default: the tiny GPT and line
 
 
 def add_arch_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add Megatron-LM's architecture flags, generated from `training.arch_args.ArchFlags`."""
+    """Add Megatron-LM's architecture flags, generated from `config.arch.ArchFlags`."""
     from megatron_hetero.layout.flags import add_flags, flags_of
-    from megatron_hetero.training.arch_args import ArchFlags
+    from megatron_hetero.config.arch import ArchFlags
 
     add_flags(parser, flags_of(ArchFlags), {"arch": TITLE})
     return parser

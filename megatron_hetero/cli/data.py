@@ -81,10 +81,10 @@ def run_check(args: argparse.Namespace) -> int:
 
 def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """`train`'s data flags (Megatron-LM's names where it has them), generated from the fields that
-    declare them (`data.caption_config.data_flag_fields`); read by
+    declare them (`config.data.data_flag_fields`); read by
     `models.caption_runner.caption_job_data`."""
     from megatron_hetero.layout.flags import add_flags
-    from megatron_hetero.data.caption_config import data_flag_fields
+    from megatron_hetero.config.data import data_flag_fields
 
     add_flags(parser, data_flag_fields(), {"data": "data"})
     return parser
@@ -93,7 +93,7 @@ def add_train_data_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def add_trust_flag(parser) -> None:
     """`--trust-dataset-code` (`data.dataset_trust`), for every command that opens a dataset."""
     from megatron_hetero.layout.flags import add_flags, flags_of
-    from megatron_hetero.data.caption_config import CaptionDataConfig
+    from megatron_hetero.config.data import CaptionDataConfig
 
     add_flags(parser, flags_of(CaptionDataConfig, ["trust_code"]))
 

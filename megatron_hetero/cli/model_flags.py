@@ -1,11 +1,11 @@
 """The Megatron-style model flags every subcommand shares (names of Megatron-LM's arguments),
-generated from the fields that declare them: the model's sizes (`planner.model.LlavaSpec`, each
-encoder's `EncoderSpec`) and the batch (`training.config.JobConfig`). Their defaults and help live
+generated from the fields that declare them: the model's sizes (`config.model.LlavaSpec`, each
+encoder's `EncoderSpec`) and the batch (`config.job.JobConfig`). Their defaults and help live
 on those fields.
 
 Every flag defaults to None in the parser, so a subcommand can tell a given value from a default
 (`layout.flags.given`); a door reads them once (`cli.train_door.model_flags`: a
-`planner.model.ModelFlags`), and `planner.model.spec_from_flags` fills in the fields' defaults. A subcommand that needs only some of them passes `names` (e.g. `plan`: the edge
+`config.model.ModelFlags`), and `config.model.spec_from_flags` fills in the fields' defaults. A subcommand that needs only some of them passes `names` (e.g. `plan`: the edge
 shape).
 """
 
@@ -16,8 +16,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 from megatron_hetero.layout.flags import add_flags, dest, flags_of, option
-from megatron_hetero.planner.model import size_flags
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.model import size_flags
+from megatron_hetero.config.job import JobConfig
 
 GROUPS = {"language": "model (language model)", "encoder": "model (each encoder)", "batch": "batch"}
 

@@ -26,14 +26,14 @@ from megatron_hetero.layout.validate import check_experts, check_recompute
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.plan.roles import roles
 from megatron_hetero.planner.memory import StateFeatures
-from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec, spec_from_flags
+from megatron_hetero.config.model import MOE_FLAGS, LlavaSpec, spec_from_flags
 from megatron_hetero.report.draw import draw_layout
 from megatron_hetero.report.memory import JOB_FLAGS, OPTIM_FLAGS, memory_rows, memory_text
 from megatron_hetero.report.plan import default_shape, layout_json, layout_text
 from megatron_hetero.report.plan_summary import SUMMARY_ABOVE, rank_json, rank_text, summary_json, summary_text
-from megatron_hetero.runtime.config import OptimConfig
-from megatron_hetero.training.arch_args import apply_arch_flags
-from megatron_hetero.training.config import JobConfig, job_recompute
+from megatron_hetero.config.optim import OptimConfig
+from megatron_hetero.config.arch import apply_arch_flags
+from megatron_hetero.config.job import JobConfig, job_recompute
 
 NAME = "plan"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_hetero.layout.flags import dest, option
-from megatron_hetero.planner.model import size_flags
+from megatron_hetero.config.model import size_flags
 from megatron_hetero.planner.presets import (
     paper_direction,
 )

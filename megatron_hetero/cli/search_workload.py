@@ -9,7 +9,8 @@ import dataclasses
 from megatron_hetero.cli.model_flags import MODEL_FLAGS, flag
 from megatron_hetero.cli.train_door import model_flags
 from megatron_hetero.layout.flags import value
-from megatron_hetero.planner.model import encoder_model_spec, qwen_encoder_spec, spec_from_flags, workload
+from megatron_hetero.planner.model import encoder_model_spec, qwen_encoder_spec, workload
+from megatron_hetero.config.model import spec_from_flags
 from megatron_hetero.planner.presets import (
     ENCODER_PRESETS,
     LLM_PRESETS,
@@ -72,7 +73,7 @@ def _preset_spec(base, args, side: str, seq: int):
 
 
 def workload_from_args(args):
-    """The cost model's workload: `train`'s model (planner.model.spec_from_flags, costed by
+    """The cost model's workload: `train`'s model (config.model.spec_from_flags, costed by
     planner.model.workload) with the model flags given, or, with --encoder/--llm, a preset whose
     sizes the model flags override."""
 

@@ -62,8 +62,8 @@ from megatron_hetero.cli.train_door import job_from_args
 from megatron_hetero.launch.rank_env import check_world_size, rank_env
 from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.flags import add_flags
-from megatron_hetero.planner.model import TRANSFORMER_IMPLS
-from megatron_hetero.training.config import train_flag_fields
+from megatron_hetero.config.model import TRANSFORMER_IMPLS
+from megatron_hetero.config.job import train_flag_fields
 from megatron_hetero.training.job import quiet_upstream_warnings, run_as_rank, run_local
 
 NAME = "train"
@@ -85,7 +85,7 @@ GROUPS = {
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """train's flags, generated from the fields that declare them (defaults and help live there):
     the model's (`cli.model_flags`), the architecture's (`cli.arch_flags`), the data's (`cli.data`),
-    the job's (`training.config.train_flag_fields`) and the layout's (`layout.args.add_hetero_args`)."""
+    the job's (`config.job.train_flag_fields`) and the layout's (`layout.args.add_hetero_args`)."""
 
     p = sub.add_parser(NAME, help="train the tiny LLaVA-style model on a heterogeneous layout")
     add_train_flags(p)

@@ -3,17 +3,17 @@
 Only this file (with `layout.args` for the layout) reads a namespace of train's parser (`dryrun`
 takes the same flags); the floors below take what it reads:
 
-- `model_flags(args)`: the size, MoE flags and --seed given (`planner.model.ModelFlags`);
-- `arch_flags(args)`: Megatron-LM's architecture flags (`training.arch_args.ArchFlags`);
+- `model_flags(args)`: the size, MoE flags and --seed given (`config.model.ModelFlags`);
+- `arch_flags(args)`: Megatron-LM's architecture flags (`config.arch.ArchFlags`);
 - `data_request(args)`: the data flags and the model flags the data fills or checks
-  (`data.caption_config.DataRequest`);
+  (`config.data.DataRequest`);
 - `batch_from_args(args, layout)`: (global batch, micro-batch), the layout's default micro-batch;
-- `job_from_args(args, layout)`: the whole `training.config.JobConfig`: the model
-  (`planner.model.spec_from_flags`, the architecture, --load without model flags: the model the
+- `job_from_args(args, layout)`: the whole `config.job.JobConfig`: the model
+  (`config.model.spec_from_flags`, the architecture, --load without model flags: the model the
   checkpoint records, `training.job.recorded_spec`; the data: `models.job_data.job_data`, captions
   or conversations), the batch, the optimizer (--bf16 and --fp16 also set the model's precision),
   the schedule, the layout's runtime flags (--hetero-offload-encoder, --hetero-comm-timeout,
-  --hetero-schedule) and JobConfig's own (`training.config.plain_job_flags`).
+  --hetero-schedule) and JobConfig's own (`config.job.plain_job_flags`).
 
 Importing this module does not import torch.
 """
@@ -27,15 +27,15 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.flags import flags_of, given, value, values
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.data.caption_config import DataRequest, data_flag_fields
-from megatron_hetero.planner.model import LlavaSpec, ModelFlags, spec_from_flags
-from megatron_hetero.training.arch_args import ArchFlags, apply_arch_flags
-from megatron_hetero.training.config import JobConfig, plain_job_flags
+from megatron_hetero.config.data import DataRequest, data_flag_fields
+from megatron_hetero.config.model import LlavaSpec, ModelFlags, spec_from_flags
+from megatron_hetero.config.arch import ArchFlags, apply_arch_flags
+from megatron_hetero.config.job import JobConfig, plain_job_flags
 from megatron_hetero.training.job import default_micro_batch_size, recorded_spec
 from megatron_hetero.checkpoint.files import TRACKER
-from megatron_hetero.runtime.config import OptimConfig
-from megatron_hetero.training.autotune_config import AutotuneConfig
-from megatron_hetero.training.lr_schedule import LRSchedule
+from megatron_hetero.config.optim import OptimConfig
+from megatron_hetero.config.autotune import AutotuneConfig
+from megatron_hetero.config.lr_schedule import LRSchedule
 
 
 def model_flags(args: Any) -> ModelFlags:
@@ -50,7 +50,7 @@ def arch_flags(args: Any) -> ArchFlags:
 
 
 def data_request(args: Any) -> DataRequest:
-    """train's data flags in `args` (`data.caption_config.data_flag_fields`; a flag not given: its
+    """train's data flags in `args` (`config.data.data_flag_fields`; a flag not given: its
     field's default), --seed, and the model flags the data fills or checks (None: not given)."""
     data = {f.name: value(args, f) for f in data_flag_fields()}
     return DataRequest(

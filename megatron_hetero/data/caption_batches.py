@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.config.data import CaptionDataConfig
 from megatron_hetero.data.caption_reader import IndexSource, open_source
 from megatron_hetero.data.energon_data import caption_loss_tokens, encoder_features, text_sample
 from megatron_hetero.data.tokenizer import CaptionTokenizer

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.config.data import CaptionDataConfig
 from megatron_hetero.data.caption_index import CaptionIndex, SplitIndex, indexable
 from megatron_hetero.data.dataset_trust import check_dataset, secure_decoding
 from megatron_hetero.data.energon_data import (

@@ -64,7 +64,7 @@ from typing import Any, Optional, Union
 import torch
 
 from megatron_hetero.data.caption_batches import CaptionBatches, RowBatch
-from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.config.data import CaptionDataConfig
 from megatron_hetero.data.caption_index import (
     IMAGE_EXTENSIONS,
     META_DIR,

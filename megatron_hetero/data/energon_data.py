@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.config.data import CaptionDataConfig
 from megatron_hetero.data.samples import PLACEHOLDER_ID
 from megatron_hetero.data.dataset_trust import UntrustedDataset, check_dataset, secure_decoding
 from megatron_hetero.data.image_processor import (

@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.config.data import CaptionDataConfig
 from megatron_hetero.data.caption_reader import IndexSource
 from megatron_hetero.data.chat_batches import (
     HELDOUT_SPLIT,

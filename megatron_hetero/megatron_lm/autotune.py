@@ -30,15 +30,15 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.training.autotune_config import AutotuneConfig
-from megatron_hetero.training.config import Job, JobConfig
+from megatron_hetero.config.autotune import AutotuneConfig
+from megatron_hetero.config.job import Job, JobConfig
 from megatron_hetero.layout.flags import add_flags, flags_of, values
 from megatron_hetero.megatron_lm.build import num_image_embeddings
 from megatron_hetero.megatron_lm.checks import check_common, decoder_layers
 from megatron_hetero.megatron_lm.log import print_last
 from megatron_hetero.plan.rank_plan import check_rank_plans
-from megatron_hetero.planner.autotune import parse_fix
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.autotune import parse_fix
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 from megatron_hetero.training.autotune_checks import check_autotune
 from megatron_hetero.training.autotune_run import train_autotuned
 from megatron_hetero.training.signals import ExitSignal
@@ -146,7 +146,7 @@ def check_script_autotune(script: str, args: Any, layout: HeteroLayout) -> None:
 
 def candidate_check(model, args: Any) -> Callable:
     """`check(layout, config)` for the rounds' candidates and the layouts the run moves to: the
-    `training.config.Job` of `layout` and the `JobConfig`, ValueError for a layout the script cannot
+    `config.job.Job` of `layout` and the `JobConfig`, ValueError for a layout the script cannot
     train (its own checks and the driver's, the batch arithmetic of `config`'s micro-batch, the
     padded vocabulary over each module's TP)."""
 

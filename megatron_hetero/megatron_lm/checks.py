@@ -11,7 +11,7 @@ from typing import Any, Optional
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.layout.validate import check_heads
 from megatron_hetero.plan.schedule import check_schedule_choice
-from megatron_hetero.runtime.config import check_optimizer_flags
+from megatron_hetero.config.optim import check_optimizer_flags
 from megatron_hetero.plan.roles import language_modules
 
 #: Megatron flags no layout supports yet (attribute -> flag).

@@ -64,7 +64,7 @@ from megatron_hetero.megatron_lm.data_check import check_script_data
 from megatron_hetero.megatron_lm.log import print_last
 from megatron_hetero.megatron_lm.session import PREFIX, script_session
 from megatron_hetero.plan.rank_plan import check_rank_plans
-from megatron_hetero.training.config import Job
+from megatron_hetero.config.job import Job
 from megatron_hetero.training.loop import run_loop
 from megatron_hetero.training.signals import ExitSignal
 from megatron_hetero.megatron_lm.autotune import add_autotune_args, check_script_autotune, train_autotuned_script

@@ -18,9 +18,10 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.megatron_lm import checkpoints, precision, weights as weights_mod
 from megatron_hetero.megatron_lm.front_end import ScriptFrontEnd
 from megatron_hetero.megatron_lm.log import Evaluator, print_last
-from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
+from megatron_hetero.config.optim import OptimConfig
+from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.training.config import Job, JobConfig
+from megatron_hetero.config.job import Job, JobConfig
 from megatron_hetero.training.session import Session
 from megatron_hetero.compat import ensure_global_memory_buffer
 from megatron_hetero.megatron_lm.checks import check_uneven_pipeline

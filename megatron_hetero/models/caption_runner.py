@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_hetero.data.caption_config import DataRequest
+from megatron_hetero.config.data import DataRequest
 from megatron_hetero.models.caption_eval import digit_hits
 from megatron_hetero.data.dataset_trust import check_dataset, trusted_message
 from megatron_hetero.data.caption_batches import CaptionBatches

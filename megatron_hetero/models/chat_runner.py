@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
+from megatron_hetero.config.data import CaptionDataConfig, DataRequest
 from megatron_hetero.models.caption_runner import gathered_eval_ids
 from megatron_hetero.data.chat_batches import (
     DEFAULT_TILE,
@@ -317,7 +317,7 @@ def chat_spec(
 ) -> LlavaSpec:
     """`spec` (ONE encoder) fitted to conversation data: the encoder's `tokens` = T (per tile),
     `feature_dim` = F, `max_tiles` = the most tiles a sample feeds it (>= 1: the variable-tiles mode
-    of `planner.model.EncoderSpec`; at most what fits after the encoder's offset, as `data.samples`
+    of `config.model.EncoderSpec`; at most what fits after the encoder's offset, as `data.samples`
     checks the reserved span [offset, offset + max_tiles*T) against --seq-length), and the
     vocabulary from the tokenizer (padded up to a multiple of 128, or `vocab_size` if given and large
     enough). A Qwen2.5-VL tower (`native`: its image processor) takes T = 1 (a tile is one merged

@@ -1,6 +1,6 @@
 """Which real data `train --data-path DIR` reads, and the stage runner that reads it.
 
-`job_data(req, spec)` (`req`: train's data flags as its door read them, `caption_config.DataRequest`):
+`job_data(req, spec)` (`req`: train's data flags as its door read them, `config.data.DataRequest`):
 a conversation dataset (`chat_batches.is_chat_dataset`: an energon crude dataset, as `megatron-hetero
 data digits --chat` writes) goes to `chat_runner.chat_job_data`, the spoken digits (`data digits
 --speech`: its `speech.json`) to `speech_runner.speech_job_data`, anything else (and no --data-path) to
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
+from megatron_hetero.config.data import CaptionDataConfig, DataRequest
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.data.digits_speech import is_speech_dataset
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_hetero.models.cp_attention import ContextParallelDotProductAttention
-from megatron_hetero.planner.model import TRANSFORMER_IMPLS
+from megatron_hetero.config.model import TRANSFORMER_IMPLS
 
 __all__ = [
     "TRANSFORMER_IMPLS",

@@ -1,5 +1,5 @@
 """A LLaVA-style model assembled from Megatron-core parts, one module per layout module, from its
-description (`planner.model.LlavaSpec`: sizes and architecture; this file derives the Megatron
+description (`config.model.LlavaSpec`: sizes and architecture; this file derives the Megatron
 TransformerConfig fields, the dtype and the synthetic data's shape from it).
 
 - Encoder module (`vision`, `audio`, ...): patch embedding (a replicated linear map of the input
@@ -66,7 +66,7 @@ from megatron_hetero.models.layer_specs import encoder_layer_spec, language_laye
 from megatron_hetero.models.llava_checks import check_encoder_cp
 from megatron_hetero.data.samples import DataConfig, EncoderInput
 from megatron_hetero.plan import roles as plan_roles
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec  # noqa: F401 (the model's description)
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec, OutputSpec
 from megatron_hetero.models.qwen_positions import mrope_ids
 
 

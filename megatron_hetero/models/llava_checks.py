@@ -8,7 +8,7 @@ from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.layout.validate import check_experts
 from megatron_hetero.models.architecture import CP_REASON, QWEN, check_architecture
 from megatron_hetero.plan import roles as plan_roles
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 
 
 def validate_model(layout: HeteroLayout, spec: LlavaSpec, sequence_parallel: bool = False) -> None:

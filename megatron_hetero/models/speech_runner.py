@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
+from megatron_hetero.config.data import CaptionDataConfig, DataRequest
 from megatron_hetero.models.caption_runner import gathered_eval_ids
 from megatron_hetero.data.chat_batches import DEFAULT_TILE, HELDOUT_SPLIT, resolve_chat_config, tiles_of
 from megatron_hetero.data.chat_default import chat_template_for

@@ -91,11 +91,10 @@ from megatron_hetero.planner.autotune_calibrate import (  # noqa: F401 (re-expor
     rank_calibrated,
     scale_profile,
 )
-from megatron_hetero.planner.autotune_fix import FIX_FIELDS, Fixes, honours, parse_fix, space_with_fixes  # noqa: F401
+from megatron_hetero.config.autotune import MIN_GAIN
+from megatron_hetero.planner.autotune_fix import honours, space_with_fixes  # noqa: F401
 from megatron_hetero.planner.autotune_trace import StepTimes, step_times_from_trace  # noqa: F401
 
-#: `--autotune-min-gain`'s default: switch only for a predicted step more than 5% faster
-MIN_GAIN = 0.05
 #: the keys of one decision in `autotune.json`, in order
 RECORD_KEYS = (
     "iteration",
@@ -283,8 +282,6 @@ def write_autotune(
 
 
 __all__ = [
-    "FIX_FIELDS",
-    "MIN_GAIN",
     "LayerCase",
     "fold_layer_measurements",
     "RECORD_KEYS",
@@ -299,7 +296,6 @@ __all__ = [
     "calibrate",
     "decide",
     "honours",
-    "parse_fix",
     "predicted_terms",
     "rank_calibrated",
     "record_of",

@@ -19,7 +19,8 @@ from megatron_hetero.planner.hardware import AlphaBeta, LayerModel, Profile, fit
 from megatron_hetero.planner.search import search
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import Candidate, Workload, check_candidate
-from megatron_hetero.planner.autotune_fix import Fixes, honours, space_with_fixes
+from megatron_hetero.config.autotune import Fixes
+from megatron_hetero.planner.autotune_fix import honours, space_with_fixes
 from megatron_hetero.planner.autotune_trace import StepTimes
 
 

@@ -1,51 +1,15 @@
-"""`--autotune-fix`: the degrees a run pins (`parse_fix`) and the candidates that honour them
-(`honours`, `space_with_fixes`). Pure; part of `planner.autotune`.
+"""`--autotune-fix`: the candidates that honour the degrees a run pins (`honours`, `space_with_fixes`; the
+pins themselves: `config.autotune.parse_fix`). Pure; part of `planner.autotune`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
+from megatron_hetero.config.autotune import Fixes
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import Candidate, Segment
-
-
-#: the degrees `--autotune-fix` may pin
-FIX_FIELDS = ("tp", "cp", "pp", "dp", "ep")
-
-Fixes = dict[str, dict[str, int]]
-
-
-# --- --autotune-fix -----------------------------------------------------------------------------
-def parse_fix(text: Optional[str]) -> Fixes:
-    """`--autotune-fix` "language.tp=4,vision.dp=8" -> {"language": {"tp": 4}, "vision": {"dp": 8}}.
-
-    Items are MODULE.FIELD=INT, comma-separated, FIELD one of `FIX_FIELDS`, INT >= 1; empty text:
-    no fixes. ValueError naming the bad item otherwise (or a field given twice)."""
-    fixes: Fixes = {}
-    if text is None:
-        return fixes
-    for item in (p.strip() for p in str(text).split(",")):
-        if not item:
-            continue
-        key, eq, value = item.partition("=")
-        module, dot, fld = key.strip().rpartition(".")
-        module, fld = module.strip(), fld.strip()
-        if not eq or not dot or not module:
-            raise ValueError(f"--autotune-fix {text!r}: {item!r} is not MODULE.FIELD=INT (e.g. language.tp=4)")
-        if fld not in FIX_FIELDS:
-            raise ValueError(f"--autotune-fix {text!r}: {item!r}: field {fld!r} is not one of {list(FIX_FIELDS)}")
-        try:
-            n = int(value.strip())
-        except ValueError:
-            raise ValueError(f"--autotune-fix {text!r}: {item!r}: {value.strip()!r} is not an integer") from None
-        if n < 1:
-            raise ValueError(f"--autotune-fix {text!r}: {item!r}: {fld} must be >= 1, got {n}")
-        if fld in fixes.get(module, {}):
-            raise ValueError(f"--autotune-fix {text!r}: {module}.{fld} given twice")
-        fixes.setdefault(module, {})[fld] = n
-    return fixes
 
 
 def _segments(c: Candidate, encoder_name: str, llm_name: str, extra_names: tuple = ()) -> dict[str, list[Segment]]:

@@ -34,7 +34,7 @@ from megatron_hetero.planner.memory_params import (  # re-exported: the public p
     stage_params,
 )
 from megatron_hetero.planner.memory_qwen import qwen_activation_bytes
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.plan.roles import language_modules
 from megatron_hetero.plan.batch import dp_rows

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.planner.memory_qwen import merger_params, qwen_stage_params
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, OutputSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec, OutputSpec
 from megatron_hetero.plan.roles import language_modules, roles
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.planner.memory_terms import ActivationFeatures, layer_activation_bytes, norm_activation_bytes
-from megatron_hetero.planner.model import EncoderSpec
+from megatron_hetero.config.model import EncoderSpec
 
 
 def _stage_blocks(enc: EncoderSpec, m: ModuleLayout, pp_rank: int) -> range:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from megatron_hetero.planner.hardware import Profile
-from megatron_hetero.planner.model import EncoderSpec
+from megatron_hetero.config.model import EncoderSpec
 from megatron_hetero.planner.search import search
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.workload import ModelSpec, Workload

@@ -56,7 +56,7 @@ from megatron_hetero.compat.device import get_device, synchronize
 from megatron_hetero.data import samples as data_mod
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.layout.validate import resolve_layout
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.runtime.launcher import run_ranks
 
 #: Layers per timed block (the per-layer time is the block time / this).

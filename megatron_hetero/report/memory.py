@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout, Recompute
-from megatron_hetero.planner.model import LlavaSpec
+from megatron_hetero.config.model import LlavaSpec
 from megatron_hetero.planner.memory import (
     StateFeatures,
     rank_activation_bytes,

@@ -26,7 +26,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 
 
 class LossScaler:

@@ -38,7 +38,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_hetero.compat.fixes import param_groups_gathered_over
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 
 if TYPE_CHECKING:
     from megatron_hetero.runtime.loss_scale import LossScaler

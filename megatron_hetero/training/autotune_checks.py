@@ -9,8 +9,8 @@ import dataclasses
 from typing import Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.planner import autotune as A
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.autotune import parse_fix
+from megatron_hetero.config.job import JobConfig
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import load_hardware
 from megatron_hetero.planner.model import workload
@@ -58,7 +58,7 @@ def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
         candidate_for(layout, spec, job.offload_encoder)
         enc, llm = module_names(layout, spec)
         encs = encoder_names(layout, spec)
-        fixes = A.parse_fix(tune.autotune_fix)
+        fixes = parse_fix(tune.autotune_fix)
         unknown = sorted(set(fixes) - {*encs, llm})
         if unknown:
             raise ValueError(f"--autotune-fix names {unknown}; the modules are {', '.join(encs)} and {llm}")

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import autotune as A
+from megatron_hetero.config.autotune import parse_fix
 from megatron_hetero.training.autotune_checks import (
     base_profile,
     carry_settings,
@@ -19,7 +20,7 @@ from megatron_hetero.training.autotune_checks import (
     module_names,
     workload_of,
 )
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.job import JobConfig
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.training.layout_cost import candidate_for
 
@@ -96,7 +97,7 @@ def plan_switch(
             calib,
             wl,
             world,
-            A.parse_fix(tune.autotune_fix),
+            parse_fix(tune.autotune_fix),
             space=space,
             top=10 * (1 + 3 * len(tried)),  # room to re-rank by the tried layouts' fits
             encoder_name=enc,

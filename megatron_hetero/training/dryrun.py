@@ -38,8 +38,9 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_hetero.runtime.config import runtime_config
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.job import JobConfig
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.plan.roles import language_modules
 from megatron_hetero.planner.memory import rank_state_bytes
@@ -277,7 +278,7 @@ def dry_rank(
         runner = LlavaStageRunner(job.spec, plan, {})
         planned: dict[str, dict[str, str]] = {}
         with _timed(phases, "boundary"):
-            bnds = schedule_boundaries(plan, job.runtime_config(rank), topo, runner) if boundaries else {}
+            bnds = schedule_boundaries(plan, runtime_config(job, rank), topo, runner) if boundaries else {}
             for key, bnd in bnds.items():
                 seqs = runner.edge_seqs(bnd.edge)
                 planned[str(key)] = {str(s): boundary_digest(bnd, s) for s in seqs}

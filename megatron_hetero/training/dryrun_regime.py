@@ -15,15 +15,15 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.job import JobConfig
 from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
-from megatron_hetero.planner.model import EncoderSpec
+from megatron_hetero.config.model import EncoderSpec
 from megatron_hetero.planner.presets import ENCODER_PRESETS, LLM_PRESETS, regime_workload
 from megatron_hetero.planner.search import search
 from megatron_hetero.planner.stages import module_stages
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 
 
 def parse_row(text: str) -> tuple[str, str, int]:

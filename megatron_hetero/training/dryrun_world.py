@@ -16,7 +16,7 @@ import time
 from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.job import JobConfig
 from megatron_hetero.plan.colocated import check_colocated_tables, colocated_tables
 from megatron_hetero.plan.rank_plan import step_micro_batching
 from megatron_hetero.plan.schedule import build_tables

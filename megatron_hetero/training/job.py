@@ -1,9 +1,9 @@
 """The training job's run on forked ranks or as one launched rank, and the model a checkpoint records.
 
-(`train`'s flags become a `training.config.JobConfig` at its door, `cli.train_door.job_from_args`.)
+(`train`'s flags become a `config.job.JobConfig` at its door, `cli.train_door.job_from_args`.)
 `recorded_spec`: `train --load DIR` without model-size flags builds the model the checkpoint
 records (its `spec_record`), so a converted Llama/Qwen2 + CLIP model needs no flags repeated; the
-flags given (`planner.model.ModelFlags`, `training.arch_args.ArchFlags`) must agree with it.
+flags given (`config.model.ModelFlags`, `config.arch.ArchFlags`) must agree with it.
 `default_micro_batch_size`: the micro-batch a layout takes when none is given. `run_local` launches
 `training.trainer.train_rank` on one forked rank per layout rank and merges their records;
 `run_as_rank` runs one rank under torchrun/srun.
@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.roles import language_modules
-from megatron_hetero.planner.model import ENCODER_FLAGS, LlavaSpec, ModelFlags
-from megatron_hetero.training.arch_args import ArchFlags, apply_arch_flags
-from megatron_hetero.training.config import Job
+from megatron_hetero.config.model import ENCODER_FLAGS, LlavaSpec, ModelFlags
+from megatron_hetero.config.arch import ArchFlags, apply_arch_flags
+from megatron_hetero.config.job import Job
 from megatron_hetero.checkpoint.files import read_train_state
 from megatron_hetero.checkpoint.loadable import weights_only_fields
 from megatron_hetero.checkpoint.pretrained import ORIGIN
@@ -88,7 +88,7 @@ def _among(field: str, fields: tuple[str, ...]) -> bool:
 def overlay_flags(model: ModelFlags, arch: ArchFlags, spec: LlavaSpec) -> LlavaSpec:
     """`spec` with the model flags given (`model`, `arch`) applied on top (a flag not given keeps
     `spec`'s value): the language model's sizes (--num-layers ...), every encoder's (--encoder-*), the
-    MoE flags (with --num-experts) and the architecture flags (`training.arch_args.apply_arch_flags`).
+    MoE flags (with --num-experts) and the architecture flags (`config.arch.apply_arch_flags`).
     Output heads keep their span before the end of the sequence (`spec_on_layout`)."""
     import dataclasses
 

@@ -10,10 +10,10 @@ from typing import Any, Callable, Optional
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan
-from megatron_hetero.runtime.config import RuntimeConfig
+from megatron_hetero.runtime.config import RuntimeConfig, runtime_config
 from megatron_hetero.runtime.topology import Topology
 from megatron_hetero.runtime.trace import gather_trace
-from megatron_hetero.training.config import Job, JobConfig
+from megatron_hetero.config.job import Job, JobConfig
 from megatron_hetero.training.memory_log import ActivationMeter
 from megatron_hetero.checkpoint.save_load import load_checkpoint, save_checkpoint
 from megatron_hetero.models.job_data import runner_factory  # captions or conversations
@@ -22,7 +22,7 @@ from megatron_hetero.training.setup import build_states
 
 
 class LlavaTrainSpec:
-    """LLaVA under the validated `job` (a `training.config.Job`; module docstring): `self.job` is its
+    """LLaVA under the validated `job` (a `config.job.Job`; module docstring): `self.job` is its
     `JobConfig`, `self.validated` the whole, whose layout the checkpoints save and load. `log`: the
     run's `IterationLog` (None: no lines, e.g. the dry run's real rank); `step_hook(iteration)`: runs after every step, its value the record's
     `probe`. Holds nothing of its own between sessions: `prepare` and `release` do nothing."""
@@ -73,7 +73,7 @@ class LlavaTrainSpec:
         return LlavaStageRunner(job.spec, plan, states)
 
     def runtime_config(self, plan: RankPlan) -> RuntimeConfig:
-        return self.job.runtime_config(plan.rank)
+        return runtime_config(self.job, plan.rank)
 
     def front_end(self, session):
         """`TrainFrontEnd` with --log-memory's activation meter attached to the modules (after the

@@ -106,7 +106,7 @@ class RunStats:
 
 def predicted_memory(job: Any, layout: Any) -> list[dict[str, int]]:
     """Per rank, the memory model's (`planner/memory.py`) state and activation-peak bytes of `job`."""
-    from megatron_hetero.training.config import job_recompute
+    from megatron_hetero.config.job import job_recompute
 
     o = job.optim
     features = StateFeatures(

@@ -27,7 +27,7 @@ from megatron_hetero.plan.rank_plan import RankPlan, rank_plan
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.schedules import Schedule, schedule_for
 from megatron_hetero.runtime.topology import Topology
-from megatron_hetero.training.config import Job
+from megatron_hetero.config.job import Job
 from megatron_hetero.training.loop import LoopSpec
 from megatron_hetero.training.run_stats import MeteredSchedule
 
@@ -97,7 +97,7 @@ class ModelSpec(Protocol):
 
 
 class Session:
-    """Everything one rank trains with under the validated `job` (`training.config.Job`: the layout,
+    """Everything one rank trains with under the validated `job` (`config.job.Job`: the layout,
     its `JobConfig` where the front end has one, and the rank plans' checked arithmetic) and the
     front end's `spec` (module docstring): `topo`, `plan`, `states`, `schedulers`, `start`, `runner`,
     `schedule` and `front`. `tracer`: a recording tracer for the schedule instead of the spec's

@@ -35,7 +35,7 @@ from typing import Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.plan.roles import language_modules, roles
-from megatron_hetero.planner.model import LlavaSpec
+from megatron_hetero.config.model import LlavaSpec
 
 
 @dataclass(frozen=True)

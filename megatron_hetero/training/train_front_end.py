@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.loss_scale import loss_scale_of
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.job import JobConfig
 from megatron_hetero.training.run_stats import RunStats
 from megatron_hetero.compat.device import get_device
 from megatron_hetero.runtime.step import run_collective

@@ -7,11 +7,12 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from megatron_hetero.runtime.config import runtime_config
 from megatron_hetero.compat import ensure_global_memory_buffer, require_compat, set_local_device
 from megatron_hetero.models.llava_runner import LlavaStageRunner
 from megatron_hetero.plan.rank_plan import RankPlan
 from megatron_hetero.runtime.schedules import schedule_for
-from megatron_hetero.training.config import Job, JobConfig
+from megatron_hetero.config.job import Job, JobConfig
 from megatron_hetero.training.llava_spec import LlavaTrainSpec
 from megatron_hetero.training.session import Session
 from megatron_hetero.training.signals import ExitSignal
@@ -37,7 +38,7 @@ def make_schedule(plan: RankPlan, job: JobConfig, topo, states, runner=None):
     """The schedule of the plan's placement (`runtime.schedules.schedule_for`), driving `runner` (the
     LLaVA runner by default), with this rank's tracer when `job.trace` names a file."""
     runner = runner if runner is not None else LlavaStageRunner(job.spec, plan, states)
-    return schedule_for(plan, job.runtime_config(plan.rank), topo, states, runner)
+    return schedule_for(plan, runtime_config(job, plan.rank), topo, states, runner)
 
 
 def train_session(

@@ -72,7 +72,7 @@ def wandb_dir(job: Any) -> Optional[str]:
 
 
 def check_logging(job: Any) -> None:
-    """ValueError for the writers' flags of `job` (a `training.config.JobConfig`) that cannot work."""
+    """ValueError for the writers' flags of `job` (a `config.job.JobConfig`) that cannot work."""
     if not isinstance(job.tensorboard_log_interval, int) or job.tensorboard_log_interval < 1:
         raise ValueError(f"--tensorboard-log-interval must be a positive integer, got {job.tensorboard_log_interval!r}")
     if job.log_validation_ppl_to_tensorboard and not job.tensorboard_dir:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_hetero.data.caption_config import CaptionDataConfig
+from megatron_hetero.config.data import CaptionDataConfig
 from megatron_hetero.data.caption_reader import epoch_order
 from megatron_hetero.data.chat_batches import (
     ChatBatches,
@@ -270,7 +270,7 @@ def test_chat_runner_switches_to_heldout_and_counts_answers(cfg, tok):
     from megatron_hetero.layout.yaml_io import layout_from_dict
     from megatron_hetero.models.chat_runner import ChatStageRunner, end_of_turn_ids
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.planner.model import EncoderSpec
+    from megatron_hetero.config.model import EncoderSpec
     from megatron_hetero.plan.rank_plan import rank_plan
 
     doc = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
@@ -310,7 +310,7 @@ def test_spec_is_fitted_to_the_data(cfg, tok, shards):
 
     from megatron_hetero.models.chat_runner import chat_spec, max_sample_tiles
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.planner.model import EncoderSpec
+    from megatron_hetero.config.model import EncoderSpec
 
     want = max(sum({8: 1, 16: 4}[s] for s in shards[k]["json"]["sizes"]) for k in shards if int(k) < 40)
     assert max_sample_tiles(cfg, 8) == want
@@ -328,7 +328,7 @@ def test_train_flags_on_a_conversation_dataset_pick_the_chat_runner(ds):
     from megatron_hetero import cli
     from megatron_hetero.models.job_data import job_data, runner_factory
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.planner.model import EncoderSpec
+    from megatron_hetero.config.model import EncoderSpec
 
     spec = LlavaSpec(seq_length=SEQ, encoders={ENC: EncoderSpec(offset=1)})
     from megatron_hetero.cli.train_door import data_request
@@ -474,7 +474,7 @@ def test_without_seq_length_the_data_gives_it(ds, cfg, tok, shards):
     from megatron_hetero.cli.train_door import data_request
     from megatron_hetero.models.job_data import job_data
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.planner.model import EncoderSpec
+    from megatron_hetero.config.model import EncoderSpec
 
     longest = max(_stored_lengths(cfg, tok, shards)) - 1  # 40 samples: all within the probe
     spec = LlavaSpec(encoders={ENC: EncoderSpec(offset=1)})  # seq_length: the flag's default, 32

@@ -136,7 +136,7 @@ def test_sgd_with_momentum_resumes_exactly(tmp_path):
     marker rolled back to 2 by hand (the marker decides)."""
     from megatron_hetero.checkpoint import save_load as ckpt
     from megatron_hetero.checkpoint.files import STATE_FILE, iteration_dir, read_train_state, sha256_file, write_marker
-    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.config.optim import OptimConfig
 
     job = JobConfig(train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5))
     root = tmp_path / "run"
@@ -160,7 +160,7 @@ def test_fp16_sgd_resumes_a_checkpoint_saved_before_any_step_succeeded(tmp_path)
     starts SGD afresh (the load asked for momentum buffers the checkpoint does not have) with the saved
     loss scale: the uninterrupted run's second iteration."""
     from megatron_hetero.checkpoint.files import STATE_FILE, iteration_dir, sha256_file, write_marker
-    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.config.optim import OptimConfig
 
     optim = OptimConfig(optimizer="sgd", lr=0.5, fp16=True, initial_loss_scale=2.0**32)
     job = JobConfig(spec=dataclasses.replace(JOB.spec, fp16=True), train_iters=2, optim=optim)
@@ -309,7 +309,7 @@ def test_finetune_and_no_load_optim_relax_only_what_they_do_not_load(saved):
     stays required: the learned position table's --seq-length is named. Checked before any rank."""
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.runtime.config import OptimConfig
+    from megatron_hetero.config.optim import OptimConfig
     from megatron_hetero.training.setup import validate_job
 
     root, _ = saved

@@ -252,7 +252,7 @@ def test_transformer_engine_impl_keeps_the_cp_refusal():
     import dataclasses
 
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.planner.model import LlavaSpec
+    from megatron_hetero.config.model import LlavaSpec
     from megatron_hetero.training.setup import JobConfig, validate_job
 
     doc = {

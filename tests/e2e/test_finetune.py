@@ -20,8 +20,8 @@ import torch
 
 from parity import full_params, losses, max_loss_rel_diff, run_job
 from megatron_hetero.models.llava import LlavaSpec
-from megatron_hetero.runtime.config import OptimConfig
-from megatron_hetero.training.lr_schedule import LRSchedule
+from megatron_hetero.config.optim import OptimConfig
+from megatron_hetero.config.lr_schedule import LRSchedule
 from megatron_hetero.training.setup import JobConfig
 
 TP2 = {

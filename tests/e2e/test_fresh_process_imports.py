@@ -61,7 +61,7 @@ TORCH_FREE = (
     "megatron_hetero.cli",
     "megatron_hetero.cli.search",
     "megatron_hetero.cli.schedule",
-    "megatron_hetero.training.config",
+    "megatron_hetero.config.job",
     "megatron_hetero.planner.model",
     "megatron_hetero.planner.hardware_presets",
     "megatron_hetero.planner.cost",

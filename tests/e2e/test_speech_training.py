@@ -43,7 +43,7 @@ def ds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batches(ds):
-    from megatron_hetero.data.caption_config import CaptionDataConfig
+    from megatron_hetero.config.data import CaptionDataConfig
     from megatron_hetero.data.chat_batches import resolve_chat_config
     from megatron_hetero.data.chat_default import chat_template_for
     from megatron_hetero.data.speech_batches import SpeechBatches
@@ -105,7 +105,7 @@ def test_train_flags_fit_the_spec_to_the_speech_data(ds):
     from megatron_hetero import cli
     from megatron_hetero.models.job_data import job_data, runner_factory
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.planner.model import EncoderSpec
+    from megatron_hetero.config.model import EncoderSpec
 
     spec = LlavaSpec(encoders={"vision": EncoderSpec(offset=1), "audio": EncoderSpec(offset=17)})
     from megatron_hetero.cli.train_door import data_request

@@ -159,7 +159,7 @@ def test_disjoint_trace_has_every_micro_batch_and_labelled_batches(tmp_path):
 
 
 def test_null_tracer_is_free_and_shared():
-    from megatron_hetero.runtime.config import RuntimeConfig
+    from megatron_hetero.runtime.config import RuntimeConfig, runtime_config
     import dataclasses
 
     from megatron_hetero.runtime.trace import NULL_TRACER, Tracer
@@ -176,8 +176,8 @@ def test_null_tracer_is_free_and_shared():
         pass
     assert calls == []  # lazily given names and args are never evaluated
     job = JobConfig(spec=LlavaSpec(), global_batch_size=8, micro_batch_size=1, train_iters=1, optim=OptimConfig())
-    assert job.runtime_config(0).tracer is NULL_TRACER  # --trace not given
-    traced = dataclasses.replace(job, trace="t.json").runtime_config(3).tracer
+    assert runtime_config(job, 0).tracer is NULL_TRACER  # --trace not given
+    traced = runtime_config(dataclasses.replace(job, trace="t.json"), 3).tracer
     assert isinstance(traced, Tracer) and traced.path == "t.json" and traced.rank == 3
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_hetero.layout import layout_from_dict
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.training.setup import JobConfig, validate_job

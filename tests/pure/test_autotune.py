@@ -23,6 +23,7 @@ import pytest
 
 from megatron_hetero.layout import load_layout
 from megatron_hetero.planner import autotune as A
+from megatron_hetero.config.autotune import parse_fix
 from megatron_hetero.planner.hardware import HardwareSpec, LayerModel, Profile
 from megatron_hetero.planner.search_space import Ranked, SearchSpace
 from megatron_hetero.planner.workload import Candidate, ModelSpec, Segment, Workload
@@ -49,9 +50,9 @@ def colocated(etp=1, edp=8, tp=2, pp=1, dp=4) -> Candidate:
 
 # --- --autotune-fix -----------------------------------------------------------------------------
 def test_parse_fix():
-    assert A.parse_fix("language.tp=4, vision.dp=8") == {"language": {"tp": 4}, "vision": {"dp": 8}}
-    assert A.parse_fix("language.tp=4,language.pp=2") == {"language": {"tp": 4, "pp": 2}}
-    assert A.parse_fix("") == {} and A.parse_fix(None) == {}
+    assert parse_fix("language.tp=4, vision.dp=8") == {"language": {"tp": 4}, "vision": {"dp": 8}}
+    assert parse_fix("language.tp=4,language.pp=2") == {"language": {"tp": 4, "pp": 2}}
+    assert parse_fix("") == {} and parse_fix(None) == {}
 
 
 @pytest.mark.parametrize(
@@ -67,14 +68,14 @@ def test_parse_fix():
 )
 def test_parse_fix_errors(text, says):
     with pytest.raises(ValueError, match=re.escape(says)):
-        A.parse_fix(text)
+        parse_fix(text)
 
 
 def test_honours_and_space():
     c = colocated(tp=2, dp=4)
-    assert A.honours(c, A.parse_fix("language.tp=2,vision.dp=8"))
-    assert not A.honours(c, A.parse_fix("language.tp=4"))
-    assert not A.honours(c, A.parse_fix("vision.tp=2"))
+    assert A.honours(c, parse_fix("language.tp=2,vision.dp=8"))
+    assert not A.honours(c, parse_fix("language.tp=4"))
+    assert not A.honours(c, parse_fix("vision.tp=2"))
     chain = Candidate(
         "disjoint", Segment.of(dp=2, layers=4), (Segment.of(tp=2, dp=1, layers=4), Segment.of(tp=1, dp=2, layers=4))
     )
@@ -82,7 +83,7 @@ def test_honours_and_space():
     assert not A.honours(c, {"language_b": {"tp": 1}})  # one segment: no second one to honour it
     with pytest.raises(ValueError, match="unknown module 'audio'"):
         A.honours(c, {"audio": {"tp": 1}})
-    sp = A.space_with_fixes(SearchSpace(runtime=True), A.parse_fix("language.tp=4,language.pp=2,vision.tp=1"))
+    sp = A.space_with_fixes(SearchSpace(runtime=True), parse_fix("language.tp=4,language.pp=2,vision.tp=1"))
     assert (sp.tp, sp.pp, sp.encoder_tp, sp.cp) == ((4,), (2,), (1,), SearchSpace().cp)
     with pytest.raises(ValueError, match="encoders with cp 1"):
         A.space_with_fixes(SearchSpace(runtime=True), {"vision": {"cp": 2}})
@@ -92,7 +93,7 @@ def test_rank_calibrated_honours_fixes(prof):
     calib = A.Calibration({"residual": 2.0}, {}, {}, prof)
     space = SearchSpace(tp=(1, 2, 4), cp=(1,), pp=(1, 2), encoder_tp=(1, 2), encoder_pp=(1,), runtime=True)
     free = A.rank_calibrated(calib, WL, 8, space=space, top=50)
-    fixes = A.parse_fix("language.tp=2,vision.dp=4")
+    fixes = parse_fix("language.tp=2,vision.dp=4")
     got = A.rank_calibrated(calib, WL, 8, fixes, space=space, top=50)
     assert got and all(A.honours(c, fixes) for c, _ in got)
     assert [p for _, p in got] == sorted(p for _, p in got)

@@ -14,7 +14,8 @@ from megatron_hetero.cli import search as cli_search
 from megatron_hetero.cli.model_flags import MODEL_FLAGS
 from megatron_hetero.cli.train_door import model_flags
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, hardware_names, load_hardware
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, spec_from_flags, workload
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec, spec_from_flags
+from megatron_hetero.planner.model import workload
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -172,11 +173,11 @@ def test_earlier_search_flag_spellings_still_parse() -> None:
 
 
 def test_model_flags_default_to_the_model_description() -> None:
-    """The model flags are generated from the model's description (planner.model): with none given,
+    """The model flags are generated from the model's description (config.model): with none given,
     train builds LlavaSpec's defaults, and every flag's help names its field's default."""
     from megatron_hetero.layout import load_layout
     from megatron_hetero.layout.flags import dest, value
-    from megatron_hetero.training.config import JobConfig
+    from megatron_hetero.config.job import JobConfig
     from megatron_hetero.cli.train_door import batch_from_args
 
     layout = load_layout(REPO / "examples/layouts/homogeneous.yaml")
@@ -257,8 +258,8 @@ def test_flags_are_generated_from_their_fields() -> None:
     from typing import Optional
 
     from megatron_hetero.layout.flags import add_flags, dest, flag_field, flags_of, given, values
-    from megatron_hetero.runtime.config import OptimConfig
-    from megatron_hetero.training.config import JobConfig, train_flag_fields
+    from megatron_hetero.config.optim import OptimConfig
+    from megatron_hetero.config.job import JobConfig, train_flag_fields
 
     @dataclasses.dataclass(frozen=True)
     class Demo:

@@ -123,7 +123,8 @@ def test_train_model_with_a_whisper_encoder_as_the_cost_model_sees_it():
 
     from megatron_hetero.layout.spec import Edge, HeteroLayout, ModuleLayout
     from megatron_hetero.layout.validate import resolve_layout
-    from megatron_hetero.planner.model import spec_on_layout, workload
+    from megatron_hetero.config.model import spec_on_layout
+    from megatron_hetero.planner.model import workload
 
     mods = (ModuleLayout(name="vision", dp=2), ModuleLayout(name="audio", tp=2), ModuleLayout(name="language", tp=2))
     edges = (Edge("vision", "language"), Edge("audio", "language"))

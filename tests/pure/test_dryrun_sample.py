@@ -59,7 +59,7 @@ def test_search_state_of_an_encoder_stage_is_the_memory_models(enc: str, llm: st
     from megatron_hetero.planner.hardware import Profile
     from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
     from megatron_hetero.planner.memory import StateFeatures, stage_params, stage_state_bytes
-    from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+    from megatron_hetero.config.model import EncoderSpec, LlavaSpec
     from megatron_hetero.planner.presets import regime_workload
     from megatron_hetero.planner.stages import module_stages
 

@@ -17,7 +17,8 @@ from megatron_hetero.planner import cost_terms as CT
 from megatron_hetero.planner import hardware as HW
 from megatron_hetero.planner import memory as M
 from megatron_hetero.planner import workload as W
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, layer_mix_of, workload
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
+from megatron_hetero.planner.model import layer_mix_of, workload
 
 HW_FILE = Path(__file__).resolve().parents[2] / "megatron_hetero" / "planner" / "hardware_presets" / "h100_80gb.json"
 REL = 1e-12

@@ -168,7 +168,7 @@ def test_batch_and_patches_round_trip(photos, tmp_path):
     # the same layout as the data path's own patches (energon_data.patchify), and a config that fits
     from dataclasses import replace
 
-    from megatron_hetero.data.caption_config import CaptionDataConfig
+    from megatron_hetero.config.data import CaptionDataConfig
     from megatron_hetero.data.energon_data import patchify
 
     cfg = replace(CaptionDataConfig(path="unused", patch_size=8), **ip.caption_format(proc, 8))

@@ -64,7 +64,7 @@ FLOORS: tuple[Floor, ...] = (
     Floor("profiling", ("models",), False, "`megatron-hetero profile`: timing kernels, model-free and the model's own"),
     Floor("models", ("runtime", "data"), False, "the LLaVA-style model from Megatron-core parts, stage runners"),
     Floor(
-        "data", ("layout",), False, "datasets, energon readers, chat templates, tokenizers, image and speech processing"
+        "data", ("config",), False, "datasets, energon readers, chat templates, tokenizers, image and speech processing"
     ),
     Floor("runtime", ("planner", "compat"), False, "process groups, boundaries, schedule interpreters, fork launcher"),
     Floor(
@@ -73,7 +73,13 @@ FLOORS: tuple[Floor, ...] = (
         False,
         "beside the floors: Megatron-core on CPU/gloo, the only code asking torch about CUDA",
     ),
-    Floor("planner", ("plan",), True, "the cost model, hardware presets, profile fit, layout search"),
+    Floor("planner", ("config",), True, "the cost model, hardware presets, profile fit, layout search"),
+    Floor(
+        "config",
+        ("plan",),
+        True,
+        "the job and its sections (model, optimizer, schedule, data, autotune): typed, their flags on the fields",
+    ),
     Floor("plan", ("layout",), True, "per-rank plans: boundary plans, placement, schedule tables and their check"),
     Floor("layout", (), True, "YAML or `--hetero-*` flags -> a validated `HeteroLayout`"),
 )

@@ -1042,7 +1042,7 @@ def test_bad_recompute_is_a_value_error(recompute, message):
 
 def test_job_recompute_flags():
     from megatron_hetero.layout.spec import Recompute
-    from megatron_hetero.training.config import JobConfig, job_recompute
+    from megatron_hetero.config.job import JobConfig, job_recompute
 
     assert job_recompute(JobConfig()) is None
     job = JobConfig(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)

@@ -12,8 +12,8 @@ import pytest
 from megatron_hetero.layout.yaml_io import layout_from_dict
 from megatron_hetero.megatron_lm import autotune as MA
 from megatron_hetero.megatron_lm.vlm import VLM
-from megatron_hetero.planner import autotune as A
-from megatron_hetero.training.autotune_config import AutotuneConfig
+from megatron_hetero.config.autotune import parse_fix
+from megatron_hetero.config.autotune import AutotuneConfig
 from test_megatron_lm_checks import _args as megatron_args
 
 COLOC = {
@@ -86,9 +86,9 @@ def test_the_cost_model_prices_pretrain_vlms_llava():
 
 
 def test_the_degrees_the_script_keeps_are_pinned_unless_the_user_pinned_them():
-    pins = A.parse_fix(MA.script_fixes(AutotuneConfig(True)))
+    pins = parse_fix(MA.script_fixes(AutotuneConfig(True)))
     assert pins == {"vision": {"pp": 1, "cp": 1}, "language": {"cp": 1}}
-    mine = A.parse_fix(MA.script_fixes(AutotuneConfig(True, autotune_fix="language.tp=2,vision.cp=1")))
+    mine = parse_fix(MA.script_fixes(AutotuneConfig(True, autotune_fix="language.tp=2,vision.cp=1")))
     assert mine == {"language": {"tp": 2, "cp": 1}, "vision": {"cp": 1, "pp": 1}}
 
 

@@ -13,7 +13,7 @@ from megatron_hetero.layout.yaml_io import layout_from_dict
 from megatron_hetero.megatron_lm.driver import check_common, check_uneven_pipeline, pipeline_split
 from megatron_hetero.megatron_lm.gpt import check_gpt, segment_layers
 from megatron_hetero.megatron_lm.vlm import check_vlm
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 
 SEGMENTS = {
     "language_a": {"tp": 2, "layers": "0-1", "ranks": "0-1"},

@@ -12,8 +12,8 @@ from megatron_hetero.checkpoint.files import FORMAT, write_marker, write_train_s
 from megatron_hetero.checkpoint.loadable import DATA_FIELDS, model_differences, weights_only_fields
 from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.models.llava import EncoderSpec, LlavaSpec
-from megatron_hetero.planner.model import ModelFlags
-from megatron_hetero.training.arch_args import ArchFlags
+from megatron_hetero.config.model import ModelFlags
+from megatron_hetero.config.arch import ArchFlags
 from megatron_hetero.training.job import recorded_spec
 
 CAPTIONS = LlavaSpec(encoders={"vision": EncoderSpec(tokens=4, feature_dim=16, offset=1)})

@@ -10,8 +10,8 @@ import pytest
 from megatron_hetero import cli
 from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.layout.flags import values
-from megatron_hetero.planner.model import LlavaSpec
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.model import LlavaSpec
+from megatron_hetero.config.optim import OptimConfig
 
 
 def test_fp16_flags_parse_with_megatrons_defaults() -> None:

@@ -12,9 +12,9 @@ from megatron_hetero import cli
 from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.architecture import check_architecture
-from megatron_hetero.planner.model import LlavaSpec, spec_from_flags
+from megatron_hetero.config.model import LlavaSpec, spec_from_flags
 from megatron_hetero.cli.train_door import arch_flags, model_flags
-from megatron_hetero.training.arch_args import apply_arch_flags
+from megatron_hetero.config.arch import apply_arch_flags
 
 QWEN = ["--vision-model-type", "qwen2.5-vl", "--patch-dim", "2", "--encoder-tokens", "4"]
 MROPE = ["--position-embedding-type", "mrope", "--mrope-section", "2", "3", "3"]

@@ -10,7 +10,8 @@ import dataclasses
 
 from megatron_hetero.planner.cost_terms import layer_flops_of
 from megatron_hetero.planner.hardware import layer_flops
-from megatron_hetero.planner.model import LlavaSpec, workload
+from megatron_hetero.config.model import LlavaSpec
+from megatron_hetero.planner.model import workload
 from megatron_hetero.planner.qwen_vision_cost import attention_span
 from qwen_train_case import TOWER
 

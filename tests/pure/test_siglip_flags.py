@@ -13,9 +13,9 @@ import pytest
 from megatron_hetero import cli
 from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.models import hf_config
-from megatron_hetero.planner.model import LlavaSpec, spec_from_flags
+from megatron_hetero.config.model import LlavaSpec, spec_from_flags
 from megatron_hetero.cli.train_door import arch_flags, model_flags
-from megatron_hetero.training.arch_args import apply_arch_flags
+from megatron_hetero.config.arch import apply_arch_flags
 
 ROPE = ["--position-embedding-type", "rope"]
 

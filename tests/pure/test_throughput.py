@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_hetero.layout.yaml_io import layout_from_dict
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 from megatron_hetero.training.throughput import TransformerShape, module_flops, tflops_per_rank, training_flops
 
 # the tiny language model: 2 layers, hidden 64, 4 heads (kv channels 16), MLP 256, 32 tokens, vocab 128

@@ -12,10 +12,10 @@ import pytest
 from megatron_hetero import cli
 from megatron_hetero.cli.train_door import arch_flags, data_request, model_flags
 from megatron_hetero.layout.flags import flags_of
-from megatron_hetero.data.caption_config import CaptionDataConfig, DataRequest
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec, ModelFlags, flag_values, spec_from_flags
-from megatron_hetero.training.arch_args import ArchFlags
-from megatron_hetero.training.config import DERIVED_JOB_FLAGS, JobConfig, plain_job_flags, train_flag_fields
+from megatron_hetero.config.data import CaptionDataConfig, DataRequest
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec, ModelFlags, flag_values, spec_from_flags
+from megatron_hetero.config.arch import ArchFlags
+from megatron_hetero.config.job import DERIVED_JOB_FLAGS, JobConfig, plain_job_flags, train_flag_fields
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_hetero"
 

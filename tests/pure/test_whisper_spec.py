@@ -12,7 +12,7 @@ from megatron_hetero.checkpoint.records import spec_record
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models import hf_whisper_config as hwc
 from megatron_hetero.models.architecture import check_architecture
-from megatron_hetero.planner.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 
 WHISPER_TINY = {  # openai/whisper-tiny's encoder fields
     "model_type": "whisper",

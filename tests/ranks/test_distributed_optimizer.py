@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.training.setup import JobConfig
 
 from parity import losses, max_loss_rel_diff, run_job

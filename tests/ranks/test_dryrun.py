@@ -16,9 +16,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_hetero.layout import layout_from_dict
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.runtime.launcher import run_ranks
-from megatron_hetero.training.config import JobConfig
+from megatron_hetero.config.job import JobConfig
 
 from qwen_train_case import SPEC as QWEN_SPEC
 
@@ -153,7 +153,7 @@ def test_dryrun_variable_tokens_plans_every_shape() -> None:
     tensor of a text-only call), 4 or 8 on a CP-1 language model, as the runtime plans them
     (`Boundary.plan_for`)."""
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.planner.model import EncoderSpec
+    from megatron_hetero.config.model import EncoderSpec
     from megatron_hetero.training.dryrun_world import dry_world
 
     spec = LlavaSpec(encoders={"vision": EncoderSpec(tokens=4, max_tiles=2)})

@@ -14,7 +14,7 @@ from megatron_hetero.plan import rank_plan as rank_plan_module
 from megatron_hetero.plan.rank_plan import check_rank_plans
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.config import Job
+from megatron_hetero.config.job import Job
 from megatron_hetero.training.job import run_local
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.training.setup import JobConfig, validate_job

@@ -12,7 +12,7 @@ from parity import full_params, losses, max_loss_rel_diff, run_job, world1_doc
 from megatron_hetero.checkpoint.scheduler_state import schedule_mismatch
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.training.iteration_log import IterationLog, format_line
-from megatron_hetero.training.lr_schedule import LRSchedule
+from megatron_hetero.config.lr_schedule import LRSchedule
 from megatron_hetero.training.setup import JobConfig
 
 COLOC = {

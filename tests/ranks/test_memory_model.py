@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.planner.memory import stage_params
-from megatron_hetero.planner.model import EncoderSpec
+from megatron_hetero.config.model import EncoderSpec
 from megatron_hetero.runtime.launcher import run_ranks
 
 from qwen_train_case import SPEC as QWEN_SPEC

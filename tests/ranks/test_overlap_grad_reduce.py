@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from megatron_hetero.layout import layout_from_dict
-from megatron_hetero.runtime.config import OptimConfig
+from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.training.setup import JobConfig, validate_job
 from megatron_hetero.training.trainer import train_rank

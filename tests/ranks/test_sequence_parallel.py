@@ -25,7 +25,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec, OutputSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.config import Job
+from megatron_hetero.config.job import Job
 from megatron_hetero.training.setup import JobConfig, validate_job
 
 from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, world1_doc

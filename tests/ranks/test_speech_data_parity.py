@@ -34,7 +34,7 @@ def ds(tmp_path_factory):
 def test_the_speech_chunks_vary_per_sample(ds):
     from dataclasses import replace
 
-    from megatron_hetero.data.caption_config import CaptionDataConfig
+    from megatron_hetero.config.data import CaptionDataConfig
     from megatron_hetero.data.chat_batches import resolve_chat_config
     from megatron_hetero.data.chat_default import chat_template_for
     from megatron_hetero.data.speech_batches import SpeechBatches

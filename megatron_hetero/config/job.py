@@ -1,6 +1,6 @@
 """The job a training run executes, described once (`JobConfig`): the model (`spec`, the model's
-description `planner.model.LlavaSpec`), the batch, the loop, the optimizer
-(`runtime.config.OptimConfig`) and the learning-rate schedule (`training.lr_schedule.LRSchedule`),
+description `config.model.LlavaSpec`), the batch, the loop, the optimizer
+(`config.optim.OptimConfig`) and the learning-rate schedule (`config.lr_schedule.LRSchedule`),
 checkpoints, evaluation, logging, the data and the runtime's settings; and `LaunchFlags`, how
 `train` starts the job's ranks. Their fields carry the defaults; those with a `train` flag carry its
 name and help too (`layout.flags`), and `train`'s parser is generated from them (`cli.train`;
@@ -17,11 +17,10 @@ from typing import Any, Optional
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field, flags_of
 from megatron_hetero.layout.spec import HeteroLayout, Recompute
-from megatron_hetero.planner.model import MOE_FLAGS, LlavaSpec
-from megatron_hetero.runtime.config import OptimConfig, RuntimeConfig
-from megatron_hetero.training.autotune_config import AutotuneConfig
-from megatron_hetero.training.lr_schedule import LRSchedule
-from megatron_hetero.runtime.trace import NULL_TRACER, recording_tracer
+from megatron_hetero.config.model import MOE_FLAGS, LlavaSpec
+from megatron_hetero.config.optim import OptimConfig
+from megatron_hetero.config.autotune import AutotuneConfig
+from megatron_hetero.config.lr_schedule import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class JobConfig:
     their own; the fields of this one are grouped by their flags' `group` (the argument groups of
     `train --help`). A field without a flag is set by the code that builds the job."""
 
-    # the model: its description (planner.model; train: `cli.train_door.job_from_args` from the model,
+    # the model: its description (config.model; train: `cli.train_door.job_from_args` from the model,
     # architecture, MoE and data flags, or the model a checkpoint under --load records)
     spec: LlavaSpec = field(default_factory=LlavaSpec)
     # the batch (the shared model flags, `cli.model_flags`; None in the parser: not given)
@@ -130,8 +129,8 @@ class JobConfig:
     # a carriage-return progress line in between when `progress` (train: stdout is a terminal)
     log_interval: int = flag_field(0, "iteration lines every N iterations", cli=1, group="launch")
     progress: bool = False
-    # real image-caption data (data.caption_config.CaptionDataConfig); None: the synthetic data.
-    # train: from the data flags (data.caption_config.DataFlags, models.caption_runner.caption_job_data)
+    # real image-caption data (config.data.CaptionDataConfig); None: the synthetic data.
+    # train: from the data flags (config.data.DataFlags, models.caption_runner.caption_job_data)
     data: Optional[Any] = None
     # held-out evaluation every eval_interval iterations and after the last (0: none), over eval_iters
     # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)
@@ -201,15 +200,6 @@ class JobConfig:
     # --hetero-autotune: measure, re-plan and move to a faster layout (`training/autotune_run.py`);
     # None: the run keeps its layout
     autotune: Optional[AutotuneConfig] = None
-
-    def runtime_config(self, rank: int = 0) -> RuntimeConfig:
-        """The runtime settings of rank `rank`: the wait timeout and, with `trace`, its recording tracer."""
-
-        return RuntimeConfig(
-            comm_timeout_s=self.comm_timeout_s,
-            tracer=recording_tracer(rank, self.trace) if self.trace else NULL_TRACER,
-            schedule=self.hetero_schedule,
-        )
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Megatron-LM's architecture flags for the model family (`train`), declared once (`ArchFlags`: the
 flags `cli.arch_flags` generates; train's door reads them into one), and applied to a `LlavaSpec`
 (`apply_arch_flags`); ValueError for contradictory flags. Every flag defaults to None (unset): the model keeps its description's defaults
-(`planner.model.LlavaSpec`, the tiny GPT). Pure: no torch."""
+(`config.model.LlavaSpec`, the tiny GPT). Pure: no torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_hetero.layout.flags import flag_field
-from megatron_hetero.planner.model import ModelFlags
+from megatron_hetero.config.model import ModelFlags
 
 
 def _arch(help: Optional[str] = None, **kw: Any) -> Any:

@@ -10,7 +10,46 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_hetero.layout.flags import flag_field
-from megatron_hetero.planner.autotune import MIN_GAIN, parse_fix
+
+#: `--autotune-min-gain`'s default: switch only for a predicted step more than 5% faster
+MIN_GAIN = 0.05
+
+#: the degrees `--autotune-fix` may pin
+FIX_FIELDS = ("tp", "cp", "pp", "dp", "ep")
+
+Fixes = dict[str, dict[str, int]]
+
+
+# --- --autotune-fix -----------------------------------------------------------------------------
+def parse_fix(text: Optional[str]) -> Fixes:
+    """`--autotune-fix` "language.tp=4,vision.dp=8" -> {"language": {"tp": 4}, "vision": {"dp": 8}}.
+
+    Items are MODULE.FIELD=INT, comma-separated, FIELD one of `FIX_FIELDS`, INT >= 1; empty text:
+    no fixes. ValueError naming the bad item otherwise (or a field given twice)."""
+    fixes: Fixes = {}
+    if text is None:
+        return fixes
+    for item in (p.strip() for p in str(text).split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        module, dot, fld = key.strip().rpartition(".")
+        module, fld = module.strip(), fld.strip()
+        if not eq or not dot or not module:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r} is not MODULE.FIELD=INT (e.g. language.tp=4)")
+        if fld not in FIX_FIELDS:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r}: field {fld!r} is not one of {list(FIX_FIELDS)}")
+        try:
+            n = int(value.strip())
+        except ValueError:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r}: {value.strip()!r} is not an integer") from None
+        if n < 1:
+            raise ValueError(f"--autotune-fix {text!r}: {item!r}: {fld} must be >= 1, got {n}")
+        if fld in fixes.get(module, {}):
+            raise ValueError(f"--autotune-fix {text!r}: {module}.{fld} given twice")
+        fixes.setdefault(module, {})[fld] = n
+    return fixes
+
 
 #: --autotune-steps' default: one warm-up step (dropped) and five measured steps per window
 AUTOTUNE_STEPS = 6

@@ -1,6 +1,6 @@
 """Where `train`'s image-caption data comes from, as plain data (pure: no torch; the loader is
 `data.energon_data`). `CaptionDataConfig` is the resolved configuration a job carries
-(`training.config.JobConfig.data`); `DataFlags` the choice of the data source on `train`'s command
+(`config.job.JobConfig.data`); `DataFlags` the choice of the data source on `train`'s command
 line. The fields with a flag carry its name and help (`layout.flags`): `cli.data.add_train_data_flags`
 generates train's data flags from them; train's door reads them into a `DataRequest`, what
 `models.caption_runner.caption_job_data` takes.
@@ -110,10 +110,11 @@ class CaptionDataConfig:
     @property
     def feature_dim(self) -> int:
         self._size()
+        assert self.channels is not None  # resolved
         return self.channels * self.patch_size**2
 
     def _size(self) -> tuple[int, int]:
-        if not self.resolved():
+        if self.image_size is None or self.channels is None:
             raise ValueError("caption data config is not resolved (image_size/channels unknown): call resolve_config")
         return self.image_size
 
