@@ -41,6 +41,8 @@ from megatron_hetero.bench.e2e_workloads import WORLD, E2EWorkload, WORKLOADS, q
 from megatron_hetero.bench.planner_configs import describe, resolve
 from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER
 from megatron_hetero.layout import load_layout
+from megatron_hetero.config.autotune import AutotuneConfig
+from megatron_hetero.training.job import quiet_upstream_warnings
 
 #: the autotune's measuring window in the full run (one warm-up step and seven measured)
 STEPS = 8
@@ -155,7 +157,6 @@ def run_workload(
     w: E2EWorkload, iters: int, steps: int, e2e: Optional[dict], tmp: Path, timeout: float
 ) -> dict[str, Any]:
     """The four runs of one workload (module docstring) and its figures."""
-    from megatron_hetero.config.autotune import AutotuneConfig
 
     homo = resolve(w.homogeneous, WORLD)
     base = w.model.job(iters)
@@ -251,7 +252,6 @@ def _e2e_doc(out_dir: Path) -> tuple[Optional[dict], Optional[str]]:
 def run(out_dir: Path, iters: int = ITERS, steps: int = STEPS, quick: bool = False, plot: bool = True) -> dict:
     """Every workload's four runs; writes OUT/autotune.json (+ autotune.png) and returns the document."""
     from megatron_hetero.compat import default_backend, require_compat
-    from megatron_hetero.training.job import quiet_upstream_warnings
 
     if steps < 2 or iters < 2 * steps + 2:
         raise ValueError(f"bench autotune needs --autotune-steps >= 2 and iters >= 2 x steps + 2; got {steps}, {iters}")

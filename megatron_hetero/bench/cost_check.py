@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 from megatron_hetero.bench.common import markdown_table
+from megatron_hetero.planner import layout_cost as CA
 
 TERMS = ("compute", "boundary", "pipeline", "dp", "optimizer", "other")
 MEASURED = {
@@ -131,7 +132,6 @@ def traced_run(layout, model, steps: int, micro_batch_size: int, timeout: float 
 def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Optional[list] = None) -> dict[str, Any]:
     """Measure the configurations of `world` with traces, compare term by term (module docstring)."""
     from megatron_hetero.bench import planner as PL
-    from megatron_hetero.training import layout_cost as CA
     from megatron_hetero.bench import planner_configs as PC
     from megatron_hetero.compat import require_compat
     from megatron_hetero.planner import cost as C

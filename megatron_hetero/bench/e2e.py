@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_hetero.bench.common import markdown_table, save_figure, write_json
-from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch
+from megatron_hetero.planner.layout_cost import candidate_for, cost_micro_batch
 from megatron_hetero.bench.planner_configs import describe, resolve
 from megatron_hetero.planner import cost as C, profile_fit as F, search as S
 from megatron_hetero.planner.model import workload

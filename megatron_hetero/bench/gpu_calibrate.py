@@ -83,7 +83,7 @@ def run_report(name: str, doc: dict[str, Any], layout, job, preset, calib) -> di
     from megatron_hetero.planner import autotune as A
     from megatron_hetero.planner.cost import evaluate
     from megatron_hetero.training.autotune_checks import workload_of
-    from megatron_hetero.training.layout_cost import candidate_for
+    from megatron_hetero.planner.layout_cost import candidate_for
 
     wl = workload_of(job, layout)
     cand = candidate_for(layout, job.spec, job.offload_encoder)
@@ -134,7 +134,7 @@ def calibration_report(runs: Sequence[tuple[str, dict, Any, Any]], hardware: str
     from megatron_hetero.planner import autotune as A
     from megatron_hetero.planner.hardware import Profile
     from megatron_hetero.training.autotune_checks import workload_of
-    from megatron_hetero.training.layout_cost import candidate_for
+    from megatron_hetero.planner.layout_cost import candidate_for
 
     if not runs:
         raise ValueError("calibration_report: no runs")

@@ -35,7 +35,7 @@ from megatron_hetero.bench.common import markdown_table, save_figure, write_json
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import cost as C, profile_fit as F, search as S, search_space as SP
 from megatron_hetero.planner.hardware import Profile
-from megatron_hetero.training.layout_cost import candidate_for, cost_micro_batch, kind_of
+from megatron_hetero.planner.layout_cost import candidate_for, cost_micro_batch, kind_of
 from megatron_hetero.bench.planner_configs import CONFIGS, WORLDS, BenchModel, describe, resolve
 from megatron_hetero.planner.model import workload
 from megatron_hetero.planner.profile_fit import ProfileGrid

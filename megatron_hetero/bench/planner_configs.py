@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.config.model import EncoderSpec, LlavaSpec, ModelFlags, flag_values, spec_from_flags
 from megatron_hetero.layout import layout_from_dict
+from megatron_hetero.config.job import JobConfig
 
 
 WORLDS = (4, 8)
@@ -47,7 +48,6 @@ class BenchModel:
         }
 
     def job(self, train_iters: int):
-        from megatron_hetero.config.job import JobConfig
 
         return JobConfig(
             spec=self.spec,

@@ -39,7 +39,7 @@ def global_key(logical: str, key: str, layer_offset: int) -> str:
 
 
 def _layer_offset(layout: HeteroLayout, module: str, spec) -> int:
-    from megatron_hetero.models.llava import segment_layers
+    from megatron_hetero.config.model import segment_layers
 
     if logical_of(layout, module) != LANGUAGE:
         return 0

@@ -26,7 +26,9 @@ from typing import Any, Optional
 
 from megatron_hetero.layout.flags import default, dest, flag_field, flags_of, option
 from megatron_hetero.layout.spec import HeteroLayout
+from megatron_hetero.layout.spec import ModuleLayout, RankRange
 from megatron_hetero.plan.roles import language_layers, roles
+from megatron_hetero.plan.roles import language_modules as roles_language_modules
 
 
 @dataclass(frozen=True)
@@ -328,3 +330,18 @@ def flag_values(spec: LlavaSpec, keep_none: bool = False) -> dict[str, Any]:
     out = {dest(f): getattr(spec, f.name) for f in flags_of(LlavaSpec, LANGUAGE_FLAGS)}
     out.update({dest(f): getattr(e, f.name) for f in flags_of(EncoderSpec, ENCODER_FLAGS)})
     return {k: v for k, v in out.items() if keep_none or v is not None}
+
+
+def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout]:
+    """The language-model modules in layer order (`plan.roles`'s rule), checked against the model:
+    segments must cover exactly layers 0..num_layers-1."""
+    mods = roles_language_modules(layout)
+    last = mods[-1].layers
+    if mods[0].layers is not None and last is not None and last.end + 1 != spec.num_layers:
+        raise ValueError(f"language segments cover layers 0-{last.end} but --num-layers is {spec.num_layers}")
+    return mods
+
+
+def segment_layers(m: ModuleLayout, spec: LlavaSpec) -> RankRange:
+    """The language layers module `m` holds (all of them for a language model in one module)."""
+    return m.layers if m.layers is not None else RankRange(0, spec.num_layers - 1)

@@ -58,15 +58,14 @@ from megatron.core.transformer.spec_utils import get_submodules
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
+from megatron_hetero.layout.spec import ModuleLayout
 from megatron_hetero.models.cp_attention import cp_chunk_positions
 from megatron_hetero.models.image_tokens import gather_cp_chunks, place_by_mask
 from megatron_hetero.models.init import deterministic_init
 from megatron_hetero.models.layer_specs import encoder_layer_spec, language_layer_spec
 from megatron_hetero.models.llava_checks import check_encoder_cp
 from megatron_hetero.data.samples import DataConfig, EncoderInput
-from megatron_hetero.plan import roles as plan_roles
-from megatron_hetero.config.model import EncoderSpec, LlavaSpec, OutputSpec
+from megatron_hetero.config.model import EncoderSpec, LlavaSpec, OutputSpec, segment_layers
 from megatron_hetero.models.qwen_positions import mrope_ids
 
 
@@ -157,21 +156,6 @@ def transformer_config(
         calculate_per_token_loss=True,
         **extra,
     )
-
-
-def language_modules(layout: HeteroLayout, spec: LlavaSpec) -> list[ModuleLayout]:
-    """The language-model modules in layer order (`plan.roles`'s rule), checked against the model:
-    segments must cover exactly layers 0..num_layers-1."""
-    mods = plan_roles.language_modules(layout)
-    if mods[0].layers is not None and mods[-1].layers.end + 1 != spec.num_layers:
-        raise ValueError(
-            f"language segments cover layers 0-{mods[-1].layers.end} but --num-layers is {spec.num_layers}"
-        )
-    return mods
-
-
-def segment_layers(m: ModuleLayout, spec: LlavaSpec) -> RankRange:
-    return m.layers if m.layers is not None else RankRange(0, spec.num_layers - 1)
 
 
 _EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)\.")

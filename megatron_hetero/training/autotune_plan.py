@@ -22,7 +22,7 @@ from megatron_hetero.training.autotune_checks import (
 )
 from megatron_hetero.config.job import JobConfig
 from megatron_hetero.planner.search_space import SearchSpace
-from megatron_hetero.training.layout_cost import candidate_for
+from megatron_hetero.planner.layout_cost import candidate_for
 
 
 @dataclasses.dataclass(frozen=True)

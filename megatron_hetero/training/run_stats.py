@@ -28,6 +28,7 @@ from megatron_hetero.runtime.step import StepResult, run_collective
 from megatron_hetero.training.memory_log import ActivationMeter, state_bytes
 from megatron_hetero.training.throughput import module_flops, tflops_per_rank
 from megatron_hetero.planner.memory import StateFeatures, predicted_rank_bytes
+from megatron_hetero.config.job import job_recompute
 
 
 class MeteredSchedule:
@@ -106,7 +107,6 @@ class RunStats:
 
 def predicted_memory(job: Any, layout: Any) -> list[dict[str, int]]:
     """Per rank, the memory model's (`planner/memory.py`) state and activation-peak bytes of `job`."""
-    from megatron_hetero.config.job import job_recompute
 
     o = job.optim
     features = StateFeatures(

@@ -14,14 +14,8 @@ from megatron_hetero.layout.spec import HeteroLayout, Recompute
 from megatron_hetero.layout.validate import check_heads, check_recompute
 from megatron_hetero.data import synthetic
 from megatron_hetero.models.llava_checks import check_sequence_parallel, validate_model
-from megatron_hetero.models.llava import (
-    EncoderModule,
-    LanguageModule,
-    LlavaSpec,
-    OutputModule,
-    data_config,
-    language_modules,
-)
+from megatron_hetero.models.llava import EncoderModule, LanguageModule, LlavaSpec, OutputModule, data_config
+from megatron_hetero.config.model import language_modules
 from megatron_hetero.plan.rank_plan import RankPlan, check_rank_plans
 from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.module_state import ModuleState

@@ -23,7 +23,7 @@ def install() -> None:
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.planner import autotune as A
     from megatron_hetero.training import autotune_run as R
-    from megatron_hetero.training.layout_cost import candidate_for
+    from megatron_hetero.planner.layout_cost import candidate_for
 
     force = json.loads(os.environ["AUTOTUNE_FORCE"])
     target = layout_from_dict(force["target"], world_size=int(os.environ["WORLD_SIZE"]))

@@ -20,7 +20,7 @@ import yaml
 import search_reference as R
 from megatron_hetero import cli
 from megatron_hetero.bench import planner as B
-from megatron_hetero.training import layout_cost as CA
+from megatron_hetero.planner import layout_cost as CA
 from megatron_hetero.bench import planner_configs as PC
 from megatron_hetero.layout import dump_layout, layout_from_dict
 from megatron_hetero.planner import cost as C
@@ -267,7 +267,7 @@ def test_workload_and_candidate_mapping_is_consistent() -> None:
 # search -> layouts the runtime runs
 # ------------------------------------------------------------------------------------------
 def _runtime_accepts(layout, job) -> None:
-    from megatron_hetero.models.llava import language_modules, segment_layers
+    from megatron_hetero.config.model import language_modules, segment_layers
     from megatron_hetero.plan.rank_plan import rank_plans
     from megatron_hetero.plan.roles import roles
     from megatron_hetero.training.setup import validate_job

@@ -20,7 +20,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.planner import autotune as A
 from megatron_hetero.training import autotune_run as R
 from megatron_hetero.config.autotune import AutotuneConfig
-from megatron_hetero.training.layout_cost import candidate_for
+from megatron_hetero.planner.layout_cost import candidate_for
 from megatron_hetero.training.setup import JobConfig, validate_job
 
 COLOC = {

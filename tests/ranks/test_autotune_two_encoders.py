@@ -17,7 +17,7 @@ from megatron_hetero.runtime.trace import chrome_trace
 from megatron_hetero.training import autotune_run as R
 from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.config.autotune import AutotuneConfig
-from megatron_hetero.training.layout_cost import candidate_for
+from megatron_hetero.planner.layout_cost import candidate_for
 from megatron_hetero.training.setup import JobConfig, validate_job
 
 WHISPER = EncoderSpec(kind="whisper", tokens=4, feature_dim=16, num_layers=1, activation="gelu", offset=10)

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetero.layout import layout_from_dict  # noqa: E402
-from megatron_hetero.models.llava import EncoderSpec, LlavaSpec, segment_layers  # noqa: E402
+from megatron_hetero.models.llava import EncoderSpec, LlavaSpec  # noqa: E402
+from megatron_hetero.config.model import segment_layers
 from megatron_hetero.plan.rank_plan import step_micro_batching  # noqa: E402
 from megatron_hetero.runtime.launcher import RankFailure, run_ranks  # noqa: E402
 from megatron_hetero.runtime.module_state import OptimConfig  # noqa: E402

@@ -1,10 +1,11 @@
 """A runtime layout as the cost model sees it: the `Candidate` of what the runtime executes for a layout,
 its kind (homogeneous, colocated, disjoint) and the cost model's micro-batch of a `train` run (and
-back: `train_micro_batch`). Used by `bench` and by `train --hetero-autotune`.
+back: `train_micro_batch`). Used by `bench` and by `train --hetero-autotune`. Pure: no torch.
 """
 
 from __future__ import annotations
 
+from megatron_hetero.config.model import language_modules, segment_layers
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner.workload import Candidate, Segment
 
@@ -12,8 +13,6 @@ from megatron_hetero.planner.workload import Candidate, Segment
 def cost_micro_batch(layout: HeteroLayout, spec, micro_batch_size: int) -> int:
     """The cost model's `Workload.micro_batch` (samples per replica of the largest language DP) of a
     run with `train --micro-batch-size` (samples per rank of the first language module)."""
-    from megatron_hetero.models.llava import language_modules
-
     langs = language_modules(layout, spec)
     if layout.placement != "disjoint":
         return micro_batch_size
@@ -28,8 +27,6 @@ def train_micro_batch(layout: HeteroLayout, spec, cost_micro_batch_size: int) ->
     """`train --micro-batch-size` (samples per rank of the first language module) of a run whose cost
     model micro-batch (`Workload.micro_batch`, samples per replica of the largest language DP) is
     `cost_micro_batch_size`: the inverse of `cost_micro_batch`."""
-    from megatron_hetero.models.llava import language_modules
-
     if layout.placement != "disjoint":
         return cost_micro_batch_size
     langs = language_modules(layout, spec)
@@ -50,8 +47,6 @@ def kind_of(layout: HeteroLayout, spec) -> str:
 def candidate_for(layout: HeteroLayout, spec, offload: bool = False) -> Candidate:
     """The cost model's candidate of what the runtime executes for `layout`. A homogeneous layout
     runs on the colocated three-phase schedule, so it is costed as a colocated candidate."""
-    from megatron_hetero.models.llava import language_modules, segment_layers
-
     langs = language_modules(layout, spec)
     # in the model's encoder order: the workload's first encoder, then its extra encoders
     encs = [layout.module(n) for n in spec.encoders if n in layout.names]
