@@ -50,14 +50,17 @@ class Floor:
 # it (`python scripts/floor_map.py`); test_floor_map_is_generated_from_this_table fails when they drift.
 FLOORS: tuple[Floor, ...] = (
     Floor("cli", ("bench",), False, "one file per `megatron-hetero` subcommand; `main` and its exit codes"),
-    Floor("bench", ("report",), False, "`megatron-hetero bench`: the benchmarks, built on everything below"),
     Floor(
-        "report", ("megatron_lm",), True, "the plan report (text, JSON) and the rank-map, schedule, timeline drawings"
+        "bench", ("report", "megatron_lm"), False, "`megatron-hetero bench`: the benchmarks, built on everything below"
     ),
+    Floor("report", ("planner",), True, "the plan report (text, JSON) and the rank-map, schedule, timeline drawings"),
     Floor("megatron_lm", ("convert", "profiling"), False, "Megatron-LM's own pretrain scripts on our layouts"),
     Floor("convert", ("training",), False, "Hugging Face weights in and out (builds modules as training does)"),
     Floor(
-        "training", ("checkpoint", "launch", "profiling"), False, "the job, the training loop, logs, signals, autotune"
+        "training",
+        ("checkpoint", "launch", "profiling"),
+        False,
+        "the job validated, sessions, the training loop, logs, signals, autotune",
     ),
     Floor("checkpoint", ("models",), False, "save/load under any layout, the file format, the restricted unpickler"),
     Floor("launch", ("models",), False, "the environment torchrun/srun give a rank; SLURM scripts"),
@@ -498,7 +501,7 @@ def test_floor_map_check_sees_a_drift(tmp_path: Path):
     (tmp_path / "README.md").write_text(text)
     table = (tmp_path / "tests/pure/test_imports.py").read_text()
     (tmp_path / "tests/pure/test_imports.py").write_text(
-        table.replace('"report", ("megatron_lm",), True', '"report", ("megatron_lm",), False')
+        table.replace('"report", ("planner",), True', '"report", ("planner",), False')
     )
     problems = fm.drift(tmp_path)
     assert len(problems) == 3 and problems[0].startswith("README.md"), problems
