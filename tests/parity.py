@@ -9,7 +9,7 @@ import torch
 
 from megatron_hetero.layout import layout_from_dict  # noqa: E402
 from megatron_hetero.runtime.launcher import run_ranks  # noqa: E402
-from megatron_hetero.training.setup import JobConfig, validate_job  # noqa: E402
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job  # noqa: E402
 from megatron_hetero.training.trainer import train_rank  # noqa: E402
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -26,7 +26,7 @@ def world1_doc(job: JobConfig, frozen: tuple[str, ...] = ()) -> dict:
 
 def run_job(doc: dict, world: int, job: JobConfig, timeout: float = 180) -> list[dict]:
     layout = layout_from_dict(doc, world_size=world)
-    return run_ranks(world, train_rank, validate_job(layout, job), collect_params=True, timeout=timeout)
+    return run_ranks(world, train_rank, validate_job(JobDraft(layout, job)), collect_params=True, timeout=timeout)
 
 
 def losses(per_rank: list[dict]) -> list[float]:

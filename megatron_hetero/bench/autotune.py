@@ -43,6 +43,7 @@ from megatron_hetero.checkpoint.files import STATE_FILE, TRACKER
 from megatron_hetero.layout import load_layout
 from megatron_hetero.config.autotune import AutotuneConfig
 from megatron_hetero.training.job import quiet_upstream_warnings
+from megatron_hetero.config.job import JobDraft
 
 #: the autotune's measuring window in the full run (one warm-up step and seven measured)
 STEPS = 8
@@ -76,12 +77,14 @@ def _rank(job) -> dict[str, Any]:
     }
 
 
-def _run(layout, job, timeout: float) -> dict[str, Any]:
+def _run(draft, timeout: float) -> dict[str, Any]:
+    """Train the job `draft` (a `config.job.JobDraft`, validated here: this run's door) on
+    forked ranks; rank 0's iterations, losses and times."""
     from megatron_hetero.compat import default_backend
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
 
-    return run_ranks(WORLD, _rank, validate_job(layout, job), timeout=timeout, backend=default_backend())[0]
+    return run_ranks(WORLD, _rank, validate_job(draft), timeout=timeout, backend=default_backend())[0]
 
 
 def checkpoint_at(save: Path, iteration: int, dest: Path) -> Path:
@@ -116,8 +119,8 @@ def e2e_figure(homo, chosen, job, mbs: int, rounds: int = 3, iters: int = 6) -> 
 
     per_round = []
     cases = [
-        (homo, dataclasses.replace(job, train_iters=iters + 1)),
-        (chosen, dataclasses.replace(job, train_iters=iters + 1, micro_batch_size=mbs)),
+        JobDraft(homo, dataclasses.replace(job, train_iters=iters + 1)),
+        JobDraft(chosen, dataclasses.replace(job, train_iters=iters + 1, micro_batch_size=mbs)),
     ]
     all_h, all_c = [], []
     for _ in range(rounds):
@@ -160,10 +163,10 @@ def run_workload(
 
     homo = resolve(w.homogeneous, WORLD)
     base = w.model.job(iters)
-    plain = _run(homo, base, timeout)
+    plain = _run(JobDraft(homo, base), timeout)
     save = tmp / f"{w.name}-autotune"
     tune = AutotuneConfig(hetero_autotune=True, autotune_steps=steps, autotune_fix=_fix(w))
-    tuned = _run(homo, dataclasses.replace(base, save=str(save), autotune=tune), timeout)
+    tuned = _run(JobDraft(homo, dataclasses.replace(base, save=str(save), autotune=tune)), timeout)
     doc = json.loads((save / "autotune.json").read_text())
     decisions, cals = doc["decisions"], doc["calibration"]
     dec, cal = decisions[-1], cals[-1]  # the last decision: where the run went on
@@ -207,7 +210,7 @@ def run_workload(
         at = max(changes)
         ref_dir = checkpoint_at(save, at, tmp / f"{w.name}-resume")
         mbs = tuned_micro_batch(homo, chosen, base)
-        resume = _run(chosen, dataclasses.replace(base, micro_batch_size=mbs, load=str(ref_dir)), timeout)
+        resume = _run(JobDraft(chosen, dataclasses.replace(base, micro_batch_size=mbs, load=str(ref_dir))), timeout)
         after = tuned["losses"][at:]
         out["resume_from_iteration"] = at
         out["resume_losses"] = resume["losses"]
@@ -222,7 +225,7 @@ def run_workload(
         save=str(stay_save),
         autotune=tune,
     )
-    _run(chosen, stay_job, timeout)
+    _run(JobDraft(chosen, stay_job), timeout)
     sdoc = json.loads((stay_save / "autotune.json").read_text())
     went_on = load_layout(stay_save / "autotune-layout.yaml", world_size=WORLD)
     out["stay"] = {
@@ -236,10 +239,12 @@ def run_workload(
 
 
 def tuned_micro_batch(homo, chosen, job) -> int:
-    """train's --micro-batch-size of `job` on `chosen` (the autotune's own translation)."""
+    """train's --micro-batch-size of `job` (a `JobConfig` run on `homo`) on `chosen` (the autotune's
+    own translation)."""
     from megatron_hetero.training.autotune_checks import job_on, workload_of
 
-    return job_on(chosen, job, workload_of(job, homo), load=None).micro_batch_size
+    run = JobDraft(homo, job)
+    return job_on(run, chosen, workload_of(run), load=None).config.micro_batch_size
 
 
 def _e2e_doc(out_dir: Path) -> tuple[Optional[dict], Optional[str]]:

@@ -116,14 +116,18 @@ def traced_run(layout, model, steps: int, micro_batch_size: int, timeout: float 
 
     from megatron_hetero.compat import default_backend
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
     from megatron_hetero.training.trainer import train_rank
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         job = dataclasses.replace(model.job(steps), micro_batch_size=micro_batch_size, trace=path)
         per_rank = run_ranks(
-            layout.world_size, train_rank, validate_job(layout, job), timeout=timeout, backend=default_backend()
+            layout.world_size,
+            train_rank,
+            validate_job(JobDraft(layout, job)),
+            timeout=timeout,
+            backend=default_backend(),
         )
         trace = json.loads(Path(path).read_text())
     return trace, [max(r["records"][i]["step_time_s"] for r in per_rank) for i in range(steps)]

@@ -47,6 +47,7 @@ from megatron_hetero.planner import cost as C, profile_fit as F, search as S
 from megatron_hetero.planner.model import workload
 from megatron_hetero.bench.e2e_workloads import WORLD, E2EWorkload, WORKLOADS, quick_workloads
 from megatron_hetero.planner.profile_fit import ProfileGrid
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.training.job import quiet_upstream_warnings
 
 
@@ -114,7 +115,7 @@ def _rank_side_by_side(jobs: list, steps: int) -> dict[str, Any]:
 
 
 def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]:
-    """Train the (layout, job) `cases` (same world size) in one set of forked ranks, alternating step
+    """Train the `cases` (`config.job.JobDraft`s of the same world size, validated here) in one set of forked ranks, alternating step
     by step (step k of every case, in an order rotated each step), so that every case sees the
     machine in the same periods. Per case: the slowest rank's time per step, the losses, and the
     largest resident state of any rank."""
@@ -122,10 +123,10 @@ def side_by_side(cases: list, steps: int, timeout: float = 1800.0) -> list[dict]
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.setup import validate_job
 
-    worlds = {lay.world_size for lay, _ in cases}
+    worlds = {c.layout.world_size for c in cases}
     if len(worlds) != 1:
         raise ValueError(f"side-by-side cases must share one world size, got {sorted(worlds)}")
-    jobs = [validate_job(lay, job) for lay, job in cases]
+    jobs = [validate_job(c) for c in cases]
     per_rank = run_ranks(worlds.pop(), _rank_side_by_side, jobs, steps, timeout=timeout, backend=default_backend())
     return [
         {
@@ -184,6 +185,7 @@ def run(
     from megatron_hetero.profiling import run as T
 
     from megatron_hetero.bench import plain_megatron as PM
+    from megatron_hetero.training.setup import validate_job
 
     if iters < 1 or rounds < 1 or warmup < 0 or overhead_steps < 1:
         raise ValueError(
@@ -243,13 +245,17 @@ def run(
         for w in workloads:
             mine = [c for c in cases if c["workload"] == w.name]
             jobs = [
-                (c["layout_obj"], dataclasses.replace(c["model"].job(warmup + iters), micro_batch_size=c["mbs"]))
+                JobDraft(
+                    c["layout_obj"], dataclasses.replace(c["model"].job(warmup + iters), micro_batch_size=c["mbs"])
+                )
                 for c in mine
             ]
             for c, r in zip(mine, side_by_side(jobs, warmup + iters)):
                 c["rounds"].append(r)
     home = next(w for w in workloads if w.name == "inherited-tp")
-    overhead = PM.measure(resolve(home.homogeneous, WORLD), home.model.job(1), steps=overhead_steps)
+    overhead = PM.measure(
+        validate_job(JobDraft(resolve(home.homogeneous, WORLD), home.model.job(1))), steps=overhead_steps
+    )
     doc_cases = []
     for c in cases:
         kept = [t for r in c["rounds"] for t in r["steps_s"][warmup:]]

@@ -192,10 +192,10 @@ def cli_flags(layout_file: Path, layout: str, save: Path, comm_timeout_s: float)
 def reference_losses(layout: str, comm_timeout_s: float = COMM_TIMEOUT_S) -> list[float]:
     """The per-iteration losses of an uninterrupted run of `layout` (FAULT_ITERATION iterations)."""
     from megatron_hetero.training.job import run_local
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     lay, job = job_for(layout, None, comm_timeout_s, train_iters=FAULT_ITERATION)
-    return [r["loss"] for r in run_local(validate_job(lay, job), timeout=600)]
+    return [r["loss"] for r in run_local(validate_job(JobDraft(lay, job)), timeout=600)]
 
 
 def _fault_time(log: Path) -> Optional[float]:
@@ -214,14 +214,14 @@ def _run_fork(cell: Cell, work: Path, comm_timeout_s: float) -> dict[str, Any]:
     """Run the cell's job on forked ranks; returns the failure facts (see `run_cell`)."""
     from megatron_hetero.runtime.launcher import RankFailure, RankTimeout
     from megatron_hetero.training.job import run_local
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     lay, job = job_for(cell.layout, str(work / "ckpt"), comm_timeout_s)
     saved = {k: os.environ.get(k) for k in (FAULT_ENV, FAULT_LOG_ENV)}
     os.environ[FAULT_ENV], os.environ[FAULT_LOG_ENV] = cell.spec, str(work / "fault.jsonl")
     failed, messages = False, {}
     try:
-        run_local(validate_job(lay, job), timeout=comm_timeout_s * 4 + 120)
+        run_local(validate_job(JobDraft(lay, job)), timeout=comm_timeout_s * 4 + 120)
     except RankFailure as exc:
         failed = True
         messages = {r: _last_line(t) for r, t in exc.failures}
@@ -364,7 +364,7 @@ def run_cell(
 ) -> dict[str, Any]:
     """Run one cell in `work` (an empty folder); returns its record with `passed` and the `checks`."""
     from megatron_hetero.training.job import run_local
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     work.mkdir(parents=True, exist_ok=True)
     run = _run_fork if cell.launcher == "fork" else _run_torchrun
@@ -400,7 +400,7 @@ def run_cell(
         lay, job = job_for(
             cell.layout, None, comm_timeout_s, train_iters=latest + 1, load=str(work / "ckpt"), load_fallback=True
         )
-        loss = run_local(validate_job(lay, job), timeout=600)[0]["loss"]
+        loss = run_local(validate_job(JobDraft(lay, job)), timeout=600)[0]["loss"]
         want = reference[latest]
         rec["resume_loss"], rec["reference_loss"] = loss, want
         checks["resumed loss matches"] = abs(loss - want) <= LOSS_RTOL * abs(want)

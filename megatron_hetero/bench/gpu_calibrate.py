@@ -75,8 +75,9 @@ def _rel(predicted: float, measured: float) -> Optional[float]:
     return predicted / measured - 1.0 if measured > 0 else None
 
 
-def run_report(name: str, doc: dict[str, Any], layout, job, preset, calib) -> dict[str, Any]:
-    """One run's part of the report (pure): from its trace `doc` (without the first step), per module
+def run_report(name: str, doc: dict[str, Any], job, preset, calib) -> dict[str, Any]:
+    """One run's part of the report (pure) of the validated `job` (`config.job.Job`) that ran:
+    from its trace `doc` (without the first step), per module
     its layers and the measured, preset-predicted and calibrated-predicted forward + backward seconds
     per layer with their errors; the same for the step, with the steps' noise. `preset`: the
     uncalibrated `Profile`; `calib`: the `Calibration` of the fit run."""
@@ -85,8 +86,8 @@ def run_report(name: str, doc: dict[str, Any], layout, job, preset, calib) -> di
     from megatron_hetero.training.autotune_checks import workload_of
     from megatron_hetero.planner.layout_cost import candidate_for
 
-    wl = workload_of(job, layout)
-    cand = candidate_for(layout, job.spec, job.offload_encoder)
+    wl = workload_of(job)
+    cand = candidate_for(job.layout, job.config.spec, job.config.offload_encoder)
     steps = A.step_times_from_trace(doc).drop(1)
     n = len(steps.wall_s)
     before = A.predicted_terms(cand, wl, preset)
@@ -127,8 +128,8 @@ def run_report(name: str, doc: dict[str, Any], layout, job, preset, calib) -> di
     }
 
 
-def calibration_report(runs: Sequence[tuple[str, dict, Any, Any]], hardware: str) -> dict[str, Any]:
-    """The report (pure) of `runs` [(name, trace document, layout, job)], the first the fit run: the
+def calibration_report(runs: Sequence[tuple[str, dict, Any]], hardware: str) -> dict[str, Any]:
+    """The report (pure) of `runs` [(name, trace document, validated `Job`)], the first the fit run: the
     preset `hardware` (a name or a JSON path), calibrated to the first run's trace, priced against
     every run (`run_report`). ValueError for no runs or a trace the calibration cannot use."""
     from megatron_hetero.planner import autotune as A
@@ -140,17 +141,20 @@ def calibration_report(runs: Sequence[tuple[str, dict, Any, Any]], hardware: str
         raise ValueError("calibration_report: no runs")
     hw = load_hardware(hardware)
     preset = Profile.from_hardware(hw)
-    _, doc, layout, job = runs[0]
-    wl = workload_of(job, layout)
+    _, doc, job = runs[0]
+    wl = workload_of(job)
     calib = A.calibrate(
-        A.step_times_from_trace(doc).drop(1), candidate_for(layout, job.spec, job.offload_encoder), wl, preset
+        A.step_times_from_trace(doc).drop(1),
+        candidate_for(job.layout, job.config.spec, job.config.offload_encoder),
+        wl,
+        preset,
     )
     return {
         "hardware": hw.name,
         "fit_run": runs[0][0],
         "factors": dict(calib.factors),
         "notes": list(calib.notes),
-        "runs": [run_report(name, d, lay, j, preset, calib) for name, d, lay, j in runs],
+        "runs": [run_report(name, d, j, preset, calib) for name, d, j in runs],
     }
 
 
@@ -198,7 +202,7 @@ def parse_shape(text: str, base: dict[str, int]) -> dict[str, int]:
 def traced_run(shape: dict[str, int], work: Path, name: str, steps: int, bf16: bool, timeout: float = 600.0):
     """`train` on one rank at `shape` (train's size flags by name, and global_batch_size,
     micro_batch_size) with a trace into `work`/NAME.trace.json, forked from this process
-    (`training.job.run_local`); returns (trace document, layout, job). The layout is
+    (`training.job.run_local`); returns (trace document, the validated `config.job.Job`). The layout is
     `WORLD1_LAYOUT`; ValueError for sizes train refuses."""
     import dataclasses
 
@@ -206,7 +210,7 @@ def traced_run(shape: dict[str, int], work: Path, name: str, steps: int, bf16: b
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.config.optim import OptimConfig
     from megatron_hetero.training.job import run_local
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     import yaml
 
@@ -222,8 +226,9 @@ def traced_run(shape: dict[str, int], work: Path, name: str, steps: int, bf16: b
         )
     layout = layout_from_dict(yaml.safe_load(WORLD1_LAYOUT), world_size=1)
     work.mkdir(parents=True, exist_ok=True)
-    run_local(validate_job(layout, job), timeout=timeout)
-    return json.loads(trace.read_text()), layout, job
+    validated = validate_job(JobDraft(layout, job))
+    run_local(validated, timeout=timeout)
+    return json.loads(trace.read_text()), validated
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -253,8 +258,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         load_hardware(args.hardware)  # refused before any run
         shapes = {"fit": parse_shape(args.fit, FIT), "held-out": parse_shape(args.held_out, HELD_OUT)}
         for name, shape in shapes.items():
-            doc, layout, job = traced_run(shape, work, name, args.steps, args.bf16)
-            runs.append((name, doc, layout, job))
+            doc, job = traced_run(shape, work, name, args.steps, args.bf16)
+            runs.append((name, doc, job))
         report = calibration_report(runs, args.hardware)
     except ValueError as exc:  # flags train refuses, a preset that does not load, a trace the fit cannot use
         print(f"gpu_calibrate: {exc}", file=sys.stderr, flush=True)

@@ -52,17 +52,20 @@ def check_layout(layout) -> None:
         )
 
 
-def plain_step(step: int, spec, layout, job, states, runner, forward_backward, batched: bool = False) -> float:
-    """One training step of the homogeneous model with Megatron-core's schedule (module docstring);
-    returns the global per-token loss (the same on every rank). batched: the encoder runs once over
-    the rank's whole share before the forward-backward function (its output a leaf whose gradient
-    the micro-batches accumulate) and backward once after it, as our colocated schedule batches it."""
+def plain_step(step: int, job, states, runner, forward_backward, batched: bool = False) -> float:
+    """One training step of the validated `job` (`config.job.Job`: its homogeneous layout and
+    config) with Megatron-core's schedule (module docstring); returns the global per-token loss (the
+    same on every rank). batched: the encoder runs once over the rank's whole share before the
+    forward-backward function (its output a leaf whose gradient the micro-batches accumulate) and
+    backward once after it, as our colocated schedule batches it."""
     from megatron_hetero.plan.batch import micro_batching
 
+    config = job.config
+    spec = config.spec
     (enc_name,) = tuple(spec.encoders)
-    lang_name = next(m.name for m in layout.modules if m.name not in spec.encoders)
+    lang_name = next(m.name for m in job.layout.modules if m.name not in spec.encoders)
     lang = states[lang_name]
-    G, mbs = job.global_batch_size, job.micro_batch_size
+    G, mbs = config.global_batch_size, config.micro_batch_size
     dp, dp_rank = lang.pgs.dp.size(), lang.pgs.dp.rank()
     share = G // dp
     count = share // mbs
@@ -129,7 +132,7 @@ def _rank(validated, steps: int) -> dict[str, Any]:
     from megatron_hetero.training.setup import build_states
     from megatron_hetero.training.trainer import prepare_rank, train_session
 
-    layout, job = validated.layout, validated.config
+    job = validated.config
     prepare_rank(job)
     session = train_session(validated, log=None)  # ours: the session `train` builds, its schedule only
     try:
@@ -151,7 +154,7 @@ def _rank(validated, steps: int) -> dict[str, Any]:
                     loss = ours.step(k).loss
                 else:
                     st, runner = plain[mode]
-                    loss = plain_step(k, job.spec, layout, job, st, runner, fb, batched=mode == "megatron_batched")
+                    loss = plain_step(k, validated, st, runner, fb, batched=mode == "megatron_batched")
                 times[mode].append(time.perf_counter() - t0)
                 cpu[mode].append(time.process_time() - c0)
                 losses[mode].append(loss)
@@ -161,18 +164,16 @@ def _rank(validated, steps: int) -> dict[str, Any]:
         session.destroy()
 
 
-def measure(layout, job, steps: int = 10, timeout: float = 900.0) -> dict[str, Any]:
-    """`steps` steps of each mode (after one dropped warm-up step each), alternated; the step time of
-    a step is the slowest rank's. Returns the medians, ours over each plain variant (ratio of the
-    medians, and the median of the per-step ratios) and the losses."""
-    from megatron_hetero.training.setup import validate_job
-
+def measure(job, steps: int = 10, timeout: float = 900.0) -> dict[str, Any]:
+    """`steps` steps of each mode of the validated `job` (`config.job.Job`; its layout as
+    `check_layout` asks), after one dropped warm-up step each, alternated; the step time of a step is
+    the slowest rank's. Returns the medians, ours over each plain variant (ratio of the medians, and
+    the median of the per-step ratios) and the losses."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    check_layout(layout)
-    validated = validate_job(layout, job)
+    check_layout(job.layout)
     require_compat("bench.plain_megatron.measure")
-    per_rank = run_ranks(layout.world_size, _rank, validated, steps + 1, timeout=timeout, backend=default_backend())
+    per_rank = run_ranks(job.layout.world_size, _rank, job, steps + 1, timeout=timeout, backend=default_backend())
     step = {m: [max(r["times"][m][i] for r in per_rank) for i in range(steps + 1)][1:] for m in MODES}
     med = {m: float(statistics.median(v)) for m, v in step.items()}
     # CPU time summed over the ranks: the work each mode does, less disturbed by other processes

@@ -56,13 +56,13 @@ def measure_step(
     """Median step time (slowest rank per step) over `iters` steps after `warmup` discarded ones."""
     from megatron_hetero.compat import default_backend
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
     from megatron_hetero.training.trainer import train_rank
 
     job = model.job(warmup + iters)
     if micro_batch_size is not None:
         job = dataclasses.replace(job, micro_batch_size=micro_batch_size)
-    validated = validate_job(layout, job)
+    validated = validate_job(JobDraft(layout, job))
     t0 = time.perf_counter()
     per_rank = run_ranks(layout.world_size, train_rank, validated, timeout=timeout, backend=default_backend())
     steps = [max(r["records"][i]["step_time_s"] for r in per_rank) for i in range(job.train_iters)]

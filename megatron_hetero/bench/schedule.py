@@ -25,6 +25,7 @@ from megatron_hetero.plan.schedule_check import check_tables
 from megatron_hetero.plan.rank_plan import step_micro_batching
 from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobDraft
 
 TWO = {"vision": EncoderSpec(offset=1), "audio": EncoderSpec(tokens=4, feature_dim=12, offset=10)}
 # (name, layout document, encoders, language layers, global batch, micro-batch size)
@@ -87,7 +88,7 @@ def _measure(name: str, doc: dict, encoders: dict, layers: int, gbs: int, mbs: i
         optim=OptimConfig(optimizer="sgd", lr=0.1),
     )
     layout = layout_from_dict(doc)
-    validate_job(layout, job)
+    validate_job(JobDraft(layout, job))
     per_rank = run_timed(doc, job, steps)
     timers = {tuple(r["stage"]): r for r in per_rank if r["timer"]}
     measured, fwd, bwd = [], {}, {}

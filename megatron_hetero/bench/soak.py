@@ -89,13 +89,13 @@ def run_layout(doc: dict, steps: int, warmup: int, world: int = WORLD, timeout: 
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.job import default_micro_batch_size, quiet_upstream_warnings
-    from megatron_hetero.training.setup import JobConfig, validate_job
+    from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
     from megatron_hetero.training.trainer import train_rank
 
     quiet_upstream_warnings()
     layout = layout_from_dict(doc, world_size=world)
     job = JobConfig(train_iters=steps, micro_batch_size=default_micro_batch_size(layout, JobConfig.global_batch_size))
-    validated = validate_job(layout, job)
+    validated = validate_job(JobDraft(layout, job))
     at = sample_steps(steps, warmup)
     # garbage of an earlier run in this process (its pipes) would be inherited by the forked ranks and
     # closed there by a later collection, showing as fewer descriptors: collect it before forking

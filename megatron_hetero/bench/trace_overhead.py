@@ -71,15 +71,14 @@ def _rank(job, steps: int) -> dict[str, Any]:
         session.destroy()
 
 
-def measure(layout, job, steps: int = 40, timeout: float = 900.0) -> dict[str, Any]:
-    """Fork the layout's ranks, alternate traced and untraced steps, return the comparison."""
+def measure(job, steps: int = 40, timeout: float = 900.0) -> dict[str, Any]:
+    """Fork the ranks of the validated `job` (`config.job.Job`), alternate traced and untraced
+    steps, return the comparison."""
     from megatron_hetero.compat import default_backend, require_compat
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.training.setup import validate_job
 
-    validated = validate_job(layout, job)
     require_compat("bench.trace_overhead.measure")
-    per_rank = run_ranks(layout.world_size, _rank, validated, steps, timeout=timeout, backend=default_backend())
+    per_rank = run_ranks(job.layout.world_size, _rank, job, steps, timeout=timeout, backend=default_backend())
     n = len(per_rank[0]["wall"]["on"])
     wall = {m: [max(r["wall"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
     cpu = {m: [sum(r["cpu"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
@@ -103,6 +102,7 @@ def main(argv=None) -> int:
     from megatron_hetero.config.model import spec_on_layout
     from megatron_hetero.config.job import JobConfig
     from megatron_hetero.training.job import default_micro_batch_size, quiet_upstream_warnings
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     p = argparse.ArgumentParser(prog="python -m megatron_hetero.bench.trace_overhead")
     p.add_argument("layout")
@@ -121,7 +121,8 @@ def main(argv=None) -> int:
         micro_batch_size=default_micro_batch_size(layout, args.global_batch_size),
         comm_timeout_s=120.0,
     )
-    text = json.dumps({"layout": args.layout, **measure(layout, job, args.steps)}, indent=1)
+    validated = validate_job(JobDraft(layout, job))  # this bench's door: validated once
+    text = json.dumps({"layout": args.layout, **measure(validated, args.steps)}, indent=1)
     print(text)
     if args.out:
         from pathlib import Path

@@ -35,6 +35,7 @@ from megatron_hetero.plan.schedule import build_tables
 from megatron_hetero.plan.schedule_check import check_tables
 from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobDraft
 
 SCHEDULES = ("1f1b", "zb")
 
@@ -89,7 +90,7 @@ def run(out_dir: Path, steps: int = 4, rounds: int = 2) -> dict[str, Any]:
             optim=OptimConfig(optimizer="sgd", lr=0.1),
         )
         layout = layout_from_dict(doc)
-        validate_job(layout, base)
+        validate_job(JobDraft(layout, base))
         got: dict[str, list[dict[str, Any]]] = {s: [] for s in SCHEDULES}
         for r in range(rounds):
             for s in SCHEDULES if r % 2 == 0 else tuple(reversed(SCHEDULES)):

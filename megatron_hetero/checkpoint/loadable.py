@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.checkpoint.files import (
     STATE_FILE,
     select_checkpoint,
@@ -104,11 +103,12 @@ def loads_rng(job) -> bool:
     return not (weights_only(job) or getattr(job, "no_load_rng", False))
 
 
-def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
-    """Everything about `--load` that can be checked before a rank starts; returns the iteration to
-    resume from (0 with --finetune). ValueError naming the file or the mismatch. With
-    `job.load_fallback`, a checkpoint before an incomplete or damaged newest one (`load_note` says
-    which and why).
+def check_loadable(root: str | Path, draft) -> int:
+    """Everything about `--load` that can be checked before a rank starts, for the job `draft` (a
+    `config.job.JobDraft`: its layout and `JobConfig`, not validated yet); returns the iteration
+    to resume from (0 with --finetune). ValueError naming the file or the mismatch. With the config's
+    `load_fallback`, a checkpoint before an incomplete or damaged newest one (`load_note` says which
+    and why).
 
     A resume (no --finetune) continues the run exactly: the same model and precision (unless
     --no-load-optim: the fp32 main weights then come from the loaded weights), the same global batch
@@ -116,6 +116,7 @@ def check_loadable(root: str | Path, layout: HeteroLayout, job) -> int:
     schedule (unless --override-opt-param-scheduler or --no-load-optim). --finetune takes the weights
     only: any batch, data, schedule, --train-iters and precision; the model must be the same but for
     `weights_only_fields` (a rope or mrope model may change --seq-length: it has no position table)."""
+    layout, job = draft.layout, draft.config
     d, state, note = select_checkpoint(root, getattr(job, "load_fallback", False))
     it = state["iteration"]
     read_torch_files(d, state)

@@ -25,13 +25,16 @@ def is_converted(root: str | Path) -> bool:
     return read_train_state(root)[1].get("origin") == ORIGIN
 
 
-def check_converted(root: str | Path, layout, job) -> int:
-    """The checks of a converted checkpoint (module docstring); returns 0. ValueError naming the
-    file or the mismatch."""
+def check_converted(root: str | Path, draft) -> int:
+    """The checks of a converted checkpoint (module docstring) for the job `draft` (a
+    `config.job.JobDraft`: its layout and `JobConfig`, not validated yet); returns 0.
+    ValueError naming the file or the mismatch."""
     from megatron_hetero.checkpoint.files import STATE_FILE, read_train_state, verify_manifest
     from megatron_hetero.checkpoint.keys import logical_models
     from megatron_hetero.checkpoint.loadable import read_torch_files
     from megatron_hetero.checkpoint.records import spec_record
+
+    layout, job = draft.layout, draft.config
 
     d, state = read_train_state(root)
     verify_manifest(d, state)

@@ -139,15 +139,14 @@ def run(args: argparse.Namespace) -> int:
     if args.regime_row is not None:
         from megatron_hetero.training.dryrun_regime import regime_case, with_search_state
 
-        layout, job, wl, cand = regime = regime_case(args.regime_row, args.nproc_per_node)
+        draft, wl, cand = regime = regime_case(args.regime_row, args.nproc_per_node)
     else:
         _layout_args(args)
-        layout = layout_from_args(args, world_size=args.nproc_per_node)
-        job = job_from_args(args, layout)
+        draft = job_from_args(args, layout_from_args(args, world_size=args.nproc_per_node))
+    layout = draft.layout
     ranks = parse_ranks(args.ranks, layout)
     doc = dry_world(
-        layout,
-        job,
+        draft,
         ranks,
         jobs=args.jobs,
         megatron_lm=args.megatron_lm,

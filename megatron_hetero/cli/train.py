@@ -64,6 +64,7 @@ from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.flags import add_flags
 from megatron_hetero.config.model import TRANSFORMER_IMPLS
 from megatron_hetero.config.job import train_flag_fields
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.training.job import quiet_upstream_warnings, run_as_rank, run_local
 
 NAME = "train"
@@ -143,11 +144,11 @@ def run(args: argparse.Namespace) -> int:
         if reason:
             raise ValueError(reason)  # exit 2 before any rank starts
     layout = layout_from_args(args, world_size=args.nproc_per_node)
-    config = job_from_args(args, layout)
-    config = dataclasses.replace(config, progress=bool(getattr(sys.stdout, "isatty", lambda: False)()))
+    draft = job_from_args(args, layout)
+    config = dataclasses.replace(draft.config, progress=bool(getattr(sys.stdout, "isatty", lambda: False)()))
     if env is not None:
         check_world_size(env, layout.world_size)
-    job = validate_job(layout, config)  # once in this process, before anything is printed or started
+    job = validate_job(JobDraft(layout, config))  # once in this process, before anything is printed or started
     if config.load and (env is None or env.rank == 0):
         note = load_note(config.load, config.load_fallback)  # --load-fallback took an earlier checkpoint, or a note
         if note:

@@ -1,4 +1,4 @@
-"""`train`'s door: its flags, read once into typed objects, and the `JobConfig` built from them.
+"""`train`'s door: its flags, read once into typed objects, and the job built from them (a `JobDraft`).
 
 Only this file (with `layout.args` for the layout) reads a namespace of train's parser (`dryrun`
 takes the same flags); the floors below take what it reads:
@@ -8,7 +8,8 @@ takes the same flags); the floors below take what it reads:
 - `data_request(args)`: the data flags and the model flags the data fills or checks
   (`config.data.DataRequest`);
 - `batch_from_args(args, layout)`: (global batch, micro-batch), the layout's default micro-batch;
-- `job_from_args(args, layout)`: the whole `config.job.JobConfig`: the model
+- `job_from_args(args, layout)`: the job as asked, a `config.job.JobDraft` of `layout` and the
+  whole `config.job.JobConfig`: the model
   (`config.model.spec_from_flags`, the architecture, --load without model flags: the model the
   checkpoint records, `training.job.recorded_spec`; the data: `models.job_data.job_data`, captions
   or conversations), the batch, the optimizer (--bf16 and --fp16 also set the model's precision),
@@ -31,6 +32,7 @@ from megatron_hetero.config.data import DataRequest, data_flag_fields
 from megatron_hetero.config.model import LlavaSpec, ModelFlags, spec_from_flags
 from megatron_hetero.config.arch import ArchFlags, apply_arch_flags
 from megatron_hetero.config.job import JobConfig, plain_job_flags
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.training.job import default_micro_batch_size, recorded_spec
 from megatron_hetero.checkpoint.files import TRACKER
 from megatron_hetero.config.optim import OptimConfig
@@ -85,8 +87,9 @@ def resolve_pretrained(load: Optional[str], finetune: bool, pretrained: Optional
     return pretrained, True
 
 
-def job_from_args(args: argparse.Namespace, layout: HeteroLayout) -> JobConfig:
-    """The `JobConfig` of `train`'s flags on `layout` (see the module docstring). `args`: a namespace
+def job_from_args(args: argparse.Namespace, layout: HeteroLayout) -> JobDraft:
+    """The job of `train`'s flags on `layout`, not validated yet (`training.setup.validate_job` does):
+    `layout` and the `JobConfig` of the flags (see the module docstring). `args`: a namespace
     of train's parser (every flag it declares is there, with the default of the field that declares
     it: `cli.train`). `progress` stays False (the CLI sets it when stdout is a terminal). ValueError
     for invalid sizes."""
@@ -109,7 +112,7 @@ def job_from_args(args: argparse.Namespace, layout: HeteroLayout) -> JobConfig:
     job = {f.name: value(args, f) for f in plain_job_flags()}
     job.update(load=load, finetune=finetune)
     tune = AutotuneConfig(**values(AutotuneConfig, args)) if getattr(args, "hetero_autotune", False) else None
-    return JobConfig(
+    config = JobConfig(
         spec=spec,
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
@@ -123,6 +126,7 @@ def job_from_args(args: argparse.Namespace, layout: HeteroLayout) -> JobConfig:
         autotune=tune,
         **job,
     )
+    return JobDraft(layout, config)
 
 
 def _trace_path(path: Optional[str]) -> Optional[str]:

@@ -4,7 +4,8 @@ description `config.model.LlavaSpec`), the batch, the loop, the optimizer
 checkpoints, evaluation, logging, the data and the runtime's settings; and `LaunchFlags`, how
 `train` starts the job's ranks. Their fields carry the defaults; those with a `train` flag carry its
 name and help too (`layout.flags`), and `train`'s parser is generated from them (`cli.train`;
-`train_flag_fields` lists them in --help order); `Job`, a JobConfig on its layout as validated once.
+`train_flag_fields` lists them in --help order); `JobDraft`, a JobConfig on its layout as asked, and
+`Job`, as validated once.
 Pure: no torch.
 """
 
@@ -228,6 +229,17 @@ class Job:
     #: None for a patched Megatron-LM script without --hetero-autotune (Megatron's args are its job)
     config: Optional[JobConfig]
     checked: tuple = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class JobDraft:
+    """A job as asked, before validation: what a front end's door makes from its flags
+    (`cli.train_door.job_from_args`) and what `training.setup.validate_job` turns into a `Job`; also
+    an autotune candidate (a layout under the run's config, `training.autotune_checks.job_on`) before
+    it is checked. The layout and its `JobConfig`, nothing checked yet; nothing of it goes over a wire."""
+
+    layout: HeteroLayout
+    config: JobConfig
 
 
 def job_recompute(job: JobConfig) -> Optional[Recompute]:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.config.autotune import AutotuneConfig
 from megatron_hetero.config.job import Job, JobConfig
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.layout.flags import add_flags, flags_of, values
 from megatron_hetero.megatron_lm.build import num_image_embeddings
 from megatron_hetero.megatron_lm.checks import check_common, decoder_layers
@@ -141,16 +142,17 @@ def check_script_autotune(script: str, args: Any, layout: HeteroLayout) -> None:
         script_fixes(tune)
     except ValueError as exc:
         raise ValueError(f"--hetero-autotune: {exc}") from None
-    check_autotune(layout, cost_job(args, tune))
+    check_autotune(JobDraft(layout, cost_job(args, tune)))
 
 
 def candidate_check(model, args: Any) -> Callable:
-    """`check(layout, config)` for the rounds' candidates and the layouts the run moves to: the
-    `config.job.Job` of `layout` and the `JobConfig`, ValueError for a layout the script cannot
-    train (its own checks and the driver's, the batch arithmetic of `config`'s micro-batch, the
-    padded vocabulary over each module's TP)."""
+    """`check(draft)` for the rounds' candidates and the layouts the run moves to: the
+    `config.job.Job` of the `JobDraft` (a layout under the run's `JobConfig`), ValueError for a
+    layout the script cannot train (its own checks and the driver's, the batch arithmetic of the
+    config's micro-batch, the padded vocabulary over each module's TP)."""
 
-    def check(layout: HeteroLayout, config: JobConfig) -> Job:
+    def check(draft: JobDraft) -> Job:
+        layout, config = draft.layout, draft.config
         model.check(args, layout)
         check_common(args, layout)
         checked = check_rank_plans(layout, config.global_batch_size, config.micro_batch_size, config.offload_encoder)
@@ -205,7 +207,9 @@ def train_autotuned_script(
     session = None
     try:
         check = candidate_check(model, args)
-        session, _ = train_autotuned(check(layout, job), _RankZeroLog(), stop, None, make_session, check=check)
+        session, _ = train_autotuned(
+            check(JobDraft(layout, job)), _RankZeroLog(), stop, None, make_session, check=check
+        )
         if session.start >= args.train_iters:
             print_last(
                 f"{PREFIX}: checkpoint iteration {session.start} >= --train-iters {args.train_iters}: nothing to do"

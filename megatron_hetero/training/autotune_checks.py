@@ -10,7 +10,7 @@ from typing import Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.config.autotune import parse_fix
-from megatron_hetero.config.job import JobConfig
+from megatron_hetero.config.job import Job, JobDraft
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import load_hardware
 from megatron_hetero.planner.model import workload
@@ -33,11 +33,13 @@ def module_names(layout: HeteroLayout, spec) -> tuple[str, str]:
     return enc, llm
 
 
-def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
-    """ValueError (before any rank starts) for a job `--hetero-autotune` cannot tune: no --save (the
-    switch goes through a checkpoint there), --trace (the autotune traces its own windows), a model
-    the cost model does not price (fixed image tokens, no output modules), or a bad
-    setting (`AutotuneConfig.validate`, --autotune-fix, --autotune-profile)."""
+def check_autotune(draft: JobDraft) -> None:
+    """ValueError (before any rank starts) for a job `draft` (its layout and `JobConfig`, not
+    validated yet) `--hetero-autotune` cannot tune: no --save (the switch goes through a checkpoint
+    there), --trace (the autotune traces its own windows), a model the cost model does not price
+    (fixed image tokens, no output modules), or a bad setting (`AutotuneConfig.validate`,
+    --autotune-fix, --autotune-profile)."""
+    layout, job = draft.layout, draft.config
     tune = job.autotune
     if tune is None:
         return
@@ -54,7 +56,7 @@ def check_autotune(layout: HeteroLayout, job: JobConfig) -> None:
     try:
         if spec.outputs:
             raise ValueError(f"the cost model does not price output modules ({sorted(spec.outputs)})")
-        workload_of(job, layout)
+        workload_of(draft)
         candidate_for(layout, spec, job.offload_encoder)
         enc, llm = module_names(layout, spec)
         encs = encoder_names(layout, spec)
@@ -75,12 +77,15 @@ def base_profile(tune):
     return Profile.from_hardware(load_hardware(tune.autotune_hardware))
 
 
-def job_on(layout: HeteroLayout, job: JobConfig, wl, load: Optional[str]) -> JobConfig:
-    """`job` run on `layout`: the micro-batch of the cost model's `wl.micro_batch` samples per
-    replica (`layout_cost.train_micro_batch`) and, with `load`, resuming that checkpoint whole
-    (optimizer, schedulers, RNG and data position: none of the weights-only options); without, a job
-    that loads nothing (the candidates' check before the switch checkpoint exists)."""
+def job_on(run: Job | JobDraft, layout: HeteroLayout, wl, load: Optional[str]) -> JobDraft:
+    """The run's job `run` (the running `Job`; only its config is read) moved to `layout`, as a
+    `JobDraft` for the check to validate: its config with the micro-batch of the cost model's
+    `wl.micro_batch` samples per replica (`layout_cost.train_micro_batch`) and, with `load`, resuming
+    that checkpoint whole (optimizer, schedulers, RNG and data position: none of the weights-only
+    options); without, a job that loads nothing (the candidates' check before the switch checkpoint
+    exists)."""
 
+    job = run.config
     out = dataclasses.replace(job, micro_batch_size=train_micro_batch(layout, job.spec, wl.micro_batch))
     if load is None:
         out = dataclasses.replace(out, load=None, finetune=False, pretrained_checkpoint=None)
@@ -94,7 +99,7 @@ def job_on(layout: HeteroLayout, job: JobConfig, wl, load: Optional[str]) -> Job
             no_load_rng=False,
             pretrained_checkpoint=None,
         )
-    return out
+    return JobDraft(layout, out)
 
 
 def variable_inputs(spec) -> dict[str, int]:
@@ -105,12 +110,14 @@ def variable_inputs(spec) -> dict[str, int]:
     return {n: e.max_tiles for n, e in spec.encoders.items() if e.max_tiles}
 
 
-def workload_of(job: JobConfig, layout: HeteroLayout):
-    """The cost model's `Workload` of `job` run on `layout` (its micro-batch as the cost model counts
-    it; variable tiles priced at `variable_inputs`)."""
+def workload_of(job: Job | JobDraft):
+    """The cost model's `Workload` of `job` (the running `Job`, or a `JobDraft` before validation):
+    its config run on its layout (its micro-batch as the cost model counts it; variable tiles priced
+    at `variable_inputs`)."""
 
-    micro = cost_micro_batch(layout, job.spec, job.micro_batch_size)
-    return workload(job.spec, job.global_batch_size, micro, inputs=variable_inputs(job.spec))
+    config = job.config
+    micro = cost_micro_batch(job.layout, config.spec, config.micro_batch_size)
+    return workload(config.spec, config.global_batch_size, micro, inputs=variable_inputs(config.spec))
 
 
 def carry_settings(src: HeteroLayout, dst: HeteroLayout, spec) -> HeteroLayout:

@@ -20,7 +20,7 @@ from megatron_hetero.training.autotune_checks import (
     module_names,
     workload_of,
 )
-from megatron_hetero.config.job import JobConfig
+from megatron_hetero.config.job import Job, JobDraft
 from megatron_hetero.planner.search_space import SearchSpace
 from megatron_hetero.planner.layout_cost import candidate_for
 
@@ -38,16 +38,18 @@ class Plan:
     layout: Optional[HeteroLayout] = None
 
 
-def calibrated(doc: dict[str, Any], layout: HeteroLayout, job: JobConfig, timings=None, shared: bool = False):
-    """(the window's steps without the warm-up, the cost model fitted to them): the base profile
+def calibrated(doc: dict[str, Any], run: Job, timings=None, shared: bool = False):
+    """(the window's steps without the warm-up, the cost model fitted to them) of the running job
+    `run` (validated; `doc`: the trace of its measuring window): the base profile
     (`base_profile`); with `timings` (`training.autotune_layers.LayerTimings`) on ranks that share a
     CPU (`shared`: gloo) its cores as the timings measured them; calibrated to the window
     (`planner.autotune.calibrate`); with `timings`, their layers folded into that (the measured TP/CP
     costs and layer models) and calibrated once more, so the measured layers are taken at the run's
     speed and the communication factor of the first pass does not scale the measured in-layer costs."""
 
-    wl = workload_of(job, layout)
-    current = candidate_for(layout, job.spec, job.offload_encoder)
+    job = run.config
+    wl = workload_of(run)
+    current = candidate_for(run.layout, job.spec, job.offload_encoder)
     prof = base_profile(job.autotune)
     if timings is not None and shared:
         from megatron_hetero.profiling.run import cpu_cores
@@ -66,29 +68,30 @@ def calibrated(doc: dict[str, Any], layout: HeteroLayout, job: JobConfig, timing
 
 def plan_switch(
     doc: dict[str, Any],
-    layout: HeteroLayout,
-    job: JobConfig,
+    run: Job,
     iteration: int,
     world: int,
     timings=None,
     shared: bool = False,
     tried: tuple = (),
-    check: Optional[Callable[[HeteroLayout, JobConfig], object]] = None,
+    check: Optional[Callable[[JobDraft], object]] = None,
 ) -> Plan:
     """Rank 0's round (pure; no collective): the cost model fitted to the trace `doc` of the measuring
-    window of `layout` (`calibrated`), the layouts this job can run ranked under its constraints,
-    and the decision taken at `iteration`. `tried`: (candidate, trace of its measuring window) of
+    window of the running job `run` (validated: its layout and config; `calibrated`), the layouts
+    this job can run ranked under its constraints, and the decision taken at `iteration`. `tried`: (candidate, trace of its measuring window) of
     the layouts tried already and gone back from; they are left out, and the model is fitted to
     each of their windows too: every candidate is priced by the slowest of the fits (what a tried
-    layout showed the model to underestimate counts against the layouts like it). `check(layout,
-    job)`: ValueError for a candidate the run cannot train, its value unused here (default: `train`'s
+    layout showed the model to underestimate counts against the layouts like it). `check(draft)`:
+    ValueError for a candidate the run cannot train (a `JobDraft`: the candidate's layout under the
+    run's config, `job_on`), its value unused here (default: `train`'s
     `validate_job`; a patched Megatron-LM script passes its own `candidate_check`)."""
     from megatron_hetero.training.setup import validate_job
 
+    layout, job = run.layout, run.config
     tune, spec = job.autotune, job.spec
-    wl = workload_of(job, layout)
+    wl = workload_of(run)
     current = candidate_for(layout, spec, job.offload_encoder)
-    steps, calib = calibrated(doc, layout, job, timings, shared)
+    steps, calib = calibrated(doc, run, timings, shared)
     enc, llm = module_names(layout, spec)
     extra = encoder_names(layout, spec)[1:]
     try:
@@ -120,7 +123,7 @@ def plan_switch(
             continue
         try:
             lay = carry_settings(layout, cand.to_layout(enc, llm, extra), spec)  # frozen modules stay frozen
-            (check or validate_job)(lay, job_on(lay, job, wl, load=None))  # the checkpoint is written on a switch
+            (check or validate_job)(job_on(run, lay, wl, load=None))  # the checkpoint is written on a switch
         except ValueError:
             continue  # e.g. its micro-batches do not split over a module's DP
         runnable.append((cand, t))
@@ -151,26 +154,26 @@ def plan_switch(
     return Plan(d, rec, steps.noise_s, cal, layouts.get(id(d.target)) if d.switch else None)
 
 
-def stay_at_end(doc, layout: HeteroLayout, job: JobConfig, iteration: int) -> Plan:
-    """The round when fewer than --autotune-steps steps are left after `iteration`: a new layout
-    could not be measured (and gone back from), so the run stays."""
+def stay_at_end(doc, run: Job, iteration: int) -> Plan:
+    """The round of the running job `run` (validated) when fewer than --autotune-steps steps are left
+    after `iteration`: a new layout could not be measured (and gone back from), so the run stays."""
+    job = run.config
     left = job.train_iters - iteration
     return stay_because(
         doc,
-        layout,
-        job,
+        run,
         iteration,
         f"stay: {left} step(s) left after iteration {iteration}, fewer than the --autotune-steps "
         f"{job.autotune.autotune_steps} a new layout would be measured in",
     )
 
 
-def stay_because(doc, layout: HeteroLayout, job: JobConfig, iteration: int, reason: str) -> Plan:
-    """A round that stays on `layout` at `iteration` for `reason` (a line starting 'stay: '): the
-    window's measured step recorded, no prediction."""
+def stay_because(doc, run: Job, iteration: int, reason: str) -> Plan:
+    """A round that stays on the running job `run`'s layout (`run` validated) at `iteration` for
+    `reason` (a line starting 'stay: '): the window's measured step recorded, no prediction."""
 
     steps = A.step_times_from_trace(doc).drop(1)
-    current = candidate_for(layout, job.spec, job.offload_encoder)
+    current = candidate_for(run.layout, run.config.spec, run.config.offload_encoder)
     d = A.Decision(False, reason)
     cal = {"iteration": iteration, "reason": d.reason}
     return Plan(d, A.record_of(iteration, current, d, steps.step_s), steps.noise_s, cal)

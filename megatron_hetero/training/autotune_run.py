@@ -38,13 +38,13 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.planner import autotune as A
 from megatron_hetero.runtime.step import run_collective
 from megatron_hetero.runtime.trace import Tracer, gather_trace, recording_tracer
 from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end, stay_because
-from megatron_hetero.config.job import Job, JobConfig
+from megatron_hetero.config.job import Job
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.training.autotune_layers import measure_layer_cases
 
 
@@ -78,9 +78,8 @@ def _window(session, start: int, end: int, stop, log, writers, tracer: Tracer):
 def _move(
     holder: list,
     iteration: int,
-    layout: HeteroLayout,
-    config: JobConfig,
-    make_job: Callable[[HeteroLayout, JobConfig], Job],
+    draft: JobDraft,
+    make_job: Callable[[JobDraft], Job],
     make_session: Callable,
     log,
     step_hook: Optional[Callable],
@@ -88,11 +87,12 @@ def _move(
     saved=False,
 ):
     """The run at `iteration` moved from the session in `holder` (taken out of it: the caller keeps
-    no reference, so the old session can be collected) to `layout`: a checkpoint of `iteration` under
+    no reference, so the old session can be collected) to `draft` (`job_on`: a layout under the
+    run's config, resuming the switch checkpoint): a checkpoint of `iteration` under
     --save (unless --save-interval just wrote it, or `saved`: it is the one this session resumed), `session` destroyed (its process groups, then its
     modules, optimizers and the groups' threads and sockets, collected), and the session of the `Job`
-    `make_job(layout, config)` (validated now that the checkpoint exists) resumed from that checkpoint
-    (`config.load`). Collective."""
+    `make_job(draft)` (validated now that the checkpoint exists) resumed from that checkpoint
+    (the draft's `config.load`). Collective."""
     import gc
 
     session = holder.pop()
@@ -102,7 +102,7 @@ def _move(
     session.destroy()
     del session
     gc.collect()  # the old modules and optimizers hold the destroyed groups until they are collected
-    new = make_session(make_job(layout, config), log, step_hook, tracer=tracer)
+    new = make_session(make_job(draft), log, step_hook, tracer=tracer)
     if new.start != iteration:
         new.destroy()
         raise RuntimeError(f"autotune: the checkpoint of iteration {iteration} resumed at iteration {new.start}")
@@ -116,16 +116,16 @@ def train_autotuned(
     writers,
     make_session: Callable,
     step_hook: Optional[Callable] = None,
-    check: Optional[Callable[[HeteroLayout, JobConfig], Job]] = None,
+    check: Optional[Callable[[JobDraft], Job]] = None,
 ):
     """Train the validated job `start` from its layout with one autotune round (module docstring);
     returns (the session the run ended on, every iteration's record). `make_session(job, log,
     step_hook, tracer=None)`: the `training.session.Session` of a `Job` (`training.trainer.train_session`,
     or a patched Megatron-LM script's, `megatron_lm/autotune.py`); the rounds use its `start`, `job`,
     `front`, `schedulers`, `loop_schedule()`, `loop_spec(start, end, final_save)` and `destroy()`.
-    `check(layout, config)`: the `Job` of a layout and `JobConfig`, ValueError for a candidate layout
-    the run cannot train (default `training.setup.validate_job`); it makes the Job of every layout
-    the run moves to. Collective over the world."""
+    `check(draft)`: the `Job` of a `JobDraft` (a layout under the run's config, `job_on`), ValueError
+    for a candidate layout the run cannot train (default `training.setup.validate_job`); it makes the
+    Job of every layout the run moves to. Collective over the world."""
     from megatron_hetero.training.loop import run_loop
     from megatron_hetero.training.setup import validate_job
 
@@ -153,7 +153,7 @@ def train_autotuned(
         t0 = time.perf_counter()
         timings = None
         if it < job.train_iters and not tune.autotune_skip_layers:
-            wl = workload_of(job, layout)
+            wl = workload_of(start)
             timings = measure_layer_cases(wl, wl.micro_batch * wl.images_per_sample)
         spent["layer_timings_s"], t0 = time.perf_counter() - t0, time.perf_counter()
         tried: tuple = ()  # rank 0: (candidate, trace of its window) of the layouts gone back from
@@ -161,15 +161,13 @@ def train_autotuned(
             plan: Optional[Plan] = None
             if rank == 0:
                 if job.train_iters - it < tune.autotune_steps:  # no room to measure a new layout
-                    plan = stay_at_end(doc, layout, job, it)
+                    plan = stay_at_end(doc, start, it)
                 else:
                     shared = dist.get_backend() == "gloo"  # CPU ranks of one machine share its cores
                     try:
-                        plan = plan_switch(doc, layout, job, it, world, timings, shared, tried, make_job)
+                        plan = plan_switch(doc, start, it, world, timings, shared, tried, make_job)
                     except ValueError as exc:  # the fit or the search refused what it was given: train on
-                        plan = stay_because(
-                            doc, layout, job, it, f"stay: the cost model could not price this run ({exc})"
-                        )
+                        plan = stay_because(doc, start, it, f"stay: the cost model could not price this run ({exc})")
             plan = _broadcast(plan, "decision")
             spent[f"decision_s_{round_}"], t0 = time.perf_counter() - t0, time.perf_counter()
             say(f"autotune: {plan.decision.reason}")
@@ -183,8 +181,7 @@ def train_autotuned(
             session = _move(
                 holder,
                 it,
-                plan.layout,
-                job_on(plan.layout, job, workload_of(job, layout), load=job.save),
+                job_on(start, plan.layout, workload_of(start), load=job.save),
                 make_job,
                 make_session,
                 log,
@@ -226,8 +223,7 @@ def train_autotuned(
             session = _move(
                 holder,
                 it,
-                layout,
-                job_on(layout, job, workload_of(job, layout), load=job.save),
+                job_on(start, layout, workload_of(start), load=job.save),
                 make_job,
                 make_session,
                 log,

@@ -1,11 +1,12 @@
 """One rank of `megatron-hetero dryrun`: the setup a rank of `train` runs before its first step, on
 torch's fake process-group backend, timed by phase.
 
-`dry_rank(layout, job)` runs in a process whose torch.distributed is initialised with the "fake"
+`dry_rank(draft)` runs in a process whose torch.distributed is initialised with the "fake"
 backend at the layout's world size (`training.dryrun_world` forks one per sampled rank). It calls
 train's own setup code, in the Session's order (`training.session.Session`):
 
-* `validate_job` (train's validation: the same ValueError, so the same exit-2 message);
+* `validate_job` of the job as asked (a `config.job.JobDraft`: train's validation, which each of
+  train's processes runs once at its door; the same ValueError, so the same exit-2 message);
 * `Topology.build` (every module's groups through Megatron's `HyperCommGrid`), with every
   `new_group` / `new_subgroups_by_enumeration` call counted (`GroupCounter`);
 * `rank_plan` (the rank's plan: batch arithmetic and its schedule table);
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from megatron_hetero.runtime.config import runtime_config
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.config.job import JobConfig
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.plan.roles import language_modules
 from megatron_hetero.planner.memory import rank_state_bytes
@@ -245,14 +247,14 @@ def _homogeneous_spec(mimo, layout: HeteroLayout, lang) -> list:
 
 
 def dry_rank(
-    layout: HeteroLayout,
-    job: JobConfig,
+    draft: JobDraft,
     megatron_lm: Optional[str] = None,
     baseline: bool = True,
     boundaries: bool = True,
 ) -> dict[str, Any]:
-    """Train's setup of this process's rank (module docstring), on an initialised fake world
-    (`boundaries` False: without the boundary plans, `dryrun --state-only`).
+    """Train's setup of this process's rank (module docstring) for the job `draft` (its layout and
+    `JobConfig` as the door made them: validating them is the first phase timed), on an initialised
+    fake world (`boundaries` False: without the boundary plans, `dryrun --state-only`).
     Returns {rank, plugin_s, groups_s, megatron_baseline_s, groups_member, groups_created,
     group_members (sorted global ranks of every group this rank is in), state_bytes {built,
     predicted, modules}, phases, plan_digest, boundaries {edge: {seq: digest}}, baseline}."""
@@ -262,11 +264,12 @@ def dry_rank(
     from megatron_hetero.training.setup import build_modules, validate_job
     from megatron_hetero.training.trainer import prepare_rank
 
+    layout, job = draft.layout, draft.config
     rank = dist.get_rank()
     forced = None if dist.get_backend() != "fake" else "fake"
     phases: dict[str, float] = {}
     with _timed(phases, "validate"):
-        validate_job(layout, job)
+        validate_job(draft)
     prepare_rank(job)
     with GroupCounter(forced) as gc:
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.config.job import JobConfig
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware
@@ -38,9 +39,10 @@ def parse_row(text: str) -> tuple[str, str, int]:
     return parts[0], parts[1], int(parts[2])
 
 
-def regime_case(text: str, world_size: int, hardware: str | None = None) -> tuple[HeteroLayout, JobConfig, Any, Any]:
-    """(layout, job, workload, candidate) of the regime row `text` on `world_size` ranks: the search's
-    best candidate (default hardware preset) as a layout, and the job of the module docstring."""
+def regime_case(text: str, world_size: int, hardware: str | None = None) -> tuple[JobDraft, Any, Any]:
+    """(job, workload, candidate) of the regime row `text` on `world_size` ranks: the job a `JobDraft`
+    of the search's best candidate (default hardware preset) as a layout and the `JobConfig` of the
+    module docstring."""
     from megatron_hetero.models.llava import LlavaSpec
 
     enc_name, llm_name, context = parse_row(text)
@@ -81,7 +83,7 @@ def regime_case(text: str, world_size: int, hardware: str | None = None) -> tupl
         optim=optim,
         sequence_parallel=wl.sequence_parallel,
     )
-    return layout, job, wl, cand
+    return JobDraft(layout, job), wl, cand
 
 
 def search_state_bytes(wl, cand, layout: HeteroLayout, rank: int) -> dict[str, float]:

@@ -16,7 +16,7 @@ import time
 from typing import Any, Optional
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.config.job import JobConfig
+from megatron_hetero.config.job import Job, JobDraft
 from megatron_hetero.plan.colocated import check_colocated_tables, colocated_tables
 from megatron_hetero.plan.rank_plan import step_micro_batching
 from megatron_hetero.plan.schedule import build_tables
@@ -75,31 +75,32 @@ def _one_rank(task: tuple) -> dict[str, Any]:
 
     from megatron_hetero.training.dryrun import dry_rank
 
-    rank, layout, job, megatron_lm, baseline, boundaries = task
+    rank, draft, megatron_lm, baseline, boundaries = task
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=rank, world_size=draft.layout.world_size, store=FakeStore())
     init_s = time.perf_counter() - t0
     try:
-        out = dry_rank(layout, job, megatron_lm=megatron_lm, baseline=baseline, boundaries=boundaries)
+        out = dry_rank(draft, megatron_lm=megatron_lm, baseline=baseline, boundaries=boundaries)
     finally:
         dist.destroy_process_group()
     out["phases"]["init_fake_world"] = init_s
     return out
 
 
-def schedule_check(layout: HeteroLayout, job: JobConfig) -> dict[str, Any]:
-    """The schedule checker over every rank's table, once for the world: the colocated tables'
+def schedule_check(job: Job) -> dict[str, Any]:
+    """The schedule checker over every rank's table of the validated `job`, once for the world: the colocated tables'
     simulation (`plan.colocated.check_colocated_tables`) or the disjoint 1F1B tables in rendezvous
     mode (`plan.schedule_check.check_tables`, what the runtime's batches do). ValueError on failure."""
 
+    layout, config = job.layout, job.config
     t0 = time.perf_counter()
     if layout.placement == "colocated":
-        tables = colocated_tables(layout, job.global_batch_size, job.micro_batch_size, job.offload_encoder)
+        tables = colocated_tables(layout, config.global_batch_size, config.micro_batch_size, config.offload_encoder)
         check_colocated_tables(tables)
         what = f"colocated tables of {len(tables)} ranks"
     else:
-        m = step_micro_batching(layout, job.global_batch_size, job.micro_batch_size).count
+        m = step_micro_batching(layout, config.global_batch_size, config.micro_batch_size).count
         tables = build_tables(layout, m)
         check_tables(tables, layout=layout, micro_batches=m, mode="rendezvous")
         what = f"1F1B tables of {len(tables)} stages, {m} micro-batches, rendezvous"
@@ -107,33 +108,34 @@ def schedule_check(layout: HeteroLayout, job: JobConfig) -> dict[str, Any]:
 
 
 def dry_world(
-    layout: HeteroLayout,
-    job: JobConfig,
+    draft: JobDraft,
     ranks: list[int],
     jobs: int = 2,
     megatron_lm: Optional[str] = None,
     baseline: bool = True,
     boundaries: bool = True,
 ) -> dict[str, Any]:
-    """Validate the job (train's `validate_job`: ValueError before any process starts), check the
-    world's schedule once, then run `dry_rank` for each of `ranks` in its own forked process, at most
+    """Validate the job `draft` (its layout and `JobConfig` as the door made them; train's
+    `validate_job`: ValueError before any process starts), check the validated job's schedule once for
+    the world, then run `dry_rank` of `draft` for each of `ranks` in its own forked process (each
+    validates it, as each of train's processes does at its door), at most
     `jobs` at a time (`boundaries` False: no boundary plans, `baseline` False: no Megatron grids). Returns {world_size, placement, schedule_check, ranks: [per-rank dicts]}."""
     from megatron_hetero.training.setup import validate_job
 
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs must be a positive integer, got {jobs!r}")
     t0 = time.perf_counter()
-    validate_job(layout, job)
+    job = validate_job(draft)
     validate_s = time.perf_counter() - t0
-    check = schedule_check(layout, job)
+    check = schedule_check(job)
     ctx = multiprocessing.get_context("fork")
-    tasks = [(r, layout, job, megatron_lm, baseline, boundaries) for r in ranks]
+    tasks = [(r, draft, megatron_lm, baseline, boundaries) for r in ranks]
     t0 = time.perf_counter()
     with ctx.Pool(processes=min(jobs, len(tasks)), maxtasksperchild=1) as pool:
         results = pool.map(_one_rank, tasks, chunksize=1)
     return {
-        "world_size": layout.world_size,
-        "placement": layout.placement,
+        "world_size": job.layout.world_size,
+        "placement": job.layout.placement,
         "validate_s": validate_s,
         "schedule_check": check,
         "wall_s": time.perf_counter() - t0,

@@ -92,7 +92,8 @@ class LlavaTrainSpec:
             self.meter = ActivationMeter()
             for n, s in states.items():
                 self.meter.attach(n, s.module)
-        stats = RunStats(job, session.plan, states, self.meter, writers=bool(job.tensorboard_dir or job.wandb_project))
+        writers = bool(job.tensorboard_dir or job.wandb_project)
+        stats = RunStats(validated, session.plan, states, self.meter, writers=writers)
         return TrainFrontEnd(
             job,
             session.plan,

@@ -52,16 +52,20 @@ class MeteredSchedule:
 
 
 class RunStats:
-    """This rank's part of the figures (see the module docstring); `fields(seconds)` is collective
-    (every rank calls it once per iteration) when `active`, and returns {} otherwise."""
+    """This rank's part of the figures (see the module docstring) of the validated job `validated`
+    (`config.job.Job`) on this rank's `plan`; `fields(seconds)` is collective (every rank calls
+    it once per iteration) when `active`, and returns {} otherwise."""
 
-    def __init__(self, job: Any, plan: Any, states: dict, meter: Optional[ActivationMeter], writers: bool) -> None:
+    def __init__(
+        self, validated: Any, plan: Any, states: dict, meter: Optional[ActivationMeter], writers: bool
+    ) -> None:
+        job = validated.config
         self.job, self.plan, self.states, self.meter = job, plan, states, meter
         self.layout = plan.layout
         self.flops = module_flops(job.spec, self.layout, job.global_batch_size) if job.log_throughput else None
         self.memory = bool(job.log_memory or writers)
         self.active = bool(job.log_throughput or self.memory)
-        self.predicted = predicted_memory(job, self.layout) if meter is not None else None
+        self.predicted = predicted_memory(validated) if meter is not None else None
 
     def _local(self, seconds: float) -> dict[str, Any]:
         mine: dict[str, Any] = {"t": seconds}
@@ -105,10 +109,13 @@ class RunStats:
         return out
 
 
-def predicted_memory(job: Any, layout: Any) -> list[dict[str, int]]:
-    """Per rank, the memory model's (`planner/memory.py`) state and activation-peak bytes of `job`."""
+def predicted_memory(job: Any) -> list[dict[str, int]]:
+    """Per rank, the memory model's (`planner/memory.py`) state and activation-peak bytes of `job`:
+    a `config.job.Job` or `JobDraft` (its config on its layout; the memory model needs no
+    validation)."""
 
-    o = job.optim
+    layout, config = job.layout, job.config
+    o = config.optim
     features = StateFeatures(
         precision="bf16" if o.bf16 else "fp16" if o.fp16 else "fp32",
         optimizer=o.optimizer,
@@ -118,13 +125,13 @@ def predicted_memory(job: Any, layout: Any) -> list[dict[str, int]]:
     return [
         predicted_rank_bytes(
             layout,
-            job.spec,
+            config.spec,
             r,
             features,
-            job.global_batch_size,
-            job.micro_batch_size,
-            job.sequence_parallel,
-            job_recompute(job),
+            config.global_batch_size,
+            config.micro_batch_size,
+            config.sequence_parallel,
+            job_recompute(config),
         )
         for r in range(layout.world_size)
     ]

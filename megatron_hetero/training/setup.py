@@ -20,6 +20,7 @@ from megatron_hetero.plan.rank_plan import RankPlan, check_rank_plans
 from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.module_state import ModuleState
 from megatron_hetero.config.job import Job, JobConfig, job_recompute
+from megatron_hetero.config.job import JobDraft
 from megatron_hetero.checkpoint.loadable import check_loadable
 from megatron_hetero.checkpoint.pretrained import check_converted, is_converted
 from megatron_hetero.compat.device import get_device
@@ -32,10 +33,12 @@ from megatron_hetero.training.autotune_checks import check_autotune
 from megatron_hetero.training.writers import check_logging
 
 
-def validate_job(layout: HeteroLayout, job: JobConfig) -> Job:
-    """Every user error of a job, as ValueError with the arithmetic, before any group is created;
-    the validated `Job` (which carries the rank plans' checked arithmetic: each rank then builds its
-    own plan without computing it again). Once per process: the doors call it (`cli.train`)."""
+def validate_job(draft: JobDraft) -> Job:
+    """Every user error of the job `draft` (its layout and `JobConfig`, as a door made them), as
+    ValueError with the arithmetic, before any group is created; the validated `Job` (which carries
+    the rank plans' checked arithmetic: each rank then builds its own plan without computing it
+    again). Once per process: the doors call it (`cli.train`)."""
+    layout, job = draft.layout, draft.config
     spec = job.spec
     job.optim.validate()
     job.schedule.validate(job.optim.lr, job.train_iters)
@@ -59,7 +62,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> Job:
 
     check_logging(job)  # --tensorboard-dir, --wandb-*: the packages and the folders
     if job.autotune is not None:
-        check_autotune(layout, job)
+        check_autotune(draft)
     if job.eval_iters is not None and not job.eval_interval:
         raise ValueError(f"--eval-iters {job.eval_iters} needs --eval-interval N (evaluate every N iterations)")
     synthetic.validate(data_config(spec))
@@ -139,7 +142,7 @@ def validate_job(layout: HeteroLayout, job: JobConfig) -> Job:
         if on and not job.load:
             raise ValueError(f"{flag} applies to --load DIR (none given)")
     if job.load:
-        (check_converted if is_converted(job.load) else check_loadable)(job.load, layout, job)
+        (check_converted if is_converted(job.load) else check_loadable)(job.load, draft)
     return Job(layout, job, checked)
 
 

@@ -24,15 +24,17 @@ def install() -> None:
     from megatron_hetero.planner import autotune as A
     from megatron_hetero.training import autotune_run as R
     from megatron_hetero.planner.layout_cost import candidate_for
+    from megatron_hetero.config.job import JobDraft
 
     force = json.loads(os.environ["AUTOTUNE_FORCE"])
     target = layout_from_dict(force["target"], world_size=int(os.environ["WORLD_SIZE"]))
 
-    def plan(trace, layout, job, iteration, world, timings=None, shared=False, tried=(), check=None):
+    def plan(trace, run, iteration, world, timings=None, shared=False, tried=(), check=None):
         ROUNDS["n"] += 1
         if check is not None:
-            check(target, job)  # the script's own check of a candidate must take the target
-        cur, to = candidate_for(layout, job.spec), candidate_for(target, job.spec)
+            check(JobDraft(target, run.config))  # the script's own check of a candidate must take the target
+        spec = run.config.spec
+        cur, to = candidate_for(run.layout, spec), candidate_for(target, spec)
         d = A.Decision(True, "switch: forced by the test", to, 1e-3, 999.0)
         rec = A.record_of(iteration, cur, d, float(force["measured_s"]))
         return R.Plan(d, rec, 0.0, {"iteration": iteration}, target)

@@ -290,16 +290,16 @@ def test_in_rank_load_failure_names_the_directory(saved, tmp_path, monkeypatch):
 def test_mismatched_job_is_rejected_before_training(saved):
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.models.llava import LlavaSpec
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     root, _ = saved
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     with pytest.raises(ValueError, match="hidden_size: 64 in the checkpoint, 32 now"):
-        validate_job(layout, dataclasses.replace(JOB, load=str(root), spec=LlavaSpec(hidden_size=32)))
+        validate_job(JobDraft(layout, dataclasses.replace(JOB, load=str(root), spec=LlavaSpec(hidden_size=32))))
     with pytest.raises(ValueError, match="nothing to train"):
-        validate_job(layout, dataclasses.replace(JOB, load=str(root), train_iters=2))
+        validate_job(JobDraft(layout, dataclasses.replace(JOB, load=str(root), train_iters=2)))
     with pytest.raises(ValueError, match="--global-batch-size 16"):
-        validate_job(layout, dataclasses.replace(JOB, load=str(root), global_batch_size=16))
+        validate_job(JobDraft(layout, dataclasses.replace(JOB, load=str(root), global_batch_size=16)))
 
 
 def test_finetune_and_no_load_optim_relax_only_what_they_do_not_load(saved):
@@ -311,6 +311,7 @@ def test_finetune_and_no_load_optim_relax_only_what_they_do_not_load(saved):
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.config.optim import OptimConfig
     from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft
 
     root, _ = saved
     layout = layout_from_dict(COLOC_TP2, world_size=2)
@@ -320,15 +321,19 @@ def test_finetune_and_no_load_optim_relax_only_what_they_do_not_load(saved):
     with pytest.raises(
         ValueError, match=r"bf16: False in the checkpoint, True now\).*pass --no-load-optim or --finetune"
     ):
-        validate_job(layout, bf16)
-    validate_job(layout, dataclasses.replace(bf16, no_load_optim=True))
+        validate_job(JobDraft(layout, bf16))
+    validate_job(JobDraft(layout, dataclasses.replace(bf16, no_load_optim=True)))
     with pytest.raises(ValueError, match=r"--global-batch-size 16.*pass --finetune"):
-        validate_job(layout, dataclasses.replace(JOB, load=str(root), global_batch_size=16, no_load_optim=True))
-    validate_job(layout, dataclasses.replace(bf16, finetune=True, global_batch_size=16, train_iters=1))
+        validate_job(
+            JobDraft(layout, dataclasses.replace(JOB, load=str(root), global_batch_size=16, no_load_optim=True))
+        )
+    validate_job(JobDraft(layout, dataclasses.replace(bf16, finetune=True, global_batch_size=16, train_iters=1)))
     with pytest.raises(ValueError, match=r"--finetune .*seq_length: 32 in the checkpoint, 24 now.*position table"):
-        validate_job(layout, dataclasses.replace(JOB, load=str(root), finetune=True, spec=LlavaSpec(seq_length=24)))
+        validate_job(
+            JobDraft(layout, dataclasses.replace(JOB, load=str(root), finetune=True, spec=LlavaSpec(seq_length=24)))
+        )
     with pytest.raises(ValueError, match=r"--no-load-rng applies to --load DIR"):
-        validate_job(layout, dataclasses.replace(JOB, no_load_rng=True))
+        validate_job(JobDraft(layout, dataclasses.replace(JOB, no_load_rng=True)))
 
 
 @pytest.mark.timeout(300)

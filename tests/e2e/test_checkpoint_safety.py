@@ -191,6 +191,7 @@ def _flip(path: Path) -> None:
 def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.checkpoint.loadable import check_loadable
+    from megatron_hetero.config.job import JobDraft
 
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     files = sorted(p.relative_to(base) for p in base.rglob("*") if p.is_file() and "iter_0000001" not in p.parts)
@@ -208,7 +209,7 @@ def test_one_flipped_byte_in_any_file_names_it(base, tmp_path):
         shutil.copytree(base, root)
         _flip(root / rel)
         with pytest.raises(ValueError) as info:
-            check_loadable(root, layout, JOB)
+            check_loadable(root, JobDraft(layout, JOB))
         assert str(root / rel) in str(info.value), (rel, str(info.value))
         shutil.rmtree(root)
     print(f"{len(files)} files, each with one flipped byte: an error naming it")
@@ -307,6 +308,7 @@ def test_killed_save_leaves_the_previous_checkpoint(base, tmp_path, monkeypatch,
     from megatron_hetero.checkpoint import save_load as ckpt
     from megatron_hetero.checkpoint import files as cf
     from megatron_hetero.checkpoint.loadable import check_loadable
+    from megatron_hetero.config.job import JobDraft
 
     layout = layout_from_dict(COLOC_TP2, world_size=2)
     roots = {}
@@ -331,11 +333,11 @@ def test_killed_save_leaves_the_previous_checkpoint(base, tmp_path, monkeypatch,
                 match=r"the newest save, .*iter_0000003\.saving, is incomplete.*"
                 r"pass --load-fallback",
             ):
-                check_loadable(root, layout, JOB)
-            assert check_loadable(root, layout, dataclasses.replace(JOB, load_fallback=True)) == 2
+                check_loadable(root, JobDraft(layout, JOB))
+            assert check_loadable(root, JobDraft(layout, dataclasses.replace(JOB, load_fallback=True))) == 2
         else:
             assert (root / "iter_0000003" / cf.STATE_FILE).is_file()
-            assert check_loadable(root, layout, JOB) == 2
+            assert check_loadable(root, JobDraft(layout, JOB)) == 2
     capsys.readouterr()
     lay = _layout_file(tmp_path)
     incomplete = roots["files written"]

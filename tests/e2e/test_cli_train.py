@@ -254,6 +254,7 @@ def test_transformer_engine_impl_keeps_the_cp_refusal():
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.config.model import LlavaSpec
     from megatron_hetero.training.setup import JobConfig, validate_job
+    from megatron_hetero.training.setup import JobDraft
 
     doc = {
         "placement": "colocated",
@@ -262,7 +263,7 @@ def test_transformer_engine_impl_keeps_the_cp_refusal():
     }
     layout = layout_from_dict(doc, world_size=2)
     job = JobConfig(spec=LlavaSpec(seq_length=64), global_batch_size=2, micro_batch_size=1)
-    validate_job(layout, job)  # the local impl runs cp 2
+    validate_job(JobDraft(layout, job))  # the local impl runs cp 2
     te = dataclasses.replace(job, spec=dataclasses.replace(job.spec, transformer_impl="transformer_engine"))
     with pytest.raises(ValueError, match=r"module language: cp\(2\) > 1 with --transformer-impl transformer_engine"):
-        validate_job(layout, te)
+        validate_job(JobDraft(layout, te))

@@ -70,7 +70,7 @@ def _train_from_weights(job, weights: dict[str, dict[str, torch.Tensor]]) -> dic
 def test_finetune_takes_the_weights_only_at_another_batch_and_sequence_length(saved):
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     root, _, weights = saved
     spec = dataclasses.replace(SPEC, seq_length=24)
@@ -82,7 +82,7 @@ def test_finetune_takes_the_weights_only_at_another_batch_and_sequence_length(sa
     assert [r["iteration"] for r in tuned] == [1, 2, 3]
     assert [r["consumed_samples"] for r in tuned] == [4, 8, 12]
     layout = layout_from_dict(WORLD1, world_size=1)
-    ref = run_ranks(1, _train_from_weights, validate_job(layout, job), weights, timeout=180)[0]["records"]
+    ref = run_ranks(1, _train_from_weights, validate_job(JobDraft(layout, job)), weights, timeout=180)[0]["records"]
     got, want = [r["loss"] for r in tuned], [r["loss"] for r in ref]
     diff = max_loss_rel_diff(got, want)
     print(f"--finetune (TP2) vs weights by hand (world 1): losses {got} / {want}, max relative difference {diff:.2e}")
@@ -122,7 +122,7 @@ def test_pretrained_checkpoint_finetunes_until_load_holds_a_save(saved, tmp_path
 
     def job(load: str):
         argv = ["train", "--pretrained-checkpoint", str(root), "--load", load, "--global-batch-size", "4"]
-        return job_from_args(build_parser().parse_args(argv), layout)
+        return job_from_args(build_parser().parse_args(argv), layout).config
 
     first = job(str(tmp_path / "stage2"))
     assert (first.load, first.finetune, first.spec.position_embedding_type) == (str(root), True, "rope")

@@ -356,7 +356,7 @@ def test_train_load_builds_the_recorded_model_and_trains(converted, tmp_path):
         ]
     )
     layout = layout_from_args(args)
-    job = job_from_args(args, layout)
+    job = job_from_args(args, layout).config
     spec = job.spec
     assert spec.encoders["vision"].kind == "clip" and spec.normalization == "RMSNorm" and spec.num_query_groups == 2
     assert spec.rotary_base == 500000.0 and spec.seq_length == S
@@ -438,7 +438,7 @@ def test_megatron_architecture_flags_build_the_same_family():
     ]
     args = build_parser().parse_args(argv)
     layout = layout_from_dict(doc, world_size=2)
-    spec = job_from_args(args, layout).spec
+    spec = job_from_args(args, layout).config.spec
     assert (
         spec.normalization,
         spec.swiglu,
@@ -452,7 +452,7 @@ def test_megatron_architecture_flags_build_the_same_family():
     assert (enc.kind, enc.patch_size, enc.feature_dim, enc.tokens) == ("clip", 4, 48, 16)
     tied = job_from_args(build_parser().parse_args(argv + ["--share-embeddings-and-output-weights"]), layout)
     with pytest.raises(ValueError, match=r"tied input and output embeddings need the whole language model on one"):
-        validate_job(layout, tied)
+        validate_job(tied)
     with pytest.raises(ValueError, match="needs --patch-dim"):
         job_from_args(build_parser().parse_args(argv[:-4]), layout)
 
@@ -532,12 +532,12 @@ def test_load_with_agreeing_model_flags_builds_the_recorded_model(converted):
     def job(*flags: str):
         return job_from_args(build_parser().parse_args(["train", "--load", root, *flags]), layout)
 
-    recorded = job().spec
+    recorded = job().config.spec
     assert recorded.normalization == "RMSNorm" and recorded.swiglu and recorded.num_query_groups == 2
     for flags in (LLAMA_FLAGS, ["--swiglu", "--normalization", "RMSNorm"], ["--hidden-size", "32"]):
         agreed = job(*flags)
-        assert agreed.spec == recorded, flags
-        validate_job(layout, agreed)
+        assert agreed.config.spec == recorded, flags
+        validate_job(agreed)
     with pytest.raises(
         ValueError, match=r"normalization \(--normalization\): 'RMSNorm' in the checkpoint, 'LayerNorm' given"
     ) as err:
@@ -548,7 +548,7 @@ def test_load_with_agreeing_model_flags_builds_the_recorded_model(converted):
     with pytest.raises(ValueError, match=r"encoders.vision.hidden_size \(--encoder-hidden-size\): 32 .*, 16 given"):
         job("--encoder-hidden-size", "16")
     # a rope model has no position table: converted weights train at another --seq-length
-    assert job("--seq-length", str(2 * S)).spec.seq_length == 2 * S
+    assert job("--seq-length", str(2 * S)).config.spec.seq_length == 2 * S
 
 
 @pytest.mark.timeout(300)
@@ -572,7 +572,7 @@ def test_bf16_run_loads_the_converted_fp32_weights(converted, tmp_path):
     ):
         argv = ["train", "--load", root, "--train-iters", "1", "--global-batch-size", "4", "--lr", "1e-3", *precision]
         layout = layout_from_dict(doc, world_size=world)
-        job = job_from_args(build_parser().parse_args(argv), layout)
+        job = job_from_args(build_parser().parse_args(argv), layout).config
         assert job.spec.bf16 == bool(precision) and job.spec.normalization == "RMSNorm"
         per_rank = run_job(doc, world, job)
         runs[name] = ([r["loss"] for r in per_rank[0]["records"]], full_params(per_rank))

@@ -421,7 +421,7 @@ def test_train_load_trains_the_siglip_tower_but_not_its_head(current, tmp_path):
     )
     argv = ["train", "--hetero-layout", str(layout_file), "--load", str(current.ckpts["a"])]
     args = build_parser().parse_args(argv + ["--train-iters", "2", "--global-batch-size", "4", "--lr", "1e-3"])
-    job = job_from_args(args, layout_from_args(args))
+    job = job_from_args(args, layout_from_args(args)).config
     assert job.spec.encoders["vision"].kind == "siglip" and job.spec.rope_scaling
     doc = _layout({"dp": 2}, {"tp": 2, "frozen": True})
     per_rank = run_job(doc, 2, job)

@@ -230,7 +230,7 @@ def _train_loss(doc: dict, world: int, root: Path) -> float:
 
     argv = ["train", "--load", str(root), "--train-iters", "1", "--global-batch-size", str(B), "--lr", "1e-3"]
     layout = layout_from_dict(doc, world_size=world)
-    job = job_from_args(build_parser().parse_args(argv), layout)
+    job = job_from_args(build_parser().parse_args(argv), layout).config
     return run_job(doc, world, job, timeout=240)[0]["records"][0]["loss"]
 
 
@@ -296,7 +296,7 @@ def test_convert_train_and_back(family, tmp_path):
     argv = ["train", "--load", str(family.ckpt), "--train-iters", "2", "--global-batch-size", str(B), "--lr", "1e-2"]
     argv += ["--save", str(saved)]
     layout = layout_from_dict(doc, world_size=world)
-    job = job_from_args(build_parser().parse_args(argv), layout)
+    job = job_from_args(build_parser().parse_args(argv), layout).config
     run_job(doc, world, job, timeout=240)
     _cli(["convert", "checkpoint-to-hf", str(saved), "--model", "--like", str(family.hf), "--out", str(back)])
     assert json.loads((back / "config.json").read_text())["image_token_index"] == 0

@@ -270,9 +270,9 @@ def _runtime_accepts(layout, job) -> None:
     from megatron_hetero.config.model import language_modules, segment_layers
     from megatron_hetero.plan.rank_plan import rank_plans
     from megatron_hetero.plan.roles import roles
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
-    validate_job(layout, job)
+    validate_job(JobDraft(layout, job))
     assert tuple(m.name for m in language_modules(layout, job.spec)) == roles(layout).language
     for m in language_modules(layout, job.spec):
         assert segment_layers(m, job.spec).size % m.pp == 0, m

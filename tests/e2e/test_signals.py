@@ -19,7 +19,7 @@ from parity import losses, run_job
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.checkpoint.files import read_tracker
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 from megatron_hetero.training.trainer import train_rank
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def test_sigterm_on_one_rank_stops_all_at_the_same_step_and_resume_is_exact(tmp_
     per_rank = run_ranks(
         2,
         train_rank,
-        validate_job(layout, job),
+        validate_job(JobDraft(layout, job)),
         timeout=300,
         env={"MH_EXIT_SIGNAL_MARKER": str(marker)},
         step_hook=_term_self_at(rank=1, iteration=3),
@@ -94,7 +94,7 @@ def test_without_the_flag_sigterm_is_not_caught(tmp_path, megatron_compat):
         run_ranks(
             2,
             train_rank,
-            validate_job(layout, dataclasses.replace(JOB, save=str(tmp_path / "c"))),
+            validate_job(JobDraft(layout, dataclasses.replace(JOB, save=str(tmp_path / "c")))),
             timeout=200,
             step_hook=_term_self_at(rank=0, iteration=2),
         )

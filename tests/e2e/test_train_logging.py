@@ -221,7 +221,7 @@ def _predicted() -> list[dict[str, int]]:
 
     args = build_parser().parse_args(["train", *LAYOUT, "--optimizer", "adam", "--log-memory"])
     layout = layout_from_args(args, world_size=None)
-    return predicted_memory(job_from_args(args, layout), layout)
+    return predicted_memory(job_from_args(args, layout))
 
 
 def _assert_memory_prediction(rec: dict, predicted: list[dict[str, int]]) -> None:

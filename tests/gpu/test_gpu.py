@@ -14,7 +14,7 @@ import torch
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 from megatron_hetero.training.trainer import train_rank
 
 # torch.cuda.device_count() reads NVML/the driver without initialising CUDA in this process, so the
@@ -32,7 +32,7 @@ JOB = JobConfig(train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5))
 
 def _losses(doc: dict, world: int) -> list[float]:
     layout = layout_from_dict(doc, world_size=world)
-    per_rank = run_ranks(world, train_rank, validate_job(layout, JOB), backend="nccl", timeout=500)
+    per_rank = run_ranks(world, train_rank, validate_job(JobDraft(layout, JOB)), backend="nccl", timeout=500)
     return [r["loss"] for r in per_rank[0]["records"]]
 
 

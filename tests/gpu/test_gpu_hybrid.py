@@ -31,7 +31,7 @@ def _losses(pattern: str, impl: str) -> list[float]:
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.runtime.module_state import OptimConfig
-    from megatron_hetero.training.setup import JobConfig, validate_job
+    from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
     from megatron_hetero.training.trainer import train_rank
 
     spec = LlavaSpec(
@@ -44,7 +44,7 @@ def _losses(pattern: str, impl: str) -> list[float]:
     job = JobConfig(spec=spec, train_iters=3, optim=OptimConfig(optimizer="sgd", lr=0.5))
     doc = {"placement": "colocated", "modules": {"vision": {}, "language": {}}, "edges": ["vision -> language"]}
     layout = layout_from_dict(doc, world_size=1)
-    per_rank = run_ranks(1, train_rank, validate_job(layout, job), backend="nccl", timeout=500)
+    per_rank = run_ranks(1, train_rank, validate_job(JobDraft(layout, job)), backend="nccl", timeout=500)
     return [r["loss"] for r in per_rank[0]["records"]]
 
 

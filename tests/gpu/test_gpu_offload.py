@@ -19,7 +19,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 from megatron_hetero.training.trainer import train_rank
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -87,7 +87,7 @@ def _train(job: JobConfig, backend: str, log: str = "") -> list[float]:
             language_phase_memory(log)
         return train_rank(validated)
 
-    per_rank = run_ranks(1, rank, validate_job(layout, job), backend=backend, timeout=300)
+    per_rank = run_ranks(1, rank, validate_job(JobDraft(layout, job)), backend=backend, timeout=300)
     return [r["loss"] for r in per_rank[0]["records"]]
 
 

@@ -14,6 +14,7 @@ from megatron_hetero.megatron_lm import autotune as MA
 from megatron_hetero.megatron_lm.vlm import VLM
 from megatron_hetero.config.autotune import parse_fix
 from megatron_hetero.config.autotune import AutotuneConfig
+from megatron_hetero.config.job import JobDraft
 from test_megatron_lm_checks import _args as megatron_args
 
 COLOC = {
@@ -118,15 +119,15 @@ def test_candidates_pass_the_scripts_own_checks():
     job = MA.cost_job(args, AutotuneConfig(True))
     check = MA.candidate_check(VLM, args)
     layout = _layout({**COLOC, "placement": "disjoint", "modules": {"vision": {}, "language": {}}})
-    made = check(layout, job)  # the Job the run moves to
+    made = check(JobDraft(layout, job))  # the Job the run moves to
     assert (made.layout, made.config) == (layout, job) and made.checked is not None
     for doc, says in [
         ({**COLOC, "modules": {"vision": {"dp": 1, "pp": 2}, "language": {"dp": 1, "pp": 2}}}, "pp=2"),
         ({**COLOC, "modules": {"vision": {"dp": 1, "cp": 2}, "language": {"dp": 1, "cp": 2}}}, "cp=2"),
     ]:
         with pytest.raises(ValueError, match=says):
-            check(_layout(doc), job)
+            check(JobDraft(_layout(doc), job))
     with pytest.raises(ValueError, match="padded vocabulary 129"):
         MA.candidate_check(VLM, _args(padded_vocab_size=129))(
-            _layout({**COLOC, "modules": {"vision": {"tp": 2, "dp": 1}, "language": {"tp": 2, "dp": 1}}}), job
+            JobDraft(_layout({**COLOC, "modules": {"vision": {"tp": 2, "dp": 1}, "language": {"tp": 2, "dp": 1}}}), job)
         )

@@ -22,6 +22,7 @@ from megatron_hetero.training import autotune_run as R
 from megatron_hetero.config.autotune import AutotuneConfig
 from megatron_hetero.planner.layout_cost import candidate_for
 from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobDraft
 
 COLOC = {
     "placement": "colocated",
@@ -44,8 +45,9 @@ def force_switch_to(monkeypatch, doc: dict) -> None:
     """Every round decides to switch to `doc`'s layout (predicted 1 ms, measured 1 s)."""
     target = layout_from_dict(doc, world_size=2)
 
-    def plan(trace, layout, job, iteration, world, timings=None, shared=False, tried=(), check=None):
-        cur, to = candidate_for(layout, job.spec), candidate_for(target, job.spec)
+    def plan(trace, run, iteration, world, timings=None, shared=False, tried=(), check=None):
+        spec = run.config.spec
+        cur, to = candidate_for(run.layout, spec), candidate_for(target, spec)
         d = A.Decision(True, "switch: forced by the test", to, 1e-3, 999.0)
         return R.Plan(d, A.record_of(iteration, cur, d, 1.0), 0.0, {"iteration": iteration}, target)
 
@@ -89,7 +91,9 @@ def test_switch_and_revert_leaves_the_first_layout_as_it_was(tmp_path, monkeypat
     from megatron_hetero.runtime.launcher import run_ranks
     from megatron_hetero.training.trainer import train_rank
 
-    got = run_ranks(2, train_rank, validate_job(layout, j), collect_params=True, step_hook=probe_hook, timeout=300)
+    got = run_ranks(
+        2, train_rank, validate_job(JobDraft(layout, j)), collect_params=True, step_hook=probe_hook, timeout=300
+    )
     assert [r["iteration"] for r in got[0]["records"]] == list(range(1, iters + 1))
     doc = json.loads((save / "autotune.json").read_text())
     assert [(d["iteration"], d["kept"]) for d in doc["decisions"]] == [(K, False), (2 * K, False)]
@@ -134,7 +138,7 @@ def test_a_run_that_gains_nothing_stays_and_says_why(tmp_path, megatron_compat):
 def test_settings_refused_before_any_rank_starts(tmp_path, change, says):
     j = dataclasses.replace(JobConfig(train_iters=ITERS, save=str(tmp_path), autotune=AutotuneConfig(True)), **change)
     with pytest.raises(ValueError) as e:
-        validate_job(layout_from_dict(COLOC, world_size=2), j)
+        validate_job(JobDraft(layout_from_dict(COLOC, world_size=2), j))
     assert says in str(e.value)
 
 

@@ -19,6 +19,7 @@ from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.config.autotune import AutotuneConfig
 from megatron_hetero.planner.layout_cost import candidate_for
 from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobDraft
 
 WHISPER = EncoderSpec(kind="whisper", tokens=4, feature_dim=16, num_layers=1, activation="gelu", offset=10)
 SPEC = dataclasses.replace(LlavaSpec(seq_length=40), encoders={"vision": EncoderSpec(offset=1), "audio": WHISPER})
@@ -63,10 +64,10 @@ def _slow_trace(world: int, steps: int = 3) -> dict:
 def test_two_encoder_layout_is_accepted_and_its_round_picks_a_runnable_layout(tmp_path):
     layout = layout_from_dict(AV, world_size=2)
     job = _job(tmp_path, autotune_min_gain=0.0)
-    validate_job(layout, job)  # the cost model takes both encoders now
+    run = validate_job(JobDraft(layout, job))  # the cost model takes both encoders now
     cur = candidate_for(layout, SPEC)
     assert [e.tp for e in cur.encoders] == [2, 2]
-    plan = R.plan_switch(_slow_trace(2), layout, job, iteration=K, world=2)
+    plan = R.plan_switch(_slow_trace(2), run, iteration=K, world=2)
     assert plan.decision.switch, plan.decision.reason
     target = plan.decision.target
     assert len(target.extra_encoders) == 1 and target.describe() != cur.describe()
@@ -74,7 +75,7 @@ def test_two_encoder_layout_is_accepted_and_its_round_picks_a_runnable_layout(tm
     assert {"vision", "audio"} <= set(lay.names)
     assert {e.src for e in lay.edges} >= {"vision", "audio"}
     assert plan.calibration["predicted_current_s"] == pytest.approx(plan.calibration["measured_step_s"], rel=1e-6)
-    validate_job(lay, job_on(lay, job, workload_of(job, layout), load=None))  # train runs it
+    validate_job(job_on(run, lay, workload_of(run), load=None))  # train runs it
 
 
 @pytest.mark.timeout(600)
@@ -124,9 +125,9 @@ def test_variable_tiles_are_priced_at_the_most_a_sample_holds(tmp_path):
     encoder at its most tiles or chunks per sample, as the memory model does."""
     layout = layout_from_dict(AV, world_size=2)
     job = dataclasses.replace(_job(tmp_path), spec=VARIABLE)
-    validate_job(layout, job)
-    wl = workload_of(job, layout)
-    fixed = workload_of(dataclasses.replace(job, spec=SPEC), layout)
+    run = validate_job(JobDraft(layout, job))
+    wl = workload_of(run)
+    fixed = workload_of(JobDraft(layout, dataclasses.replace(job, spec=SPEC)))
     assert (wl.images_per_sample, wl.extra_inputs) == (2, (3,))
     assert (fixed.images_per_sample, fixed.extra_inputs) == (1, (1,))
 

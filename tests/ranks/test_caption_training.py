@@ -29,7 +29,7 @@ from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.runtime.stage_runner import StageRunner
 from megatron_hetero.runtime.topology import Topology
-from megatron_hetero.training.setup import JobConfig, build_states, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, build_states, validate_job
 from megatron_hetero.training.trainer import make_schedule, prepare_rank
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def _caption_rank(layout, job, factory):
 
 def _run(doc, world, cfg, spec, job):
     layout = layout_from_dict(doc, world_size=world)
-    validate_job(layout, job)
+    validate_job(JobDraft(layout, job))
     return run_ranks(
         world, _caption_rank, layout, job, caption_runner_factory(cfg, spec, job.global_batch_size), timeout=240
     )

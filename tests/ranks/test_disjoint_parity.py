@@ -30,7 +30,7 @@ from megatron_hetero.config.model import segment_layers
 from megatron_hetero.plan.rank_plan import step_micro_batching  # noqa: E402
 from megatron_hetero.runtime.launcher import RankFailure, run_ranks  # noqa: E402
 from megatron_hetero.runtime.module_state import OptimConfig  # noqa: E402
-from megatron_hetero.training.setup import JobConfig, validate_job  # noqa: E402
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job  # noqa: E402
 from megatron_hetero.training.trainer import train_rank  # noqa: E402
 
 from parity import max_loss_rel_diff, max_param_rel_diff  # noqa: E402
@@ -66,7 +66,7 @@ def _dis(edges: list[str], **modules) -> dict:
 
 def _run(doc: dict, world: int, job: JobConfig):
     layout = layout_from_dict(doc, world_size=world)
-    return layout, run_ranks(world, train_rank, validate_job(layout, job), collect_params=True, timeout=120)
+    return layout, run_ranks(world, train_rank, validate_job(JobDraft(layout, job)), collect_params=True, timeout=120)
 
 
 def _losses(per_rank) -> list[float]:
@@ -320,7 +320,7 @@ def test_rank_failure_stops_all_ranks_naming_the_edge(fail_rank, stall_s):
     timeout_s = 3.0
     job = _job(ONE, steps=3, timeout=timeout_s)
     layout = layout_from_dict(_dis(V2L, vision={}, language={"dp": 2}), world_size=3)
-    validated = validate_job(layout, job)
+    validated = validate_job(JobDraft(layout, job))
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
         run_ranks(3, _train_with_failure, validated, fail_rank, 1, 1, stall_s, timeout=60)

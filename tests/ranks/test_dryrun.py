@@ -120,12 +120,13 @@ def _real_rank(job) -> dict:
 def test_dryrun_builds_what_the_real_ranks_build(case: str) -> None:
     from megatron_hetero.compat import default_backend
     from megatron_hetero.training.dryrun_world import dry_world
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     doc, world, job = CASES[case]
     layout = layout_from_dict(doc, world_size=world)
-    dry = dry_world(layout, job, list(range(world)), jobs=2, baseline=False)
-    real = run_ranks(world, _real_rank, validate_job(layout, job), backend=default_backend(), timeout=300)
+    draft = JobDraft(layout, job)
+    dry = dry_world(draft, list(range(world)), jobs=2, baseline=False)
+    real = run_ranks(world, _real_rank, validate_job(draft), backend=default_backend(), timeout=300)
     assert [r["rank"] for r in dry["ranks"]] == list(range(world))
     for d, r in zip(dry["ranks"], real):
         rank = d["rank"]
@@ -154,12 +155,13 @@ def test_dryrun_variable_tokens_plans_every_shape() -> None:
     (`Boundary.plan_for`)."""
     from megatron_hetero.models.llava import LlavaSpec
     from megatron_hetero.config.model import EncoderSpec
+    from megatron_hetero.config.job import JobDraft
     from megatron_hetero.training.dryrun_world import dry_world
 
     spec = LlavaSpec(encoders={"vision": EncoderSpec(tokens=4, max_tiles=2)})
     layout = layout_from_dict(COLOC4, world_size=4)
     job = JobConfig(train_iters=1, optim=PLAIN, spec=spec)
-    dry = dry_world(layout, job, [0], jobs=1, baseline=False)
+    dry = dry_world(JobDraft(layout, job), [0], jobs=1, baseline=False)
     assert list(dry["ranks"][0]["boundaries"]["vision->language"]) == ["1", "4", "8"]
 
 

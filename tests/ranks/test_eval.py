@@ -30,7 +30,7 @@ from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.runtime.topology import Topology
-from megatron_hetero.training.setup import JobConfig, build_states, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, build_states, validate_job
 from megatron_hetero.training.train_front_end import evaluate
 from megatron_hetero.training.trainer import make_schedule, prepare_rank, train_rank
 
@@ -109,7 +109,7 @@ def _eval_rank(layout, job, factory, eval_after, keep_logits):
 
 def _run(doc, world, cfg, spec, job, eval_after=TRAIN_STEPS - 1, keep_logits=False):
     layout = layout_from_dict(doc, world_size=world)
-    validate_job(layout, job)
+    validate_job(JobDraft(layout, job))
     return run_ranks(
         world,
         _eval_rank,
@@ -173,7 +173,7 @@ def trained(setup, tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ckpt"))
     layout = layout_from_dict(_doc({}, {}), world_size=1)
     job = dataclasses.replace(job, train_iters=TRAIN_STEPS - 1, save=ckpt, data=cfg)
-    run_ranks(1, train_rank, validate_job(layout, job), timeout=300)
+    run_ranks(1, train_rank, validate_job(JobDraft(layout, job)), timeout=300)
     return ckpt
 
 
@@ -181,7 +181,7 @@ def _resume_and_eval(doc, world, job, ckpt):
     """`train_rank` from the checkpoint: one more step, then the evaluation (--eval-interval)."""
     layout = layout_from_dict(doc, world_size=world)
     job = dataclasses.replace(job, load=ckpt, train_iters=TRAIN_STEPS, eval_interval=TRAIN_STEPS, eval_iters=EVAL_ITERS)
-    return run_ranks(world, train_rank, validate_job(layout, job), timeout=300)
+    return run_ranks(world, train_rank, validate_job(JobDraft(layout, job)), timeout=300)
 
 
 LAYOUTS = [

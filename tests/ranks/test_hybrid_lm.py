@@ -58,12 +58,12 @@ def _doc(vision: dict, language: dict, placement: str = "colocated") -> dict:
     ],
 )
 def test_patterns_this_build_cannot_run_are_refused(pattern, language, over, message):
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     world = language.get("pp", 1)
     layout = layout_from_dict(_doc({"dp": world}, language), world_size=world)
     with pytest.raises(ValueError, match=message):
-        validate_job(layout, _job(pattern, **over))
+        validate_job(JobDraft(layout, _job(pattern, **over)))
 
 
 def test_flag_sets_the_pattern_and_the_layer_count():
@@ -73,7 +73,7 @@ def test_flag_sets_the_pattern_and_the_layer_count():
     layout = layout_from_dict(_doc({"dp": 2}, {"pp": 2}), world_size=2)
     base = ["train", "--hetero-module", "vision:dp=2", "--hetero-module", "language:pp=2"]
     base += ["--hetero-edge", "vision->language"]
-    spec = job_from_args(build_parser().parse_args(base + ["--hybrid-layer-pattern", "*-*E|*-*-"]), layout).spec
+    spec = job_from_args(build_parser().parse_args(base + ["--hybrid-layer-pattern", "*-*E|*-*-"]), layout).config.spec
     assert (spec.hybrid_layer_pattern, spec.num_layers) == ("*-*E|*-*-", 8)
     with pytest.raises(ValueError, match=r"--num-layers 4 contradicts --hybrid-layer-pattern '\*-\*E\|\*-\*-' \(8"):
         job_from_args(

@@ -17,7 +17,7 @@ from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.config.job import Job
 from megatron_hetero.training.job import run_local
 from megatron_hetero.models.llava import LlavaSpec
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 from megatron_hetero.training.trainer import train_rank
 
 DOC = {
@@ -32,7 +32,7 @@ def test_forked_ranks_plan_from_the_validated_job(monkeypatch) -> None:
     config = JobConfig(
         spec=LlavaSpec(num_layers=2), global_batch_size=4, micro_batch_size=1, train_iters=1, optim=OptimConfig(lr=0.1)
     )
-    job = validate_job(layout, config)
+    job = validate_job(JobDraft(layout, config))
     assert isinstance(job, Job) and (job.layout, job.config) == (layout, config)
     assert job.checked[1] == check_rank_plans(layout, 4, 1)[1]  # the same micro-batching
     unchecked = dataclasses.replace(job, checked=None)  # its ranks compute the plan arithmetic themselves

@@ -104,14 +104,16 @@ def test_warmup_cosine_rates_and_resume_with_schedule(tmp_path, megatron_compat)
     assert max_loss_rel_diff(losses(resumed), losses(per_rank)[3:]) <= 1e-5
     # a different schedule is refused before training, unless overridden
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     changed = dataclasses.replace(job, load=str(root), schedule=dataclasses.replace(sched, lr_warmup_iters=1))
     with pytest.raises(
         ValueError, match="--lr-warmup-iters 2 in the checkpoint, 1 now.*--override-opt-param-scheduler"
     ):
-        validate_job(layout_from_dict(COLOC, world_size=2), changed)
-    validate_job(layout_from_dict(COLOC, world_size=2), dataclasses.replace(changed, override_opt_param_scheduler=True))
+        validate_job(JobDraft(layout_from_dict(COLOC, world_size=2), changed))
+    validate_job(
+        JobDraft(layout_from_dict(COLOC, world_size=2), dataclasses.replace(changed, override_opt_param_scheduler=True))
+    )
 
 
 @pytest.mark.timeout(300)
@@ -136,11 +138,11 @@ def _initial_params(doc: dict, world: int, job: JobConfig) -> list[dict]:
     """The parameters every run of `job` starts from: the trainer with no iteration to run."""
     from megatron_hetero.layout import layout_from_dict
     from megatron_hetero.runtime.launcher import run_ranks
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
     from megatron_hetero.training.trainer import train_rank
 
     one = dataclasses.replace(job, train_iters=1, schedule=LRSchedule(lr_decay_iters=1))
-    validated = validate_job(layout_from_dict(doc, world_size=world), one)  # --train-iters 0 is refused
+    validated = validate_job(JobDraft(layout_from_dict(doc, world_size=world), one))  # --train-iters 0 is refused
     none = dataclasses.replace(validated, config=dataclasses.replace(one, train_iters=0))
     return run_ranks(world, train_rank, none, collect_params=True, timeout=180)
 

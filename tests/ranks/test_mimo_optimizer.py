@@ -42,7 +42,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 
 from parity import full_params, max_param_rel_diff
 
@@ -278,7 +278,7 @@ def test_step_modules_against_mimo_optimizer_and_one_megatron_optimizer(case):
     ref = _reference()
     layout = layout_from_dict(_doc(doc), world_size=world)
     for _, job, *_ in SCENARIOS:
-        validate_job(layout, job)
+        validate_job(JobDraft(layout, job))
     per_rank = run_ranks(world, _hetero_rank, layout, SCENARIOS, timeout=300)
     ref_full = {"coords": ref["coords"]}
     for name, _job, bad, _value, _scale in SCENARIOS:

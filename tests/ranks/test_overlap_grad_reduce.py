@@ -32,7 +32,7 @@ import torch
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.runtime.launcher import run_ranks
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 from megatron_hetero.training.trainer import train_rank
 
 from parity import full_params, losses, max_loss_rel_diff
@@ -169,7 +169,7 @@ def _run(case: str, distributed: bool, overlap: bool, gather: bool = False) -> l
         if case == "colocated" and distributed and overlap and not gather:  # saved at 2 (and 3): resumed below
             job = dataclasses.replace(job, save=str(_CKPT["root"]), save_interval=2)
         layout = layout_from_dict(doc, world_size=world)
-        _RUNS[key] = run_ranks(world, traced_train_rank, validate_job(layout, job), timeout=180)
+        _RUNS[key] = run_ranks(world, traced_train_rank, validate_job(JobDraft(layout, job)), timeout=180)
     return _RUNS[key]
 
 
@@ -287,7 +287,7 @@ def test_distributed_optimizer_checkpoint_resumes_across_bucket_counts_and_layou
     doc, world, _ = CASES[case]
     job = JobConfig(train_iters=ITERS, optim=_optim(True, overlap), eval_interval=2, load=str(root))
     layout = layout_from_dict(doc, world_size=world)
-    resumed = run_ranks(world, train_rank, validate_job(layout, job), timeout=180)
+    resumed = run_ranks(world, train_rank, validate_job(JobDraft(layout, job)), timeout=180)
     dl = max_loss_rel_diff(losses(resumed), losses(full)[2:])
     de = max_loss_rel_diff(_records(resumed, "eval_loss"), _records(full, "eval_loss")[1:])
     print(

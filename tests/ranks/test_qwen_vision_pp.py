@@ -15,7 +15,7 @@ import pytest
 
 from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 
 from qwen_train_case import SPEC
 
@@ -102,7 +102,7 @@ def test_native_resolution_tower_with_pipeline_stages_is_refused():
     spec = dataclasses.replace(SPEC, encoders={"vision": dataclasses.replace(SPEC.encoders["vision"], max_tiles=2)})
     doc = {"placement": "colocated", "modules": {"vision": {"pp": 2}, "language": {"dp": 2}}, "edges": E}
     with pytest.raises(ValueError, match=r"variable image tokens .* one pipeline stage .*got pp\(2\)"):
-        validate_job(layout_from_dict(doc, world_size=2), dataclasses.replace(JOB, spec=spec))
+        validate_job(JobDraft(layout_from_dict(doc, world_size=2), dataclasses.replace(JOB, spec=spec)))
 
 
 QWEN_FLAGS = ["--vision-model-type", "qwen2.5-vl", "--patch-dim", "2", "--encoder-tokens", "4"]

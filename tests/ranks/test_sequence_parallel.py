@@ -27,6 +27,7 @@ from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.config.job import Job
 from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobDraft
 
 from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, world1_doc
 
@@ -67,7 +68,7 @@ def _train(job: Job, skip_tp_reduce: bool = False) -> dict:
 
 def _run(doc: dict, world: int, job: JobConfig, skip_tp_reduce: bool = False) -> list[dict]:
     layout = layout_from_dict(doc, world_size=world)
-    return run_ranks(world, _train, validate_job(layout, job), skip_tp_reduce, timeout=180)
+    return run_ranks(world, _train, validate_job(JobDraft(layout, job)), skip_tp_reduce, timeout=180)
 
 
 def _norms(per_rank: list[dict]) -> list[float]:
@@ -158,7 +159,7 @@ def test_sequence_parallel_lets_experts_use_tp_with_ep():
         "edges": ["vision -> language"],
     }
     with pytest.raises(ValueError, match=r"module language: ep\(2\) with tp\(2\) > 1 needs sequence parallelism"):
-        validate_job(layout_from_dict(doc, world_size=4), job)
+        validate_job(JobDraft(layout_from_dict(doc, world_size=4), job))
     got = _run(doc, 4, dataclasses.replace(job, sequence_parallel=True))
     ref = _run(world1_doc(job), 1, job)
     aux = [r["aux_loss"] for r in got[0]["records"]], [r["aux_loss"] for r in ref[0]["records"]]
@@ -177,13 +178,13 @@ def test_sequence_parallel_refusals():
         "edges": ["vision -> language"],
     }
     with pytest.raises(ValueError, match=r"module language: --sequence-parallel .*not divisible by cp\*tp = 4"):
-        validate_job(layout_from_dict(doc, world_size=4), bad_seq)
-    validate_job(layout_from_dict(doc, world_size=4), dataclasses.replace(bad_seq, sequence_parallel=False))
+        validate_job(JobDraft(layout_from_dict(doc, world_size=4), bad_seq))
+    validate_job(JobDraft(layout_from_dict(doc, world_size=4), dataclasses.replace(bad_seq, sequence_parallel=False)))
     # with CP: each CP rank's 20 // 2 positions over tp 4 (2*cp = 4 divides 20, cp*tp = 8 does not)
     doc["modules"] = {"vision": {"dp": 8}, "language": {"tp": 4, "cp": 2}}
     bad_cp = dataclasses.replace(SP, spec=LlavaSpec(num_layers=2, seq_length=20))
     with pytest.raises(ValueError, match=r"module language: --sequence-parallel .*not divisible by cp\*tp = 8"):
-        validate_job(layout_from_dict(doc, world_size=8), bad_cp)
+        validate_job(JobDraft(layout_from_dict(doc, world_size=8), bad_cp))
 
 
 def test_train_flag_sets_sequence_parallel_and_bad_input_exits_2(capsys, monkeypatch):
@@ -198,7 +199,7 @@ def test_train_flag_sets_sequence_parallel_and_bad_input_exits_2(capsys, monkeyp
     argv += ["--hetero-edge", "vision->language", "--train-iters", "1"]
     for extra, want in (([], False), (["--sequence-parallel"], True)):
         args = cli.build_parser().parse_args(argv + extra)
-        assert job_from_args(args, layout_from_args(args, world_size=None)).sequence_parallel is want
+        assert job_from_args(args, layout_from_args(args, world_size=None)).config.sequence_parallel is want
 
     def no_ranks(*a, **k):  # pragma: no cover - reaching it is the failure
         raise AssertionError("a rank was started")

@@ -11,7 +11,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 
 DOC = {
     "placement": "colocated",
@@ -62,7 +62,7 @@ def _rank_fails_then_builds(job) -> dict:
 def test_a_spec_failing_while_building_leaves_no_groups_behind() -> None:
     from megatron_hetero.training.trainer import train_rank
 
-    job = validate_job(layout_from_dict(DOC, world_size=2), JOB)
+    job = validate_job(JobDraft(layout_from_dict(DOC, world_size=2), JOB))
     got = run_ranks(2, _rank_fails_then_builds, job, timeout=120)
     want = run_ranks(2, train_rank, job, timeout=120)[0]["records"][0]["loss"]
     for r in got:
@@ -95,6 +95,6 @@ def _rank_finish(job, barrier: bool) -> list[str]:
 
 
 def test_finish_closes_the_schedule_and_meets_where_the_spec_asks() -> None:
-    job = validate_job(layout_from_dict(DOC, world_size=2), JOB)
+    job = validate_job(JobDraft(layout_from_dict(DOC, world_size=2), JOB))
     assert run_ranks(2, _rank_finish, job, False, timeout=120) == [["close"]] * 2
     assert run_ranks(2, _rank_finish, job, True, timeout=120) == [["close", "barrier"]] * 2

@@ -126,22 +126,22 @@ def test_encoder_cp_refusals_name_the_reason():
 
 def test_a_variable_encoder_on_two_pipeline_stages_is_refused():
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     layout = layout_from_dict(
         {"placement": "colocated", "modules": {"vision": {"pp": 2}, "language": {"pp": 2}}, "edges": EDGE}, world_size=2
     )
     with pytest.raises(ValueError, match=r"vision: variable image tokens .* use pp 1"):
-        validate_job(layout, JOB)
+        validate_job(JobDraft(layout, JOB))
 
 
 def test_variable_tokens_with_the_hierarchical_boundary_mode_are_refused():
     """The leader route needs a fixed sequence length per edge: refused at validation (exit 2)."""
     from megatron_hetero.layout import layout_from_dict
-    from megatron_hetero.training.setup import validate_job
+    from megatron_hetero.training.setup import JobDraft, validate_job
 
     doc = {"placement": "disjoint", "boundary_mode": "hierarchical", "modules": {"vision": {}, "language": {}}}
     layout = layout_from_dict({**doc, "edges": EDGE}, world_size=2)
     with pytest.raises(ValueError, match=r"hierarchical needs a fixed sequence length .* \['vision'\] .* direct"):
-        validate_job(layout, JOB)
-    validate_job(layout_from_dict({**doc, "boundary_mode": "direct", "edges": EDGE}, world_size=2), JOB)
+        validate_job(JobDraft(layout, JOB))
+    validate_job(JobDraft(layout_from_dict({**doc, "boundary_mode": "direct", "edges": EDGE}, world_size=2), JOB))

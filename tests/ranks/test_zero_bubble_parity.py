@@ -14,7 +14,7 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.models.llava import LlavaSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
+from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 from megatron_hetero.training.trainer import train_rank
 
 JOB = JobConfig(
@@ -55,7 +55,7 @@ CASES = [
 
 def _run(doc: dict, world: int, job: JobConfig):
     layout = layout_from_dict(doc, world_size=world)
-    return run_ranks(world, train_rank, validate_job(layout, job), collect_params=True, timeout=120)
+    return run_ranks(world, train_rank, validate_job(JobDraft(layout, job)), collect_params=True, timeout=120)
 
 
 @pytest.mark.timeout(240)
@@ -81,4 +81,4 @@ def test_zero_bubble_is_refused_on_colocated_placement():
         world_size=1,
     )
     with pytest.raises(ValueError, match="--hetero-schedule zb applies to the disjoint schedule only"):
-        validate_job(layout, dataclasses.replace(JOB, hetero_schedule="zb"))
+        validate_job(JobDraft(layout, dataclasses.replace(JOB, hetero_schedule="zb")))
