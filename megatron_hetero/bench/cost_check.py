@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Any, Optional
 from megatron_hetero.bench.common import markdown_table
 from megatron_hetero.planner import layout_cost as CA
+from megatron_hetero.bench import planner_configs as PC
+from megatron_hetero.planner.model import workload
+from megatron_hetero.training.job import quiet_upstream_warnings
 
 TERMS = ("compute", "boundary", "pipeline", "dp", "optimizer", "other")
 MEASURED = {
@@ -136,13 +139,10 @@ def traced_run(layout, model, steps: int, micro_batch_size: int, timeout: float 
 def run(world: int, iters: int = 3, warmup: int = 1, profile=None, configs: Optional[list] = None) -> dict[str, Any]:
     """Measure the configurations of `world` with traces, compare term by term (module docstring)."""
     from megatron_hetero.bench import planner as PL
-    from megatron_hetero.bench import planner_configs as PC
     from megatron_hetero.compat import require_compat
     from megatron_hetero.planner import cost as C
     from megatron_hetero.planner import profile_fit as F
     from megatron_hetero.profiling import run as T
-    from megatron_hetero.training.job import quiet_upstream_warnings
-    from megatron_hetero.planner.model import workload
 
     quiet_upstream_warnings()
     require_compat("bench.cost_check.run")
@@ -202,7 +202,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     from megatron_hetero.compat import apply_compat
-    from megatron_hetero.training.job import quiet_upstream_warnings
 
     quiet_upstream_warnings()
     apply_compat()  # this module run as a script is an entry point

@@ -15,6 +15,7 @@ from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import load_hardware
 from megatron_hetero.planner.model import workload
 from megatron_hetero.planner.layout_cost import candidate_for, cost_micro_batch, train_micro_batch
+from megatron_hetero.config.model import language_modules
 
 
 def encoder_names(layout: HeteroLayout, spec) -> tuple[str, ...]:
@@ -25,7 +26,6 @@ def encoder_names(layout: HeteroLayout, spec) -> tuple[str, ...]:
 
 def module_names(layout: HeteroLayout, spec) -> tuple[str, str]:
     """(first encoder module name, language module name as the candidate's layouts name it)."""
-    from megatron_hetero.config.model import language_modules
 
     enc = encoder_names(layout, spec)[0]
     langs = [m.name for m in language_modules(layout, spec)]
@@ -126,7 +126,6 @@ def carry_settings(src: HeteroLayout, dst: HeteroLayout, spec) -> HeteroLayout:
     training), `recompute` and `role`. A module takes the settings of `src`'s module of its name; a
     language segment of `dst` that `src` does not have (language_a, language_b) those of `src`'s
     first language module."""
-    from megatron_hetero.config.model import language_modules
 
     by_name = {m.name: m for m in src.modules}
     first_language = language_modules(src, spec)[0]
