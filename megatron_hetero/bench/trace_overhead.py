@@ -38,6 +38,12 @@ def _span_cost_s(reps: int = 5, n: int = 20000) -> float:
     return max(per_span(Tracer(0)) - per_span(NULL_TRACER), 0.0)
 
 
+def step_modes(steps: int) -> list[str]:
+    """The mode of each step: off, on, on, off, off, on, ... (each pair's order swapped, so that neither
+    mode always runs first)."""
+    return [(("off", "on") if (it // 2) % 2 == 0 else ("on", "off"))[it % 2] for it in range(steps)]
+
+
 def _rank(job, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -55,8 +61,7 @@ def _rank(job, steps: int) -> dict[str, Any]:
         wall: dict[str, list[float]] = {"off": [], "on": []}
         cpu: dict[str, list[float]] = {"off": [], "on": []}
         spans: list[int] = []
-        for it in range(steps):
-            mode = (("off", "on") if (it // 2) % 2 == 0 else ("on", "off"))[it % 2]
+        for it, mode in enumerate(step_modes(steps)):
             dist.barrier()
             n0 = len(tracer.spans)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -79,7 +84,13 @@ def measure(job, steps: int = 40, timeout: float = 900.0) -> dict[str, Any]:
 
     require_compat("bench.trace_overhead.measure")
     per_rank = run_ranks(job.layout.world_size, _rank, job, steps, timeout=timeout, backend=default_backend())
-    n = len(per_rank[0]["wall"]["on"])
+    return summarize(per_rank)
+
+
+def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The comparison of the ranks' step times (`_rank`'s records): per mode, the steps both modes ran
+    (an odd --steps leaves one mode a step more; that step is left out), the first of each dropped."""
+    n = min(len(per_rank[0]["wall"][m]) for m in ("off", "on"))
     wall = {m: [max(r["wall"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
     cpu = {m: [sum(r["cpu"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in (("wall", wall), ("cpu", cpu))}
@@ -110,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--out", default=None, help="also write the JSON document to this file")
     args = p.parse_args(argv)
+    if args.steps < 4:
+        p.error(f"--steps must be >= 4 (two steps per mode, the first of each dropped), got {args.steps}")
     quiet_upstream_warnings()
     from megatron_hetero.compat import apply_compat
 
