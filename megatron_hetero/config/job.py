@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from megatron_hetero.layout.degrees import DEFAULT_COMM_TIMEOUT_S
 from megatron_hetero.layout.flags import flag_field, flags_of
@@ -21,6 +21,7 @@ from megatron_hetero.layout.spec import HeteroLayout, Recompute
 from megatron_hetero.config.model import MOE_FLAGS, LlavaSpec
 from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.config.autotune import AutotuneConfig
+from megatron_hetero.config.data import CaptionDataConfig
 from megatron_hetero.config.lr_schedule import LRSchedule
 
 
@@ -130,9 +131,9 @@ class JobConfig:
     # a carriage-return progress line in between when `progress` (train: stdout is a terminal)
     log_interval: int = flag_field(0, "iteration lines every N iterations", cli=1, group="launch")
     progress: bool = False
-    # real image-caption data (config.data.CaptionDataConfig); None: the synthetic data.
-    # train: from the data flags (config.data.DataFlags, models.caption_runner.caption_job_data)
-    data: Optional[Any] = None
+    # real data, captions, conversations or speech (`CaptionDataConfig.kind`); None: the synthetic data.
+    # train: from the data flags (config.data.DataRequest, models.job_data.job_data)
+    data: Optional[CaptionDataConfig] = None
     # held-out evaluation every eval_interval iterations and after the last (0: none), over eval_iters
     # global batches (None: the whole held-out split once, without repeats; 1 on synthetic data)
     eval_interval: int = flag_field(
