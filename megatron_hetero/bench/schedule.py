@@ -24,8 +24,7 @@ from megatron_hetero.plan.schedule import build_tables
 from megatron_hetero.plan.schedule_check import check_tables
 from megatron_hetero.plan.rank_plan import step_micro_batching
 from megatron_hetero.config.optim import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
-from megatron_hetero.training.setup import JobDraft
+from megatron_hetero.training.setup import JobConfig, validate_job, JobDraft
 
 TWO = {"vision": EncoderSpec(offset=1), "audio": EncoderSpec(tokens=4, feature_dim=12, offset=10)}
 # (name, layout document, encoders, language layers, global batch, micro-batch size)

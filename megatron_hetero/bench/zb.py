@@ -34,8 +34,7 @@ from megatron_hetero.plan.rank_plan import step_micro_batching
 from megatron_hetero.plan.schedule import build_tables
 from megatron_hetero.plan.schedule_check import check_tables
 from megatron_hetero.config.optim import OptimConfig
-from megatron_hetero.training.setup import JobConfig, validate_job
-from megatron_hetero.training.setup import JobDraft
+from megatron_hetero.training.setup import JobConfig, validate_job, JobDraft
 
 SCHEDULES = ("1f1b", "zb")
 

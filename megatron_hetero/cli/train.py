@@ -63,8 +63,7 @@ from megatron_hetero.launch.rank_env import check_world_size, rank_env
 from megatron_hetero.layout.args import add_hetero_args, layout_from_args
 from megatron_hetero.layout.flags import add_flags
 from megatron_hetero.config.model import TRANSFORMER_IMPLS
-from megatron_hetero.config.job import train_flag_fields
-from megatron_hetero.config.job import JobDraft
+from megatron_hetero.config.job import train_flag_fields, JobDraft
 from megatron_hetero.training.job import quiet_upstream_warnings, run_as_rank, run_local
 
 NAME = "train"

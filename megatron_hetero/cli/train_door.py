@@ -31,8 +31,7 @@ from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.config.data import DataRequest, data_flag_fields
 from megatron_hetero.config.model import LlavaSpec, ModelFlags, spec_from_flags
 from megatron_hetero.config.arch import ArchFlags, apply_arch_flags
-from megatron_hetero.config.job import JobConfig, plain_job_flags
-from megatron_hetero.config.job import JobDraft
+from megatron_hetero.config.job import JobConfig, plain_job_flags, JobDraft
 from megatron_hetero.training.job import default_micro_batch_size, recorded_spec
 from megatron_hetero.checkpoint.files import TRACKER
 from megatron_hetero.config.optim import OptimConfig

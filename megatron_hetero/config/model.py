@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_hetero.layout.flags import default, dest, flag_field, flags_of, option
-from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.layout.spec import ModuleLayout, RankRange
+from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout, RankRange
 from megatron_hetero.plan.roles import language_layers, roles
 from megatron_hetero.plan.roles import language_modules as roles_language_modules
 

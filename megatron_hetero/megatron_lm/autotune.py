@@ -30,15 +30,13 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.config.autotune import AutotuneConfig
-from megatron_hetero.config.job import Job, JobConfig
-from megatron_hetero.config.job import JobDraft
+from megatron_hetero.config.autotune import AutotuneConfig, parse_fix
+from megatron_hetero.config.job import Job, JobConfig, JobDraft
 from megatron_hetero.layout.flags import add_flags, flags_of, values
 from megatron_hetero.megatron_lm.build import num_image_embeddings
 from megatron_hetero.megatron_lm.checks import check_common, decoder_layers
 from megatron_hetero.megatron_lm.log import print_last
 from megatron_hetero.plan.rank_plan import check_rank_plans
-from megatron_hetero.config.autotune import parse_fix
 from megatron_hetero.config.model import EncoderSpec, LlavaSpec
 from megatron_hetero.training.autotune_checks import check_autotune
 from megatron_hetero.training.autotune_run import train_autotuned

@@ -43,8 +43,7 @@ from megatron_hetero.runtime.step import run_collective
 from megatron_hetero.runtime.trace import Tracer, gather_trace, recording_tracer
 from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.training.autotune_plan import Plan, plan_switch, stay_at_end, stay_because
-from megatron_hetero.config.job import Job
-from megatron_hetero.config.job import JobDraft
+from megatron_hetero.config.job import Job, JobDraft
 from megatron_hetero.training.autotune_layers import measure_layer_cases
 
 

@@ -41,8 +41,7 @@ import torch.distributed as dist
 
 from megatron_hetero.runtime.config import runtime_config
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.config.job import JobConfig
-from megatron_hetero.config.job import JobDraft
+from megatron_hetero.config.job import JobConfig, JobDraft
 from megatron_hetero.plan.rank_plan import rank_plan
 from megatron_hetero.plan.roles import language_modules
 from megatron_hetero.planner.memory import rank_state_bytes

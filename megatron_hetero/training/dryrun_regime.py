@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_hetero.layout.spec import HeteroLayout
-from megatron_hetero.config.job import JobConfig
-from megatron_hetero.config.job import JobDraft
+from megatron_hetero.config.job import JobConfig, JobDraft
 from megatron_hetero.plan.placement import coord_of
 from megatron_hetero.planner.hardware import Profile
 from megatron_hetero.planner.hardware_presets import DEFAULT_HARDWARE, load_hardware

@@ -19,8 +19,7 @@ from megatron_hetero.config.model import language_modules
 from megatron_hetero.plan.rank_plan import RankPlan, check_rank_plans
 from megatron_hetero.plan.schedule import check_schedule_choice
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.config.job import Job, JobConfig, job_recompute
-from megatron_hetero.config.job import JobDraft
+from megatron_hetero.config.job import Job, JobConfig, job_recompute, JobDraft
 from megatron_hetero.checkpoint.loadable import check_loadable
 from megatron_hetero.checkpoint.pretrained import check_converted, is_converted
 from megatron_hetero.compat.device import get_device

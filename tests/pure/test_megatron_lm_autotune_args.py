@@ -12,8 +12,7 @@ import pytest
 from megatron_hetero.layout.yaml_io import layout_from_dict
 from megatron_hetero.megatron_lm import autotune as MA
 from megatron_hetero.megatron_lm.vlm import VLM
-from megatron_hetero.config.autotune import parse_fix
-from megatron_hetero.config.autotune import AutotuneConfig
+from megatron_hetero.config.autotune import parse_fix, AutotuneConfig
 from megatron_hetero.config.job import JobDraft
 from test_megatron_lm_checks import _args as megatron_args
 

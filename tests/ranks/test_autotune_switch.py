@@ -21,8 +21,7 @@ from megatron_hetero.planner import autotune as A
 from megatron_hetero.training import autotune_run as R
 from megatron_hetero.config.autotune import AutotuneConfig
 from megatron_hetero.planner.layout_cost import candidate_for
-from megatron_hetero.training.setup import JobConfig, validate_job
-from megatron_hetero.training.setup import JobDraft
+from megatron_hetero.training.setup import JobConfig, validate_job, JobDraft
 
 COLOC = {
     "placement": "colocated",

@@ -18,8 +18,7 @@ from megatron_hetero.training import autotune_run as R
 from megatron_hetero.training.autotune_checks import job_on, workload_of
 from megatron_hetero.config.autotune import AutotuneConfig
 from megatron_hetero.planner.layout_cost import candidate_for
-from megatron_hetero.training.setup import JobConfig, validate_job
-from megatron_hetero.training.setup import JobDraft
+from megatron_hetero.training.setup import JobConfig, validate_job, JobDraft
 
 WHISPER = EncoderSpec(kind="whisper", tokens=4, feature_dim=16, num_layers=1, activation="gelu", offset=10)
 SPEC = dataclasses.replace(LlavaSpec(seq_length=40), encoders={"vision": EncoderSpec(offset=1), "audio": WHISPER})

@@ -26,8 +26,7 @@ from megatron_hetero.models.llava import LlavaSpec, OutputSpec
 from megatron_hetero.runtime.launcher import run_ranks
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.config.job import Job
-from megatron_hetero.training.setup import JobConfig, validate_job
-from megatron_hetero.training.setup import JobDraft
+from megatron_hetero.training.setup import JobConfig, validate_job, JobDraft
 
 from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, world1_doc
 
