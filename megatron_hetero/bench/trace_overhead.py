@@ -91,6 +91,8 @@ def summarize(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """The comparison of the ranks' step times (`_rank`'s records): per mode, the steps both modes ran
     (an odd --steps leaves one mode a step more; that step is left out), the first of each dropped."""
     n = min(len(per_rank[0]["wall"][m]) for m in ("off", "on"))
+    if n < 2:
+        raise ValueError(f"the trace overhead needs two steps of each mode (the first dropped), got {n}: --steps >= 4")
     wall = {m: [max(r["wall"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
     cpu = {m: [sum(r["cpu"][m][i] for r in per_rank) for i in range(n)][1:] for m in ("off", "on")}
     med = {k: {m: statistics.median(v[m]) for m in v} for k, v in (("wall", wall), ("cpu", cpu))}

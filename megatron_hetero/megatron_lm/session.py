@@ -21,7 +21,7 @@ from megatron_hetero.megatron_lm.log import Evaluator, print_last
 from megatron_hetero.config.optim import OptimConfig
 from megatron_hetero.runtime.config import RuntimeConfig
 from megatron_hetero.runtime.module_state import ModuleState
-from megatron_hetero.config.job import Job, JobConfig
+from megatron_hetero.config.job import Job
 from megatron_hetero.training.session import Session
 from megatron_hetero.compat import ensure_global_memory_buffer
 from megatron_hetero.megatron_lm.checks import check_uneven_pipeline
@@ -51,8 +51,8 @@ def optim_config(args: Any) -> OptimConfig:
 class ScriptSpec:
     """The script's model as a `training.session.ModelSpec` (module docstring): `model` is the
     script's `driver.ScriptModel`, `args` Megatron's arguments (read here, inside the scripts' door),
-    the providers the script's own. `job`: the `JobConfig` a `--hetero-autotune` run prices and moves
-    (`megatron_lm.autotune.cost_job`; `training.autotune_run` reads `session.job`), None otherwise."""
+    the providers the script's own. (The `JobConfig` a `--hetero-autotune` run prices and moves is the
+    session's `job`, from the validated `Job`.)"""
 
     barrier_at_finish = True  # the script's ranks meet before Megatron's teardown
     meter = None  # no --log-memory for the scripts
@@ -63,9 +63,8 @@ class ScriptSpec:
         args: Any,
         datasets_provider: Callable,
         model_provider: Callable,
-        job: Optional[JobConfig] = None,
     ) -> None:
-        self.model, self.args, self.job = model, args, job
+        self.model, self.args = model, args
         self.datasets_provider, self.model_provider = datasets_provider, model_provider
         self.comm_timeout_s = args.hetero_comm_timeout
         self.global_batch_size, self.micro_batch_size = args.global_batch_size, args.micro_batch_size
@@ -193,7 +192,7 @@ def script_session(
     `JobConfig` is the one `--hetero-autotune` prices, None without), from iteration `session.start`
     (0, or the checkpoint's under `args.load`). `tracer`: a recording tracer for the schedule
     (`--hetero-autotune`'s windows). Collective over the world."""
-    return Session(job, ScriptSpec(model, args, datasets_provider, model_provider, job=job.config), tracer=tracer)
+    return Session(job, ScriptSpec(model, args, datasets_provider, model_provider), tracer=tracer)
 
 
 def reference_session_args(args: Any, load: Optional[str]) -> None:

@@ -35,8 +35,6 @@ from megatron_hetero.training.run_stats import MeteredSchedule
 class ModelSpec(Protocol):
     """What a front end's model adds to a `Session` (the module docstring's order)."""
 
-    #: the `JobConfig` of the run (train), or the one `--hetero-autotune` prices (scripts; else None)
-    job: Any
     #: the seconds a collective may take before it names itself and fails (`--hetero-comm-timeout`)
     comm_timeout_s: float
     #: the batch the rank plan splits: samples per global batch and per micro-batch, and whether the
@@ -106,7 +104,8 @@ class Session:
 
     def __init__(self, job: Job, spec: ModelSpec, tracer=None) -> None:
         layout = job.layout
-        self.layout, self.spec, self.job = layout, spec, spec.job
+        # the run's `JobConfig` (train), or the one `--hetero-autotune` prices (scripts; else None)
+        self.layout, self.spec, self.job = layout, spec, job.config
         spec.prepare(layout)
         self.topo = topo = Topology.build(layout, timeout_s=spec.comm_timeout_s)
         try:

@@ -32,3 +32,8 @@ def test_summary_pairs_the_steps_both_modes_ran():
     assert out["cpu_median_ms"] == pytest.approx({"off": 1500.0, "on": 1650.0})  # summed over the ranks
     assert out["spans_per_rank_step"] == 12
     assert out["span_bound"] == pytest.approx(12 * 1e-6 / 2.0)
+
+
+def test_summary_refuses_too_few_steps():
+    with pytest.raises(ValueError, match="two steps of each mode"):
+        summarize([_rank([9.0], [9.0, 1.0], [10])])  # 3 steps: one "off" step, dropped as the warm-up
