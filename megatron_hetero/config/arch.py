@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_hetero.layout.flags import flag_field
-from megatron_hetero.config.model import ModelFlags
+from megatron_hetero.config.model import QWEN_VL, ModelFlags
 
 
 def _arch(help: Optional[str] = None, **kw: Any) -> Any:
@@ -107,9 +107,6 @@ def _rope_scaling(g: ArchFlags, spec) -> dict[str, Any]:
     return out
 
 
-QWEN = "qwen2.5-vl"
-
-
 def qwen_encoder(enc, patch: Optional[int], feature_dim: Optional[int]):
     """`enc` as Qwen2.5-VL's tower (`--vision-model-type qwen2.5-vl`): patch side `patch`, 2 x 2 merge,
     two frames a patch, SiLU, windows of 8 patches a side (Qwen2.5-VL's 112 pixels at patch 14),
@@ -126,7 +123,7 @@ def qwen_encoder(enc, patch: Optional[int], feature_dim: Optional[int]):
     full = tuple(i for i in range(enc.num_layers) if i % 8 == 7) or (enc.num_layers - 1,)
     return dataclasses.replace(
         enc,
-        kind=QWEN,
+        kind=QWEN_VL,
         patch_size=patch,
         feature_dim=want,
         activation="silu",
@@ -180,7 +177,7 @@ def apply_arch_flags(g: ArchFlags, spec, model: Optional[ModelFlags] = None):
         spec = dataclasses.replace(
             spec, encoders={n: dataclasses.replace(e, **fields) for n, e in spec.encoders.items()}
         )
-    elif kind == QWEN:
+    elif kind == QWEN_VL:
         spec = dataclasses.replace(
             spec,
             encoders={

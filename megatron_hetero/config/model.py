@@ -30,6 +30,10 @@ from megatron_hetero.plan.roles import language_layers, roles
 from megatron_hetero.plan.roles import language_modules as roles_language_modules
 
 
+#: `EncoderSpec.kind` of Qwen2.5-VL's vision tower (`models.qwen_encoder`)
+QWEN_VL = "qwen2.5-vl"
+
+
 @dataclass(frozen=True)
 class EncoderSpec:
     """Sizes of one encoder and where its tokens go in the text sequence. The flags (`--encoder-*`)
@@ -105,6 +109,12 @@ class EncoderSpec:
     # "whisper": Whisper's speech encoder (two 1-D convolutions, sinusoidal positions, pre-LN layers,
     # final LayerNorm; `models.whisper_encoder`): feature_dim = 2 * mel bins (two log-mel frames a
     # token), tokens = the most speech tokens (max_source_positions)
+
+    @property
+    def stage_tokens(self) -> int:
+        """The sequence one sample hands between this encoder's pipeline stages: a Qwen2.5-VL tower's
+        patches before their merge (tokens * merge**2, window order), any other encoder's tokens."""
+        return self.tokens * self.merge_size**2 if self.kind == QWEN_VL else self.tokens
 
 
 @dataclass(frozen=True)

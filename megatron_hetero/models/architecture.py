@@ -7,11 +7,11 @@ from __future__ import annotations
 from megatron_hetero.layout.spec import HeteroLayout
 from megatron_hetero.layout.validate import check_heads
 from megatron_hetero.models.hybrid_pattern import check_pattern, check_pipeline, pattern_layers
+from megatron_hetero.config.model import QWEN_VL
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "mrope")
 ENCODER_KINDS = ("linear", "clip", "siglip", "whisper", "qwen2.5-vl")
-QWEN = "qwen2.5-vl"
 CLIP_ACTIVATIONS = ("quick_gelu", "gelu")
 SIGLIP_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 VIT_KINDS = ("clip", "siglip")  # Megatron's CLIPViTModel: a square RGB image cut into patches
@@ -57,7 +57,7 @@ def check_architecture(layout: HeteroLayout, spec, langs) -> None:
             raise ValueError(f"encoder {name}: kind {enc.kind!r}, one of {ENCODER_KINDS}")
         if enc.kind == "whisper" and name in layout.names:
             check_whisper(name, enc, layout)
-        if enc.kind == QWEN and name in layout.names:
+        if enc.kind == QWEN_VL and name in layout.names:
             check_qwen(name, enc, layout, spec)
         if enc.kind not in VIT_KINDS or name not in layout.names:
             continue
@@ -93,7 +93,7 @@ def check_whisper(name: str, enc, layout: HeteroLayout) -> None:
 def check_mrope(spec) -> None:
     """M-RoPE (`--position-embedding-type mrope`) and its `mrope_section` go together: three sections
     summing to the head dimension / 2, the image positions from exactly one Qwen2.5-VL encoder."""
-    qwen = [n for n, e in spec.encoders.items() if e.kind == QWEN]
+    qwen = [n for n, e in spec.encoders.items() if e.kind == QWEN_VL]
     if spec.position_embedding_type != "mrope":
         if spec.mrope_section is not None:
             raise ValueError("--mrope-section needs --position-embedding-type mrope")

@@ -338,8 +338,7 @@ class LanguageModule(torch.nn.Module):
         # Megatron builds its M-RoPE with the global CP group, the module's own cuts the angles
         self.mrope_ids: Optional[torch.Tensor] = None
         if spec.position_embedding_type == "mrope":
-            with torch.device("cpu"):  # index arithmetic with data, also when built on the meta device (dryrun)
-                self.mrope_ids = mrope_ids(spec, spec.seq_length)
+            self.mrope_ids = mrope_ids(spec, spec.seq_length)  # on the CPU, also under dryrun's meta device
             self.gpt.rotary_pos_emb.cp_group = pgs.cp
         local_offset = self.gpt.decoder.layers[0].layer_number - 1 if len(self.gpt.decoder.layers) else 0
         dense = [(n, p) for n, p in self.named_parameters() if not _is_expert(n)]

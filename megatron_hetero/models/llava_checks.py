@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from megatron_hetero.layout.spec import HeteroLayout, ModuleLayout
 from megatron_hetero.layout.validate import check_experts
-from megatron_hetero.models.architecture import CP_REASON, QWEN, check_architecture
+from megatron_hetero.models.architecture import CP_REASON, check_architecture
 from megatron_hetero.plan import roles as plan_roles
-from megatron_hetero.config.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.model import QWEN_VL, EncoderSpec, LlavaSpec
 
 
 def validate_model(layout: HeteroLayout, spec: LlavaSpec, sequence_parallel: bool = False) -> None:
@@ -85,7 +85,7 @@ def check_encoder_cp(name: str, enc: EncoderSpec, m: ModuleLayout, impl: str = "
     if m.cp == 1:
         return
     why = None
-    if enc.kind == QWEN:
+    if enc.kind == QWEN_VL:
         why = CP_REASON
     elif enc.kind != "linear":
         why = f"a {enc.kind} tower runs with cp 1"

@@ -159,9 +159,7 @@ class LlavaStageRunner(StageRunner):
         spec = self.spec
         if module in spec.encoders:
             enc = spec.encoders[module]
-            # a Qwen2.5-VL tower's stages hand on each image's patches (merge**2 a token, window order)
-            seq = enc.tokens * enc.merge_size**2 if enc.kind == "qwen2.5-vl" else enc.tokens
-            return (seq, rows, enc.hidden_size), dtype_of(spec)
+            return (enc.stage_tokens, rows, enc.hidden_size), dtype_of(spec)
         me = self.plan.modules[module]
         seq = spec.seq_length // me.cp
         state = self.states.get(module)

@@ -168,14 +168,14 @@ class QwenEncoderModule(torch.nn.Module):
             grid = grid_thw(self.enc, b)
         else:
             grid = tile_grid_thw(self.enc, tiles, b)
-        out = self.tower(patches, grid.to(x.device))  # [b * n, llm_hidden]; before the last stage [N, 1, h]
+        out = self.tower(patches, grid)  # [b * n, llm_hidden]; before the last stage [N, 1, h]
         return out.view(b, n, -1) if self.last else self._to_stage(out, b)
 
     def stage_forward(self, x: torch.Tensor) -> torch.Tensor:
         """A later pipeline stage: `x` [tokens * merge**2, b, h] from the stage before (each sample's
         patches in window order) -> the next stage's [tokens * merge**2, b, h], or on the last stage
         the merged tokens [b, tokens, llm_hidden] in the image's row-major order."""
-        patches = self.enc.tokens * self.enc.merge_size**2
+        patches = self.enc.stage_tokens
         if x.dim() != 3 or x.shape[0] != patches:
             raise ValueError(
                 f"encoder {self.name}: a later tower stage takes [{patches}, b, h] (tokens * merge**2 patches "
@@ -183,7 +183,7 @@ class QwenEncoderModule(torch.nn.Module):
             )
         b = x.shape[1]
         hidden = x.transpose(0, 1).reshape(b * patches, 1, x.shape[2])  # images one after the other
-        out = self.tower(None, grid_thw(self.enc, b).to(x.device), hidden=hidden)
+        out = self.tower(None, grid_thw(self.enc, b), hidden=hidden)
         return out.view(b, self.enc.tokens, -1) if self.last else self._to_stage(out, b)
 
     @staticmethod

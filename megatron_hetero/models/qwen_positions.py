@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from megatron_hetero.models.qwen_mrope import rope_index
+from megatron_hetero.config.model import QWEN_VL
 
-KIND = "qwen2.5-vl"
 # token ids of the text `mrope_ids` hands `rope_index` (only their roles matter)
 _TEXT, _IMAGE, _START = 0, 1, 2
 
@@ -26,14 +26,16 @@ def image_grid(enc) -> tuple[int, int]:
 
 def mrope_ids(spec, seq_length: int) -> torch.Tensor:
     """[3, 1, seq_length] M-RoPE ids of the model's text (module docstring): the one Qwen2.5-VL
-    encoder's image at its span [offset, offset + tokens)."""
-    (enc,) = [e for e in spec.encoders.values() if e.kind == KIND]
+    encoder's image at its span [offset, offset + tokens). Built on the CPU whatever the default device
+    (index arithmetic that reads its own values: also under the meta device of `dryrun`)."""
+    (enc,) = [e for e in spec.encoders.values() if e.kind == QWEN_VL]
     rows, cols = image_grid(enc)
-    tokens = torch.full((1, seq_length), _TEXT)
-    tokens[0, enc.offset - 1] = _START
-    tokens[0, enc.offset : enc.offset + enc.tokens] = _IMAGE
-    grid = torch.tensor([[1, rows * enc.merge_size, cols * enc.merge_size]])
-    return rope_index(tokens, grid, image_token=_IMAGE, vision_start=_START, merge=enc.merge_size)
+    with torch.device("cpu"):
+        tokens = torch.full((1, seq_length), _TEXT)
+        tokens[0, enc.offset - 1] = _START
+        tokens[0, enc.offset : enc.offset + enc.tokens] = _IMAGE
+        grid = torch.tensor([[1, rows * enc.merge_size, cols * enc.merge_size]])
+        return rope_index(tokens, grid, image_token=_IMAGE, vision_start=_START, merge=enc.merge_size)
 
 
 def batch_mrope_ids(enc, image_mask: torch.Tensor, tiles: list[int]) -> torch.Tensor:

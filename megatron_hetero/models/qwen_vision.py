@@ -129,6 +129,10 @@ class QwenVisionTower(torch.nn.Module):
         )
         self.blocks = TransformerBlock(config, _layer_spec(), post_layer_norm=False, pg_collection=pgs)
         self.first_layer = self.blocks.layers[0].layer_number - 1  # this stage's first block (global index)
+        full = set(spec.fullatt_block_indexes)
+        # the attention of this stage's blocks: True full (each image whole), False windowed; only
+        # their masks are built in `forward`
+        self.mask_kinds = sorted({self.first_layer + i in full for i in range(len(self.blocks.layers))})
         unit = spec.spatial_merge_size**2
         if not self.last:
             return
@@ -176,7 +180,9 @@ class QwenVisionTower(torch.nn.Module):
         self, patches: Optional[torch.Tensor], grid_thw: torch.Tensor, hidden: Optional[torch.Tensor] = None
     ) -> torch.Tensor:
         """First stage: `patches` [N, C*T*P*P]; a later stage: `hidden` [N, 1, h] from the stage before,
-        in window order (`patches` unused). Returns [N, 1, h] in window order on a stage before the
+        in window order (`patches` unused). `grid_thw` is index arithmetic: keep it on the CPU (read
+        there without a device sync; the angles and masks built from it move to the hidden states'
+        device). Returns [N, 1, h] in window order on a stage before the
         last, the merged tokens [N / merge**2, out_hidden] in the input's order on the last."""
         s = self.spec
         merge, unit = s.spatial_merge_size, s.spatial_merge_size**2
@@ -201,8 +207,8 @@ class QwenVisionTower(torch.nn.Module):
         freqs = freqs.view(n // unit, unit, -1)[order].reshape(n, -1)
         rope = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         masks = {
-            False: win.segment_mask(windows).to(x.device),
-            True: win.segment_mask(win.image_lengths(grid_thw)).to(x.device),
+            kind: win.segment_mask(win.image_lengths(grid_thw) if kind else windows).to(x.device)
+            for kind in self.mask_kinds
         }
         full = set(s.fullatt_block_indexes)
         for i, layer in enumerate(self.blocks.layers):
