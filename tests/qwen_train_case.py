@@ -1,13 +1,16 @@
 """A tiny model with the Qwen2.5-VL tower as its vision encoder (`EncoderSpec.kind` "qwen2.5-vl": two
 blocks, the second with full attention, windows of 2 x 2 merged tokens over a 2 x 3 token image) and
 a Qwen2.5 language model with M-RoPE, shared by the runtime's parity (tests/ranks) and module
-(tests/e2e) tests; `TOWER`, the tower alone, also by the planner's pure tests. Pure: no torch."""
+(tests/e2e) tests; `TOWER`, the tower alone, also by the planner's pure tests; `JOB`, the parity
+tests' job. Pure: no torch."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from megatron_hetero.config.job import JobConfig
 from megatron_hetero.config.model import EncoderSpec, LlavaSpec
+from megatron_hetero.config.optim import OptimConfig
 
 TOWER = EncoderSpec(
     kind="qwen2.5-vl",
@@ -39,4 +42,9 @@ SPEC = LlavaSpec(
     mrope_section=(2, 3, 3),
     rotary_base=10000.0,
     encoders={"vision": QWEN},
+)
+
+#: two SGD steps of SPEC (large steps: a wrong gradient shows in the parameters), the parity tests' job
+JOB = JobConfig(
+    spec=SPEC, global_batch_size=4, micro_batch_size=2, train_iters=2, optim=OptimConfig(optimizer="sgd", lr=0.5)
 )

@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_hetero.runtime.module_state import OptimConfig
-from megatron_hetero.training.setup import JobConfig
 
-from qwen_train_case import SPEC
+from qwen_train_case import JOB
 
 from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, run_job, world1_doc
 
-JOB = JobConfig(
-    spec=SPEC, global_batch_size=4, micro_batch_size=2, train_iters=2, optim=OptimConfig(optimizer="sgd", lr=0.5)
-)
 E = ["vision -> language"]
 CASES = [
     ("colocated: vision TP2, language TP2", "colocated", {"vision": {"tp": 2}, "language": {"tp": 2}}, 2),

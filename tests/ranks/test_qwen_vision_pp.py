@@ -17,13 +17,10 @@ from megatron_hetero.layout import layout_from_dict
 from megatron_hetero.runtime.module_state import OptimConfig
 from megatron_hetero.training.setup import JobConfig, JobDraft, validate_job
 
-from qwen_train_case import SPEC
+from qwen_train_case import JOB, SPEC
 
 from parity import full_params, losses, max_loss_rel_diff, max_param_rel_diff, run_job, world1_doc
 
-JOB = JobConfig(
-    spec=SPEC, global_batch_size=4, micro_batch_size=2, train_iters=2, optim=OptimConfig(optimizer="sgd", lr=0.5)
-)
 E = ["vision -> language"]
 CASES = [
     ("colocated: vision PP2, language DP2", "colocated", {"vision": {"pp": 2}, "language": {"dp": 2}}, 2),
